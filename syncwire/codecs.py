@@ -1,0 +1,201 @@
+"""Codecs: how a float32 tensor becomes wire tensors and back. numpy only.
+
+Both sides import this module: peers encode their deltas with it, the hub decodes them and
+encodes the merged update with it, and every peer decodes that update. Because the hub and
+the peers apply the *same decoded values*, all of them hold bit-identical weights after a
+sync, whatever the codec loses.
+
+A codec works on one tensor at a time, so that nobody has to hold two copies of a model.
+It turns the float32 tensor ``name`` into one or more wire tensors: the main one keeps the
+name, extra parts (a quantizer's scales) are called ``name:part``. A codec is lossy or not;
+for lossy codecs the client keeps the residual ``x - decode(encode(x))`` and adds it to its
+next delta (error feedback), so nothing the codec drops is lost for good. That lives in the
+client, not here: codecs are pure functions of their input.
+
+Codecs are named by a spec string, ``"fp32"`` or ``"bf16"``, optionally with parameters
+(``"int8:block=128"``); the run's codec is fixed when the run is created.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from syncwire.format import DTYPES, FormatError, TensorInfo
+
+__all__ = [
+    "Codec",
+    "Schema",
+    "available_codecs",
+    "check_layout",
+    "decode_tensor",
+    "encode_model",
+    "get_codec",
+    "layout_bytes",
+    "register_codec",
+    "wire_layout",
+]
+
+#: The model as the wire sees it: tensor name -> shape, in a fixed order. Every synced
+#: tensor is float32 on the wire's reference side.
+Schema = dict[str, tuple[int, ...]]
+
+#: Wire tensor name -> (safetensors dtype, shape).
+Layout = dict[str, tuple[str, tuple[int, ...]]]
+
+
+class Codec(ABC):
+    """Encode one float32 tensor into named wire parts; decode them back to float32."""
+
+    #: The spec string that builds this codec (``get_codec(codec.spec)`` is an equal codec).
+    spec: str
+    #: True when ``decode(encode(x)) == x`` exactly; lossy codecs get error feedback.
+    lossless: bool
+
+    @abstractmethod
+    def layout(self, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Part suffix (``""`` for the main part) -> (dtype, shape) for a tensor of ``shape``."""
+
+    @abstractmethod
+    def encode(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """Encode a float32 array into its parts, keyed like :meth:`layout`."""
+
+    @abstractmethod
+    def decode(self, parts: Mapping[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+        """Decode the parts of one tensor into a new float32 array of ``shape``."""
+
+    def __repr__(self) -> str:
+        return f"<codec {self.spec}>"
+
+
+class Fp32(Codec):
+    """Lossless float32: 4 bytes per value."""
+
+    spec = "fp32"
+    lossless = True
+
+    def layout(self, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {"": ("F32", shape)}
+
+    def encode(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        return {"": np.ascontiguousarray(x, dtype=np.float32)}
+
+    def decode(self, parts: Mapping[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+        return np.array(parts[""], dtype=np.float32).reshape(shape)
+
+
+class Bf16(Codec):
+    """bfloat16 with round-to-nearest-even: 2 bytes per value, 8 bits of mantissa.
+
+    The bits travel as safetensors ``BF16``, so ``safetensors.torch`` reads them natively.
+    """
+
+    spec = "bf16"
+    lossless = False
+
+    def layout(self, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {"": ("BF16", shape)}
+
+    def encode(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        return {"": rounded.astype(np.uint16)}
+
+    def decode(self, parts: Mapping[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+        bits = np.asarray(parts[""], dtype=np.uint16).astype(np.uint32) << np.uint32(16)
+        return bits.view(np.float32).reshape(shape)
+
+
+_REGISTRY: dict[str, type[Codec]] = {}
+
+
+def register_codec(name: str, cls: type[Codec]) -> None:
+    """Make ``cls`` available under ``name`` in spec strings (``name`` or ``name:k=v,...``)."""
+    _REGISTRY[name] = cls
+
+
+register_codec("fp32", Fp32)
+register_codec("bf16", Bf16)
+
+
+def available_codecs() -> list[str]:
+    """The codec names that :func:`get_codec` accepts."""
+    return sorted(_REGISTRY)
+
+
+def get_codec(spec: str) -> Codec:
+    """Build the codec a spec string names, e.g. ``"bf16"`` or ``"int8:block=64"``.
+
+    Raises ``ValueError`` with the list of known codecs for an unknown name or bad parameter.
+    """
+    name, _, params = spec.partition(":")
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown codec {spec!r}; available: {', '.join(available_codecs())}")
+    kwargs: dict[str, int] = {}
+    for item in filter(None, params.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not value.isdigit():
+            raise ValueError(f"codec {spec!r}: parameters are key=integer, got {item!r}")
+        kwargs[key] = int(value)
+    try:
+        return _REGISTRY[name](**kwargs)
+    except TypeError:
+        raise ValueError(f"codec {name!r} takes no parameter among {sorted(kwargs)}") from None
+
+
+def _wire_name(name: str, suffix: str) -> str:
+    return f"{name}:{suffix}" if suffix else name
+
+
+def wire_layout(codec: Codec, schema: Schema) -> Layout:
+    """Every wire tensor a body encoded with ``codec`` must hold, with dtype and shape."""
+    return {
+        _wire_name(name, suffix): spec
+        for name, shape in schema.items()
+        for suffix, spec in codec.layout(shape).items()
+    }
+
+
+def layout_bytes(layout: Layout) -> int:
+    """Size of the data section a body with ``layout`` has."""
+    return sum(math.prod(shape) * DTYPES[dtype].itemsize for dtype, shape in layout.values())
+
+
+def check_layout(infos: Mapping[str, TensorInfo], expected: Layout) -> None:
+    """Raise :class:`FormatError` unless the parsed header holds exactly ``expected``."""
+    missing = expected.keys() - infos.keys()
+    extra = infos.keys() - expected.keys()
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {sorted(missing)[:5]}")
+        if extra:
+            parts.append(f"unexpected {sorted(extra)[:5]}")
+        raise FormatError("tensors do not match the run's schema: " + "; ".join(parts))
+    for name, (dtype, shape) in expected.items():
+        info = infos[name]
+        if info.dtype != dtype or info.shape != tuple(shape):
+            raise FormatError(
+                f"tensor {name!r} is {info.dtype}{list(info.shape)}, the run expects {dtype}{list(shape)}"
+            )
+
+
+def encode_model(
+    codec: Codec, arrays: Mapping[str, np.ndarray]
+) -> Iterator[tuple[str, str, np.ndarray, str]]:
+    """Encode tensor by tensor: yield ``(name, wire name, wire array, dtype)``."""
+    for name, x in arrays.items():
+        layout = codec.layout(x.shape)
+        for suffix, part in codec.encode(x).items():
+            yield name, _wire_name(name, suffix), part, layout[suffix][0]
+
+
+def decode_tensor(
+    codec: Codec, wire: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...]
+) -> np.ndarray:
+    """Decode tensor ``name`` from a mapping of wire tensors (e.g. a memory-mapped file)."""
+    parts = {suffix: wire[_wire_name(name, suffix)] for suffix in codec.layout(shape)}
+    return codec.decode(parts, shape)
