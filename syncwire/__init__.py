@@ -6,6 +6,7 @@ Shared by the hub (:mod:`syncserver`, which must not need torch) and the SDK
 
 from __future__ import annotations
 
+from syncwire import quant  # noqa: F401  (registers the int8 and int4 codecs)
 from syncwire.codecs import (
     Codec,
     Schema,
@@ -18,13 +19,22 @@ from syncwire.codecs import (
     register_codec,
     wire_layout,
 )
-from syncwire.format import FormatError, HeaderReader, TensorInfo, iter_chunks, parse_header, read_tensors
+from syncwire.format import (
+    FormatError,
+    HeaderReader,
+    StreamReader,
+    TensorInfo,
+    iter_chunks,
+    parse_header,
+    read_tensors,
+)
 
 __all__ = [
     "Codec",
     "FormatError",
     "HeaderReader",
     "Schema",
+    "StreamReader",
     "TensorInfo",
     "available_codecs",
     "check_layout",

@@ -26,6 +26,7 @@ __all__ = [
     "DTYPES",
     "FormatError",
     "HeaderReader",
+    "StreamReader",
     "TensorInfo",
     "encode_header",
     "iter_chunks",
@@ -68,9 +69,7 @@ class TensorInfo:
         return DTYPES[self.dtype]
 
 
-def _dtype_name(array: np.ndarray, dtype: str | None) -> str:
-    if dtype is not None:
-        return dtype
+def _dtype_name(array: np.ndarray) -> str:
     try:
         return _NAMES[array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype]
     except KeyError:
@@ -78,24 +77,25 @@ def _dtype_name(array: np.ndarray, dtype: str | None) -> str:
 
 
 def encode_header(
-    tensors: Iterable[tuple[str, np.ndarray, str | None]],
+    entries: Iterable[tuple[str, str, tuple[int, ...]]],
     metadata: Mapping[str, str] | None = None,
 ) -> tuple[bytes, list[TensorInfo]]:
     """Return the framed header (length prefix + JSON) and the tensors' placement.
 
-    ``tensors`` yields ``(name, array, dtype)``; ``dtype`` overrides the name taken from the
-    array's dtype (``"BF16"`` for ``uint16`` bits).
+    ``entries`` yields ``(name, dtype, shape)`` in data order; only the layout is needed, so a
+    writer can emit the header before it has computed a single tensor.
     """
     header: dict[str, object] = {}
     infos: list[TensorInfo] = []
     offset = 0
-    for name, array, dtype in tensors:
+    for name, dtype, shape in entries:
         if name in header or name == "__metadata__":
             raise FormatError(f"duplicate tensor name {name!r}")
-        kind = _dtype_name(array, dtype)
-        end = offset + array.nbytes
-        header[name] = {"dtype": kind, "shape": list(array.shape), "data_offsets": [offset, end]}
-        infos.append(TensorInfo(name, kind, tuple(array.shape), offset, end))
+        if dtype not in DTYPES:
+            raise FormatError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+        end = offset + math.prod(shape) * DTYPES[dtype].itemsize
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, end]}
+        infos.append(TensorInfo(name, dtype, tuple(shape), offset, end))
         offset = end
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -110,8 +110,8 @@ def iter_chunks(
     chunk_bytes: int = CHUNK_BYTES,
 ) -> Iterator[memoryview | bytes]:
     """Yield a safetensors file as chunks of at most ``chunk_bytes``, copying no tensor."""
-    items = [(n, np.ascontiguousarray(a), d) for n, a, d in tensors]
-    head, _ = encode_header(items, metadata)
+    items = [(n, np.ascontiguousarray(a), d or _dtype_name(a)) for n, a, d in tensors]
+    head, _ = encode_header(((n, d, a.shape) for n, a, d in items), metadata)
     yield head
     for _, array, _ in items:
         view = memoryview(array.reshape(-1).view(np.uint8))
@@ -225,7 +225,59 @@ def read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     if size == 0:
         return {name: np.zeros(i.shape, i.numpy_dtype) for name, i in infos.items()}, metadata
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=base, shape=(size,))
-    arrays = {
-        name: data[i.start : i.end].view(i.numpy_dtype).reshape(i.shape) for name, i in infos.items()
-    }
+    arrays = {name: data[i.start : i.end].view(i.numpy_dtype).reshape(i.shape) for name, i in infos.items()}
     return arrays, metadata
+
+
+class StreamReader:
+    """Parse a safetensors body arriving in chunks straight into fresh numpy arrays.
+
+    ``received`` counts the bytes taken so far, so an interrupted download can resume with an
+    HTTP ``Range: bytes=<received>-`` request and keep feeding the same reader.
+    """
+
+    def __init__(self) -> None:
+        self._header = HeaderReader()
+        self._buffers: list[tuple[TensorInfo, np.ndarray]] = []
+        self._data = bytearray()  # header bytes seen before the header is complete
+        self._index = 0  # tensor being filled
+        self._filled = 0  # bytes of it filled
+        self.received = 0
+        self.tensors: dict[str, np.ndarray] = {}
+        self.metadata: dict[str, str] = {}
+
+    @property
+    def done(self) -> bool:
+        return self._header.result is not None and self._index == len(self._buffers)
+
+    def feed(self, chunk: bytes | memoryview) -> None:
+        view = memoryview(chunk).cast("B")
+        self.received += len(view)
+        if self._header.result is None:
+            self._data += view
+            if not self._header.feed(view):
+                return
+            infos, self.metadata, _ = self._header.result  # type: ignore[misc]
+            ordered = sorted(infos.values(), key=lambda i: i.start)
+            self._buffers = [(i, np.empty(i.end - i.start, np.uint8)) for i in ordered]
+            view = memoryview(bytes(self._data[self._header.header_bytes :]))
+            self._data = bytearray()
+            self._advance()
+        while len(view):
+            if self._index == len(self._buffers):
+                raise FormatError("body is longer than its header describes")
+            buf = self._buffers[self._index][1]
+            take = min(len(view), len(buf) - self._filled)
+            buf[self._filled : self._filled + take] = view[:take]
+            self._filled += take
+            view = view[take:]
+            self._advance()
+
+    def _advance(self) -> None:
+        while self._index < len(self._buffers):
+            info, buf = self._buffers[self._index]
+            if self._filled < len(buf):
+                return
+            self.tensors[info.name] = buf.view(info.numpy_dtype).reshape(info.shape)
+            self._index += 1
+            self._filled = 0

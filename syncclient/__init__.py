@@ -1,0 +1,38 @@
+"""weightsync SDK: make a training script collaborative across far-apart machines.
+
+    from syncclient import SyncClient
+    client = SyncClient("http://hub:8000", run="imdb-gpt2")
+    client.join(model)
+    ...
+    client.sync(model, samples=n)
+
+or, with a Hugging Face ``Trainer``, one callback: ``SyncCallback``.
+"""
+
+from __future__ import annotations
+
+from syncclient.client import JoinInfo, SyncClient, SyncResult
+from syncclient.exceptions import (
+    AuthError,
+    ConflictError,
+    HubError,
+    HubUnreachable,
+    NotFound,
+    RoundClosed,
+    SchemaMismatch,
+    SyncError,
+)
+
+__all__ = [
+    "AuthError",
+    "ConflictError",
+    "HubError",
+    "HubUnreachable",
+    "JoinInfo",
+    "NotFound",
+    "RoundClosed",
+    "SchemaMismatch",
+    "SyncClient",
+    "SyncResult",
+    "SyncError",
+]

@@ -1,0 +1,582 @@
+"""SyncClient: join a run, sync every few thousand steps, leave. All HTTP lives here.
+
+A peer keeps ``base``, the global version it started from (float32, one model copy), and
+for lossy codecs the error-feedback ``residual`` (one more). A sync sends
+``encode(local - base + residual)``, waits for the round's merged update ``U`` and sets the
+model to ``base + decode(U)``: the very sum the hub computes, so every peer and the hub hold
+bit-identical weights afterwards.
+
+Retries: connect errors, timeouts, 5xx, 429 and 503 are retried with capped exponential
+backoff and jitter (tenacity), honouring ``Retry-After``, for ``retry_seconds`` in all;
+uploads are idempotent per (peer, round) on the hub, so a retried upload is never applied
+twice; downloads resume with HTTP ``Range``. Then :class:`~syncclient.exceptions.HubUnreachable`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_exponential_jitter
+from tqdm.auto import tqdm
+
+from syncclient._model import ModelView
+from syncclient.exceptions import (
+    AuthError,
+    ConflictError,
+    HubError,
+    HubUnreachable,
+    NotFound,
+    RoundClosed,
+    SchemaMismatch,
+    SyncError,
+)
+from syncwire import Codec, StreamReader, decode_tensor, get_codec, iter_chunks
+
+__all__ = ["JoinInfo", "SyncClient", "SyncResult"]
+
+log = logging.getLogger(__name__)
+
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+_PROGRESS_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    """Where a peer stands after joining."""
+
+    run: str
+    peer: str
+    rank: int
+    world_size: int
+    version: int
+    codec: str
+    outer: str
+    config: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What one sync did. ``caught_up`` means the round closed without this peer's update
+    (it was late): the model was brought to the latest version and its local work dropped."""
+
+    version: int
+    bytes_up: int
+    bytes_down: int
+    seconds: float
+    upload_seconds: float
+    wait_seconds: float
+    caught_up: bool = False
+    compression: float = 1.0  # float32 bytes / bytes sent
+    codec_error: float = 0.0  # ||delta - decoded|| / ||delta|| of what was sent
+
+
+@dataclass
+class _Download:
+    reader: StreamReader
+    version: int  # X-Sync-Version: the model version the body is (or leads to)
+
+
+class _Retry(Exception):
+    """A response worth retrying (5xx, 429, 503); carries its Retry-After."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(f"{response.status_code} from {response.request.url.path}")
+        self.response = response
+        retry_after = response.headers.get("retry-after", "")
+        self.retry_after = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, _Retry | httpx.TransportError)
+
+
+def _error(response: httpx.Response) -> HubError:
+    """Translate an error response into the SDK's exception (the one place that does)."""
+    try:
+        body = response.json()
+        code, detail = str(body.get("error", "error")), str(body.get("detail", response.text))
+    except (ValueError, AttributeError):
+        body, code, detail = {}, "error", response.text[:500]
+    status = response.status_code
+    if status == 401:
+        return AuthError(status, code, detail, body)
+    if status == 404:
+        return NotFound(status, code, detail, body)
+    if status == 409:
+        cls = RoundClosed if code == "round_closed" else ConflictError
+        return cls(status, code, detail, body)
+    return HubError(status, code, detail, body)
+
+
+def _digest(chunks: Iterator[memoryview | bytes]) -> str:
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return "sha-256=:" + base64.b64encode(h.digest()).decode() + ":"
+
+
+class SyncClient:
+    """One peer's connection to a run on a hub.
+
+    >>> client = SyncClient("http://hub:8000", run="imdb-gpt2", peer="gpu-eu-1")
+    >>> client.join(model)            # model now equals the run's latest version
+    >>> client.sync(model, samples=256_000, metrics={"loss": 3.1})
+    >>> client.leave()
+
+    ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``min_peers`` and ``round_timeout``
+    configure the run if this peer creates it; for an existing run they must match (or be
+    None to accept the run's). ``min_peers`` is also the rendezvous size: the run starts once
+    that many peers joined, and ranks follow sorted peer names, not join order.
+    """
+
+    def __init__(
+        self,
+        hub: str,
+        *,
+        run: str,
+        peer: str | None = None,
+        token: str | None = None,
+        codec: str | None = None,
+        outer: str | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        min_peers: int | None = None,
+        round_timeout: float | None = None,
+        verify: bool | str = True,
+        timeout: float = 60.0,
+        retry_seconds: float = 600.0,
+    ) -> None:
+        if not hub.startswith(("http://", "https://")):
+            raise ValueError(f"hub must be an http:// or https:// URL, got {hub!r}")
+        if codec is not None:
+            get_codec(codec)  # fail here, not at the hub
+        self.hub = hub.rstrip("/")
+        self.run = run
+        self.peer = peer or f"{socket.gethostname()}-{os.getpid()}"
+        self.retry_seconds = retry_seconds
+        self._config = {
+            "codec": codec,
+            "outer": outer,
+            "outer_lr": outer_lr,
+            "outer_momentum": outer_momentum,
+            "min_peers": min_peers,
+            "round_timeout": round_timeout,
+        }
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(
+            base_url=self.hub,
+            headers=headers,
+            verify=verify,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            limits=httpx.Limits(max_connections=8, max_keepalive_connections=4),
+        )
+        self._runs = f"/v1/runs/{run}"
+        self.version = -1
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        self.codec: Codec | None = None
+        self._base: dict[str, np.ndarray] | None = None
+        self._residual: dict[str, np.ndarray] | None = None
+        self._heartbeat: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lease = 60.0
+
+    # ---- the public surface --------------------------------------------------------------
+    def join(self, model: torch.nn.Module) -> JoinInfo:
+        """Join the run and load the global version into ``model``.
+
+        The first peer of a new run uploads ``model`` as version 0; every other peer waits
+        for it, so all start identical. Blocks until the run has started (``min_peers``).
+        """
+        view = ModelView(model)
+        body = {"peer": self.peer, **{k: v for k, v in self._config.items() if v is not None}}
+        state = self._call("POST", f"{self._runs}/peers", json=body).json()
+        self._lease = float(state.get("lease_seconds", 60.0))
+        self._start_heartbeat()
+        said = ""
+        while state["state"] != "ready":
+            if state["state"] == "initialise":
+                self._initialise(view)
+            elif state.get("detail") != said:
+                said = state.get("detail", "")
+                log.info("run %s: %s", self.run, said)
+            state = self._call("GET", f"{self._runs}/peers/{self.peer}/start", params={"wait": 20}).json()
+        schema = {name: tuple(shape) for name, shape in state["schema"].items()}
+        if schema != view.schema:
+            self.close()
+            raise SchemaMismatch(_schema_diff(schema, view.schema, self.run))
+        self.codec = get_codec(state["config"]["codec"])
+        self.rank, self.world_size = int(state["rank"]), int(state["world_size"])
+        self._pull(view)
+        log.info(
+            "run %s: joined as %s (rank %d of %d) at version %d",
+            self.run,
+            self.peer,
+            self.rank,
+            self.world_size,
+            self.version,
+        )
+        config = state["config"]
+        return JoinInfo(
+            self.run,
+            self.peer,
+            self.rank,
+            self.world_size,
+            self.version,
+            config["codec"],
+            config["outer"],
+            config,
+        )
+
+    def sync(
+        self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None
+    ) -> SyncResult:
+        """Send what ``model`` learned since the last sync; return with the merged version loaded.
+
+        ``samples`` (examples seen since the last sync) weighs this peer in the average.
+        """
+        if self._base is None or self.codec is None:
+            raise SyncError("join(model) before sync()")
+        if not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"samples must be a positive int, got {samples!r}")
+        started = time.monotonic()
+        view = ModelView(model)
+        round_ = self.version
+        parts, stats = self._encode(view.export())
+        sent_metrics = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(float(v))}
+        if not self.codec.lossless:
+            sent_metrics.update(codec_ratio=stats["ratio"], codec_error=stats["error"])
+
+        def body() -> Iterator[memoryview | bytes]:
+            return iter_chunks(parts)
+
+        headers = {
+            "Content-Digest": _digest(body()),
+            "X-Sync-Samples": str(samples),
+            "X-Sync-Metrics": json.dumps(sent_metrics),
+        }
+        size = sum(len(c) for c in body())
+        try:
+            self._call(
+                "PUT",
+                f"{self._runs}/rounds/{round_}/updates/{self.peer}",
+                headers=headers,
+                content=lambda: self._progress(body(), size, "upload"),
+            )
+        except RoundClosed as exc:
+            return self._catch_up(view, exc.current_version, started, size)
+        uploaded = time.monotonic()
+        while True:
+            download = self._download(
+                f"{self._runs}/rounds/{round_}/result", {"wait": 20, "peer": self.peer}, allow_gone=True
+            )
+            if download is not None:
+                break
+        if download == "gone":
+            return self._catch_up(view, round_ + 1, started, size)
+        assert self._base is not None and isinstance(download, _Download)
+        reader = download.reader
+        waited = time.monotonic()
+        for name, shape in view.schema.items():
+            self._base[name] += decode_tensor(self.codec, reader.tensors, name, shape)
+        view.load(self._base)
+        self.version = round_ + 1
+        result = SyncResult(
+            version=self.version,
+            bytes_up=size,
+            bytes_down=reader.received,
+            seconds=time.monotonic() - started,
+            upload_seconds=uploaded - started,
+            wait_seconds=waited - uploaded,
+            compression=stats["ratio"],
+            codec_error=stats["error"],
+        )
+        log.info(
+            "run %s: synced to version %d in %.2fs (%.1f MB up, %.1f MB down)",
+            self.run,
+            self.version,
+            result.seconds,
+            size / 1e6,
+            reader.received / 1e6,
+        )
+        return result
+
+    def pull(self, model: torch.nn.Module) -> int:
+        """Load the run's latest version into ``model`` (dropping local changes); return it."""
+        if self._base is None:
+            raise SyncError("join(model) before pull()")
+        self._pull(ModelView(model))
+        return self.version
+
+    def status(self) -> dict[str, Any]:
+        """The run's state as the hub sees it (peers, open round, recent rounds)."""
+        result: dict[str, Any] = self._call("GET", self._runs).json()
+        return result
+
+    def leave(self) -> None:
+        """Tell the hub this peer is done (it stops waiting for it), then close."""
+        if self._heartbeat is not None:
+            try:
+                self._call("POST", f"{self._runs}/peers/{self.peer}/leave")
+            except SyncError as exc:
+                log.warning(
+                    "run %s: leaving failed (%s); the hub will drop us when our lease expires", self.run, exc
+                )
+        self.close()
+
+    def close(self) -> None:
+        """Stop the heartbeat and close connections (without leaving the run)."""
+        self._stop.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=5)
+        self._heartbeat = None
+        self._http.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()
+
+    # ---- internals -----------------------------------------------------------------------
+    def _encode(
+        self, local: dict[str, np.ndarray]
+    ) -> tuple[list[tuple[str, np.ndarray, str]], dict[str, float]]:
+        """Delta (plus error-feedback residual), encoded; update the residual on the way."""
+        assert self._base is not None and self.codec is not None
+        codec, parts = self.codec, []
+        sent = err = norm = 0.0
+        for name, x in local.items():
+            delta = x - self._base[name]
+            if not codec.lossless:
+                if self._residual is None:
+                    self._residual = {}
+                if name in self._residual:
+                    delta += self._residual[name]
+            encoded = codec.encode(delta)
+            layout = codec.layout(delta.shape)
+            for suffix, array in encoded.items():
+                parts.append((f"{name}:{suffix}" if suffix else name, array, layout[suffix][0]))
+                sent += array.nbytes
+            if not codec.lossless:
+                assert self._residual is not None
+                residual = delta - codec.decode(encoded, delta.shape)
+                self._residual[name] = residual
+                err += float(np.dot(residual.ravel(), residual.ravel()))
+                norm += float(np.dot(delta.ravel(), delta.ravel()))
+        fp32 = sum(x.nbytes for x in local.values())
+        return parts, {"ratio": fp32 / max(sent, 1.0), "error": math.sqrt(err / norm) if norm > 0 else 0.0}
+
+    def _initialise(self, view: ModelView) -> None:
+        arrays = view.export()
+        items = [(name, a, "F32") for name, a in arrays.items()]
+        size = sum(len(c) for c in iter_chunks(items))
+        log.info("run %s: uploading version 0 (%.1f MB)", self.run, size / 1e6)
+        try:
+            self._call(
+                "PUT",
+                f"{self._runs}/versions/0",
+                params={"peer": self.peer},
+                content=lambda: self._progress(iter_chunks(items), size, "version 0"),
+            )
+        except ConflictError as exc:  # someone else initialised (we lost our claim): just pull
+            log.info("run %s: %s", self.run, exc.detail)
+
+    def _pull(self, view: ModelView) -> None:
+        download = self._download(f"{self._runs}/model", {"peer": self.peer})
+        assert isinstance(download, _Download)
+        reader = download.reader
+        if set(reader.tensors) != set(view.schema):
+            raise SchemaMismatch(
+                _schema_diff({k: v.shape for k, v in reader.tensors.items()}, view.schema, self.run)
+            )
+        self._base = {name: reader.tensors[name] for name in view.schema}
+        view.load(self._base)
+        self._residual = None  # the residual belonged to work that was just dropped
+        self.version = download.version
+
+    def _catch_up(self, view: ModelView, current: int, started: float, size: int) -> SyncResult:
+        log.warning(
+            "run %s: round %d closed without %s (late); catching up to version %d, dropping local steps",
+            self.run,
+            self.version,
+            self.peer,
+            current,
+        )
+        before = time.monotonic()
+        self._pull(view)
+        return SyncResult(
+            version=self.version,
+            bytes_up=size,
+            bytes_down=0,
+            seconds=time.monotonic() - started,
+            upload_seconds=before - started,
+            wait_seconds=0.0,
+            caught_up=True,
+        )
+
+    def _retrying(self) -> Retrying:
+        def wait(state: RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome else None
+            if isinstance(exc, _Retry) and exc.retry_after is not None:
+                return min(exc.retry_after, 60.0)
+            return float(wait_exponential_jitter(initial=0.5, max=20.0)(state))
+
+        def before_sleep(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning(
+                "run %s: hub trouble (%s: %s); retry %d",
+                self.run,
+                type(exc).__name__,
+                exc,
+                state.attempt_number,
+            )
+
+        return Retrying(
+            retry=retry_if_exception(_retryable),
+            wait=wait,
+            stop=stop_after_delay(self.retry_seconds),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        content: Callable[[], Iterator[bytes | memoryview]] | None = None,
+        **kwargs: Any,
+    ) -> httpx.Response:
+        """One request with retries. ``content`` makes a fresh body iterator per attempt."""
+        try:
+            for attempt in self._retrying():
+                with attempt:
+                    response = self._http.request(
+                        method, path, content=content() if content else None, **kwargs
+                    )
+                    if response.status_code in _RETRY_STATUS:
+                        raise _Retry(response)
+        except _Retry as exc:
+            raise HubUnreachable(
+                f"{self.hub}{path}: still {exc} after {self.retry_seconds:.0f}s of retries"
+            ) from exc
+        except httpx.TransportError as exc:
+            raise HubUnreachable(
+                f"{self.hub}{path}: {type(exc).__name__}: {exc} (after {self.retry_seconds:.0f}s of retries)"
+            ) from exc
+        if response.status_code >= 400:
+            raise _error(response)
+        return response
+
+    def _download(
+        self, path: str, params: dict[str, Any], allow_gone: bool = False
+    ) -> _Download | str | None:
+        """GET a safetensors body into arrays, resuming with Range after a cut.
+
+        Returns None on 204 (long poll still open) and "gone" on 410 when ``allow_gone``.
+        """
+        reader = StreamReader()
+        etag: str | None = None
+        version = -1
+        bar: Any = None
+        try:
+            for attempt in self._retrying():
+                with attempt:
+                    headers = (
+                        {"Range": f"bytes={reader.received}-", "If-Range": etag}
+                        if reader.received and etag
+                        else {}
+                    )
+                    with self._http.stream("GET", path, params=params, headers=headers) as r:
+                        if r.status_code in _RETRY_STATUS:
+                            r.read()
+                            raise _Retry(r)
+                        if r.status_code == 204:
+                            return None
+                        if r.status_code == 410 and allow_gone:
+                            return "gone"
+                        if r.status_code >= 400:
+                            r.read()
+                            raise _error(r)
+                        if r.status_code == 200 and reader.received:
+                            reader = StreamReader()  # the file changed: start over
+                        etag = r.headers.get("etag")
+                        version = int(r.headers.get("x-sync-version", -1))
+                        total = reader.received + int(r.headers.get("content-length", 0))
+                        if bar is None and total >= _PROGRESS_BYTES and log.isEnabledFor(logging.INFO):
+                            bar = tqdm(total=total, unit="B", unit_scale=True, desc="download", leave=False)
+                        for chunk in r.iter_bytes(1 << 20):
+                            reader.feed(chunk)
+                            if bar is not None:
+                                bar.update(len(chunk))
+                    if not reader.done:
+                        raise httpx.RemoteProtocolError("body ended early")
+        except _Retry as exc:
+            raise HubUnreachable(f"{self.hub}{path}: still {exc} after {self.retry_seconds:.0f}s") from exc
+        except httpx.TransportError as exc:
+            raise HubUnreachable(f"{self.hub}{path}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if bar is not None:
+                bar.close()
+        return _Download(reader, version)
+
+    def _progress(
+        self, chunks: Iterator[bytes | memoryview], total: int, what: str
+    ) -> Iterator[bytes | memoryview]:
+        if total < _PROGRESS_BYTES or not log.isEnabledFor(logging.INFO):
+            yield from chunks
+            return
+        with tqdm(total=total, unit="B", unit_scale=True, desc=what, leave=False) as bar:
+            for chunk in chunks:
+                yield chunk
+                bar.update(len(chunk))
+
+    def _start_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            return
+        self._stop.clear()
+        self._heartbeat = threading.Thread(
+            target=self._beat, name=f"weightsync-heartbeat-{self.peer}", daemon=True
+        )
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        """Renew the lease while the user trains for minutes between syncs."""
+        failures = 0
+        while not self._stop.wait(self._lease / 3):
+            try:
+                r = self._http.post(f"{self._runs}/peers/{self.peer}/heartbeat", timeout=10)
+                failures = 0 if r.status_code < 400 else failures + 1
+            except httpx.HTTPError:
+                failures += 1
+            except RuntimeError:  # client closed under us
+                return
+            if failures == 3:
+                log.warning("run %s: heartbeats are failing; the hub may drop this peer", self.run)
+
+
+def _schema_diff(run: Mapping[str, tuple[int, ...]], model: Mapping[str, tuple[int, ...]], name: str) -> str:
+    missing = sorted(run.keys() - model.keys())
+    extra = sorted(model.keys() - run.keys())
+    shapes = sorted(k for k in run.keys() & model.keys() if tuple(run[k]) != tuple(model[k]))
+    parts = [
+        f"missing {missing[:3]}" if missing else "",
+        f"unexpected {extra[:3]}" if extra else "",
+        f"shape differs for {shapes[:3]}" if shapes else "",
+    ]
+    return f"the model does not match run {name!r}: " + "; ".join(p for p in parts if p)

@@ -1,0 +1,3 @@
+from syncserver.cli import main
+
+main()

@@ -1,0 +1,94 @@
+"""The hub's ASGI app: ``create_app(settings)`` for tests and embedding, ``app`` for uvicorn.
+
+uvicorn syncserver.app:app --host 0.0.0.0 --port 8000      # settings from SYNC_* env vars
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from syncserver import __version__
+from syncserver.coordinator import Coordinator
+from syncserver.errors import HubError
+from syncserver.routes import router
+from syncserver.settings import HubSettings
+from syncserver.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def _configure_logging() -> None:
+    # The hub is an application: give its logs a handler unless the host (uvicorn's
+    # --log-config, a test runner) already set one up.
+    logger = logging.getLogger("syncserver")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+def create_app(settings: HubSettings | None = None) -> FastAPI:
+    """Build a hub. Its state lives in ``settings.data_dir`` and is recovered on start."""
+    settings = settings or HubSettings()
+    _configure_logging()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = Store(settings.data_dir)
+        coordinator = Coordinator(settings, store)
+        await coordinator.start()
+        app.state.coordinator = coordinator
+        log.info(
+            "hub ready: data in %s, %s",
+            settings.data_dir.resolve(),
+            "token required" if settings.token else "open (no token)",
+        )
+        try:
+            yield
+        finally:
+            await coordinator.stop()
+            store.close()
+
+    app = FastAPI(
+        title="weightsync hub",
+        version=__version__,
+        summary="Averages the weights of training peers far apart on the internet.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+
+    @app.exception_handler(HubError)
+    async def hub_error(request: Request, exc: HubError) -> JSONResponse:
+        headers = {"Retry-After": str(exc.extra["retry_after"])} if "retry_after" in exc.extra else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"where": ".".join(str(p) for p in e.get("loc", ())), "problem": e.get("msg", "")}
+            for e in exc.errors()
+        ]
+        detail = "; ".join(f"{e['where']}: {e['problem']}" for e in errors)
+        return JSONResponse({"error": "invalid_request", "detail": detail, "errors": errors}, status_code=422)
+
+    @app.get("/healthz", summary="Liveness probe (no auth)")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    app.include_router(router)
+    return app
+
+
+def __getattr__(name: str) -> FastAPI:
+    # `uvicorn syncserver.app:app` builds the hub from SYNC_* variables only when asked for,
+    # so importing this module (tests, create_app users) never reads the environment.
+    if name == "app":
+        return create_app()
+    raise AttributeError(name)

@@ -1,0 +1,86 @@
+"""``syncserver``: run a hub, or look at one.
+
+syncserver serve --host 0.0.0.0 --port 8000 --data-dir /srv/weightsync --token "$TOKEN"
+syncserver status http://hub:8000 --run imdb-gpt2 [--watch]
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="The weightsync hub.")
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0 for the internet).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    data_dir: Annotated[Optional[Path], typer.Option(help="SYNC_DATA_DIR: where state lives.")] = None,  # noqa: UP045
+    token: Annotated[
+        Optional[str], typer.Option(help="SYNC_TOKEN: bearer token (prefer the env var).")
+    ] = None,  # noqa: UP045
+    min_peers: Annotated[Optional[int], typer.Option(help="SYNC_MIN_PEERS.")] = None,  # noqa: UP045
+    round_timeout: Annotated[Optional[float], typer.Option(help="SYNC_ROUND_TIMEOUT, seconds.")] = None,  # noqa: UP045
+    lease_seconds: Annotated[Optional[float], typer.Option(help="SYNC_LEASE_SECONDS.")] = None,  # noqa: UP045
+    max_body_bytes: Annotated[Optional[int], typer.Option(help="SYNC_MAX_BODY_BYTES.")] = None,  # noqa: UP045
+    codec: Annotated[Optional[str], typer.Option(help="SYNC_CODEC: default codec of new runs.")] = None,  # noqa: UP045
+    outer: Annotated[Optional[str], typer.Option(help="SYNC_OUTER: avg or diloco.")] = None,  # noqa: UP045
+    ssl_certfile: Annotated[Optional[str], typer.Option(help="Serve HTTPS with this certificate.")] = None,  # noqa: UP045
+    ssl_keyfile: Annotated[Optional[str], typer.Option(help="The certificate's private key.")] = None,  # noqa: UP045
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Run a hub. Flags override the matching SYNC_* environment variables."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from syncserver.app import create_app
+    from syncserver.settings import HubSettings
+
+    given = {
+        "data_dir": data_dir,
+        "token": token,
+        "min_peers": min_peers,
+        "round_timeout": round_timeout,
+        "lease_seconds": lease_seconds,
+        "max_body_bytes": max_body_bytes,
+        "codec": codec,
+        "outer": outer,
+    }
+    try:
+        settings = HubSettings(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise typer.BadParameter(problems) from None
+    uvicorn.run(
+        create_app(settings),
+        host=host,
+        port=port,
+        log_level=log_level,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
+    )
+
+
+@app.command()
+def status(
+    url: Annotated[str, typer.Argument(help="The hub, e.g. http://hub:8000")],
+    run: Annotated[Optional[str], typer.Option(help="Show one run in detail.")] = None,  # noqa: UP045
+    token: Annotated[Optional[str], typer.Option(envvar="SYNC_TOKEN", help="Bearer token.")] = None,  # noqa: UP045
+    watch: Annotated[bool, typer.Option(help="Refresh every 2 seconds.")] = False,
+) -> None:
+    """Print runs (or one run) as tables."""
+    from syncserver.status import show
+
+    show(url, run=run, token=token or os.environ.get("SYNC_TOKEN"), watch=watch)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,773 @@
+"""The round state machine of every run: membership, leases, deadlines, folding, publishing.
+
+No HTTP here (routes translate requests into these calls) and no maths (that is
+:mod:`syncserver.aggregate`). Everything runs on the event loop thread, so state changes
+between two ``await`` points are atomic; tensor work goes to worker threads.
+
+A run's life::
+
+    created ──(first peer initialises)──> version 0 ──(min_peers joined)──> sealed: ranks fixed
+    round v: open ──(first update)──> collecting ──(all live peers in, or deadline with
+             ≥ min_peers)──> closing ──(files written, sqlite commit)──> version v+1 = round v+1 open
+
+An update is acknowledged once its file is complete, verified, fsynced and recorded in
+sqlite; it is then folded into the round's float32 accumulator in acknowledgement order
+(so a hub restarted after a crash rebuilds the very same sums from the files).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from anyio import to_thread
+
+from syncserver import aggregate
+from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, NotFound, RoundClosed
+from syncserver.settings import HubSettings
+from syncserver.store import PeerRecord, RoundRecord, Store, UpdateRecord, atomic_file, publish_file
+from syncserver.uploads import Received, check_finite, disk_error
+from syncwire import (
+    Codec,
+    FormatError,
+    Schema,
+    TensorInfo,
+    check_layout,
+    decode_tensor,
+    get_codec,
+    layout_bytes,
+    read_tensors,
+    wire_layout,
+)
+from syncwire.format import MAX_HEADER_BYTES, encode_header
+
+__all__ = ["Coordinator", "PeerState", "RunConfig", "Ticket"]
+
+log = logging.getLogger(__name__)
+
+CONFIG_FIELDS = ("codec", "outer", "outer_lr", "outer_momentum", "min_peers", "round_timeout")
+
+
+class PeerState(str, Enum):
+    LIVE = "live"  # lease fresh: waited for in rounds it takes part in
+    LATE = "late"  # lease fresh, but its round closed without it: it is catching up
+    GONE = "gone"  # lease expired: not waited for; its next request brings it back
+    LEFT = "left"  # said goodbye; joining again brings it back
+
+
+@dataclass
+class RunConfig:
+    """What a run is, fixed at creation (the first peer may choose; later peers must agree)."""
+
+    codec: str
+    outer: str
+    outer_lr: float
+    outer_momentum: float
+    min_peers: int
+    round_timeout: float
+
+
+@dataclass
+class Peer:
+    name: str
+    rank: int | None
+    active_from: int  # first round this peer is waited for
+    joined: float
+    left: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+    last_round: int = -1  # last round it submitted to
+    samples: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    rate: float = 0.0  # samples/s between its last two updates
+    last_update_at: float | None = None
+
+    def live(self, now: float, lease: float) -> bool:
+        return not self.left and now - self.last_seen <= lease
+
+    def record(self) -> PeerRecord:
+        return PeerRecord(self.name, self.rank, self.active_from, self.joined, self.left)
+
+
+@dataclass
+class Run:
+    name: str
+    config: RunConfig
+    codec: Codec
+    version: int = -1
+    schema: Schema | None = None
+    sealed: bool = False
+    peers: dict[str, Peer] = field(default_factory=dict)
+    init_claim: str | None = None
+    # the open round (number == version)
+    acked: dict[str, UpdateRecord] = field(default_factory=dict)
+    uploading: dict[str, float] = field(default_factory=dict)
+    opened: float | None = None  # wall time of its first acknowledged update
+    deadline: float | None = None  # monotonic
+    closing: bool = False
+    acc: dict[str, np.ndarray] | None = None
+    folded: list[str] = field(default_factory=list)
+    fold_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    live_set: frozenset[str] = frozenset()
+
+    def notify(self) -> None:
+        """Wake every waiter of this run (they re-check what they wait for)."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def world_size(self) -> int:
+        ranks = [p.rank for p in self.peers.values() if p.rank is not None]
+        return max(ranks) + 1 if ranks else 0
+
+
+@dataclass
+class Ticket:
+    """Permission to stream one update: what it must look like and where it goes."""
+
+    run: str
+    round: int
+    peer: str
+    digest: str
+    samples: int
+    metrics: dict[str, float]
+    max_bytes: int
+    check_header: Callable[[dict[str, TensorInfo]], None]
+
+
+class Coordinator:
+    """All runs of one hub."""
+
+    def __init__(self, settings: HubSettings, store: Store) -> None:
+        self.settings = settings
+        self.store = store
+        self.runs: dict[str, Run] = {}
+        self._ticker: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        # observers (metrics, dashboard): called with (run, round record) after each publish
+        self.on_round: list[Callable[[Run, RoundRecord], None]] = []
+
+    # ---- life ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load every run from disk, drop what a crash left half-done, start the ticker."""
+        self.store.clear_tmp()
+        for record in self.store.runs():
+            config = RunConfig(**record.config)
+            run = Run(
+                record.name, config, get_codec(config.codec), record.version, record.schema, record.sealed
+            )
+            self.store.recover(run.name, run.version)
+            for p in self.store.peers(run.name):
+                # every peer gets a fresh lease: they ride through the restart on retries
+                run.peers[p.name] = Peer(p.name, p.rank, p.active_from, p.joined, p.left)
+            if run.version >= 0:
+                for update in self.store.updates(run.name, run.version):
+                    run.acked[update.peer] = update
+                if run.acked:
+                    run.opened = min(u.received for u in run.acked.values())
+                    run.deadline = time.monotonic() + config.round_timeout
+            run.live_set = self._live(run)
+            self.runs[run.name] = run
+            log.info(
+                "run %s: recovered at version %d with %d update(s) pending",
+                run.name,
+                run.version,
+                len(run.acked),
+            )
+        self._ticker = asyncio.create_task(self._tick_forever())
+
+    async def stop(self) -> None:
+        if self._ticker:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        for task in list(self._tasks):
+            with contextlib.suppress(Exception):
+                await task
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _tick_forever(self) -> None:
+        interval = min(0.5, self.settings.lease_seconds / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for run in list(self.runs.values()):
+                self._tick(run)
+
+    def _tick(self, run: Run) -> None:
+        """Leases and deadlines: the only things that change with time alone."""
+        live = self._live(run)
+        if live != run.live_set:
+            for name in run.live_set - live:
+                if not run.peers[name].left:
+                    log.warning(
+                        "run %s: peer %s missed its lease and is no longer waited for", run.name, name
+                    )
+            run.live_set = live
+            if run.init_claim and run.init_claim not in live:
+                log.warning(
+                    "run %s: initialiser %s is gone; another peer will initialise", run.name, run.init_claim
+                )
+                run.init_claim = None
+            run.notify()
+        self._maybe_close(run)
+
+    def _live(self, run: Run) -> frozenset[str]:
+        now = time.monotonic()
+        return frozenset(p.name for p in run.peers.values() if p.live(now, self.settings.lease_seconds))
+
+    # ---- lookups -------------------------------------------------------------------------
+    def run(self, name: str) -> Run:
+        try:
+            return self.runs[name]
+        except KeyError:
+            raise NotFound(f"unknown run {name!r}") from None
+
+    def _peer(self, run: Run, name: str) -> Peer:
+        """The peer, with its lease renewed: any request from a peer proves it is alive."""
+        peer = run.peers.get(name)
+        if peer is None or peer.left:
+            raise NotFound(f"peer {name!r} is not a member of run {run.name!r}; join first", run=run.name)
+        peer.last_seen = time.monotonic()
+        if name not in run.live_set:
+            run.live_set = run.live_set | {name}
+            log.info("run %s: peer %s is back", run.name, name)
+        return peer
+
+    # ---- joining -------------------------------------------------------------------------
+    def join(self, run_name: str, peer_name: str, requested: dict[str, Any]) -> dict[str, Any]:
+        """Register a peer (again, after a crash: same name, same rank) and say what it must do next."""
+        run = self.runs.get(run_name)
+        if run is None:
+            run = self._create(run_name, requested)
+        else:
+            for key, value in requested.items():
+                if value is not None and getattr(run.config, key) != value:
+                    raise Conflict(
+                        f"run {run_name!r} uses {key}={getattr(run.config, key)!r}; this peer asked for {value!r}",
+                        config=run.config.__dict__,
+                    )
+        peer = run.peers.get(peer_name)
+        if peer is None:
+            in_round = bool(run.acked) or run.closing
+            peer = Peer(peer_name, None, max(run.version, 0) + int(in_round), time.time())
+            if run.sealed:
+                peer.rank = run.world_size()
+            run.peers[peer_name] = peer
+            log.info("run %s: peer %s joined", run_name, peer_name)
+        else:
+            peer.left = False
+            peer.last_seen = time.monotonic()
+            # a peer that comes back mid-round (after a crash) restarts from the latest version
+            # and is waited for from the next round on, like any new peer
+            if run.acked or run.closing:
+                peer.active_from = max(peer.active_from, run.version + 1)
+            log.info("run %s: peer %s joined again", run_name, peer_name)
+        self.store.save_peer(run_name, peer.record())
+        run.live_set = run.live_set | {peer_name}
+        self._maybe_seal(run)
+        return self._start_state(run, peer)
+
+    def _create(self, name: str, requested: dict[str, Any]) -> Run:
+        s = self.settings
+        values = {key: getattr(s, key) for key in CONFIG_FIELDS}
+        values.update({k: v for k, v in requested.items() if v is not None})
+        config = RunConfig(**values)
+        try:
+            codec = get_codec(config.codec)
+        except ValueError as exc:
+            raise InvalidUpdate(str(exc)) from None
+        self.store.create_run(name, config.__dict__)
+        run = Run(name, config, codec)
+        self.runs[name] = run
+        log.info("run %s: created (%s)", name, config)
+        return run
+
+    def _maybe_seal(self, run: Run) -> None:
+        """Fix ranks once version 0 exists and min_peers have joined: by sorted peer name, so
+        that data shards do not depend on who happened to join first."""
+        members = sorted(p.name for p in run.peers.values() if not p.left)
+        if run.sealed or run.version < 0 or len(members) < run.config.min_peers:
+            return
+        ranks = {name: rank for rank, name in enumerate(members)}
+        for name, rank in ranks.items():
+            run.peers[name].rank = rank
+        self.store.seal(run.name, ranks)
+        run.sealed = True
+        log.info("run %s: started with %d peers: %s", run.name, len(members), ", ".join(members))
+        run.notify()
+
+    def _start_state(self, run: Run, peer: Peer) -> dict[str, Any]:
+        base = {"run": run.name, "peer": peer.name, "lease_seconds": self.settings.lease_seconds}
+        if run.version < 0:
+            if run.init_claim is None or run.init_claim not in run.live_set:
+                run.init_claim = peer.name
+            if run.init_claim == peer.name:
+                return {**base, "state": "initialise", "config": run.config.__dict__}
+            return {**base, "state": "waiting", "detail": f"waiting for {run.init_claim} to upload version 0"}
+        if not run.sealed:
+            joined = sum(not p.left for p in run.peers.values())
+            return {
+                **base,
+                "state": "waiting",
+                "detail": f"{joined} of {run.config.min_peers} peers have joined",
+            }
+        assert run.schema is not None
+        return {
+            **base,
+            "state": "ready",
+            "rank": peer.rank,
+            "world_size": run.world_size(),
+            "version": run.version,
+            "config": run.config.__dict__,
+            "schema": {name: list(shape) for name, shape in run.schema.items()},
+        }
+
+    async def wait_start(self, run_name: str, peer_name: str, wait: float) -> dict[str, Any]:
+        """Long poll until the peer may start (or must initialise); at most ``wait`` seconds."""
+        run = self.run(run_name)
+        deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
+        while True:
+            state = self._start_state(run, self._peer(run, peer_name))
+            remaining = deadline - time.monotonic()
+            if state["state"] != "waiting" or remaining <= 0:
+                return state
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(run.changed.wait(), remaining)
+
+    def init_ticket(self, run_name: str, peer_name: str) -> Ticket:
+        """May this peer upload version 0? Any float32 tensors will do: they define the schema."""
+        run = self.run(run_name)
+        self._peer(run, peer_name)
+        if run.version >= 0:
+            raise Conflict(f"run {run_name!r} already has version 0", current_version=run.version)
+        if run.init_claim != peer_name:
+            raise Conflict(f"peer {run.init_claim!r} is initialising run {run_name!r}, not {peer_name!r}")
+
+        def check(infos: dict[str, TensorInfo]) -> None:
+            if not infos:
+                raise FormatError("version 0 holds no tensors")
+            for name, info in infos.items():
+                if info.dtype != "F32":
+                    raise FormatError(f"version 0 must be float32; tensor {name!r} is {info.dtype}")
+                if ":" in name or not name or len(name) > 512:
+                    raise FormatError(f"tensor name {name!r} is not allowed (no ':', 1-512 characters)")
+
+        return Ticket(run_name, -1, peer_name, "", 0, {}, self.settings.max_body_bytes, check)
+
+    async def commit_init(self, ticket: Ticket, received: Received) -> dict[str, Any]:
+        run = self.run(ticket.run)
+        try:
+            await to_thread.run_sync(check_finite, received.path)
+        except BaseException:
+            received.path.unlink(missing_ok=True)
+            raise
+        if run.version >= 0 or run.init_claim != ticket.peer:
+            received.path.unlink(missing_ok=True)
+            raise Conflict(f"run {run.name!r} was initialised by another peer", current_version=run.version)
+        order = sorted(received.infos.values(), key=lambda i: i.start)
+        schema = {i.name: i.shape for i in order}
+        try:
+            publish_file(received.path, self.store.version_path(run.name, 0))
+            self.store.set_initial_version(run.name, schema)
+        except OSError as exc:
+            raise disk_error(exc) from exc
+        run.schema, run.version, run.init_claim = schema, 0, None
+        log.info(
+            "run %s: version 0 from %s (%d tensors, %d bytes)",
+            run.name,
+            ticket.peer,
+            len(schema),
+            received.nbytes,
+        )
+        self._maybe_seal(run)
+        run.notify()
+        return {"version": 0, "tensors": len(schema), "bytes": received.nbytes}
+
+    # ---- liveness ------------------------------------------------------------------------
+    def heartbeat(self, run_name: str, peer_name: str) -> dict[str, Any]:
+        run = self.run(run_name)
+        self._peer(run, peer_name)
+        return {"version": run.version, "lease_seconds": self.settings.lease_seconds}
+
+    def leave(self, run_name: str, peer_name: str) -> None:
+        run = self.run(run_name)
+        peer = self._peer(run, peer_name)
+        peer.left = True
+        self.store.save_peer(run.name, peer.record())
+        run.live_set = run.live_set - {peer_name}
+        log.info("run %s: peer %s left", run.name, peer_name)
+        run.notify()
+        self._maybe_close(run)
+
+    # ---- updates -------------------------------------------------------------------------
+    async def update_ticket(
+        self, run_name: str, round_: int, peer_name: str, digest: str, samples: int, metrics: dict[str, float]
+    ) -> Ticket | dict[str, Any]:
+        """Check an update may be sent before its body is read; a repeat gets its old ack."""
+        run = self.run(run_name)
+        self._peer(run, peer_name)
+        if samples < 1:
+            raise InvalidUpdate(f"samples must be a positive count, got {samples}")
+        repeat = self._acknowledged(run, round_, peer_name, digest)
+        if repeat is not None:
+            return repeat
+        await self._check_open(run, round_)
+        assert run.schema is not None
+        layout = wire_layout(run.codec, run.schema)
+
+        def check(infos: dict[str, TensorInfo]) -> None:
+            check_layout(infos, layout)
+
+        max_bytes = min(8 + MAX_HEADER_BYTES + layout_bytes(layout), self.settings.max_body_bytes)
+        return Ticket(run_name, round_, peer_name, digest, samples, metrics, max_bytes, check)
+
+    def _acknowledged(self, run: Run, round_: int, peer: str, digest: str) -> dict[str, Any] | None:
+        """Idempotency: the same update again is harmless, a different one is a conflict."""
+        if round_ == run.version:
+            previous = run.acked.get(peer)
+        else:
+            previous = next((u for u in self.store.updates(run.name, round_) if u.peer == peer), None)
+        if previous is None:
+            return None
+        if previous.digest != digest:
+            raise Conflict(
+                f"peer {peer!r} already has a different update acknowledged for round {round_}",
+                current_version=run.version,
+            )
+        return self._ack(previous, repeat=True)
+
+    @staticmethod
+    def _ack(update: UpdateRecord, repeat: bool = False) -> dict[str, Any]:
+        return {
+            "round": update.round,
+            "peer": update.peer,
+            "seq": update.seq,
+            "samples": update.samples,
+            "bytes": update.nbytes,
+            "repeat": repeat,
+        }
+
+    async def _check_open(self, run: Run, round_: int) -> None:
+        if run.version < 0 or not run.sealed:
+            raise Conflict(f"run {run.name!r} has not started yet", current_version=run.version)
+        if run.closing and round_ == run.version:
+            # it is about to close without this update: answer once the new version exists,
+            # so that the peer's catch-up finds it
+            while run.closing:
+                await run.changed.wait()
+        if round_ < run.version:
+            raise RoundClosed(
+                f"round {round_} closed without this update; the run is at version {run.version}",
+                current_version=run.version,
+            )
+        if round_ > run.version:
+            raise Conflict(
+                f"round {round_} is not open; the run is at version {run.version}",
+                current_version=run.version,
+            )
+
+    async def commit_update(self, ticket: Ticket, received: Received) -> dict[str, Any]:
+        """Acknowledge a fully received update: verify, make durable, record, fold."""
+        run = self.run(ticket.run)
+        try:
+            if received.digest != ticket.digest:
+                raise BadRequest(
+                    f"body digest sha-256 {received.digest} does not match Content-Digest {ticket.digest}"
+                )
+            await to_thread.run_sync(check_finite, received.path)
+            repeat = self._acknowledged(run, ticket.round, ticket.peer, ticket.digest)
+            if repeat is not None:
+                return repeat
+            await self._check_open(run, ticket.round)
+            path = self.store.update_path(run.name, ticket.round, ticket.peer)
+            try:
+                publish_file(received.path, path)
+                now = time.time()
+                update = UpdateRecord(
+                    ticket.peer,
+                    ticket.round,
+                    self.store.next_seq(run.name),
+                    ticket.digest,
+                    ticket.samples,
+                    ticket.metrics,
+                    received.nbytes,
+                    now,
+                    received.seconds,
+                )
+                self.store.add_update(run.name, update)  # the acknowledgement's commit point
+            except OSError as exc:
+                path.unlink(missing_ok=True)
+                raise disk_error(exc) from exc
+        finally:
+            received.path.unlink(missing_ok=True)
+        run.acked[ticket.peer] = update
+        if run.opened is None:
+            run.opened = now
+            run.deadline = time.monotonic() + run.config.round_timeout
+        peer = run.peers[ticket.peer]
+        if peer.last_update_at is not None and now > peer.last_update_at:
+            peer.rate = ticket.samples / (now - peer.last_update_at)
+        peer.last_update_at, peer.last_round = now, ticket.round
+        peer.samples += ticket.samples
+        peer.bytes_up += received.nbytes
+        log.info(
+            "run %s: round %d: update from %s (%d samples, %.1f MB in %.2fs)",
+            run.name,
+            ticket.round,
+            ticket.peer,
+            ticket.samples,
+            received.nbytes / 1e6,
+            received.seconds,
+        )
+        await self._fold_pending(run)
+        self._maybe_close(run)
+        return self._ack(update)
+
+    # ---- folding and closing -------------------------------------------------------------
+    async def _fold_pending(self, run: Run) -> None:
+        """Fold every acknowledged, not yet folded update, in acknowledgement order."""
+        async with run.fold_lock:
+            for update in sorted(run.acked.values(), key=lambda u: u.seq):
+                if update.peer not in run.folded:
+                    await to_thread.run_sync(self._fold_one, run, update)
+                    run.folded.append(update.peer)
+
+    def _fold_one(self, run: Run, update: UpdateRecord) -> None:
+        assert run.schema is not None
+        if run.acc is None:
+            run.acc = {name: np.zeros(shape, np.float32) for name, shape in run.schema.items()}
+        wire, _ = read_tensors(str(self.store.update_path(run.name, update.round, update.peer)))
+        for name, shape in run.schema.items():
+            aggregate.fold(run.acc[name], decode_tensor(run.codec, wire, name, shape), update.samples)
+
+    def _maybe_close(self, run: Run) -> None:
+        if run.closing or not run.acked:
+            return
+        expected = {
+            p.name
+            for p in run.peers.values()
+            if p.rank is not None and p.name in run.live_set and p.active_from <= run.version
+        }
+        enough = len(run.acked) >= run.config.min_peers
+        everyone = expected <= run.acked.keys()
+        overdue = run.deadline is not None and time.monotonic() >= run.deadline
+        if enough and (everyone or overdue):
+            run.closing = True
+            self._spawn(self._close(run, sorted(expected - run.acked.keys())))
+
+    async def _close(self, run: Run, dropped: list[str]) -> None:
+        round_ = run.version
+        started = time.monotonic()
+        try:
+            async with run.fold_lock:
+                for update in sorted(run.acked.values(), key=lambda u: u.seq):
+                    if update.peer not in run.folded:
+                        await to_thread.run_sync(self._fold_one, run, update)
+                        run.folded.append(update.peer)
+                folded = time.monotonic()
+                result_bytes = await to_thread.run_sync(self._merge, run)
+            updates = sorted(run.acked.values(), key=lambda u: u.seq)
+            assert run.opened is not None
+            record = RoundRecord(
+                round=round_,
+                opened=run.opened,
+                closed=time.time(),
+                participants=[u.peer for u in updates],
+                dropped=dropped,
+                samples=sum(u.samples for u in updates),
+                bytes_in=sum(u.nbytes for u in updates),
+                result_bytes=result_bytes,
+                timings={"fold": folded - started, "merge": time.monotonic() - folded},
+            )
+            self.store.commit_round(run.name, record)
+        except Exception:
+            log.exception("run %s: closing round %d failed; will retry", run.name, round_)
+            run.closing = False
+            run.notify()
+            return
+        run.version = round_ + 1
+        run.acked, run.acc, run.folded = {}, None, []
+        run.opened = run.deadline = None
+        run.closing = False
+        for name in dropped:
+            log.warning("run %s: round %d closed without %s (late)", run.name, round_, name)
+        log.info(
+            "run %s: round %d closed -> version %d: %d peer(s), %d samples, %.1f MB in, fold %.2fs, merge %.2fs, "
+            "%.2fs since first update",
+            run.name,
+            round_,
+            run.version,
+            len(record.participants),
+            record.samples,
+            record.bytes_in / 1e6,
+            record.timings["fold"],
+            record.timings["merge"],
+            record.closed - record.opened,
+        )
+        with contextlib.suppress(OSError):
+            self.store.prune(run.name, run.version, self.settings.keep_versions)
+        for observer in self.on_round:
+            observer(run, record)
+        run.notify()
+
+    def _merge(self, run: Run) -> int:
+        """Write round v's result, version v+1 and its momentum, tensor by tensor (worker thread).
+
+        The result is the encoded global update ``U``; version v+1 is ``version v + decode(U)``,
+        exactly what every peer computes from the same bytes, so all hold identical weights.
+        """
+        assert run.schema is not None and run.acc is not None
+        v, cfg, codec, schema = run.version, run.config, run.codec, run.schema
+        total = float(sum(u.samples for u in run.acked.values()))
+        current, _ = read_tensors(str(self.store.version_path(run.name, v)))
+        momentum: dict[str, np.ndarray] | None = None
+        diloco = cfg.outer == "diloco"
+        if diloco:
+            path = self.store.momentum_path(run.name, v)
+            momentum = read_tensors(str(path))[0] if path.exists() else None
+        fp32 = [(name, "F32", shape) for name, shape in schema.items()]
+        result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
+        meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
+        with contextlib.ExitStack() as files:
+            result = files.enter_context(atomic_file(self.store.result_path(run.name, v)))
+            version = files.enter_context(atomic_file(self.store.version_path(run.name, v + 1)))
+            mom = (
+                files.enter_context(atomic_file(self.store.momentum_path(run.name, v + 1)))
+                if diloco
+                else None
+            )
+            head, _ = encode_header(result_layout, meta)
+            result.write(head)
+            result_bytes = len(head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
+            version.write(encode_header(fp32, {"version": str(v + 1)})[0])
+            if mom is not None:
+                mom.write(encode_header(fp32, {"version": str(v + 1)})[0])
+            for name, shape in schema.items():
+                mean = run.acc[name] / np.float32(total)
+                m_old = (
+                    momentum[name]
+                    if momentum is not None
+                    else (np.zeros(shape, np.float32) if diloco else None)
+                )
+                update, m_new = aggregate.outer_step(
+                    cfg.outer, mean, m_old, lr=cfg.outer_lr, mu=cfg.outer_momentum
+                )
+                parts = codec.encode(update)
+                for suffix in codec.layout(shape):
+                    result.write(memoryview(np.ascontiguousarray(parts[suffix])).cast("B"))
+                new = current[name] + codec.decode(parts, shape)
+                version.write(memoryview(np.ascontiguousarray(new, dtype=np.float32)).cast("B"))
+                if mom is not None and m_new is not None:
+                    mom.write(memoryview(np.ascontiguousarray(m_new)).cast("B"))
+        return result_bytes
+
+    # ---- results and models --------------------------------------------------------------
+    async def wait_result(
+        self, run_name: str, round_: int, peer_name: str | None, wait: float
+    ) -> Path | None:
+        """Long poll for round ``round_``'s merged update; None if it is still open after ``wait``."""
+        run = self.run(run_name)
+        deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
+        while True:
+            if peer_name is not None:
+                self._peer(run, peer_name)
+            if round_ < run.version:
+                path = self.store.result_path(run.name, round_)
+                if not path.exists():
+                    raise Gone(
+                        f"round {round_}'s result was pruned; pull the model", current_version=run.version
+                    )
+                return path
+            if round_ > run.version or run.version < 0:
+                raise Conflict(
+                    f"round {round_} is not open; the run is at version {run.version}",
+                    current_version=run.version,
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(run.changed.wait(), remaining)
+
+    def model(self, run_name: str) -> tuple[int, Path]:
+        run = self.run(run_name)
+        if run.version < 0:
+            raise Conflict(f"run {run_name!r} has no version 0 yet", current_version=-1)
+        return run.version, self.store.version_path(run.name, run.version)
+
+    def count_download(self, run_name: str, peer_name: str | None, nbytes: int) -> None:
+        run = self.runs.get(run_name)
+        if run and peer_name in run.peers:
+            run.peers[peer_name].bytes_down += nbytes
+
+    # ---- status --------------------------------------------------------------------------
+    def peer_state(self, run: Run, peer: Peer) -> PeerState:
+        if peer.left:
+            return PeerState.LEFT
+        if peer.name not in run.live_set:
+            return PeerState.GONE
+        if 0 <= peer.last_round < run.version - 1 and peer.active_from <= run.version - 1:
+            return PeerState.LATE
+        return PeerState.LIVE
+
+    def status(self, run_name: str) -> dict[str, Any]:
+        run = self.run(run_name)
+        now = time.monotonic()
+        rounds = self.store.rounds(run.name)
+        return {
+            "run": run.name,
+            "version": run.version,
+            "config": run.config.__dict__,
+            "sealed": run.sealed,
+            "world_size": run.world_size(),
+            "tensors": len(run.schema or {}),
+            "parameters": sum(math.prod(s) for s in (run.schema or {}).values()),
+            "open_round": {
+                "round": run.version,
+                "submitted": sorted(run.acked),
+                "uploading": sorted(run.uploading),
+                "closing": run.closing,
+                "seconds_left": None if run.deadline is None else max(0.0, run.deadline - now),
+            },
+            "peers": [
+                {
+                    "peer": p.name,
+                    "rank": p.rank,
+                    "state": self.peer_state(run, p).value,
+                    "last_seen_seconds": round(now - p.last_seen, 3),
+                    "active_from": p.active_from,
+                    "samples": p.samples,
+                    "samples_per_second": round(p.rate, 3),
+                    "bytes_up": p.bytes_up,
+                    "bytes_down": p.bytes_down,
+                }
+                for p in sorted(run.peers.values(), key=lambda p: (p.rank is None, p.rank, p.name))
+            ],
+            "rounds": [r.__dict__ for r in rounds],
+            "updates": [u.__dict__ for u in self.store.round_metrics(run.name)],
+        }
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "run": r.name,
+                "version": r.version,
+                "peers": len(r.live_set),
+                "codec": r.config.codec,
+                "outer": r.config.outer,
+            }
+            for r in self.runs.values()
+        ]

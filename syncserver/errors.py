@@ -1,0 +1,67 @@
+"""The hub's domain errors. Routes raise these; the app maps each to its status code in one
+exception handler, so every failure is ``{"error": code, "detail": reason, ...}`` with a 4xx/5xx.
+
+    HubError
+    ├── BadRequest (400)          malformed input: bad body, truncated upload, bad digest
+    │   └── InvalidUpdate (422)   well-formed but wrong: schema mismatch, NaN/Inf, bad samples
+    ├── Unauthorized (401)
+    ├── NotFound (404)            unknown run or peer
+    ├── Conflict (409)            config mismatch, a different update for an acknowledged round
+    │   └── RoundClosed (409)     the round is over: carries the current version to catch up to
+    ├── Gone (410)                a round result that was pruned: pull the model instead
+    ├── PayloadTooLarge (413)
+    └── Unavailable (503)         disk full or unwritable: nothing was changed
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HubError(Exception):
+    status = 500
+    code = "internal"
+
+    def __init__(self, detail: str, **extra: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        return {"error": self.code, "detail": self.detail, **self.extra}
+
+
+class BadRequest(HubError):
+    status, code = 400, "bad_request"
+
+
+class InvalidUpdate(BadRequest):
+    status, code = 422, "invalid_update"
+
+
+class Unauthorized(HubError):
+    status, code = 401, "unauthorized"
+
+
+class NotFound(HubError):
+    status, code = 404, "not_found"
+
+
+class Conflict(HubError):
+    status, code = 409, "conflict"
+
+
+class RoundClosed(Conflict):
+    code = "round_closed"
+
+
+class Gone(HubError):
+    status, code = 410, "gone"
+
+
+class PayloadTooLarge(HubError):
+    status, code = 413, "payload_too_large"
+
+
+class Unavailable(HubError):
+    status, code = 503, "unavailable"

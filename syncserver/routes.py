@@ -1,0 +1,258 @@
+"""HTTP only: parse, authenticate, call the coordinator, shape the answer.
+
+Every error is raised as a :class:`~syncserver.errors.HubError` and turned into JSON by the
+one handler in :func:`syncserver.app.create_app`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import secrets
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, Field, field_validator
+from starlette.requests import ClientDisconnect
+
+from syncserver.coordinator import Coordinator, Ticket
+from syncserver.errors import BadRequest, HubError, Unauthorized
+from syncserver.settings import Outer
+from syncserver.uploads import receive
+from syncwire import get_codec
+
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+RunName = Annotated[str, Path(pattern=NAME, description="Run name: letters, digits, '.', '_', '-'.")]
+PeerName = Annotated[str, Path(pattern=NAME, description="Peer name, unique within a run.")]
+Wait = Annotated[float, Query(ge=0, le=600, description="Seconds to hold the request open (long poll).")]
+
+
+def hub(request: Request) -> Coordinator:
+    coordinator: Coordinator = request.app.state.coordinator
+    return coordinator
+
+
+def authenticate(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+    """Bearer token check in constant time; an open hub (no token set) lets everyone in."""
+    token = request.app.state.settings.token
+    if token is None:
+        return
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(
+        given.encode(), token.get_secret_value().encode()
+    ):
+        raise Unauthorized("missing or wrong bearer token")
+
+
+Hub = Annotated[Coordinator, Depends(hub)]
+router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+
+
+class JoinRequest(BaseModel):
+    """Join a run. The first peer of a new run may set its config; later peers that set a
+    field must agree with the run's value (409 otherwise). Unset fields accept the run's."""
+
+    peer: str = Field(pattern=NAME)
+    codec: str | None = None
+    outer: Outer | None = None
+    outer_lr: float | None = Field(None, gt=0)
+    outer_momentum: float | None = Field(None, ge=0, lt=1)
+    min_peers: int | None = Field(None, ge=1)
+    round_timeout: float | None = Field(None, gt=0)
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, value: str | None) -> str | None:
+        if value is not None:
+            get_codec(value)
+        return value
+
+
+def parse_digest(value: str) -> str:
+    """``Content-Digest: sha-256=:<base64>:`` (RFC 9530) -> hex."""
+    for item in value.split(","):
+        algo, _, encoded = item.strip().partition("=")
+        if algo.strip().lower() == "sha-256" and encoded.startswith(":") and encoded.endswith(":"):
+            try:
+                raw = base64.b64decode(encoded[1:-1], validate=True)
+            except binascii.Error:
+                break
+            if len(raw) == 32:
+                return raw.hex()
+    raise BadRequest("Content-Digest must be 'sha-256=:<base64 of the 32-byte digest>:'")
+
+
+def parse_metrics(value: str | None) -> dict[str, float]:
+    if not value:
+        return {}
+    if len(value) > 4096:
+        raise BadRequest("X-Sync-Metrics is over 4096 bytes")
+    try:
+        metrics = json.loads(value)
+    except ValueError:
+        raise BadRequest("X-Sync-Metrics must be a JSON object of numbers") from None
+    if not isinstance(metrics, dict) or not all(
+        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        for k, v in metrics.items()
+    ):
+        raise BadRequest("X-Sync-Metrics must be a JSON object of finite numbers")
+    return {k: float(v) for k, v in metrics.items()}
+
+
+async def _drain(request: Request, limit: int) -> None:
+    """Read and drop the rest of a refused body so the client sees our answer, not a reset."""
+    declared = int(request.headers.get("content-length") or 0)
+    if declared > limit:
+        return
+    try:
+        async for _ in request.stream():
+            pass
+    except (ClientDisconnect, RuntimeError):
+        pass
+
+
+async def _receive(request: Request, hub: Coordinator, ticket: Ticket) -> Any:
+    length = request.headers.get("content-length")
+    try:
+        received = await receive(
+            request.stream(),
+            hub.store.new_tmp(),
+            max_bytes=ticket.max_bytes,
+            content_length=int(length) if length and length.isdigit() else None,
+            check_header=ticket.check_header,
+        )
+    except HubError:
+        await _drain(request, ticket.max_bytes)
+        raise
+    except ClientDisconnect:
+        raise BadRequest("the client went away before the body was complete") from None
+    return received
+
+
+@router.get("/runs", summary="List runs")
+async def list_runs(hub: Hub) -> list[dict[str, Any]]:
+    return hub.list_runs()
+
+
+@router.get("/runs/{run}", summary="A run's state: config, version, peers, open round, recent rounds")
+async def run_status(run: RunName, hub: Hub) -> dict[str, Any]:
+    return hub.status(run)
+
+
+@router.post("/runs/{run}/peers", summary="Join a run (creating it if new); says what the peer must do next")
+async def join(run: RunName, body: JoinRequest, hub: Hub) -> dict[str, Any]:
+    requested = body.model_dump(exclude={"peer"})
+    return hub.join(run, body.peer, requested)
+
+
+@router.get(
+    "/runs/{run}/peers/{peer}/start",
+    summary="Long poll until the peer may start: state is waiting, initialise or ready",
+)
+async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) -> dict[str, Any]:
+    return await hub.wait_start(run, peer, wait)
+
+
+@router.put("/runs/{run}/versions/0", summary="Upload version 0 (only the peer told to initialise)")
+async def put_initial(
+    run: RunName, request: Request, hub: Hub, peer: Annotated[str, Query(pattern=NAME)]
+) -> dict[str, Any]:
+    ticket = hub.init_ticket(run, peer)
+    received = await _receive(request, hub, ticket)
+    return await hub.commit_init(ticket, received)
+
+
+@router.post("/runs/{run}/peers/{peer}/heartbeat", summary="Renew the peer's lease")
+async def heartbeat(run: RunName, peer: PeerName, hub: Hub) -> dict[str, Any]:
+    return hub.heartbeat(run, peer)
+
+
+@router.post("/runs/{run}/peers/{peer}/leave", summary="Leave the run: no longer waited for")
+async def leave(run: RunName, peer: PeerName, hub: Hub) -> dict[str, Any]:
+    hub.leave(run, peer)
+    return {"left": True}
+
+
+@router.put(
+    "/runs/{run}/rounds/{round}/updates/{peer}",
+    summary="Submit the peer's update for a round (safetensors, encoded with the run's codec)",
+)
+async def put_update(
+    run: RunName,
+    round: Annotated[int, Path(ge=0)],
+    peer: PeerName,
+    request: Request,
+    hub: Hub,
+    samples: Annotated[int, Header(alias="X-Sync-Samples", description="Samples since the last sync.")],
+    digest: Annotated[str, Header(alias="Content-Digest", description="sha-256=:<base64>: of the body.")],
+    metrics: Annotated[
+        str | None, Header(alias="X-Sync-Metrics", description="JSON object of numbers.")
+    ] = None,
+) -> dict[str, Any]:
+    try:
+        ticket = await hub.update_ticket(
+            run, round, peer, parse_digest(digest), samples, parse_metrics(metrics)
+        )
+    except HubError:
+        await _drain(request, hub.settings.max_body_bytes)
+        raise
+    if not isinstance(ticket, Ticket):  # the same update again: answer as the first time
+        await _drain(request, hub.settings.max_body_bytes)
+        return ticket
+    state = hub.run(run)
+    state.uploading[peer] = 0.0
+    try:
+        received = await _receive(request, hub, ticket)
+        return await hub.commit_update(ticket, received)
+    finally:
+        state.uploading.pop(peer, None)
+
+
+@router.get(
+    "/runs/{run}/rounds/{round}/result",
+    summary="Long poll for a round's merged update (204 while open; supports Range)",
+    response_class=FileResponse,
+    responses={204: {"description": "Still open after `wait` seconds: ask again."}},
+)
+async def get_result(
+    run: RunName,
+    round: Annotated[int, Path(ge=0)],
+    hub: Hub,
+    request: Request,
+    wait: Wait = 20.0,
+    peer: Annotated[str | None, Query(pattern=NAME)] = None,
+) -> Response:
+    path = await hub.wait_result(run, round, peer, wait)
+    if path is None:
+        return Response(status_code=204)
+    etag = f'"{run}-r{round}"'
+    response = FileResponse(
+        path, media_type="application/octet-stream", headers={"ETag": etag, "X-Sync-Version": str(round + 1)}
+    )
+    hub.count_download(run, peer, _served_bytes(request, path.stat().st_size))
+    return response
+
+
+@router.get(
+    "/runs/{run}/model",
+    summary="The latest model version as float32 safetensors (ETag, Range)",
+    response_class=FileResponse,
+)
+async def get_model(
+    run: RunName, hub: Hub, request: Request, peer: Annotated[str | None, Query(pattern=NAME)] = None
+) -> Response:
+    version, path = hub.model(run)
+    hub.count_download(run, peer, _served_bytes(request, path.stat().st_size))
+    return FileResponse(
+        path,
+        media_type="application/octet-stream",
+        headers={"ETag": f'"{run}-v{version}"', "X-Sync-Version": str(version)},
+    )
+
+
+def _served_bytes(request: Request, size: int) -> int:
+    first, _, _ = request.headers.get("range", "").removeprefix("bytes=").partition("-")
+    return size - int(first) if first.isdigit() and int(first) < size else size

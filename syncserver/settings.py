@@ -1,0 +1,53 @@
+"""Hub settings: environment variables with the ``SYNC_`` prefix, or ``syncserver serve`` flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from syncwire import get_codec
+
+Outer = Literal["avg", "diloco"]
+
+
+class HubSettings(BaseSettings):
+    """Everything the hub can be told. Per-run values (codec, outer optimizer, min_peers,
+    round timeout) are only defaults: the first peer of a run may choose its own."""
+
+    model_config = SettingsConfigDict(env_prefix="SYNC_", extra="ignore")
+
+    data_dir: Path = Field(Path("./syncserver-data"), description="Where versions, updates and state live.")
+    token: SecretStr | None = Field(
+        None, description="Bearer token required on every call but /healthz. Unset: an open hub."
+    )
+    min_peers: int = Field(1, ge=1, description="Updates a round needs before its deadline may close it.")
+    round_timeout: float = Field(
+        600.0, gt=0, description="Seconds after a round's first update before stragglers are dropped."
+    )
+    lease_seconds: float = Field(60.0, gt=0, description="A peer not heard from for this long is gone.")
+    max_body_bytes: int = Field(
+        8 * 1024**3, gt=0, description="Hard cap on any upload; the run's schema sets a tighter one."
+    )
+    long_poll_seconds: float = Field(20.0, gt=0, description="Longest a wait request is held open.")
+    keep_versions: int = Field(3, ge=1, description="Model versions (and round results) kept on disk.")
+    codec: str = Field("fp32", description="Default codec of new runs: fp32, bf16, int8, int4.")
+    outer: Outer = Field("avg", description="Default outer optimizer of new runs.")
+    outer_lr: float = Field(0.7, gt=0, description="DiLoCo outer learning rate (default of new runs).")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="DiLoCo Nesterov momentum (default).")
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, value: str) -> str:
+        get_codec(value)  # raises ValueError with the list of codecs
+        return value
+
+    @model_validator(mode="after")
+    def _poll_within_lease(self) -> HubSettings:
+        # A peer blocked in a long poll must not look dead: the poll renews its lease, so the
+        # poll has to end (and be renewed) well within the lease.
+        if self.long_poll_seconds > self.lease_seconds / 2:
+            self.long_poll_seconds = self.lease_seconds / 2
+        return self
