@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel  # imported once here: lazy imports race in threads
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -106,11 +108,8 @@ def hub(hub_factory: Callable[..., Hub]) -> Hub:
     return hub_factory()
 
 
-def tiny_gpt2(seed: int = 0, **overrides: int):  # type: ignore[no-untyped-def]
+def tiny_gpt2(seed: int = 0, **overrides: int) -> GPT2LMHeadModel:
     """A randomly initialised GPT-2 small enough for a unit test (~40k parameters)."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256, n_positions=32,
                         bos_token_id=0, eos_token_id=0, **overrides)
