@@ -430,11 +430,13 @@ class SyncClient:
         )
 
     def _retrying(self) -> Retrying:
+        backoff = wait_exponential_jitter(multiplier=0.5, max=20.0, jitter=1.0)
+
         def wait(state: RetryCallState) -> float:
             exc = state.outcome.exception() if state.outcome else None
             if isinstance(exc, _Retry) and exc.retry_after is not None:
                 return min(exc.retry_after, 60.0)
-            return float(wait_exponential_jitter(initial=0.5, max=20.0)(state))
+            return float(backoff(state))
 
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None

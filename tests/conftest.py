@@ -51,9 +51,24 @@ class Hub:
     def start(self, timeout: float = 30.0) -> Hub:
         log = open(self.log_path, "ab")  # noqa: SIM115 (owned by the process)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "syncserver", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--data-dir", str(self.data_dir), "--log-level", "warning", *self.args],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "syncserver",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(self.data_dir),
+                "--log-level",
+                "warning",
+                *self.args,
+            ],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -89,12 +104,15 @@ def hub_factory(tmp_path: Path) -> Iterator[Callable[..., Hub]]:
     """``hub_factory("--min-peers", "2", env={"SYNC_TOKEN": "t"})`` -> a started Hub."""
     hubs: list[Hub] = []
 
-    def make(*args: str, env: dict[str, str] | None = None, data_dir: Path | None = None,
-             start: bool = True) -> Hub:
+    def make(
+        *args: str, env: dict[str, str] | None = None, data_dir: Path | None = None, start: bool = True
+    ) -> Hub:
         n = len(hubs)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
         full_env.update(env or {})
-        hub = Hub(data_dir or tmp_path / f"hub{n}", free_port(), list(args), full_env, tmp_path / f"hub{n}.log")
+        hub = Hub(
+            data_dir or tmp_path / f"hub{n}", free_port(), list(args), full_env, tmp_path / f"hub{n}.log"
+        )
         hubs.append(hub)
         return hub.start() if start else hub
 
@@ -111,6 +129,6 @@ def hub(hub_factory: Callable[..., Hub]) -> Hub:
 def tiny_gpt2(seed: int = 0, **overrides: int) -> GPT2LMHeadModel:
     """A randomly initialised GPT-2 small enough for a unit test (~40k parameters)."""
     torch.manual_seed(seed)
-    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256, n_positions=32,
-                        bos_token_id=0, eos_token_id=0, **overrides)
+    shape = {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 32, **overrides}
+    config = GPT2Config(bos_token_id=0, eos_token_id=0, **shape)
     return GPT2LMHeadModel(config)

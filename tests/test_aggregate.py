@@ -1,0 +1,69 @@
+"""The round maths against hand-computed values (tiny arrays, like Flower's aggregate_test)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from syncserver.aggregate import diloco_step, fold, outer_step, weighted_mean
+
+
+def test_weighted_mean_by_samples() -> None:
+    a = np.array([1.0, 2.0], np.float32)
+    b = np.array([4.0, -2.0], np.float32)
+    # (1*1 + 3*4) / 4 = 3.25 ; (1*2 + 3*-2) / 4 = -1
+    np.testing.assert_array_equal(weighted_mean([a, b], [1, 3]), np.array([3.25, -1.0], np.float32))
+
+
+def test_fold_is_in_place_and_checks_inputs() -> None:
+    acc = np.zeros(2, np.float32)
+    fold(acc, np.array([1.0, 2.0], np.float32), 2)
+    np.testing.assert_array_equal(acc, [2.0, 4.0])
+    with pytest.raises(ValueError, match="shape"):
+        fold(acc, np.zeros(3, np.float32), 1)
+    with pytest.raises(ValueError, match="positive"):
+        fold(acc, np.zeros(2, np.float32), 0)
+
+
+def test_weighted_mean_rejects_bad_weights() -> None:
+    with pytest.raises(ValueError):
+        weighted_mean([], [])
+    with pytest.raises(ValueError):
+        weighted_mean([np.zeros(1, np.float32)], [-1])
+
+
+def test_diloco_two_nesterov_steps_by_hand() -> None:
+    lr, mu = 0.7, 0.9
+    m = np.zeros(1, np.float32)
+    # step 1: mean delta 1.0 -> g = -1; m = -1; update = -0.7 * (-1 + 0.9 * -1) = 1.33
+    u1, m = diloco_step(np.array([1.0], np.float32), m, lr=lr, mu=mu)
+    np.testing.assert_allclose(u1, [1.33], rtol=1e-6)
+    np.testing.assert_allclose(m, [-1.0])
+    # step 2: mean delta 0.5 -> g = -0.5; m = 0.9 * -1 - 0.5 = -1.4; update = -0.7 * (-0.5 - 1.26) = 1.232
+    u2, m = diloco_step(np.array([0.5], np.float32), m, lr=lr, mu=mu)
+    np.testing.assert_allclose(m, [-1.4], rtol=1e-6)
+    np.testing.assert_allclose(u2, [1.232], rtol=1e-6)
+
+
+def test_diloco_matches_torch_sgd_nesterov() -> None:
+    torch = pytest.importorskip("torch")
+    p = torch.zeros(3, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
+    m = np.zeros(3, np.float32)
+    ours = np.zeros(3, np.float32)
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        mean = rng.standard_normal(3).astype(np.float32)
+        p.grad = torch.from_numpy(-mean)  # pseudo-gradient
+        opt.step()
+        update, m = diloco_step(mean, m, lr=0.7, mu=0.9)
+        ours += update
+    np.testing.assert_allclose(ours, p.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_outer_step_plain_average_is_the_mean() -> None:
+    mean = np.array([0.25], np.float32)
+    update, momentum = outer_step("avg", mean, None, lr=0.7, mu=0.9)
+    assert update is mean and momentum is None
+    with pytest.raises(ValueError, match="unknown outer"):
+        outer_step("adam", mean, None, lr=1, mu=0)

@@ -1,0 +1,175 @@
+"""Peers and a real hub, end to end: identical weights, the exact weighted mean, ties kept."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+
+from syncclient import SchemaMismatch, SyncClient
+from syncclient._model import ModelView
+from syncserver.aggregate import diloco_step
+from tests.conftest import Hub, tiny_gpt2
+
+
+def run_peers(n: int, body: Callable[[int], Any]) -> list[Any]:
+    """Run ``body(i)`` for n peers in threads; re-raise the first failure."""
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def target(i: int) -> None:
+        try:
+            results[i] = body(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def hub_model(hub: Hub, run: str) -> dict[str, np.ndarray]:
+    r = httpx.get(f"{hub.url}/v1/runs/{run}/model")
+    r.raise_for_status()
+    return safetensors.numpy.load(r.content)
+
+
+def train_a_little(model: torch.nn.Module, seed: int, steps: int = 2) -> None:
+    """Real optimizer steps on random tokens, different per peer."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        ids = torch.randint(0, 256, (4, 16), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16"])
+def test_three_peers_hold_the_exact_weighted_mean(hub: Hub, codec: str) -> None:
+    rounds, n = 3, 3
+    snapshots: dict[tuple[int, int], dict[str, np.ndarray]] = {}  # (round, peer) -> float64 delta
+    bases: dict[int, dict[str, np.ndarray]] = {}
+    after: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+    samples = [5, 11, 17]
+
+    def peer(i: int) -> bool:
+        model = tiny_gpt2(seed=100 + i)  # different inits: everyone must still start from version 0
+        client = SyncClient(
+            hub.url, run=f"e2e-{codec}", peer=f"peer-{i}", min_peers=n, codec=codec, retry_seconds=20
+        )
+        client.join(model)
+        view = ModelView(model)
+        for r in range(rounds):
+            base = {k: v.astype(np.float64) for k, v in view.export().items()}
+            bases.setdefault(r, base)
+            train_a_little(model, seed=1000 * r + i)
+            snapshots[r, i] = {k: v.astype(np.float64) - base[k] for k, v in view.export().items()}
+            result = client.sync(model, samples=samples[i], metrics={"loss": 1.0})
+            assert result.version == r + 1 and not result.caught_up
+            after[r, i] = {k: v.copy() for k, v in view.export().items()}
+        tied = model.lm_head.weight is model.transformer.wte.weight
+        client.leave()
+        return tied
+
+    assert all(run_peers(n, peer)), "GPT-2's lm_head must stay tied to wte"
+    final = hub_model(hub, f"e2e-{codec}")
+    assert "lm_head.weight" not in final and "transformer.wte.weight" in final  # the tie travels once
+    for r in range(rounds):
+        # every peer bit-identical to every other
+        for i in range(1, n):
+            for name, value in after[r, 0].items():
+                assert np.array_equal(value, after[r, i][name]), (r, i, name)
+        # equal to an independent float64 weighted mean (fp32 exactly up to rounding; bf16 up to its precision)
+        total = sum(samples)
+        for name, value in after[r, 0].items():
+            mean = sum(samples[i] * snapshots[r, i][name] for i in range(n)) / total
+            expected = bases[r][name] + mean
+            # bf16: each peer's delta and the merged update are rounded (relative 2^-8 per value), and
+            # error feedback moves what a round dropped into the next one: a few ulps of the largest delta
+            largest = max(np.abs(snapshots[r, i][name]).max() for i in range(n))
+            tol = 1e-6 if codec == "fp32" else 4 * 2**-8 * largest + 1e-6
+            np.testing.assert_allclose(value, expected, rtol=0, atol=tol, err_msg=name)
+    # and equal to the hub's own version, bit for bit
+    for name, value in after[rounds - 1, 0].items():
+        assert np.array_equal(value, final[name]), name
+
+
+def test_diloco_outer_optimizer_end_to_end(hub: Hub) -> None:
+    n, rounds, lr, mu = 2, 2, 0.5, 0.8
+    deltas: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+    start: dict[str, np.ndarray] = {}
+    finals: list[dict[str, np.ndarray]] = []
+
+    def peer(i: int) -> None:
+        model = tiny_gpt2(seed=i)
+        client = SyncClient(
+            hub.url, run="diloco", peer=f"p{i}", min_peers=n, outer="diloco", outer_lr=lr, outer_momentum=mu
+        )
+        info = client.join(model)
+        assert info.outer == "diloco"
+        view = ModelView(model)
+        if i == 0:
+            start.update({k: v.astype(np.float64) for k, v in view.export().items()})
+        for r in range(rounds):
+            base = {k: v.astype(np.float64) for k, v in view.export().items()}
+            train_a_little(model, seed=10 * r + i)
+            deltas[r, i] = {k: v - base[k] for k, v in view.export().items()}
+            client.sync(model, samples=1)
+        finals.append({k: v.copy() for k, v in view.export().items()})
+        client.leave()
+
+    run_peers(n, peer)
+    for name, x0 in start.items():
+        x, m = x0.copy(), np.zeros_like(x0)
+        for r in range(rounds):
+            mean = (deltas[r, 0][name] + deltas[r, 1][name]) / 2
+            update, m = diloco_step(mean, m, lr=lr, mu=mu)
+            x = x + update
+        np.testing.assert_allclose(finals[0][name], x, atol=1e-5, err_msg=name)
+        assert np.array_equal(finals[0][name], finals[1][name])
+
+
+def test_concurrent_joiners_elect_one_initialiser(hub: Hub) -> None:
+    """Eight peers join at the same instant: exactly one uploads version 0, all end identical."""
+    n = 8
+    barrier = threading.Barrier(n)
+
+    def peer(i: int) -> dict[str, np.ndarray]:
+        model = tiny_gpt2(seed=i)
+        client = SyncClient(hub.url, run="race", peer=f"racer-{i}", min_peers=n)
+        barrier.wait()
+        info = client.join(model)
+        assert info.world_size == n and info.rank == sorted(f"racer-{j}" for j in range(n)).index(
+            f"racer-{i}"
+        )
+        client.leave()
+        return {k: v.copy() for k, v in ModelView(model).export().items()}
+
+    weights = run_peers(n, peer)
+    for w in weights[1:]:
+        assert all(np.array_equal(w[k], weights[0][k]) for k in w)
+    assert hub.log().count("version 0 from") <= 1  # logged once (warnings only at this log level)
+    status = httpx.get(f"{hub.url}/v1/runs/race").json()
+    assert status["version"] == 0 and status["world_size"] == n
+
+
+def test_schema_mismatch_is_a_clear_error(hub: Hub) -> None:
+    first = SyncClient(hub.url, run="mismatch", peer="p0")
+    first.join(tiny_gpt2(seed=0))
+    other = SyncClient(hub.url, run="mismatch", peer="p1")
+    with pytest.raises(SchemaMismatch, match="shape differs"):
+        other.join(tiny_gpt2(seed=0, n_embd=64))
+    first.leave()
