@@ -362,6 +362,8 @@ class SyncClient:
         sent = err = norm = 0.0
         for name, x in local.items():
             delta = x - self._base[name]
+            if not np.isfinite(delta).all():
+                raise SyncError(f"tensor {name!r} holds NaN or Inf: the update was not sent (training diverged?)")
             if not codec.lossless:
                 if self._residual is None:
                     self._residual = {}

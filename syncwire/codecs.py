@@ -81,7 +81,7 @@ class Fp32(Codec):
         return {"": ("F32", shape)}
 
     def encode(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        return {"": np.ascontiguousarray(x, dtype=np.float32)}
+        return {"": np.asarray(x, dtype=np.float32, order="C")}
 
     def decode(self, parts: Mapping[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
         return np.array(parts[""], dtype=np.float32).reshape(shape)
@@ -100,7 +100,7 @@ class Bf16(Codec):
         return {"": ("BF16", shape)}
 
     def encode(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        bits = np.asarray(x, dtype=np.float32, order="C").view(np.uint32)
         rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
         return {"": rounded.astype(np.uint16)}
 
@@ -153,9 +153,7 @@ def _wire_name(name: str, suffix: str) -> str:
 def wire_layout(codec: Codec, schema: Schema) -> Layout:
     """Every wire tensor a body encoded with ``codec`` must hold, with dtype and shape."""
     return {
-        _wire_name(name, suffix): spec
-        for name, shape in schema.items()
-        for suffix, spec in codec.layout(shape).items()
+        _wire_name(name, suffix): spec for name, shape in schema.items() for suffix, spec in codec.layout(shape).items()
     }
 
 
@@ -183,9 +181,7 @@ def check_layout(infos: Mapping[str, TensorInfo], expected: Layout) -> None:
             )
 
 
-def encode_model(
-    codec: Codec, arrays: Mapping[str, np.ndarray]
-) -> Iterator[tuple[str, str, np.ndarray, str]]:
+def encode_model(codec: Codec, arrays: Mapping[str, np.ndarray]) -> Iterator[tuple[str, str, np.ndarray, str]]:
     """Encode tensor by tensor: yield ``(name, wire name, wire array, dtype)``."""
     for name, x in arrays.items():
         layout = codec.layout(x.shape)
@@ -193,9 +189,7 @@ def encode_model(
             yield name, _wire_name(name, suffix), part, layout[suffix][0]
 
 
-def decode_tensor(
-    codec: Codec, wire: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...]
-) -> np.ndarray:
+def decode_tensor(codec: Codec, wire: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Decode tensor ``name`` from a mapping of wire tensors (e.g. a memory-mapped file)."""
     parts = {suffix: wire[_wire_name(name, suffix)] for suffix in codec.layout(shape)}
     return codec.decode(parts, shape)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -110,7 +111,7 @@ def iter_chunks(
     chunk_bytes: int = CHUNK_BYTES,
 ) -> Iterator[memoryview | bytes]:
     """Yield a safetensors file as chunks of at most ``chunk_bytes``, copying no tensor."""
-    items = [(n, np.ascontiguousarray(a), d or _dtype_name(a)) for n, a, d in tensors]
+    items = [(n, np.asarray(a, order="C"), d or _dtype_name(a)) for n, a, d in tensors]
     head, _ = encode_header(((n, d, a.shape) for n, a, d in items), metadata)
     yield head
     for _, array, _ in items:
@@ -146,8 +147,8 @@ def parse_header(raw: bytes) -> tuple[dict[str, TensorInfo], dict[str, str], int
         obj = json.loads(raw[8 : 8 + n], object_pairs_hook=_reject_duplicates)
     except FormatError:
         raise
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"header is not valid JSON: {exc}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise FormatError(f"header is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise FormatError("header is not a JSON object")
     metadata = obj.pop("__metadata__", None) or {}
@@ -160,8 +161,8 @@ def parse_header(raw: bytes) -> tuple[dict[str, TensorInfo], dict[str, str], int
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise FormatError(f"tensor {name!r}: entry must have dtype, shape and data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in DTYPES:
-            raise FormatError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise FormatError(f"tensor {name!r}: unsupported dtype {str(dtype)[:40]!r}")
         if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape
         ):
@@ -222,6 +223,8 @@ def read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             raise FormatError(f"{path}: header of {n} bytes is over the limit")
         infos, metadata, size = parse_header(prefix + f.read(n))
     base = 8 + n
+    if os.path.getsize(path) != base + size:
+        raise FormatError(f"{path}: {os.path.getsize(path) - base} data bytes, the header describes {size}")
     if size == 0:
         return {name: np.zeros(i.shape, i.numpy_dtype) for name, i in infos.items()}, metadata
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=base, shape=(size,))
