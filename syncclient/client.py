@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import numpy as np
@@ -471,7 +471,7 @@ class SyncClient:
             for attempt in self._retrying():
                 with attempt:
                     response = self._http.request(
-                        method, path, content=content() if content else None, **kwargs
+                        method, path, content=cast("Iterator[bytes]", content()) if content else None, **kwargs
                     )
                     if response.status_code in _RETRY_STATUS:
                         raise _Retry(response)

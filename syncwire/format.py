@@ -115,7 +115,7 @@ def iter_chunks(
     head, _ = encode_header(((n, d, a.shape) for n, a, d in items), metadata)
     yield head
     for _, array, _ in items:
-        view = memoryview(array.reshape(-1).view(np.uint8))
+        view = array.reshape(-1).view(np.uint8).data
         for i in range(0, len(view), chunk_bytes):
             yield view[i : i + chunk_bytes]
 
@@ -260,7 +260,9 @@ class StreamReader:
             self._data += view
             if not self._header.feed(view):
                 return
-            infos, self.metadata, _ = self._header.result  # type: ignore[misc]
+            result = self._header.result
+            assert result is not None
+            infos, self.metadata, _ = result
             ordered = sorted(infos.values(), key=lambda i: i.start)
             self._buffers = [(i, np.empty(i.end - i.start, np.uint8)) for i in ordered]
             view = memoryview(bytes(self._data[self._header.header_bytes :]))
