@@ -1,0 +1,36 @@
+# Two commands matter (README's Quickstart):  make quickstart   and   make test
+# Both install into .venv first. torch==2.13.0 goes in before anything that depends on torch,
+# so pip takes the CPU wheel on disk and never pulls a multi-GB CUDA build.
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+DATA ?= ../shared/data
+OUT ?= out/quickstart
+
+.PHONY: install quickstart test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+quickstart: install
+	$(BIN)/python train/finetune_gpt2.py --local-peers 2 --model-config small \
+		--dataset $(DATA)/imdb --tokenizer $(DATA)/gpt2-tokenizer --output-dir $(OUT) \
+		--train-samples 4000 --val-samples 500 --test-samples 500 --epochs 1 --sync-every 25 --eval-every 25
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: install lint
+	bash .ci/install-chromium.sh
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) out artifacts .pytest_cache .mypy_cache .ruff_cache
