@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from syncserver import __version__
 from syncserver.coordinator import Coordinator
@@ -77,6 +78,15 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
         ]
         detail = "; ".join(f"{e['where']}: {e['problem']}" for e in errors)
         return JSONResponse({"error": "invalid_request", "detail": detail, "errors": errors}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own refusals (no such route, wrong method) in the same shape as ours, so
+        # that a client can read any error, e.g. a run name with a "/" in it that matched nothing
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse(
+            {"error": code, "detail": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers
+        )
 
     @app.get("/healthz", summary="Liveness probe (no auth)")
     def healthz() -> dict[str, str]:

@@ -55,6 +55,8 @@ __all__ = ["Coordinator", "PeerState", "RunConfig", "Ticket"]
 log = logging.getLogger(__name__)
 
 CONFIG_FIELDS = ("codec", "outer", "outer_lr", "outer_momentum", "min_peers", "round_timeout")
+MAX_SAMPLES = 2**53  # an update's weight: exact as a float, and it fits sqlite's INTEGER
+HEADER_SLACK = 64 * 1024  # bytes an update's safetensors header may exceed twice the run's own
 
 
 class PeerState(str, Enum):
@@ -419,8 +421,8 @@ class Coordinator:
         """Check an update may be sent before its body is read; a repeat gets its old ack."""
         run = self.run(run_name)
         self._peer(run, peer_name)
-        if samples < 1:
-            raise InvalidUpdate(f"samples must be a positive count, got {samples}")
+        if not 1 <= samples <= MAX_SAMPLES:
+            raise InvalidUpdate(f"samples must be a count from 1 to {MAX_SAMPLES}, got {samples}")
         repeat = self._acknowledged(run, round_, peer_name, digest)
         if repeat is not None:
             return repeat
@@ -431,7 +433,11 @@ class Coordinator:
         def check(infos: dict[str, TensorInfo]) -> None:
             check_layout(infos, layout)
 
-        max_bytes = min(8 + MAX_HEADER_BYTES + layout_bytes(layout), self.settings.max_body_bytes)
+        # the header may be a few times the size of the run's own (other writers pad it, add
+        # metadata), not the format's 8 MiB cap: a small run's limit stays small
+        own_header, _ = encode_header((name, dtype, shape) for name, (dtype, shape) in layout.items())
+        header_cap = min(MAX_HEADER_BYTES, 2 * len(own_header) + HEADER_SLACK)
+        max_bytes = min(8 + header_cap + layout_bytes(layout), self.settings.max_body_bytes)
         return Ticket(run_name, round_, peer_name, digest, samples, metrics, max_bytes, check)
 
     def _acknowledged(self, run: Run, round_: int, peer: str, digest: str) -> dict[str, Any] | None:

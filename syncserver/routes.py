@@ -6,6 +6,7 @@ one handler in :func:`syncserver.app.create_app`.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -92,25 +93,42 @@ def parse_metrics(value: str | None) -> dict[str, float]:
         raise BadRequest("X-Sync-Metrics is over 4096 bytes")
     try:
         metrics = json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: "[[[[...": 4096 bytes nest deep enough
         raise BadRequest("X-Sync-Metrics must be a JSON object of numbers") from None
     if not isinstance(metrics, dict) or not all(
-        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and _finite(v)
         for k, v in metrics.items()
     ):
         raise BadRequest("X-Sync-Metrics must be a JSON object of finite numbers")
     return {k: float(v) for k, v in metrics.items()}
 
 
+def _finite(value: float) -> bool:
+    """``math.isfinite`` that says False for a JSON integer too big for a float (400 digits)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+DRAIN_IDLE_SECONDS = 2.0
+
+
 async def _drain(request: Request, limit: int) -> None:
-    """Read and drop the rest of a refused body so the client sees our answer, not a reset."""
+    """Read and drop the rest of a refused body so the client sees our answer, not a reset.
+
+    Bounded both ways: a body declared over ``limit`` is not read at all, and a client that
+    stops sending for ``DRAIN_IDLE_SECONDS`` (say its Content-Length promised more bytes than
+    it sent) gets the answer then, instead of holding the request open forever.
+    """
     declared = int(request.headers.get("content-length") or 0)
     if declared > limit:
         return
+    chunks = request.stream().__aiter__()
     try:
-        async for _ in request.stream():
-            pass
-    except (ClientDisconnect, RuntimeError):
+        while True:
+            await asyncio.wait_for(chunks.__anext__(), DRAIN_IDLE_SECONDS)
+    except (StopAsyncIteration, asyncio.TimeoutError, ClientDisconnect, RuntimeError):
         pass
 
 
