@@ -17,7 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from syncserver import __version__
 from syncserver.coordinator import Coordinator
 from syncserver.errors import HubError
-from syncserver.routes import router
+from syncserver.metrics import HubMetrics
+from syncserver.metrics import router as metrics_router
+from syncserver.routes import router, view_router
 from syncserver.settings import HubSettings
 from syncserver.store import Store
 
@@ -39,12 +41,14 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
     """Build a hub. Its state lives in ``settings.data_dir`` and is recovered on start."""
     settings = settings or HubSettings()
     _configure_logging()
+    metrics = HubMetrics()  # one registry per app: tests build many apps in one process
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = Store(settings.data_dir)
         coordinator = Coordinator(settings, store)
         await coordinator.start()
+        metrics.attach(coordinator)
         app.state.coordinator = coordinator
         log.info(
             "hub ready: data in %s, %s",
@@ -64,14 +68,17 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.metrics = metrics
 
     @app.exception_handler(HubError)
     async def hub_error(request: Request, exc: HubError) -> JSONResponse:
+        metrics.rejected_upload(request, exc.code)
         headers = {"Retry-After": str(exc.extra["retry_after"])} if "retry_after" in exc.extra else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.rejected_upload(request, "invalid_request")
         errors = [
             {"where": ".".join(str(p) for p in e.get("loc", ())), "problem": e.get("msg", "")}
             for e in exc.errors()
@@ -92,7 +99,9 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
 
+    app.include_router(view_router)
     app.include_router(router)
+    app.include_router(metrics_router)
     return app
 
 

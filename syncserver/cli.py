@@ -21,8 +21,13 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     data_dir: Annotated[Optional[Path], typer.Option(help="SYNC_DATA_DIR: where state lives.")] = None,  # noqa: UP045
     token: Annotated[
-        Optional[str], typer.Option(help="SYNC_TOKEN: bearer token (prefer the env var).")
-    ] = None,  # noqa: UP045
+        Optional[str],  # noqa: UP045
+        typer.Option(help="SYNC_TOKEN: bearer token (prefer the env var)."),
+    ] = None,
+    view_token: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="SYNC_VIEW_TOKEN: read-only token for the dashboard, status and /metrics."),
+    ] = None,
     min_peers: Annotated[Optional[int], typer.Option(help="SYNC_MIN_PEERS.")] = None,  # noqa: UP045
     round_timeout: Annotated[Optional[float], typer.Option(help="SYNC_ROUND_TIMEOUT, seconds.")] = None,  # noqa: UP045
     lease_seconds: Annotated[Optional[float], typer.Option(help="SYNC_LEASE_SECONDS.")] = None,  # noqa: UP045
@@ -43,6 +48,7 @@ def serve(
     given = {
         "data_dir": data_dir,
         "token": token,
+        "view_token": view_token,
         "min_peers": min_peers,
         "round_timeout": round_timeout,
         "lease_seconds": lease_seconds,

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 CONFIG_FIELDS = ("codec", "outer", "outer_lr", "outer_momentum", "min_peers", "round_timeout")
 MAX_SAMPLES = 2**53  # an update's weight: exact as a float, and it fits sqlite's INTEGER
 HEADER_SLACK = 64 * 1024  # bytes an update's safetensors header may exceed twice the run's own
+DOWNLOADS_KEPT = 64  # rounds whose result download spans are remembered (the dashboard's timeline)
 
 
 class PeerState(str, Enum):
@@ -121,6 +122,8 @@ class Run:
     fold_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     live_set: frozenset[str] = frozenset()
+    # round -> peer -> (wall time its result download began, ended); in memory, bounded
+    downloads: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
 
     def notify(self) -> None:
         """Wake every waiter of this run (they re-check what they wait for)."""
@@ -155,8 +158,12 @@ class Coordinator:
         self.runs: dict[str, Run] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        # observers (metrics, dashboard): called with (run, round record) after each publish
+        # observers (metrics, dashboard), called on the event loop; they must be cheap:
+        # (run, round record) after each publish, (run, update) after each acknowledgement,
+        # (run, round, peer, seconds) after a peer fetched a round's result
         self.on_round: list[Callable[[Run, RoundRecord], None]] = []
+        self.on_update: list[Callable[[Run, UpdateRecord], None]] = []
+        self.on_download: list[Callable[[Run, int, str, float], None]] = []
 
     # ---- life ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -179,12 +186,7 @@ class Coordinator:
                     run.deadline = time.monotonic() + config.round_timeout
             run.live_set = self._live(run)
             self.runs[run.name] = run
-            log.info(
-                "run %s: recovered at version %d with %d update(s) pending",
-                run.name,
-                run.version,
-                len(run.acked),
-            )
+            log.info("run_recovered run=%s version=%d pending=%d", run.name, run.version, len(run.acked))
         self._ticker = asyncio.create_task(self._tick_forever())
 
     async def stop(self) -> None:
@@ -214,14 +216,10 @@ class Coordinator:
         if live != run.live_set:
             for name in run.live_set - live:
                 if not run.peers[name].left:
-                    log.warning(
-                        "run %s: peer %s missed its lease and is no longer waited for", run.name, name
-                    )
+                    log.warning("peer_gone run=%s peer=%s reason=lease_expired", run.name, name)
             run.live_set = live
             if run.init_claim and run.init_claim not in live:
-                log.warning(
-                    "run %s: initialiser %s is gone; another peer will initialise", run.name, run.init_claim
-                )
+                log.warning("initialiser_gone run=%s peer=%s", run.name, run.init_claim)
                 run.init_claim = None
             run.notify()
         self._maybe_close(run)
@@ -245,7 +243,7 @@ class Coordinator:
         peer.last_seen = time.monotonic()
         if name not in run.live_set:
             run.live_set = run.live_set | {name}
-            log.info("run %s: peer %s is back", run.name, name)
+            log.info("peer_back run=%s peer=%s", run.name, name)
         return peer
 
     # ---- joining -------------------------------------------------------------------------
@@ -268,7 +266,7 @@ class Coordinator:
             if run.sealed:
                 peer.rank = run.world_size()
             run.peers[peer_name] = peer
-            log.info("run %s: peer %s joined", run_name, peer_name)
+            log.info("peer_joined run=%s peer=%s rank=%s", run_name, peer_name, peer.rank)
         else:
             peer.left = False
             peer.last_seen = time.monotonic()
@@ -276,7 +274,7 @@ class Coordinator:
             # and is waited for from the next round on, like any new peer
             if run.acked or run.closing:
                 peer.active_from = max(peer.active_from, run.version + 1)
-            log.info("run %s: peer %s joined again", run_name, peer_name)
+            log.info("peer_rejoined run=%s peer=%s rank=%s", run_name, peer_name, peer.rank)
         self.store.save_peer(run_name, peer.record())
         run.live_set = run.live_set | {peer_name}
         self._maybe_seal(run)
@@ -294,7 +292,7 @@ class Coordinator:
         self.store.create_run(name, config.__dict__)
         run = Run(name, config, codec)
         self.runs[name] = run
-        log.info("run %s: created (%s)", name, config)
+        log.info("run_created run=%s %s", name, " ".join(f"{k}={v}" for k, v in config.__dict__.items()))
         return run
 
     def _maybe_seal(self, run: Run) -> None:
@@ -308,7 +306,7 @@ class Coordinator:
             run.peers[name].rank = rank
         self.store.seal(run.name, ranks)
         run.sealed = True
-        log.info("run %s: started with %d peers: %s", run.name, len(members), ", ".join(members))
+        log.info("run_started run=%s peers=%d members=%s", run.name, len(members), ",".join(members))
         run.notify()
 
     def _start_state(self, run: Run, peer: Peer) -> dict[str, Any]:
@@ -388,11 +386,7 @@ class Coordinator:
             raise disk_error(exc) from exc
         run.schema, run.version, run.init_claim = schema, 0, None
         log.info(
-            "run %s: version 0 from %s (%d tensors, %d bytes)",
-            run.name,
-            ticket.peer,
-            len(schema),
-            received.nbytes,
+            "version0 run=%s peer=%s tensors=%d bytes=%d", run.name, ticket.peer, len(schema), received.nbytes
         )
         self._maybe_seal(run)
         run.notify()
@@ -410,7 +404,7 @@ class Coordinator:
         peer.left = True
         self.store.save_peer(run.name, peer.record())
         run.live_set = run.live_set - {peer_name}
-        log.info("run %s: peer %s left", run.name, peer_name)
+        log.info("peer_left run=%s peer=%s", run.name, peer_name)
         run.notify()
         self._maybe_close(run)
 
@@ -530,7 +524,7 @@ class Coordinator:
         peer.samples += ticket.samples
         peer.bytes_up += received.nbytes
         log.info(
-            "run %s: round %d: update from %s (%d samples, %.1f MB in %.2fs)",
+            "update_acked run=%s round=%d peer=%s samples=%d mb=%.3f upload_s=%.3f",
             run.name,
             ticket.round,
             ticket.peer,
@@ -538,6 +532,8 @@ class Coordinator:
             received.nbytes / 1e6,
             received.seconds,
         )
+        for observer in self.on_update:
+            observer(run, update)
         await self._fold_pending(run)
         self._maybe_close(run)
         return self._ack(update)
@@ -600,7 +596,7 @@ class Coordinator:
             )
             self.store.commit_round(run.name, record)
         except Exception:
-            log.exception("run %s: closing round %d failed; will retry", run.name, round_)
+            log.exception("round_close_failed run=%s round=%d (will retry)", run.name, round_)
             run.closing = False
             run.notify()
             return
@@ -609,16 +605,18 @@ class Coordinator:
         run.opened = run.deadline = None
         run.closing = False
         for name in dropped:
-            log.warning("run %s: round %d closed without %s (late)", run.name, round_, name)
+            log.warning("straggler_dropped run=%s round=%d peer=%s", run.name, round_, name)
         log.info(
-            "run %s: round %d closed -> version %d: %d peer(s), %d samples, %.1f MB in, fold %.2fs, merge %.2fs, "
-            "%.2fs since first update",
+            "round_closed run=%s round=%d version=%d peers=%d dropped=%d samples=%d mb_in=%.3f mb_out=%.3f "
+            "fold_s=%.3f merge_s=%.3f wall_s=%.3f",
             run.name,
             round_,
             run.version,
             len(record.participants),
+            len(record.dropped),
             record.samples,
             record.bytes_in / 1e6,
+            record.result_bytes / 1e6,
             record.timings["fold"],
             record.timings["merge"],
             record.closed - record.opened,
@@ -718,6 +716,20 @@ class Coordinator:
         run = self.runs.get(run_name)
         if run and peer_name in run.peers:
             run.peers[peer_name].bytes_down += nbytes
+
+    def record_download(self, run_name: str, round_: int, peer_name: str | None, began: float) -> None:
+        """A peer has received round ``round_``'s whole result (called once the response is sent):
+        the last phase of its round, for the dashboard's timeline and the metrics."""
+        run = self.runs.get(run_name)
+        if run is None or peer_name not in run.peers:
+            return
+        assert peer_name is not None
+        ended = time.time()
+        run.downloads.setdefault(round_, {})[peer_name] = (began, ended)
+        while len(run.downloads) > DOWNLOADS_KEPT:
+            del run.downloads[min(run.downloads)]
+        for observer in self.on_download:
+            observer(run, round_, peer_name, ended - began)
 
     # ---- status --------------------------------------------------------------------------
     def peer_state(self, run: Run, peer: Peer) -> PeerState:

@@ -12,11 +12,13 @@ import binascii
 import json
 import math
 import secrets
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from syncserver.coordinator import Coordinator, Ticket
@@ -36,20 +38,36 @@ def hub(request: Request) -> Coordinator:
     return coordinator
 
 
+def _bearer_is(authorization: str | None, secret: SecretStr | None) -> bool:
+    """Constant-time comparison of a ``Bearer`` header with a secret."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return (
+        secret is not None
+        and scheme.lower() == "bearer"
+        and secrets.compare_digest(given.encode(), secret.get_secret_value().encode())
+    )
+
+
 def authenticate(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
     """Bearer token check in constant time; an open hub (no token set) lets everyone in."""
     token = request.app.state.settings.token
-    if token is None:
-        return
-    scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(
-        given.encode(), token.get_secret_value().encode()
+    if token is not None and not _bearer_is(authorization, token):
+        raise Unauthorized("missing or wrong bearer token")
+
+
+def authenticate_view(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+    """Read-only endpoints (run status, dashboard data, metrics) also take ``SYNC_VIEW_TOKEN``:
+    it can watch a run but not join it, send updates, renew leases or download weights."""
+    settings = request.app.state.settings
+    if settings.token is not None and not (
+        _bearer_is(authorization, settings.token) or _bearer_is(authorization, settings.view_token)
     ):
         raise Unauthorized("missing or wrong bearer token")
 
 
 Hub = Annotated[Coordinator, Depends(hub)]
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+view_router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate_view)])
 
 
 class JoinRequest(BaseModel):
@@ -150,12 +168,12 @@ async def _receive(request: Request, hub: Coordinator, ticket: Ticket) -> Any:
     return received
 
 
-@router.get("/runs", summary="List runs")
+@view_router.get("/runs", summary="List runs")
 async def list_runs(hub: Hub) -> list[dict[str, Any]]:
     return hub.list_runs()
 
 
-@router.get("/runs/{run}", summary="A run's state: config, version, peers, open round, recent rounds")
+@view_router.get("/runs/{run}", summary="A run's state: config, version, peers, open round, recent rounds")
 async def run_status(run: RunName, hub: Hub) -> dict[str, Any]:
     return hub.status(run)
 
@@ -248,7 +266,11 @@ async def get_result(
         return Response(status_code=204)
     etag = f'"{run}-r{round}"'
     response = FileResponse(
-        path, media_type="application/octet-stream", headers={"ETag": etag, "X-Sync-Version": str(round + 1)}
+        path,
+        media_type="application/octet-stream",
+        headers={"ETag": etag, "X-Sync-Version": str(round + 1)},
+        # runs once the whole body is sent: the end of the peer's download phase
+        background=BackgroundTask(_downloaded, hub, run, round, peer, time.time()),
     )
     hub.count_download(run, peer, _served_bytes(request, path.stat().st_size))
     return response
@@ -269,6 +291,12 @@ async def get_model(
         media_type="application/octet-stream",
         headers={"ETag": f'"{run}-v{version}"', "X-Sync-Version": str(version)},
     )
+
+
+async def _downloaded(hub: Coordinator, run: str, round_: int, peer: str | None, began: float) -> None:
+    # async so that Starlette runs it on the event loop (a sync task would go to a worker
+    # thread, and the coordinator's state is touched from the event loop only)
+    hub.record_download(run, round_, peer, began)
 
 
 def _served_bytes(request: Request, size: int) -> int:

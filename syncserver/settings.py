@@ -23,6 +23,11 @@ class HubSettings(BaseSettings):
     token: SecretStr | None = Field(
         None, description="Bearer token required on every call but /healthz. Unset: an open hub."
     )
+    view_token: SecretStr | None = Field(
+        None,
+        description="Read-only bearer token: run status, the dashboard's data and /metrics accept it, "
+        "nothing that changes state or serves weights does. Needs SYNC_TOKEN.",
+    )
     min_peers: int = Field(1, ge=1, description="Updates a round needs before its deadline may close it.")
     round_timeout: float = Field(
         600.0, gt=0, description="Seconds after a round's first update before stragglers are dropped."
@@ -43,6 +48,12 @@ class HubSettings(BaseSettings):
     def _known_codec(cls, value: str) -> str:
         get_codec(value)  # raises ValueError with the list of codecs
         return value
+
+    @model_validator(mode="after")
+    def _view_token_needs_token(self) -> HubSettings:
+        if self.view_token is not None and self.token is None:
+            raise ValueError("SYNC_VIEW_TOKEN is set but SYNC_TOKEN is not: an open hub needs no view token")
+        return self
 
     @model_validator(mode="after")
     def _poll_within_lease(self) -> HubSettings:

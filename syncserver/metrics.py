@@ -1,0 +1,183 @@
+"""Prometheus metrics of one hub: ``GET /metrics`` (text format, prometheus-client).
+
+Each app gets its own :class:`~prometheus_client.CollectorRegistry` (tests build many apps in
+one process; the global registry would refuse the second). Two kinds of numbers:
+
+- **events** (counters, histograms) are fed by observers hooked into the coordinator: an
+  acknowledged update (upload seconds, samples), a closed round (fold, merge, straggler wait,
+  round wall time, stragglers dropped), a finished result download, and, from the app's
+  error handler, every refused update by reason;
+- **state** (version, peers by state, bytes up and down) is read from the coordinator at
+  scrape time by a custom collector, so it can never drift from what ``/v1/runs/{run}`` says.
+
+All names start with ``weightsync_``. Counters restart from zero when the hub restarts, as
+Prometheus expects (``rate()`` handles resets).
+
+Scrape config (when the hub has a token, the view token is enough)::
+
+    - job_name: weightsync
+      authorization: {credentials: "<SYNC_VIEW_TOKEN>"}
+      static_configs: [{targets: ["hub:8000"]}]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from syncserver.coordinator import Coordinator, PeerState, Run
+from syncserver.routes import authenticate_view
+from syncserver.store import RoundRecord, UpdateRecord
+
+__all__ = ["HubMetrics", "router"]
+
+# Rounds across continents take from milliseconds (a tiny model on loopback) to many
+# minutes (a straggler on a slow link): buckets span that range.
+SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, float("inf"))
+
+# The routes that carry an update (or version 0): refusals there count as rejected updates.
+_UPLOAD_ROUTES = ("/v1/runs/{run}/rounds/{round}/updates/{peer}", "/v1/runs/{run}/versions/0")
+
+
+class _StateCollector(Collector):
+    """Gauges and byte counters read from the coordinator at scrape time."""
+
+    def __init__(self, metrics: HubMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check at registration: names are fixed below
+
+    def collect(self) -> Iterator[Metric]:
+        coordinator = self._metrics.coordinator
+        version = GaugeMetricFamily("weightsync_version", "Current model version of the run.", labels=["run"])
+        live = GaugeMetricFamily(
+            "weightsync_live_peers", "Peers whose lease is fresh (waited for in rounds).", labels=["run"]
+        )
+        peers = GaugeMetricFamily(
+            "weightsync_peers", "Peers of the run by state (live, late, gone, left).", labels=["run", "state"]
+        )
+        pending = GaugeMetricFamily(
+            "weightsync_open_round_updates", "Updates acknowledged in the open round.", labels=["run"]
+        )
+        bytes_in = CounterMetricFamily("weightsync_bytes_received", "Update bytes received from peers.", labels=["run"])
+        bytes_out = CounterMetricFamily(
+            "weightsync_bytes_sent", "Result and model bytes served to peers.", labels=["run"]
+        )
+        runs = list(coordinator.runs.values()) if coordinator is not None else []
+        for run in runs:
+            states = {state: 0 for state in PeerState}
+            for peer in run.peers.values():
+                states[coordinator.peer_state(run, peer)] += 1  # type: ignore[union-attr]
+            version.add_metric([run.name], run.version)
+            live.add_metric([run.name], states[PeerState.LIVE] + states[PeerState.LATE])
+            for state, count in states.items():
+                peers.add_metric([run.name, state.value], count)
+            pending.add_metric([run.name], len(run.acked))
+            bytes_in.add_metric([run.name], sum(p.bytes_up for p in run.peers.values()))
+            bytes_out.add_metric([run.name], sum(p.bytes_down for p in run.peers.values()))
+        yield from (version, live, peers, pending, bytes_in, bytes_out)
+
+
+class HubMetrics:
+    """The registry of one app, and the observers that feed it."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.coordinator: Coordinator | None = None
+        r = self.registry
+        self.rounds = Counter("weightsync_rounds_completed", "Rounds closed.", ["run"], registry=r)
+        self.phases = Histogram(
+            "weightsync_round_phase_seconds",
+            "Seconds spent in each phase of a round: upload and download per peer, wait (for "
+            "stragglers, per participant, from its acknowledgement to the start of aggregation), "
+            "fold and merge (aggregation), round (first update to publication).",
+            ["run", "phase"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.accepted = Counter("weightsync_updates_accepted", "Updates acknowledged.", ["run"], registry=r)
+        self.samples = Counter(
+            "weightsync_samples", "Training samples reported with acknowledged updates.", ["run"], registry=r
+        )
+        self.rejected = Counter(
+            "weightsync_updates_rejected",
+            "Uploads refused, by reason (the error code of the answer: round_closed, "
+            "invalid_update, bad_request, conflict, unauthorized, payload_too_large, ...).",
+            ["run", "reason"],
+            registry=r,
+        )
+        self.dropped = Counter(
+            "weightsync_stragglers_dropped",
+            "Live peers a round closed without (its deadline passed).",
+            ["run"],
+            registry=r,
+        )
+        r.register(_StateCollector(self))
+
+    def attach(self, coordinator: Coordinator) -> None:
+        """Hook the observers into a started coordinator."""
+        self.coordinator = coordinator
+        coordinator.on_update.append(self._updated)
+        coordinator.on_round.append(self._closed)
+        coordinator.on_download.append(self._downloaded)
+        for run in coordinator.runs.values():  # show every known run at 0 from the start
+            self._touch(run.name)
+
+    def _touch(self, run: str) -> None:
+        for counter in (self.rounds, self.accepted, self.samples, self.dropped):
+            counter.labels(run)
+
+    # ---- observers (event loop thread; cheap) --------------------------------------------
+    def _updated(self, run: Run, update: UpdateRecord) -> None:
+        self.accepted.labels(run.name).inc()
+        self.samples.labels(run.name).inc(update.samples)
+        self.phases.labels(run.name, "upload").observe(update.seconds)
+
+    def _closed(self, run: Run, record: RoundRecord) -> None:
+        self._touch(run.name)
+        self.rounds.labels(run.name).inc()
+        self.dropped.labels(run.name).inc(len(record.dropped))
+        fold, merge = record.timings.get("fold", 0.0), record.timings.get("merge", 0.0)
+        self.phases.labels(run.name, "fold").observe(fold)
+        self.phases.labels(run.name, "merge").observe(merge)
+        self.phases.labels(run.name, "round").observe(max(0.0, record.closed - record.opened))
+        aggregation_began = record.closed - fold - merge
+        assert self.coordinator is not None
+        for update in self.coordinator.store.updates(run.name, record.round):
+            self.phases.labels(run.name, "wait").observe(max(0.0, aggregation_began - update.received))
+
+    def _downloaded(self, run: Run, round_: int, peer: str, seconds: float) -> None:
+        self.phases.labels(run.name, "download").observe(seconds)
+
+    def rejected_upload(self, request: Request, reason: str) -> None:
+        """Count a refused upload (called by the app's error handlers for every error answer)."""
+        route = request.scope.get("route")
+        if request.method != "PUT" or getattr(route, "path", None) not in _UPLOAD_ROUTES:
+            return
+        run = request.path_params.get("run", "")
+        # only known runs become label values: a stranger cannot grow the label set
+        known = self.coordinator is not None and run in self.coordinator.runs
+        self.rejected.labels(run if known else "", reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _metrics(request: Request) -> HubMetrics:
+    metrics: HubMetrics = request.app.state.metrics
+    return metrics
+
+
+router = APIRouter(dependencies=[Depends(authenticate_view)])
+
+
+@router.get("/metrics", summary="Prometheus metrics (text format)", response_class=Response)
+async def metrics(hub_metrics: Annotated[HubMetrics, Depends(_metrics)]) -> Response:
+    # async on purpose: the collector reads coordinator state, which lives on the event loop
+    return Response(hub_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
