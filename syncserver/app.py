@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from syncserver import __version__
 from syncserver.coordinator import Coordinator
+from syncserver.dashboard import add_dashboard
 from syncserver.errors import HubError
 from syncserver.metrics import HubMetrics
 from syncserver.metrics import router as metrics_router
@@ -102,6 +103,7 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
     app.include_router(view_router)
     app.include_router(router)
     app.include_router(metrics_router)
+    add_dashboard(app)
     return app
 
 

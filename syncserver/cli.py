@@ -61,6 +61,10 @@ def serve(
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise typer.BadParameter(problems) from None
+    scheme = "https" if ssl_certfile else "http"
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # what a browser here can open
+    hint = " (open it with ?token=<view or hub token>, or paste the token when asked)" if settings.token else ""
+    typer.echo(f"dashboard: {scheme}://{shown}:{port}/{hint}", err=True)
     uvicorn.run(
         create_app(settings),
         host=host,

@@ -1,0 +1,223 @@
+"""The live dashboard: ``GET /`` serves a static page, ``GET /v1/dashboard`` feeds it.
+
+The page (``syncserver/static/``: hand-written HTML, JS and CSS, no build step, no CDN, since
+a hub may have no internet) is served without a token; its data is not. The page takes the
+token from ``/?token=…`` once (then drops it from the address bar and keeps it in
+``sessionStorage``) or asks for it, and sends it as ``Authorization: Bearer``. Give viewers
+``SYNC_VIEW_TOKEN``: it reads status and metrics, and cannot join, upload or download weights.
+
+``/v1/dashboard`` is a long poll, like the rest of the API: it answers at once when the state
+differs from the ``since`` fingerprint the page last saw, else when it changes, else after
+``wait`` seconds. (Server-sent events would need the token in the URL: ``EventSource`` cannot
+send an ``Authorization`` header.)
+
+Everything the page draws is computed here by pure functions, testable without a browser:
+
+- :func:`round_trace`: per round and participant, the phases a trace viewer would show:
+  ``train`` (from its previous download to its upload), ``upload``, ``wait`` (for stragglers:
+  from its acknowledgement until aggregation began), ``aggregate`` (hub side: fold, merge,
+  commit, until its download began), ``download`` (until the hub had sent it the result);
+- :func:`curves`: per peer, training loss, validation perplexity and the codec's compression
+  ratio and error against step, from the metrics peers attach to their updates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import math
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Query
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+
+from syncserver import __version__
+from syncserver.coordinator import Coordinator, Run
+from syncserver.routes import NAME, Hub, Wait, authenticate_view
+from syncserver.store import RoundRecord, UpdateRecord
+
+__all__ = ["add_dashboard", "curves", "round_trace"]
+
+STATIC = Path(__file__).parent / "static"
+TRACE_ROUNDS = 20  # rounds with phase spans (the timeline draws the last 8, the table 20)
+CURVE_UPDATES = 2000  # latest updates whose metrics make the curves
+
+# metric names peers use, in order of preference (the first one found wins)
+LOSS_KEYS = ("loss", "train_loss")
+PPL_KEYS = ("eval_ppl", "val_ppl", "eval_perplexity", "perplexity", "ppl")
+EVAL_LOSS_KEYS = ("eval_loss", "val_loss")  # perplexity = exp(loss) when no perplexity is sent
+STEP_KEYS = ("step", "global_step")
+EPSILON = 1e-3  # seconds: shorter gaps are clock noise, not a phase
+
+
+def round_trace(
+    rounds: Iterable[RoundRecord],
+    updates: Iterable[UpdateRecord],
+    downloads: Mapping[int, Mapping[str, tuple[float, float]]],
+) -> list[dict[str, Any]]:
+    """Each round as lanes of ``[phase, start, end]`` spans (wall seconds), one lane per participant.
+
+    ``downloads`` maps round -> peer -> (began, ended); download spans start no earlier than
+    the round's publication, and a peer's ``train`` span runs from the end of its previous
+    download (of the round before) to the start of this upload.
+    """
+    by_round: dict[int, list[UpdateRecord]] = {}
+    for u in updates:
+        by_round.setdefault(u.round, []).append(u)
+    trace = []
+    for r in rounds:
+        fold, merge = r.timings.get("fold", 0.0), r.timings.get("merge", 0.0)
+        aggregation = (r.closed - fold - merge, r.closed)
+        lanes = []
+        for u in sorted(by_round.get(r.round, []), key=lambda u: u.seq):
+            began = u.received - u.seconds
+            spans: list[tuple[str, float, float]] = []
+            previous = downloads.get(r.round - 1, {}).get(u.peer)
+            if previous is not None and began - previous[1] > EPSILON:
+                spans.append(("train", previous[1], began))
+            spans.append(("upload", began, u.received))
+            if aggregation[0] - u.received > EPSILON:
+                spans.append(("wait", u.received, aggregation[0]))
+            # the hub's side runs until the result is out: fold, merge, then the commit (an
+            # fsync) and waking the waiters, so it ends when this peer's download began
+            fetched = downloads.get(r.round, {}).get(u.peer)
+            published = max(r.closed, fetched[0]) if fetched is not None else r.closed
+            spans.append(("aggregate", aggregation[0], published))
+            if fetched is not None:
+                spans.append(("download", published, max(fetched[1], published)))
+            lanes.append(
+                {
+                    "peer": u.peer,
+                    "samples": u.samples,
+                    "bytes": u.nbytes,
+                    "spans": [[phase, round(a, 4), round(b, 4)] for phase, a, b in spans],
+                }
+            )
+        trace.append(
+            {
+                "round": r.round,
+                "opened": r.opened,
+                "closed": r.closed,
+                "dropped": r.dropped,
+                "aggregate_seconds": fold + merge,
+                "lanes": lanes,
+            }
+        )
+    return trace
+
+
+def _first(metrics: Mapping[str, float], keys: tuple[str, ...]) -> float | None:
+    return next((metrics[k] for k in keys if k in metrics), None)
+
+
+def curves(updates: Iterable[UpdateRecord]) -> dict[str, Any]:
+    """Per peer, ``[[x, y], …]`` for loss, val_ppl, codec_ratio and codec_error.
+
+    x is the ``step`` metric when every update that has metrics carries one, else the
+    round the update was sent for (peers sync every ``sync_every`` steps, so rounds are
+    steps at another scale); ``x`` in the answer says which.
+    """
+    rows = [u for u in updates if u.metrics]
+    use_step = bool(rows) and all(_first(u.metrics, STEP_KEYS) is not None for u in rows)
+    peers: dict[str, dict[str, list[list[float]]]] = {}
+    for u in rows:
+        x = _first(u.metrics, STEP_KEYS) if use_step else float(u.round)
+        assert x is not None
+        ppl = _first(u.metrics, PPL_KEYS)
+        if ppl is None:
+            eval_loss = _first(u.metrics, EVAL_LOSS_KEYS)
+            ppl = math.exp(min(eval_loss, 50.0)) if eval_loss is not None else None
+        values = {
+            "loss": _first(u.metrics, LOSS_KEYS),
+            "val_ppl": ppl,
+            "codec_ratio": u.metrics.get("codec_ratio"),
+            "codec_error": u.metrics.get("codec_error"),
+        }
+        series = peers.setdefault(u.peer, {key: [] for key in values})
+        for key, value in values.items():
+            if value is not None and math.isfinite(value):
+                series[key].append([x, value])
+    return {"x": "step" if use_step else "round", "peers": peers}
+
+
+def _fingerprint(coordinator: Coordinator, run: Run | None) -> str:
+    """Changes whenever anything the page shows changes (but the ages of last-seen times)."""
+    parts: list[Any] = [sorted((r.name, r.version, len(r.live_set)) for r in coordinator.runs.values())]
+    if run is not None:
+        parts += [
+            run.version,
+            sorted(run.acked),
+            sorted(run.uploading),
+            run.closing,
+            sorted(run.live_set),
+            sorted((p.name, coordinator.peer_state(run, p).value, p.rank) for p in run.peers.values()),
+            sorted((r, sorted(peers)) for r, peers in run.downloads.items()),
+        ]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def snapshot(coordinator: Coordinator, run_name: str | None) -> dict[str, Any]:
+    """All the page shows of the hub and (when given and known) one run."""
+    run = coordinator.runs.get(run_name) if run_name else None
+    body: dict[str, Any] = {
+        "fingerprint": _fingerprint(coordinator, run),
+        "now": time.time(),
+        "runs": coordinator.list_runs(),
+        "run": None,
+    }
+    if run is not None:
+        status = coordinator.status(run.name)
+        status.pop("updates")  # the page gets their metrics as curves, their timings as the trace
+        store = coordinator.store
+        rounds = store.rounds(run.name, limit=TRACE_ROUNDS)
+        updates = [u for r in rounds for u in store.updates(run.name, r.round)]
+        status["trace"] = round_trace(rounds, updates, run.downloads)
+        status["curves"] = curves(store.round_metrics(run.name, limit=CURVE_UPDATES))
+        status["lease_seconds"] = coordinator.settings.lease_seconds
+        body["run"] = status
+    return body
+
+
+api = APIRouter(prefix="/v1", dependencies=[Depends(authenticate_view)])
+
+
+@api.get("/dashboard", summary="Everything the dashboard shows, as a long poll on a state fingerprint")
+async def dashboard_data(
+    hub: Hub,
+    run: Annotated[str | None, Query(pattern=NAME, description="The run to detail.")] = None,
+    since: Annotated[str | None, Query(max_length=64, description="Fingerprint last seen.")] = None,
+    wait: Wait = 0.0,
+) -> dict[str, Any]:
+    deadline = time.monotonic() + min(wait, hub.settings.long_poll_seconds)
+    while since is not None and time.monotonic() < deadline:
+        state = hub.runs.get(run) if run else None
+        if _fingerprint(hub, state) != since:
+            break
+        # acknowledgements do not wake run.changed, so look again at least every second
+        timeout = min(1.0, max(0.0, deadline - time.monotonic()))
+        if state is None:
+            await asyncio.sleep(timeout)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(state.changed.wait(), timeout)
+    return snapshot(hub, run)
+
+
+def add_dashboard(app: FastAPI) -> None:
+    """Serve the page at ``/`` (no token: it is static), its files under ``/static``, its data."""
+
+    # the version in the asset URLs makes a browser fetch new scripts after an upgrade
+    page = (STATIC / "index.html").read_text(encoding="utf-8").replace("{{version}}", __version__)
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.include_router(api)
