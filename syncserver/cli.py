@@ -83,9 +83,13 @@ def status(
     watch: Annotated[bool, typer.Option(help="Refresh every 2 seconds.")] = False,
 ) -> None:
     """Print runs (or one run) as tables."""
-    from syncserver.status import show
+    from syncserver.status import StatusError, show
 
-    show(url, run=run, token=token or os.environ.get("SYNC_TOKEN"), watch=watch)
+    try:
+        show(url, run=run, token=token or os.environ.get("SYNC_TOKEN"), watch=watch)
+    except StatusError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 def main() -> None:

@@ -1,0 +1,155 @@
+"""``syncserver status`` as a user runs it: a subprocess against a live hub."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.conftest import Hub, free_port
+from tests.livepeers import Peers
+
+TOKEN, VIEW = "hub-secret", "view-only"
+
+
+def status(*args: str, token: str | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+    env["COLUMNS"] = "200"  # rich wraps tables to the terminal: give it room, as a real terminal would
+    if token:
+        env["SYNC_TOKEN"] = token
+    return subprocess.run(
+        [sys.executable, "-m", "syncserver", "status", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def hub_with_rounds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    """One hub with a run of three closed rounds, for every test here (peers are the slow part)."""
+    tmp = tmp_path_factory.mktemp("status")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+    env.update(SYNC_TOKEN=TOKEN, SYNC_VIEW_TOKEN=VIEW)
+    hub = Hub(tmp / "hub", free_port(), ["--min-peers", "2"], env, tmp / "hub.log").start()
+    try:
+        Peers(hub.url, "cli-run", rounds=3, token=TOKEN).start().join()
+        yield hub
+    finally:
+        hub.stop()
+
+
+def test_run_table_lists_peers_and_rounds(hub_with_rounds: Hub) -> None:
+    out = status(hub_with_rounds.url, "--run", "cli-run", token=VIEW)  # the view token is enough
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "run cli-run: version 3" in text
+    for name in ("peer-a", "peer-b"):
+        assert name in text
+    assert "left" in text  # their state: both said goodbye
+    assert "recent rounds" in text
+    rounds = [line.split() for line in text.splitlines() if line.strip().startswith(("│", "┃"))]
+    round_numbers = {cells[1] for cells in rounds if len(cells) > 2 and cells[1].isdigit()}
+    assert {"0", "1", "2"} <= round_numbers, text
+    assert "upload" in text and "wait" in text and "aggregate" in text and "download" in text
+    assert "open round 3" in text
+
+
+def test_runs_table_without_run(hub_with_rounds: Hub) -> None:
+    out = status(hub_with_rounds.url, "--token", TOKEN)
+    assert out.returncode == 0, out.stderr
+    assert "cli-run" in out.stdout and "fp32" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "token", "message"),
+    [
+        (["--run", "cli-run"], "wrong", "401 unauthorized (wrong token)"),
+        (["--run", "cli-run"], None, "this hub needs a token"),
+        (["--run", "other"], VIEW, "no run named 'other'"),
+    ],
+)
+def test_refusals_are_one_line(hub_with_rounds: Hub, args: list[str], token: str | None, message: str) -> None:
+    out = status(hub_with_rounds.url, *args, token=token)
+    assert out.returncode == 1
+    assert message in out.stderr
+    assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_unreachable_hub_is_one_line() -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    out = status(url, "--run", "x")
+    assert out.returncode == 1
+    assert out.stderr.startswith(f"error: cannot reach the hub at {url}")
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+class Watch:
+    """``syncserver status … --watch`` with a pseudo-terminal's behaviour (FORCE_COLOR makes rich
+    redraw as it goes), its output read as it comes."""
+
+    ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+    def __init__(self, *args: str, token: str | None = None) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+        env.update(COLUMNS="200", FORCE_COLOR="1")
+        if token:
+            env["SYNC_TOKEN"] = token
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "syncserver", "status", *args, "--watch"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.chunks: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        while chunk := self.proc.stdout.read(1):
+            self.chunks.append(chunk)
+
+    @property
+    def text(self) -> str:
+        return self.ANSI.sub("", "".join(self.chunks))
+
+    def wait_for(self, needle: str, count: int = 1, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while self.text.count(needle) < count:
+            assert self.proc.poll() is None, f"status exited with {self.proc.returncode}:\n{self.text}"
+            assert time.monotonic() < deadline, f"no {needle!r} x{count} in:\n{self.text}"
+            time.sleep(0.1)
+
+    def interrupt(self) -> int:
+        self.proc.send_signal(signal.SIGINT)  # Ctrl-C
+        return self.proc.wait(20)
+
+
+def test_watch_refreshes_until_interrupted(hub_with_rounds: Hub) -> None:
+    watch = Watch(hub_with_rounds.url, "--run", "cli-run", token=VIEW)
+    watch.wait_for("recent rounds", count=2)  # drawn, then drawn again 2 s later
+    assert "peer-a" in watch.text and "peer-b" in watch.text
+    assert watch.interrupt() == 0  # Ctrl-C ends it quietly
+    assert "Traceback" not in watch.text
+
+
+def test_watch_keeps_going_when_the_hub_goes_away(hub_factory: Callable[..., Hub]) -> None:
+    hub = hub_factory()
+    watch = Watch(hub.url)
+    watch.wait_for("no runs at")
+    hub.kill()
+    watch.wait_for("cannot reach the hub")  # said under the last tables, and asked again
+    watch.wait_for("retrying", count=2)
+    assert watch.proc.poll() is None
+    assert watch.interrupt() == 0
+    assert "Traceback" not in watch.text
