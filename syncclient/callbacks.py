@@ -1,0 +1,252 @@
+"""``SyncCallback``: join a weightsync run from a ``transformers.Trainer`` with one line.
+
+```python
+from syncclient import SyncCallback
+
+trainer = Trainer(
+    model=model, args=args, train_dataset=train,
+    callbacks=[SyncCallback("http://hub:8000", sync_every=1000, run="imdb-gpt2")],
+)
+trainer.train()
+```
+
+What it does, on the main process of the peer:
+
+- **train begin**: join the run and load the global version into the model, so every peer
+  starts from the same weights. If you pass a ``client`` that has already joined (to learn your
+  rank and world size before you shard the data), it does not join again.
+- **every ``sync_every`` optimizer steps** (``state.global_step``, so gradient accumulation needs
+  nothing special): send the update with the number of samples seen since the last sync and
+  the training loss of those steps (it asks the Trainer to log at that step, so the loss is
+  fresh), then train on from the merged version.
+- **evaluate**: the eval metrics ride along with the next update.
+- **train end**: a last sync if there were steps since the previous one, then leave.
+
+The Trainer's optimizer state (Adam's moments, the learning-rate schedule) is kept across
+syncs on purpose. After a sync the weights jump to the merged version while the moments still
+describe this peer's recent gradients; that is what local SGD and DiLoCo do (the inner
+optimizer is local, only weights are averaged). Resetting Adam at every sync would restart
+its bias correction and cost a warm-up per round, for no gain in agreement between peers.
+
+One process per peer: the callback raises at train begin when ``args.world_size > 1``. A peer
+that trains on several GPUs with DDP would need the merged weights broadcast from rank 0 to
+the other ranks after every sync; that is not implemented (yet), so we refuse rather than
+let the ranks drift apart silently. Several GPUs in one process (``DataParallel``) are fine.
+
+The sample count of an update is ``steps * args.train_batch_size *
+args.gradient_accumulation_steps * args.world_size``: the nominal number of training
+samples, which overcounts by less than one batch when an epoch ends on a short batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from syncclient.client import SyncClient, SyncResult
+
+__all__ = ["SyncCallback"]
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of JSON metrics sent with an update; beyond it (many ``compute_metrics`` values) only
+#: ``loss`` and ``eval_loss`` go, leaving room for what the SDK adds itself.
+_METRICS_BUDGET = 2048
+
+
+class SyncCallback(TrainerCallback):
+    """Average this Trainer's model with the other peers of a run every ``sync_every`` steps.
+
+    Args:
+        hub: the hub's base URL (``http://`` or ``https://``). Give ``hub`` or ``client``.
+        sync_every: optimizer steps between syncs (an int >= 1).
+        client: a :class:`SyncClient` you built yourself; joined already or not. The callback
+            leaves the run at the end but does not close a client it did not create.
+        on_sync: called with each :class:`SyncResult` after a sync (for scripts that log or
+            evaluate per round); exceptions it raises stop training.
+        **client_kwargs: passed to ``SyncClient(hub, ...)``: ``run`` (required), ``peer``,
+            ``token``, ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``min_peers``,
+            ``round_timeout``, ``timeout``, ...
+
+    Attributes:
+        client: the :class:`SyncClient` in use.
+        join_info: what ``join`` returned (``None`` if the client had joined before).
+        last_result: the latest :class:`SyncResult`, ``None`` before the first sync.
+        syncs: how many syncs this callback made.
+    """
+
+    def __init__(
+        self,
+        hub: str | None = None,
+        *,
+        sync_every: int,
+        client: SyncClient | None = None,
+        on_sync: Callable[[SyncResult], None] | None = None,
+        **client_kwargs: Any,
+    ) -> None:
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1 (optimizer steps), got {sync_every!r}")
+        if (hub is None) == (client is None):
+            raise ValueError("give either hub='http://host:port' or client=SyncClient(...), not both or none")
+        if on_sync is not None and not callable(on_sync):
+            raise ValueError(f"on_sync must be callable, got {on_sync!r}")
+        if client is not None:
+            if client_kwargs:
+                raise ValueError(
+                    f"client settings ({', '.join(sorted(client_kwargs))}) go to SyncClient(...) when you pass client="
+                )
+            self.client = client
+        elif hub is not None:
+            parts = urlsplit(hub)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"hub must be an http:// or https:// URL such as http://hub:8000, got {hub!r}")
+            if not client_kwargs.get("run"):
+                raise ValueError("SyncCallback(hub, ...) needs run='name-of-the-run'")
+            self.client = SyncClient(hub, **client_kwargs)
+        self._owns_client = client is None
+        self.sync_every = sync_every
+        self.on_sync = on_sync
+        self.join_info: Any = None
+        self.last_result: SyncResult | None = None
+        self.syncs = 0
+        self._active = False  # joined and not yet left: the events below act only then
+        self._last_sync_step = 0
+        self._pending = False  # a sync is due; done at the next on_log (or the next step at the latest)
+        self._loss: float | None = None  # training loss logged since the last sync
+        self._eval_metrics: dict[str, float] = {}
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # Checked on every rank, so that a DDP job fails everywhere instead of hanging on rank 1.
+        if args.world_size > 1:
+            raise ValueError(
+                f"SyncCallback supports one training process per peer, got args.world_size="
+                f"{args.world_size}: run one peer per process (DDP peers are not supported yet)"
+            )
+        if not state.is_world_process_zero:
+            return
+        model = _model(kwargs)
+        if _has_joined(self.client):
+            logger.info("client already joined the run; not joining again")
+        else:
+            self.join_info = self.client.join(model)
+            logger.info("joined: %s", self.join_info)
+        self._active = True
+        self._last_sync_step = state.global_step
+        self._pending = False
+        self._loss = None
+        self._eval_metrics = {}
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._active and self._pending:  # the Trainer did not log after the due step
+            self._sync(args, state, _model(kwargs))
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        if not self._active:
+            return control
+        since = state.global_step - self._last_sync_step
+        last_step = state.max_steps > 0 and state.global_step >= state.max_steps
+        if since >= self.sync_every or (last_step and since > 0):
+            # Decide here, act in on_log: asking for a log makes the Trainer report the loss of
+            # the steps since its last log, which we send with the update. Evaluation at this
+            # step runs after the log, so it sees the merged weights.
+            self._pending = True
+            control.should_log = True
+        return control
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not self._active:
+            return
+        if logs and _is_number(logs.get("loss")):
+            self._loss = float(logs["loss"])
+        if self._pending:
+            self._sync(args, state, _model(kwargs))
+
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if self._active and metrics:
+            self._eval_metrics.update({k: float(v) for k, v in metrics.items() if _is_number(v)})
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if not self._active:
+            return
+        try:
+            if self._pending or state.global_step > self._last_sync_step:
+                self._sync(args, state, _model(kwargs))
+        finally:
+            self._active = False
+            self.client.leave()
+            if self._owns_client:
+                self.client.close()
+
+    # -- the work ---------------------------------------------------------------------------------
+
+    def _sync(self, args: TrainingArguments, state: TrainerState, model: Any) -> None:
+        steps = state.global_step - self._last_sync_step
+        samples = steps * args.train_batch_size * args.gradient_accumulation_steps * args.world_size
+        metrics = dict(self._eval_metrics)
+        if self._loss is not None:
+            metrics["loss"] = self._loss
+        if len(json.dumps(metrics)) > _METRICS_BUDGET:  # the hub caps the metrics header (4 KiB)
+            metrics = {k: v for k, v in metrics.items() if k in ("loss", "eval_loss")}
+        result = self.client.sync(model, samples=samples, metrics=metrics)
+        self._last_sync_step = state.global_step
+        self._pending = False
+        self._loss = None
+        self._eval_metrics = {}
+        self.last_result = result
+        self.syncs += 1
+        logger.info(
+            "step %d: synced %d steps (%d samples) -> version %d in %.2f s%s",
+            state.global_step,
+            steps,
+            samples,
+            result.version,
+            result.seconds,
+            " (late: caught up, local steps dropped)" if result.caught_up else "",
+        )
+        if self.on_sync is not None:
+            self.on_sync(result)
+
+
+def _model(kwargs: dict[str, Any]) -> Any:
+    model = kwargs.get("model")
+    if model is None:
+        raise ValueError("SyncCallback needs the model: the Trainer passes it as kwargs['model']")
+    return model
+
+
+def _has_joined(client: SyncClient) -> bool:
+    return client.version >= 0  # -1 until join() loaded a version
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,263 @@
+"""SyncCallback with a real Trainer against a real hub: the event sequence, sample counts, metrics."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from syncclient import SyncClient
+from syncclient.callbacks import SyncCallback
+from tests.conftest import Hub
+
+BATCH = 4
+
+
+def tiny_model(seed: int) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=1000, n_positions=32)
+    return GPT2LMHeadModel(config)
+
+
+class Blocks(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Random 16-token blocks, different per seed (each peer its own shard)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.ids = torch.randint(0, 1000, (n, 16), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class RecordingClient(SyncClient):
+    """A real SyncClient that also notes what the callback asked of it."""
+
+    def __init__(self, *args: Any, events: list[tuple[Any, ...]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.events = events
+
+    def join(self, model: torch.nn.Module) -> Any:
+        self.events.append(("join",))
+        return super().join(model)
+
+    def sync(self, model: torch.nn.Module, *, samples: int, metrics: Any = None) -> Any:
+        self.events.append(("sync", samples, dict(metrics or {})))
+        return super().sync(model, samples=samples, metrics=metrics)
+
+    def leave(self) -> None:
+        self.events.append(("leave",))
+        super().leave()
+
+
+class Recorder(TrainerCallback):
+    """Notes the Trainer's events, in the same list as the client's calls."""
+
+    def __init__(self, events: list[tuple[Any, ...]]) -> None:
+        self.events = events
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append(("train_begin",))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append(("step", state.global_step))
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append(("evaluate", state.global_step))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append(("train_end",))
+
+
+def training_args(out: Path, *, steps: int, accumulation: int = 1, eval_steps: int | None = None) -> Any:
+    return TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=8,
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
+        learning_rate=1e-3,
+        logging_steps=1000,  # the callback must get a fresh loss anyway
+        eval_strategy="steps" if eval_steps else "no",
+        eval_steps=eval_steps,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+
+
+def run_peers(n: int, body: Any) -> list[Any]:
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def target(i: int) -> None:
+        try:
+            results[i] = body(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def hub_model(hub: Hub, run: str) -> dict[str, np.ndarray]:
+    r = httpx.get(f"{hub.url}/v1/runs/{run}/model")
+    r.raise_for_status()
+    return safetensors.numpy.load(r.content)
+
+
+def kinds(events: list[tuple[Any, ...]]) -> list[Any]:
+    return [e[0] if e[0] in ("join", "sync", "leave", "train_begin", "train_end") else e for e in events]
+
+
+def test_two_peers_sync_every_k_steps_and_end_identical(hub: Hub, tmp_path: Path) -> None:
+    run, k, steps = "callback", 2, 5
+    events: list[list[tuple[Any, ...]]] = [[], []]
+    results: list[list[Any]] = [[], []]
+    models = [tiny_model(seed=10), tiny_model(seed=11)]  # different inits: join makes them equal
+
+    clients = [RecordingClient(hub.url, run=run, peer=f"peer-{i}", min_peers=2, events=events[i]) for i in range(2)]
+    callbacks = [SyncCallback(client=clients[i], sync_every=k, on_sync=results[i].append) for i in range(2)]
+    # Trainers are built here, one after the other: building one resets accelerate's
+    # process-wide state, which a Trainer training in another thread would trip over.
+    trainers = [
+        Trainer(
+            model=models[i],
+            args=training_args(tmp_path / f"peer-{i}", steps=steps, eval_steps=k),
+            train_dataset=Blocks(64, seed=i),
+            eval_dataset=Blocks(16, seed=99),
+            callbacks=[callbacks[i], Recorder(events[i])],
+        )
+        for i in range(2)
+    ]
+
+    def peer(i: int) -> None:
+        if i == 0:  # a script that joins first (to learn its rank): the callback must not join again
+            clients[i].join(models[i])
+        trainers[i].train()
+
+    run_peers(2, peer)
+
+    for i in range(2):
+        assert kinds(events[i]) == [
+            "join",
+            "train_begin",
+            ("step", 1),
+            ("step", 2),
+            "sync",  # after step 2's log, before step 2's evaluation
+            ("evaluate", 2),
+            ("step", 3),
+            ("step", 4),
+            "sync",
+            ("evaluate", 4),
+            ("step", 5),
+            "sync",  # the final, partial round: 1 step
+            ("evaluate", 5),
+            "leave",  # SyncCallback's on_train_end runs before the Recorder's
+            "train_end",
+        ], events[i]
+        syncs = [e for e in events[i] if e[0] == "sync"]
+        assert [s[1] for s in syncs] == [k * BATCH, k * BATCH, 1 * BATCH]
+        assert all("loss" in s[2] and np.isfinite(s[2]["loss"]) for s in syncs)
+        assert "eval_loss" not in syncs[0][2]  # nothing evaluated before the first sync
+        assert "eval_loss" in syncs[1][2] and "eval_loss" in syncs[2][2]  # attached to the next update
+        assert [r.version for r in results[i]] == [1, 2, 3]
+        assert callbacks[i].last_result is results[i][-1] and callbacks[i].syncs == 3
+
+    # Bit-identical weights on both peers, equal to the hub's last version (tie kept).
+    final = hub_model(hub, run)
+    for model in models:
+        assert model.lm_head.weight is model.transformer.wte.weight
+        params = dict(model.named_parameters())
+        assert set(params) == set(final)
+        for name, p in params.items():
+            np.testing.assert_array_equal(p.detach().numpy(), final[name], err_msg=name)
+
+
+def test_gradient_accumulation_counts_optimizer_steps(hub: Hub, tmp_path: Path) -> None:
+    events: list[tuple[Any, ...]] = []
+    client = RecordingClient(hub.url, run="accumulate", peer="solo", min_peers=1, events=events)
+    trainer = Trainer(
+        model=tiny_model(seed=0),
+        args=training_args(tmp_path, steps=4, accumulation=2),
+        train_dataset=Blocks(64, seed=0),
+        callbacks=[SyncCallback(client=client, sync_every=2)],
+    )
+    trainer.train()
+    syncs = [e for e in events if e[0] == "sync"]
+    # 2 optimizer steps x 4 per batch x 2 micro-batches, twice; no extra final sync (4 % 2 == 0).
+    assert [s[1] for s in syncs] == [16, 16]
+    assert events[0] == ("join",) and events[-1] == ("leave",)
+
+
+def test_hub_url_form_creates_joins_and_closes_its_client(hub: Hub, tmp_path: Path) -> None:
+    callback = SyncCallback(hub.url, sync_every=3, run="url-form", peer="solo", min_peers=1)
+    model = tiny_model(seed=0)
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path, steps=4),
+        train_dataset=Blocks(32, seed=0),
+        callbacks=[callback],
+    )
+    trainer.train()
+    assert callback.join_info is not None and callback.join_info.world_size == 1
+    assert callback.syncs == 2 and callback.last_result is not None and callback.last_result.version == 2
+    final = hub_model(hub, "url-form")
+    np.testing.assert_array_equal(model.transformer.wte.weight.detach().numpy(), final["transformer.wte.weight"])
+
+
+@pytest.mark.parametrize("sync_every", [0, -1, 1.5, True, "10", None])
+def test_sync_every_must_be_a_positive_int(sync_every: Any) -> None:
+    with pytest.raises(ValueError, match="sync_every"):
+        SyncCallback("http://hub:8000", sync_every=sync_every, run="r")
+
+
+def test_hub_xor_client() -> None:
+    client = SyncClient("http://127.0.0.1:9", run="r")
+    try:
+        with pytest.raises(ValueError, match="either hub"):
+            SyncCallback(sync_every=1)
+        with pytest.raises(ValueError, match="either hub"):
+            SyncCallback("http://127.0.0.1:9", sync_every=1, client=client)
+        with pytest.raises(ValueError, match="client settings"):
+            SyncCallback(client=client, sync_every=1, codec="bf16")
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("hub", ["hub:8000", "ftp://hub:8000", "http://", "localhost"])
+def test_hub_must_be_an_http_url(hub: str) -> None:
+    with pytest.raises(ValueError, match="http:// or https://"):
+        SyncCallback(hub, sync_every=1, run="r")
+
+
+def test_hub_form_needs_a_run_name() -> None:
+    with pytest.raises(ValueError, match="run="):
+        SyncCallback("http://hub:8000", sync_every=1)
+
+
+def test_multi_process_peers_are_refused_before_any_network() -> None:
+    callback = SyncCallback("http://127.0.0.1:9", sync_every=1, run="r")
+    args = SimpleNamespace(world_size=2)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=0)
+    with pytest.raises(ValueError, match="one training process per peer"):
+        callback.on_train_begin(args, state, None, model=tiny_model(0))  # type: ignore[arg-type]
+    callback.client.close()

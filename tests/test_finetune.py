@@ -1,0 +1,155 @@
+"""train/finetune_gpt2.py end to end: an embedded hub and 2 peers, the serial baseline, errors.
+
+The runs use a tiny random GPT-2 on a few dozen IMDB reviews from the offline data, so each
+one takes well under a minute and a half on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "train" / "finetune_gpt2.py"
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_data = pytest.mark.skipif(not (DATA / "imdb" / "train.parquet").exists(), reason=f"no offline data in {DATA}")
+
+# Tiny and short: a 3.4M-parameter GPT-2 (most of it the 50,257-token embedding).
+SMALL = [
+    "--model-config", "tiny",
+    "--dataset", str(DATA / "imdb"),
+    "--tokenizer", str(DATA / "gpt2-tokenizer"),
+    "--train-samples", "60", "--val-samples", "6", "--test-samples", "6",
+    "--batch-size", "16", "--max-steps", "12", "--lr", "3e-3", "--eval-every", "2",
+]  # fmt: skip
+
+
+def run_script(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO
+    )
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("finetune_gpt2", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_data
+def test_two_local_peers_end_identical_and_learn(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_script("--local-peers", "2", "--sync-every", "4", "--output-dir", str(out), *SMALL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((out / "results.json").read_text())
+
+    # Every peer's final weights are bit-identical, and equal to the hub's last version.
+    assert results["weights_identical"] and results["weights_equal_hub"]
+    assert len(set(results["weights_sha256"].values())) == 1
+    assert set(results["weights_sha256"].values()) == {results["hub_weights_sha256"]}
+    assert results["hub_version"] == 3  # 12 steps, a sync every 4
+    assert all(f["final_version"] == 3 and f["steps"] == 12 for f in results["final"].values())
+    assert {f["rank"] for f in results["final"].values()} == {0, 1}
+
+    # One row per version; at a sync both peers evaluate the same weights on the same set.
+    rows = results["rounds"]
+    assert [r["version"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 4, 8, 12]
+    for row in rows:
+        assert len(set(row["val_ppl"].values())) == 1, row
+    assert all(r["participants"] == 2 and r["bytes_up"] > 0 for r in rows[1:])
+    assert rows[-1]["val_ppl"]["peer-0"] < rows[0]["val_ppl"]["peer-0"]  # it learned
+
+    # Between syncs the peers drift apart (different shards).
+    evals = {p: json.loads((out / p / "results.json").read_text())["evals"] for p in ("peer-0", "peer-1")}
+    between = [
+        (a["val_ppl"], b["val_ppl"]) for a, b in zip(evals["peer-0"], evals["peer-1"], strict=True) if a["step"] % 4
+    ]
+    assert between and all(a != b for a, b in between)
+
+    # The table goes to stdout as rounds complete, the summary follows.
+    assert "identical across peers: yes" in proc.stdout and "equal to the hub's version 3: yes" in proc.stdout
+    assert sum(1 for line in proc.stdout.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])) == 4
+    assert (out / "val_ppl.png").stat().st_size > 10_000
+    assert (out / "config.json").exists()
+    for peer in ("peer-0", "peer-1"):
+        assert (out / peer / "model" / "model.safetensors").exists()
+        assert (out / peer / "model" / "config.json").exists()
+
+
+@needs_data
+def test_serial_baseline(tmp_path: Path) -> None:
+    out = tmp_path / "serial"
+    proc = run_script("--sync-every", "0", "--output-dir", str(out), *SMALL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["world_size"] == 1 and results["syncs"] == 0 and results["steps"] == 12
+    evals = results["evals"]
+    assert [e["step"] for e in evals] == [0, 2, 4, 6, 8, 10, 12]
+    assert evals[-1]["val_ppl"] < evals[0]["val_ppl"]
+    assert results["final_test_ppl"] > 1
+    config = json.loads((out / "config.json").read_text())
+    assert config["per_peer_batch"] == 16 and config["model_config"] == "tiny"
+    assert (out / "model" / "model.safetensors").exists() and (out / "val_ppl.png").exists()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--tokenizer", "no-such-org/no-such-tokenizer"],
+        ["--dataset", "no-such-org/no-such-dataset", "--tokenizer", str(DATA / "gpt2-tokenizer")],
+    ],
+    ids=["tokenizer", "dataset"],
+)
+def test_unreachable_hub_id_fails_in_one_line(flags: list[str], tmp_path: Path) -> None:
+    proc = run_script("--no-hub", "--output-dir", str(tmp_path), *flags, env={"HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: cannot load") and "no-such-org" in lines[0]
+    assert "--dataset ../shared/data/imdb --tokenizer ../shared/data/gpt2-tokenizer" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ([], "give --hub URL"),
+        (["--local-peers", "2", "--hub", "http://x:1"], "drop --hub"),
+        (["--local-peers", "2", "--no-hub"], "--sync-every > 0"),
+        (["--serial-baseline", "--no-hub"], "goes with --local-peers"),
+        (["--no-hub", "--batch-size", "0"], "--batch-size must be >= 1"),
+    ],
+)
+def test_bad_flag_combinations_fail_in_one_line(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert load_script().main(flags) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_peer_command_line_round_trips() -> None:
+    script = load_script()
+    args = script.build_parser().parse_args(
+        ["--local-peers", "3", "--serial-baseline", "--model-config", "small", "--lr", "0.001", "--token", "t"]
+    )
+    script.check_args(args)
+    argv = script.peer_argv(args, hub="http://127.0.0.1:5", peer="peer-2", output_dir="o/peer-2", threads=1)
+    assert "--token" not in argv  # secrets stay in the environment, out of `ps`
+    child = script.build_parser().parse_args(argv[2:])
+    expected = dict(vars(args), local_peers=0, serial_baseline=False, hub="http://127.0.0.1:5", peer="peer-2")
+    expected.update(output_dir="o/peer-2", threads=1, token=child.token)
+    assert vars(child) == expected
+    assert isinstance(args, argparse.Namespace)

@@ -1,0 +1,850 @@
+"""Fine-tune GPT-2 on IMDB reviews with N peers that average their weights through a weightsync hub.
+
+The reference job: a ``transformers.Trainer`` plus one ``SyncCallback``. Its defaults reproduce
+the origin report's setup: pretrained ``gpt2``, IMDB text (20,000 train and 5,000 validation
+reviews from the train split, the 25,000 test reviews), concatenated and cut into blocks of 20
+tokens, Adam at 5e-4 (constant), 4 epochs, a global batch of 256 blocks split across the peers,
+perplexity = exp(eval loss).
+
+One peer of a run (start the hub first, on a machine every peer can reach)::
+
+    python -m syncserver serve --host 0.0.0.0 --port 8000 --data-dir hub-data --min-peers 2
+    python train/finetune_gpt2.py --hub http://HUB:8000 --run imdb-gpt2 --sync-every 1000   # on each peer
+
+Everything on one machine: an embedded hub and K peer processes, one table row per round, then
+``results.json`` and a plot of validation perplexity per peer (about 4 minutes on 2 CPU cores)::
+
+    python train/finetune_gpt2.py --local-peers 2 --model-config small \\
+        --dataset ../shared/data/imdb --tokenizer ../shared/data/gpt2-tokenizer \\
+        --train-samples 1000 --val-samples 40 --test-samples 200 --epochs 1 --batch-size 64 \\
+        --sync-every 12 --eval-every 4 --serial-baseline
+
+The serial baseline (one process, no hub; ``--sync-every 0`` means the same)::
+
+    python train/finetune_gpt2.py --no-hub
+
+No network? Point the flags at local files: ``--dataset DIR`` (a folder with ``train.parquet`` and
+``test.parquet``), ``--tokenizer DIR``, and ``--model DIR`` or ``--model-config {tiny,small,gpt2}``
+(random init). When every input is local the script sets the Hugging Face offline variables itself.
+
+Data: every peer tokenizes the same reviews and cuts the same blocks, shuffles the blocks with
+the shared ``--seed``, and trains on the slice ``rank`` of ``world_size`` equal slices (the remainder
+is dropped so that every peer runs the same number of steps, hence the same rounds). Rank and
+world size come from the hub, which assigns them by sorted peer name, so shards do not depend on
+who joined first. The per-peer batch is ``--batch-size // world_size``: with N peers one round
+covers as many samples as ``sync-every`` serial steps.
+
+Validation is *not* sharded: every peer evaluates the same held-out reviews, right after every
+sync and every ``--eval-every`` steps. At a sync all peers hold bit-identical weights, so their
+curves touch exactly there; between syncs the gap between curves is the peers' drift and
+nothing else (per-peer validation shards would add their own sampling noise on top). This costs
+each peer a full validation pass per evaluation; shrink ``--val-samples`` on small machines.
+
+Outputs (``--output-dir``): ``config.json``, ``results.json``, ``rounds.jsonl`` (one JSON line per
+evaluation and sync, appended as training goes), ``val_ppl.png``, and the final model saved with
+``save_pretrained`` (safetensors) in ``model/``. With ``--local-peers`` each peer writes those in
+``peer-i/`` (its console output goes to ``peer-i/log.txt``), the hub keeps its state in ``hub/``
+(log in ``hub.log``), the serial baseline runs in ``serial/``, and the top-level ``results.json``
+checks that every peer's final weights are identical and equal to the hub's last version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+OFFLINE_HINT = (
+    "use local files instead, e.g. --dataset ../shared/data/imdb --tokenizer ../shared/data/gpt2-tokenizer "
+    "--model-config small"
+)
+# Random-init model shapes for --model-config (vocab size comes from the tokenizer).
+MODEL_CONFIGS = {
+    "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 2},
+    "small": {"n_layer": 4, "n_embd": 256, "n_head": 4},
+    "gpt2": {"n_layer": 12, "n_embd": 768, "n_head": 12},  # the 124M GPT-2 shape
+}
+
+
+FINAL_KEYS = ("final_val_ppl", "final_test_ppl", "final_version", "steps", "syncs", "rank")
+
+
+class Fail(Exception):
+    """An error the user can fix; printed as one line, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Fine-tune GPT-2 on IMDB with peers that average weights through a weightsync hub.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("run", "which run to join and how often to sync")
+    g.add_argument("--hub", help="hub base URL, e.g. http://HUB:8000 (one peer of a run)")
+    g.add_argument("--no-hub", action="store_true", help="train alone: the serial baseline")
+    g.add_argument("--sync-every", type=int, default=1000, help="optimizer steps between syncs; 0 = serial baseline")
+    g.add_argument("--run", default="imdb-gpt2", help="run name on the hub")
+    g.add_argument("--peer", help="this peer's name (default: host-pid); ranks follow sorted names")
+    g.add_argument("--token", default=os.environ.get("SYNC_TOKEN"), help="the run's bearer token [$SYNC_TOKEN]")
+    g.add_argument("--codec", choices=["fp32", "bf16", "int8", "int4"], help="wire codec (default: the run's)")
+    g.add_argument("--outer", choices=["avg", "diloco"], help="outer optimizer (default: the run's)")
+    g.add_argument("--min-peers", type=int, help="peers per round / rendezvous size when creating the run")
+
+    g = p.add_argument_group("local", "run the hub and K peers on this machine")
+    g.add_argument("--local-peers", type=int, default=0, metavar="K", help="embedded hub + K peer processes")
+    g.add_argument(
+        "--serial-baseline", action="store_true", help="with --local-peers: also train serially, for the plot"
+    )
+    g.add_argument("--threads", type=int, help="torch threads per process (--local-peers: cores // K)")
+
+    g = p.add_argument_group("data", "IMDB, tokenized, concatenated and cut into blocks")
+    g.add_argument("--dataset", default="imdb", help="Hub id, or a folder with train.parquet and test.parquet")
+    g.add_argument("--tokenizer", default="gpt2", help="Hub id or folder")
+    g.add_argument("--block-size", type=int, default=20, help="tokens per training sample")
+    g.add_argument("--train-samples", type=int, default=20_000, help="training reviews (train split)")
+    g.add_argument("--val-samples", type=int, default=5_000, help="validation reviews (train split, held out)")
+    g.add_argument("--test-samples", type=int, default=25_000, help="test reviews (test split)")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="gpt2", help="pretrained Hub id or folder (unless --model-config)")
+    g.add_argument("--model-config", choices=sorted(MODEL_CONFIGS), help="random init of this shape instead")
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--lr", type=float, default=5e-4, help="Adam learning rate")
+    g.add_argument("--lr-schedule", default="constant", choices=["constant", "linear", "cosine"], help="no warm-up")
+    g.add_argument("--epochs", type=float, default=4, help="passes over each peer's shard")
+    g.add_argument("--max-steps", type=int, default=0, help="optimizer steps per peer; >0 overrides --epochs")
+    g.add_argument("--batch-size", type=int, default=256, help="global batch in blocks, split across peers")
+    g.add_argument("--seed", type=int, default=1234, help="shared by all peers: data order, shards, init")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--output-dir", default="out/finetune_gpt2", help="everything this run writes")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        help="also evaluate every N steps, between syncs (default: sync-every // 4; 0 = only at syncs)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+        return launch(args) if args.local_peers else train_peer(args)
+    except Fail as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.no_hub:
+        args.sync_every = 0
+    if args.local_peers < 0 or args.sync_every < 0 or (args.eval_every or 0) < 0:
+        raise Fail("--local-peers, --sync-every and --eval-every must be >= 0")
+    if args.local_peers and args.hub:
+        raise Fail("--local-peers runs its own hub: drop --hub")
+    if args.local_peers and args.sync_every == 0:
+        raise Fail("--local-peers needs --sync-every > 0 (use --serial-baseline to add the serial run)")
+    if args.serial_baseline and not args.local_peers:
+        raise Fail("--serial-baseline goes with --local-peers (for a serial run alone use --no-hub)")
+    if args.sync_every and not args.hub and not args.local_peers:
+        raise Fail("give --hub URL to join a run, --local-peers K to run K peers here, or --no-hub (serial)")
+    if args.hub and args.sync_every == 0:
+        raise Fail("--hub needs --sync-every > 0")
+    if args.eval_every is None:
+        args.eval_every = max(1, args.sync_every // 4) if args.sync_every else 250
+    for name in ("block_size", "batch_size", "train_samples", "val_samples", "test_samples"):
+        if getattr(args, name) < 1:
+            raise Fail(f"--{name.replace('_', '-')} must be >= 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# One peer (or the serial baseline): setup -> data -> model -> join -> shard -> train -> save
+# ---------------------------------------------------------------------------------------------
+
+
+def train_peer(args: argparse.Namespace) -> int:
+    t0 = time.time()
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hub_mode = args.sync_every > 0
+
+    # Offline switches are read when huggingface_hub is imported, so they go before the imports.
+    local_inputs = [Path(args.dataset).is_dir(), Path(args.tokenizer).is_dir()]
+    local_inputs.append(args.model_config is not None or Path(args.model).is_dir())
+    if all(local_inputs):
+        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            os.environ.setdefault(var, "1")
+    if args.threads:
+        os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))  # the tokenizer's thread pool
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+
+    import datasets
+    import torch
+    import transformers
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GPT2Config,
+        GPT2LMHeadModel,
+        PrinterCallback,
+        ProgressCallback,
+        Trainer,
+        TrainingArguments,
+        default_data_collator,
+    )
+
+    transformers.logging.set_verbosity_error()  # keep stderr for what matters
+    transformers.logging.disable_progress_bar()
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    transformers.set_seed(args.seed)
+
+    # -- data: the same blocks on every peer; sharded after join ---------------------------------
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    except Exception as exc:
+        raise Fail(unreachable("tokenizer", args.tokenizer, exc)) from None
+    train_texts, val_texts, test_texts = load_texts(args, datasets)
+
+    def tokenize(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        return {"input_ids": tokenizer(batch["text"], return_attention_mask=False)["input_ids"]}
+
+    def group_texts(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        # The HF causal-LM recipe: concatenate 1,000 reviews at a time, cut into blocks, drop the tail.
+        ids = [t for seq in batch["input_ids"] for t in seq]
+        n = len(ids) // args.block_size * args.block_size
+        blocks = [ids[i : i + args.block_size] for i in range(0, n, args.block_size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    def to_blocks(texts: Any) -> Any:
+        tokens = texts.map(tokenize, batched=True, remove_columns=texts.column_names)
+        return tokens.map(group_texts, batched=True, batch_size=1000)
+
+    train_blocks, val_blocks, test_blocks = (to_blocks(t) for t in (train_texts, val_texts, test_texts))
+
+    # -- model ------------------------------------------------------------------------------------
+    if args.model_config:
+        shape = MODEL_CONFIGS[args.model_config]
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **shape,
+        )
+        model = GPT2LMHeadModel(config)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.model)
+        except Exception as exc:
+            raise Fail(unreachable("model", args.model, exc)) from None
+    n_params = sum(p.numel() for p in model.parameters())
+
+    # -- join the run: learn rank and world size, load the global version 0 ------------------------
+    client = callback = None
+    rank, world_size, version = 0, 1, None
+    if hub_mode:
+        from syncclient import SyncClient, SyncError  # the SDK is needed only with a hub
+        from syncclient.callbacks import SyncCallback
+
+        client = SyncClient(
+            args.hub,
+            run=args.run,
+            peer=args.peer,
+            token=args.token,
+            codec=args.codec,
+            outer=args.outer,
+            min_peers=args.min_peers,
+        )
+        note(f"joining run {args.run!r} at {args.hub} ...")
+        try:
+            info = client.join(model)
+        except SyncError as exc:
+            raise Fail(f"cannot join run {args.run!r} at {args.hub}: {exc}") from None
+        rank, world_size, version = info.rank, info.world_size, info.version
+        note(
+            f"joined as {info.peer!r}: rank {rank} of {world_size}, version {version}, "
+            f"codec {info.codec}, outer {info.outer}"
+        )
+
+    # Shard the training blocks: same permutation everywhere, equal slices, remainder dropped.
+    per_peer = len(train_blocks) // world_size
+    shard = train_blocks.shuffle(seed=args.seed).select(range(rank * per_peer, (rank + 1) * per_peer))
+    batch = args.batch_size // world_size
+    if batch < 1:
+        raise Fail(f"--batch-size {args.batch_size} is smaller than the {world_size} peers")
+    if per_peer < batch:
+        raise Fail(f"only {per_peer} training blocks per peer for a batch of {batch}: raise --train-samples")
+
+    cfg = dict(vars(args))
+    cfg.update(
+        rank=rank,
+        world_size=world_size,
+        per_peer_batch=batch,
+        train_blocks=len(train_blocks),
+        shard_blocks=len(shard),
+        val_blocks=len(val_blocks),
+        test_blocks=len(test_blocks),
+        n_params=n_params,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        threads=torch.get_num_threads(),
+    )
+    cfg.pop("token", None)  # a secret: never written to disk
+    note("config " + json.dumps(cfg))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+    # -- train ------------------------------------------------------------------------------------
+    log_path = out / "rounds.jsonl"
+    log_path.write_text("")
+    record = RoundLog(log_path, t0, version)
+
+    training_args = TrainingArguments(
+        output_dir=str(out / "trainer"),
+        per_device_train_batch_size=batch,
+        per_device_eval_batch_size=max(batch, 64),
+        learning_rate=args.lr,
+        weight_decay=0.0,  # AdamW without decay is the report's Adam
+        optim="adamw_torch",
+        lr_scheduler_type=args.lr_schedule,
+        num_train_epochs=args.epochs,
+        max_steps=args.max_steps if args.max_steps > 0 else -1,
+        eval_strategy="steps" if args.eval_every else "no",
+        eval_steps=args.eval_every or None,
+        logging_strategy="steps",
+        logging_steps=max(1, min(50, args.eval_every or 50)),
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        seed=args.seed,
+        prediction_loss_only=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    callbacks: list[Any] = [record.callback()]
+    if hub_mode:
+        # The callback after the script's joins no more (the client has joined) and syncs every N steps.
+        def on_sync(result: Any) -> None:
+            record.on_sync(result, round_participants(client, result.version - 1))
+
+        callback = SyncCallback(client=client, sync_every=args.sync_every, on_sync=on_sync)
+        callbacks.insert(0, callback)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=shard,
+        eval_dataset=val_blocks,
+        data_collator=default_data_collator,
+        callbacks=callbacks,
+    )
+    for noisy in (PrinterCallback, ProgressCallback):  # they print every log dict; we print a table
+        trainer.remove_callback(noisy)
+    record.print_header()
+    trainer.evaluate()  # step 0: the version everybody starts from
+    trainer.train()
+
+    # -- final: test perplexity, save, fingerprints -------------------------------------------------
+    test_loss = trainer.evaluate(eval_dataset=test_blocks, metric_key_prefix="test")["test_loss"]
+    model_dir = out / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    digest = weights_digest(synced_arrays(model))
+    if client is not None:
+        version = client.version  # the callback left the run after its final sync
+
+    evals = [r for r in record.rows if r["event"] in ("eval", "round") and r.get("val_ppl") is not None]
+    results = {
+        "config": cfg,
+        "rank": rank,
+        "world_size": world_size,
+        "steps": trainer.state.global_step,
+        "syncs": callback.syncs if callback else 0,
+        "final_version": version,
+        "final_val_ppl": evals[-1]["val_ppl"] if evals else None,
+        "final_test_ppl": math.exp(test_loss),
+        "weights_sha256": digest,
+        "wall_seconds": round(time.time() - t0, 2),
+        "evals": [{k: r[k] for k in ("step", "version", "val_ppl")} for r in evals],
+        "rounds": [r for r in record.rows if r["event"] == "round"],
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot({args.peer or ("serial" if not hub_mode else f"rank {rank}"): results}, out / "val_ppl.png", args)
+    print(
+        f"final: validation perplexity {results['final_val_ppl']:.2f}, test perplexity "
+        f"{results['final_test_ppl']:.2f}, {results['steps']} steps, {results['wall_seconds']:.0f} s"
+        + (f", at version {version}" if client else ""),
+        flush=True,
+    )
+    return 0
+
+
+def load_texts(args: argparse.Namespace, datasets: Any) -> tuple[Any, Any, Any]:
+    """Train, validation, test reviews (text only). Validation is held out of the train split."""
+    source = Path(args.dataset)
+    if source.is_dir():
+        import pyarrow.parquet as pq
+
+        missing = [f for f in ("train.parquet", "test.parquet") if not (source / f).is_file()]
+        if missing:
+            raise Fail(f"--dataset {source} has no {' or '.join(missing)}")
+        # Read straight into memory: no datasets cache files, so concurrent peers never race on them.
+        train, test = (
+            datasets.Dataset(pq.read_table(source / name, columns=["text"]))
+            for name in ("train.parquet", "test.parquet")
+        )
+    else:
+        try:
+            raw = datasets.load_dataset(args.dataset)
+        except Exception as exc:
+            raise Fail(unreachable("dataset", args.dataset, exc)) from None
+        train, test = raw["train"].select_columns(["text"]), raw["test"].select_columns(["text"])
+    if args.train_samples + args.val_samples > len(train):
+        raise Fail(
+            f"--train-samples {args.train_samples} + --val-samples {args.val_samples} > "
+            f"{len(train)} reviews in the train split"
+        )
+    train = train.shuffle(seed=args.seed)
+    val = train.select(range(args.val_samples))
+    train = train.select(range(args.val_samples, args.val_samples + args.train_samples))
+    test = test.shuffle(seed=args.seed).select(range(min(args.test_samples, len(test))))
+    return train, val, test
+
+
+class RoundLog:
+    """Appends evaluations and syncs to rounds.jsonl (the launcher tails it) and prints a row each.
+
+    It also asks for an evaluation right after every sync: the SyncCallback syncs inside the
+    Trainer's log event, and the Trainer evaluates after logging, so that evaluation sees the
+    merged weights.
+    """
+
+    def __init__(self, path: Path, t0: float, version: int | None) -> None:
+        self.path, self.t0 = path, t0
+        self.rows: list[dict[str, Any]] = []
+        self.synced: Any = None  # the SyncResult not yet written with its evaluation
+        self.participants: int | None = None
+        self.version = version  # the global version the weights are at (None: serial)
+
+    def callback(self) -> Any:
+        from transformers import TrainerCallback  # imported by now; see train_peer
+
+        log = self
+
+        class Callback(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+                if logs and "loss" in logs:
+                    log.write({"event": "train", "step": state.global_step, "loss": logs["loss"]})
+                if log.synced is not None:  # a sync just happened: evaluate the merged weights
+                    control.should_evaluate = True
+                return control
+
+            def on_evaluate(self, args, state, control, metrics=None, **kwargs):  # type: ignore[no-untyped-def]
+                if metrics and "eval_loss" in metrics:
+                    log.evaluated(state.global_step, metrics["eval_loss"])
+
+        return Callback()
+
+    def on_sync(self, result: Any, participants: int | None) -> None:
+        self.synced, self.participants = result, participants
+        self.version = result.version
+
+    def evaluated(self, step: int, loss: float) -> None:
+        row: dict[str, Any] = {"event": "eval", "step": step, "version": self.version}
+        if self.synced is not None:
+            r, self.synced = self.synced, None
+            row.update(
+                event="round",
+                participants=self.participants,
+                bytes_up=r.bytes_up,
+                bytes_down=r.bytes_down,
+                sync_seconds=round(r.seconds, 3),
+                caught_up=r.caught_up,
+            )
+        row.update(val_loss=loss, val_ppl=math.exp(loss), elapsed=round(time.time() - self.t0, 2))
+        self.write(row)
+        mb = {k: None if row.get(k) is None else row[k] / 1e6 for k in ("bytes_up", "bytes_down")}
+        print(
+            f"{step:>7} {_fmt(row['version'], 'd', 7)} {row['val_ppl']:>10.2f} "
+            f"{_fmt(row.get('participants'), 'd', 5)} {_fmt(mb['bytes_up'], '.2f', 9)} "
+            f"{_fmt(mb['bytes_down'], '.2f', 9)} {_fmt(row.get('sync_seconds'), '.2f', 7)} "
+            f"{row['elapsed']:>8.0f}",
+            flush=True,
+        )
+
+    def print_header(self) -> None:
+        print(
+            f"{'step':>7} {'version':>7} {'val ppl':>10} {'peers':>5} {'MB up':>9} {'MB down':>9} "
+            f"{'sync s':>7} {'elapsed':>8}",
+            flush=True,
+        )
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def round_participants(client: Any, round_: int) -> int | None:
+    """How many peers' updates closed round ``round_`` (from the hub's run status)."""
+    try:
+        rounds = client.status().get("rounds", [])
+    except Exception:  # a status hiccup must not stop training
+        return None
+    return next((len(r["participants"]) for r in rounds if r.get("round") == round_), None)
+
+
+def _fmt(value: Any, spec: str, width: int) -> str:
+    return f"{value:>{width}{spec}}" if value is not None else f"{'-':>{width}}"
+
+
+def synced_arrays(model: Any) -> dict[str, Any]:
+    """The tensors a hub holds for this model, as float32 numpy arrays: every parameter once (a
+    tied weight under its first name) and the persistent floating-point buffers."""
+    import torch
+
+    persistent = set(model.state_dict(keep_vars=True))
+    tensors = dict(model.named_parameters())
+    tensors.update({n: b for n, b in model.named_buffers() if b.is_floating_point() and n in persistent})
+    return {n: t.detach().to("cpu", torch.float32).numpy() for n, t in tensors.items()}
+
+
+def weights_digest(arrays: dict[str, Any]) -> str:
+    """sha256 over named float32 arrays in name order; equal digests mean bit-identical weights."""
+    import numpy as np
+
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name], dtype="<f4")
+        h.update(f"{name}|{list(a.shape)}\n".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def hub_digest(url: str, run: str, token: str | None) -> tuple[int, str]:
+    """Download the run's latest version from the hub; return (version, weights digest)."""
+    import safetensors.numpy
+
+    request = urllib.request.Request(f"{url}/v1/runs/{run}/model")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=120) as r:
+        version = int(r.headers.get("X-Sync-Version", -1))
+        arrays = safetensors.numpy.load(r.read())
+    return version, weights_digest(arrays)
+
+
+def unreachable(what: str, name: str, exc: Exception) -> str:
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+    return f"cannot load {what} {name!r} ({type(exc).__name__}: {reason}); no Hub access? {OFFLINE_HINT}"
+
+
+def note(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# --local-peers K: an embedded hub, K peer processes, a round table, results.json and a plot
+# ---------------------------------------------------------------------------------------------
+
+
+def launch(args: argparse.Namespace) -> int:
+    t0 = time.time()
+    k = args.local_peers
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "hub", ignore_errors=True)  # a fresh run, not the previous one's state
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = args.threads or max(1, cores // k)
+    cfg = dict(vars(args), threads=threads, cores=cores)
+    cfg.pop("token", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    note("config " + json.dumps(cfg))
+
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    if args.token:  # the hub and the peers read it from the environment: it stays out of `ps`
+        env["SYNC_TOKEN"] = args.token
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs: dict[str, Path] = {}
+
+    def start(name: str, cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("wb") as f:  # the child keeps its own handle
+            # A session of its own: Ctrl-C reaches only us, and we stop the children in order.
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        procs[name], logs[name] = p, log
+        return p
+
+    def stop_all() -> None:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + 10
+        for p in procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the children like Ctrl-C does
+    peers = [f"peer-{i}" for i in range(k)]
+    table = RoundTable(peers, {p: out / p / "rounds.jsonl" for p in peers}, t0)
+    try:
+        port = free_port()
+        hub_url = f"http://127.0.0.1:{port}"
+        hub_cmd = [sys.executable, "-m", "syncserver", "serve", "--host", "127.0.0.1", "--port", str(port)]
+        hub_cmd += ["--data-dir", str(out / "hub"), "--min-peers", str(k)]
+        start("hub", hub_cmd, out / "hub.log")
+        wait_healthy(procs["hub"], hub_url, logs["hub"])
+        note(f"hub and dashboard at {hub_url}/ ; {k} peers, {threads} thread(s) each; logs: {out}/peer-*/log.txt")
+        for name in peers:
+            (out / name / "rounds.jsonl").unlink(missing_ok=True)
+            cmd = peer_argv(args, hub=hub_url, peer=name, output_dir=str(out / name), threads=threads)
+            start(name, cmd, out / name / "log.txt")
+        table.print_header()
+        while True:
+            table.poll()
+            check_children(procs, logs)
+            if all(procs[p].poll() == 0 for p in peers):
+                break
+            time.sleep(0.5)
+        table.poll(final=True)
+        peers_wall = time.time() - t0
+        hub_version, hub_sha = hub_digest(hub_url, args.run, args.token)
+        procs["hub"].terminate()  # its work is done; the serial baseline needs no hub
+        serial = None
+        if args.serial_baseline:
+            note(f"serial baseline: one process, {cores} thread(s), in {out}/serial ...")
+            cmd = peer_argv(args, no_hub=True, output_dir=str(out / "serial"), threads=args.threads or cores)
+            p = start("serial", cmd, out / "serial" / "log.txt")
+            while p.poll() is None:
+                check_children({"serial": p}, logs)
+                time.sleep(0.5)
+            check_children({"serial": p}, logs)
+            serial = json.loads((out / "serial" / "results.json").read_text())
+    except KeyboardInterrupt:
+        note("interrupted: stopping the hub and the peers")
+        return 130
+    finally:
+        stop_all()  # on success too: the hub has served its last version
+
+    # -- results ----------------------------------------------------------------------------------
+    per_peer = {p: json.loads((out / p / "results.json").read_text()) for p in peers}
+    digests = {p: r["weights_sha256"] for p, r in per_peer.items()}
+    identical = len(set(digests.values())) == 1
+    equal_hub = set(digests.values()) == {hub_sha}
+    results = {
+        "config": cfg,
+        "rounds": table.rows,
+        "final": {p: {key: r[key] for key in FINAL_KEYS} for p, r in per_peer.items()},
+        "weights_identical": identical,
+        "weights_equal_hub": equal_hub,
+        "weights_sha256": digests,
+        "hub_version": hub_version,
+        "hub_weights_sha256": hub_sha,
+        "wall_seconds": round(peers_wall, 2),
+        "serial": None
+        if serial is None
+        else {key: serial[key] for key in ("final_val_ppl", "final_test_ppl", "steps", "wall_seconds")},
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    series = dict(per_peer)
+    if serial is not None:
+        series["serial"] = serial
+    plot(series, out / "val_ppl.png", args)
+
+    vals = ", ".join(f"{p} {r['final_val_ppl']:.2f}" for p, r in per_peer.items())
+    tests = ", ".join(f"{p} {r['final_test_ppl']:.2f}" for p, r in per_peer.items())
+    print(f"final validation perplexity: {vals}" + (f"; serial {serial['final_val_ppl']:.2f}" if serial else ""))
+    print(f"test perplexity: {tests}" + (f"; serial {serial['final_test_ppl']:.2f}" if serial else ""))
+    print(
+        f"final weights identical across peers: {'yes' if identical else 'NO'}; "
+        f"equal to the hub's version {hub_version}: {'yes' if equal_hub else 'NO'}"
+    )
+    print(
+        f"wall time {peers_wall:.0f} s"
+        + (f" (serial {serial['wall_seconds']:.0f} s)" if serial else "")
+        + f"; results in {out / 'results.json'}, plot {out / 'val_ppl.png'}"
+    )
+    return 0 if identical and equal_hub else 1
+
+
+class RoundTable:
+    """Tails every peer's rounds.jsonl and prints one row per version once all peers reported it."""
+
+    def __init__(self, peers: list[str], paths: dict[str, Path], t0: float) -> None:
+        self.peers, self.paths, self.t0 = peers, paths, t0
+        self.offsets = dict.fromkeys(peers, 0)
+        self.seen: dict[str, dict[int, dict[str, Any]]] = {p: {} for p in peers}  # version -> row
+        self.latest: dict[str, int] = dict.fromkeys(peers, -1)
+        self.next_version = 0
+        self.rows: list[dict[str, Any]] = []
+
+    def poll(self, final: bool = False) -> None:
+        for p in self.peers:
+            path = self.paths[p]
+            if not path.exists():
+                continue
+            with path.open("rb") as f:
+                f.seek(self.offsets[p])
+                data = f.read()
+            end = data.rfind(b"\n") + 1  # only complete lines
+            self.offsets[p] += end
+            for line in data[:end].splitlines():
+                row = json.loads(line)
+                version = row.get("version")
+                if row["event"] == "eval" and row["step"] == 0 and version is not None:
+                    self.seen[p].setdefault(version, row)
+                elif row["event"] == "round":
+                    self.seen[p][version] = row
+                else:
+                    continue
+                self.latest[p] = max(self.latest[p], version)
+        while True:
+            v = self.next_version
+            if not any(v in s for s in self.seen.values()):
+                if final and any(v < latest for latest in self.latest.values()):
+                    self.next_version += 1
+                    continue
+                return
+            # Print once every peer reported v, went past it (caught up), or (at the end) stopped.
+            if not all(v in self.seen[p] or self.latest[p] > v or final for p in self.peers):
+                return
+            self.emit(v, {p: self.seen[p].get(v) for p in self.peers})
+            self.next_version += 1
+
+    def emit(self, version: int, rows: dict[str, dict[str, Any] | None]) -> None:
+        got = [r for r in rows.values() if r is not None]
+        row = {
+            "version": version,
+            "step": max(r["step"] for r in got),
+            "participants": max((r.get("participants") or 0) for r in got) or len(got),
+            "val_ppl": {p: (r["val_ppl"] if r else None) for p, r in rows.items()},
+            "bytes_up": sum(r.get("bytes_up") or 0 for r in got),
+            "bytes_down": sum(r.get("bytes_down") or 0 for r in got),
+            "sync_seconds": max((r.get("sync_seconds") or 0.0) for r in got),
+            "elapsed": round(time.time() - self.t0, 1),
+        }
+        self.rows.append(row)
+        ppl = " ".join(_fmt(v, ".2f", 10) for v in row["val_ppl"].values())
+        print(
+            f"{version:>7} {row['step']:>6} {row['participants']:>5} {ppl} {row['bytes_up'] / 1e6:>9.2f} "
+            f"{row['bytes_down'] / 1e6:>9.2f} {row['sync_seconds']:>7.2f} {row['elapsed']:>8.0f}",
+            flush=True,
+        )
+
+    def print_header(self) -> None:
+        ppl = " ".join(f"{p[-10:]:>10}" for p in self.peers)
+        rest = f"{'MB up':>9} {'MB down':>9} {'sync s':>7} {'elapsed':>8}"
+        print(f"{'version':>7} {'step':>6} {'peers':>5} {ppl} {rest}")
+        print(f"{'':>20} validation perplexity per peer; MB summed over peers", flush=True)
+
+
+def peer_argv(args: argparse.Namespace, **overrides: Any) -> list[str]:
+    """This script's command line for one child: the parent's settings with ``overrides``."""
+    values = dict(vars(args), local_peers=0, serial_baseline=False, hub=None, peer=None)
+    values.update(overrides)
+    argv = [sys.executable, str(Path(__file__).resolve())]
+    for action in build_parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = values.get(action.dest)
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [action.option_strings[0]] if value else []
+        elif value is not None and action.dest != "token":
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
+def check_children(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) -> None:
+    for name, p in procs.items():
+        code = p.poll()
+        if code not in (None, 0):
+            raise Fail(f"{name} exited with code {code}: {last_line(logs[name])} (log: {logs[name]})")
+
+
+def last_line(path: Path) -> str:
+    lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise Fail(f"the hub exited with code {proc.returncode}: {last_line(log)} (log: {log})")
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/healthz", timeout=2) as r:
+            if r.status == 200:
+                return
+        time.sleep(0.2)
+    raise Fail(f"the hub did not answer {url}/healthz within {timeout:.0f} s (log: {log})")
+
+
+def plot(series: dict[str, dict[str, Any]], path: Path, args: argparse.Namespace) -> None:
+    """Validation perplexity vs step, one line per peer (and the serial baseline), syncs marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    sync_steps: set[int] = set()
+    for name, res in series.items():
+        evals = res["evals"]
+        serial = res["world_size"] == 1 and not res["rounds"]
+        ax.plot(
+            [e["step"] for e in evals],
+            [e["val_ppl"] for e in evals],
+            "--" if serial else "-",
+            marker="" if serial else ".",
+            color="black" if serial else None,
+            alpha=0.8,
+            label=name,
+        )
+        sync_steps.update(r["step"] for r in res["rounds"])
+    for s in sorted(sync_steps):
+        ax.axvline(s, color="grey", lw=0.5, alpha=0.4)
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step (per peer)")
+    ax.set_ylabel("validation perplexity")
+    peers = sum(1 for res in series.values() if res["rounds"])
+    title = f"GPT-2 on IMDB: {peers} peer(s), sync every {args.sync_every} steps (grey)" if peers else "GPT-2 on IMDB"
+    if "serial" in series and peers:
+        title += " vs serial"
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
