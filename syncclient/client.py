@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -100,8 +101,27 @@ class _Retry(Exception):
         self.retry_after = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
 
 
+def _tls_problem(exc: BaseException) -> str | None:
+    """What to do about a TLS failure that no retry can fix; None for anything else.
+
+    A certificate the SDK does not trust (self-signed, another host, expired) or an https://
+    URL to a plain-HTTP hub. A TLS connection cut midway (a hub restarting) is retried.
+    """
+    cause: BaseException | None = exc
+    for _ in range(16):  # the __cause__/__context__ chain: httpx -> httpcore -> ssl
+        if cause is None:
+            break
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return "the hub's TLS certificate is not trusted: pass verify=<the CA bundle that signed it>"
+        if isinstance(cause, ssl.SSLError) and cause.reason == "WRONG_VERSION_NUMBER":
+            return "the hub does not speak TLS there: use http://, or start it with --ssl-certfile"
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def _retryable(exc: BaseException) -> bool:
-    return isinstance(exc, _Retry | httpx.TransportError)
+    # a TLS setup error is not transport trouble: retrying it for retry_seconds only hides it
+    return isinstance(exc, _Retry) or (isinstance(exc, httpx.TransportError) and _tls_problem(exc) is None)
 
 
 def _error(response: httpx.Response) -> HubError:
@@ -141,6 +161,9 @@ class SyncClient:
     configure the run if this peer creates it; for an existing run they must match (or be
     None to accept the run's). ``min_peers`` is also the rendezvous size: the run starts once
     that many peers joined, and ranks follow sorted peer names, not join order.
+
+    ``verify`` checks the hub's TLS certificate: True (the system's CAs), the path of a CA
+    bundle (a PEM file, or a folder of them) for a hub with its own CA, or an ``ssl.SSLContext``.
     """
 
     def __init__(
@@ -156,7 +179,7 @@ class SyncClient:
         outer_momentum: float | None = None,
         min_peers: int | None = None,
         round_timeout: float | None = None,
-        verify: bool | str = True,
+        verify: bool | str | ssl.SSLContext = True,
         timeout: float = 60.0,
         retry_seconds: float = 600.0,
     ) -> None:
@@ -177,6 +200,9 @@ class SyncClient:
             "round_timeout": round_timeout,
         }
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if isinstance(verify, str):  # httpx wants a context for a CA bundle
+            where = {"capath": verify} if os.path.isdir(verify) else {"cafile": verify}
+            verify = ssl.create_default_context(**where)
         self._http = httpx.Client(
             base_url=self.hub,
             headers=headers,
@@ -480,9 +506,8 @@ class SyncClient:
                 f"{self.hub}{path}: still {exc} after {self.retry_seconds:.0f}s of retries"
             ) from exc
         except httpx.TransportError as exc:
-            raise HubUnreachable(
-                f"{self.hub}{path}: {type(exc).__name__}: {exc} (after {self.retry_seconds:.0f}s of retries)"
-            ) from exc
+            why = _tls_problem(exc) or f"after {self.retry_seconds:.0f}s of retries"
+            raise HubUnreachable(f"{self.hub}{path}: {type(exc).__name__}: {exc} ({why})") from exc
         if response.status_code >= 400:
             raise _error(response)
         return response
@@ -533,7 +558,8 @@ class SyncClient:
         except _Retry as exc:
             raise HubUnreachable(f"{self.hub}{path}: still {exc} after {self.retry_seconds:.0f}s") from exc
         except httpx.TransportError as exc:
-            raise HubUnreachable(f"{self.hub}{path}: {type(exc).__name__}: {exc}") from exc
+            why = _tls_problem(exc)
+            raise HubUnreachable(f"{self.hub}{path}: {type(exc).__name__}: {exc}{f' ({why})' if why else ''}") from exc
         finally:
             if bar is not None:
                 bar.close()

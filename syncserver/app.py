@@ -6,6 +6,7 @@ uvicorn syncserver.app:app --host 0.0.0.0 --port 8000      # settings from SYNC_
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -38,6 +39,29 @@ def _configure_logging() -> None:
         logger.setLevel(logging.INFO)
 
 
+class RedactTokens(logging.Filter):
+    """uvicorn's access log prints each request line with its query string, and a dashboard
+    link may carry ``?token=``: log ``token=***`` instead. (Bearer headers are never logged.)"""
+
+    PATTERN = re.compile(r"(?i)([?&;](?:access_)?token=)[^&;#\s\"]*")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                self.PATTERN.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args
+            )
+        if isinstance(record.msg, str):
+            record.msg = self.PATTERN.sub(r"\1***", record.msg)
+        return True
+
+
+def _redact_access_log() -> None:
+    # at startup, after uvicorn has configured its loggers
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactTokens) for f in access.filters):
+        access.addFilter(RedactTokens())
+
+
 def create_app(settings: HubSettings | None = None) -> FastAPI:
     """Build a hub. Its state lives in ``settings.data_dir`` and is recovered on start."""
     settings = settings or HubSettings()
@@ -49,12 +73,13 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
         store = Store(settings.data_dir)
         coordinator = Coordinator(settings, store)
         await coordinator.start()
+        _redact_access_log()
         metrics.attach(coordinator)
         app.state.coordinator = coordinator
         log.info(
             "hub ready: data in %s, %s",
             settings.data_dir.resolve(),
-            "token required" if settings.token else "open (no token)",
+            "token required" if settings.auth_required else "open (no token)",
         )
         try:
             yield

@@ -41,6 +41,7 @@ def serve(
     """Run a hub. Flags override the matching SYNC_* environment variables."""
     import uvicorn
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from syncserver.app import create_app
     from syncserver.settings import HubSettings
@@ -61,6 +62,8 @@ def serve(
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise typer.BadParameter(problems) from None
+    except SettingsError as exc:  # an env value that does not parse at all, e.g. SYNC_RUN_TOKENS
+        raise typer.BadParameter(f"{exc} (SYNC_RUN_TOKENS must be a JSON object)") from None
     scheme = "https" if ssl_certfile else "http"
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # what a browser here can open
     hint = " (open it with ?token=<view or hub token>, or paste the token when asked)" if settings.token else ""

@@ -48,20 +48,35 @@ def _bearer_is(authorization: str | None, secret: SecretStr | None) -> bool:
     )
 
 
+def _granted(request: Request, authorization: str | None, *, view: bool) -> bool:
+    """Does the request's bearer token open this endpoint?
+
+    An open hub (no token of any kind set) lets everyone in. Otherwise: the hub token
+    (``SYNC_TOKEN``) and the admin token open everything; the view token opens read-only
+    endpoints (``view``); a run's token (``SYNC_RUN_TOKENS``) opens ``/v1/runs/<that run>/...``
+    only, so the same 401 answers a wrong token and a token of another run.
+    """
+    settings = request.app.state.settings
+    if not settings.auth_required:
+        return True
+    if _bearer_is(authorization, settings.token) or _bearer_is(authorization, settings.admin_token):
+        return True
+    if view and _bearer_is(authorization, settings.view_token):
+        return True
+    run = request.path_params.get("run")
+    return run is not None and _bearer_is(authorization, settings.run_tokens.get(run))
+
+
 def authenticate(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-    """Bearer token check in constant time; an open hub (no token set) lets everyone in."""
-    token = request.app.state.settings.token
-    if token is not None and not _bearer_is(authorization, token):
+    """Bearer token check in constant time (see :func:`_granted`)."""
+    if not _granted(request, authorization, view=False):
         raise Unauthorized("missing or wrong bearer token")
 
 
 def authenticate_view(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
     """Read-only endpoints (run status, dashboard data, metrics) also take ``SYNC_VIEW_TOKEN``:
     it can watch a run but not join it, send updates, renew leases or download weights."""
-    settings = request.app.state.settings
-    if settings.token is not None and not (
-        _bearer_is(authorization, settings.token) or _bearer_is(authorization, settings.view_token)
-    ):
+    if not _granted(request, authorization, view=True):
         raise Unauthorized("missing or wrong bearer token")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -11,13 +12,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from syncwire import get_codec
 
 Outer = Literal["avg", "diloco"]
+RUN_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"  # what routes accept in URLs (no path tricks)
 
 
 class HubSettings(BaseSettings):
     """Everything the hub can be told. Per-run values (codec, outer optimizer, min_peers,
     round timeout) are only defaults: the first peer of a run may choose its own."""
 
-    model_config = SettingsConfigDict(env_prefix="SYNC_", extra="ignore")
+    # hide_input_in_errors: a bad setting must not print the tokens beside it (SYNC_RUN_TOKENS)
+    model_config = SettingsConfigDict(env_prefix="SYNC_", extra="ignore", hide_input_in_errors=True)
 
     data_dir: Path = Field(Path("./syncserver-data"), description="Where versions, updates and state live.")
     token: SecretStr | None = Field(
@@ -27,6 +30,16 @@ class HubSettings(BaseSettings):
         None,
         description="Read-only bearer token: run status, the dashboard's data and /metrics accept it, "
         "nothing that changes state or serves weights does. Needs SYNC_TOKEN.",
+    )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Operator's bearer token: every endpoint of every run, creating runs, listing "
+        "them, /metrics. Lets a hub give its peers run tokens only.",
+    )
+    run_tokens: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description='Per-run bearer tokens, JSON: SYNC_RUN_TOKENS=\'{"imdb-gpt2": "..."}\'. A run token '
+        "opens /v1/runs/<its run>/... only (it may create that run), nothing else.",
     )
     min_peers: int = Field(1, ge=1, description="Updates a round needs before its deadline may close it.")
     round_timeout: float = Field(
@@ -49,9 +62,24 @@ class HubSettings(BaseSettings):
         get_codec(value)  # raises ValueError with the list of codecs
         return value
 
+    @field_validator("run_tokens")
+    @classmethod
+    def _run_tokens(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        for run, token in value.items():
+            if not re.fullmatch(RUN_NAME, run):
+                raise ValueError(f"SYNC_RUN_TOKENS: {run!r} is not a run name (letters, digits, '.', '_', '-')")
+            if not token.get_secret_value():
+                raise ValueError(f"SYNC_RUN_TOKENS: the token of run {run!r} is empty")
+        return value
+
+    @property
+    def auth_required(self) -> bool:
+        """False for an open hub: no token of any kind is set."""
+        return self.token is not None or self.admin_token is not None or bool(self.run_tokens)
+
     @model_validator(mode="after")
     def _view_token_needs_token(self) -> HubSettings:
-        if self.view_token is not None and self.token is None:
+        if self.view_token is not None and not self.auth_required:
             raise ValueError("SYNC_VIEW_TOKEN is set but SYNC_TOKEN is not: an open hub needs no view token")
         return self
 
