@@ -66,7 +66,7 @@ def serve(
         raise typer.BadParameter(f"{exc} (SYNC_RUN_TOKENS must be a JSON object)") from None
     scheme = "https" if ssl_certfile else "http"
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # what a browser here can open
-    hint = " (open it with ?token=<view or hub token>, or paste the token when asked)" if settings.token else ""
+    hint = " (open it with ?token=<view or hub token>, or paste the token when asked)" if settings.auth_required else ""
     typer.echo(f"dashboard: {scheme}://{shown}:{port}/{hint}", err=True)
     uvicorn.run(
         create_app(settings),

@@ -33,13 +33,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Query
+from fastapi import APIRouter, FastAPI, Header, Query, Request
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from syncserver import __version__
 from syncserver.coordinator import Coordinator, Run
-from syncserver.routes import NAME, Hub, Wait, authenticate_view
+from syncserver.errors import Unauthorized
+from syncserver.routes import NAME, Hub, Wait, _bearer_is, _granted
 from syncserver.store import RoundRecord, UpdateRecord
 
 __all__ = ["add_dashboard", "curves", "round_trace"]
@@ -162,13 +163,15 @@ def _fingerprint(coordinator: Coordinator, run: Run | None) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-def snapshot(coordinator: Coordinator, run_name: str | None) -> dict[str, Any]:
-    """All the page shows of the hub and (when given and known) one run."""
+def snapshot(coordinator: Coordinator, run_name: str | None, only: str | None = None) -> dict[str, Any]:
+    """All the page shows of the hub and (when given and known) one run; with ``only``, of
+    that run alone (a run token's view: it must not learn of the hub's other runs)."""
     run = coordinator.runs.get(run_name) if run_name else None
+    runs = coordinator.list_runs()
     body: dict[str, Any] = {
         "fingerprint": _fingerprint(coordinator, run),
         "now": time.time(),
-        "runs": coordinator.list_runs(),
+        "runs": runs if only is None else [r for r in runs if r["run"] == only],
         "run": None,
     }
     if run is not None:
@@ -184,16 +187,29 @@ def snapshot(coordinator: Coordinator, run_name: str | None) -> dict[str, Any]:
     return body
 
 
-api = APIRouter(prefix="/v1", dependencies=[Depends(authenticate_view)])
+api = APIRouter(prefix="/v1")
+
+
+def _viewer(request: Request, run: str | None, authorization: str | None) -> str | None:
+    """Who may look: None for every run (view, hub or admin token, or an open hub), else the
+    one run whose own token (``SYNC_RUN_TOKENS``) was given with ``?run=``."""
+    if _granted(request, authorization, view=True):
+        return None
+    if run is not None and _bearer_is(authorization, request.app.state.settings.run_tokens.get(run)):
+        return run
+    raise Unauthorized("missing or wrong bearer token")
 
 
 @api.get("/dashboard", summary="Everything the dashboard shows, as a long poll on a state fingerprint")
 async def dashboard_data(
+    request: Request,
     hub: Hub,
     run: Annotated[str | None, Query(pattern=NAME, description="The run to detail.")] = None,
     since: Annotated[str | None, Query(max_length=64, description="Fingerprint last seen.")] = None,
     wait: Wait = 0.0,
+    authorization: Annotated[str | None, Header()] = None,
 ) -> dict[str, Any]:
+    only = _viewer(request, run, authorization)
     deadline = time.monotonic() + min(wait, hub.settings.long_poll_seconds)
     while since is not None and time.monotonic() < deadline:
         state = hub.runs.get(run) if run else None
@@ -206,7 +222,7 @@ async def dashboard_data(
         else:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(state.changed.wait(), timeout)
-    return snapshot(hub, run)
+    return snapshot(hub, run, only)
 
 
 def add_dashboard(app: FastAPI) -> None:

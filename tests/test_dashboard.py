@@ -173,6 +173,25 @@ def test_view_token_watches_but_cannot_act(hub_factory: Callable[..., Hub]) -> N
     assert httpx.get(f"{hub.url}/v1/dashboard", params={"run": "nope"}, headers=view).json()["run"] is None
 
 
+def test_run_token_sees_its_run_only(hub_factory: Callable[..., Hub]) -> None:
+    hub = hub_factory(env={"SYNC_RUN_TOKENS": '{"r1": "tok1", "r2": "tok2"}'})
+    for run, token in (("r1", "tok1"), ("r2", "tok2")):
+        r = httpx.post(
+            f"{hub.url}/v1/runs/{run}/peers", json={"peer": "p"}, headers={"Authorization": f"Bearer {token}"}
+        )
+        r.raise_for_status()
+
+    def dashboard(token: str, **params: str) -> httpx.Response:
+        return httpx.get(f"{hub.url}/v1/dashboard", params=params, headers={"Authorization": f"Bearer {token}"})
+
+    mine = dashboard("tok1", run="r1")
+    assert mine.status_code == 200
+    assert [r["run"] for r in mine.json()["runs"]] == ["r1"]  # not a word of r2
+    assert mine.json()["run"]["run"] == "r1"
+    assert dashboard("tok1", run="r2").status_code == 401  # another run's token: as a wrong one
+    assert dashboard("tok1").status_code == 401  # the list of every run is not its to see
+
+
 def test_dashboard_long_poll_answers_on_change(hub_factory: Callable[..., Hub]) -> None:
     hub = hub_factory()
     first = httpx.get(f"{hub.url}/v1/dashboard").json()

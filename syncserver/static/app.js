@@ -436,11 +436,11 @@
   }
 
   // ---- line charts -------------------------------------------------------------------------------
-  function ticks(lo, hi, count) {
+  function ticks(lo, hi, count, integer = false) {
     const span = hi - lo || Math.abs(hi) || 1;
-    const raw = span / Math.max(1, count);
+    const raw = Math.max(span / Math.max(1, count), integer ? 1 : 0);
     const mag = 10 ** Math.floor(Math.log10(raw));
-    const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((st) => st >= raw) || 10 * mag;
+    const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((st) => st >= raw && (!integer || Number.isInteger(st))) || 10 * mag;
     const out = [];
     for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) out.push(Number(t.toPrecision(12)));
     return out;
@@ -461,7 +461,7 @@
     let [x0, x1] = [Math.min(...pts.map((p) => p[0])), Math.max(...pts.map((p) => p[0]))];
     let [y0, y1] = [Math.min(...pts.map((p) => p[1])), Math.max(...pts.map((p) => p[1]))];
     if (x0 === x1) { x0 -= 1; x1 += 1; }
-    const log = y0 > 0 && y1 / y0 > 30; // perplexity from a random start spans decades
+    const log = y0 > 0 && y1 / y0 > 10; // perplexity from a random start spans decades
     if (!log) {
       if (y0 === y1) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
       const pad = (y1 - y0) * 0.08;
@@ -478,7 +478,8 @@
       svg.append(s("line", { class: "gridline", x1: m.l, x2: width - m.r, y1: Y(t), y2: Y(t) }));
       svg.append(s("text", { x: m.l - 6, y: Y(t) + 4, "text-anchor": "end" }, fmtVal(t)));
     }
-    for (const t of ticks(x0, x1, Math.max(2, Math.floor((width - m.l) / 70)))) {
+    const integerX = pts.every((p) => Number.isInteger(p[0])); // steps and rounds
+    for (const t of ticks(x0, x1, Math.max(2, Math.floor((width - m.l) / 70)), integerX)) {
       if (t < x0 || t > x1) continue;
       svg.append(s("text", { x: X(t), y: height - m.b + 16, "text-anchor": "middle" }, fmtVal(t)));
     }
@@ -500,8 +501,10 @@
   }
 
   function seriesOf(run, colors, key) {
-    return Object.entries(run.curves.peers)
-      .map(([name, c]) => ({ name, color: colors.get(name), points: c[key] || [] }))
+    // in rank order (the colors' order), so legends read like the peers table
+    return [...colors.keys()]
+      .filter((name) => run.curves.peers[name])
+      .map((name) => ({ name, color: colors.get(name), points: run.curves.peers[name][key] || [] }))
       .filter((sr) => sr.points.length);
   }
 
