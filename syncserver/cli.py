@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -46,7 +46,7 @@ def serve(
     from syncserver.app import create_app
     from syncserver.settings import HubSettings
 
-    given = {
+    given: dict[str, Any] = {  # Any: each value goes to the field of its name, pydantic checks it
         "data_dir": data_dir,
         "token": token,
         "view_token": view_token,
