@@ -157,8 +157,9 @@ class SyncClient:
     >>> client.sync(model, samples=256_000, metrics={"loss": 3.1})
     >>> client.leave()
 
-    ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``min_peers`` and ``round_timeout``
-    configure the run if this peer creates it; for an existing run they must match (or be
+    ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``min_peers``, ``round_timeout`` and
+    ``norm_guard`` (refuse updates over that many times the usual norm) configure the run if this
+    peer creates it; for an existing run they must match (or be
     None to accept the run's). ``min_peers`` is also the rendezvous size: the run starts once
     that many peers joined, and ranks follow sorted peer names, not join order.
 
@@ -179,6 +180,7 @@ class SyncClient:
         outer_momentum: float | None = None,
         min_peers: int | None = None,
         round_timeout: float | None = None,
+        norm_guard: float | None = None,
         verify: bool | str | ssl.SSLContext = True,
         timeout: float = 60.0,
         retry_seconds: float = 600.0,
@@ -198,6 +200,7 @@ class SyncClient:
             "outer_momentum": outer_momentum,
             "min_peers": min_peers,
             "round_timeout": round_timeout,
+            "norm_guard": norm_guard,
         }
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if isinstance(verify, str):  # httpx wants a context for a CA bundle

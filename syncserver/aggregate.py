@@ -13,11 +13,14 @@ Outer optimizers, on the sample-weighted mean delta ``mean`` of a round:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["diloco_step", "fold", "outer_step", "weighted_mean"]
+__all__ = ["diloco_step", "fold", "global_norm", "norm_outlier", "outer_step", "weighted_mean"]
+
+_NORM_CHUNK = 1 << 20  # values squared at a time in float64: 8 MB of temporaries, whatever the tensor
 
 
 def fold(acc: np.ndarray, delta: np.ndarray, weight: float) -> None:
@@ -66,3 +69,33 @@ def outer_step(
             raise ValueError("diloco needs a momentum buffer")
         return diloco_step(mean, momentum, lr=lr, mu=mu)
     raise ValueError(f"unknown outer optimizer {kind!r}; use 'avg' or 'diloco'")
+
+
+def global_norm(tensors: Iterable[np.ndarray]) -> float:
+    """L2 norm of several tensors taken as one vector, summed in float64 (no overflow for any
+    finite float32, no drift over a billion values). NaN or Inf anywhere gives a non-finite norm."""
+    total = 0.0
+    for tensor in tensors:
+        flat = np.asarray(tensor).reshape(-1)
+        for i in range(0, flat.size, _NORM_CHUNK):
+            chunk = flat[i : i + _NORM_CHUNK].astype(np.float64)
+            total += float(np.dot(chunk, chunk))
+    return float(np.sqrt(total))
+
+
+def norm_outlier(norm: float, reference: Sequence[float], factor: float) -> float | None:
+    """The poisoned-update rule: is ``norm`` over ``factor`` times the median of ``reference``
+    (norms of updates already accepted)? Returns that median if so, else None.
+
+    No verdict without at least two reference norms (the median of one update is that update)
+    or when their median is 0 (peers that did not train): the guard only ever rejects against
+    a majority of sane updates.
+    """
+    if not factor > 1:
+        raise ValueError(f"factor must be above 1, got {factor}")
+    if len(reference) < 2:
+        return None
+    median = statistics.median(reference)
+    if not median > 0:
+        return None
+    return median if not norm <= factor * median else None  # a NaN norm is an outlier too

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from syncserver import __version__
@@ -62,6 +63,31 @@ def _redact_access_log() -> None:
         access.addFilter(RedactTokens())
 
 
+class ErrorBody(BaseModel):
+    """Every error the hub answers: a code to branch on and a reason to show. Some carry more
+    (``current_version`` with a 409, ``errors`` with a 422 from request validation, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+    error: str
+    detail: str
+
+
+#: Declared on every operation, so that the OpenAPI schema tells the truth about errors (and
+#: FastAPI's default 422 body, ``{"detail": [...]}``, which the hub never sends, is replaced).
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorBody, "description": description}
+    for status, description in {
+        400: "Malformed input: a bad body, header or digest.",
+        401: "Missing or wrong bearer token.",
+        404: "Unknown run, peer or path.",
+        409: "Conflicts with the run's state (a closed round, another config, another update).",
+        413: "The body is over the run's size limit.",
+        422: "Well-formed but wrong: parameters, schema, NaN/Inf, a poisoned update.",
+        503: "The hub cannot store anything right now; retry after Retry-After.",
+    }.items()
+}
+
+
 def create_app(settings: HubSettings | None = None) -> FastAPI:
     """Build a hub. Its state lives in ``settings.data_dir`` and is recovered on start."""
     settings = settings or HubSettings()
@@ -92,6 +118,7 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
         version=__version__,
         summary="Averages the weights of training peers far apart on the internet.",
         lifespan=lifespan,
+        responses=ERROR_RESPONSES,
     )
     app.state.settings = settings
     app.state.metrics = metrics

@@ -32,7 +32,7 @@ import numpy as np
 from anyio import to_thread
 
 from syncserver import aggregate
-from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, NotFound, RoundClosed
+from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, NotFound, PoisonedUpdate, RoundClosed
 from syncserver.settings import HubSettings
 from syncserver.store import PeerRecord, RoundRecord, Store, UpdateRecord, atomic_file, publish_file
 from syncserver.uploads import Received, check_finite, disk_error
@@ -54,7 +54,7 @@ __all__ = ["Coordinator", "PeerState", "RunConfig", "Ticket"]
 
 log = logging.getLogger(__name__)
 
-CONFIG_FIELDS = ("codec", "outer", "outer_lr", "outer_momentum", "min_peers", "round_timeout")
+CONFIG_FIELDS = ("codec", "outer", "outer_lr", "outer_momentum", "min_peers", "round_timeout", "norm_guard")
 MAX_SAMPLES = 2**53  # an update's weight: exact as a float, and it fits sqlite's INTEGER
 HEADER_SLACK = 64 * 1024  # bytes an update's safetensors header may exceed twice the run's own
 DOWNLOADS_KEPT = 64  # rounds whose result download spans are remembered (the dashboard's timeline)
@@ -77,6 +77,9 @@ class RunConfig:
     outer_momentum: float
     min_peers: int
     round_timeout: float
+    # refuse an update whose norm is over norm_guard x the median of accepted ones; None: off
+    # (a default, so that runs created before the guard existed load as they were)
+    norm_guard: float | None = None
 
 
 @dataclass
@@ -122,6 +125,11 @@ class Run:
     fold_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     live_set: frozenset[str] = frozenset()
+    # the norm guard's memory: norms of this round's accepted updates, of the previous round's,
+    # and who was refused this round (not waited for). In memory: a restart starts it afresh.
+    norms: dict[str, float] = field(default_factory=dict)
+    previous_norms: list[float] = field(default_factory=list)
+    rejected: set[str] = field(default_factory=set)
     # round -> peer -> (wall time its result download began, ended); in memory, bounded
     downloads: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
 
@@ -487,11 +495,12 @@ class Coordinator:
                 raise BadRequest(
                     f"body digest sha-256 {received.digest} does not match Content-Digest {ticket.digest}"
                 )
-            await to_thread.run_sync(check_finite, received.path)
+            norm = await to_thread.run_sync(self._verify, run, received.path)
             repeat = self._acknowledged(run, ticket.round, ticket.peer, ticket.digest)
             if repeat is not None:
                 return repeat
             await self._check_open(run, ticket.round)
+            self._guard(run, ticket.peer, norm)
             path = self.store.update_path(run.name, ticket.round, ticket.peer)
             try:
                 publish_file(received.path, path)
@@ -514,6 +523,8 @@ class Coordinator:
         finally:
             received.path.unlink(missing_ok=True)
         run.acked[ticket.peer] = update
+        if norm is not None:
+            run.norms[ticket.peer] = norm
         if run.opened is None:
             run.opened = now
             run.deadline = time.monotonic() + run.config.round_timeout
@@ -537,6 +548,43 @@ class Coordinator:
         await self._fold_pending(run)
         self._maybe_close(run)
         return self._ack(update)
+
+    def _verify(self, run: Run, path: Path) -> float | None:
+        """Worker thread: refuse NaN/Inf; with the norm guard on, the update's L2 norm (decoded)."""
+        check_finite(path)
+        if run.config.norm_guard is None:
+            return None
+        assert run.schema is not None
+        wire, _ = read_tensors(str(path))
+        return aggregate.global_norm(decode_tensor(run.codec, wire, n, s) for n, s in run.schema.items())
+
+    def _guard(self, run: Run, peer: str, norm: float | None) -> None:
+        """The poisoned-update guard: refuse an update far above the usual norm, before it is
+        acknowledged, so that it never reaches the average; the round stops waiting for its peer."""
+        factor = run.config.norm_guard
+        if factor is None or norm is None:
+            return
+        median = aggregate.norm_outlier(norm, [*run.previous_norms, *run.norms.values()], factor)
+        if median is None:
+            return
+        run.rejected.add(peer)
+        log.warning(
+            "update_rejected run=%s round=%d peer=%s norm=%.4g median=%.4g factor=%g",
+            run.name,
+            run.version,
+            peer,
+            norm,
+            median,
+            factor,
+        )
+        self._maybe_close(run)
+        raise PoisonedUpdate(
+            f"update norm {norm:.4g} is over {factor:g} x the median {median:.4g} of accepted updates; "
+            "it was not applied",
+            norm=norm,
+            median=median,
+            factor=factor,
+        )
 
     # ---- folding and closing -------------------------------------------------------------
     async def _fold_pending(self, run: Run) -> None:
@@ -562,7 +610,7 @@ class Coordinator:
             p.name
             for p in run.peers.values()
             if p.rank is not None and p.name in run.live_set and p.active_from <= run.version
-        }
+        } - run.rejected
         enough = len(run.acked) >= run.config.min_peers
         everyone = expected <= run.acked.keys()
         overdue = run.deadline is not None and time.monotonic() >= run.deadline
@@ -602,6 +650,9 @@ class Coordinator:
             return
         run.version = round_ + 1
         run.acked, run.acc, run.folded = {}, None, []
+        if run.norms:
+            run.previous_norms = list(run.norms.values())
+        run.norms, run.rejected = {}, set()
         run.opened = run.deadline = None
         run.closing = False
         for name in dropped:
@@ -758,6 +809,7 @@ class Coordinator:
                 "submitted": sorted(run.acked),
                 "uploading": sorted(run.uploading),
                 "closing": run.closing,
+                "rejected": sorted(run.rejected),
                 "seconds_left": None if run.deadline is None else max(0.0, run.deadline - now),
             },
             "peers": [

@@ -39,6 +39,13 @@ class InvalidUpdate(BadRequest):
     status, code = 422, "invalid_update"
 
 
+class PoisonedUpdate(InvalidUpdate):
+    """422: the update's norm is far above the round's usual (the run's ``norm_guard``); it
+    carries ``norm``, ``median`` and ``factor``. It never touched the average."""
+
+    code = "poisoned_update"
+
+
 class Unauthorized(HubError):
     status, code = 401, "unauthorized"
 

@@ -81,6 +81,13 @@ def authenticate_view(request: Request, authorization: Annotated[str | None, Hea
 
 
 Hub = Annotated[Coordinator, Depends(hub)]
+#: The raw body of the two uploads (read as a stream, so FastAPI cannot infer it for the schema).
+SAFETENSORS_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 view_router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate_view)])
 
@@ -96,6 +103,7 @@ class JoinRequest(BaseModel):
     outer_momentum: float | None = Field(None, ge=0, lt=1)
     min_peers: int | None = Field(None, ge=1)
     round_timeout: float | None = Field(None, gt=0)
+    norm_guard: float | None = Field(None, gt=1)
 
     @field_validator("codec")
     @classmethod
@@ -207,7 +215,11 @@ async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) 
     return await hub.wait_start(run, peer, wait)
 
 
-@router.put("/runs/{run}/versions/0", summary="Upload version 0 (only the peer told to initialise)")
+@router.put(
+    "/runs/{run}/versions/0",
+    summary="Upload version 0 (only the peer told to initialise)",
+    openapi_extra=SAFETENSORS_BODY,
+)
 async def put_initial(
     run: RunName, request: Request, hub: Hub, peer: Annotated[str, Query(pattern=NAME)]
 ) -> dict[str, Any]:
@@ -230,6 +242,7 @@ async def leave(run: RunName, peer: PeerName, hub: Hub) -> dict[str, Any]:
 @router.put(
     "/runs/{run}/rounds/{round}/updates/{peer}",
     summary="Submit the peer's update for a round (safetensors, encoded with the run's codec)",
+    openapi_extra=SAFETENSORS_BODY,
 )
 async def put_update(
     run: RunName,

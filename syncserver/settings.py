@@ -55,6 +55,13 @@ class HubSettings(BaseSettings):
     outer: Outer = Field("avg", description="Default outer optimizer of new runs.")
     outer_lr: float = Field(0.7, gt=0, description="DiLoCo outer learning rate (default of new runs).")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="DiLoCo Nesterov momentum (default).")
+    norm_guard: float | None = Field(
+        None,
+        gt=1,
+        description="Default of new runs: refuse (422 poisoned_update) an update whose L2 norm is over this "
+        "many times the median norm of the updates accepted in this round and the previous one (e.g. 10). "
+        "Unset: off.",
+    )
 
     @field_validator("codec")
     @classmethod
