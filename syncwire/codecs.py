@@ -36,6 +36,7 @@ __all__ = [
     "get_codec",
     "layout_bytes",
     "register_codec",
+    "slices",
     "wire_layout",
 ]
 
@@ -193,3 +194,45 @@ def decode_tensor(codec: Codec, wire: Mapping[str, np.ndarray], name: str, shape
     """Decode tensor ``name`` from a mapping of wire tensors (e.g. a memory-mapped file)."""
     parts = {suffix: wire[_wire_name(name, suffix)] for suffix in codec.layout(shape)}
     return codec.decode(parts, shape)
+
+
+#: Values per slice (see :func:`slices`): 4 MB of float32, small enough to stay in cache.
+SLICE_VALUES = 1 << 20
+
+
+def slices(codec: Codec, shape: tuple[int, ...]) -> list[tuple[int, int, dict[str, tuple[int, int]]]]:
+    """Cut a tensor's values into slices that ``codec`` encodes and decodes on their own.
+
+    Returns ``(start, stop, {part suffix: (first, count)})`` for each slice of the flattened
+    tensor: where its values lie in each (flattened) wire part. Encoding a slice gives exactly
+    those values of the parts, and decoding them gives exactly those values of the tensor, so
+    the hub and the peers can work a few MB at a time instead of a tensor at a time (GPT-2's
+    embedding alone is 154 MB): temporaries stay small and warm in cache.
+
+    Slices start on multiples of the codec's ``block`` (quantizers keep one scale per block),
+    and the parts' ranges come from the codec's own layout of a slice, checked to tile every
+    part exactly. A codec whose parts do not split that way (one scale for a whole tensor,
+    say) gets the whole tensor as one slice, which is always right.
+    """
+
+    def sizes(layout: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, int]:
+        return {suffix: math.prod(part_shape) for suffix, (_, part_shape) in layout.items()}
+
+    n = math.prod(shape)
+    total = sizes(codec.layout(shape))
+    whole = [(0, n, {suffix: (0, count) for suffix, count in total.items()})]
+    block = getattr(codec, "block", 1)
+    block = block if isinstance(block, int) and block > 0 else 1
+    step = max(block, SLICE_VALUES // block * block)
+    if n <= step:
+        return whole
+    out: list[tuple[int, int, dict[str, tuple[int, int]]]] = []
+    first = dict.fromkeys(total, 0)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        counts = sizes(codec.layout((stop - start,)))
+        if counts.keys() != total.keys():
+            return whole
+        out.append((start, stop, {suffix: (first[suffix], counts[suffix]) for suffix in counts}))
+        first = {suffix: first[suffix] + counts[suffix] for suffix in counts}
+    return out if first == total else whole

@@ -28,6 +28,7 @@ __all__ = [
     "FormatError",
     "HeaderReader",
     "StreamReader",
+    "TensorFile",
     "TensorInfo",
     "encode_header",
     "iter_chunks",
@@ -230,6 +231,61 @@ def read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=base, shape=(size,))
     arrays = {name: data[i.start : i.end].view(i.numpy_dtype).reshape(i.shape) for name, i in infos.items()}
     return arrays, metadata
+
+
+class TensorFile:
+    """A safetensors file read a slice at a time, with ``pread`` into fresh arrays.
+
+    :func:`read_tensors` maps the whole file: no copy, but every page it touches counts in
+    the process's RSS until the map goes, and folding a 500 MB update touches all of it.
+    This reads only the values asked for, so a reader holds a slice of a model, not a model.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            prefix = os.pread(self._fd, 8, 0)
+            if len(prefix) < 8:
+                raise FormatError(f"{self.path}: shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER_BYTES:
+                raise FormatError(f"{self.path}: header of {n} bytes is over the limit")
+            self.infos, self.metadata, size = parse_header(prefix + os.pread(self._fd, n, 8))
+            self._base = 8 + n
+            actual = os.fstat(self._fd).st_size - self._base
+            if actual != size:
+                raise FormatError(f"{self.path}: {actual} data bytes, the header describes {size}")
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Values ``[start, stop)`` of tensor ``name``, flattened, in a new writable array."""
+        info = self.infos[name]
+        count = math.prod(info.shape)
+        stop = count if stop is None else stop
+        if not 0 <= start <= stop <= count:
+            raise IndexError(f"{name}: values [{start}, {stop}) of {count}")
+        out = np.empty(stop - start, info.numpy_dtype)
+        view = out.data.cast("B")
+        position = self._base + info.start + start * out.itemsize
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], position + done)
+            if n == 0:
+                raise FormatError(f"{self.path}: ends inside tensor {name!r}")
+            done += n
+        return out
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def __enter__(self) -> TensorFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class StreamReader:

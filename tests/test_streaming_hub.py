@@ -1,0 +1,103 @@
+"""Slicing for the streaming hub: slices that codecs encode and decode on their own, and
+``pread`` reads of safetensors files.
+
+Folding and merging a few MB at a time (instead of a tensor at a time) must not change a single
+bit: the hub and the peers apply the same decoded bytes, so every slice boundary is checked
+against whole-tensor encoding and decoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import syncwire.codecs
+from syncwire import Codec, FormatError, get_codec, iter_chunks, read_tensors
+from syncwire.codecs import slices
+from syncwire.format import TensorFile
+
+CODECS = ["fp32", "bf16", "int8", "int4", "int8:block=100", "int4:block=6"]
+
+
+@pytest.fixture
+def small_slices(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Slices of about 1,000 values (instead of 2^20), so that small arrays have many of them."""
+    monkeypatch.setattr(syncwire.codecs, "SLICE_VALUES", 1000)
+    return 1000
+
+
+@pytest.mark.parametrize("spec", CODECS)
+@pytest.mark.parametrize("shape", [(), (7,), (4321,), (3, 1001), (2000,)])
+def test_slices_encode_and_decode_like_the_whole_tensor(small_slices: int, spec: str, shape: tuple[int, ...]) -> None:
+    codec = get_codec(spec)
+    x = np.random.default_rng(sum(shape) + len(spec)).standard_normal(shape).astype(np.float32)
+    whole = {k: np.ascontiguousarray(v).reshape(-1) for k, v in codec.encode(x).items()}
+    decoded = codec.decode(codec.encode(x), shape).reshape(-1)
+    cuts = slices(codec, shape)
+    n = math.prod(shape)
+    assert cuts[0][0] == 0 and cuts[-1][1] == n
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(cuts)), "slices must tile the tensor"
+    if n > 2 * max(small_slices, getattr(codec, "block", 1)):
+        assert len(cuts) > 1, "big tensors are cut into slices"
+    ends = dict.fromkeys(whole, 0)
+    for start, stop, parts in cuts:
+        encoded = codec.encode(x.reshape(-1)[start:stop])
+        for suffix, (first, count) in parts.items():
+            assert first == ends[suffix], "part ranges must tile each part"
+            ends[suffix] = first + count
+            got = np.ascontiguousarray(encoded[suffix]).reshape(-1)
+            assert np.array_equal(got, whole[suffix][first : first + count])
+        piece = {suffix: whole[suffix][first : first + count] for suffix, (first, count) in parts.items()}
+        assert np.array_equal(codec.decode(piece, (stop - start,)), decoded[start:stop])
+    assert ends == {k: v.size for k, v in whole.items()}
+
+
+class _OneScale(Codec):
+    """A codec with one scale for the whole tensor: its parts cannot be cut into slices."""
+
+    spec = "onescale"
+    lossless = False
+
+    def layout(self, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {"": ("I8", shape), "scale": ("F32", (1,))}
+
+    def encode(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        scale = np.float32(max(float(np.abs(x).max()), 1e-30) / 127)
+        return {"": np.rint(x / scale).astype(np.int8), "scale": np.array([scale], np.float32)}
+
+    def decode(self, parts: Mapping[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+        return (parts[""].astype(np.float32) * parts["scale"][0]).reshape(shape)
+
+
+def test_a_codec_that_cannot_be_sliced_gets_the_whole_tensor(small_slices: int) -> None:
+    assert slices(_OneScale(), (5000,)) == [(0, 5000, {"": (0, 5000), "scale": (0, 1)})]
+
+
+def _body(arrays: dict[str, np.ndarray]) -> bytes:
+    """A safetensors body; uint16 arrays travel as the bits of bfloat16 values."""
+    items = ((k, v, "BF16" if v.dtype == np.uint16 else None) for k, v in arrays.items())
+    return b"".join(bytes(c) for c in iter_chunks(items))
+
+
+def test_tensor_file_reads_slices_like_the_memory_map(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    arrays = {"w": rng.standard_normal((300, 7)).astype(np.float32), "s": np.array(3.5, np.float32)}
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(_body(arrays))
+    mapped, _ = read_tensors(str(path))
+    with TensorFile(path) as f:
+        assert np.array_equal(f.read("w"), mapped["w"].reshape(-1))
+        assert np.array_equal(f.read("w", 17, 1001), mapped["w"].reshape(-1)[17:1001])
+        assert f.read("s").tolist() == [3.5]
+        part = f.read("w", 0, 5)
+        part[0] = 0  # a fresh, writable array, not a view of the file
+        with pytest.raises(IndexError):
+            f.read("w", 5, 3000)
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(FormatError):
+        TensorFile(path)
