@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, NotFoun
 from syncserver.settings import HubSettings
 from syncserver.store import PeerRecord, RoundRecord, Store, UpdateRecord, atomic_file, publish_file
 from syncserver.uploads import Received, check_finite, disk_error
+from syncserver.writeback import start_writeback
 from syncwire import (
     Codec,
     FormatError,
@@ -48,7 +50,8 @@ from syncwire import (
     read_tensors,
     wire_layout,
 )
-from syncwire.format import MAX_HEADER_BYTES, encode_header
+from syncwire.codecs import slices
+from syncwire.format import MAX_HEADER_BYTES, TensorFile, encode_header
 
 __all__ = ["Coordinator", "PeerState", "RunConfig", "Ticket"]
 
@@ -596,12 +599,24 @@ class Coordinator:
                     run.folded.append(update.peer)
 
     def _fold_one(self, run: Run, update: UpdateRecord) -> None:
+        """Fold one acknowledged update into the accumulator, a slice at a time (worker thread).
+
+        The file is read with ``pread`` a few MB at a time and decoded slice by slice, so
+        folding holds one slice of temporaries, whatever the model's size.
+        """
         assert run.schema is not None
         if run.acc is None:
             run.acc = {name: np.zeros(shape, np.float32) for name, shape in run.schema.items()}
-        wire, _ = read_tensors(str(self.store.update_path(run.name, update.round, update.peer)))
-        for name, shape in run.schema.items():
-            aggregate.fold(run.acc[name], decode_tensor(run.codec, wire, name, shape), update.samples)
+        codec = run.codec
+        with TensorFile(self.store.update_path(run.name, update.round, update.peer)) as wire:
+            for name, shape in run.schema.items():
+                acc = run.acc[name].reshape(-1)
+                for start, stop, parts in slices(codec, shape):
+                    encoded = {
+                        suffix: wire.read(_wire_name(name, suffix), first, first + count)
+                        for suffix, (first, count) in parts.items()
+                    }
+                    aggregate.fold(acc[start:stop], codec.decode(encoded, (stop - start,)), update.samples)
 
     def _maybe_close(self, run: Run) -> None:
         if run.closing or not run.acked:
@@ -679,24 +694,32 @@ class Coordinator:
         run.notify()
 
     def _merge(self, run: Run) -> int:
-        """Write round v's result, version v+1 and its momentum, tensor by tensor (worker thread).
+        """Write round v's result, version v+1 and its momentum, a slice at a time (worker thread).
 
         The result is the encoded global update ``U``; version v+1 is ``version v + decode(U)``,
         exactly what every peer computes from the same bytes, so all hold identical weights.
+        Slices (:func:`syncwire.codecs.slices`) keep the temporaries to a few MB; the current
+        version and the momentum are read with ``pread`` (no mapping that would count in the
+        RSS); the kernel starts writing each slice back to disk as soon as it is written, so
+        the fsyncs before the commit wait for little more than the last slices.
         """
         assert run.schema is not None and run.acc is not None
         v, cfg, codec, schema = run.version, run.config, run.codec, run.schema
-        total = float(sum(u.samples for u in run.acked.values()))
-        current, _ = read_tensors(str(self.store.version_path(run.name, v)))
-        momentum: dict[str, np.ndarray] | None = None
+        total = np.float32(sum(u.samples for u in run.acked.values()))
         diloco = cfg.outer == "diloco"
-        if diloco:
-            path = self.store.momentum_path(run.name, v)
-            momentum = read_tensors(str(path))[0] if path.exists() else None
+        momentum_path = self.store.momentum_path(run.name, v)
         fp32 = [(name, "F32", shape) for name, shape in schema.items()]
         result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
+        result_head, result_infos = encode_header(result_layout, meta)
+        version_head, version_infos = encode_header(fp32, {"version": str(v + 1)})
+        result_at = {i.name: len(result_head) + i.start for i in result_infos}
+        version_at = {i.name: len(version_head) + i.start for i in version_infos}
         with contextlib.ExitStack() as files:
+            current = files.enter_context(TensorFile(self.store.version_path(run.name, v)))
+            old_momentum = (
+                files.enter_context(TensorFile(momentum_path)) if diloco and momentum_path.exists() else None
+            )
             result = files.enter_context(atomic_file(self.store.result_path(run.name, v)))
             version = files.enter_context(atomic_file(self.store.version_path(run.name, v + 1)))
             mom = (
@@ -704,30 +727,35 @@ class Coordinator:
                 if diloco
                 else None
             )
-            head, _ = encode_header(result_layout, meta)
-            result.write(head)
-            result_bytes = len(head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
-            version.write(encode_header(fp32, {"version": str(v + 1)})[0])
-            if mom is not None:
-                mom.write(encode_header(fp32, {"version": str(v + 1)})[0])
+            for f, head in ((result, result_head), (version, version_head), (mom, version_head)):
+                if f is not None:
+                    f.write(head)
+                    f.flush()  # the slices go straight to the file descriptor, at their offsets
             for name, shape in schema.items():
-                mean = run.acc[name] / np.float32(total)
-                m_old = (
-                    momentum[name]
-                    if momentum is not None
-                    else (np.zeros(shape, np.float32) if diloco else None)
-                )
-                update, m_new = aggregate.outer_step(
-                    cfg.outer, mean, m_old, lr=cfg.outer_lr, mu=cfg.outer_momentum
-                )
-                parts = codec.encode(update)
-                for suffix in codec.layout(shape):
-                    result.write(memoryview(np.ascontiguousarray(parts[suffix])).cast("B"))
-                new = current[name] + codec.decode(parts, shape)
-                version.write(memoryview(np.ascontiguousarray(new, dtype=np.float32)).cast("B"))
-                if mom is not None and m_new is not None:
-                    mom.write(memoryview(np.ascontiguousarray(m_new)).cast("B"))
-        return result_bytes
+                acc = run.acc[name].reshape(-1)
+                for start, stop, parts in slices(codec, shape):
+                    n = stop - start
+                    mean = acc[start:stop] / total
+                    m_old = (
+                        old_momentum.read(name, start, stop)
+                        if old_momentum is not None
+                        else (np.zeros(n, np.float32) if diloco else None)
+                    )
+                    update, m_new = aggregate.outer_step(
+                        cfg.outer, mean, m_old, lr=cfg.outer_lr, mu=cfg.outer_momentum
+                    )
+                    encoded = codec.encode(update)
+                    for suffix, (first, count) in parts.items():
+                        part = np.ascontiguousarray(encoded[suffix]).reshape(-1)
+                        if part.size != count:
+                            raise FormatError(f"codec {codec.spec}: a slice's part {suffix!r} has {part.size} values")
+                        _write_at(result, part, result_at[_wire_name(name, suffix)] + first * part.itemsize)
+                    new = current.read(name, start, stop)
+                    np.add(new, codec.decode(encoded, (n,)), out=new)
+                    _write_at(version, new, version_at[name] + start * 4)
+                    if mom is not None and m_new is not None:
+                        _write_at(mom, np.ascontiguousarray(m_new, np.float32), version_at[name] + start * 4)
+        return len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
 
     # ---- results and models --------------------------------------------------------------
     async def wait_result(
@@ -841,3 +869,17 @@ class Coordinator:
             }
             for r in self.runs.values()
         ]
+
+
+def _wire_name(name: str, suffix: str) -> str:
+    return f"{name}:{suffix}" if suffix else name
+
+
+def _write_at(f: Any, array: np.ndarray, position: int) -> None:
+    """Write an array's bytes at ``position`` of an open file, and start their writeback."""
+    view = array.reshape(-1).view(np.uint8).data
+    fd = f.fileno()
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], position + done)
+    start_writeback(fd, position, len(view))

@@ -1,25 +1,32 @@
-"""Slicing for the streaming hub: slices that codecs encode and decode on their own, and
-``pread`` reads of safetensors files.
+"""The streaming hub's slicing: slices that codecs encode and decode on their own, ``pread``
+reads, and the sliced fold and merge end to end.
 
 Folding and merging a few MB at a time (instead of a tensor at a time) must not change a single
 bit: the hub and the peers apply the same decoded bytes, so every slice boundary is checked
-against whole-tensor encoding and decoding.
+against whole-tensor encoding and decoding, and a real hub with tensors bigger than a slice
+must still publish the exact weighted mean that every peer holds bit for bit.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.numpy
+import torch
 
 import syncwire.codecs
-from syncwire import Codec, FormatError, get_codec, iter_chunks, read_tensors
+from syncclient import SyncClient
+from syncclient._model import ModelView
+from syncwire import Codec, FormatError, decode_tensor, get_codec, iter_chunks, read_tensors
 from syncwire.codecs import slices
 from syncwire.format import TensorFile
+from tests.conftest import Hub
 
 CODECS = ["fp32", "bf16", "int8", "int4", "int8:block=100", "int4:block=6"]
 
@@ -101,3 +108,66 @@ def test_tensor_file_reads_slices_like_the_memory_map(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-4])
     with pytest.raises(FormatError):
         TensorFile(path)
+
+
+class _Big(torch.nn.Module):
+    """Tensors of 2.5M and 3 x 0.7M values: several 1M-value slices each, odd sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(2_500_001, generator=gen) * 0.02)
+        self.proj = torch.nn.Parameter(torch.randn(3, 700_001, generator=gen) * 0.02)
+        self.bias = torch.nn.Parameter(torch.zeros(5))
+
+
+def _version(hub: Hub, run: str, version: int) -> dict[str, np.ndarray]:
+    return safetensors.numpy.load_file(str(hub.data_dir / "runs" / run / "versions" / f"{version:08d}.safetensors"))
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_sliced_fold_and_merge_give_the_exact_mean(hub: Hub, codec: str) -> None:
+    run, samples = f"big-{codec}", {"a": 3, "b": 5}
+    deltas: dict[str, dict[str, np.ndarray]] = {}
+    models: dict[str, torch.nn.Module] = {}
+    errors: list[BaseException] = []
+
+    def peer(name: str) -> None:
+        try:
+            model = models[name] = _Big()
+            client = SyncClient(hub.url, run=run, peer=name, codec=codec, min_peers=2, retry_seconds=60)
+            client.join(model)
+            view = ModelView(model)
+            base = {k: v.copy() for k, v in view.export().items()}
+            gen = torch.Generator().manual_seed(ord(name))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+            deltas[name] = {k: v - base[k] for k, v in view.export().items()}
+            assert client.sync(model, samples=samples[name]).version == 1
+            client.leave()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=peer, args=(name,)) for name in samples]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    if errors:
+        raise errors[0]
+    before, after = _version(hub, run, 0), _version(hub, run, 1)
+    for name, model in models.items():
+        for key, value in model.state_dict().items():
+            assert np.array_equal(value.numpy(), after[key]), (name, key)  # peers == hub, bit for bit
+    if codec == "fp32":  # the exact weighted mean, against float64
+        total = sum(samples.values())
+        for key in after:
+            mean = sum(deltas[n][key].astype(np.float64) * w for n, w in samples.items()) / total
+            got = after[key].astype(np.float64) - before[key].astype(np.float64)
+            np.testing.assert_allclose(got, mean, rtol=0, atol=1e-6, err_msg=key)
+    else:  # the published update, decoded whole, is exactly version 1 - version 0
+        result, _ = read_tensors(str(hub.data_dir / "runs" / run / "rounds" / f"{0:08d}" / "result.safetensors"))
+        for key, value in before.items():
+            decoded = decode_tensor(get_codec(codec), result, key, value.shape)
+            assert np.array_equal(value + decoded, after[key]), key
