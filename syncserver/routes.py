@@ -275,6 +275,17 @@ async def put_update(
         state.uploading.pop(peer, None)
 
 
+class _BigFileResponse(FileResponse):
+    """Starlette's FileResponse, reading 4 MiB per worker-thread hop instead of 64 KiB.
+
+    uvicorn cannot sendfile, so each chunk is read in a worker thread and handed to the event
+    loop: at 64 KiB a 500 MB model costs 7,600 thread round trips per download, more than the
+    bytes themselves. At 4 MiB it is 120.
+    """
+
+    chunk_size = 4 << 20
+
+
 @router.get(
     "/runs/{run}/rounds/{round}/result",
     summary="Long poll for a round's merged update (204 while open; supports Range)",
@@ -293,7 +304,7 @@ async def get_result(
     if path is None:
         return Response(status_code=204)
     etag = f'"{run}-r{round}"'
-    response = FileResponse(
+    response = _BigFileResponse(
         path,
         media_type="application/octet-stream",
         headers={"ETag": etag, "X-Sync-Version": str(round + 1)},
@@ -314,7 +325,7 @@ async def get_model(
 ) -> Response:
     version, path = hub.model(run)
     hub.count_download(run, peer, _served_bytes(request, path.stat().st_size))
-    return FileResponse(
+    return _BigFileResponse(
         path,
         media_type="application/octet-stream",
         headers={"ETag": f'"{run}-v{version}"', "X-Sync-Version": str(version)},

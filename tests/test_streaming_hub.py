@@ -15,6 +15,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -171,3 +172,19 @@ def test_sliced_fold_and_merge_give_the_exact_mean(hub: Hub, codec: str) -> None
         for key, value in before.items():
             decoded = decode_tensor(get_codec(codec), result, key, value.shape)
             assert np.array_equal(value + decoded, after[key]), key
+
+
+def test_downloads_in_big_chunks_serve_the_exact_bytes(hub: Hub) -> None:
+    """Model and result bodies go out 4 MiB per read: whole, and from odd Range offsets."""
+    model = _Big()
+    client = SyncClient(hub.url, run="chunks", peer="a", min_peers=1, retry_seconds=30)
+    client.join(model)
+    client.leave()
+    path = hub.data_dir / "runs" / "chunks" / "versions" / f"{0:08d}.safetensors"
+    data = path.read_bytes()
+    url = f"{hub.url}/v1/runs/chunks/model"
+    with httpx.Client(timeout=30) as http:
+        assert http.get(url).content == data
+        for start in (1, (4 << 20) - 3, (8 << 20) + 5):
+            r = http.get(url, headers={"Range": f"bytes={start}-"})
+            assert r.status_code == 206 and r.content == data[start:], start
