@@ -45,7 +45,7 @@ from syncclient.exceptions import (
     SchemaMismatch,
     SyncError,
 )
-from syncwire import Codec, StreamReader, decode_tensor, get_codec, iter_chunks
+from syncwire import Codec, StreamReader, decode_tensor, get_codec, iter_chunks, layout_bytes, wire_layout
 
 __all__ = ["JoinInfo", "SyncClient", "SyncResult"]
 
@@ -223,6 +223,7 @@ class SyncClient:
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
         self._lease = 60.0
+        self._max_download: int | None = None  # data bytes a hub body may declare; set at join
 
     # ---- the public surface --------------------------------------------------------------
     def join(self, model: torch.nn.Module) -> JoinInfo:
@@ -249,6 +250,10 @@ class SyncClient:
             self.close()
             raise SchemaMismatch(_schema_diff(schema, view.schema, self.run))
         self.codec = get_codec(state["config"]["codec"])
+        # nothing the hub sends is bigger than the float32 model or an encoded update: a body
+        # that declares more is refused before anything is allocated
+        fp32 = 4 * sum(math.prod(s) for s in schema.values())
+        self._max_download = max(fp32, layout_bytes(wire_layout(self.codec, schema)))
         self.rank, self.world_size = int(state["rank"]), int(state["world_size"])
         self._pull(view)
         log.info(
@@ -522,7 +527,7 @@ class SyncClient:
 
         Returns None on 204 (long poll still open) and "gone" on 410 when ``allow_gone``.
         """
-        reader = StreamReader()
+        reader = StreamReader(self._max_download)
         etag: str | None = None
         version = -1
         bar: Any = None
@@ -546,7 +551,7 @@ class SyncClient:
                             r.read()
                             raise _error(r)
                         if r.status_code == 200 and reader.received:
-                            reader = StreamReader()  # the file changed: start over
+                            reader = StreamReader(self._max_download)  # the file changed: start over
                         etag = r.headers.get("etag")
                         version = int(r.headers.get("x-sync-version", -1))
                         total = reader.received + int(r.headers.get("content-length", 0))

@@ -168,6 +168,10 @@ def parse_header(raw: bytes) -> tuple[dict[str, TensorInfo], dict[str, str], int
             isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape
         ):
             raise FormatError(f"tensor {name!r}: shape must be a list of non-negative integers")
+        if math.prod(max(d, 1) for d in shape) * DTYPES[dtype].itemsize >= 2**62:
+            # numpy refuses such a shape even with a 0 in it ("array is too big"): a ValueError
+            # in whoever builds the array (read_tensors, StreamReader), not a FormatError here
+            raise FormatError(f"tensor {name!r}: shape {shape} is too large for an array")
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
@@ -293,9 +297,14 @@ class StreamReader:
 
     ``received`` counts the bytes taken so far, so an interrupted download can resume with an
     HTTP ``Range: bytes=<received>-`` request and keep feeding the same reader.
+
+    The arrays are allocated when the header is complete, at the sizes it declares: a header
+    that declares more than ``max_bytes`` of data (or more than the machine can allocate) is a
+    :class:`FormatError`, before anything is allocated or read.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes
         self._header = HeaderReader()
         self._buffers: list[tuple[TensorInfo, np.ndarray]] = []
         self._data = bytearray()  # header bytes seen before the header is complete
@@ -318,9 +327,14 @@ class StreamReader:
                 return
             result = self._header.result
             assert result is not None
-            infos, self.metadata, _ = result
+            infos, self.metadata, size = result
+            if self.max_bytes is not None and size > self.max_bytes:
+                raise FormatError(f"header declares {size} bytes of data, over the {self.max_bytes}-byte limit")
             ordered = sorted(infos.values(), key=lambda i: i.start)
-            self._buffers = [(i, np.empty(i.end - i.start, np.uint8)) for i in ordered]
+            try:
+                self._buffers = [(i, np.empty(i.end - i.start, np.uint8)) for i in ordered]
+            except MemoryError:
+                raise FormatError(f"header declares {size} bytes of data: more than can be allocated") from None
             view = memoryview(bytes(self._data[self._header.header_bytes :]))
             self._data = bytearray()
             self._advance()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainerControl, TrainingArguments
 
 from syncclient import SyncClient
 from syncclient.callbacks import SyncCallback
@@ -261,3 +261,27 @@ def test_multi_process_peers_are_refused_before_any_network() -> None:
     with pytest.raises(ValueError, match="one training process per peer"):
         callback.on_train_begin(args, state, None, model=tiny_model(0))  # type: ignore[arg-type]
     callback.client.close()
+
+
+def test_oversized_eval_metrics_shrink_to_the_losses(hub: Hub) -> None:
+    """The events one by one: decide in on_step_end, sync in on_log; the hub caps metrics at 4 KiB."""
+    events: list[tuple[Any, ...]] = []
+    client = RecordingClient(hub.url, run="metrics", peer="solo", min_peers=1, events=events)
+    callback = SyncCallback(client=client, sync_every=1)
+    model = tiny_model(seed=0)
+    args = SimpleNamespace(world_size=1, train_batch_size=4, gradient_accumulation_steps=1)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=0, max_steps=2)
+    control = TrainerControl()
+    callback.on_train_begin(args, state, control, model=model)  # type: ignore[arg-type]
+    many = {f"eval_metric_{i:03d}": float(i) for i in range(300)}
+    callback.on_evaluate(args, state, control, metrics={"eval_loss": 2.0, **many}, model=model)  # type: ignore[arg-type]
+    state.global_step = 1
+    callback.on_step_end(args, state, control, model=model)  # type: ignore[arg-type]
+    assert control.should_log and events == [("join",)]  # decided, not done yet
+    callback.on_log(args, state, control, logs={"loss": 3.0}, model=model)  # type: ignore[arg-type]
+    kind, samples, metrics = events[-1]
+    assert (kind, samples, metrics.pop("step", 1.0)) == ("sync", 4, 1.0)  # step: for the dashboard
+    assert metrics == {"eval_loss": 2.0, "loss": 3.0}
+    assert callback.last_result is not None and callback.last_result.version == 1
+    callback.on_train_end(args, state, control, model=model)  # type: ignore[arg-type]
+    assert events[-1] == ("leave",) and len(events) == 3  # nothing left to sync
