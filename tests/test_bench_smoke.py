@@ -1,0 +1,60 @@
+"""bench/round.py still runs end to end and writes the rows its table is made of.
+
+A tiny model and 2 peers: seconds, not minutes. The numbers are not checked (they mean
+nothing at this size); that every row, baseline and target is there, with sane bytes, is.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+
+def test_round_benchmark_runs_and_writes_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "round.py"),
+            "--model",
+            "tiny",
+            "--peers",
+            "2",
+            "--codecs",
+            "fp32",
+            "int8",
+            "--rounds",
+            "1",
+            "--gloo-reps",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = out.glob("round-*.json")
+    result = json.loads(path.read_text())
+    assert result["model"]["kind"] == "tiny" and result["model"]["fp32_bytes"] > 0
+    rows = {(r["peers"], r["codec"]): r for r in result["rows"]}
+    assert set(rows) == {(2, "fp32"), (2, "int8")}
+    fp32, int8 = rows[2, "fp32"], rows[2, "int8"]
+    for row in (fp32, int8):
+        assert row["round_s"] > 0 and row["limit_s"] > 0 and row["hub_peak_rss"] > 0
+        assert row["bytes_up"] == row["limit_bytes_up"], "the limit moves the same bytes as the round"
+    assert fp32["bytes_up"] >= result["model"]["fp32_bytes"]
+    assert int8["bytes_up"] < fp32["bytes_up"] and int8["bytes_down"] < fp32["bytes_down"]
+    baseline = result["baselines"]["2"]
+    assert baseline["gloo_s"] > 0 and baseline["origin_s"] > 0
+    assert baseline["origin_bytes_up"] > fp32["bytes_up"], "the origin sends the GPT-2 tie twice"
+    targets = {t["target"] for t in result["targets"]}
+    assert any(t.startswith("fp32, 2 peers: origin") for t in targets)
+    assert "| 2 | fp32 |" in result["table"] and "| 2 | int8 |" in result["table"]
+    assert result["table"] in proc.stdout
