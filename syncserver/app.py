@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -25,6 +26,7 @@ from syncserver.metrics import router as metrics_router
 from syncserver.routes import router, view_router
 from syncserver.settings import HubSettings
 from syncserver.store import Store
+from syncserver.uploads import disk_error
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +130,14 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
         metrics.rejected_upload(request, exc.code)
         headers = {"Retry-After": str(exc.extra["retry_after"])} if "retry_after" in exc.extra else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(OSError)
+    @app.exception_handler(sqlite3.OperationalError)
+    async def storage_error(request: Request, exc: OSError | sqlite3.Error) -> JSONResponse:
+        # A storage failure the route did not translate itself (sqlite's "database or disk is
+        # full" on a join, say): a 503 with the reason, never a bare 500. sqlite rolled back.
+        log.error("storage error on %s %s: %s", request.method, request.url.path, exc)
+        return await hub_error(request, disk_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import math
 import os
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -393,7 +394,7 @@ class Coordinator:
         try:
             publish_file(received.path, self.store.version_path(run.name, 0))
             self.store.set_initial_version(run.name, schema)
-        except OSError as exc:
+        except (OSError, sqlite3.Error) as exc:
             raise disk_error(exc) from exc
         run.schema, run.version, run.init_claim = schema, 0, None
         log.info(
@@ -520,7 +521,7 @@ class Coordinator:
                     received.seconds,
                 )
                 self.store.add_update(run.name, update)  # the acknowledgement's commit point
-            except OSError as exc:
+            except (OSError, sqlite3.Error) as exc:  # not acknowledged: leave no file behind
                 path.unlink(missing_ok=True)
                 raise disk_error(exc) from exc
         finally:

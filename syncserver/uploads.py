@@ -12,6 +12,7 @@ import asyncio
 import errno
 import hashlib
 import os
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -37,13 +38,15 @@ class Received:
     seconds: float
 
 
-def disk_error(exc: OSError) -> Unavailable:
+def disk_error(exc: OSError | sqlite3.Error) -> Unavailable:
     """The one translation of a storage failure: 503, and the caller has changed nothing."""
+    if isinstance(exc, sqlite3.Error):
+        if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            return Unavailable("the hub's disk is full; nothing was stored", retry_after=30)
+        return Unavailable(f"the hub cannot write its database ({exc}); nothing was stored", retry_after=30)
     if exc.errno == errno.ENOSPC:
         return Unavailable("the hub's disk is full; nothing was stored", retry_after=30)
-    return Unavailable(
-        f"the hub cannot write its data dir ({exc.strerror}); nothing was stored", retry_after=30
-    )
+    return Unavailable(f"the hub cannot write its data dir ({exc.strerror}); nothing was stored", retry_after=30)
 
 
 class _Sink:
