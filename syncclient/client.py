@@ -10,6 +10,10 @@ Retries: connect errors, timeouts, 5xx, 429 and 503 are retried with capped expo
 backoff and jitter (tenacity), honouring ``Retry-After``, for ``retry_seconds`` in all;
 uploads are idempotent per (peer, round) on the hub, so a retried upload is never applied
 twice; downloads resume with HTTP ``Range``. Then :class:`~syncclient.exceptions.HubUnreachable`.
+
+Uploads resume too: before retrying an update, the SDK asks the hub (``HEAD`` with the same
+headers) how many bytes of this very update (same digest) it holds, and sends only the rest
+with ``Upload-Offset``; the hub verifies the digest over the whole body at the end.
 """
 
 from __future__ import annotations
@@ -304,12 +308,14 @@ class SyncClient:
             "X-Sync-Metrics": json.dumps(sent_metrics),
         }
         size = sum(len(c) for c in body())
+        path = f"{self._runs}/rounds/{round_}/updates/{self.peer}"
         try:
             self._call(
                 "PUT",
-                f"{self._runs}/rounds/{round_}/updates/{self.peer}",
+                path,
                 headers=headers,
                 content=lambda: self._progress(body(), size, "upload"),
+                resume=lambda: self._upload_offset(path, headers),
             )
         except RoundClosed as exc:
             return self._catch_up(view, exc.current_version, started, size)
@@ -498,16 +504,34 @@ class SyncClient:
         path: str,
         *,
         content: Callable[[], Iterator[bytes | memoryview]] | None = None,
+        resume: Callable[[], int] | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
-        """One request with retries. ``content`` makes a fresh body iterator per attempt."""
+        """One request with retries. ``content`` makes a fresh body iterator per attempt.
+
+        ``resume`` makes the body resumable: before each retry it says how many bytes the hub
+        already holds, and only the rest is sent, with ``Upload-Offset`` (headers unchanged).
+        """
+        offset, headers = 0, kwargs.pop("headers", None) or {}
         try:
             for attempt in self._retrying():
                 with attempt:
+                    if resume is not None and attempt.retry_state.attempt_number > 1:
+                        offset = resume()
+                        log.info("run %s: resuming %s at byte %d", self.run, path, offset)
+                    body = content() if content else None
+                    if offset and body is not None:
+                        body = _skip(body, offset)
                     response = self._http.request(
-                        method, path, content=cast("Iterator[bytes]", content()) if content else None, **kwargs
+                        method,
+                        path,
+                        content=cast("Iterator[bytes] | None", body),
+                        headers={**headers, "Upload-Offset": str(offset)} if offset else headers,
+                        **kwargs,
                     )
-                    if response.status_code in _RETRY_STATUS:
+                    if response.status_code in _RETRY_STATUS or (
+                        resume is not None and _is_offset_mismatch(response)
+                    ):
                         raise _Retry(response)
         except _Retry as exc:
             raise HubUnreachable(
@@ -519,6 +543,15 @@ class SyncClient:
         if response.status_code >= 400:
             raise _error(response)
         return response
+
+    def _upload_offset(self, path: str, headers: dict[str, str]) -> int:
+        """Bytes of this update (named by its headers' digest) the hub holds; 0 if it cannot say
+        (the PUT from 0 then reports the real trouble). Transport errors count as a failed try."""
+        response = self._http.head(path, headers=headers)
+        if response.status_code in _RETRY_STATUS:
+            raise _Retry(response)
+        offset = response.headers.get("upload-offset", "")
+        return int(offset) if response.is_success and offset.isdigit() else 0
 
     def _download(
         self, path: str, params: dict[str, Any], allow_gone: bool = False
@@ -606,6 +639,26 @@ class SyncClient:
                 return
             if failures == 3:
                 log.warning("run %s: heartbeats are failing; the hub may drop this peer", self.run)
+
+
+def _skip(chunks: Iterator[bytes | memoryview], n: int) -> Iterator[bytes | memoryview]:
+    """The body from byte ``n`` on (views, no copies)."""
+    for chunk in chunks:
+        if n >= len(chunk):
+            n -= len(chunk)
+            continue
+        yield memoryview(chunk)[n:] if n else chunk
+        n = 0
+
+
+def _is_offset_mismatch(response: httpx.Response) -> bool:
+    """409 ``upload_offset``: the hub lost the bytes we resumed after (it restarted): ask again."""
+    if response.status_code != 409:
+        return False
+    try:
+        return bool(response.json().get("error") == "upload_offset")
+    except (ValueError, AttributeError):
+        return False
 
 
 def _schema_diff(run: Mapping[str, tuple[int, ...]], model: Mapping[str, tuple[int, ...]], name: str) -> str:

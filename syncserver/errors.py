@@ -3,11 +3,13 @@ exception handler, so every failure is ``{"error": code, "detail": reason, ...}`
 
     HubError
     ├── BadRequest (400)          malformed input: bad body, truncated upload, bad digest
-    │   └── InvalidUpdate (422)   well-formed but wrong: schema mismatch, NaN/Inf, bad samples
+    │   ├── InvalidUpdate (422)   well-formed but wrong: schema mismatch, NaN/Inf, bad samples
+    │   └── Incomplete (400)      the body stopped before its end (cut, stalled, superseded)
     ├── Unauthorized (401)
     ├── NotFound (404)            unknown run or peer
     ├── Conflict (409)            config mismatch, a different update for an acknowledged round
-    │   └── RoundClosed (409)     the round is over: carries the current version to catch up to
+    │   ├── RoundClosed (409)     the round is over: carries the current version to catch up to
+    │   └── OffsetMismatch (409)  a resumed upload's Upload-Offset is past what the hub holds
     ├── Gone (410)                a round result that was pruned: pull the model instead
     ├── PayloadTooLarge (413)
     └── Unavailable (503)         disk full or unwritable: nothing was changed
@@ -39,6 +41,13 @@ class InvalidUpdate(BadRequest):
     status, code = 422, "invalid_update"
 
 
+class Incomplete(BadRequest):
+    """The body stopped arriving (link cut, client gone, stalled past the lease, or superseded
+    by a newer attempt); an update keeps what arrived for its resume."""
+
+    code = "incomplete"
+
+
 class PoisonedUpdate(InvalidUpdate):
     """422: the update's norm is far above the round's usual (the run's ``norm_guard``); it
     carries ``norm``, ``median`` and ``factor``. It never touched the average."""
@@ -60,6 +69,12 @@ class Conflict(HubError):
 
 class RoundClosed(Conflict):
     code = "round_closed"
+
+
+class OffsetMismatch(Conflict):
+    """Carries ``upload_offset``, what the hub holds; the client asks again (HEAD) and resumes."""
+
+    code = "upload_offset"
 
 
 class Gone(HubError):

@@ -11,6 +11,7 @@ import base64
 import binascii
 import json
 import math
+import pathlib
 import secrets
 import time
 from typing import Annotated, Any
@@ -22,9 +23,9 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from syncserver.coordinator import Coordinator, Ticket
-from syncserver.errors import BadRequest, HubError, Unauthorized
+from syncserver.errors import BadRequest, HubError, Incomplete, Unauthorized
 from syncserver.settings import Outer
-from syncserver.uploads import receive
+from syncserver.uploads import BodyInterrupted, partial_offset, receive
 from syncwire import get_codec
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -173,21 +174,28 @@ async def _drain(request: Request, limit: int) -> None:
         pass
 
 
-async def _receive(request: Request, hub: Coordinator, ticket: Ticket) -> Any:
+async def _receive(
+    request: Request, hub: Coordinator, ticket: Ticket, partial: pathlib.Path | None = None, offset: int = 0
+) -> Any:
+    """Stream the body to disk: to a fresh tmp file, or to ``partial`` (resumable, from ``offset``)."""
     length = request.headers.get("content-length")
     try:
         received = await receive(
             request.stream(),
-            hub.store.new_tmp(),
+            partial or hub.store.new_tmp(),
             max_bytes=ticket.max_bytes,
             content_length=int(length) if length and length.isdigit() else None,
             check_header=ticket.check_header,
+            offset=offset,
+            resumable=partial is not None,
+            complete_path=hub.store.new_tmp() if partial is not None else None,
+            idle_seconds=hub.settings.lease_seconds,
         )
     except HubError:
         await _drain(request, ticket.max_bytes)
         raise
-    except ClientDisconnect:
-        raise BadRequest("the client went away before the body was complete") from None
+    except (ClientDisconnect, BodyInterrupted) as exc:  # no draining: the body is not coming
+        raise Incomplete(f"the body did not arrive whole: {exc}") from None
     return received
 
 
@@ -255,6 +263,9 @@ async def put_update(
     metrics: Annotated[
         str | None, Header(alias="X-Sync-Metrics", description="JSON object of numbers.")
     ] = None,
+    offset: Annotated[
+        int, Header(alias="Upload-Offset", ge=0, description="Resume: the body starts at this byte.")
+    ] = 0,
 ) -> dict[str, Any]:
     try:
         ticket = await hub.update_ticket(
@@ -266,13 +277,51 @@ async def put_update(
     if not isinstance(ticket, Ticket):  # the same update again: answer as the first time
         await _drain(request, hub.settings.max_body_bytes)
         return ticket
+    partial = hub.store.partial_path(run, round, peer, ticket.digest)
+    for stale in partial.parent.glob("*.part"):  # this peer's earlier try at a different update
+        if stale != partial:
+            stale.unlink(missing_ok=True)
     state = hub.run(run)
     state.uploading[peer] = 0.0
     try:
-        received = await _receive(request, hub, ticket)
+        try:
+            received = await _receive(request, hub, ticket, partial, offset)
+        except Incomplete:
+            # the round may have closed while the body streamed: then say so (409 round_closed,
+            # or the ack of this very update), so that the peer catches up
+            again = await hub.update_ticket(run, round, peer, ticket.digest, ticket.samples, ticket.metrics)
+            if not isinstance(again, Ticket):
+                return again
+            raise
         return await hub.commit_update(ticket, received)
     finally:
         state.uploading.pop(peer, None)
+
+
+@router.head(
+    "/runs/{run}/rounds/{round}/updates/{peer}",
+    summary="Resume point of an update: Upload-Offset = bytes the hub holds (send the PUT's headers)",
+    status_code=204,
+)
+async def update_offset(
+    run: RunName,
+    round: Annotated[int, Path(ge=0)],
+    peer: PeerName,
+    hub: Hub,
+    samples: Annotated[int, Header(alias="X-Sync-Samples")],
+    digest: Annotated[str, Header(alias="Content-Digest")],
+    metrics: Annotated[str | None, Header(alias="X-Sync-Metrics")] = None,
+) -> Response:
+    """What a PUT with these headers would start from: ``Upload-Offset`` bytes are held (the
+    rest is to send with ``Upload-Offset`` set); ``Upload-Complete: ?1`` when the update is
+    already acknowledged (a PUT from that offset, with an empty body, gets its ack again).
+    Asking supersedes an attempt still streaming on the hub: the client has given up on it."""
+    ticket = await hub.update_ticket(run, round, peer, parse_digest(digest), samples, parse_metrics(metrics))
+    if not isinstance(ticket, Ticket):
+        held, complete = int(ticket["bytes"]), "?1"
+    else:
+        held, complete = await partial_offset(hub.store.partial_path(run, round, peer, ticket.digest)), "?0"
+    return Response(status_code=204, headers={"Upload-Offset": str(held), "Upload-Complete": complete})
 
 
 class _BigFileResponse(FileResponse):

@@ -14,6 +14,7 @@ Layout under ``data_dir``::
     runs/<run>/rounds/<v>/<peer>.safetensors an acknowledged update for round v (wire codec)
     runs/<run>/rounds/<v>/result.safetensors round v's merged update (wire codec)
     tmp/                                    uploads in flight
+    tmp/partials/<run>/<v>/<peer>/<digest>.part  an update cut mid-body, kept for its resume
 """
 
 from __future__ import annotations
@@ -176,6 +177,10 @@ class Store:
     def new_tmp(self) -> Path:
         return self.tmp_dir / f"{uuid.uuid4().hex}.part"
 
+    def partial_path(self, run: str, round_: int, peer: str, digest: str) -> Path:
+        """Where the bytes of one update gather across attempts (``digest``: hex sha-256)."""
+        return self.tmp_dir / "partials" / run / f"{round_:08d}" / peer / f"{digest}.part"
+
     # ---- runs ----------------------------------------------------------------------------
     def runs(self) -> list[RunRecord]:
         rows = self._db.execute("SELECT name, config, schema, version, created, sealed FROM runs").fetchall()
@@ -322,8 +327,12 @@ class Store:
             path.unlink()
 
     def clear_tmp(self) -> None:
+        """Drop uploads in flight, partials included: after a crash the peers start them again."""
         for path in self.tmp_dir.iterdir():
-            path.unlink(missing_ok=True)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
     def prune(self, run: str, version: int, keep: int) -> None:
         """Keep the last ``keep`` versions and round results; drop older files."""
@@ -334,4 +343,8 @@ class Store:
                     path.unlink(missing_ok=True)
         for path in (self.run_dir(run) / "rounds").glob("*"):
             if path.is_dir() and int(path.name) < floor:
+                shutil.rmtree(path, ignore_errors=True)
+        # partial uploads for closed rounds can never complete
+        for path in (self.tmp_dir / "partials" / run).glob("*"):
+            if int(path.name) < version:
                 shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,233 @@
+"""Interrupted transfers resume instead of starting over.
+
+Uploads: the hub keeps the bytes of an update cut mid-body (a partial file named after run,
+round, peer and digest); the SDK asks ``HEAD`` how many it holds and sends the rest with
+``Upload-Offset``. Downloads: ``Range`` + ``If-Range``. The fault proxy cuts the links and
+counts the body bytes that really reached the hub, which is how "re-sent" is measured here.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+
+from syncclient import SyncClient
+from syncclient._model import ModelView
+from syncwire import iter_chunks
+from tests.conftest import Hub, tiny_gpt2
+from tests.faultproxy import FaultProxy, wait_until
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def proxied_hub(hub_factory: Callable[..., Hub]) -> Iterator[tuple[Hub, FaultProxy]]:
+    hub = hub_factory()
+    with FaultProxy(hub.port) as proxy:
+        yield hub, proxy
+
+
+def big_model(seed: int = 0) -> torch.nn.Module:
+    """~52 MB of float32: big enough that re-sending it all would show."""
+    torch.manual_seed(seed)
+    return torch.nn.Linear(3600, 3600, bias=False)
+
+
+def hub_model(hub: Hub, run: str) -> dict[str, np.ndarray]:
+    r = httpx.get(f"{hub.url}/v1/runs/{run}/model", timeout=60)
+    r.raise_for_status()
+    return safetensors.numpy.load(r.content)
+
+
+def test_upload_cut_at_90_percent_resends_only_the_rest(proxied_hub: tuple[Hub, FaultProxy]) -> None:
+    hub, proxy = proxied_hub
+    model = big_model()
+    client = SyncClient(proxy.url, run="big", peer="p1", min_peers=1, timeout=30, retry_seconds=60)
+    client.join(model)
+    base = {k: v.copy() for k, v in ModelView(model).export().items()}
+    with torch.no_grad():
+        model.weight.add_(torch.randn(model.weight.shape, generator=torch.Generator().manual_seed(1)) * 1e-3)
+    delta = ModelView(model).export()["weight"] - base["weight"]
+    size = sum(len(c) for c in iter_chunks([("weight", delta, "F32")]))
+    cut_at = int(0.9 * size)
+    puts = "PUT /v1/runs/big/rounds/0/updates/p1"
+    proxy.cut(after=cut_at, match=puts)
+
+    result = client.sync(model, samples=7)
+
+    attempts = proxy.matching(puts)
+    assert [a.fault for a in attempts] == ["cut", ""]
+    assert attempts[0].body_bytes == cut_at
+    resent = attempts[1].body_bytes
+    # the hub kept what arrived (uvicorn may drop its last buffered read on a disconnect)
+    assert size - cut_at <= resent <= size - cut_at + MiB, (resent, size)
+    assert f"upload-offset: {size - resent}" in attempts[1].head
+    assert len(proxy.matching("HEAD /v1/runs/big/rounds/0/updates/p1")) == 1
+    print(f"\n{size / 1e6:.1f} MB update cut at 90%: re-sent {resent / 1e6:.2f} MB ({resent / size:.1%})")
+    # applied once, whole: the version is v0 + delta and the round counted it once
+    assert result.version == 1
+    status = client.status()
+    (round0,) = status["rounds"]
+    assert round0["participants"] == ["p1"] and round0["samples"] == 7 and round0["bytes_in"] == size
+    merged = hub_model(hub, "big")["weight"]
+    np.testing.assert_allclose(merged, base["weight"] + delta, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(merged, ModelView(model).export()["weight"])
+    client.leave()
+
+
+def test_download_cut_resumes_with_range(proxied_hub: tuple[Hub, FaultProxy]) -> None:
+    hub, proxy = proxied_hub
+    first = big_model(0)
+    initialiser = SyncClient(hub.url, run="dl", peer="a", min_peers=1, timeout=30)
+    initialiser.join(first)
+    initialiser.leave()
+    size = len(httpx.get(f"{hub.url}/v1/runs/dl/model", timeout=30).content)
+
+    # a model download cut at 60%: the rest comes with Range, not the whole file again
+    proxy.cut_response(after=int(0.6 * size), match="GET /v1/runs/dl/model")
+    second = big_model(1)
+    client = SyncClient(proxy.url, run="dl", peer="b", timeout=30, retry_seconds=60)
+    client.join(second)
+    gets = proxy.matching("GET /v1/runs/dl/model")
+    assert [g.fault for g in gets] == ["cut_response", ""]
+    assert "range: bytes=" in gets[1].head and "if-range:" in gets[1].head
+    assert gets[1].response_bytes < 0.45 * size, (gets[1].response_bytes, size)
+    assert torch.equal(second.weight, first.weight)
+
+    # a round result cut at 30%: same
+    with torch.no_grad():
+        second.weight.mul_(0.5)
+    proxy.cut_response(after=int(0.3 * size), match="GET /v1/runs/dl/rounds/0/result")
+    client.sync(second, samples=1)
+    results = proxy.matching("GET /v1/runs/dl/rounds/0/result")
+    assert [r.fault for r in results] == ["cut_response", ""]
+    assert results[1].response_bytes < 0.75 * size
+    np.testing.assert_array_equal(hub_model(hub, "dl")["weight"], ModelView(second).export()["weight"])
+
+
+# ---- the protocol itself, with raw HTTP -------------------------------------------------------
+
+
+def update_body(model: torch.nn.Module, scale: float) -> bytes:
+    arrays = ModelView(model).export()
+    return b"".join(bytes(c) for c in iter_chunks([(n, np.full_like(a, scale), "F32") for n, a in arrays.items()]))
+
+
+def digest_header(body: bytes) -> str:
+    return "sha-256=:" + base64.b64encode(hashlib.sha256(body).digest()).decode() + ":"
+
+
+def joined(hub: Hub, run: str, peers: list[str]) -> torch.nn.Module:
+    """A started run (version 0 from the first peer; all peers members, min_peers 1)."""
+    model = tiny_gpt2(0)
+    clients = [SyncClient(hub.url, run=run, peer=p, min_peers=1) for p in peers]
+    threads = [threading.Thread(target=c.join, args=(tiny_gpt2(0),)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for c in clients:
+        c.close()  # no heartbeats: these tests drive the peers by hand
+    return model
+
+
+def start_upload(hub: Hub, path: str, headers: dict[str, str], first: bytes) -> socket.socket:
+    """A PUT whose body stops after ``first`` (the socket stays open: a stalled link)."""
+    sock = socket.create_connection(("127.0.0.1", hub.port))
+    head = f"PUT {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    sock.sendall(head.encode() + f"{len(first):x}\r\n".encode() + first + b"\r\n")
+    return sock
+
+
+def test_resume_protocol(hub_factory: Callable[..., Hub]) -> None:
+    hub = hub_factory("--lease-seconds", "30")
+    model = joined(hub, "proto", ["a", "b"])
+    http = httpx.Client(base_url=hub.url, timeout=30)
+    path = "/v1/runs/proto/rounds/0/updates/a"
+    body = update_body(model, 0.01)
+    headers = {"Content-Digest": digest_header(body), "X-Sync-Samples": "3"}
+    half = len(body) // 2
+
+    # nothing held yet
+    r = http.head(path, headers=headers)
+    assert r.status_code == 204 and r.headers["upload-offset"] == "0" and r.headers["upload-complete"] == "?0"
+
+    # a first attempt stalls half way; asking for the offset takes over from it
+    sock = start_upload(hub, path, headers, body[:half])
+    wait_until(lambda: "a" in http.get("/v1/runs/proto").json()["open_round"]["uploading"], 10, "upload start")
+    held = int(http.head(path, headers=headers).headers["upload-offset"])
+    assert held == half
+    sock.settimeout(10)
+    assert b"400" in sock.recv(4096).split(b"\r\n")[0]  # the stalled attempt was told it is over
+    sock.close()
+
+    # resuming past what is held: 409 upload_offset, with what is held
+    r = http.put(path, headers={**headers, "Upload-Offset": str(held + 10)}, content=body[held + 10 :])
+    assert r.status_code == 409 and r.json()["error"] == "upload_offset" and r.json()["upload_offset"] == held
+
+    # a resumed body whose rest does not match the digest: refused, and the partial is dropped
+    bad = body[held:-4] + b"\0\0\0\0"
+    r = http.put(path, headers={**headers, "Upload-Offset": str(held)}, content=bad)
+    assert r.status_code == 400 and "digest" in r.json()["detail"]
+    assert http.head(path, headers=headers).headers["upload-offset"] == "0"
+
+    # cut again, then resume with the right rest: acknowledged once, whole
+    sock = start_upload(hub, path, headers, body[:half])
+    wait_until(lambda: "a" in http.get("/v1/runs/proto").json()["open_round"]["uploading"], 10, "upload start")
+    sock.close()  # the peer vanishes
+    wait_until(lambda: not http.get("/v1/runs/proto").json()["open_round"]["uploading"], 10, "hub to notice")
+    held = int(http.head(path, headers=headers).headers["upload-offset"])
+    assert 0 < held <= half
+    r = http.put(path, headers={**headers, "Upload-Offset": str(held)}, content=body[held:])
+    assert r.status_code == 200 and r.json()["repeat"] is False and r.json()["bytes"] == len(body)
+
+    # acknowledged: HEAD says complete; a PUT from the end gets the same ack again
+    r = http.head(path, headers=headers)
+    assert r.headers["upload-offset"] == str(len(body)) and r.headers["upload-complete"] == "?1"
+    r = http.put(path, headers={**headers, "Upload-Offset": str(len(body))}, content=b"")
+    assert r.status_code == 200 and r.json()["repeat"] is True
+
+    # b leaves half an upload behind; its partial goes when the round closes
+    b_path = "/v1/runs/proto/rounds/0/updates/b"
+    b_body = update_body(model, 0.02)
+    b_headers = {"Content-Digest": digest_header(b_body), "X-Sync-Samples": "1"}
+    start_upload(hub, b_path, b_headers, b_body[:half]).close()
+    partials = Path(hub.data_dir) / "tmp" / "partials" / "proto" / f"{0:08d}"
+    wait_until(lambda: any(partials.rglob("*.part")), 10, "b's partial")
+    http.post("/v1/runs/proto/peers/b/leave")  # only a is waited for now: the round closes
+    wait_until(lambda: http.get("/v1/runs/proto").json()["version"] == 1, 10, "round 0 to close")
+    assert not partials.exists()
+    # b comes back: a late resume of its upload is told the round is over, and where to go
+    assert http.post("/v1/runs/proto/peers", json={"peer": "b"}).status_code == 200
+    r = http.put(b_path, headers={**b_headers, "Upload-Offset": str(half)}, content=b_body[half:])
+    assert r.status_code == 409 and r.json()["error"] == "round_closed" and r.json()["current_version"] == 1
+
+
+def test_stalled_upload_is_dropped_after_the_lease_and_kept_for_resume(hub_factory: Callable[..., Hub]) -> None:
+    """A peer whose link died silently (no FIN) does not hold an upload open forever."""
+    hub = hub_factory("--lease-seconds", "1")
+    model = joined(hub, "idle", ["a", "b"])
+    http = httpx.Client(base_url=hub.url, timeout=30)
+    path = "/v1/runs/idle/rounds/0/updates/a"
+    body = update_body(model, 0.01)
+    headers = {"Content-Digest": digest_header(body), "X-Sync-Samples": "1"}
+    sock = start_upload(hub, path, headers, body[:1000])
+    started = time.monotonic()
+    sock.settimeout(10)
+    status_line = sock.recv(4096).split(b"\r\n")[0]
+    assert b"400" in status_line and time.monotonic() - started < 5
+    sock.close()
+    r = http.head(path, headers=headers)
+    assert r.status_code == 204 and r.headers["upload-offset"] == "1000"
