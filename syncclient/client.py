@@ -218,6 +218,9 @@ class SyncClient:
             limits=httpx.Limits(max_connections=8, max_keepalive_connections=4),
         )
         self._runs = f"/v1/runs/{run}"
+        # a long poll must end (answered) well before the read timeout, or waiting for a slow
+        # round would look like a dead hub: retried with backoff, then HubUnreachable
+        self._poll = max(1.0, min(20.0, timeout / 2))
         self.version = -1
         self.rank: int | None = None
         self.world_size: int | None = None
@@ -248,7 +251,7 @@ class SyncClient:
             elif state.get("detail") != said:
                 said = state.get("detail", "")
                 log.info("run %s: %s", self.run, said)
-            state = self._call("GET", f"{self._runs}/peers/{self.peer}/start", params={"wait": 20}).json()
+            state = self._call("GET", f"{self._runs}/peers/{self.peer}/start", params={"wait": self._poll}).json()
         schema = {name: tuple(shape) for name, shape in state["schema"].items()}
         if schema != view.schema:
             self.close()
@@ -322,7 +325,7 @@ class SyncClient:
         uploaded = time.monotonic()
         while True:
             download = self._download(
-                f"{self._runs}/rounds/{round_}/result", {"wait": 20, "peer": self.peer}, allow_gone=True
+                f"{self._runs}/rounds/{round_}/result", {"wait": self._poll, "peer": self.peer}, allow_gone=True
             )
             if download is not None:
                 break
