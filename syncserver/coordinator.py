@@ -37,7 +37,7 @@ from syncserver import aggregate
 from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, NotFound, PoisonedUpdate, RoundClosed
 from syncserver.settings import HubSettings
 from syncserver.store import PeerRecord, RoundRecord, Store, UpdateRecord, atomic_file, publish_file
-from syncserver.uploads import Received, check_finite, disk_error
+from syncserver.uploads import Received, disk_error
 from syncserver.writeback import start_writeback
 from syncwire import (
     Codec,
@@ -381,11 +381,6 @@ class Coordinator:
 
     async def commit_init(self, ticket: Ticket, received: Received) -> dict[str, Any]:
         run = self.run(ticket.run)
-        try:
-            await to_thread.run_sync(check_finite, received.path)
-        except BaseException:
-            received.path.unlink(missing_ok=True)
-            raise
         if run.version >= 0 or run.init_claim != ticket.peer:
             received.path.unlink(missing_ok=True)
             raise Conflict(f"run {run.name!r} was initialised by another peer", current_version=run.version)
@@ -555,7 +550,7 @@ class Coordinator:
 
     def _verify(self, run: Run, path: Path) -> float | None:
         """Worker thread: refuse NaN/Inf; with the norm guard on, the update's L2 norm (decoded)."""
-        check_finite(path)
+        # NaN/Inf were refused while the body streamed in (uploads.receive): no second pass
         if run.config.norm_guard is None:
             return None
         assert run.schema is not None

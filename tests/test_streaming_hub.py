@@ -1,5 +1,5 @@
-"""The streaming hub's slicing: slices that codecs encode and decode on their own, ``pread``
-reads, and the sliced fold and merge end to end.
+"""The streaming hub's pieces: slices that codecs encode and decode on their own, the NaN scan
+that runs while a body streams in, ``pread`` reads, and the sliced fold and merge end to end.
 
 Folding and merging a few MB at a time (instead of a tensor at a time) must not change a single
 bit: the hub and the peers apply the same decoded bytes, so every slice boundary is checked
@@ -9,10 +9,13 @@ must still publish the exact weighted mean that every peer holds bit for bit.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import itertools
 import math
+import random
 import threading
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import httpx
@@ -24,6 +27,8 @@ import torch
 import syncwire.codecs
 from syncclient import SyncClient
 from syncclient._model import ModelView
+from syncserver.errors import InvalidUpdate
+from syncserver.uploads import receive
 from syncwire import Codec, FormatError, decode_tensor, get_codec, iter_chunks, read_tensors
 from syncwire.codecs import slices
 from syncwire.format import TensorFile
@@ -90,6 +95,43 @@ def _body(arrays: dict[str, np.ndarray]) -> bytes:
     """A safetensors body; uint16 arrays travel as the bits of bfloat16 values."""
     items = ((k, v, "BF16" if v.dtype == np.uint16 else None) for k, v in arrays.items())
     return b"".join(bytes(c) for c in iter_chunks(items))
+
+
+async def _pieces(data: bytes, seed: int) -> AsyncIterator[bytes]:
+    """The body in chunks of random sizes, 1 byte to 100 kB: values split across chunks."""
+    rng = random.Random(seed)
+    i = 0
+    while i < len(data):
+        n = rng.choice([1, 2, 3, 5, 4096, 65536, 100_003])
+        yield data[i : i + n]
+        i += n
+
+
+def _receive(data: bytes, dest: Path, seed: int = 0):  # type: ignore[no-untyped-def]
+    return asyncio.run(
+        receive(_pieces(data, seed), dest, max_bytes=len(data), content_length=len(data), check_header=lambda i: None)
+    )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_scan_refuses_nan_and_inf_wherever_they_fall(tmp_path: Path, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    arrays = {
+        "a": rng.standard_normal(30_001).astype(np.float32),
+        "q": rng.integers(-128, 127, 50_000).astype(np.int8),  # integers: never "non-finite"
+        "h": rng.standard_normal((70, 33)).astype(np.float16),
+        "b": (rng.integers(0, 0x7F00, 20_001)).astype(np.uint16),  # bits of finite bfloat16 values
+    }
+    good = _body(arrays)
+    received = _receive(good, tmp_path / "good", seed)
+    assert received.digest == hashlib.sha256(good).hexdigest()
+    assert (tmp_path / "good").read_bytes() == good
+    for name, bad in [("a", np.float32(np.nan)), ("a", np.float32(-np.inf)), ("h", np.float16(np.inf)), ("b", 0x7FC0)]:
+        poisoned = {k: v.copy() for k, v in arrays.items()}
+        poisoned[name].reshape(-1)[int(rng.integers(poisoned[name].size))] = bad
+        with pytest.raises(InvalidUpdate, match="NaN or Inf"):
+            _receive(_body(poisoned), tmp_path / f"bad-{name}", seed)
+        assert not (tmp_path / f"bad-{name}").exists(), "a refused body leaves no file"
 
 
 def test_tensor_file_reads_slices_like_the_memory_map(tmp_path: Path) -> None:
