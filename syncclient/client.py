@@ -49,7 +49,8 @@ from syncclient.exceptions import (
     SchemaMismatch,
     SyncError,
 )
-from syncwire import Codec, StreamReader, decode_tensor, get_codec, iter_chunks, layout_bytes, wire_layout
+from syncwire import Codec, StreamReader, get_codec, iter_chunks, layout_bytes, wire_layout
+from syncwire.codecs import slices
 
 __all__ = ["JoinInfo", "SyncClient", "SyncResult"]
 
@@ -335,7 +336,14 @@ class SyncClient:
         reader = download.reader
         waited = time.monotonic()
         for name, shape in view.schema.items():
-            self._base[name] += decode_tensor(self.codec, reader.tensors, name, shape)
+            # a slice at a time: no full-size decoded copy of a big tensor (see syncwire.codecs.slices)
+            base = self._base[name].reshape(-1)
+            for start, stop, where in slices(self.codec, shape):
+                piece = {
+                    suffix: reader.tensors[f"{name}:{suffix}" if suffix else name].reshape(-1)[first : first + count]
+                    for suffix, (first, count) in where.items()
+                }
+                base[start:stop] += self.codec.decode(piece, (stop - start,))
         view.load(self._base)
         self.version = round_ + 1
         result = SyncResult(
