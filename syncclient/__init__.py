@@ -11,7 +11,7 @@ or, with a Hugging Face ``Trainer``, one callback: ``SyncCallback``.
 
 from __future__ import annotations
 
-from syncclient.client import JoinInfo, SyncClient, SyncResult
+from syncclient.client import JoinInfo, PendingSync, SyncClient, SyncResult
 from syncclient.exceptions import (
     AuthError,
     ConflictError,
@@ -30,6 +30,7 @@ __all__ = [
     "HubUnreachable",
     "JoinInfo",
     "NotFound",
+    "PendingSync",
     "RoundClosed",
     "SchemaMismatch",
     "SyncClient",

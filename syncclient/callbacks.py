@@ -22,6 +22,24 @@ What it does, on the main process of the peer:
 - **evaluate**: the eval metrics ride along with the next update.
 - **train end**: a last sync if there were steps since the previous one, then leave.
 
+Every update carries ``step`` (``state.global_step``) in its metrics: the dashboard plots
+against it.
+
+**Overlap** (``overlap=True``; Streaming DiLoCo's eager updates): at a sync step the callback
+starts :meth:`SyncClient.sync_async` (snapshot ``x_t`` and encoding on the training thread,
+upload and waiting on a background thread) and training goes on. At each later step end it
+checks whether the round's merged update ``U`` is in; once it is, it applies it:
+``base' = base + decode(U)`` (identical on every peer) and ``model = base' + (model - x_t)``,
+keeping the steps taken meanwhile, which then count in the next update. If the result is still
+out at the next sync step, it waits for it there before starting the next one; at train end it
+applies the pending one, then makes a final *blocking* sync (if any step was taken since the
+snapshot), so every peer ends with identical weights. In between, peers differ by their own
+in-flight steps. A sync due at the last step (``max_steps``) is blocking. Costs and caveats:
+one more float32 copy of the model while a sync is in flight; an evaluation at a sync step
+sees this peer's own weights (the merge lands a step or more later); a late peer (the round
+closed without it) is caught up when the result is applied, as with a blocking sync: its
+weights become the latest version and its local steps, in-flight ones included, are dropped.
+
 The Trainer's optimizer state (Adam's moments, the learning-rate schedule) is kept across
 syncs on purpose. After a sync the weights jump to the merged version while the moments still
 describe this peer's recent gradients; that is what local SGD and DiLoCo do (the inner
@@ -49,7 +67,7 @@ from urllib.parse import urlsplit
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from syncclient.client import SyncClient, SyncResult
+from syncclient.client import PendingSync, SyncClient, SyncResult
 
 __all__ = ["SyncCallback"]
 
@@ -69,7 +87,11 @@ class SyncCallback(TrainerCallback):
         client: a :class:`SyncClient` you built yourself; joined already or not. The callback
             leaves the run at the end but does not close a client it did not create.
         on_sync: called with each :class:`SyncResult` after a sync (for scripts that log or
-            evaluate per round); exceptions it raises stop training.
+            evaluate per round); exceptions it raises stop training. With ``overlap`` it is
+            called when the result is applied.
+        overlap: send each update in the background and apply the merged result a step or more
+            later, keeping the steps taken meanwhile (see the module docstring). Hides the
+            sync's network time from training; off by default.
         **client_kwargs: passed to ``SyncClient(hub, ...)``: ``run`` (required), ``peer``,
             ``token``, ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``min_peers``,
             ``round_timeout``, ``timeout``, ...
@@ -78,7 +100,7 @@ class SyncCallback(TrainerCallback):
         client: the :class:`SyncClient` in use.
         join_info: what ``join`` returned (``None`` if the client had joined before).
         last_result: the latest :class:`SyncResult`, ``None`` before the first sync.
-        syncs: how many syncs this callback made.
+        syncs: how many syncs this callback completed (with ``overlap``: applied).
     """
 
     def __init__(
@@ -88,6 +110,7 @@ class SyncCallback(TrainerCallback):
         sync_every: int,
         client: SyncClient | None = None,
         on_sync: Callable[[SyncResult], None] | None = None,
+        overlap: bool = False,
         **client_kwargs: Any,
     ) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -96,6 +119,8 @@ class SyncCallback(TrainerCallback):
             raise ValueError("give either hub='http://host:port' or client=SyncClient(...), not both or none")
         if on_sync is not None and not callable(on_sync):
             raise ValueError(f"on_sync must be callable, got {on_sync!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
         if client is not None:
             if client_kwargs:
                 raise ValueError(
@@ -112,6 +137,7 @@ class SyncCallback(TrainerCallback):
         self._owns_client = client is None
         self.sync_every = sync_every
         self.on_sync = on_sync
+        self.overlap = overlap
         self.join_info: Any = None
         self.last_result: SyncResult | None = None
         self.syncs = 0
@@ -120,6 +146,8 @@ class SyncCallback(TrainerCallback):
         self._pending = False  # a sync is due; done at the next on_log (or the next step at the latest)
         self._loss: float | None = None  # training loss logged since the last sync
         self._eval_metrics: dict[str, float] = {}
+        self._inflight: PendingSync | None = None  # overlap: started, not yet applied
+        self._inflight_steps = 0  # the steps that sync carries
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -157,6 +185,8 @@ class SyncCallback(TrainerCallback):
     ) -> TrainerControl:
         if not self._active:
             return control
+        if self._inflight is not None and self._inflight.done():
+            self._land(state, _model(kwargs))
         since = state.global_step - self._last_sync_step
         last_step = state.max_steps > 0 and state.global_step >= state.max_steps
         if since >= self.sync_every or (last_step and since > 0):
@@ -199,8 +229,9 @@ class SyncCallback(TrainerCallback):
         if not self._active:
             return
         try:
+            self._land(state, _model(kwargs))
             if self._pending or state.global_step > self._last_sync_step:
-                self._sync(args, state, _model(kwargs))
+                self._sync(args, state, _model(kwargs), blocking=True)
         finally:
             self._active = False
             self.client.leave()
@@ -209,28 +240,49 @@ class SyncCallback(TrainerCallback):
 
     # -- the work ---------------------------------------------------------------------------------
 
-    def _sync(self, args: TrainingArguments, state: TrainerState, model: Any) -> None:
+    def _sync(self, args: TrainingArguments, state: TrainerState, model: Any, *, blocking: bool = False) -> None:
+        self._land(state, model)  # the previous overlapped sync, if still out: wait for it here
         steps = state.global_step - self._last_sync_step
+        self._pending = False
+        if steps == 0:  # it was late: its apply dropped every local step, nothing left to send
+            return
         samples = steps * args.train_batch_size * args.gradient_accumulation_steps * args.world_size
         metrics = dict(self._eval_metrics)
         if self._loss is not None:
             metrics["loss"] = self._loss
         if len(json.dumps(metrics)) > _METRICS_BUDGET:  # the hub caps the metrics header (4 KiB)
             metrics = {k: v for k, v in metrics.items() if k in ("loss", "eval_loss")}
-        result = self.client.sync(model, samples=samples, metrics=metrics)
+        metrics["step"] = float(state.global_step)
         self._last_sync_step = state.global_step
-        self._pending = False
         self._loss = None
         self._eval_metrics = {}
+        last_step = state.max_steps > 0 and state.global_step >= state.max_steps
+        if self.overlap and not blocking and not last_step:  # at the last step nothing would overlap
+            self._inflight = self.client.sync_async(model, samples=samples, metrics=metrics)
+            self._inflight_steps = steps
+            return
+        self._finish(state, self.client.sync(model, samples=samples, metrics=metrics), steps)
+
+    def _land(self, state: TrainerState, model: Any) -> None:
+        """Apply the overlapped sync in flight, if any (waiting for its result if need be)."""
+        if self._inflight is None:
+            return
+        pending, self._inflight = self._inflight, None
+        result = pending.apply(model)
+        if result.caught_up:  # the steps since its snapshot were dropped too: count from here
+            self._last_sync_step = state.global_step
+        self._finish(state, result, self._inflight_steps)
+
+    def _finish(self, state: TrainerState, result: SyncResult, steps: int) -> None:
         self.last_result = result
         self.syncs += 1
         logger.info(
-            "step %d: synced %d steps (%d samples) -> version %d in %.2f s%s",
+            "step %d: synced %d steps -> version %d in %.2f s (%.2f s of it stalled training)%s",
             state.global_step,
             steps,
-            samples,
             result.version,
             result.seconds,
+            result.stall_seconds,
             " (late: caught up, local steps dropped)" if result.caught_up else "",
         )
         if self.on_sync is not None:

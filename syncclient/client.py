@@ -6,6 +6,16 @@ for lossy codecs the error-feedback ``residual`` (one more). A sync sends
 model to ``base + decode(U)``: the very sum the hub computes, so every peer and the hub hold
 bit-identical weights afterwards.
 
+Overlap (:meth:`SyncClient.sync_async`, as in Streaming DiLoCo's eager updates): the peer
+snapshots its weights ``x_t`` and encodes ``x_t - base + residual`` on the caller's thread,
+then uploads it and waits for ``U`` on one background thread while training goes on.
+:meth:`PendingSync.apply` sets ``base' = base + decode(U)`` (bit-identical on every peer and
+the hub, as above) and ``model = base' + (model - x_t)``: the steps taken since the snapshot
+stay on top of the merged version, and since the next delta is taken against ``base'`` they
+count in the next round. So right after an overlapped sync only ``base`` is identical across
+peers (each keeps its own in-flight steps); a blocking ``sync`` makes the weights identical
+again. ``sync`` is the same code: ``sync_async``, wait, apply with no local steps to keep.
+
 Retries: connect errors, timeouts, 5xx, 429 and 503 are retried with capped exponential
 backoff and jitter (tenacity), honouring ``Retry-After``, for ``retry_seconds`` in all;
 uploads are idempotent per (peer, round) on the hub, so a retried upload is never applied
@@ -29,6 +39,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -52,7 +63,7 @@ from syncclient.exceptions import (
 from syncwire import Codec, StreamReader, get_codec, iter_chunks, layout_bytes, wire_layout
 from syncwire.codecs import slices
 
-__all__ = ["JoinInfo", "SyncClient", "SyncResult"]
+__all__ = ["JoinInfo", "PendingSync", "SyncClient", "SyncResult"]
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +99,59 @@ class SyncResult:
     caught_up: bool = False
     compression: float = 1.0  # float32 bytes / bytes sent
     codec_error: float = 0.0  # ||delta - decoded|| / ||delta|| of what was sent
+    # of ``seconds``, the part spent on the caller's (training) thread: all of it for ``sync``;
+    # for ``sync_async`` the snapshot and encoding, waiting in ``apply`` and applying
+    stall_seconds: float = 0.0
 
 
 @dataclass
 class _Download:
     reader: StreamReader
     version: int  # X-Sync-Version: the model version the body is (or leads to)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What the background half of a sync brought back. ``latest`` is set when the round
+    closed without us: the run's latest version, to catch up to."""
+
+    bytes_up: int
+    bytes_down: int
+    upload_seconds: float
+    wait_seconds: float
+    latest: _Download | None = None
+
+
+class PendingSync:
+    """A sync on its way, from :meth:`SyncClient.sync_async`.
+
+    ``done()`` tells, without blocking, whether the round's merged update has arrived (and
+    been folded into the client's base); ``apply(model)`` loads it, keeping the steps taken
+    since the snapshot, and waits for it first if need be. Apply it exactly once, before the
+    client's next sync.
+    """
+
+    def __init__(
+        self,
+        client: SyncClient,
+        future: Future[_Outcome],
+        round_: int,
+        snapshot: dict[str, np.ndarray] | None,
+        started: float,
+        stall: float,
+        stats: dict[str, float],
+    ) -> None:
+        self._client, self._future, self.round = client, future, round_
+        self._snapshot = snapshot  # x_t (None for a blocking sync: nothing to keep)
+        self._started, self._stall, self._stats = started, stall, stats
+
+    def done(self) -> bool:
+        """Whether ``apply`` would return without waiting for the hub."""
+        return self._future.done()
+
+    def apply(self, model: torch.nn.Module) -> SyncResult:
+        """Load the merged version plus this peer's steps since the snapshot into ``model``."""
+        return self._client._apply(self, model)
 
 
 class _Retry(Exception):
@@ -209,8 +267,8 @@ class SyncClient:
         }
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if isinstance(verify, str):  # httpx wants a context for a CA bundle
-            where = {"capath": verify} if os.path.isdir(verify) else {"cafile": verify}
-            verify = ssl.create_default_context(**where)
+            folder = os.path.isdir(verify)
+            verify = ssl.create_default_context(capath=verify if folder else None, cafile=None if folder else verify)
         self._http = httpx.Client(
             base_url=self.hub,
             headers=headers,
@@ -232,6 +290,8 @@ class SyncClient:
         self._stop = threading.Event()
         self._lease = 60.0
         self._max_download: int | None = None  # data bytes a hub body may declare; set at join
+        self._worker: ThreadPoolExecutor | None = None  # the one thread a sync's network work runs on
+        self._inflight: PendingSync | None = None  # started, not yet applied: base is the worker's
 
     # ---- the public surface --------------------------------------------------------------
     def join(self, model: torch.nn.Module) -> JoinInfo:
@@ -289,87 +349,35 @@ class SyncClient:
     ) -> SyncResult:
         """Send what ``model`` learned since the last sync; return with the merged version loaded.
 
-        ``samples`` (examples seen since the last sync) weighs this peer in the average.
+        ``samples`` (examples seen since the last sync) weighs this peer in the average. Blocks
+        for the whole round: :meth:`sync_async` is the same sync with training going on meanwhile.
         """
-        if self._base is None or self.codec is None:
-            raise SyncError("join(model) before sync()")
-        if not isinstance(samples, int) or samples < 1:
-            raise ValueError(f"samples must be a positive int, got {samples!r}")
-        started = time.monotonic()
-        view = ModelView(model)
-        round_ = self.version
-        parts, stats = self._encode(view.export())
-        sent_metrics = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(float(v))}
-        if not self.codec.lossless:
-            sent_metrics.update(codec_ratio=stats["ratio"], codec_error=stats["error"])
+        return self._apply(self._start(model, samples, metrics, keep_local=False), model)
 
-        def body() -> Iterator[memoryview | bytes]:
-            return iter_chunks(parts)
+    def sync_async(
+        self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None
+    ) -> PendingSync:
+        """Start a sync and return at once, so that training goes on while it travels (overlap).
 
-        headers = {
-            "Content-Digest": _digest(body()),
-            "X-Sync-Samples": str(samples),
-            "X-Sync-Metrics": json.dumps(sent_metrics),
-        }
-        size = sum(len(c) for c in body())
-        path = f"{self._runs}/rounds/{round_}/updates/{self.peer}"
-        try:
-            self._call(
-                "PUT",
-                path,
-                headers=headers,
-                content=lambda: self._progress(body(), size, "upload"),
-                resume=lambda: self._upload_offset(path, headers),
-            )
-        except RoundClosed as exc:
-            return self._catch_up(view, exc.current_version, started, size)
-        uploaded = time.monotonic()
-        while True:
-            download = self._download(
-                f"{self._runs}/rounds/{round_}/result", {"wait": self._poll, "peer": self.peer}, allow_gone=True
-            )
-            if download is not None:
-                break
-        if download == "gone":
-            return self._catch_up(view, round_ + 1, started, size)
-        assert self._base is not None and isinstance(download, _Download)
-        reader = download.reader
-        waited = time.monotonic()
-        for name, shape in view.schema.items():
-            # a slice at a time: no full-size decoded copy of a big tensor (see syncwire.codecs.slices)
-            base = self._base[name].reshape(-1)
-            for start, stop, where in slices(self.codec, shape):
-                piece = {
-                    suffix: reader.tensors[f"{name}:{suffix}" if suffix else name].reshape(-1)[first : first + count]
-                    for suffix, (first, count) in where.items()
-                }
-                base[start:stop] += self.codec.decode(piece, (stop - start,))
-        view.load(self._base)
-        self.version = round_ + 1
-        result = SyncResult(
-            version=self.version,
-            bytes_up=size,
-            bytes_down=reader.received,
-            seconds=time.monotonic() - started,
-            upload_seconds=uploaded - started,
-            wait_seconds=waited - uploaded,
-            compression=stats["ratio"],
-            codec_error=stats["error"],
-        )
-        log.info(
-            "run %s: synced to version %d in %.2fs (%.1f MB up, %.1f MB down)",
-            self.run,
-            self.version,
-            result.seconds,
-            size / 1e6,
-            reader.received / 1e6,
-        )
-        return result
+        On this thread: snapshot ``model`` as ``x_t`` (one more float32 copy of the model, held
+        until applied) and encode ``x_t - base + residual``. On one background thread: upload,
+        wait for the round's merged update ``U``, and fold it in: ``base' = base + decode(U)``.
+        Then ``pending.apply(model)`` sets ``model = base' + (model - x_t)``: the merged version
+        plus this peer's steps since the snapshot, which count in the next round (its delta is
+        taken against ``base'``). ``apply`` waits if the result is not in yet.
+
+        One sync at a time: ``sync``, ``sync_async`` or ``pull`` before ``apply`` raises
+        :class:`SyncError` (waiting there would hide a forgotten ``apply``). A late peer (the
+        round closed without it) is caught up as by ``sync``: ``apply`` loads the latest version
+        and drops all local work since the last sync, the steps taken meanwhile included.
+        """
+        return self._start(model, samples, metrics, keep_local=True)
 
     def pull(self, model: torch.nn.Module) -> int:
         """Load the run's latest version into ``model`` (dropping local changes); return it."""
         if self._base is None:
             raise SyncError("join(model) before pull()")
+        self._check_idle()
         self._pull(ModelView(model))
         return self.version
 
@@ -392,6 +400,13 @@ class SyncClient:
     def close(self) -> None:
         """Stop the heartbeat and close connections (without leaving the run)."""
         self._stop.set()
+        if self._inflight is not None and not self._inflight.done():
+            log.warning(
+                "run %s: closing with the sync of round %d in flight, never applied", self.run, self._inflight.round
+            )
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
         if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=5)
         self._heartbeat = None
@@ -404,6 +419,151 @@ class SyncClient:
         self.leave()
 
     # ---- internals -----------------------------------------------------------------------
+    def _check_idle(self) -> None:
+        if self._inflight is not None:
+            raise SyncError(
+                f"the sync of round {self._inflight.round} is in flight: apply it (pending.apply(model)) first"
+            )
+
+    def _start(
+        self, model: torch.nn.Module, samples: int, metrics: Mapping[str, float] | None, *, keep_local: bool
+    ) -> PendingSync:
+        """The caller's half of a sync: snapshot, encode, hand the network work to the worker."""
+        if self._base is None or self.codec is None:
+            raise SyncError("join(model) before sync()")
+        self._check_idle()
+        if not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"samples must be a positive int, got {samples!r}")
+        started = time.monotonic()
+        view = ModelView(model)
+        local = view.export()  # on CPU float32 these share memory with the model: copy to keep
+        snapshot = {name: x.copy() for name, x in local.items()} if keep_local else None
+        parts, stats = self._encode(snapshot or local)  # new arrays: training may go on
+        sent_metrics = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(float(v))}
+        if not self.codec.lossless:
+            sent_metrics.update(codec_ratio=stats["ratio"], codec_error=stats["error"])
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
+        future = self._worker.submit(self._exchange, self.version, parts, samples, sent_metrics, view.schema)
+        self._inflight = PendingSync(self, future, self.version, snapshot, started, time.monotonic() - started, stats)
+        return self._inflight
+
+    def _exchange(
+        self,
+        round_: int,
+        parts: list[tuple[str, np.ndarray, str]],
+        samples: int,
+        metrics: dict[str, float],
+        schema: dict[str, tuple[int, ...]],
+    ) -> _Outcome:
+        """The worker's half: upload, long-poll the result, fold it into ``base`` (which nobody
+        else touches while a sync is in flight). Late: fetch the latest version instead."""
+
+        def body() -> Iterator[memoryview | bytes]:
+            return iter_chunks(parts)
+
+        started = time.monotonic()
+        headers = {
+            "Content-Digest": _digest(body()),
+            "X-Sync-Samples": str(samples),
+            "X-Sync-Metrics": json.dumps(metrics),
+        }
+        size = sum(len(c) for c in body())
+        path = f"{self._runs}/rounds/{round_}/updates/{self.peer}"
+        try:
+            self._call(
+                "PUT",
+                path,
+                headers=headers,
+                content=lambda: self._progress(body(), size, "upload"),
+                resume=lambda: self._upload_offset(path, headers),
+            )
+        except RoundClosed:
+            return _Outcome(size, 0, time.monotonic() - started, 0.0, latest=self._fetch_latest())
+        uploaded = time.monotonic()
+        while True:
+            download = self._download(
+                f"{self._runs}/rounds/{round_}/result", {"wait": self._poll, "peer": self.peer}, allow_gone=True
+            )
+            if download is not None:
+                break
+        if download == "gone":
+            return _Outcome(size, 0, uploaded - started, 0.0, latest=self._fetch_latest())
+        assert self._base is not None and self.codec is not None and isinstance(download, _Download)
+        reader = download.reader
+        waited = time.monotonic()
+        for name, shape in schema.items():
+            # a slice at a time: no full-size decoded copy of a big tensor (see syncwire.codecs.slices)
+            base = self._base[name].reshape(-1)
+            for start, stop, where in slices(self.codec, shape):
+                piece = {
+                    suffix: reader.tensors[f"{name}:{suffix}" if suffix else name].reshape(-1)[first : first + count]
+                    for suffix, (first, count) in where.items()
+                }
+                base[start:stop] += self.codec.decode(piece, (stop - start,))
+        return _Outcome(size, reader.received, uploaded - started, waited - uploaded)
+
+    def _apply(self, pending: PendingSync, model: torch.nn.Module) -> SyncResult:
+        """The caller's last half: wait for the worker, then load ``base'`` (blocking sync) or
+        ``base' + (model - x_t)`` (overlap) into ``model``; or catch up when late."""
+        if self._inflight is not pending:
+            raise SyncError(f"the sync of round {pending.round} was applied already")
+        view = ModelView(model)
+        waiting = time.monotonic()
+        try:
+            outcome = pending._future.result()
+        except BaseException:
+            if pending._future.done():  # it failed: the next sync may try again (interrupted: not)
+                self._inflight = None
+            raise
+        self._inflight = None
+        snapshot, pending._snapshot = pending._snapshot, None
+        if outcome.latest is not None:
+            self._adopt(view, outcome.latest)
+            log.warning(
+                "run %s: round %d closed without %s (late); caught up to version %d, local steps dropped",
+                self.run,
+                pending.round,
+                self.peer,
+                self.version,
+            )
+        else:
+            assert self._base is not None
+            if snapshot is None:
+                view.load(self._base)
+            else:
+                local = view.export()
+                for name, x_t in snapshot.items():  # in place: no third copy of the model
+                    np.subtract(local[name], x_t, out=x_t)  # the steps taken since the snapshot
+                    x_t += self._base[name]  # on top of base' (IEEE + commutes: base' + (x - x_t))
+                view.load(snapshot)
+            self.version = pending.round + 1
+        done = time.monotonic()
+        late = outcome.latest is not None
+        result = SyncResult(
+            version=self.version,
+            bytes_up=outcome.bytes_up,
+            bytes_down=outcome.bytes_down,
+            seconds=done - pending._started,
+            upload_seconds=outcome.upload_seconds,
+            wait_seconds=outcome.wait_seconds,
+            caught_up=late,
+            compression=1.0 if late else pending._stats["ratio"],
+            codec_error=0.0 if late else pending._stats["error"],
+            stall_seconds=pending._stall + done - waiting,
+        )
+        if not late:
+            log.info(
+                "run %s: synced to version %d in %.2fs, %.2fs of it on this thread (%.1f MB up, %.1f MB down)",
+                self.run,
+                self.version,
+                result.seconds,
+                result.stall_seconds,
+                result.bytes_up / 1e6,
+                result.bytes_down / 1e6,
+            )
+        return result
+
     def _encode(
         self, local: dict[str, np.ndarray]
     ) -> tuple[list[tuple[str, np.ndarray, str]], dict[str, float]]:
@@ -450,8 +610,15 @@ class SyncClient:
             log.info("run %s: %s", self.run, exc.detail)
 
     def _pull(self, view: ModelView) -> None:
+        self._adopt(view, self._fetch_latest())
+
+    def _fetch_latest(self) -> _Download:
         download = self._download(f"{self._runs}/model", {"peer": self.peer})
         assert isinstance(download, _Download)
+        return download
+
+    def _adopt(self, view: ModelView, download: _Download) -> None:
+        """Make a downloaded full model the base and load it (local work is dropped)."""
         reader = download.reader
         if set(reader.tensors) != set(view.schema):
             raise SchemaMismatch(
@@ -461,26 +628,6 @@ class SyncClient:
         view.load(self._base)
         self._residual = None  # the residual belonged to work that was just dropped
         self.version = download.version
-
-    def _catch_up(self, view: ModelView, current: int, started: float, size: int) -> SyncResult:
-        log.warning(
-            "run %s: round %d closed without %s (late); catching up to version %d, dropping local steps",
-            self.run,
-            self.version,
-            self.peer,
-            current,
-        )
-        before = time.monotonic()
-        self._pull(view)
-        return SyncResult(
-            version=self.version,
-            bytes_up=size,
-            bytes_down=0,
-            seconds=time.monotonic() - started,
-            upload_seconds=before - started,
-            wait_seconds=0.0,
-            caught_up=True,
-        )
 
     def _retrying(self) -> Retrying:
         backoff = wait_exponential_jitter(multiplier=0.5, max=20.0, jitter=1.0)
