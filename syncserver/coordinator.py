@@ -45,10 +45,8 @@ from syncwire import (
     Schema,
     TensorInfo,
     check_layout,
-    decode_tensor,
     get_codec,
     layout_bytes,
-    read_tensors,
     wire_layout,
 )
 from syncwire.codecs import slices
@@ -549,13 +547,21 @@ class Coordinator:
         return self._ack(update)
 
     def _verify(self, run: Run, path: Path) -> float | None:
-        """Worker thread: refuse NaN/Inf; with the norm guard on, the update's L2 norm (decoded)."""
-        # NaN/Inf were refused while the body streamed in (uploads.receive): no second pass
+        """Worker thread: with the norm guard on, the update's L2 norm as decoded, read and
+        decoded a slice at a time like the fold. (NaN/Inf were refused as the body streamed in.)"""
         if run.config.norm_guard is None:
             return None
         assert run.schema is not None
-        wire, _ = read_tensors(str(path))
-        return aggregate.global_norm(decode_tensor(run.codec, wire, n, s) for n, s in run.schema.items())
+        codec = run.codec
+        with TensorFile(path) as wire:
+            return aggregate.global_norm(
+                codec.decode(
+                    {s: wire.read(_wire_name(name, s), first, first + count) for s, (first, count) in parts.items()},
+                    (stop - start,),
+                )
+                for name, shape in run.schema.items()
+                for start, stop, parts in slices(codec, shape)
+            )
 
     def _guard(self, run: Run, peer: str, norm: float | None) -> None:
         """The poisoned-update guard: refuse an update far above the usual norm, before it is

@@ -24,7 +24,7 @@ import torch
 from syncclient import SyncClient
 from syncclient.exceptions import HubError
 from syncserver.aggregate import global_norm, norm_outlier
-from syncwire import iter_chunks
+from syncwire import get_codec, iter_chunks
 from tests.conftest import Hub, tiny_gpt2
 
 SCHEMA = {"w": (16, 8), "b": (8,)}
@@ -66,14 +66,29 @@ def test_norm_outlier_needs_a_factor_above_one() -> None:
 
 
 # ---- against a real hub -------------------------------------------------------------------------
-def body(arrays: dict[str, np.ndarray]) -> bytes:
-    return b"".join(iter_chunks([(n, a, "F32") for n, a in arrays.items()]))
+def body(arrays: dict[str, np.ndarray], codec: str = "fp32") -> bytes:
+    """Float32 arrays as they are, or encoded with ``codec`` (what a peer sends)."""
+    if codec == "fp32":
+        return b"".join(iter_chunks([(n, a, "F32") for n, a in arrays.items()]))
+    c = get_codec(codec)
+    items = []
+    for name, x in arrays.items():
+        layout = c.layout(x.shape)
+        for suffix, part in c.encode(x).items():
+            items.append((f"{name}:{suffix}" if suffix else name, part, layout[suffix][0]))
+    return b"".join(iter_chunks(items))
 
 
 def put(
-    http: httpx.Client, run: str, round_: int, peer: str, delta: dict[str, np.ndarray], samples: int
+    http: httpx.Client,
+    run: str,
+    round_: int,
+    peer: str,
+    delta: dict[str, np.ndarray],
+    samples: int,
+    codec: str = "fp32",
 ) -> httpx.Response:
-    data = body(delta)
+    data = body(delta, codec)
     digest = "sha-256=:" + base64.b64encode(hashlib.sha256(data).digest()).decode() + ":"
     return http.put(
         f"/v1/runs/{run}/rounds/{round_}/updates/{peer}",
@@ -82,14 +97,16 @@ def put(
     )
 
 
-def start_run(http: httpx.Client, run: str, peers: list[str], **config: object) -> dict[str, np.ndarray]:
+def start_run(
+    http: httpx.Client, run: str, peers: list[str], schema: dict[str, tuple[int, ...]] = SCHEMA, **config: object
+) -> dict[str, np.ndarray]:
     """``peers`` join, then the first uploads version 0; returns version 0.
 
     ``min_peers`` is 2, below the world size: a round may close without a refused peer.
     (With ``min_peers`` = world size it waits until that peer sends a sane update.)
     """
     rng = np.random.default_rng(1)
-    model = {n: rng.standard_normal(s).astype(np.float32) for n, s in SCHEMA.items()}
+    model = {n: rng.standard_normal(s).astype(np.float32) for n, s in schema.items()}
     first = http.post(f"/v1/runs/{run}/peers", json={"peer": peers[0], "min_peers": 2, **config})
     assert first.json()["state"] == "initialise", first.text
     for peer in peers[1:]:
@@ -225,3 +242,22 @@ def test_sdk_peer_with_a_broken_update_gets_poisoned_update(hub: Hub) -> None:
     assert len(refused) == 1 and refused[0].status == 422 and refused[0].code == "poisoned_update"
     for name, value in finals[0].items():
         assert torch.equal(value, finals[1][name]) and torch.equal(value, finals[2][name]), name
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_the_guard_measures_the_decoded_update(hub: Hub, codec: str) -> None:
+    """The norm is that of what the hub would average (the codec's decoded values), summed a
+    slice at a time over a tensor of several slices: the refusal reports exactly that norm."""
+    schema = {"big": (3, 1 << 20), "b": (8,)}
+    http = httpx.Client(base_url=hub.url, timeout=60)
+    start_run(http, f"guard-{codec}", ["a", "b", "c"], schema=schema, norm_guard=10, codec=codec)
+    rng = np.random.default_rng(5)
+    for peer in ("a", "b"):
+        delta = {n: (0.01 * rng.standard_normal(s)).astype(np.float32) for n, s in schema.items()}
+        assert put(http, f"guard-{codec}", 0, peer, delta, 1, codec).status_code == 200
+    poisoned = {n: (100 * rng.standard_normal(s)).astype(np.float32) for n, s in schema.items()}
+    r = put(http, f"guard-{codec}", 0, "c", poisoned, 1, codec)
+    assert r.status_code == 422 and r.json()["error"] == "poisoned_update"
+    c = get_codec(codec)
+    decoded = [c.decode(c.encode(x), x.shape) for x in poisoned.values()]
+    assert math.isclose(r.json()["norm"], global_norm(decoded), rel_tol=1e-9)
