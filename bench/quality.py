@@ -1,0 +1,507 @@
+"""The origin report's experiment at CPU scale: ``python bench/quality.py [--quick]``.
+
+The origin report fine-tuned GPT-2 on IMDB with 2 peers that averaged weights every 100, 1000
+or 2000 steps (val perplexity 62.86 / 62.63 / 62.73 against 62.23 serial; its best interval,
+1000 steps, was about half an epoch of ~1500-2000 steps). This script asks the same questions
+of the reference job, ``train/finetune_gpt2.py``, at a size a 2-core CPU finishes in half an
+hour or so (16 runs of 1-4 minutes each, depending on what else the machine runs): how close
+do synced peers get to the serial run, and what do the wire codecs (bf16, int8, int4) and the
+outer optimizer (plain averaging vs DiLoCo) cost in perplexity?
+
+Scale (``FULL``): a random-init ``tiny`` GPT-2 (2 layers, 64 wide, 3.4M parameters, most of
+them the tied 50,257-token embedding), 220 training reviews (3,250 blocks of 20 tokens), a
+global batch of 16 blocks, exactly 200 optimizer steps (98.5% of one epoch: no block is seen
+twice), Adam at 2e-3 (constant), validation on 20 held-out reviews (224 blocks) every 20 steps
+and after every sync, test perplexity on 20 test reviews (224 blocks) at the end. Same seed
+everywhere, so every configuration starts from the same weights and sees the same blocks.
+
+Run-to-run noise: the serial run and 2 peers every 100 steps also run with seeds 2 and 3. The
+seed picks the initial weights, the data order and shards, *and* the held-out validation and
+test reviews (the job shuffles the train split with it before holding reviews out), so only
+runs of one seed compare; the second table gives the ratio to the serial run per seed.
+
+Intervals: the report's 100 / 1000 / 2000 steps are about 5% / 50% / 100% of its epoch, so
+here they are 10 / 100 / 200 steps of 200 (20, 2 and 1 sync; the 200-step run trains the two
+peers apart for the whole epoch and averages them once at the end). The middle one (100)
+stands in for the report's best interval and is the reference for the codec, outer optimizer
+and 4-peer rows.
+
+Each configuration runs the reference job as a subprocess in its own folder under
+``bench/results/quality-<date>/<name>/`` (``--no-hub`` for the serial run, ``--local-peers K``
+with an embedded hub otherwise), then this script reads every ``results.json`` and prints a
+markdown table per configuration (final validation perplexity: mean over peers, which hold identical weights
+after the final sync; test perplexity; wall seconds of the subprocess; ratios to the serial
+run and to 2 peers fp32 averaging at the same interval), writes ``bench/results/quality.json``
+and draws ``bench/quality.png`` (validation perplexity vs step, and its ratio to the serial
+run, one panel per question).
+
+DiLoCo's outer learning rate and momentum are not flags of the reference job; they are hub
+defaults for new runs, so the ``diloco-lr1-mom0`` row sets ``SYNC_OUTER_LR=1.0`` and
+``SYNC_OUTER_MOMENTUM=0`` in the environment of the launcher, whose embedded hub inherits it.
+With those values DiLoCo's outer step is exactly plain averaging: a sanity check of that path,
+run only when DiLoCo with its defaults ends more than 0.5% above plain averaging. One more
+DiLoCo row syncs every 10 steps (20 outer steps instead of 2), nearer the regime its defaults
+were tuned for.
+
+``--quick`` runs three small configurations (serial, 2 peers fp32, 2 peers int8; 30 steps) in a
+few minutes, to check that the whole pipeline works. ``--reuse`` keeps configurations that
+already have a ``results.json`` in the output folder (resume an interrupted grid, or redraw the
+table and the picture without training); ``--only a,b`` runs a subset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "train" / "finetune_gpt2.py"
+DATA = REPO.parent / "shared" / "data"
+RESULTS = REPO / "bench" / "results"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One run of the reference job: ``peers == 0`` is the serial baseline (no hub)."""
+
+    name: str
+    peers: int = 0
+    sync_every: int = 0
+    codec: str = "fp32"
+    outer: str = "avg"
+    env: dict[str, str] = field(default_factory=dict)  # for the embedded hub (DiLoCo's lr and momentum)
+    flags: dict[str, Any] = field(default_factory=dict)  # overrides of the grid's common flags
+
+    @property
+    def outer_label(self) -> str:
+        if self.outer != "diloco":
+            return self.outer
+        lr, mu = self.env.get("SYNC_OUTER_LR", "0.7"), self.env.get("SYNC_OUTER_MOMENTUM", "0.9")
+        return f"diloco (lr {lr}, mom {mu})"
+
+
+# Settings shared by every configuration of a grid (flags of train/finetune_gpt2.py).
+FULL_COMMON: dict[str, Any] = {
+    "model-config": "tiny",
+    "train-samples": 220,  # 3,250 blocks: 203 steps of 16, so 200 steps stay within one epoch
+    "val-samples": 20,  # 224 blocks
+    "test-samples": 20,  # 224 blocks
+    "max-steps": 200,
+    "batch-size": 16,
+    "lr": 2e-3,
+    "eval-every": 20,
+    "seed": 1234,
+}
+SANITY = "p2-s100-diloco-lr1-mom0"
+SANITY_GAP = 0.005  # DiLoCo this far (relative) above fp32 averaging: also run the lr 1, momentum 0 check
+MID = 100  # the middle interval: the report's best (1000 of ~2000 steps) scaled to 200 steps
+FULL = [
+    Config("serial"),
+    Config("p2-s10-fp32", 2, 10),
+    Config("p2-s100-fp32", 2, MID),
+    Config("p2-s200-fp32", 2, 200),
+    Config("p2-s100-bf16", 2, MID, codec="bf16"),
+    Config("p2-s100-int8", 2, MID, codec="int8"),
+    Config("p2-s100-int4", 2, MID, codec="int4"),
+    Config("p2-s100-diloco", 2, MID, outer="diloco"),
+    # Run only when DiLoCo with its defaults ends > SANITY_GAP above fp32 averaging (see main).
+    Config(
+        "p2-s100-diloco-lr1-mom0",
+        2,
+        MID,
+        outer="diloco",
+        env={"SYNC_OUTER_LR": "1.0", "SYNC_OUTER_MOMENTUM": "0"},
+    ),
+    Config("p4-s100-fp32", 4, MID),
+    # DiLoCo nearer its own regime: 20 outer steps instead of 2 (its defaults assume many).
+    Config("p2-s10-diloco", 2, 10, outer="diloco"),
+    # Run-to-run noise: the serial run and the target comparison (2 peers every 100) again with
+    # other seeds (another init, data order and shards), to show how far apart equally good runs end.
+    Config("serial-seed2", flags={"seed": 2}),
+    Config("serial-seed3", flags={"seed": 3}),
+    Config("p2-s100-fp32-seed2", 2, MID, flags={"seed": 2}),
+    Config("p2-s100-fp32-seed3", 2, MID, flags={"seed": 3}),
+]
+
+QUICK_COMMON = FULL_COMMON | {
+    "train-samples": 40,
+    "val-samples": 8,
+    "test-samples": 8,
+    "max-steps": 30,
+    "eval-every": 10,
+}
+QUICK = [Config("serial"), Config("p2-s10-fp32", 2, 10), Config("p2-s10-int8", 2, 10, codec="int8")]
+
+
+def command(cfg: Config, common: dict[str, Any], out: Path, cores: int) -> list[str]:
+    """The reference job's command line for one configuration."""
+    argv = [sys.executable, str(TRAIN), "--output-dir", str(out)]
+    argv += ["--dataset", str(DATA / "imdb"), "--tokenizer", str(DATA / "gpt2-tokenizer")]
+    for flag, value in (common | cfg.flags).items():
+        argv += [f"--{flag}", str(value)]
+    if cfg.peers == 0:
+        return [*argv, "--no-hub", "--threads", str(cores)]
+    argv += ["--local-peers", str(cfg.peers), "--sync-every", str(cfg.sync_every)]
+    return [*argv, "--codec", cfg.codec, "--outer", cfg.outer, "--run", f"quality-{cfg.name}"]
+
+
+def run_config(cfg: Config, common: dict[str, Any], out: Path, cores: int, reuse: bool) -> dict[str, Any]:
+    """Run one configuration (unless reused) and summarise its results.json files."""
+    wall_file = out / "bench_wall.json"
+    if reuse and (out / "results.json").is_file() and wall_file.is_file():
+        print(f"-- {cfg.name}: reusing {out}", flush=True)
+        wall = json.loads(wall_file.read_text())["wall_seconds"]
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").unlink(missing_ok=True)
+        argv = command(cfg, common, out, cores)
+        print(f"-- {cfg.name}: {' '.join(argv[1:])}", flush=True)
+        env = dict(os.environ, **cfg.env)
+        t0 = time.perf_counter()
+        with (out / "bench.log").open("wb") as log:
+            code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+        wall = time.perf_counter() - t0
+        wall_file.write_text(json.dumps({"wall_seconds": wall, "returncode": code}) + "\n")
+        if code != 0 or not (out / "results.json").is_file():
+            tail = (out / "bench.log").read_text(errors="replace").strip().splitlines()[-3:]
+            print(f"   FAILED (exit {code}): {' | '.join(tail)}", flush=True)
+            return {"config": asdict(cfg), "error": f"exit {code}", "wall_seconds": wall}
+    return summarise(cfg, out, wall)
+
+
+def summarise(cfg: Config, out: Path, wall: float) -> dict[str, Any]:
+    """Final perplexities, curves and bytes of one configuration from its results.json files."""
+    top = json.loads((out / "results.json").read_text())
+    seed = top["config"]["seed"]
+    row: dict[str, Any] = {
+        "config": asdict(cfg),
+        "seed": seed,
+        "outer_label": cfg.outer_label,
+        "wall_seconds": round(wall, 1),
+    }
+    if cfg.peers == 0:
+        row |= {
+            "val_ppl": top["final_val_ppl"],
+            "test_ppl": top["final_test_ppl"],
+            "steps": top["steps"],
+            "curves": {"serial": top["evals"]},
+            "mb_up": 0.0,
+        }
+        return row
+    peers = {p: json.loads((out / p / "results.json").read_text()) for p in top["final"]}
+    vals = [r["final_val_ppl"] for r in peers.values()]
+    tests = [r["final_test_ppl"] for r in peers.values()]
+    row |= {
+        "val_ppl": sum(vals) / len(vals),
+        "val_ppl_spread": max(vals) - min(vals),  # 0 when the final sync left identical weights
+        "test_ppl": sum(tests) / len(tests),
+        "steps": max(r["steps"] for r in peers.values()),
+        "syncs": max(r["syncs"] for r in peers.values()),
+        "weights_identical": top["weights_identical"],
+        "weights_equal_hub": top["weights_equal_hub"],
+        "curves": {p: r["evals"] for p, r in peers.items()},
+        "mb_up": sum(r.get("bytes_up") or 0 for r in top["rounds"]) / 1e6,  # summed over peers and rounds
+    }
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]], default_seed: int) -> None:
+    """Ratio of each final perplexity to the serial run's of the same seed and to 2 peers' fp32
+    averaging at its interval and seed. Only runs of one seed compare: the seed also picks the
+    held-out validation and test reviews (the job shuffles the train split with it)."""
+    ok = [r for r in rows if "error" not in r]
+    serial = {r["seed"]: r["val_ppl"] for r in ok if r["config"]["peers"] == 0}
+    ref = {
+        (r["config"]["sync_every"], r["seed"]): r["val_ppl"]
+        for r in ok
+        if r["config"]["peers"] == 2 and r["config"]["codec"] == "fp32" and r["config"]["outer"] == "avg"
+    }
+    for r in ok:
+        c = r["config"]
+        base = serial.get(r["seed"])
+        r["vs_serial"] = r["val_ppl"] / base if base and (c["peers"] or r["seed"] == default_seed) else None
+        fp32 = ref.get((c["sync_every"], r["seed"])) if c["peers"] else None
+        r["vs_fp32_sync"] = r["val_ppl"] / fp32 if fp32 else None
+
+
+def seed_table(rows: list[dict[str, Any]]) -> str:
+    """Configurations run with several seeds: the final validation perplexity per seed (each seed
+    has its own validation reviews, so these differ by more than training noise) and the ratio to
+    the serial run of the same seed, which is the comparison that means something."""
+    families: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if "error" not in r:
+            families.setdefault(family(r["config"]["name"]), []).append(r)
+    lines = [
+        "| config | seeds | val ppl per seed | vs serial of the same seed, per seed | mean |",
+        "|---|---|---|---|---:|",
+    ]
+    for name, group in families.items():
+        if len(group) < 2:
+            continue
+        seeds = ", ".join(str(r["seed"]) for r in group)
+        vals = ", ".join(f"{r['val_ppl']:.1f}" for r in group)
+        ratios = [r["vs_serial"] for r in group if r.get("vs_serial")] if group[0]["config"]["peers"] else []
+        each = ", ".join(f"{(x - 1) * 100:+.1f}%" for x in ratios) or "-"
+        mean = f"{(sum(ratios) / len(ratios) - 1) * 100:+.1f}%" if ratios else "-"
+        lines.append(f"| {name} | {seeds} | {vals} | {each} | {mean} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def family(name: str) -> str:
+    """A configuration's name without its ``-seedN`` suffix."""
+    head, _, tail = name.rpartition("-seed")
+    return head if head and tail.isdigit() else name
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4f} ({(x - 1) * 100:+.2f}%)"
+
+    lines = [
+        "| config | peers | interval | codec | outer | val ppl | test ppl | MB up | wall s "
+        "| vs serial | vs fp32 sync |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        c = r["config"]
+        interval = str(c["sync_every"]) if c["peers"] else "-"
+        codec = c["codec"] if c["peers"] else "-"
+        outer = r.get("outer_label", c["outer"]) if c["peers"] else "-"
+        head = f"| {c['name']} | {c['peers'] or 1} | {interval} | {codec} | {outer} "
+        if "error" in r:
+            lines.append(head + f"| FAILED ({r['error']}) | | | {r['wall_seconds']:.0f} | | |")
+            continue
+        lines.append(
+            head + f"| {r['val_ppl']:.2f} | {r['test_ppl']:.2f} | {r['mb_up']:.1f} | {r['wall_seconds']:.0f} "
+            f"| {pct(r['vs_serial'])} | {pct(r['vs_fp32_sync'])} |"
+        )
+    return "\n".join(lines)
+
+
+# Panels of the picture: a title and the configurations it compares with the serial run.
+PANELS = [
+    ("sync interval (2 peers, fp32, avg)", ["p2-s10-fp32", "p2-s100-fp32", "p2-s200-fp32"]),
+    (
+        "wire codec (2 peers, every 100): the lines overlap",
+        ["p2-s100-fp32", "p2-s100-bf16", "p2-s100-int8", "p2-s100-int4"],
+    ),
+    (
+        "outer optimizer (2 peers, every 100 or 10)",
+        ["p2-s100-fp32", "p2-s100-diloco", "p2-s100-diloco-lr1-mom0", "p2-s10-fp32", "p2-s10-diloco"],
+    ),
+    ("peers (fp32, avg, every 100)", ["p2-s100-fp32", "p4-s100-fp32"]),
+    (
+        "seeds 1234 (black), 2 (red), 3 (green): serial vs 2 peers every 100",
+        ["p2-s100-fp32", "serial-seed2", "p2-s100-fp32-seed2", "serial-seed3", "p2-s100-fp32-seed3"],
+    ),
+]
+
+
+READING = (
+    "How to read: top, validation perplexity after each evaluation (every 20 steps and right after "
+    "every sync; mean over peers), log scale, steps 0-20 cut off. Bottom, the same in percent over "
+    "the serial run of the same seed (dashed: serial runs; another seed also holds out other "
+    "validation reviews, so only curves of one seed compare). Legends: final validation perplexity. "
+    "Peers hold identical weights right after a sync; the final evaluation follows the last sync."
+)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str, default_seed: int) -> None:
+    """Top row: validation perplexity vs step (log scale); bottom row: its ratio to the serial run
+    of the same seed (a serial run of another seed: to the grid's serial run, i.e. the noise)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_name = {r["config"]["name"]: r for r in rows if "error" not in r}
+    serial_of = {r["seed"]: mean_curve(r["curves"]) for r in by_name.values() if r["config"]["peers"] == 0}
+    serial = serial_of.get(default_seed, {})
+    panels = [(t, [n for n in names if n in by_name]) for t, names in PANELS]
+    panels = [(t, names) for t, names in panels if names]
+    shown = {n for _, names in panels for n in names} | {"serial"}
+    if rest := [n for n in by_name if n not in shown]:
+        panels.append(("other configurations", rest))
+    # Small multiples, 3 to a row; each panel is the curves (tall) above their ratio to serial.
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig = plt.figure(figsize=(5.4 * ncols, 6.0 * nrows + 0.6), dpi=100, layout="constrained")
+    grid = fig.add_gridspec(nrows, ncols, hspace=0.08, wspace=0.04)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    seed_colors = {default_seed: "black", 2: "tab:red", 3: "tab:green"}
+    for k, (panel_title, names) in enumerate(panels):
+        col = k % ncols
+        inner = grid[k // ncols, col].subgridspec(2, 1, height_ratios=[3, 2], hspace=0.0)
+        top = fig.add_subplot(inner[0])
+        bottom = fig.add_subplot(inner[1], sharex=top)
+        top.tick_params(labelbottom=False)
+        by_seed = len({by_name[n]["seed"] for n in names}) > 1  # the noise panel: colour = seed
+        finals = [by_name[n]["val_ppl"] for n in names]
+        if serial:
+            steps = sorted(serial)
+            label = f"serial ({serial[steps[-1]]:.0f})"
+            top.plot(steps, [serial[s] for s in steps], "k--", lw=1.5, label=label)
+            finals.append(serial[steps[-1]])
+        for i, name in enumerate(names):
+            r = by_name[name]
+            curve = mean_curve(r["curves"])
+            is_serial = r["config"]["peers"] == 0
+            color = seed_colors.get(r["seed"], colors[i % len(colors)]) if by_seed else colors[i % len(colors)]
+            style = "--" if is_serial else "-"
+            steps = sorted(curve)
+            label = f"{name} ({r['val_ppl']:.0f})"
+            top.plot(steps, [curve[s] for s in steps], style, color=color, lw=1.2, marker=".", ms=3, label=label)
+            ref = {} if is_serial else serial_of.get(r["seed"], {})  # serial: other validation reviews
+            shared = [s for s in steps if s in ref]
+            if shared:
+                ratios = [(curve[s] / ref[s] - 1) * 100 for s in shared]
+                bottom.plot(shared, ratios, style, color=color, lw=1.2, marker=".", ms=4)
+        top.set_yscale("log")
+        # Steps 0-20 (30,000 -> 3,000) would squeeze the part that differs into a sliver.
+        top.set_ylim(0.92 * min(finals), max(3.2 * min(finals), 1.15 * max(finals)))
+        top.set_title(panel_title, fontsize=10)
+        top.grid(alpha=0.3, which="both")
+        top.legend(fontsize=7.5, title="final val ppl", title_fontsize=7.5, loc="lower left", framealpha=0.85)
+        bottom.axhline(0, color="k", lw=0.8, ls="--")
+        bottom.grid(alpha=0.3)
+        bottom.set_xlabel("optimizer step (per peer)")
+        if col == 0:
+            top.set_ylabel("validation perplexity (log scale)")
+            bottom.set_ylabel("vs serial (same seed), %")
+    if len(panels) < nrows * ncols:  # the empty slot explains how to read the panels
+        note = fig.add_subplot(grid[nrows - 1, ncols - 1])
+        note.axis("off")
+        note.text(0, 0.95, textwrap.fill(READING, 52), va="top", fontsize=9, family="monospace")
+    fig.suptitle(textwrap.fill(title, width=int(60 * ncols)), fontsize=12)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def mean_curve(curves: dict[str, list[dict[str, Any]]]) -> dict[int, float]:
+    """Mean validation perplexity over peers at each evaluated step (the last evaluation of a step
+    wins: after a sync the merged weights are what the next steps start from)."""
+    per_step: dict[int, list[float]] = {}
+    for evals in curves.values():
+        at = {e["step"]: e["val_ppl"] for e in evals}
+        for step, ppl in at.items():
+            per_step.setdefault(step, []).append(ppl)
+    return {s: sum(v) / len(v) for s, v in per_step.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 small configurations, ~3 minutes: a smoke test")
+    parser.add_argument("--only", help="comma-separated configuration names (default: the whole grid)")
+    parser.add_argument("--out", type=Path, help="output folder (default: bench/results/quality-<date>[-quick])")
+    parser.add_argument("--reuse", action="store_true", help="keep configurations that already have results")
+    parser.add_argument("--png", type=Path, help="picture path (default: bench/quality.png; --quick: in --out)")
+    args = parser.parse_args()
+
+    grid, common = (QUICK, QUICK_COMMON) if args.quick else (FULL, FULL_COMMON)
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {c.name for c in grid}
+        if unknown:
+            parser.error(f"unknown configuration(s) {sorted(unknown)}; known: {[c.name for c in grid]}")
+        grid = [c for c in grid if c.name in wanted]
+    today = datetime.date.today().isoformat()
+    out = args.out or RESULTS / f"quality-{today}{'-quick' if args.quick else ''}"
+    png = args.png or (out / "quality.png" if args.quick else REPO / "bench" / "quality.png")
+    summary = RESULTS / ("quality-quick.json" if args.quick else "quality.json")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+    print(
+        f"{today}; {platform.machine()}, {cores} cores; {len(grid)} configurations in {out}; "
+        f"common: {json.dumps(common)}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    rows = []
+    done: dict[str, dict[str, Any]] = {}
+    for cfg in grid:
+        if cfg.name == SANITY and not args.only and not diloco_behind(done):
+            print(f"-- {cfg.name}: skipped (DiLoCo is within {SANITY_GAP:.1%} of fp32 averaging)", flush=True)
+            continue
+        row = done[cfg.name] = run_config(cfg, common, out / cfg.name, cores, args.reuse)
+        if "error" not in row:
+            print(
+                f"   val ppl {row['val_ppl']:.2f}, test ppl {row['test_ppl']:.2f}, {row['wall_seconds']:.0f} s",
+                flush=True,
+            )
+        rows.append(row)
+    total = time.perf_counter() - t0
+    add_ratios(rows, common["seed"])
+
+    md, seeds_md = table(rows), seed_table(rows)
+    print()
+    print(md)
+    if seeds_md:
+        print()
+        print(seeds_md)
+    configs_wall = sum(r["wall_seconds"] for r in rows)
+    print(
+        f"\nwall time: this invocation {total:.0f} s, "
+        f"all configurations {configs_wall:.0f} s ({configs_wall / 60:.1f} min)"
+    )
+    summary.parent.mkdir(parents=True, exist_ok=True)
+    summary.write_text(
+        json.dumps(
+            {
+                "date": today,
+                "command": " ".join(["python", "bench/quality.py", *sys.argv[1:]]),
+                "machine": f"{platform.machine()}, {cores} cores",
+                "common": common,
+                "invocation_wall_seconds": round(total, 1),
+                "configs_wall_seconds": round(configs_wall, 1),  # with --reuse: includes earlier runs
+                "rows": rows,
+                "table": md,
+                "seed_table": seeds_md,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    steps = common["max-steps"]
+    plot(
+        rows,
+        png,
+        f"{common['model-config']} GPT-2 from scratch on IMDB: {steps} steps of {common['batch-size']} blocks "
+        f"x 20 tokens, Adam {common['lr']:g}; validation perplexity vs the serial run",
+        common["seed"],
+    )
+    print(f"summary {summary}, picture {png}")
+    failed = [r["config"]["name"] for r in rows if "error" in r]
+    bad = [r["config"]["name"] for r in rows if r.get("weights_identical") is False or _spread(r) > 1e-6]
+    if bad:
+        print(f"peers' final weights differ in: {', '.join(bad)}")
+    return 1 if failed or bad else 0
+
+
+def diloco_behind(done: dict[str, dict[str, Any]]) -> bool:
+    """Whether DiLoCo (defaults) ended more than SANITY_GAP above fp32 averaging at the same interval
+    (or either run failed: then the check is worth its time too)."""
+    diloco, avg = done.get("p2-s100-diloco", {}), done.get("p2-s100-fp32", {})
+    if "val_ppl" not in diloco or "val_ppl" not in avg:
+        return True
+    return bool(diloco["val_ppl"] > avg["val_ppl"] * (1 + SANITY_GAP))
+
+
+def _spread(row: dict[str, Any]) -> float:
+    spread = row.get("val_ppl_spread", 0.0)
+    return spread if math.isfinite(spread) else math.inf
+
+
+if __name__ == "__main__":
+    sys.exit(main())
