@@ -27,7 +27,7 @@ from tests.conftest import Hub
 
 TOKEN = "schemathesis-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-EXAMPLES = 20  # per operation and phase: ~40 s on 2 cores
+EXAMPLES = 50  # per operation and phase: ~1500 requests, ~20 s on 2 cores
 
 
 def schemathesis_cli() -> list[str]:
@@ -66,7 +66,7 @@ def test_api_fuzz_no_server_error_and_schema_conformance(seeded_hub: Hub, tmp_pa
             "--seed",
             "20261122",
             "--workers",
-            "2",
+            "1",  # 2 threads trip CPython 3.11's non-thread-safe ast.parse inside hypothesis (SystemError)
             "--request-timeout",
             "20",
             "--generation-database",
