@@ -27,7 +27,7 @@ from tests.conftest import Hub
 
 TOKEN = "schemathesis-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-EXAMPLES = 50  # per operation and phase: ~1500 requests, ~20 s on 2 cores
+EXAMPLES = 50  # per operation and phase: ~1000 requests, ~25 s on 2 cores
 
 
 def schemathesis_cli() -> list[str]:
