@@ -21,7 +21,8 @@ install: $(VENV)/.installed
 quickstart: install
 	$(BIN)/python train/finetune_gpt2.py --local-peers 2 --model-config small \
 		--dataset $(DATA)/imdb --tokenizer $(DATA)/gpt2-tokenizer --output-dir $(OUT) \
-		--train-samples 4000 --val-samples 500 --test-samples 500 --epochs 1 --sync-every 25 --eval-every 25
+		--train-samples 300 --val-samples 16 --test-samples 50 --epochs 1 --batch-size 64 \
+		--lr 1e-3 --sync-every 10 --eval-every 5
 
 lint: install
 	$(BIN)/ruff check .

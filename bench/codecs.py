@@ -21,9 +21,7 @@ import numpy as np
 from syncwire import Codec, available_codecs, get_codec
 
 
-def gpt2_shapes(
-    layers: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024
-) -> dict[str, tuple[int, ...]]:
+def gpt2_shapes(layers: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024) -> dict[str, tuple[int, ...]]:
     """The parameter shapes of Hugging Face's ``gpt2`` (124,439,808 values)."""
     shapes: dict[str, tuple[int, ...]] = {"wte.weight": (vocab, d), "wpe.weight": (ctx, d)}
     for i in range(layers):
@@ -70,9 +68,7 @@ def bench(codec: Codec, model: dict[str, np.ndarray], repeat: int) -> dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--codecs", default=",".join(["fp32", "bf16", "int8", "int4"]), help="comma-separated specs"
-    )
+    parser.add_argument("--codecs", default=",".join(["fp32", "bf16", "int8", "int4"]), help="comma-separated specs")
     parser.add_argument("--repeat", type=int, default=3, help="runs per codec; the best one counts")
     parser.add_argument("--layers", type=int, default=12, help="transformer blocks (12 is GPT-2 small)")
     args = parser.parse_args()

@@ -11,6 +11,7 @@ or, with a Hugging Face ``Trainer``, one callback: ``SyncCallback``.
 
 from __future__ import annotations
 
+from syncclient.callbacks import SyncCallback
 from syncclient.client import JoinInfo, PendingSync, SyncClient, SyncResult
 from syncclient.exceptions import (
     AuthError,
@@ -33,6 +34,7 @@ __all__ = [
     "PendingSync",
     "RoundClosed",
     "SchemaMismatch",
+    "SyncCallback",
     "SyncClient",
     "SyncResult",
     "SyncError",

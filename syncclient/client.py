@@ -344,9 +344,7 @@ class SyncClient:
             config,
         )
 
-    def sync(
-        self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None
-    ) -> SyncResult:
+    def sync(self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None) -> SyncResult:
         """Send what ``model`` learned since the last sync; return with the merged version loaded.
 
         ``samples`` (examples seen since the last sync) weighs this peer in the average. Blocks
@@ -392,9 +390,7 @@ class SyncClient:
             try:
                 self._call("POST", f"{self._runs}/peers/{self.peer}/leave")
             except SyncError as exc:
-                log.warning(
-                    "run %s: leaving failed (%s); the hub will drop us when our lease expires", self.run, exc
-                )
+                log.warning("run %s: leaving failed (%s); the hub will drop us when our lease expires", self.run, exc)
         self.close()
 
     def close(self) -> None:
@@ -564,9 +560,7 @@ class SyncClient:
             )
         return result
 
-    def _encode(
-        self, local: dict[str, np.ndarray]
-    ) -> tuple[list[tuple[str, np.ndarray, str]], dict[str, float]]:
+    def _encode(self, local: dict[str, np.ndarray]) -> tuple[list[tuple[str, np.ndarray, str]], dict[str, float]]:
         """Delta (plus error-feedback residual), encoded; update the residual on the way."""
         assert self._base is not None and self.codec is not None
         codec, parts = self.codec, []
@@ -621,9 +615,7 @@ class SyncClient:
         """Make a downloaded full model the base and load it (local work is dropped)."""
         reader = download.reader
         if set(reader.tensors) != set(view.schema):
-            raise SchemaMismatch(
-                _schema_diff({k: v.shape for k, v in reader.tensors.items()}, view.schema, self.run)
-            )
+            raise SchemaMismatch(_schema_diff({k: v.shape for k, v in reader.tensors.items()}, view.schema, self.run))
         self._base = {name: reader.tensors[name] for name in view.schema}
         view.load(self._base)
         self._residual = None  # the residual belonged to work that was just dropped
@@ -687,14 +679,10 @@ class SyncClient:
                         headers={**headers, "Upload-Offset": str(offset)} if offset else headers,
                         **kwargs,
                     )
-                    if response.status_code in _RETRY_STATUS or (
-                        resume is not None and _is_offset_mismatch(response)
-                    ):
+                    if response.status_code in _RETRY_STATUS or (resume is not None and _is_offset_mismatch(response)):
                         raise _Retry(response)
         except _Retry as exc:
-            raise HubUnreachable(
-                f"{self.hub}{path}: still {exc} after {self.retry_seconds:.0f}s of retries"
-            ) from exc
+            raise HubUnreachable(f"{self.hub}{path}: still {exc} after {self.retry_seconds:.0f}s of retries") from exc
         except httpx.TransportError as exc:
             why = _tls_problem(exc) or f"after {self.retry_seconds:.0f}s of retries"
             raise HubUnreachable(f"{self.hub}{path}: {type(exc).__name__}: {exc} ({why})") from exc
@@ -711,9 +699,7 @@ class SyncClient:
         offset = response.headers.get("upload-offset", "")
         return int(offset) if response.is_success and offset.isdigit() else 0
 
-    def _download(
-        self, path: str, params: dict[str, Any], allow_gone: bool = False
-    ) -> _Download | str | None:
+    def _download(self, path: str, params: dict[str, Any], allow_gone: bool = False) -> _Download | str | None:
         """GET a safetensors body into arrays, resuming with Range after a cut.
 
         Returns None on 204 (long poll still open) and "gone" on 410 when ``allow_gone``.
@@ -726,9 +712,7 @@ class SyncClient:
             for attempt in self._retrying():
                 with attempt:
                     headers = (
-                        {"Range": f"bytes={reader.received}-", "If-Range": etag}
-                        if reader.received and etag
-                        else {}
+                        {"Range": f"bytes={reader.received}-", "If-Range": etag} if reader.received and etag else {}
                     )
                     with self._http.stream("GET", path, params=params, headers=headers) as r:
                         if r.status_code in _RETRY_STATUS:
@@ -764,9 +748,7 @@ class SyncClient:
                 bar.close()
         return _Download(reader, version)
 
-    def _progress(
-        self, chunks: Iterator[bytes | memoryview], total: int, what: str
-    ) -> Iterator[bytes | memoryview]:
+    def _progress(self, chunks: Iterator[bytes | memoryview], total: int, what: str) -> Iterator[bytes | memoryview]:
         if total < _PROGRESS_BYTES or not log.isEnabledFor(logging.INFO):
             yield from chunks
             return
@@ -779,9 +761,7 @@ class SyncClient:
         if self._heartbeat is not None:
             return
         self._stop.clear()
-        self._heartbeat = threading.Thread(
-            target=self._beat, name=f"weightsync-heartbeat-{self.peer}", daemon=True
-        )
+        self._heartbeat = threading.Thread(target=self._beat, name=f"weightsync-heartbeat-{self.peer}", daemon=True)
         self._heartbeat.start()
 
     def _beat(self) -> None:

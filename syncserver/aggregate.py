@@ -48,9 +48,7 @@ def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.
     return acc / np.float32(total)
 
 
-def diloco_step(
-    mean: np.ndarray, momentum: np.ndarray, *, lr: float, mu: float
-) -> tuple[np.ndarray, np.ndarray]:
+def diloco_step(mean: np.ndarray, momentum: np.ndarray, *, lr: float, mu: float) -> tuple[np.ndarray, np.ndarray]:
     """One Nesterov step on the pseudo-gradient ``-mean``: return ``(update, new momentum)``."""
     grad = -mean
     new_momentum = np.float32(mu) * momentum + grad

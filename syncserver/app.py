@@ -50,9 +50,7 @@ class RedactTokens(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(
-                self.PATTERN.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args
-            )
+            record.args = tuple(self.PATTERN.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args)
         if isinstance(record.msg, str):
             record.msg = self.PATTERN.sub(r"\1***", record.msg)
         return True
@@ -143,8 +141,7 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.rejected_upload(request, "invalid_request")
         errors = [
-            {"where": ".".join(str(p) for p in e.get("loc", ())), "problem": e.get("msg", "")}
-            for e in exc.errors()
+            {"where": ".".join(str(p) for p in e.get("loc", ())), "problem": e.get("msg", "")} for e in exc.errors()
         ]
         detail = "; ".join(f"{e['where']}: {e['problem']}" for e in errors)
         return JSONResponse({"error": "invalid_request", "detail": detail, "errors": errors}, status_code=422)

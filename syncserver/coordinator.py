@@ -181,9 +181,7 @@ class Coordinator:
         self.store.clear_tmp()
         for record in self.store.runs():
             config = RunConfig(**record.config)
-            run = Run(
-                record.name, config, get_codec(config.codec), record.version, record.schema, record.sealed
-            )
+            run = Run(record.name, config, get_codec(config.codec), record.version, record.schema, record.sealed)
             self.store.recover(run.name, run.version)
             for p in self.store.peers(run.name):
                 # every peer gets a fresh lease: they ride through the restart on retries
@@ -390,9 +388,7 @@ class Coordinator:
         except (OSError, sqlite3.Error) as exc:
             raise disk_error(exc) from exc
         run.schema, run.version, run.init_claim = schema, 0, None
-        log.info(
-            "version0 run=%s peer=%s tensors=%d bytes=%d", run.name, ticket.peer, len(schema), received.nbytes
-        )
+        log.info("version0 run=%s peer=%s tensors=%d bytes=%d", run.name, ticket.peer, len(schema), received.nbytes)
         self._maybe_seal(run)
         run.notify()
         return {"version": 0, "tensors": len(schema), "bytes": received.nbytes}
@@ -489,9 +485,7 @@ class Coordinator:
         run = self.run(ticket.run)
         try:
             if received.digest != ticket.digest:
-                raise BadRequest(
-                    f"body digest sha-256 {received.digest} does not match Content-Digest {ticket.digest}"
-                )
+                raise BadRequest(f"body digest sha-256 {received.digest} does not match Content-Digest {ticket.digest}")
             norm = await to_thread.run_sync(self._verify, run, received.path)
             repeat = self._acknowledged(run, ticket.round, ticket.peer, ticket.digest)
             if repeat is not None:
@@ -719,16 +713,10 @@ class Coordinator:
         version_at = {i.name: len(version_head) + i.start for i in version_infos}
         with contextlib.ExitStack() as files:
             current = files.enter_context(TensorFile(self.store.version_path(run.name, v)))
-            old_momentum = (
-                files.enter_context(TensorFile(momentum_path)) if diloco and momentum_path.exists() else None
-            )
+            old_momentum = files.enter_context(TensorFile(momentum_path)) if diloco and momentum_path.exists() else None
             result = files.enter_context(atomic_file(self.store.result_path(run.name, v)))
             version = files.enter_context(atomic_file(self.store.version_path(run.name, v + 1)))
-            mom = (
-                files.enter_context(atomic_file(self.store.momentum_path(run.name, v + 1)))
-                if diloco
-                else None
-            )
+            mom = files.enter_context(atomic_file(self.store.momentum_path(run.name, v + 1))) if diloco else None
             for f, head in ((result, result_head), (version, version_head), (mom, version_head)):
                 if f is not None:
                     f.write(head)
@@ -743,9 +731,7 @@ class Coordinator:
                         if old_momentum is not None
                         else (np.zeros(n, np.float32) if diloco else None)
                     )
-                    update, m_new = aggregate.outer_step(
-                        cfg.outer, mean, m_old, lr=cfg.outer_lr, mu=cfg.outer_momentum
-                    )
+                    update, m_new = aggregate.outer_step(cfg.outer, mean, m_old, lr=cfg.outer_lr, mu=cfg.outer_momentum)
                     encoded = codec.encode(update)
                     for suffix, (first, count) in parts.items():
                         part = np.ascontiguousarray(encoded[suffix]).reshape(-1)
@@ -760,9 +746,7 @@ class Coordinator:
         return len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
 
     # ---- results and models --------------------------------------------------------------
-    async def wait_result(
-        self, run_name: str, round_: int, peer_name: str | None, wait: float
-    ) -> Path | None:
+    async def wait_result(self, run_name: str, round_: int, peer_name: str | None, wait: float) -> Path | None:
         """Long poll for round ``round_``'s merged update; None if it is still open after ``wait``."""
         run = self.run(run_name)
         deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
@@ -772,9 +756,7 @@ class Coordinator:
             if round_ < run.version:
                 path = self.store.result_path(run.name, round_)
                 if not path.exists():
-                    raise Gone(
-                        f"round {round_}'s result was pruned; pull the model", current_version=run.version
-                    )
+                    raise Gone(f"round {round_}'s result was pruned; pull the model", current_version=run.version)
                 return path
             if round_ > run.version or run.version < 0:
                 raise Conflict(

@@ -260,17 +260,13 @@ async def put_update(
     hub: Hub,
     samples: Annotated[int, Header(alias="X-Sync-Samples", description="Samples since the last sync.")],
     digest: Annotated[str, Header(alias="Content-Digest", description="sha-256=:<base64>: of the body.")],
-    metrics: Annotated[
-        str | None, Header(alias="X-Sync-Metrics", description="JSON object of numbers.")
-    ] = None,
+    metrics: Annotated[str | None, Header(alias="X-Sync-Metrics", description="JSON object of numbers.")] = None,
     offset: Annotated[
         int, Header(alias="Upload-Offset", ge=0, description="Resume: the body starts at this byte.")
     ] = 0,
 ) -> dict[str, Any]:
     try:
-        ticket = await hub.update_ticket(
-            run, round, peer, parse_digest(digest), samples, parse_metrics(metrics)
-        )
+        ticket = await hub.update_ticket(run, round, peer, parse_digest(digest), samples, parse_metrics(metrics))
     except HubError:
         await _drain(request, hub.settings.max_body_bytes)
         raise

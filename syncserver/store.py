@@ -257,9 +257,7 @@ class Store:
         return [UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec) for p, r, s, d, n, m, b, t, sec in rows]
 
     def next_seq(self, run: str) -> int:
-        (seq,) = self._db.execute(
-            "SELECT COALESCE(MAX(seq), 0) + 1 FROM updates WHERE run = ?", (run,)
-        ).fetchone()
+        (seq,) = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM updates WHERE run = ?", (run,)).fetchone()
         return int(seq)
 
     def commit_round(self, run: str, record: RoundRecord) -> None:
@@ -300,10 +298,7 @@ class Store:
             "WHERE run = ? ORDER BY seq DESC LIMIT ?",
             (run, limit),
         ).fetchall()
-        return [
-            UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec)
-            for p, r, s, d, n, m, b, t, sec in reversed(rows)
-        ]
+        return [UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec) for p, r, s, d, n, m, b, t, sec in reversed(rows)]
 
     # ---- housekeeping --------------------------------------------------------------------
     def recover(self, run: str, version: int) -> None:

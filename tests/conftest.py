@@ -104,15 +104,11 @@ def hub_factory(tmp_path: Path) -> Iterator[Callable[..., Hub]]:
     """``hub_factory("--min-peers", "2", env={"SYNC_TOKEN": "t"})`` -> a started Hub."""
     hubs: list[Hub] = []
 
-    def make(
-        *args: str, env: dict[str, str] | None = None, data_dir: Path | None = None, start: bool = True
-    ) -> Hub:
+    def make(*args: str, env: dict[str, str] | None = None, data_dir: Path | None = None, start: bool = True) -> Hub:
         n = len(hubs)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
         full_env.update(env or {})
-        hub = Hub(
-            data_dir or tmp_path / f"hub{n}", free_port(), list(args), full_env, tmp_path / f"hub{n}.log"
-        )
+        hub = Hub(data_dir or tmp_path / f"hub{n}", free_port(), list(args), full_env, tmp_path / f"hub{n}.log")
         hubs.append(hub)
         return hub.start() if start else hub
 

@@ -67,9 +67,7 @@ def test_three_peers_hold_the_exact_weighted_mean(hub: Hub, codec: str) -> None:
 
     def peer(i: int) -> bool:
         model = tiny_gpt2(seed=100 + i)  # different inits: everyone must still start from version 0
-        client = SyncClient(
-            hub.url, run=f"e2e-{codec}", peer=f"peer-{i}", min_peers=n, codec=codec, retry_seconds=20
-        )
+        client = SyncClient(hub.url, run=f"e2e-{codec}", peer=f"peer-{i}", min_peers=n, codec=codec, retry_seconds=20)
         client.join(model)
         view = ModelView(model)
         for r in range(rounds):
@@ -152,9 +150,7 @@ def test_concurrent_joiners_elect_one_initialiser(hub: Hub) -> None:
         client = SyncClient(hub.url, run="race", peer=f"racer-{i}", min_peers=n)
         barrier.wait()
         info = client.join(model)
-        assert info.world_size == n and info.rank == sorted(f"racer-{j}" for j in range(n)).index(
-            f"racer-{i}"
-        )
+        assert info.world_size == n and info.rank == sorted(f"racer-{j}" for j in range(n)).index(f"racer-{i}")
         client.leave()
         return {k: v.copy() for k, v in ModelView(model).export().items()}
 

@@ -34,9 +34,7 @@ def wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyp
 def test_deadline_closes_with_survivors_and_the_late_peer_catches_up(hub_factory) -> None:
     hub = hub_factory("--round-timeout", "1", "--lease-seconds", "30")
     models = {name: tiny_gpt2(seed=i) for i, name in enumerate("abc")}
-    clients = {
-        name: SyncClient(hub.url, run="dl", peer=name, min_peers=2, retry_seconds=20) for name in "abc"
-    }
+    clients = {name: SyncClient(hub.url, run="dl", peer=name, min_peers=2, retry_seconds=20) for name in "abc"}
     joins = [threading.Thread(target=clients[n].join, args=(models[n],)) for n in "abc"]
     for t in joins:
         t.start()
@@ -106,8 +104,7 @@ def test_a_peer_joining_mid_training_starts_from_the_latest_version(hub: Hub) ->
         assert np.array_equal(value, ModelView(model_a).export()[name])
     # from the next round on it is waited for: a's sync does not close the round alone
     threads = [
-        threading.Thread(target=c.sync, args=(m,), kwargs={"samples": 1})
-        for c, m in ((a, model_a), (late, model_late))
+        threading.Thread(target=c.sync, args=(m,), kwargs={"samples": 1}) for c, m in ((a, model_a), (late, model_late))
     ]
     threads[0].start()
     wait_for(lambda: status(hub, "mid")["open_round"]["submitted"] == ["a"])
