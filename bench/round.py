@@ -3,6 +3,8 @@
     python bench/round.py                                        # N = 2 4 8, all codecs, GPT-2 124M
     python bench/round.py --peers 2 4 --codecs fp32 int8         # a subset
     python bench/round.py --model tiny --peers 2 --codecs fp32 int8   # seconds (the smoke test)
+    python bench/round.py --peers 8 --codecs int8 int4 --baselines limit gloo   # what fits 24 GiB at 8
+    python bench/round.py --peers 2 --codecs fp32 --profile --data-root /dev/shm # py-spy; hub off disk
 
 For each N and codec: a real hub process (``python -m syncserver serve`` on a free loopback
 port, its own temp data dir, ``--min-peers N``) and N peer processes driving the real
@@ -81,9 +83,23 @@ parser.add_argument(
     default=[2],
     help="N for which to run the origin's pickle hub (memory: ~3x652 MB per peer)",
 )
-parser.add_argument("--no-baselines", action="store_true", help="only the hub rounds")
+parser.add_argument(
+    "--baselines",
+    nargs="*",
+    choices=["limit", "gloo", "origin"],
+    default=["limit", "gloo", "origin"],
+    help="which baselines to run beside the hub (origin: only for N in --pickle-peers)",
+)
+parser.add_argument("--no-baselines", action="store_true", help="only the hub rounds (same as --baselines)")
 parser.add_argument("--out", type=Path, default=BENCH / "results", help="folder for the JSON")
 parser.add_argument("--hub-log", type=Path, default=None, help="append the hubs' logs here")
+parser.add_argument(
+    "--data-root",
+    type=Path,
+    default=None,
+    help="where the hubs' data dirs go (default: the system temp dir, on disk); /dev/shm shows the "
+    "hub without the disk's cost (a diagnostic: tmpfs is not durable)",
+)
 parser.add_argument(
     "--profile",
     action="store_true",
@@ -470,6 +486,30 @@ def version_digest(data_dir: Path, run: str) -> tuple[int, str]:
     return int(path.stem), h.hexdigest()
 
 
+def git_state() -> str:
+    """The commit measured, and whether the working tree differed from it (other engineers
+    edit the same tree: a dirty tree means the numbers are for HEAD plus those edits)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+        )
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def peer_memory(codec: str, model_bytes: int) -> float:
+    """A peer's peak during a round: the model, the SDK's base copy, the error-feedback residual
+    (lossy codecs), the encoded update it sends and the result it downloads (the codec's share
+    of the model each), and ~0.4 GB of torch. (The baselines need less: see each command.)"""
+    from syncwire import get_codec, layout_bytes, wire_layout
+
+    c = get_codec(codec)
+    share = layout_bytes(wire_layout(c, {"x": (1 << 20,)})) / (4 << 20)
+    return model_bytes * (2 + (0 if c.lossless else 1) + 2 * share) + 400e6
+
+
 def mem_available() -> float:
     """MemAvailable from /proc/meminfo, in bytes.
 
@@ -768,6 +808,7 @@ def markdown(rows: list[dict[str, Any]], base: dict[int, dict[str, Any]], target
 
 def main() -> None:
     args = parser.parse_args()
+    baselines = set() if args.no_baselines else set(args.baselines)
     started = datetime.datetime.now(datetime.timezone.utc)
     schema = model_schema(args.model)
     model_bytes = sum(math.prod(s) * 4 for s in schema.values())
@@ -775,7 +816,7 @@ def main() -> None:
         f"model {args.model}: {len(schema)} tensors, {model_bytes / 1e6:.1f} MB fp32; load {os.getloadavg()[0]:.2f}",
         flush=True,
     )
-    work = Path(tempfile.mkdtemp(prefix="bench-round-"))
+    work = Path(tempfile.mkdtemp(prefix="bench-round-", dir=args.data_root))
     hub_log = args.hub_log or work / "hub.log"
     rows: list[dict[str, Any]] = []
     base: dict[int, dict[str, Any]] = {}
@@ -783,7 +824,7 @@ def main() -> None:
     skipped: dict[int, str] = {}
     try:
         for n in args.peers:
-            need = n * (4 * model_bytes + 400e6) + 3 * model_bytes  # see mem_available()
+            need = n * max(peer_memory(c, model_bytes) for c in args.codecs) + 2 * model_bytes
             available = mem_available()
             if need > available:
                 print(f"N={n}: skipped, needs ~{need / 1e9:.1f} GB, {available / 1e9:.1f} GB available", flush=True)
@@ -796,7 +837,7 @@ def main() -> None:
                     if profile is not None:
                         args.out.mkdir(parents=True, exist_ok=True)
                     row = run_hub_rounds(peers, n, codec, args.rounds, model_bytes, work, hub_log, profile)
-                    if not args.no_baselines:
+                    if "limit" in baselines:
                         row.update(run_limit(peers, n, codec, row["bytes_down"], args.rounds, work))
                         if row["limit_bytes_up"] != row["bytes_up"]:
                             raise AssertionError("the limit did not move the same bytes as the round")
@@ -806,12 +847,12 @@ def main() -> None:
                         f"hub RSS {gb(row['hub_peak_rss'])} GB",
                         flush=True,
                     )
-                if not args.no_baselines:
+                if "gloo" in baselines:
                     base[n] = run_gloo(peers, n, args.gloo_reps)
                     print(f"N={n} gloo {base[n]['gloo_s']:.2f}s", flush=True)
-                    if n in args.pickle_peers:
-                        base[n].update(run_origin(peers, n, args.rounds, work))
-                        print(f"N={n} origin {base[n]['origin_s']:.2f}s", flush=True)
+                if "origin" in baselines and n in args.pickle_peers:
+                    base.setdefault(n, {}).update(run_origin(peers, n, args.rounds, work))
+                    print(f"N={n} origin {base[n]['origin_s']:.2f}s", flush=True)
                 peer_rss[n] = max(s["peak_rss"] for s in peers.all("stats"))
             finally:
                 peers.close()
@@ -832,6 +873,7 @@ def main() -> None:
             "python": platform.python_version(),
             "load_at_end": os.getloadavg(),
         },
+        "code": git_state(),
         "model": {"kind": args.model, "tensors": len(schema), "fp32_bytes": model_bytes},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "rows": rows,
