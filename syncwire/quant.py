@@ -105,9 +105,7 @@ class _Absmax(Codec):
         scale_out[:] = scale
         divisor = np.where(scale > 0, scale, np.float32(1))  # an all-zero block quantizes to 0
         full = n // block * block
-        np.divide(
-            seg[:full].reshape(-1, block), divisor[: full // block, None], out=a[:full].reshape(-1, block)
-        )
+        np.divide(seg[:full].reshape(-1, block), divisor[: full // block, None], out=a[:full].reshape(-1, block))
         if full < n:
             np.divide(seg[full:], divisor[-1], out=a[full:])
         np.rint(a, out=a)
@@ -119,9 +117,7 @@ class _Absmax(Codec):
         n, block = q.size, self.block
         full = n // block * block
         with np.errstate(over="ignore"):
-            np.multiply(
-                q[:full].reshape(-1, block), scale[: full // block, None], out=out[:full].reshape(-1, block)
-            )
+            np.multiply(q[:full].reshape(-1, block), scale[: full // block, None], out=out[:full].reshape(-1, block))
             if full < n:
                 np.multiply(q[full:], scale[-1], out=out[full:])
         if scale.size and float(np.abs(scale).max()) > _F32_MAX / self.qlimit:
