@@ -25,6 +25,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 CONFIG_FIELDS = ("codec", "outer", "outer_lr", "outer_momentum", "min_peers", "round_timeout", "norm_guard")
 MAX_SAMPLES = 2**53  # an update's weight: exact as a float, and it fits sqlite's INTEGER
 HEADER_SLACK = 64 * 1024  # bytes an update's safetensors header may exceed twice the run's own
+SLICE_THREADS = min(4, os.cpu_count() or 1)  # threads that fold and merge (see _each_slice)
 DOWNLOADS_KEPT = 64  # rounds whose result download spans are remembered (the dashboard's timeline)
 
 
@@ -603,16 +605,19 @@ class Coordinator:
         assert run.schema is not None
         if run.acc is None:
             run.acc = {name: np.zeros(shape, np.float32) for name, shape in run.schema.items()}
-        codec = run.codec
+        codec, acc = run.codec, run.acc
         with TensorFile(self.store.update_path(run.name, update.round, update.peer)) as wire:
-            for name, shape in run.schema.items():
-                acc = run.acc[name].reshape(-1)
-                for start, stop, parts in slices(codec, shape):
-                    encoded = {
-                        suffix: wire.read(_wire_name(name, suffix), first, first + count)
-                        for suffix, (first, count) in parts.items()
-                    }
-                    aggregate.fold(acc[start:stop], codec.decode(encoded, (stop - start,)), update.samples)
+
+            def fold(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
+                encoded = {
+                    suffix: wire.read(_wire_name(name, suffix), first, first + count)
+                    for suffix, (first, count) in parts.items()
+                }
+                aggregate.fold(
+                    acc[name].reshape(-1)[start:stop], codec.decode(encoded, (stop - start,)), update.samples
+                )
+
+            _each_slice(codec, run.schema, fold)
 
     def _maybe_close(self, run: Run) -> None:
         if run.closing or not run.acked:
@@ -721,28 +726,30 @@ class Coordinator:
                 if f is not None:
                     f.write(head)
                     f.flush()  # the slices go straight to the file descriptor, at their offsets
-            for name, shape in schema.items():
-                acc = run.acc[name].reshape(-1)
-                for start, stop, parts in slices(codec, shape):
-                    n = stop - start
-                    mean = acc[start:stop] / total
-                    m_old = (
-                        old_momentum.read(name, start, stop)
-                        if old_momentum is not None
-                        else (np.zeros(n, np.float32) if diloco else None)
-                    )
-                    update, m_new = aggregate.outer_step(cfg.outer, mean, m_old, lr=cfg.outer_lr, mu=cfg.outer_momentum)
-                    encoded = codec.encode(update)
-                    for suffix, (first, count) in parts.items():
-                        part = np.ascontiguousarray(encoded[suffix]).reshape(-1)
-                        if part.size != count:
-                            raise FormatError(f"codec {codec.spec}: a slice's part {suffix!r} has {part.size} values")
-                        _write_at(result, part, result_at[_wire_name(name, suffix)] + first * part.itemsize)
-                    new = current.read(name, start, stop)
-                    np.add(new, codec.decode(encoded, (n,)), out=new)
-                    _write_at(version, new, version_at[name] + start * 4)
-                    if mom is not None and m_new is not None:
-                        _write_at(mom, np.ascontiguousarray(m_new, np.float32), version_at[name] + start * 4)
+            acc = run.acc
+
+            def merge(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
+                n = stop - start
+                mean = acc[name].reshape(-1)[start:stop] / total
+                m_old = (
+                    old_momentum.read(name, start, stop)
+                    if old_momentum is not None
+                    else (np.zeros(n, np.float32) if diloco else None)
+                )
+                update, m_new = aggregate.outer_step(cfg.outer, mean, m_old, lr=cfg.outer_lr, mu=cfg.outer_momentum)
+                encoded = codec.encode(update)
+                for suffix, (first, count) in parts.items():
+                    part = np.ascontiguousarray(encoded[suffix]).reshape(-1)
+                    if part.size != count:
+                        raise FormatError(f"codec {codec.spec}: a slice's part {suffix!r} has {part.size} values")
+                    _write_at(result, part, result_at[_wire_name(name, suffix)] + first * part.itemsize)
+                new = current.read(name, start, stop)
+                np.add(new, codec.decode(encoded, (n,)), out=new)
+                _write_at(version, new, version_at[name] + start * 4)
+                if mom is not None and m_new is not None:
+                    _write_at(mom, np.ascontiguousarray(m_new, np.float32), version_at[name] + start * 4)
+
+            _each_slice(codec, schema, merge)
         return len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
 
     # ---- results and models --------------------------------------------------------------
@@ -853,6 +860,27 @@ class Coordinator:
             }
             for r in self.runs.values()
         ]
+
+
+def _each_slice(
+    codec: Codec, schema: dict[str, tuple[int, ...]], work: Callable[[str, int, int, dict[str, tuple[int, int]]], None]
+) -> None:
+    """Run ``work(name, start, stop, parts)`` for every slice of every tensor, on every core.
+
+    Closing a round is the one time the peers all wait on the hub, and a single thread left the
+    other cores idle. Slices are independent (each reads and writes only its own values and file
+    offsets) and numpy, ``pread`` and ``pwrite`` release the GIL, so the threads give the same
+    bytes as one thread, in any order.
+    """
+    jobs = [(name, *piece) for name, shape in schema.items() for piece in slices(codec, shape)]
+    workers = min(SLICE_THREADS, len(jobs))
+    if workers <= 1:
+        for job in jobs:
+            work(*job)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="syncserver-slices") as pool:
+        for _ in pool.map(lambda job: work(*job), jobs):  # re-raises the first failure
+            pass
 
 
 def _wire_name(name: str, suffix: str) -> str:
