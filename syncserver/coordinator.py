@@ -25,7 +25,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -176,6 +176,9 @@ class Coordinator:
         self.on_round: list[Callable[[Run, RoundRecord], None]] = []
         self.on_update: list[Callable[[Run, UpdateRecord], None]] = []
         self.on_download: list[Callable[[Run, int, str, float], None]] = []
+        # the same few threads fold and merge every round: fresh threads each round would each
+        # get a fresh malloc arena, and the hub's memory crept up round after round
+        self._slice_pool = ThreadPoolExecutor(SLICE_THREADS, thread_name_prefix="syncserver-slices")
 
     # ---- life ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -207,6 +210,7 @@ class Coordinator:
         for task in list(self._tasks):
             with contextlib.suppress(Exception):
                 await task
+        self._slice_pool.shutdown()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -617,7 +621,7 @@ class Coordinator:
                     acc[name].reshape(-1)[start:stop], codec.decode(encoded, (stop - start,)), update.samples
                 )
 
-            _each_slice(codec, run.schema, fold)
+            _each_slice(self._slice_pool, codec, run.schema, fold)
 
     def _maybe_close(self, run: Run) -> None:
         if run.closing or not run.acked:
@@ -749,7 +753,7 @@ class Coordinator:
                 if mom is not None and m_new is not None:
                     _write_at(mom, np.ascontiguousarray(m_new, np.float32), version_at[name] + start * 4)
 
-            _each_slice(codec, schema, merge)
+            _each_slice(self._slice_pool, codec, schema, merge)
         return len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
 
     # ---- results and models --------------------------------------------------------------
@@ -863,9 +867,12 @@ class Coordinator:
 
 
 def _each_slice(
-    codec: Codec, schema: dict[str, tuple[int, ...]], work: Callable[[str, int, int, dict[str, tuple[int, int]]], None]
+    pool: ThreadPoolExecutor,
+    codec: Codec,
+    schema: dict[str, tuple[int, ...]],
+    work: Callable[[str, int, int, dict[str, tuple[int, int]]], None],
 ) -> None:
-    """Run ``work(name, start, stop, parts)`` for every slice of every tensor, on every core.
+    """Run ``work(name, start, stop, parts)`` for every slice of every tensor, on ``pool``.
 
     Closing a round is the one time the peers all wait on the hub, and a single thread left the
     other cores idle. Slices are independent (each reads and writes only its own values and file
@@ -873,14 +880,18 @@ def _each_slice(
     bytes as one thread, in any order.
     """
     jobs = [(name, *piece) for name, shape in schema.items() for piece in slices(codec, shape)]
-    workers = min(SLICE_THREADS, len(jobs))
-    if workers <= 1:
+    if SLICE_THREADS == 1 or len(jobs) == 1:
         for job in jobs:
             work(*job)
         return
-    with ThreadPoolExecutor(workers, thread_name_prefix="syncserver-slices") as pool:
-        for _ in pool.map(lambda job: work(*job), jobs):  # re-raises the first failure
-            pass
+    futures = [pool.submit(work, *job) for job in jobs]
+    try:
+        for future in futures:
+            future.result()  # re-raises the first failure
+    finally:
+        for future in futures:
+            future.cancel()  # after a failure: the rest is moot (a cancelled round starts over)
+        wait(futures)  # nothing may still write to the files the caller is about to discard
 
 
 def _wire_name(name: str, suffix: str) -> str:
