@@ -58,3 +58,22 @@ def test_round_benchmark_runs_and_writes_every_row(tmp_path: Path) -> None:
     assert any(t.startswith("fp32, 2 peers: origin") for t in targets)
     assert "| 2 | fp32 |" in result["table"] and "| 2 | int8 |" in result["table"]
     assert result["table"] in proc.stdout
+
+
+def test_pagecache_benchmark_times_every_mode(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "pagecache.py"), "--dir", str(tmp_path), "--mb", "8", "--reps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [
+        line.split("|")[1:-1]
+        for line in proc.stdout.splitlines()
+        if line.startswith("| yes") or line.startswith("| no")
+    ]
+    assert {(w.strip(), f.strip()) for w, f, *_ in rows} == {("no", "no"), ("yes", "no"), ("no", "yes"), ("yes", "yes")}
+    assert all(float(r[4]) > 0 for r in rows), "every mode wrote at a positive rate"
+    assert list(tmp_path.iterdir()) == [], "the test file is removed"
