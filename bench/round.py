@@ -472,10 +472,16 @@ class Server:
                 self.proc.wait()
 
 
-def version_digest(data_dir: Path, run: str) -> tuple[int, str]:
-    """The hub's latest version file: its number and the sha-256 of its data section."""
+def version_digest(url: str, data_dir: Path, run: str) -> tuple[int, str]:
+    """The hub's latest version file: its number and the sha-256 of its data section.
+
+    The hub writes a version's file after the round commits (peers get the result first), and
+    answers a model request once it is written: a one-byte request waits for it."""
     import struct
 
+    import httpx
+
+    httpx.get(f"{url}/v1/runs/{run}/model", headers={"Range": "bytes=0-0"}, timeout=120).raise_for_status()
     path = max((data_dir / "runs" / run / "versions").glob("*.safetensors"))
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -606,7 +612,7 @@ def run_hub_rounds(
             with hub.watch(rss):
                 go = _now() + 0.5
                 results = peers.all("sync", go=go)
-            version, hub_digest = version_digest(data_dir, run)
+            version, hub_digest = version_digest(hub.url, data_dir, run)
             digests = {res["digest"] for res in results}
             if digests != {hub_digest} or {res["version"] for res in results} != {version}:
                 raise AssertionError(f"round {r}: peers and hub disagree: {digests} vs {hub_digest} (v{version})")

@@ -8,11 +8,15 @@ A run's life::
 
     created ──(first peer initialises)──> version 0 ──(min_peers joined)──> sealed: ranks fixed
     round v: open ──(first update)──> collecting ──(all live peers in, or deadline with
-             ≥ min_peers)──> closing ──(files written, sqlite commit)──> version v+1 = round v+1 open
+             ≥ min_peers)──> closing ──(result fsynced, sqlite commit)──> version v+1 = round v+1 open
+                                        └──(then, in the background)──> version v+1's file written
 
 An update is acknowledged once its file is complete, verified, fsynced and recorded in
 sqlite; it is then folded into the round's float32 accumulator in acknowledgement order
-(so a hub restarted after a crash rebuilds the very same sums from the files).
+(so a hub restarted after a crash rebuilds the very same sums from the files). A round
+commits once its result (the encoded merged update) is durable; the file of version v+1 is
+written after that, since it is ``version v + decode(result)``: a restarted hub rebuilds
+what a crash left unwritten, and pulls wait for it.
 """
 
 from __future__ import annotations
@@ -136,6 +140,9 @@ class Run:
     rejected: set[str] = field(default_factory=set)
     # round -> peer -> (wall time its result download began, ended); in memory, bounded
     downloads: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    # writes the file of ``version`` (= version - 1 + decode(result of round version - 1)) after
+    # the round that made it committed; pulls and the next such write wait for it
+    writing: asyncio.Task[None] | None = None
 
     def notify(self) -> None:
         """Wake every waiter of this run (they re-check what they wait for)."""
@@ -199,6 +206,8 @@ class Coordinator:
                     run.deadline = time.monotonic() + config.round_timeout
             run.live_set = self._live(run)
             self.runs[run.name] = run
+            if run.version > 0 and not self.store.version_path(run.name, run.version).exists():
+                self._write_versions(run)  # killed between a commit and its version's rename
             log.info("run_recovered run=%s version=%d pending=%d", run.name, run.version, len(run.acked))
         self._ticker = asyncio.create_task(self._tick_forever())
 
@@ -692,21 +701,22 @@ class Coordinator:
             record.timings["merge"],
             record.closed - record.opened,
         )
-        with contextlib.suppress(OSError):
-            self.store.prune(run.name, run.version, self.settings.keep_versions)
+        self._write_versions(run)
         for observer in self.on_round:
             observer(run, record)
         run.notify()
 
     def _merge(self, run: Run) -> int:
-        """Write round v's result, version v+1 and its momentum, a slice at a time (worker thread).
+        """Write round v's result and DiLoCo momentum, a slice at a time (worker thread).
 
-        The result is the encoded global update ``U``; version v+1 is ``version v + decode(U)``,
-        exactly what every peer computes from the same bytes, so all hold identical weights.
-        Slices (:func:`syncwire.codecs.slices`) keep the temporaries to a few MB; the current
-        version and the momentum are read with ``pread`` (no mapping that would count in the
-        RSS); the kernel starts writing each slice back to disk as soon as it is written, so
-        the fsyncs before the commit wait for little more than the last slices.
+        The result is the encoded global update ``U``. Version v+1 (``version v + decode(U)``,
+        exactly what every peer computes from the same bytes) is not written here but after
+        the commit (:meth:`_write_versions`): it can always be rebuilt from version v and the
+        durable result, so its 4 bytes per parameter stay off the time every peer waits.
+        Slices (:func:`syncwire.codecs.slices`) keep the temporaries to a few MB; the momentum
+        is read with ``pread`` (no mapping that would count in the RSS); the kernel starts
+        writing each slice back to disk as soon as it is written, so the fsyncs before the
+        commit wait for little more than the last slices.
         """
         assert run.schema is not None and run.acc is not None
         v, cfg, codec, schema = run.version, run.config, run.codec, run.schema
@@ -717,16 +727,14 @@ class Coordinator:
         result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
         result_head, result_infos = encode_header(result_layout, meta)
-        version_head, version_infos = encode_header(fp32, {"version": str(v + 1)})
+        momentum_head, momentum_infos = encode_header(fp32, {"version": str(v + 1)})
         result_at = {i.name: len(result_head) + i.start for i in result_infos}
-        version_at = {i.name: len(version_head) + i.start for i in version_infos}
+        momentum_at = {i.name: len(momentum_head) + i.start for i in momentum_infos}
         with contextlib.ExitStack() as files:
-            current = files.enter_context(TensorFile(self.store.version_path(run.name, v)))
             old_momentum = files.enter_context(TensorFile(momentum_path)) if diloco and momentum_path.exists() else None
             result = files.enter_context(atomic_file(self.store.result_path(run.name, v)))
-            version = files.enter_context(atomic_file(self.store.version_path(run.name, v + 1)))
             mom = files.enter_context(atomic_file(self.store.momentum_path(run.name, v + 1))) if diloco else None
-            for f, head in ((result, result_head), (version, version_head), (mom, version_head)):
+            for f, head in ((result, result_head), (mom, momentum_head)):
                 if f is not None:
                     f.write(head)
                     f.flush()  # the slices go straight to the file descriptor, at their offsets
@@ -747,14 +755,81 @@ class Coordinator:
                     if part.size != count:
                         raise FormatError(f"codec {codec.spec}: a slice's part {suffix!r} has {part.size} values")
                     _write_at(result, part, result_at[_wire_name(name, suffix)] + first * part.itemsize)
-                new = current.read(name, start, stop)
-                np.add(new, codec.decode(encoded, (n,)), out=new)
-                _write_at(version, new, version_at[name] + start * 4)
                 if mom is not None and m_new is not None:
-                    _write_at(mom, np.ascontiguousarray(m_new, np.float32), version_at[name] + start * 4)
+                    _write_at(mom, np.ascontiguousarray(m_new, np.float32), momentum_at[name] + start * 4)
 
             _each_slice(self._slice_pool, codec, schema, merge)
         return len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
+
+    def _write_versions(self, run: Run) -> None:
+        """Start writing the files of the committed versions that have none (after a commit,
+        or at start after a crash between a commit and its version's rename), then prune."""
+        if run.writing is None or run.writing.done():
+            run.writing = asyncio.create_task(self._versions_task(run))
+            self._tasks.add(run.writing)
+            run.writing.add_done_callback(self._versions_done)
+
+    async def _versions_task(self, run: Run) -> None:
+        while True:
+            target = run.version
+            await to_thread.run_sync(self._build_versions, run, target)
+            with contextlib.suppress(OSError):
+                self.store.prune(run.name, target, self.settings.keep_versions)
+            if run.version == target:  # else rounds closed meanwhile
+                return
+
+    def _versions_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # the results are durable, so nothing is lost: the next pull or commit retries
+            log.error("version_write_failed: %r (will retry)", task.exception())
+
+    async def version_file(self, run: Run) -> tuple[int, Path]:
+        """The run's current version and its file, once that file is written."""
+        while True:
+            version = run.version
+            path = self.store.version_path(run.name, version)
+            if path.exists():
+                return version, path
+            self._write_versions(run)
+            assert run.writing is not None
+            try:
+                await asyncio.shield(run.writing)
+            except OSError as exc:
+                raise disk_error(exc) from exc
+
+    def _build_versions(self, run: Run, target: int) -> None:
+        """Write every missing version file up to ``target`` from the last one on disk and the
+        rounds' results (worker thread): ``version j+1 = version j + decode(result j)``."""
+        assert run.schema is not None
+        first = target
+        while first > 0 and not self.store.version_path(run.name, first).exists():
+            first -= 1
+        for v in range(first, target):
+            self._next_version(run, v)
+
+    def _next_version(self, run: Run, v: int) -> None:
+        assert run.schema is not None
+        codec, schema = run.codec, run.schema
+        head, infos = encode_header([(name, "F32", shape) for name, shape in schema.items()], {"version": str(v + 1)})
+        at = {i.name: len(head) + i.start for i in infos}
+        with contextlib.ExitStack() as files:
+            current = files.enter_context(TensorFile(self.store.version_path(run.name, v)))
+            result = files.enter_context(TensorFile(self.store.result_path(run.name, v)))
+            version = files.enter_context(atomic_file(self.store.version_path(run.name, v + 1)))
+            version.write(head)
+            version.flush()  # the slices go straight to the file descriptor, at their offsets
+
+            def add(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
+                encoded = {
+                    suffix: result.read(_wire_name(name, suffix), first, first + count)
+                    for suffix, (first, count) in parts.items()
+                }
+                new = current.read(name, start, stop)
+                np.add(new, codec.decode(encoded, (stop - start,)), out=new)
+                _write_at(version, new, at[name] + start * 4)
+
+            _each_slice(self._slice_pool, codec, schema, add)
 
     # ---- results and models --------------------------------------------------------------
     async def wait_result(self, run_name: str, round_: int, peer_name: str | None, wait: float) -> Path | None:
@@ -780,11 +855,11 @@ class Coordinator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.changed.wait(), remaining)
 
-    def model(self, run_name: str) -> tuple[int, Path]:
+    async def model(self, run_name: str) -> tuple[int, Path]:
         run = self.run(run_name)
         if run.version < 0:
             raise Conflict(f"run {run_name!r} has no version 0 yet", current_version=-1)
-        return run.version, self.store.version_path(run.name, run.version)
+        return await self.version_file(run)
 
     def count_download(self, run_name: str, peer_name: str | None, nbytes: int) -> None:
         run = self.runs.get(run_name)

@@ -368,7 +368,7 @@ async def get_result(
 async def get_model(
     run: RunName, hub: Hub, request: Request, peer: Annotated[str | None, Query(pattern=NAME)] = None
 ) -> Response:
-    version, path = hub.model(run)
+    version, path = await hub.model(run)
     hub.count_download(run, peer, _served_bytes(request, path.stat().st_size))
     return _BigFileResponse(
         path,

@@ -55,6 +55,9 @@ def weighted_mean64(deltas: list[dict[str, np.ndarray]], samples: list[int]) -> 
 
 
 def version_file(hub: Hub, run: str, version: int) -> dict[str, np.ndarray]:
+    """Version ``version`` as the hub stored it. The hub writes a version's file after the round
+    commits and serves the model once it is written, so a one-byte request waits for it."""
+    httpx.get(f"{hub.url}/v1/runs/{run}/model", headers={"Range": "bytes=0-0"}, timeout=60).raise_for_status()
     return safetensors.numpy.load_file(str(hub.data_dir / "runs" / run / "versions" / f"{version:08d}.safetensors"))
 
 

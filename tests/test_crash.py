@@ -15,6 +15,7 @@ while within each run every peer and the hub hold bit-identical weights.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -83,8 +84,8 @@ def test_hub_killed_after_two_of_three_submitted(hub_factory: Callable[..., Hub]
 
 # ---- SIGKILL at random points of a multi-round run ------------------------------------------
 
-ROUNDS = 4
-PHASES = ["upload", "merge", "download", "anywhere"]
+ROUNDS = 5
+PHASES = ["upload", "merge", "version", "download", "anywhere"]
 
 
 def mlp() -> torch.nn.Module:
@@ -101,15 +102,23 @@ def multi_round(hub: Hub, plan: list[str] | None, rng: random.Random) -> tuple[P
         peers = Peers(proxy.url, "multi", list(SAMPLES), model=mlp, min_peers=3, retry_seconds=120, timeout=20)
         peers.join()
 
+        # round r starts only once the test is watching for its phase: rounds of 16 MB take a
+        # fraction of a second, and free-running peers would finish before the plan does
+        gates = [threading.Event() for _ in range(ROUNDS)]
+
         def train(p: str) -> None:
-            for _ in range(ROUNDS):
+            for gate in gates:
+                assert gate.wait(120), "the test never opened this round"
                 peers.sync(p, samples=SAMPLES[p], seed=SEEDS[p])
 
         for p in SAMPLES:
             peers.start(p, lambda p=p: train(p))
+        if plan is None:
+            for gate in gates:
+                gate.set()
         for round_, phase in enumerate(plan or []):
             wait_until(lambda r=round_: (open_round(hub, "multi") or {}).get("version", -1) >= r, 60, f"round {round_}")
-            hit.append(kill_during(hub, proxy, round_, phase, rng))
+            hit.append(kill_during(hub, proxy, round_, phase, rng, go=gates[round_].set))
             proxy.throttle(None)
             hub.start()
         peers.wait(180)
@@ -117,25 +126,38 @@ def multi_round(hub: Hub, plan: list[str] | None, rng: random.Random) -> tuple[P
     return peers, hit
 
 
-def kill_during(hub: Hub, proxy: FaultProxy, round_: int, phase: str, rng: random.Random) -> str:
-    """SIGKILL the hub during ``phase`` of round ``round_``; say what was going on at that moment."""
+def kill_during(
+    hub: Hub, proxy: FaultProxy, round_: int, phase: str, rng: random.Random, go: Callable[[], None]
+) -> str:
+    """SIGKILL the hub during ``phase`` of round ``round_`` (``go`` lets its peers start it, once
+    the watch is armed); say what was going on at that moment."""
     versions = hub.data_dir / "runs" / "multi" / "versions"
-    if phase == "upload":  # the updates crawl through the proxy: kill while they stream
-        proxy.throttle(4_000_000, match="/updates/")
+    rounds = hub.data_dir / "runs" / "multi" / "rounds"
+    if phase in ("upload", "download"):  # the bytes crawl through the proxy: kill while they stream
+        proxy.throttle(4_000_000, match="/updates/" if phase == "upload" else f"/rounds/{round_}/result")
+    go()
+    if phase == "upload":
         wait_until(lambda: bool((open_round(hub, "multi") or {}).get("uploading")), 30, "an upload")
         time.sleep(rng.uniform(0.0, 1.0))
         what = f"upload ({sorted(open_round(hub, 'multi')['uploading'])} streaming)"
-    elif phase == "merge":  # version v+1 is being written: its tmp file is there
-        wait_until(lambda: any(n.endswith(".tmp") for n in _listdir(versions)), 60, "a merge", interval=0.0005)
-        what = "merge (version file half-written)"
+    elif phase == "merge":  # round v's result is being written, before the commit
+        wait_until(
+            lambda: any(n.startswith(".result") for r in _listdir(rounds) for n in _listdir(rounds / r)),
+            60,
+            "a merge",
+            interval=0.0005,
+        )
+        what = "merge (result file half-written)"
+    elif phase == "version":  # round v committed; version v+1's file is being written after it
+        wait_until(lambda: any(n.endswith(".tmp") for n in _listdir(versions)), 60, "a version", interval=0.0005)
+        what = "version (round committed, version file half-written)"
     elif phase == "download":  # the round's result crawls back to the peers
         result = f"/rounds/{round_}/result"
-        proxy.throttle(4_000_000, match=result)
         wait_until(lambda: any(r.response_bytes > 1 << 20 for r in proxy.matching(result)), 60, "a download")
         time.sleep(rng.uniform(0.0, 1.0))
         what = "download (result streaming)"
     else:
-        time.sleep(rng.uniform(0.0, 2.0))
+        time.sleep(rng.uniform(0.0, 0.5))  # a round here takes about that long
         what = f"anywhere ({open_round(hub, 'multi')})"
     hub.kill()
     return what
@@ -146,6 +168,27 @@ def _listdir(path: Path) -> list[str]:
         return [entry.name for entry in path.iterdir()]
     except FileNotFoundError:
         return []
+
+
+def test_a_version_lost_after_its_commit_is_rebuilt_bit_for_bit(hub_factory: Callable[..., Hub]) -> None:
+    """Version v+1's file is written after round v commits (the peers need only the result), so
+    a crash may leave a committed version without its file: the restarted hub rebuilds it from
+    version v and round v's durable result, bit for bit, before it serves the model."""
+    hub = hub_factory()
+    peers = two_then_one(hub, crash=False)
+    expected = version_file(hub, "crash", 1)
+    path = hub.data_dir / "runs" / "crash" / "versions" / f"{1:08d}.safetensors"
+    hub.kill()
+    path.unlink()  # as if killed before the rename (the tmp file goes at start)
+    hub.start()
+    rebuilt = version_file(hub, "crash", 1)
+    assert rebuilt.keys() == expected.keys()
+    for name, value in expected.items():
+        np.testing.assert_array_equal(rebuilt[name], value, err_msg=name)
+    for p, model in peers.models.items():  # and it is what every peer holds
+        for name, value in ModelView(model).export().items():
+            np.testing.assert_array_equal(value, rebuilt[name], err_msg=f"{p}: {name}")
+    assert "run_recovered run=crash version=1" in hub.log()
 
 
 @pytest.mark.slow

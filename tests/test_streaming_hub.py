@@ -21,7 +21,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import safetensors.numpy
 import torch
 
 import syncwire.codecs
@@ -33,6 +32,7 @@ from syncwire import Codec, FormatError, decode_tensor, get_codec, iter_chunks, 
 from syncwire.codecs import slices
 from syncwire.format import TensorFile
 from tests.conftest import Hub
+from tests.peer_proc import version_file
 
 CODECS = ["fp32", "bf16", "int8", "int4", "int8:block=100", "int4:block=6"]
 
@@ -164,10 +164,6 @@ class _Big(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(5))
 
 
-def _version(hub: Hub, run: str, version: int) -> dict[str, np.ndarray]:
-    return safetensors.numpy.load_file(str(hub.data_dir / "runs" / run / "versions" / f"{version:08d}.safetensors"))
-
-
 @pytest.mark.parametrize("codec", ["fp32", "int4"])
 def test_sliced_fold_and_merge_give_the_exact_mean(hub: Hub, codec: str) -> None:
     run, samples = f"big-{codec}", {"a": 3, "b": 5}
@@ -199,7 +195,7 @@ def test_sliced_fold_and_merge_give_the_exact_mean(hub: Hub, codec: str) -> None
         t.join(180)
     if errors:
         raise errors[0]
-    before, after = _version(hub, run, 0), _version(hub, run, 1)
+    before, after = version_file(hub, run, 0), version_file(hub, run, 1)
     for name, model in models.items():
         for key, value in model.state_dict().items():
             assert np.array_equal(value.numpy(), after[key]), (name, key)  # peers == hub, bit for bit
