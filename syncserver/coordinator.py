@@ -221,10 +221,11 @@ class Coordinator:
                 await task
         self._slice_pool.shutdown()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _tick_forever(self) -> None:
         interval = min(0.5, self.settings.lease_seconds / 4)
@@ -723,13 +724,10 @@ class Coordinator:
         total = np.float32(sum(u.samples for u in run.acked.values()))
         diloco = cfg.outer == "diloco"
         momentum_path = self.store.momentum_path(run.name, v)
-        fp32 = [(name, "F32", shape) for name, shape in schema.items()]
         result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
-        result_head, result_infos = encode_header(result_layout, meta)
-        momentum_head, momentum_infos = encode_header(fp32, {"version": str(v + 1)})
-        result_at = {i.name: len(result_head) + i.start for i in result_infos}
-        momentum_at = {i.name: len(momentum_head) + i.start for i in momentum_infos}
+        result_head, result_at = _header(result_layout, meta)
+        momentum_head, momentum_at = _header(_fp32_layout(schema), {"version": str(v + 1)})
         with contextlib.ExitStack() as files:
             old_momentum = files.enter_context(TensorFile(momentum_path)) if diloco and momentum_path.exists() else None
             result = files.enter_context(atomic_file(self.store.result_path(run.name, v)))
@@ -765,9 +763,8 @@ class Coordinator:
         """Start writing the files of the committed versions that have none (after a commit,
         or at start after a crash between a commit and its version's rename), then prune."""
         if run.writing is None or run.writing.done():
-            run.writing = asyncio.create_task(self._versions_task(run))
-            self._tasks.add(run.writing)
-            run.writing.add_done_callback(self._versions_done)
+            run.writing = self._spawn(self._versions_task(run))
+            run.writing.add_done_callback(_log_version_failure)
 
     async def _versions_task(self, run: Run) -> None:
         while True:
@@ -777,12 +774,6 @@ class Coordinator:
                 self.store.prune(run.name, target, self.settings.keep_versions)
             if run.version == target:  # else rounds closed meanwhile
                 return
-
-    def _versions_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # the results are durable, so nothing is lost: the next pull or commit retries
-            log.error("version_write_failed: %r (will retry)", task.exception())
 
     async def version_file(self, run: Run) -> tuple[int, Path]:
         """The run's current version and its file, once that file is written."""
@@ -811,8 +802,7 @@ class Coordinator:
     def _next_version(self, run: Run, v: int) -> None:
         assert run.schema is not None
         codec, schema = run.codec, run.schema
-        head, infos = encode_header([(name, "F32", shape) for name, shape in schema.items()], {"version": str(v + 1)})
-        at = {i.name: len(head) + i.start for i in infos}
+        head, at = _header(_fp32_layout(schema), {"version": str(v + 1)})
         with contextlib.ExitStack() as files:
             current = files.enter_context(TensorFile(self.store.version_path(run.name, v)))
             result = files.enter_context(TensorFile(self.store.result_path(run.name, v)))
@@ -967,6 +957,23 @@ def _each_slice(
         for future in futures:
             future.cancel()  # after a failure: the rest is moot (a cancelled round starts over)
         wait(futures)  # nothing may still write to the files the caller is about to discard
+
+
+def _log_version_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        # the results are durable, so nothing is lost: the next pull or commit retries
+        log.error("version_write_failed: %r (will retry)", task.exception())
+
+
+def _fp32_layout(schema: dict[str, tuple[int, ...]]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The layout of a version (and of a DiLoCo momentum) file: every tensor in float32."""
+    return [(name, "F32", shape) for name, shape in schema.items()]
+
+
+def _header(layout: list[tuple[str, str, tuple[int, ...]]], meta: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+    """A safetensors header for ``layout`` and each tensor's byte offset in the file."""
+    head, infos = encode_header(layout, meta)
+    return head, {i.name: len(head) + i.start for i in infos}
 
 
 def _wire_name(name: str, suffix: str) -> str:

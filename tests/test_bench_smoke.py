@@ -69,11 +69,7 @@ def test_pagecache_benchmark_times_every_mode(tmp_path: Path) -> None:
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [
-        line.split("|")[1:-1]
-        for line in proc.stdout.splitlines()
-        if line.startswith("| yes") or line.startswith("| no")
-    ]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith(("| yes", "| no"))]
     assert {(w.strip(), f.strip()) for w, f, *_ in rows} == {("no", "no"), ("yes", "no"), ("no", "yes"), ("yes", "yes")}
     assert all(float(r[4]) > 0 for r in rows), "every mode wrote at a positive rate"
     assert list(tmp_path.iterdir()) == [], "the test file is removed"

@@ -133,8 +133,9 @@ def kill_during(
     the watch is armed); say what was going on at that moment."""
     versions = hub.data_dir / "runs" / "multi" / "versions"
     rounds = hub.data_dir / "runs" / "multi" / "rounds"
+    result = f"/rounds/{round_}/result"
     if phase in ("upload", "download"):  # the bytes crawl through the proxy: kill while they stream
-        proxy.throttle(4_000_000, match="/updates/" if phase == "upload" else f"/rounds/{round_}/result")
+        proxy.throttle(4_000_000, match="/updates/" if phase == "upload" else result)
     go()
     if phase == "upload":
         wait_until(lambda: bool((open_round(hub, "multi") or {}).get("uploading")), 30, "an upload")
@@ -152,7 +153,6 @@ def kill_during(
         wait_until(lambda: any(n.endswith(".tmp") for n in _listdir(versions)), 60, "a version", interval=0.0005)
         what = "version (round committed, version file half-written)"
     elif phase == "download":  # the round's result crawls back to the peers
-        result = f"/rounds/{round_}/result"
         wait_until(lambda: any(r.response_bytes > 1 << 20 for r in proxy.matching(result)), 60, "a download")
         time.sleep(rng.uniform(0.0, 1.0))
         what = "download (result streaming)"
