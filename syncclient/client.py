@@ -60,7 +60,7 @@ from syncclient.exceptions import (
     SchemaMismatch,
     SyncError,
 )
-from syncwire import Codec, StreamReader, get_codec, iter_chunks, layout_bytes, wire_layout
+from syncwire import Codec, StreamReader, get_codec, iter_chunks, layout_bytes, wire_layout, wire_name
 from syncwire.codecs import slices
 
 __all__ = ["JoinInfo", "PendingSync", "SyncClient", "SyncResult"]
@@ -493,7 +493,7 @@ class SyncClient:
             base = self._base[name].reshape(-1)
             for start, stop, where in slices(self.codec, shape):
                 piece = {
-                    suffix: reader.tensors[f"{name}:{suffix}" if suffix else name].reshape(-1)[first : first + count]
+                    suffix: reader.tensors[wire_name(name, suffix)].reshape(-1)[first : first + count]
                     for suffix, (first, count) in where.items()
                 }
                 base[start:stop] += self.codec.decode(piece, (stop - start,))
@@ -577,7 +577,7 @@ class SyncClient:
             encoded = codec.encode(delta)
             layout = codec.layout(delta.shape)
             for suffix, array in encoded.items():
-                parts.append((f"{name}:{suffix}" if suffix else name, array, layout[suffix][0]))
+                parts.append((wire_name(name, suffix), array, layout[suffix][0]))
                 sent += array.nbytes
             if not codec.lossless:
                 assert self._residual is not None

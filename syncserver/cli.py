@@ -37,6 +37,10 @@ def serve(
     ssl_certfile: Annotated[Optional[str], typer.Option(help="Serve HTTPS with this certificate.")] = None,  # noqa: UP045
     ssl_keyfile: Annotated[Optional[str], typer.Option(help="The certificate's private key.")] = None,  # noqa: UP045
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    ready_file: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(help="Once listening, write the hub's URL here (with --port 0: the port the OS chose)."),
+    ] = None,
 ) -> None:
     """Run a hub. Flags override the matching SYNC_* environment variables."""
     import uvicorn
@@ -65,10 +69,8 @@ def serve(
     except SettingsError as exc:  # an env value that does not parse at all, e.g. SYNC_RUN_TOKENS
         raise typer.BadParameter(f"{exc} (SYNC_RUN_TOKENS must be a JSON object)") from None
     scheme = "https" if ssl_certfile else "http"
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # what a browser here can open
     hint = " (open it with ?token=<view or hub token>, or paste the token when asked)" if settings.auth_required else ""
-    typer.echo(f"dashboard: {scheme}://{shown}:{port}/{hint}", err=True)
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(settings),
         host=host,
         port=port,
@@ -76,6 +78,39 @@ def serve(
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
     )
+    _Server(config, scheme, ready_file, hint).run()
+
+
+class _Server:
+    """uvicorn's server, saying where it listens once it does: with ``--port 0`` the OS picks a
+    free port, and a launcher or a test reads it back instead of guessing one that may be taken."""
+
+    def __init__(self, config: Any, scheme: str, ready_file: Path | None, hint: str) -> None:
+        import uvicorn
+
+        self.scheme, self.ready_file, self.hint = scheme, ready_file, hint
+        self.server = uvicorn.Server(config)
+
+    def run(self) -> None:
+        import asyncio
+
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        import asyncio
+
+        task = asyncio.create_task(self.server.serve())
+        while not self.server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if self.server.started:
+            host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+            shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # what a browser here can open
+            typer.echo(f"dashboard: {self.scheme}://{shown}:{port}/{self.hint}", err=True)
+        if self.server.started and self.ready_file is not None:
+            tmp = self.ready_file.with_name(self.ready_file.name + ".tmp")
+            tmp.write_text(f"{self.scheme}://{host}:{port}\n")
+            tmp.replace(self.ready_file)  # readers never see half a URL
+        await task
 
 
 @app.command()

@@ -53,6 +53,7 @@ from syncwire import (
     get_codec,
     layout_bytes,
     wire_layout,
+    wire_name,
 )
 from syncwire.codecs import slices
 from syncwire.format import MAX_HEADER_BYTES, TensorFile, encode_header
@@ -566,7 +567,7 @@ class Coordinator:
         with TensorFile(path) as wire:
             return aggregate.global_norm(
                 codec.decode(
-                    {s: wire.read(_wire_name(name, s), first, first + count) for s, (first, count) in parts.items()},
+                    {s: wire.read(wire_name(name, s), first, first + count) for s, (first, count) in parts.items()},
                     (stop - start,),
                 )
                 for name, shape in run.schema.items()
@@ -624,7 +625,7 @@ class Coordinator:
 
             def fold(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
                 encoded = {
-                    suffix: wire.read(_wire_name(name, suffix), first, first + count)
+                    suffix: wire.read(wire_name(name, suffix), first, first + count)
                     for suffix, (first, count) in parts.items()
                 }
                 aggregate.fold(
@@ -752,7 +753,7 @@ class Coordinator:
                     part = np.ascontiguousarray(encoded[suffix]).reshape(-1)
                     if part.size != count:
                         raise FormatError(f"codec {codec.spec}: a slice's part {suffix!r} has {part.size} values")
-                    _write_at(result, part, result_at[_wire_name(name, suffix)] + first * part.itemsize)
+                    _write_at(result, part, result_at[wire_name(name, suffix)] + first * part.itemsize)
                 if mom is not None and m_new is not None:
                     _write_at(mom, np.ascontiguousarray(m_new, np.float32), momentum_at[name] + start * 4)
 
@@ -812,7 +813,7 @@ class Coordinator:
 
             def add(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
                 encoded = {
-                    suffix: result.read(_wire_name(name, suffix), first, first + count)
+                    suffix: result.read(wire_name(name, suffix), first, first + count)
                     for suffix, (first, count) in parts.items()
                 }
                 new = current.read(name, start, stop)
@@ -974,10 +975,6 @@ def _header(layout: list[tuple[str, str, tuple[int, ...]]], meta: dict[str, str]
     """A safetensors header for ``layout`` and each tensor's byte offset in the file."""
     head, infos = encode_header(layout, meta)
     return head, {i.name: len(head) + i.start for i in infos}
-
-
-def _wire_name(name: str, suffix: str) -> str:
-    return f"{name}:{suffix}" if suffix else name
 
 
 def _write_at(f: Any, array: np.ndarray, position: int) -> None:

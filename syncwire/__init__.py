@@ -18,6 +18,7 @@ from syncwire.codecs import (
     layout_bytes,
     register_codec,
     wire_layout,
+    wire_name,
 )
 from syncwire.format import (
     FormatError,
@@ -47,4 +48,5 @@ __all__ = [
     "read_tensors",
     "register_codec",
     "wire_layout",
+    "wire_name",
 ]

@@ -147,14 +147,17 @@ def get_codec(spec: str) -> Codec:
         raise ValueError(f"codec {name!r} takes no parameter among {sorted(kwargs)}") from None
 
 
-def _wire_name(name: str, suffix: str) -> str:
+def wire_name(name: str, suffix: str) -> str:
+    """The name a codec's part ``suffix`` of tensor ``name`` travels under: ``name`` for the
+    codec's main part (suffix ``""``), ``name:suffix`` for the others (scales, zero points).
+    The one place this rule is written: the SDK, the hub and the tests all call it."""
     return f"{name}:{suffix}" if suffix else name
 
 
 def wire_layout(codec: Codec, schema: Schema) -> Layout:
     """Every wire tensor a body encoded with ``codec`` must hold, with dtype and shape."""
     return {
-        _wire_name(name, suffix): spec for name, shape in schema.items() for suffix, spec in codec.layout(shape).items()
+        wire_name(name, suffix): spec for name, shape in schema.items() for suffix, spec in codec.layout(shape).items()
     }
 
 
@@ -187,12 +190,12 @@ def encode_model(codec: Codec, arrays: Mapping[str, np.ndarray]) -> Iterator[tup
     for name, x in arrays.items():
         layout = codec.layout(x.shape)
         for suffix, part in codec.encode(x).items():
-            yield name, _wire_name(name, suffix), part, layout[suffix][0]
+            yield name, wire_name(name, suffix), part, layout[suffix][0]
 
 
 def decode_tensor(codec: Codec, wire: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Decode tensor ``name`` from a mapping of wire tensors (e.g. a memory-mapped file)."""
-    parts = {suffix: wire[_wire_name(name, suffix)] for suffix in codec.layout(shape)}
+    parts = {suffix: wire[wire_name(name, suffix)] for suffix in codec.layout(shape)}
     return codec.decode(parts, shape)
 
 

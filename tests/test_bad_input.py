@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from syncwire import Codec, get_codec, iter_chunks
+from syncwire import Codec, encode_model, get_codec, iter_chunks
 from syncwire.format import MAX_HEADER_BYTES
 from tests.conftest import Hub, free_port
 
@@ -61,12 +61,7 @@ def encode(arrays: dict[str, np.ndarray], codec: Codec | None = None) -> bytes:
     """A safetensors body: float32 arrays as they are, or encoded with ``codec``."""
     if codec is None:
         return b"".join(iter_chunks([(n, a, "F32") for n, a in arrays.items()]))
-    items = []
-    for name, x in arrays.items():
-        layout = codec.layout(x.shape)
-        for suffix, part in codec.encode(x).items():
-            items.append((f"{name}:{suffix}" if suffix else name, part, layout[suffix][0]))
-    return b"".join(iter_chunks(items))
+    return b"".join(iter_chunks([(wire, part, dtype) for _, wire, part, dtype in encode_model(codec, arrays)]))
 
 
 def digest(data: bytes) -> str:

@@ -24,7 +24,7 @@ import torch
 from syncclient import SyncClient
 from syncclient.exceptions import HubError
 from syncserver.aggregate import global_norm, norm_outlier
-from syncwire import get_codec, iter_chunks
+from syncwire import encode_model, get_codec, iter_chunks
 from tests.conftest import Hub, tiny_gpt2
 
 SCHEMA = {"w": (16, 8), "b": (8,)}
@@ -70,13 +70,8 @@ def body(arrays: dict[str, np.ndarray], codec: str = "fp32") -> bytes:
     """Float32 arrays as they are, or encoded with ``codec`` (what a peer sends)."""
     if codec == "fp32":
         return b"".join(iter_chunks([(n, a, "F32") for n, a in arrays.items()]))
-    c = get_codec(codec)
-    items = []
-    for name, x in arrays.items():
-        layout = c.layout(x.shape)
-        for suffix, part in c.encode(x).items():
-            items.append((f"{name}:{suffix}" if suffix else name, part, layout[suffix][0]))
-    return b"".join(iter_chunks(items))
+    encoded = encode_model(get_codec(codec), arrays)
+    return b"".join(iter_chunks([(wire, part, dtype) for _, wire, part, dtype in encoded]))
 
 
 def put(
