@@ -25,8 +25,7 @@ from syncserver.metrics import HubMetrics
 from syncserver.metrics import router as metrics_router
 from syncserver.routes import router, view_router
 from syncserver.settings import HubSettings
-from syncserver.store import Store
-from syncserver.uploads import disk_error
+from syncserver.store import Store, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +99,11 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
         coordinator = Coordinator(settings, store)
         await coordinator.start()
         _redact_access_log()
-        metrics.attach(coordinator)
+        metrics.attach(coordinator.view)
         app.state.coordinator = coordinator
         log.info(
             "hub ready: data in %s, %s",
-            settings.data_dir.resolve(),
+            store.describe(),
             "token required" if settings.auth_required else "open (no token)",
         )
         try:
@@ -131,11 +130,11 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
 
     @app.exception_handler(OSError)
     @app.exception_handler(sqlite3.OperationalError)
-    async def storage_error(request: Request, exc: OSError | sqlite3.Error) -> JSONResponse:
+    async def storage_failure(request: Request, exc: OSError | sqlite3.Error) -> JSONResponse:
         # A storage failure the route did not translate itself (sqlite's "database or disk is
         # full" on a join, say): a 503 with the reason, never a bare 500. sqlite rolled back.
         log.error("storage error on %s %s: %s", request.method, request.url.path, exc)
-        return await hub_error(request, disk_error(exc))
+        return await hub_error(request, storage_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

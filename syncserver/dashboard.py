@@ -23,10 +23,6 @@ Everything the page draws is computed here by pure functions, testable without a
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hashlib
-import json
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -38,10 +34,10 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from syncserver import __version__
-from syncserver.coordinator import Coordinator, Run
 from syncserver.errors import Unauthorized
 from syncserver.routes import NAME, Hub, Wait, _bearer_is, _granted
 from syncserver.store import RoundRecord, UpdateRecord
+from syncserver.view import HubView
 
 __all__ = ["add_dashboard", "curves", "round_trace"]
 
@@ -147,42 +143,26 @@ def curves(updates: Iterable[UpdateRecord]) -> dict[str, Any]:
     return {"x": "step" if use_step else "round", "peers": peers}
 
 
-def _fingerprint(coordinator: Coordinator, run: Run | None) -> str:
-    """Changes whenever anything the page shows changes (but the ages of last-seen times)."""
-    parts: list[Any] = [sorted((r.name, r.version, len(r.live_set)) for r in coordinator.runs.values())]
-    if run is not None:
-        parts += [
-            run.version,
-            sorted(run.acked),
-            sorted(run.uploading),
-            run.closing,
-            sorted(run.live_set),
-            sorted((p.name, coordinator.peer_state(run, p).value, p.rank) for p in run.peers.values()),
-            sorted((r, sorted(peers)) for r, peers in run.downloads.items()),
-        ]
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
-
-
-def snapshot(coordinator: Coordinator, run_name: str | None, only: str | None = None) -> dict[str, Any]:
+def snapshot(view: HubView, run_name: str | None, only: str | None = None) -> dict[str, Any]:
     """All the page shows of the hub and (when given and known) one run; with ``only``, of
     that run alone (a run token's view: it must not learn of the hub's other runs)."""
-    run = coordinator.runs.get(run_name) if run_name else None
-    runs = coordinator.list_runs()
+    run = view.find(run_name)
+    runs = view.list_runs()
     body: dict[str, Any] = {
-        "fingerprint": _fingerprint(coordinator, run),
+        "fingerprint": view.fingerprint(run),
         "now": time.time(),
         "runs": runs if only is None else [r for r in runs if r["run"] == only],
         "run": None,
     }
     if run is not None:
-        status = coordinator.status(run.name)
+        status = view.status(run.name)
         status.pop("updates")  # the page gets their metrics as curves, their timings as the trace
-        store = coordinator.store
+        store = view.store
         rounds = store.rounds(run.name, limit=TRACE_ROUNDS)
         updates = [u for r in rounds for u in store.updates(run.name, r.round)]
         status["trace"] = round_trace(rounds, updates, run.downloads)
         status["curves"] = curves(store.round_metrics(run.name, limit=CURVE_UPDATES))
-        status["lease_seconds"] = coordinator.settings.lease_seconds
+        status["lease_seconds"] = view.lease_seconds
         body["run"] = status
     return body
 
@@ -210,19 +190,15 @@ async def dashboard_data(
     authorization: Annotated[str | None, Header()] = None,
 ) -> dict[str, Any]:
     only = _viewer(request, run, authorization)
+    view = hub.view
     deadline = time.monotonic() + min(wait, hub.settings.long_poll_seconds)
-    while since is not None and time.monotonic() < deadline:
-        state = hub.runs.get(run) if run else None
-        if _fingerprint(hub, state) != since:
+    # every change the page shows wakes the view (acknowledgements, uploads, closes, leases)
+    while since is not None and view.fingerprint(view.find(run)) == since:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
             break
-        # acknowledgements do not wake run.changed, so look again at least every second
-        timeout = min(1.0, max(0.0, deadline - time.monotonic()))
-        if state is None:
-            await asyncio.sleep(timeout)
-        else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(state.changed.wait(), timeout)
-    return snapshot(hub, run, only)
+        await view.wait(remaining)
+    return snapshot(view, run, only)
 
 
 def add_dashboard(app: FastAPI) -> None:

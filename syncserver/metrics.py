@@ -30,9 +30,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from syncserver.coordinator import Coordinator, PeerState, Run
+from syncserver.policy import PeerState
 from syncserver.routes import authenticate_view
 from syncserver.store import RoundRecord, UpdateRecord
+from syncserver.view import HubView
 
 __all__ = ["HubMetrics", "router"]
 
@@ -54,7 +55,7 @@ class _StateCollector(Collector):
         return []  # nothing to check at registration: names are fixed below
 
     def collect(self) -> Iterator[Metric]:
-        coordinator = self._metrics.coordinator
+        view = self._metrics.view
         version = GaugeMetricFamily("weightsync_version", "Current model version of the run.", labels=["run"])
         live = GaugeMetricFamily(
             "weightsync_live_peers", "Peers whose lease is fresh (waited for in rounds).", labels=["run"]
@@ -69,18 +70,14 @@ class _StateCollector(Collector):
         bytes_out = CounterMetricFamily(
             "weightsync_bytes_sent", "Result and model bytes served to peers.", labels=["run"]
         )
-        runs = list(coordinator.runs.values()) if coordinator is not None else []
-        for run in runs:
-            states = {state: 0 for state in PeerState}
-            for peer in run.peers.values():
-                states[coordinator.peer_state(run, peer)] += 1  # type: ignore[union-attr]
-            version.add_metric([run.name], run.version)
-            live.add_metric([run.name], states[PeerState.LIVE] + states[PeerState.LATE])
-            for state, count in states.items():
-                peers.add_metric([run.name, state.value], count)
-            pending.add_metric([run.name], len(run.acked))
-            bytes_in.add_metric([run.name], sum(p.bytes_up for p in run.peers.values()))
-            bytes_out.add_metric([run.name], sum(p.bytes_down for p in run.peers.values()))
+        for run in view.facts() if view is not None else []:
+            version.add_metric([run.run], run.version)
+            live.add_metric([run.run], run.peers[PeerState.LIVE] + run.peers[PeerState.LATE])
+            for state, count in run.peers.items():
+                peers.add_metric([run.run, state.value], count)
+            pending.add_metric([run.run], run.open_updates)
+            bytes_in.add_metric([run.run], run.bytes_up)
+            bytes_out.add_metric([run.run], run.bytes_down)
         yield from (version, live, peers, pending, bytes_in, bytes_out)
 
 
@@ -89,7 +86,7 @@ class HubMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.coordinator: Coordinator | None = None
+        self.view: HubView | None = None
         r = self.registry
         self.rounds = Counter("weightsync_rounds_completed", "Rounds closed.", ["run"], registry=r)
         self.phases = Histogram(
@@ -120,40 +117,40 @@ class HubMetrics:
         )
         r.register(_StateCollector(self))
 
-    def attach(self, coordinator: Coordinator) -> None:
-        """Hook the observers into a started coordinator."""
-        self.coordinator = coordinator
-        coordinator.on_update.append(self._updated)
-        coordinator.on_round.append(self._closed)
-        coordinator.on_download.append(self._downloaded)
-        for run in coordinator.runs.values():  # show every known run at 0 from the start
-            self._touch(run.name)
+    def attach(self, view: HubView) -> None:
+        """Listen to a started hub's view."""
+        self.view = view
+        view.listeners.update.append(self._updated)
+        view.listeners.round.append(self._closed)
+        view.listeners.download.append(self._downloaded)
+        for run in view.names():  # show every known run at 0 from the start
+            self._touch(run)
 
     def _touch(self, run: str) -> None:
         for counter in (self.rounds, self.accepted, self.samples, self.dropped):
             counter.labels(run)
 
     # ---- observers (event loop thread; cheap) --------------------------------------------
-    def _updated(self, run: Run, update: UpdateRecord) -> None:
-        self.accepted.labels(run.name).inc()
-        self.samples.labels(run.name).inc(update.samples)
-        self.phases.labels(run.name, "upload").observe(update.seconds)
+    def _updated(self, run: str, update: UpdateRecord) -> None:
+        self.accepted.labels(run).inc()
+        self.samples.labels(run).inc(update.samples)
+        self.phases.labels(run, "upload").observe(update.seconds)
 
-    def _closed(self, run: Run, record: RoundRecord) -> None:
-        self._touch(run.name)
-        self.rounds.labels(run.name).inc()
-        self.dropped.labels(run.name).inc(len(record.dropped))
+    def _closed(self, run: str, record: RoundRecord) -> None:
+        self._touch(run)
+        self.rounds.labels(run).inc()
+        self.dropped.labels(run).inc(len(record.dropped))
         fold, merge = record.timings.get("fold", 0.0), record.timings.get("merge", 0.0)
-        self.phases.labels(run.name, "fold").observe(fold)
-        self.phases.labels(run.name, "merge").observe(merge)
-        self.phases.labels(run.name, "round").observe(max(0.0, record.closed - record.opened))
+        self.phases.labels(run, "fold").observe(fold)
+        self.phases.labels(run, "merge").observe(merge)
+        self.phases.labels(run, "round").observe(max(0.0, record.closed - record.opened))
         aggregation_began = record.closed - fold - merge
-        assert self.coordinator is not None
-        for update in self.coordinator.store.updates(run.name, record.round):
-            self.phases.labels(run.name, "wait").observe(max(0.0, aggregation_began - update.received))
+        assert self.view is not None
+        for update in self.view.store.updates(run, record.round):
+            self.phases.labels(run, "wait").observe(max(0.0, aggregation_began - update.received))
 
-    def _downloaded(self, run: Run, round_: int, peer: str, seconds: float) -> None:
-        self.phases.labels(run.name, "download").observe(seconds)
+    def _downloaded(self, run: str, round_: int, peer: str, seconds: float) -> None:
+        self.phases.labels(run, "download").observe(seconds)
 
     def rejected_upload(self, request: Request, reason: str) -> None:
         """Count a refused upload (called by the app's error handlers for every error answer)."""
@@ -162,7 +159,7 @@ class HubMetrics:
             return
         run = request.path_params.get("run", "")
         # only known runs become label values: a stranger cannot grow the label set
-        known = self.coordinator is not None and run in self.coordinator.runs
+        known = self.view is not None and run in self.view.names()
         self.rejected.labels(run if known else "", reason).inc()
 
     def exposition(self) -> bytes:

@@ -11,7 +11,6 @@ import base64
 import binascii
 import json
 import math
-import pathlib
 import secrets
 import time
 from typing import Annotated, Any
@@ -22,10 +21,12 @@ from pydantic import BaseModel, Field, SecretStr, field_validator
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
-from syncserver.coordinator import Coordinator, Ticket
+from syncserver.coordinator import Coordinator
 from syncserver.errors import BadRequest, HubError, Incomplete, Unauthorized
+from syncserver.responses import BlobResponse, requested_range
+from syncserver.rounds import Ticket
 from syncserver.settings import Outer
-from syncserver.uploads import BodyInterrupted, partial_offset, receive
+from syncserver.uploads import BodyInterrupted, Received, partial_offset, receive
 from syncwire import get_codec
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -174,21 +175,18 @@ async def _drain(request: Request, limit: int) -> None:
         pass
 
 
-async def _receive(
-    request: Request, hub: Coordinator, ticket: Ticket, partial: pathlib.Path | None = None, offset: int = 0
-) -> Any:
-    """Stream the body to disk: to a fresh tmp file, or to ``partial`` (resumable, from ``offset``)."""
+async def _receive(request: Request, hub: Coordinator, ticket: Ticket, offset: int = 0) -> Received:
+    """Stream the body into the ticket's upload (a resumable one from ``offset``)."""
+    assert ticket.upload is not None
     length = request.headers.get("content-length")
     try:
-        received = await receive(
+        return await receive(
             request.stream(),
-            partial or hub.store.new_tmp(),
+            ticket.upload,
             max_bytes=ticket.max_bytes,
             content_length=int(length) if length and length.isdigit() else None,
             check_header=ticket.check_header,
             offset=offset,
-            resumable=partial is not None,
-            complete_path=hub.store.new_tmp() if partial is not None else None,
             idle_seconds=hub.settings.lease_seconds,
         )
     except HubError:
@@ -196,17 +194,16 @@ async def _receive(
         raise
     except (ClientDisconnect, BodyInterrupted) as exc:  # no draining: the body is not coming
         raise Incomplete(f"the body did not arrive whole: {exc}") from None
-    return received
 
 
 @view_router.get("/runs", summary="List runs")
 async def list_runs(hub: Hub) -> list[dict[str, Any]]:
-    return hub.list_runs()
+    return hub.view.list_runs()
 
 
 @view_router.get("/runs/{run}", summary="A run's state: config, version, peers, open round, recent rounds")
 async def run_status(run: RunName, hub: Hub) -> dict[str, Any]:
-    return hub.status(run)
+    return hub.view.status(run)
 
 
 @router.post("/runs/{run}/peers", summary="Join a run (creating it if new); says what the peer must do next")
@@ -233,7 +230,7 @@ async def put_initial(
 ) -> dict[str, Any]:
     ticket = hub.init_ticket(run, peer)
     received = await _receive(request, hub, ticket)
-    return await hub.commit_init(ticket, received)
+    return hub.commit_init(ticket, received)
 
 
 @router.post("/runs/{run}/peers/{peer}/heartbeat", summary="Renew the peer's lease")
@@ -266,32 +263,26 @@ async def put_update(
     ] = 0,
 ) -> dict[str, Any]:
     try:
-        ticket = await hub.update_ticket(run, round, peer, parse_digest(digest), samples, parse_metrics(metrics))
+        ticket = await hub.update_ticket(
+            run, round, peer, parse_digest(digest), samples, parse_metrics(metrics), supersede=True
+        )
     except HubError:
         await _drain(request, hub.settings.max_body_bytes)
         raise
-    if not isinstance(ticket, Ticket):  # the same update again: answer as the first time
+    if ticket.acknowledged is not None:  # the same update again: answer as the first time
         await _drain(request, hub.settings.max_body_bytes)
-        return ticket
-    partial = hub.store.partial_path(run, round, peer, ticket.digest)
-    for stale in partial.parent.glob("*.part"):  # this peer's earlier try at a different update
-        if stale != partial:
-            stale.unlink(missing_ok=True)
-    state = hub.run(run)
-    state.uploading[peer] = 0.0
-    try:
+        return ticket.acknowledged
+    with hub.uploading(ticket):
         try:
-            received = await _receive(request, hub, ticket, partial, offset)
+            received = await _receive(request, hub, ticket, offset)
         except Incomplete:
             # the round may have closed while the body streamed: then say so (409 round_closed,
             # or the ack of this very update), so that the peer catches up
             again = await hub.update_ticket(run, round, peer, ticket.digest, ticket.samples, ticket.metrics)
-            if not isinstance(again, Ticket):
-                return again
+            if again.acknowledged is not None:
+                return again.acknowledged
             raise
         return await hub.commit_update(ticket, received)
-    finally:
-        state.uploading.pop(peer, None)
 
 
 @router.head(
@@ -313,22 +304,12 @@ async def update_offset(
     already acknowledged (a PUT from that offset, with an empty body, gets its ack again).
     Asking supersedes an attempt still streaming on the hub: the client has given up on it."""
     ticket = await hub.update_ticket(run, round, peer, parse_digest(digest), samples, parse_metrics(metrics))
-    if not isinstance(ticket, Ticket):
-        held, complete = int(ticket["bytes"]), "?1"
+    if ticket.acknowledged is not None:
+        held, complete = int(ticket.acknowledged["bytes"]), "?1"
     else:
-        held, complete = await partial_offset(hub.store.partial_path(run, round, peer, ticket.digest)), "?0"
+        assert ticket.upload is not None
+        held, complete = await partial_offset(ticket.upload), "?0"
     return Response(status_code=204, headers={"Upload-Offset": str(held), "Upload-Complete": complete})
-
-
-class _BigFileResponse(FileResponse):
-    """Starlette's FileResponse, reading 4 MiB per worker-thread hop instead of 64 KiB.
-
-    uvicorn cannot sendfile, so each chunk is read in a worker thread and handed to the event
-    loop: at 64 KiB a 500 MB model costs 7,600 thread round trips per download, more than the
-    bytes themselves. At 4 MiB it is 120.
-    """
-
-    chunk_size = 4 << 20
 
 
 @router.get(
@@ -345,18 +326,16 @@ async def get_result(
     wait: Wait = 20.0,
     peer: Annotated[str | None, Query(pattern=NAME)] = None,
 ) -> Response:
-    path = await hub.wait_result(run, round, peer, wait)
-    if path is None:
+    blob = await hub.wait_result(run, round, peer, wait)
+    if blob is None:
         return Response(status_code=204)
-    etag = f'"{run}-r{round}"'
-    response = _BigFileResponse(
-        path,
-        media_type="application/octet-stream",
-        headers={"ETag": etag, "X-Sync-Version": str(round + 1)},
+    response = BlobResponse(
+        blob,
+        headers={"ETag": f'"{run}-r{round}"', "X-Sync-Version": str(round + 1)},
         # runs once the whole body is sent: the end of the peer's download phase
         background=BackgroundTask(_downloaded, hub, run, round, peer, time.time()),
     )
-    hub.count_download(run, peer, _served_bytes(request, path.stat().st_size))
+    hub.count_download(run, peer, _served_bytes(request, blob.size))
     return response
 
 
@@ -368,13 +347,9 @@ async def get_result(
 async def get_model(
     run: RunName, hub: Hub, request: Request, peer: Annotated[str | None, Query(pattern=NAME)] = None
 ) -> Response:
-    version, path = await hub.model(run)
-    hub.count_download(run, peer, _served_bytes(request, path.stat().st_size))
-    return _BigFileResponse(
-        path,
-        media_type="application/octet-stream",
-        headers={"ETag": f'"{run}-v{version}"', "X-Sync-Version": str(version)},
-    )
+    version, blob = await hub.model(run)
+    hub.count_download(run, peer, _served_bytes(request, blob.size))
+    return BlobResponse(blob, headers={"ETag": f'"{run}-v{version}"', "X-Sync-Version": str(version)})
 
 
 async def _downloaded(hub: Coordinator, run: str, round_: int, peer: str | None, began: float) -> None:
@@ -384,5 +359,8 @@ async def _downloaded(hub: Coordinator, run: str, round_: int, peer: str | None,
 
 
 def _served_bytes(request: Request, size: int) -> int:
-    first, _, _ = request.headers.get("range", "").removeprefix("bytes=").partition("-")
-    return size - int(first) if first.isdigit() and int(first) < size else size
+    try:
+        start, end = requested_range(request.headers, size, None) or (0, size)
+    except ValueError:  # 416: nothing is served
+        return 0
+    return end - start

@@ -1,5 +1,12 @@
 """Durable hub state: sqlite for the small records, plain safetensors files for tensors.
 
+The rest of the hub names what it wants with *keys* (:class:`VersionKey`, :class:`ResultKey`,
+...) and works through *handles*: a ranged reader (:meth:`Store.read`), an atomic writer
+(:meth:`Store.write`), a served blob (:meth:`Store.serve`), an upload being received
+(:meth:`Store.fresh_upload`, :meth:`Store.resumable_upload`). No path leaves this module, and
+every ``OSError`` and ``sqlite3.Error`` is translated here, once, into
+:class:`~syncserver.errors.Unavailable` (503: the caller has changed nothing).
+
 Every write that acknowledges something is durable before the acknowledgement: files go
 through tmp + fsync + rename + directory fsync, and sqlite runs in WAL mode with
 ``synchronous=FULL``. The commit point of a round is the sqlite transaction that moves a
@@ -20,18 +27,42 @@ Layout under ``data_dir``::
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import json
 import os
 import shutil
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["PeerRecord", "RoundRecord", "RunRecord", "Store", "UpdateRecord", "atomic_file"]
+import numpy as np
+
+from syncserver.errors import Unavailable
+from syncserver.writeback import start_writeback
+from syncwire.format import TensorFile
+
+__all__ = [
+    "Blob",
+    "BlobWriter",
+    "Missing",
+    "MomentumKey",
+    "PeerRecord",
+    "ResultKey",
+    "RoundRecord",
+    "RunRecord",
+    "Staged",
+    "Store",
+    "Upload",
+    "UpdateKey",
+    "UpdateRecord",
+    "VersionKey",
+    "storage_error",
+]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -52,6 +83,7 @@ CREATE TABLE IF NOT EXISTS rounds (
 """
 
 
+# ---- records -------------------------------------------------------------------------------
 @dataclass
 class RunRecord:
     name: str
@@ -97,6 +129,84 @@ class RoundRecord:
     timings: dict[str, float]
 
 
+# ---- keys ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VersionKey:
+    """The model after ``number`` merges, float32."""
+
+    run: str
+    number: int
+
+
+@dataclass(frozen=True)
+class MomentumKey:
+    """DiLoCo's outer momentum that goes with version ``number``."""
+
+    run: str
+    number: int
+
+
+@dataclass(frozen=True)
+class UpdateKey:
+    """``peer``'s acknowledged update for ``round`` (wire codec)."""
+
+    run: str
+    round: int
+    peer: str
+
+
+@dataclass(frozen=True)
+class ResultKey:
+    """Round ``round``'s merged update (wire codec): what turns version ``round`` into ``round + 1``."""
+
+    run: str
+    round: int
+
+
+Key = VersionKey | MomentumKey | UpdateKey | ResultKey
+
+
+# ---- errors --------------------------------------------------------------------------------
+class Missing(LookupError):
+    """What was asked for is not stored (pruned, or removed as it arrived)."""
+
+
+def storage_error(exc: OSError | sqlite3.Error) -> Unavailable:
+    """The one translation of a storage failure: 503, and the caller has changed nothing."""
+    if isinstance(exc, sqlite3.Error):
+        if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            return Unavailable("the hub's disk is full; nothing was stored", retry_after=30)
+        return Unavailable(f"the hub cannot write its database ({exc}); nothing was stored", retry_after=30)
+    if exc.errno == errno.ENOSPC:
+        return Unavailable("the hub's disk is full; nothing was stored", retry_after=30)
+    return Unavailable(f"the hub cannot write its data dir ({exc.strerror}); nothing was stored", retry_after=30)
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _translated(fn: Callable[P, T]) -> Callable[P, T]:
+    """Raise :class:`Unavailable` instead of the ``OSError`` / ``sqlite3.Error`` of ``fn``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except (OSError, sqlite3.Error) as exc:
+            raise storage_error(exc) from exc
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def _translating() -> Iterator[None]:
+    try:
+        yield
+    except (OSError, sqlite3.Error) as exc:
+        raise storage_error(exc) from exc
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -105,83 +215,310 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-@contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[IO[bytes]]:
-    """Write ``path`` all or nothing: a crash leaves either the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def publish_file(tmp: Path, path: Path) -> None:
+def _publish(tmp: Path, path: Path) -> None:
     """Move a complete, already fsynced file into place durably."""
     path.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
 
-class Store:
-    """The hub's disk. Methods are called from the event loop thread (sqlite is fast here:
-    a handful of small rows per round); bulk tensor I/O happens in worker threads."""
+# ---- handles -------------------------------------------------------------------------------
+class BlobWriter:
+    """An open file being written all or nothing (see :meth:`Store.write`): bytes at the end
+    (:meth:`write`) or arrays at an offset (:meth:`write_at`, safe from several threads)."""
 
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._end = 0
+
+    def write(self, data: bytes) -> None:
+        with _translating():
+            done = 0
+            while done < len(data):
+                done += os.pwrite(self._fd, data[done:], self._end + done)
+        self._end += len(data)
+
+    def write_at(self, array: np.ndarray, position: int) -> None:
+        """Write an array's bytes at ``position`` and start their writeback at once, so the
+        fsync that publishes the file waits for the last slices only."""
+        view = array.reshape(-1).view(np.uint8).data
+        with _translating():
+            done = 0
+            while done < len(view):
+                done += os.pwrite(self._fd, view[done:], position + done)
+        start_writeback(self._fd, position, len(view))
+
+
+class Blob:
+    """A file opened for serving: it stays readable even if pruning removes its name meanwhile."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
+
+    def read(self, offset: int, n: int) -> bytes:
+        with _translating():
+            return os.pread(self._fd, n, offset)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class Staged:
+    """A complete, fsynced body waiting to be published under a key, or discarded."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+
+    def reader(self) -> TensorFile:
+        with _translating():
+            return TensorFile(self._path)
+
+    def discard(self) -> None:
+        self._path.unlink(missing_ok=True)
+
+
+class Upload:
+    """Where one body gathers as it arrives: a fresh file, or a *partial* that keeps what
+    arrived across attempts (resumable updates), named by (run, round, peer, digest).
+
+    The file ops an upload needs (append, read back, truncate, fsync) are here so that their
+    failures are translated once; the receiving logic is :mod:`syncserver.uploads`.
+    """
+
+    def __init__(self, path: Path, done_path: Path | None) -> None:
+        self._path = path
+        self._done_path = done_path  # a partial moves here once whole (out of pruning's reach)
+        self._fd: int | None = None
+
+    @property
+    def resumable(self) -> bool:
+        return self._done_path is not None
+
+    @property
+    def ident(self) -> str:
+        """Names the upload across requests (one writer at a time may hold it)."""
+        return str(self._path)
+
+    def held(self) -> int:
+        """Bytes the hub holds of this upload."""
+        try:
+            return self._path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    @_translated
+    def open(self, offset: int) -> None:
+        """Open for writing from ``offset`` (0: from scratch; the caller checked :meth:`held`)."""
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        if offset:
+            self._fd = os.open(self._path, os.O_RDWR)
+            os.ftruncate(self._fd, offset)  # same digest, same bytes: anything past offset is re-sent
+        else:
+            self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    @_translated
+    def append(self, chunks: list[bytes]) -> None:
+        """Write ``chunks`` at the end of the file (``writev``, at most IOV_MAX at a time)."""
+        assert self._fd is not None
+        views = [memoryview(c) for c in chunks if len(c)]
+        first = 0
+        os.lseek(self._fd, 0, os.SEEK_END)
+        while first < len(views):
+            written = os.writev(self._fd, views[first : first + 1024])
+            while first < len(views) and written >= len(views[first]):
+                written -= len(views[first])
+                first += 1
+            if written:
+                views[first] = views[first][written:]
+
+    def writeback(self, offset: int, nbytes: int) -> None:
+        assert self._fd is not None
+        start_writeback(self._fd, offset, nbytes)
+
+    @_translated
+    def read(self, offset: int, n: int) -> bytes:
+        """Bytes already held (a resumed body's start is read back to hash and check it)."""
+        fd = os.open(self._path, os.O_RDONLY)
+        try:
+            return os.pread(fd, n, offset)
+        finally:
+            os.close(fd)
+
+    @_translated
+    def finish(self) -> Staged:
+        """fsync and close; a partial then leaves the partials folder (so that pruning a
+        closed round's partials cannot take it). :class:`FileNotFoundError` if it already did:
+        its round closed as the body arrived (:class:`Missing`)."""
+        assert self._fd is not None
+        os.fsync(self._fd)
+        self.close()
+        if self._done_path is None:
+            return Staged(self._path)
+        try:
+            os.replace(self._path, self._done_path)
+        except FileNotFoundError:
+            raise Missing("the partial upload was removed as it arrived: its round closed") from None
+        return Staged(self._done_path)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def discard(self) -> None:
+        self.close()
+        self._path.unlink(missing_ok=True)
+
+
+# ---- the store -------------------------------------------------------------------------------
+class Store:
+    """The hub's disk. Record methods are called from the event loop thread (sqlite is fast
+    here: a handful of small rows per round); bulk tensor I/O happens in worker threads."""
+
+    @_translated
     def __init__(self, data_dir: Path) -> None:
-        self.root = Path(data_dir)
-        (self.root / "runs").mkdir(parents=True, exist_ok=True)
-        self.tmp_dir = self.root / "tmp"
-        self.tmp_dir.mkdir(exist_ok=True)
-        self._db = sqlite3.connect(self.root / "hub.sqlite3", isolation_level=None, check_same_thread=False)
+        self._root = Path(data_dir)
+        (self._root / "runs").mkdir(parents=True, exist_ok=True)
+        self._tmp = self._root / "tmp"
+        self._tmp.mkdir(exist_ok=True)
+        self._db = sqlite3.connect(self._root / "hub.sqlite3", isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+
+    def describe(self) -> str:
+        """Where the data lives, for the startup log line."""
+        return str(self._root.resolve())
 
     def close(self) -> None:
         self._db.close()
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
+        with _translating():
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # ---- keys to paths (private) -----------------------------------------------------------
+    def _run_dir(self, run: str) -> Path:
+        return self._root / "runs" / run
+
+    def _round_dir(self, run: str, round_: int) -> Path:
+        return self._run_dir(run) / "rounds" / f"{round_:08d}"
+
+    def _path(self, key: Key) -> Path:
+        if isinstance(key, VersionKey):
+            return self._run_dir(key.run) / "versions" / f"{key.number:08d}.safetensors"
+        if isinstance(key, MomentumKey):
+            return self._run_dir(key.run) / "momentum" / f"{key.number:08d}.safetensors"
+        if isinstance(key, UpdateKey):
+            return self._round_dir(key.run, key.round) / f"{key.peer}.safetensors"
+        return self._round_dir(key.run, key.round) / "result.safetensors"
+
+    def _partials(self, run: str, round_: int | None = None, peer: str | None = None) -> Path:
+        path = self._tmp / "partials" / run
+        if round_ is not None:
+            path /= f"{round_:08d}"
+            if peer is not None:
+                path /= peer
+        return path
+
+    # ---- tensor files ------------------------------------------------------------------------
+    def exists(self, key: Key) -> bool:
+        return self._path(key).exists()
+
+    @_translated
+    def read(self, key: Key) -> TensorFile:
+        """A ranged reader (``pread`` a slice at a time); close it (it is a context manager)."""
+        return TensorFile(self._path(key))
+
+    @contextlib.contextmanager
+    def write(self, key: Key) -> Iterator[BlobWriter]:
+        """Write ``key`` all or nothing: a crash or an error leaves the old file or none."""
+        path = self._path(key)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        with _translating():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            yield self._db
+            try:
+                yield BlobWriter(fd)
+                with _translating():
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            with _translating():
+                _publish(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @_translated
+    def serve(self, key: Key) -> Blob:
+        """Open ``key`` for a download; :class:`Missing` if it is not there (pruned)."""
+        try:
+            return Blob(self._path(key))
+        except FileNotFoundError:
+            raise Missing(f"{key} is not stored") from None
+
+    # ---- uploads -----------------------------------------------------------------------------
+    def fresh_upload(self) -> Upload:
+        """Somewhere to receive a body that is not resumable (version 0)."""
+        return Upload(self._tmp / f"{uuid.uuid4().hex}.part", None)
+
+    @_translated
+    def resumable_upload(self, run: str, round_: int, peer: str, digest: str, *, supersede: bool = False) -> Upload:
+        """The partial upload of one update (``digest``: hex sha-256 of the body). With
+        ``supersede``, this peer's partials of other updates for the round go: it gave up on them."""
+        folder = self._partials(run, round_, peer)
+        path = folder / f"{digest}.part"
+        if supersede:
+            for stale in folder.glob("*.part"):
+                if stale != path:
+                    stale.unlink(missing_ok=True)
+        return Upload(path, self._tmp / f"{uuid.uuid4().hex}.part")
+
+    @_translated
+    def publish_initial(self, staged: Staged, run: str, schema: dict[str, tuple[int, ...]]) -> None:
+        """Version 0 of ``run``: its file, then the record that says it exists."""
+        _publish(staged._path, self._path(VersionKey(run, 0)))
+        with self._tx() as db:
+            db.execute("UPDATE runs SET schema = ?, version = 0 WHERE name = ?", (json.dumps(schema), run))
+
+    def acknowledge(self, staged: Staged, run: str, update: UpdateRecord) -> None:
+        """Store an update: its file, then its record (the acknowledgement's commit point). A
+        failure leaves neither."""
+        path = self._path(UpdateKey(run, update.round, update.peer))
+        try:
+            with _translating():
+                _publish(staged._path, path)
+            with self._tx() as db:
+                db.execute(
+                    "INSERT INTO updates VALUES (?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        run,
+                        update.round,
+                        update.peer,
+                        update.seq,
+                        update.digest,
+                        update.samples,
+                        json.dumps(update.metrics),
+                        update.nbytes,
+                        update.received,
+                        update.seconds,
+                    ),
+                )
         except BaseException:
-            self._db.execute("ROLLBACK")
+            path.unlink(missing_ok=True)
             raise
-        self._db.execute("COMMIT")
-
-    # ---- paths -------------------------------------------------------------------------
-    def run_dir(self, run: str) -> Path:
-        return self.root / "runs" / run
-
-    def version_path(self, run: str, version: int) -> Path:
-        return self.run_dir(run) / "versions" / f"{version:08d}.safetensors"
-
-    def momentum_path(self, run: str, version: int) -> Path:
-        return self.run_dir(run) / "momentum" / f"{version:08d}.safetensors"
-
-    def round_dir(self, run: str, round_: int) -> Path:
-        return self.run_dir(run) / "rounds" / f"{round_:08d}"
-
-    def update_path(self, run: str, round_: int, peer: str) -> Path:
-        return self.round_dir(run, round_) / f"{peer}.safetensors"
-
-    def result_path(self, run: str, round_: int) -> Path:
-        return self.round_dir(run, round_) / "result.safetensors"
-
-    def new_tmp(self) -> Path:
-        return self.tmp_dir / f"{uuid.uuid4().hex}.part"
-
-    def partial_path(self, run: str, round_: int, peer: str, digest: str) -> Path:
-        """Where the bytes of one update gather across attempts (``digest``: hex sha-256)."""
-        return self.tmp_dir / "partials" / run / f"{round_:08d}" / peer / f"{digest}.part"
 
     # ---- runs ----------------------------------------------------------------------------
+    @_translated
     def runs(self) -> list[RunRecord]:
         rows = self._db.execute("SELECT name, config, schema, version, created, sealed FROM runs").fetchall()
         return [
@@ -203,10 +540,6 @@ class Store:
                 (name, json.dumps(config), time.time()),
             )
 
-    def set_initial_version(self, run: str, schema: dict[str, tuple[int, ...]]) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE runs SET schema = ?, version = 0 WHERE name = ?", (json.dumps(schema), run))
-
     def seal(self, run: str, ranks: dict[str, int]) -> None:
         with self._tx() as db:
             db.execute("UPDATE runs SET sealed = 1 WHERE name = ?", (run,))
@@ -216,6 +549,7 @@ class Store:
             )
 
     # ---- peers ---------------------------------------------------------------------------
+    @_translated
     def peers(self, run: str) -> list[PeerRecord]:
         rows = self._db.execute(
             "SELECT name, rank, active_from, joined, left FROM peers WHERE run = ? ORDER BY joined", (run,)
@@ -230,32 +564,21 @@ class Store:
             )
 
     # ---- updates and rounds --------------------------------------------------------------
-    def add_update(self, run: str, update: UpdateRecord) -> None:
-        with self._tx() as db:
-            db.execute(
-                "INSERT INTO updates VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (
-                    run,
-                    update.round,
-                    update.peer,
-                    update.seq,
-                    update.digest,
-                    update.samples,
-                    json.dumps(update.metrics),
-                    update.nbytes,
-                    update.received,
-                    update.seconds,
-                ),
-            )
+    _UPDATE_COLUMNS = "peer, round, seq, digest, samples, metrics, nbytes, received, seconds"
 
+    @staticmethod
+    def _update(row: tuple[Any, ...]) -> UpdateRecord:
+        p, r, s, d, n, m, b, t, sec = row
+        return UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec)
+
+    @_translated
     def updates(self, run: str, round_: int) -> list[UpdateRecord]:
         rows = self._db.execute(
-            "SELECT peer, round, seq, digest, samples, metrics, nbytes, received, seconds FROM updates "
-            "WHERE run = ? AND round = ? ORDER BY seq",
-            (run, round_),
+            f"SELECT {self._UPDATE_COLUMNS} FROM updates WHERE run = ? AND round = ? ORDER BY seq", (run, round_)
         ).fetchall()
-        return [UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec) for p, r, s, d, n, m, b, t, sec in rows]
+        return [self._update(row) for row in rows]
 
+    @_translated
     def next_seq(self, run: str) -> int:
         (seq,) = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM updates WHERE run = ?", (run,)).fetchone()
         return int(seq)
@@ -280,6 +603,7 @@ class Store:
             )
             db.execute("UPDATE runs SET version = ? WHERE name = ?", (record.round + 1, run))
 
+    @_translated
     def rounds(self, run: str, limit: int = 50) -> list[RoundRecord]:
         rows = self._db.execute(
             "SELECT round, opened, closed, participants, dropped, samples, bytes_in, result_bytes, timings "
@@ -291,25 +615,24 @@ class Store:
             for r, o, c, p, d, s, b, rb, t in reversed(rows)
         ]
 
+    @_translated
     def round_metrics(self, run: str, limit: int = 500) -> list[UpdateRecord]:
         """The latest updates of a run (their metrics feed status and the dashboard)."""
         rows = self._db.execute(
-            "SELECT peer, round, seq, digest, samples, metrics, nbytes, received, seconds FROM updates "
-            "WHERE run = ? ORDER BY seq DESC LIMIT ?",
-            (run, limit),
+            f"SELECT {self._UPDATE_COLUMNS} FROM updates WHERE run = ? ORDER BY seq DESC LIMIT ?", (run, limit)
         ).fetchall()
-        return [UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec) for p, r, s, d, n, m, b, t, sec in reversed(rows)]
+        return [self._update(row) for row in reversed(rows)]
 
     # ---- housekeeping --------------------------------------------------------------------
+    @_translated
     def recover(self, run: str, version: int) -> None:
         """Remove what a crash may have left past the committed state of ``run``."""
         acked = {u.peer for u in self.updates(run, version)} if version >= 0 else set()
         for kind in ("versions", "momentum"):
-            for path in (self.run_dir(run) / kind).glob("*.safetensors"):
+            for path in (self._run_dir(run) / kind).glob("*.safetensors"):
                 if int(path.stem) > version:
                     path.unlink()
-        rounds = self.run_dir(run) / "rounds"
-        for path in rounds.glob("*"):
+        for path in (self._run_dir(run) / "rounds").glob("*"):
             if not path.is_dir():
                 continue
             if int(path.name) > version:
@@ -318,28 +641,30 @@ class Store:
                 for f in path.iterdir():
                     if f.name.startswith(".") or f.stem not in acked:
                         f.unlink()
-        for path in self.run_dir(run).rglob(".*.tmp"):
+        for path in self._run_dir(run).rglob(".*.tmp"):
             path.unlink()
 
+    @_translated
     def clear_tmp(self) -> None:
         """Drop uploads in flight, partials included: after a crash the peers start them again."""
-        for path in self.tmp_dir.iterdir():
+        for path in self._tmp.iterdir():
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
 
+    @_translated
     def prune(self, run: str, version: int, keep: int) -> None:
-        """Keep the last ``keep`` versions and round results; drop older files."""
+        """Keep the last ``keep`` versions and round results; drop older files, and the
+        partial uploads of closed rounds (they can never complete)."""
         floor = version - keep + 1
         for kind in ("versions", "momentum"):
-            for path in (self.run_dir(run) / kind).glob("*.safetensors"):
+            for path in (self._run_dir(run) / kind).glob("*.safetensors"):
                 if int(path.stem) < floor:
                     path.unlink(missing_ok=True)
-        for path in (self.run_dir(run) / "rounds").glob("*"):
+        for path in (self._run_dir(run) / "rounds").glob("*"):
             if path.is_dir() and int(path.name) < floor:
                 shutil.rmtree(path, ignore_errors=True)
-        # partial uploads for closed rounds can never complete
-        for path in (self.tmp_dir / "partials" / run).glob("*"):
+        for path in self._partials(run).glob("*"):
             if int(path.name) < version:
                 shutil.rmtree(path, ignore_errors=True)

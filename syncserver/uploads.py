@@ -26,26 +26,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import hashlib
 import math
-import os
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import anyio
 import numpy as np
 from anyio import to_thread
 
-from syncserver.errors import BadRequest, HubError, InvalidUpdate, OffsetMismatch, PayloadTooLarge, Unavailable
-from syncserver.writeback import start_writeback
-from syncwire import FormatError, HeaderReader, TensorInfo, read_tensors
+from syncserver.errors import BadRequest, HubError, InvalidUpdate, OffsetMismatch, PayloadTooLarge
+from syncserver.store import Missing, Staged, Upload
+from syncwire import FormatError, HeaderReader, TensorInfo
 from syncwire.format import MAX_HEADER_BYTES
 
-__all__ = ["BodyInterrupted", "Received", "check_finite", "disk_error", "partial_offset", "receive"]
+__all__ = ["BodyInterrupted", "Received", "partial_offset", "receive"]
 
 _BATCH = 8 << 20
 
@@ -101,22 +97,11 @@ class _FiniteScan:
 
 @dataclass
 class Received:
-    path: Path
+    staged: Staged  # the whole body, fsynced, waiting to be published or discarded
     nbytes: int
     digest: str  # hex sha-256 of the whole body
     infos: dict[str, TensorInfo]
     seconds: float
-
-
-def disk_error(exc: OSError | sqlite3.Error) -> Unavailable:
-    """The one translation of a storage failure: 503, and the caller has changed nothing."""
-    if isinstance(exc, sqlite3.Error):
-        if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
-            return Unavailable("the hub's disk is full; nothing was stored", retry_after=30)
-        return Unavailable(f"the hub cannot write its database ({exc}); nothing was stored", retry_after=30)
-    if exc.errno == errno.ENOSPC:
-        return Unavailable("the hub's disk is full; nothing was stored", retry_after=30)
-    return Unavailable(f"the hub cannot write its data dir ({exc.strerror}); nothing was stored", retry_after=30)
 
 
 class BodyInterrupted(Exception):
@@ -125,62 +110,55 @@ class BodyInterrupted(Exception):
 
 
 class _Writers:
-    """Which request writes each partial file (see the module docstring)."""
+    """Which request writes each partial upload (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._active: dict[Path, tuple[anyio.CancelScope, asyncio.Event]] = {}
+        self._active: dict[str, tuple[anyio.CancelScope, asyncio.Event]] = {}
 
-    async def settle(self, path: Path) -> None:
-        """Stop whoever writes ``path`` and wait until its file is flushed and closed."""
-        while (entry := self._active.get(path)) is not None:
+    async def settle(self, ident: str) -> None:
+        """Stop whoever writes ``ident`` and wait until its file is flushed and closed."""
+        while (entry := self._active.get(ident)) is not None:
             entry[0].cancel()
             await entry[1].wait()
 
     @contextlib.asynccontextmanager
-    async def claim(self, path: Path, scope: anyio.CancelScope) -> AsyncIterator[None]:
-        await self.settle(path)
+    async def claim(self, ident: str, scope: anyio.CancelScope) -> AsyncIterator[None]:
+        await self.settle(ident)
         done = asyncio.Event()
-        self._active[path] = (scope, done)
+        self._active[ident] = (scope, done)
         try:
             yield
         finally:
-            if self._active.get(path, (None,))[0] is scope:
-                del self._active[path]
+            if self._active.get(ident, (None,))[0] is scope:
+                del self._active[ident]
             done.set()
 
 
-# keyed by absolute path, so hubs sharing a process (tests) cannot collide
+# keyed by the upload's absolute path, so hubs sharing a process (tests) cannot collide
 _writers = _Writers()
 
 
-async def partial_offset(path: Path) -> int:
+async def partial_offset(upload: Upload) -> int:
     """How many bytes of a resumable upload the hub holds: the offset its retry starts from."""
-    await _writers.settle(path)
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
+    await _writers.settle(upload.ident)
+    return upload.held()
 
 
 class _Sink:
-    """File + hash + NaN scan, fed from a worker thread. ``offset`` > 0 appends to a partial file."""
+    """Upload + hash + NaN scan, fed from a worker thread. ``offset`` > 0 appends to a partial."""
 
-    def __init__(self, path: Path, offset: int = 0) -> None:
+    def __init__(self, upload: Upload, offset: int = 0) -> None:
         self.hash = hashlib.sha256()
         self.scan: _FiniteScan | None = None  # set once the header is known
-        path.parent.mkdir(parents=True, exist_ok=True)
         if offset:
-            size = path.stat().st_size if path.exists() else 0
-            if size < offset:
+            held = upload.held()
+            if held < offset:
                 raise OffsetMismatch(
-                    f"the hub holds {size} bytes of this upload, not {offset}; ask again (HEAD)",
-                    upload_offset=size,
+                    f"the hub holds {held} bytes of this upload, not {offset}; ask again (HEAD)",
+                    upload_offset=held,
                 )
-            self.file = open(path, "r+b", buffering=0)  # noqa: SIM115 (closed in finish/abort)
-            self.file.truncate(offset)  # same digest, same bytes: anything past offset is re-sent
-            self.file.seek(offset)
-        else:
-            self.file = open(path, "wb", buffering=0)  # noqa: SIM115 (closed in finish/abort)
+        upload.open(offset)
+        self.upload = upload
         self.position = offset  # body offset of the next byte
         self._flushed = offset  # writeback asked for up to here
 
@@ -194,105 +172,75 @@ class _Sink:
         self.hash.update(data)
         if self.scan is not None:
             self.scan.feed(self.position, data)
-        self.append([data])
+        self.upload.append([data])
         self.position += len(data)
         if self.position - self._flushed >= _BATCH:
-            start_writeback(self.file.fileno(), self._flushed, self.position - self._flushed)
+            self.upload.writeback(self._flushed, self.position - self._flushed)
             self._flushed = self.position
 
-    def append(self, chunks: list[bytes]) -> None:
-        """Write ``chunks`` at the end of the file (``writev``, at most IOV_MAX at a time)."""
-        views = [memoryview(c) for c in chunks if len(c)]
-        first, fd = 0, self.file.fileno()
-        while first < len(views):
-            written = os.writev(fd, views[first : first + 1024])
-            while first < len(views) and written >= len(views[first]):
-                written -= len(views[first])
-                first += 1
-            if written:
-                views[first] = views[first][written:]
-
-    def finish(self) -> None:
-        os.fsync(self.file.fileno())
-        self.file.close()
-
     def rescan(self, nbytes: int) -> None:
-        """Scan the first ``nbytes`` already in the file for NaN/Inf (a resumed body's start)."""
+        """Scan the first ``nbytes`` already held for NaN/Inf (a resumed body's start)."""
         assert self.scan is not None
-        with open(self.file.name, "rb") as f:
-            position = 0
-            while position < nbytes and (data := f.read(min(_BATCH, nbytes - position))):
-                self.scan.feed(position, data)
-                position += len(data)
+        position = 0
+        while position < nbytes and (data := self.upload.read(position, min(_BATCH, nbytes - position))):
+            self.scan.feed(position, data)
+            position += len(data)
 
     def replay(self, nbytes: int) -> bytes:
-        """Hash the first ``nbytes`` already in the file; return its first few MiB (the header)."""
+        """Hash the first ``nbytes`` already held; return its first few MiB (the header)."""
         head = b""
-        with open(self.file.name, "rb") as f:
-            while nbytes:
-                data = f.read(min(_BATCH, nbytes))
-                if not data:
-                    raise BadRequest("the partial upload is shorter than its offset")
-                self.hash.update(data)
-                if len(head) < 8 + MAX_HEADER_BYTES:
-                    head += data
-                nbytes -= len(data)
+        position = 0
+        while position < nbytes:
+            data = self.upload.read(position, min(_BATCH, nbytes - position))
+            if not data:
+                raise BadRequest("the partial upload is shorter than its offset")
+            self.hash.update(data)
+            if len(head) < 8 + MAX_HEADER_BYTES:
+                head += data
+            position += len(data)
         return head
 
 
 async def receive(
     chunks: AsyncIterator[bytes],
-    dest: Path,
+    upload: Upload,
     *,
     max_bytes: int,
     content_length: int | None,
     check_header: Callable[[dict[str, TensorInfo]], None],
     offset: int = 0,
-    resumable: bool = False,
-    complete_path: Path | None = None,
     idle_seconds: float | None = None,
 ) -> Received:
-    """Stream a safetensors body into ``dest`` (fsynced), checking its header on the way.
+    """Stream a safetensors body into ``upload`` (fsynced), checking its header on the way.
 
-    Raises a :class:`~syncserver.errors.HubError` on any problem, after removing ``dest``.
+    Raises a :class:`~syncserver.errors.HubError` on any problem, after discarding the upload.
     ``check_header`` raises :class:`FormatError` when the tensors are not the expected ones.
-    With ``resumable``, ``dest`` is the upload's partial file: ``offset`` of its bytes are
-    the body's start (``chunks`` bring the rest, ``content_length`` counts only those), and
-    it is kept when the body stops arriving (:class:`BodyInterrupted`); once whole it moves
-    to ``complete_path``, out of reach of the housekeeping that drops a closed round's partials
-    (:class:`BodyInterrupted` too if that already took it: the round closed meanwhile). ``idle_seconds``
-    bounds the wait for the next chunk: a peer whose link died silently must not hold an
-    upload slot open forever.
+    A resumable upload (:meth:`Store.resumable_upload`) starts with ``offset`` of its bytes
+    held (``chunks`` bring the rest, ``content_length`` counts only those), and is kept when
+    the body stops arriving (:class:`BodyInterrupted`); once whole it leaves the reach of the
+    housekeeping that drops a closed round's partials (:class:`BodyInterrupted` too if that
+    already took it: the round closed meanwhile). ``idle_seconds`` bounds the wait for the
+    next chunk: a peer whose link died silently must not hold an upload slot open forever.
     """
     if content_length is not None and offset + content_length > max_bytes:
         raise PayloadTooLarge(f"body of {offset + content_length} bytes is over the {max_bytes}-byte limit")
     idle = math.inf if idle_seconds is None else idle_seconds
     scope = anyio.CancelScope(deadline=anyio.current_time() + idle)
-    async with _writers.claim(dest, scope) if resumable else contextlib.nullcontext():
+    async with _writers.claim(upload.ident, scope) if upload.resumable else contextlib.nullcontext():
         with scope:
-            received = await _receive(
-                chunks, dest, scope, idle, max_bytes, content_length, check_header, offset, resumable
-            )
-            if complete_path is not None:
-                try:
-                    os.replace(dest, complete_path)
-                except FileNotFoundError:
-                    raise BodyInterrupted("the partial upload was removed as it arrived: its round closed") from None
-                received.path = complete_path
-            return received
+            return await _receive(chunks, upload, scope, idle, max_bytes, content_length, check_header, offset)
         raise BodyInterrupted(f"no body bytes for {idle}s, or a newer attempt at this upload took over")
 
 
 async def _receive(
     chunks: AsyncIterator[bytes],
-    dest: Path,
+    upload: Upload,
     scope: anyio.CancelScope,
     idle: float,
     max_bytes: int,
     content_length: int | None,
     check_header: Callable[[dict[str, TensorInfo]], None],
     offset: int,
-    resumable: bool,
 ) -> Received:
     started = time.monotonic()
     header = HeaderReader()
@@ -302,10 +250,7 @@ async def _receive(
     batched = 0  # their bytes
     pending: asyncio.Future[None] | None = None
     interrupted = False  # the body stopped arriving (as opposed to: it was refused)
-    try:
-        sink = _Sink(dest, offset)
-    except OSError as exc:
-        raise disk_error(exc) from exc
+    sink = _Sink(upload, offset)
 
     def take(chunk: bytes) -> None:
         """Count a chunk against the limits and parse the header out of the first ones."""
@@ -376,40 +321,23 @@ async def _receive(
         if received < expected:
             raise BadRequest(f"body is truncated: {received} of {expected} bytes arrived")
         await to_thread.run_sync(sink.write, batch)
-        await to_thread.run_sync(sink.finish)
+        try:
+            staged = await to_thread.run_sync(upload.finish)
+        except Missing as exc:
+            raise BodyInterrupted(str(exc)) from None
     except BaseException as exc:
         interrupted = interrupted or scope.cancel_called
         with anyio.CancelScope(shield=True):  # tidy up even when cancelled
             if pending is not None:
                 await asyncio.gather(pending, return_exceptions=True)
-            keep = resumable and interrupted and not isinstance(exc, HubError | OSError)
+            keep = upload.resumable and interrupted and not isinstance(exc, HubError)
             if keep:  # what did arrive stays for the retry
-                with contextlib.suppress(OSError):
-                    await to_thread.run_sync(sink.append, batch)
-            sink.file.close()
-            if not keep:
-                dest.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise disk_error(exc) from exc
-        if interrupted and not isinstance(exc, asyncio.CancelledError):
+                with contextlib.suppress(HubError):
+                    await to_thread.run_sync(upload.append, batch)
+                upload.close()
+            else:
+                upload.discard()
+        if interrupted and not isinstance(exc, asyncio.CancelledError | BodyInterrupted):
             raise BodyInterrupted(f"the body stopped after {received} bytes ({exc!r})") from exc
         raise
-    return Received(dest, received, sink.hash.hexdigest(), header.result[0], time.monotonic() - started)
-
-
-def check_finite(path: Path) -> None:
-    """Raise :class:`InvalidUpdate` if any floating-point value in the file is NaN or Inf.
-
-    Works on the wire tensors, whatever the codec: float parts with ``isfinite``, bfloat16
-    bits by their exponent. Integer parts (quantized values) are always finite.
-    """
-    arrays, _ = read_tensors(str(path))
-    for name, array in arrays.items():
-        if array.dtype == np.uint16 and array.size:  # bfloat16 bits: exponent all ones = Inf/NaN
-            bad = bool(((array & 0x7F80) == 0x7F80).any())
-        elif array.dtype.kind == "f":
-            bad = not bool(np.isfinite(array).all())
-        else:
-            continue
-        if bad:
-            raise InvalidUpdate(f"tensor {name!r} holds NaN or Inf values")
+    return Received(staged, received, sink.hash.hexdigest(), header.result[0], time.monotonic() - started)

@@ -27,6 +27,7 @@ import syncwire.codecs
 from syncclient import SyncClient
 from syncclient._model import ModelView
 from syncserver.errors import InvalidUpdate
+from syncserver.store import Store
 from syncserver.uploads import receive
 from syncwire import Codec, FormatError, decode_tensor, get_codec, iter_chunks, read_tensors
 from syncwire.codecs import slices
@@ -107,9 +108,10 @@ async def _pieces(data: bytes, seed: int) -> AsyncIterator[bytes]:
         i += n
 
 
-def _receive(data: bytes, dest: Path, seed: int = 0):  # type: ignore[no-untyped-def]
+def _receive(data: bytes, store: Store, seed: int = 0):  # type: ignore[no-untyped-def]
+    upload = store.fresh_upload()
     return asyncio.run(
-        receive(_pieces(data, seed), dest, max_bytes=len(data), content_length=len(data), check_header=lambda i: None)
+        receive(_pieces(data, seed), upload, max_bytes=len(data), content_length=len(data), check_header=lambda i: None)
     )
 
 
@@ -123,15 +125,19 @@ def test_the_scan_refuses_nan_and_inf_wherever_they_fall(tmp_path: Path, seed: i
         "b": (rng.integers(0, 0x7F00, 20_001)).astype(np.uint16),  # bits of finite bfloat16 values
     }
     good = _body(arrays)
-    received = _receive(good, tmp_path / "good", seed)
+    store = Store(tmp_path)
+    received = _receive(good, store, seed)
     assert received.digest == hashlib.sha256(good).hexdigest()
-    assert (tmp_path / "good").read_bytes() == good
+    with received.staged.reader() as stored:
+        for name, array in arrays.items():
+            assert np.array_equal(stored.read(name), array.reshape(-1))
+    received.staged.discard()
     for name, bad in [("a", np.float32(np.nan)), ("a", np.float32(-np.inf)), ("h", np.float16(np.inf)), ("b", 0x7FC0)]:
         poisoned = {k: v.copy() for k, v in arrays.items()}
         poisoned[name].reshape(-1)[int(rng.integers(poisoned[name].size))] = bad
         with pytest.raises(InvalidUpdate, match="NaN or Inf"):
-            _receive(_body(poisoned), tmp_path / f"bad-{name}", seed)
-        assert not (tmp_path / f"bad-{name}").exists(), "a refused body leaves no file"
+            _receive(_body(poisoned), store, seed)
+        assert not list((tmp_path / "tmp").iterdir()), "a refused body leaves no file"
 
 
 def test_tensor_file_reads_slices_like_the_memory_map(tmp_path: Path) -> None:

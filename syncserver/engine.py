@@ -1,0 +1,214 @@
+"""The merge engine: fold updates, merge a round, build versions. Tensor work only.
+
+Everything here runs in worker threads and works a slice at a time
+(:func:`syncwire.codecs.slices`): reads are ``pread`` of a few MB, temporaries stay a few MB,
+and the slices of a step are spread over one small thread pool, since numpy, ``pread`` and
+``pwrite`` release the GIL. Nothing here decides *when* (that is :mod:`syncserver.policy`)
+or touches HTTP; files are reached through :class:`~syncserver.store.Store` keys.
+
+A round's arithmetic::
+
+    acc     = sum over acknowledged updates u of samples(u) * decode(u)     (float32, O(1) models)
+    mean    = acc / sum of samples
+    result  = encode(outer_step(mean, momentum))                            -> ResultKey(v)
+    v + 1   = version v + decode(result)                                    -> VersionKey(v + 1)
+
+The hub and every peer apply the same decoded bytes, so all of them hold version v + 1 bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from syncserver import aggregate
+from syncserver.store import MomentumKey, ResultKey, Store, UpdateKey, VersionKey
+from syncwire import Codec, FormatError, Schema, layout_bytes, wire_layout, wire_name
+from syncwire.codecs import slices
+from syncwire.format import TensorFile, encode_header
+
+__all__ = ["Accumulator", "MergeEngine", "Outer", "SLICE_THREADS"]
+
+SLICE_THREADS = min(4, os.cpu_count() or 1)  # threads that fold and merge (see MergeEngine._each_slice)
+
+Work = Callable[[str, int, int, dict[str, tuple[int, int]]], None]
+
+
+@dataclass(frozen=True)
+class Outer:
+    """The outer optimizer of a run."""
+
+    kind: str  # "avg" or "diloco"
+    lr: float
+    momentum: float
+
+
+@dataclass
+class Accumulator:
+    """The open round's running sum: ``sum samples * decode(update)`` over folded updates."""
+
+    schema: Schema
+    sums: dict[str, np.ndarray] | None = None  # allocated at the first fold
+    folded: list[str] = field(default_factory=list)  # peers, in fold (= acknowledgement) order
+    samples: int = 0
+
+
+class MergeEngine:
+    """Fold, merge and version building for every run of one hub, on one slice pool."""
+
+    def __init__(self, store: Store, threads: int = SLICE_THREADS) -> None:
+        self.store = store
+        self.threads = threads
+        # the same few threads fold and merge every round: fresh threads each round would each
+        # get a fresh malloc arena, and the hub's memory crept up round after round
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="syncserver-slices")
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    # ---- per update ----------------------------------------------------------------------
+    def norm(self, wire: TensorFile, codec: Codec, schema: Schema) -> float:
+        """An update's L2 norm as decoded (for the norm guard), a slice at a time like the fold."""
+        return aggregate.global_norm(
+            codec.decode(_read_parts(wire, name, parts), (stop - start,))
+            for name, shape in schema.items()
+            for start, stop, parts in slices(codec, shape)
+        )
+
+    def fold(self, acc: Accumulator, key: UpdateKey, samples: int, codec: Codec) -> None:
+        """Fold one acknowledged update into ``acc``, a slice at a time.
+
+        The file is read with ``pread`` a few MB at a time and decoded slice by slice, so
+        folding holds one slice of temporaries, whatever the model's size.
+        """
+        if acc.sums is None:
+            acc.sums = {name: np.zeros(shape, np.float32) for name, shape in acc.schema.items()}
+        sums = acc.sums
+        with self.store.read(key) as wire:
+
+            def fold(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
+                decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))
+                aggregate.fold(sums[name].reshape(-1)[start:stop], decoded, samples)
+
+            self._each_slice(codec, acc.schema, fold)
+        acc.folded.append(key.peer)
+        acc.samples += samples
+
+    # ---- per round -----------------------------------------------------------------------
+    def merge(self, run: str, round_: int, acc: Accumulator, codec: Codec, outer: Outer) -> int:
+        """Write round ``round_``'s result and DiLoCo momentum; return the result's size.
+
+        The result is the encoded global update ``U``. Version v+1 (``version v + decode(U)``,
+        exactly what every peer computes from the same bytes) is not written here but after
+        the commit (:meth:`build_versions`): it can always be rebuilt from version v and the
+        durable result, so its 4 bytes per parameter stay off the time every peer waits.
+        The momentum is read with ``pread`` (no mapping that would count in the RSS); each
+        slice's writeback starts as soon as it is written, so the fsyncs before the commit
+        wait for little more than the last slices.
+        """
+        if acc.sums is None or acc.samples <= 0:
+            raise ValueError(f"round {round_} of run {run!r} has nothing folded to merge")
+        schema, sums, v = acc.schema, acc.sums, round_
+        total = np.float32(acc.samples)
+        diloco = outer.kind == "diloco"
+        result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
+        meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
+        result_head, result_at = _header(result_layout, meta)
+        momentum_head, momentum_at = _header(_fp32_layout(schema), {"version": str(v + 1)})
+        with contextlib.ExitStack() as files:
+            has_old = diloco and self.store.exists(MomentumKey(run, v))
+            old_momentum = files.enter_context(self.store.read(MomentumKey(run, v))) if has_old else None
+            result = files.enter_context(self.store.write(ResultKey(run, v)))
+            mom = files.enter_context(self.store.write(MomentumKey(run, v + 1))) if diloco else None
+            result.write(result_head)
+            if mom is not None:
+                mom.write(momentum_head)
+
+            def merge(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
+                n = stop - start
+                mean = sums[name].reshape(-1)[start:stop] / total
+                m_old = (
+                    old_momentum.read(name, start, stop)
+                    if old_momentum is not None
+                    else (np.zeros(n, np.float32) if diloco else None)
+                )
+                update, m_new = aggregate.outer_step(outer.kind, mean, m_old, lr=outer.lr, mu=outer.momentum)
+                encoded = codec.encode(update)
+                for suffix, (first, count) in parts.items():
+                    part = np.ascontiguousarray(encoded[suffix]).reshape(-1)
+                    if part.size != count:
+                        raise FormatError(f"codec {codec.spec}: a slice's part {suffix!r} has {part.size} values")
+                    result.write_at(part, result_at[wire_name(name, suffix)] + first * part.itemsize)
+                if mom is not None and m_new is not None:
+                    mom.write_at(np.ascontiguousarray(m_new, np.float32), momentum_at[name] + start * 4)
+
+            self._each_slice(codec, schema, merge)
+        return len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
+
+    def build_versions(self, run: str, target: int, codec: Codec, schema: Schema) -> None:
+        """Write every missing version file up to ``target`` from the last one stored and the
+        rounds' results: ``version j+1 = version j + decode(result j)``."""
+        first = target
+        while first > 0 and not self.store.exists(VersionKey(run, first)):
+            first -= 1
+        for v in range(first, target):
+            self._next_version(run, v, codec, schema)
+
+    def _next_version(self, run: str, v: int, codec: Codec, schema: Schema) -> None:
+        head, at = _header(_fp32_layout(schema), {"version": str(v + 1)})
+        with contextlib.ExitStack() as files:
+            current = files.enter_context(self.store.read(VersionKey(run, v)))
+            result = files.enter_context(self.store.read(ResultKey(run, v)))
+            version = files.enter_context(self.store.write(VersionKey(run, v + 1)))
+            version.write(head)
+
+            def add(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
+                new = current.read(name, start, stop)
+                np.add(new, codec.decode(_read_parts(result, name, parts), (stop - start,)), out=new)
+                version.write_at(new, at[name] + start * 4)
+
+            self._each_slice(codec, schema, add)
+
+    def _each_slice(self, codec: Codec, schema: Schema, work: Work) -> None:
+        """Run ``work(name, start, stop, parts)`` for every slice of every tensor, on the pool.
+
+        Closing a round is the one time the peers all wait on the hub, and a single thread left
+        the other cores idle. Slices are independent (each reads and writes only its own values
+        and file offsets), so the threads give the same bytes as one thread, in any order.
+        """
+        jobs = [(name, *piece) for name, shape in schema.items() for piece in slices(codec, shape)]
+        if self.threads == 1 or len(jobs) == 1:
+            for job in jobs:
+                work(*job)
+            return
+        futures = [self._pool.submit(work, *job) for job in jobs]
+        try:
+            for future in futures:
+                future.result()  # re-raises the first failure
+        finally:
+            for future in futures:
+                future.cancel()  # after a failure: the rest is moot (a cancelled round starts over)
+            wait(futures)  # nothing may still write to the files the caller is about to discard
+
+
+def _read_parts(wire: TensorFile, name: str, parts: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
+    """One slice of tensor ``name``'s wire parts (``parts``: suffix -> (first value, count))."""
+    return {
+        suffix: wire.read(wire_name(name, suffix), first, first + count) for suffix, (first, count) in parts.items()
+    }
+
+
+def _fp32_layout(schema: Schema) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The layout of a version (and of a DiLoCo momentum) file: every tensor in float32."""
+    return [(name, "F32", shape) for name, shape in schema.items()]
+
+
+def _header(layout: Iterable[tuple[str, str, tuple[int, ...]]], meta: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+    """A safetensors header for ``layout`` and each tensor's byte offset in the file."""
+    head, infos = encode_header(layout, meta)
+    return head, {i.name: len(head) + i.start for i in infos}

@@ -1,0 +1,428 @@
+"""Receiving updates and closing rounds: admission, acknowledgement, the norm guard, folding,
+the close itself and the version files written after it.
+
+An update is acknowledged once its body is complete, verified (digest, layout, finite values;
+the norm guard when on), durable and recorded in sqlite; it is then folded into the round's
+float32 accumulator in acknowledgement order (so a hub restarted after a crash rebuilds the
+very same sums from the files). The policy (:mod:`syncserver.policy`) says when a round
+closes; the engine (:mod:`syncserver.engine`) does the tensor work; a round commits once its
+result (the encoded merged update) is durable, and the file of version v+1 is written after
+that, since it is ``version v + decode(result)``: a restarted hub rebuilds what a crash left
+unwritten, and pulls wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from anyio import to_thread
+
+from syncserver import aggregate
+from syncserver.engine import MergeEngine
+from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, PoisonedUpdate, RoundClosed
+from syncserver.policy import Close
+from syncserver.settings import HubSettings
+from syncserver.state import Run, now
+from syncserver.store import RoundRecord, Store, UpdateKey, UpdateRecord, Upload, VersionKey
+from syncserver.uploads import Received
+from syncserver.view import HubView
+from syncwire import FormatError, TensorInfo, check_layout, layout_bytes, wire_layout
+from syncwire.format import MAX_HEADER_BYTES, encode_header
+
+__all__ = ["MAX_SAMPLES", "Rounds", "Ticket"]
+
+log = logging.getLogger(__name__)
+
+MAX_SAMPLES = 2**53  # an update's weight: exact as a float, and it fits sqlite's INTEGER
+HEADER_SLACK = 64 * 1024  # bytes an update's safetensors header may exceed twice the run's own
+
+Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
+
+
+@dataclass
+class Ticket:
+    """Permission to stream one body: what it must look like and where it goes. A ticket for an
+    update the hub already holds carries that update's acknowledgement and needs no body."""
+
+    run: str
+    round: int  # -1: version 0
+    peer: str
+    digest: str
+    samples: int
+    metrics: dict[str, float]
+    max_bytes: int
+    check_header: Callable[[dict[str, TensorInfo]], None]
+    upload: Upload | None = None
+    acknowledged: dict[str, Any] | None = None
+
+
+def _ack(update: UpdateRecord, repeat: bool = False) -> dict[str, Any]:
+    return {
+        "round": update.round,
+        "peer": update.peer,
+        "seq": update.seq,
+        "samples": update.samples,
+        "bytes": update.nbytes,
+        "repeat": repeat,
+    }
+
+
+def _check_initial(infos: dict[str, TensorInfo]) -> None:
+    """Version 0: any float32 tensors will do, they define the run's schema."""
+    if not infos:
+        raise FormatError("version 0 holds no tensors")
+    for name, info in infos.items():
+        if info.dtype != "F32":
+            raise FormatError(f"version 0 must be float32; tensor {name!r} is {info.dtype}")
+        if ":" in name or not name or len(name) > 512:
+            raise FormatError(f"tensor name {name!r} is not allowed (no ':', 1-512 characters)")
+
+
+def _refuse_body(infos: dict[str, TensorInfo]) -> None:
+    raise FormatError("this update is acknowledged already: send no body")
+
+
+class Rounds:
+    """The open round of every run: tickets, acknowledgements, folds, closes, version files."""
+
+    def __init__(self, settings: HubSettings, store: Store, engine: MergeEngine, view: HubView) -> None:
+        self.settings = settings
+        self.store = store
+        self.engine = engine
+        self.view = view
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.versions = VersionFiles(settings, store, engine, self._spawn)
+
+    def recover(self, run: Run) -> None:
+        """Reload the open round's acknowledged updates (a restart) and rebuild missing versions."""
+        if run.version < 0:
+            return
+        for update in self.store.updates(run.name, run.version):
+            run.acked[update.peer] = update
+            run.policy.restore_update(update.peer, now())  # its deadline starts afresh
+        if run.acked:
+            run.opened = min(u.received for u in run.acked.values())
+        if run.version > 0 and not self.store.exists(VersionKey(run.name, run.version)):
+            self.versions.start(run)  # killed between a commit and its version's rename
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            with contextlib.suppress(Exception):
+                await task
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- version 0 -----------------------------------------------------------------------
+    def init_ticket(self, run: Run, peer: str) -> Ticket:
+        """May this peer upload version 0?"""
+        if run.version >= 0:
+            raise Conflict(f"run {run.name!r} already has version 0", current_version=run.version)
+        if run.init_claim != peer:
+            raise Conflict(f"peer {run.init_claim!r} is initialising run {run.name!r}, not {peer!r}")
+        return Ticket(
+            run.name, -1, peer, "", 0, {}, self.settings.max_body_bytes, _check_initial, self.store.fresh_upload()
+        )
+
+    def commit_init(self, run: Run, ticket: Ticket, received: Received) -> dict[str, Any]:
+        if run.version >= 0 or run.init_claim != ticket.peer:
+            received.staged.discard()
+            raise Conflict(f"run {run.name!r} was initialised by another peer", current_version=run.version)
+        order = sorted(received.infos.values(), key=lambda i: i.start)
+        schema = {i.name: i.shape for i in order}
+        try:
+            self.store.publish_initial(received.staged, run.name, schema)
+        finally:
+            received.staged.discard()
+        run.schema, run.version, run.init_claim = schema, 0, None
+        run.policy.begin(0)
+        log.info("version0 run=%s peer=%s tensors=%d bytes=%d", run.name, ticket.peer, len(schema), received.nbytes)
+        return {"version": 0, "tensors": len(schema), "bytes": received.nbytes}
+
+    # ---- updates -------------------------------------------------------------------------
+    async def update_ticket(
+        self,
+        run: Run,
+        round_: int,
+        peer: str,
+        digest: str,
+        samples: int,
+        metrics: dict[str, float],
+        *,
+        supersede: bool = False,
+    ) -> Ticket:
+        """Check an update may be sent before its body is read; a repeat gets its old ack.
+        With ``supersede`` (a PUT, not a HEAD), what the peer held of other updates for this
+        round goes: it gave up on them."""
+        if not 1 <= samples <= MAX_SAMPLES:
+            raise InvalidUpdate(f"samples must be a count from 1 to {MAX_SAMPLES}, got {samples}")
+        repeat = self._acknowledged(run, round_, peer, digest)
+        if repeat is not None:
+            return Ticket(run.name, round_, peer, digest, samples, metrics, 0, _refuse_body, acknowledged=repeat)
+        await self._check_open(run, round_)
+        assert run.schema is not None
+        layout = wire_layout(run.codec, run.schema)
+
+        def check(infos: dict[str, TensorInfo]) -> None:
+            check_layout(infos, layout)
+
+        # the header may be a few times the size of the run's own (other writers pad it, add
+        # metadata), not the format's 8 MiB cap: a small run's limit stays small
+        own_header, _ = encode_header((name, dtype, shape) for name, (dtype, shape) in layout.items())
+        header_cap = min(MAX_HEADER_BYTES, 2 * len(own_header) + HEADER_SLACK)
+        max_bytes = min(8 + header_cap + layout_bytes(layout), self.settings.max_body_bytes)
+        upload = self.store.resumable_upload(run.name, round_, peer, digest, supersede=supersede)
+        return Ticket(run.name, round_, peer, digest, samples, metrics, max_bytes, check, upload)
+
+    def _acknowledged(self, run: Run, round_: int, peer: str, digest: str) -> dict[str, Any] | None:
+        """Idempotency: the same update again is harmless, a different one is a conflict."""
+        if round_ == run.version:
+            previous = run.acked.get(peer)
+        else:
+            previous = next((u for u in self.store.updates(run.name, round_) if u.peer == peer), None)
+        if previous is None:
+            return None
+        if previous.digest != digest:
+            raise Conflict(
+                f"peer {peer!r} already has a different update acknowledged for round {round_}",
+                current_version=run.version,
+            )
+        return _ack(previous, repeat=True)
+
+    async def _check_open(self, run: Run, round_: int) -> None:
+        if run.version < 0 or not run.sealed:
+            raise Conflict(f"run {run.name!r} has not started yet", current_version=run.version)
+        if run.closing and round_ == run.version:
+            # it is about to close without this update: answer once the new version exists,
+            # so that the peer's catch-up finds it
+            while run.closing:
+                await run.changed.wait()
+        if round_ < run.version:
+            raise RoundClosed(
+                f"round {round_} closed without this update; the run is at version {run.version}",
+                current_version=run.version,
+            )
+        if round_ > run.version:
+            raise Conflict(
+                f"round {round_} is not open; the run is at version {run.version}", current_version=run.version
+            )
+
+    @contextlib.contextmanager
+    def uploading(self, run: Run, peer: str) -> Iterator[None]:
+        """The peer's update body is streaming in (the dashboard shows it)."""
+        run.uploading.add(peer)
+        self.view.changed(run)
+        try:
+            yield
+        finally:
+            run.uploading.discard(peer)
+            self.view.changed(run)
+
+    async def commit_update(self, run: Run, ticket: Ticket, received: Received) -> dict[str, Any]:
+        """Acknowledge a fully received update: verify, make durable, record, fold."""
+        try:
+            if received.digest != ticket.digest:
+                raise BadRequest(f"body digest sha-256 {received.digest} does not match Content-Digest {ticket.digest}")
+            norm = await to_thread.run_sync(self._norm, run, received) if run.config.norm_guard else None
+            repeat = self._acknowledged(run, ticket.round, ticket.peer, ticket.digest)
+            if repeat is not None:
+                return repeat
+            await self._check_open(run, ticket.round)
+            self._guard(run, ticket.peer, norm)
+            update = UpdateRecord(
+                ticket.peer,
+                ticket.round,
+                self.store.next_seq(run.name),
+                ticket.digest,
+                ticket.samples,
+                ticket.metrics,
+                received.nbytes,
+                time.time(),
+                received.seconds,
+            )
+            self.store.acknowledge(received.staged, run.name, update)  # the acknowledgement's commit point
+        finally:
+            received.staged.discard()
+        run.acked[ticket.peer] = update
+        if norm is not None:
+            run.norms[ticket.peer] = norm
+        if run.opened is None:
+            run.opened = update.received
+        peer = run.peers[ticket.peer]
+        if peer.last_update_at is not None and update.received > peer.last_update_at:
+            peer.rate = ticket.samples / (update.received - peer.last_update_at)
+        peer.last_update_at = update.received
+        peer.samples += ticket.samples
+        peer.bytes_up += received.nbytes
+        log.info(
+            "update_acked run=%s round=%d peer=%s samples=%d mb=%.3f upload_s=%.3f",
+            run.name,
+            ticket.round,
+            ticket.peer,
+            ticket.samples,
+            received.nbytes / 1e6,
+            received.seconds,
+        )
+        close = run.policy.acknowledged(ticket.peer, now())
+        self.view.updated(run, update)
+        await self._fold_pending(run)
+        self.carry_out(run, close or run.policy.decide(now()))
+        return _ack(update)
+
+    def _norm(self, run: Run, received: Received) -> float:
+        """Worker thread: the update's L2 norm as decoded. (NaN/Inf were refused as it streamed in.)"""
+        assert run.schema is not None
+        with received.staged.reader() as wire:
+            return self.engine.norm(wire, run.codec, run.schema)
+
+    def _guard(self, run: Run, peer: str, norm: float | None) -> None:
+        """The poisoned-update guard: refuse an update far above the usual norm, before it is
+        acknowledged, so that it never reaches the average; the round stops waiting for its peer."""
+        factor = run.config.norm_guard
+        if factor is None or norm is None:
+            return
+        median = aggregate.norm_outlier(norm, [*run.previous_norms, *run.norms.values()], factor)
+        if median is None:
+            return
+        log.warning(
+            "update_rejected run=%s round=%d peer=%s norm=%.4g median=%.4g factor=%g",
+            run.name,
+            run.version,
+            peer,
+            norm,
+            median,
+            factor,
+        )
+        self.carry_out(run, run.policy.refuse(peer, now()))
+        self.view.changed(run)
+        raise PoisonedUpdate(
+            f"update norm {norm:.4g} is over {factor:g} x the median {median:.4g} of accepted updates; "
+            "it was not applied",
+            norm=norm,
+            median=median,
+            factor=factor,
+        )
+
+    # ---- folding and closing -------------------------------------------------------------
+    async def _fold_pending(self, run: Run) -> None:
+        """Fold every acknowledged, not yet folded update, in acknowledgement order."""
+        async with run.fold_lock:
+            acc = run.accumulator()
+            for update in sorted(run.acked.values(), key=lambda u: u.seq):
+                if update.peer not in acc.folded:
+                    key = UpdateKey(run.name, update.round, update.peer)
+                    await to_thread.run_sync(self.engine.fold, acc, key, update.samples, run.codec)
+
+    def decide(self, run: Run) -> None:
+        """Ask the policy again (time passed)."""
+        self.carry_out(run, run.policy.decide(now()))
+
+    def carry_out(self, run: Run, close: Close | None) -> None:
+        if close is not None:
+            self._spawn(self._close(run, close))
+
+    async def _close(self, run: Run, close: Close) -> None:
+        started = time.monotonic()
+        try:
+            await self._fold_pending(run)
+            async with run.fold_lock:
+                folded = time.monotonic()
+                acc = run.accumulator()
+                outer = run.config.outer_optimizer
+                result_bytes = await to_thread.run_sync(self.engine.merge, run.name, close.round, acc, run.codec, outer)
+            updates = [run.acked[name] for name in close.participants]
+            assert run.opened is not None
+            record = RoundRecord(
+                round=close.round,
+                opened=run.opened,
+                closed=time.time(),
+                participants=list(close.participants),
+                dropped=list(close.dropped),
+                samples=sum(u.samples for u in updates),
+                bytes_in=sum(u.nbytes for u in updates),
+                result_bytes=result_bytes,
+                timings={"fold": folded - started, "merge": time.monotonic() - folded},
+            )
+            self.store.commit_round(run.name, record)
+        except Exception:
+            log.exception("round_close_failed run=%s round=%d (will retry)", run.name, close.round)
+            run.policy.abandoned()
+            self.view.changed(run)
+            return
+        run.policy.committed(close)
+        run.version = close.round + 1
+        run.acked, run.acc, run.opened = {}, None, None
+        if run.norms:
+            run.previous_norms = list(run.norms.values())
+        run.norms = {}
+        for name in close.dropped:
+            log.warning("straggler_dropped run=%s round=%d peer=%s", run.name, close.round, name)
+        log.info(
+            "round_closed run=%s round=%d version=%d peers=%d dropped=%d samples=%d mb_in=%.3f mb_out=%.3f "
+            "fold_s=%.3f merge_s=%.3f wall_s=%.3f",
+            run.name,
+            close.round,
+            run.version,
+            len(record.participants),
+            len(record.dropped),
+            record.samples,
+            record.bytes_in / 1e6,
+            record.result_bytes / 1e6,
+            record.timings["fold"],
+            record.timings["merge"],
+            record.closed - record.opened,
+        )
+        self.versions.start(run)
+        self.view.closed(run, record)
+
+    def gone(self, run: Run, round_: int) -> Gone:
+        return Gone(f"round {round_}'s result was pruned; pull the model", current_version=run.version)
+
+
+class VersionFiles:
+    """Writes the file of each committed version after its commit (``version v + decode(result
+    v)``), then prunes; pulls of a version wait for its file."""
+
+    def __init__(self, settings: HubSettings, store: Store, engine: MergeEngine, spawn: Spawn) -> None:
+        self.settings = settings
+        self.store = store
+        self.engine = engine
+        self._spawn = spawn
+
+    def start(self, run: Run) -> None:
+        """Start writing the files of the committed versions that have none (after a commit,
+        or at start after a crash between a commit and its version's rename), then prune."""
+        if run.writing is None or run.writing.done():
+            run.writing = self._spawn(self._write(run))
+            run.writing.add_done_callback(_log_version_failure)
+
+    async def _write(self, run: Run) -> None:
+        assert run.schema is not None
+        while True:
+            target = run.version
+            await to_thread.run_sync(self.engine.build_versions, run.name, target, run.codec, run.schema)
+            with contextlib.suppress(Exception):  # housekeeping: a failure here loses nothing
+                self.store.prune(run.name, target, self.settings.keep_versions)
+            if run.version == target:  # else rounds closed meanwhile
+                return
+
+    async def written(self, run: Run) -> None:
+        """Until the version files being written are (re-raising the failure of that write)."""
+        self.start(run)
+        assert run.writing is not None
+        await asyncio.shield(run.writing)
+
+
+def _log_version_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        # the results are durable, so nothing is lost: the next pull or commit retries
+        log.error("version_write_failed: %r (will retry)", task.exception())

@@ -1,0 +1,184 @@
+"""The read-only view of a hub's runs: what status, the dashboard and the metrics read.
+
+The coordinator tells the view of every change (:meth:`HubView.changed`) and of the events
+the metrics count (an acknowledged update, a closed round, a finished download); the view
+wakes whoever waits for a change (the dashboard's long poll) and calls its listeners. Readers
+never touch the coordinator, its policies or its locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from syncserver.errors import NotFound
+from syncserver.policy import PeerState
+from syncserver.state import Run
+from syncserver.store import RoundRecord, Store, UpdateRecord
+
+__all__ = ["HubView", "Listeners", "RunFacts"]
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """A run's numbers, as the metrics export them."""
+
+    run: str
+    version: int
+    peers: dict[PeerState, int]  # by state
+    open_updates: int  # acknowledged in the open round
+    bytes_up: int  # update bytes received
+    bytes_down: int  # result and model bytes served
+
+
+@dataclass
+class Listeners:
+    """Observers called on the event loop; they must be cheap."""
+
+    update: list[Callable[[str, UpdateRecord], None]] = field(default_factory=list)  # after an ack
+    round: list[Callable[[str, RoundRecord], None]] = field(default_factory=list)  # after a commit
+    download: list[Callable[[str, int, str, float], None]] = field(default_factory=list)  # (run, round, peer, s)
+
+
+class HubView:
+    """Read the runs of one hub; be told when they change."""
+
+    def __init__(self, runs: dict[str, Run], store: Store, lease_seconds: float) -> None:
+        self._runs = runs
+        self.store = store
+        self.lease_seconds = lease_seconds
+        self.listeners = Listeners()
+        self._changed = asyncio.Event()
+
+    # ---- events (from the coordinator) -------------------------------------------------
+    def changed(self, run: Run | None = None) -> None:
+        """Something a reader shows changed: wake the run's waiters and the view's."""
+        if run is not None:
+            run.notify()
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def updated(self, run: Run, update: UpdateRecord) -> None:
+        for listener in self.listeners.update:
+            listener(run.name, update)
+        self.changed(run)
+
+    def closed(self, run: Run, record: RoundRecord) -> None:
+        for listener in self.listeners.round:
+            listener(run.name, record)
+        self.changed(run)
+
+    def downloaded(self, run: Run, round_: int, peer: str, seconds: float) -> None:
+        for listener in self.listeners.download:
+            listener(run.name, round_, peer, seconds)
+        self.changed(run)
+
+    async def wait(self, timeout: float) -> None:
+        """Until the next change, or ``timeout`` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+    # ---- reading -------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._runs)
+
+    def get(self, name: str) -> Run:
+        try:
+            return self._runs[name]
+        except KeyError:
+            raise NotFound(f"unknown run {name!r}") from None
+
+    def find(self, name: str | None) -> Run | None:
+        return self._runs.get(name) if name else None
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "run": r.name,
+                "version": r.version,
+                "peers": len(r.policy.live),
+                "codec": r.config.codec,
+                "outer": r.config.outer,
+            }
+            for r in self._runs.values()
+        ]
+
+    def peer_states(self, run: Run) -> dict[PeerState, int]:
+        states = {state: 0 for state in PeerState}
+        for name in run.peers:
+            states[run.policy.state(name)] += 1
+        return states
+
+    def facts(self) -> list[RunFacts]:
+        return [
+            RunFacts(
+                run.name,
+                run.version,
+                self.peer_states(run),
+                len(run.acked),
+                sum(p.bytes_up for p in run.peers.values()),
+                sum(p.bytes_down for p in run.peers.values()),
+            )
+            for run in self._runs.values()
+        ]
+
+    def status(self, name: str) -> dict[str, Any]:
+        run = self.get(name)
+        now = time.monotonic()
+        policy = run.policy
+        deadline = policy.deadline
+        return {
+            "run": run.name,
+            "version": run.version,
+            "config": run.config.__dict__,
+            "sealed": run.sealed,
+            "world_size": run.world_size(),
+            "tensors": len(run.schema or {}),
+            "parameters": sum(math.prod(s) for s in (run.schema or {}).values()),
+            "open_round": {
+                "round": run.version,
+                "submitted": sorted(run.acked),
+                "uploading": sorted(run.uploading),
+                "closing": run.closing,
+                "rejected": sorted(policy.refused),
+                "seconds_left": None if deadline is None else max(0.0, deadline - now),
+            },
+            "peers": [
+                {
+                    "peer": p.name,
+                    "rank": p.rank,
+                    "state": policy.state(p.name).value,
+                    "last_seen_seconds": round(now - policy.members[p.name].last_seen, 3),
+                    "active_from": policy.members[p.name].active_from,
+                    "samples": p.samples,
+                    "samples_per_second": round(p.rate, 3),
+                    "bytes_up": p.bytes_up,
+                    "bytes_down": p.bytes_down,
+                }
+                for p in sorted(run.peers.values(), key=lambda p: (p.rank is None, p.rank, p.name))
+            ],
+            "rounds": [r.__dict__ for r in self.store.rounds(run.name)],
+            "updates": [u.__dict__ for u in self.store.round_metrics(run.name)],
+        }
+
+    def fingerprint(self, run: Run | None) -> str:
+        """Changes whenever anything status shows changes (but the ages of last-seen times)."""
+        parts: list[Any] = [sorted((r.name, r.version, len(r.policy.live)) for r in self._runs.values())]
+        if run is not None:
+            parts += [
+                run.version,
+                sorted(run.acked),
+                sorted(run.uploading),
+                run.closing,
+                sorted(run.policy.live),
+                sorted((name, run.policy.state(name).value, p.rank) for name, p in run.peers.items()),
+                sorted((r, sorted(peers)) for r, peers in run.downloads.items()),
+            ]
+        return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
