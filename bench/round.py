@@ -210,7 +210,7 @@ class Peer:
         info = self.client.join(self.model)
         # The benchmark's only reach into the client: httpx event hooks time the first upload
         # byte (the PUT is sent), the ack (its response) and the result (200 response headers).
-        self.client._http.event_hooks = {"request": [self._on_request], "response": [self._on_response]}
+        self.client._transport.http.event_hooks = {"request": [self._on_request], "response": [self._on_response]}
         return {"version": info.version, "rank": info.rank, "digest": _digest(self.view)}
 
     def _on_request(self, request: Any) -> None:

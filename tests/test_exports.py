@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
+
 import syncclient
 import syncserver
 import syncwire
@@ -27,6 +32,34 @@ def test_syncclient_exports() -> None:
     )
     for name in syncclient.__all__:
         assert getattr(syncclient, name).__module__.startswith("syncclient")
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter: this one may have imported transformers already."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_sync_client_does_not_import_transformers() -> None:
+    """``pip install 'weightsync[client]'`` has no transformers: SyncCallback loads on first use."""
+    done = _python(
+        "import sys, syncclient\n"
+        "assert 'transformers' not in sys.modules, 'import syncclient pulled transformers'\n"
+        "syncclient.SyncCallback\n"
+        "assert 'transformers' in sys.modules"
+    )
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [
+        ("sys.modules['transformers'] = None; syncclient.SyncCallback", "ImportError: SyncCallback needs transformers"),
+        ("syncclient.SyncCallbak", "AttributeError: module 'syncclient' has no attribute 'SyncCallbak'"),
+    ],
+)
+def test_lazy_attributes_fail_clearly(code: str, error: str) -> None:
+    done = _python(f"import sys, syncclient; {code}")
+    assert done.returncode == 1 and error in done.stderr, done.stderr
 
 
 def test_syncserver_exports() -> None:

@@ -108,7 +108,7 @@ def test_apply_is_the_merged_version_plus_the_steps_taken_meanwhile(hub: Hub, co
         assert 0 <= result.stall_seconds <= result.seconds
         for name, value in weights(models[i]).items():
             # base' is the hub's version bit for bit, on both peers
-            assert np.array_equal(clients[i]._base[name], v1[name]), (i, name)  # type: ignore[index]
+            assert np.array_equal(clients[i]._state.base[name], v1[name]), (i, name)  # type: ignore[union-attr]
             # and the model is base' + (x_now - x_t), computed the same way: bit for bit
             expected = v1[name] + (x_k[i][name] - x_t[i][name])
             assert np.array_equal(value, expected), (i, name)

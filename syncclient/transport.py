@@ -1,0 +1,355 @@
+"""How the SDK talks to a hub: one httpx client, retries, resumable transfers, one error map.
+
+Retries: connect errors, timeouts, 5xx, 429 and 503 are retried with capped exponential
+backoff and jitter (tenacity), honouring ``Retry-After``, for ``retry_seconds`` in all;
+uploads are idempotent per (peer, round) on the hub, so a retried upload is never applied
+twice. Then :class:`~syncclient.exceptions.HubUnreachable`. A TLS setup error (an untrusted
+certificate, https:// to a plain-HTTP hub) is not retried: it fails at once with what to do.
+
+Uploads resume: before retrying a resumable upload, the transport asks the hub (``HEAD`` with
+the same headers) how many bytes of this very body (same ``Content-Digest``) it holds, and
+sends only the rest with ``Upload-Offset``; the hub verifies the digest over the whole body at
+the end. Downloads resume with HTTP ``Range`` (and ``If-Range``, so a changed file starts over).
+
+Errors are translated in one place, :meth:`Transport._errors`, as httpx translates httpcore's
+(``map_httpcore_exceptions``): httpx errors and hub error responses go in, the exceptions of
+:mod:`syncclient.exceptions` come out.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import ssl
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import httpx
+import numpy as np
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_exponential_jitter
+from tqdm.auto import tqdm
+
+from syncclient.exceptions import AuthError, ConflictError, HubError, HubUnreachable, NotFound, RoundClosed
+from syncwire import StreamReader, iter_chunks
+
+__all__ = ["Download", "Transport", "body_size"]
+
+log = logging.getLogger(__name__)
+
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+_PROGRESS_BYTES = 32 << 20  # transfers at least this big get a progress bar (at log level INFO)
+
+Parts = list[tuple[str, np.ndarray, str]]  # (wire name, numpy array, safetensors dtype), see syncwire.iter_chunks
+
+
+@dataclass
+class Download:
+    """A safetensors body, read into arrays."""
+
+    reader: StreamReader
+    version: int  # X-Sync-Version: the model version the body is (or leads to)
+
+
+class _Retry(Exception):
+    """A response worth retrying (5xx, 429, 503); carries its Retry-After."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(f"{response.status_code} from {response.request.url.path}")
+        self.response = response
+        retry_after = response.headers.get("retry-after", "")
+        self.retry_after = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
+
+
+class _Refused(Exception):
+    """An error response that retrying cannot fix; :meth:`Transport._errors` translates it."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(f"{response.status_code} from {response.request.url.path}")
+        self.response = response
+
+
+class Transport:
+    """An httpx client to one run on one hub, with the SDK's retries and resumption.
+
+    ``run`` only names the run in log lines. ``verify`` as :class:`~syncclient.SyncClient`
+    takes it: True, a CA bundle (PEM file or folder) or an ``ssl.SSLContext``.
+    """
+
+    def __init__(
+        self,
+        hub: str,
+        *,
+        run: str,
+        token: str | None,
+        verify: bool | str | ssl.SSLContext,
+        timeout: float,
+        retry_seconds: float,
+    ) -> None:
+        self.hub, self.run, self.retry_seconds = hub, run, retry_seconds
+        if isinstance(verify, str):  # httpx wants a context for a CA bundle
+            folder = os.path.isdir(verify)
+            verify = ssl.create_default_context(capath=verify if folder else None, cafile=None if folder else verify)
+        self.http = httpx.Client(
+            base_url=hub,
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+            verify=verify,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            limits=httpx.Limits(max_connections=8, max_keepalive_connections=4),
+        )
+        self.max_download: int | None = None  # data bytes a body may declare (the client sets it at join)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        retry: bool = True,
+        content: Callable[[], Iterator[bytes | memoryview]] | None = None,
+        resume: Callable[[], int] | None = None,
+        **kwargs: Any,
+    ) -> httpx.Response:
+        """One request, retried unless ``retry=False``; an error answer raises the SDK's exception.
+
+        ``content`` makes a fresh body iterator per attempt (see :meth:`upload` for bodies).
+
+        ``resume`` makes the body resumable: before each retry it says how many bytes the hub
+        already holds, and only the rest is sent, with ``Upload-Offset`` (headers unchanged).
+        """
+        offset, headers = 0, kwargs.pop("headers", None) or {}
+        with self._errors(path):
+            for attempt in self._retrying(retry):
+                with attempt:
+                    if resume is not None and attempt.retry_state.attempt_number > 1:
+                        offset = resume()
+                        log.info("run %s: resuming %s at byte %d", self.run, path, offset)
+                    body = content() if content else None
+                    if offset and body is not None:
+                        body = _skip(body, offset)
+                    response = self.http.request(
+                        method,
+                        path,
+                        content=cast("Iterator[bytes] | None", body),
+                        headers={**headers, "Upload-Offset": str(offset)} if offset else headers,
+                        **kwargs,
+                    )
+                    if resume is not None and _is_offset_mismatch(response):
+                        raise _Retry(response)
+                    _check(response)
+        return response
+
+    def upload(
+        self,
+        path: str,
+        parts: Parts,
+        *,
+        what: str,
+        params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        resumable: bool = False,
+    ) -> int:
+        """PUT ``parts`` as one safetensors body; return its size in bytes.
+
+        ``resumable`` adds a ``Content-Digest`` and, after a cut, sends only the bytes the hub
+        lacks (see the module docstring); the hub must support it for ``path``.
+        """
+
+        def body() -> Iterator[memoryview | bytes]:
+            return iter_chunks(parts)
+
+        size = body_size(parts)
+        headers = dict(headers or {})
+        resume = None
+        if resumable:
+            headers["Content-Digest"] = _digest(body())
+            resume = functools.partial(self._upload_offset, path, headers)
+        self.call(
+            "PUT",
+            path,
+            params=params,
+            headers=headers,
+            content=lambda: self._progress(body(), size, what),
+            resume=resume,
+        )
+        return size
+
+    def download(self, path: str, params: dict[str, Any]) -> Download | None:
+        """GET a safetensors body into arrays, resuming with Range after a cut; None on 204
+        (a long poll still open). A body that declares more than ``max_download`` bytes of data
+        is refused before anything is allocated."""
+        reader = StreamReader(self.max_download)
+        etag: str | None = None
+        version = -1
+        bar: Any = None
+        try:
+            with self._errors(path):
+                for attempt in self._retrying():
+                    with attempt:
+                        headers = (
+                            {"Range": f"bytes={reader.received}-", "If-Range": etag} if reader.received and etag else {}
+                        )
+                        with self.http.stream("GET", path, params=params, headers=headers) as r:
+                            if r.status_code >= 400:
+                                r.read()
+                                _check(r)
+                            if r.status_code == 204:
+                                return None
+                            if r.status_code == 200 and reader.received:
+                                reader = StreamReader(self.max_download)  # the file changed: start over
+                            etag = r.headers.get("etag")
+                            version = int(r.headers.get("x-sync-version", -1))
+                            total = reader.received + int(r.headers.get("content-length", 0))
+                            if bar is None and total >= _PROGRESS_BYTES and log.isEnabledFor(logging.INFO):
+                                bar = tqdm(total=total, unit="B", unit_scale=True, desc="download", leave=False)
+                            for chunk in r.iter_bytes(1 << 20):
+                                reader.feed(chunk)
+                                if bar is not None:
+                                    bar.update(len(chunk))
+                        if not reader.done:
+                            raise httpx.RemoteProtocolError("body ended early")
+        finally:
+            if bar is not None:
+                bar.close()
+        return Download(reader, version)
+
+    # ---- internals -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _errors(self, path: str) -> Iterator[None]:
+        """The one place where httpx errors and hub error responses become the SDK's exceptions."""
+        try:
+            yield
+        except _Refused as exc:
+            raise _hub_error(exc.response) from None
+        except _Retry as exc:
+            raise HubUnreachable(f"{self.hub}{path}: still {exc} after {self.retry_seconds:.0f}s of retries") from exc
+        except httpx.TransportError as exc:
+            why = _tls_problem(exc) or f"after {self.retry_seconds:.0f}s of retries"
+            raise HubUnreachable(f"{self.hub}{path}: {type(exc).__name__}: {exc} ({why})") from exc
+
+    def _retrying(self, retry: bool = True) -> Retrying:
+        backoff = wait_exponential_jitter(multiplier=0.5, max=20.0, jitter=1.0)
+
+        def wait(state: RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome else None
+            if isinstance(exc, _Retry) and exc.retry_after is not None:
+                return min(exc.retry_after, 60.0)
+            return float(backoff(state))
+
+        def before_sleep(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            name, number = type(exc).__name__, state.attempt_number
+            log.warning("run %s: hub trouble (%s: %s); retry %d", self.run, name, exc, number)
+
+        return Retrying(
+            retry=retry_if_exception(_retryable),
+            wait=wait,
+            stop=stop_after_delay(self.retry_seconds if retry else 0),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+
+    def _upload_offset(self, path: str, headers: dict[str, str]) -> int:
+        """Bytes of this update (named by its headers' digest) the hub holds; 0 if it cannot say
+        (the PUT from 0 then reports the real trouble). Transport errors count as a failed try."""
+        response = self.http.head(path, headers=headers)
+        if response.status_code in _RETRY_STATUS:
+            raise _Retry(response)
+        offset = response.headers.get("upload-offset", "")
+        return int(offset) if response.is_success and offset.isdigit() else 0
+
+    def _progress(self, chunks: Iterator[bytes | memoryview], total: int, what: str) -> Iterator[bytes | memoryview]:
+        if total < _PROGRESS_BYTES or not log.isEnabledFor(logging.INFO):
+            yield from chunks
+            return
+        with tqdm(total=total, unit="B", unit_scale=True, desc=what, leave=False) as bar:
+            for chunk in chunks:
+                yield chunk
+                bar.update(len(chunk))
+
+
+def body_size(parts: Parts) -> int:
+    """Bytes of the safetensors body :meth:`Transport.upload` sends for ``parts``."""
+    return sum(len(c) for c in iter_chunks(parts))
+
+
+def _check(response: httpx.Response) -> None:
+    """Sort an answer: retry it (5xx, 429, 503), refuse it (other errors), or let it through."""
+    if response.status_code in _RETRY_STATUS:
+        raise _Retry(response)
+    if response.status_code >= 400:
+        raise _Refused(response)
+
+
+def _retryable(exc: BaseException) -> bool:
+    # a TLS setup error is not transport trouble: retrying it for retry_seconds only hides it
+    return isinstance(exc, _Retry) or (isinstance(exc, httpx.TransportError) and _tls_problem(exc) is None)
+
+
+def _tls_problem(exc: BaseException) -> str | None:
+    """What to do about a TLS failure that no retry can fix; None for anything else.
+
+    A certificate the SDK does not trust (self-signed, another host, expired) or an https://
+    URL to a plain-HTTP hub. A TLS connection cut midway (a hub restarting) is retried.
+    """
+    cause: BaseException | None = exc
+    for _ in range(16):  # the __cause__/__context__ chain: httpx -> httpcore -> ssl
+        if cause is None:
+            break
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return "the hub's TLS certificate is not trusted: pass verify=<the CA bundle that signed it>"
+        if isinstance(cause, ssl.SSLError) and cause.reason == "WRONG_VERSION_NUMBER":
+            return "the hub does not speak TLS there: use http://, or start it with --ssl-certfile"
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _hub_error(response: httpx.Response) -> HubError:
+    """The SDK's exception for an error response, by status and the hub's error code."""
+    try:
+        body = response.json()
+        code, detail = str(body.get("error", "error")), str(body.get("detail", response.text))
+    except (ValueError, AttributeError):
+        body, code, detail = {}, "error", response.text[:500]
+    status = response.status_code
+    if status == 401:
+        return AuthError(status, code, detail, body)
+    if status == 404:
+        return NotFound(status, code, detail, body)
+    if status == 409:
+        cls = RoundClosed if code == "round_closed" else ConflictError
+        return cls(status, code, detail, body)
+    return HubError(status, code, detail, body)
+
+
+def _is_offset_mismatch(response: httpx.Response) -> bool:
+    """409 ``upload_offset``: the hub lost the bytes we resumed after (it restarted): ask again."""
+    if response.status_code != 409:
+        return False
+    try:
+        return bool(response.json().get("error") == "upload_offset")
+    except (ValueError, AttributeError):
+        return False
+
+
+def _digest(chunks: Iterator[memoryview | bytes]) -> str:
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return "sha-256=:" + base64.b64encode(h.digest()).decode() + ":"
+
+
+def _skip(chunks: Iterator[bytes | memoryview], n: int) -> Iterator[bytes | memoryview]:
+    """The body from byte ``n`` on (views, no copies)."""
+    for chunk in chunks:
+        if n >= len(chunk):
+            n -= len(chunk)
+            continue
+        yield memoryview(chunk)[n:] if n else chunk
+        n = 0

@@ -1,0 +1,104 @@
+"""A peer's update maths without a hub: tiny arrays, hand-computed expectations.
+
+The numbers are chosen to be exact in float32: with ``int8:block=2`` a block whose absmax is
+``127 / 128`` has the scale ``1 / 128``, so every value is ``round(x * 128) / 128``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import syncwire.codecs
+from syncclient.exceptions import SyncError
+from syncclient.state import UpdateState
+from syncwire import decode_tensor, encode_model, get_codec
+
+STEP = np.float32(1 / 128)  # the int8:block=2 scale of a block whose absmax is 127/128
+TOP = np.float32(127 / 128)
+
+
+def f32(*values: float) -> np.ndarray:
+    return np.array(values, np.float32)
+
+
+def wire(parts: list[tuple[str, np.ndarray, str]]) -> dict[str, np.ndarray]:
+    return {name: array for name, array, _ in parts}
+
+
+def test_lossless_encode_sends_the_delta_by_wire_name() -> None:
+    state = UpdateState(get_codec("fp32"), {"w": f32(1.0, 2.0)})
+    local = {"w": f32(1.5, 1.0)}
+    update = state.encode(local)
+    assert [(name, dtype) for name, _, dtype in update.parts] == [("w", "F32")]
+    np.testing.assert_array_equal(update.parts[0][1], f32(0.5, -1.0))
+    assert update.ratio == 1.0 and update.error == 0.0 and state.residual == {}
+    local["w"][:] = 9.0  # training goes on: what was encoded does not change
+    np.testing.assert_array_equal(update.parts[0][1], f32(0.5, -1.0))
+
+
+def test_error_feedback_carries_the_residual_into_the_next_update() -> None:
+    state = UpdateState(get_codec("int8:block=2"), {"w": f32(0.0, 0.0)})
+    small = np.float32(0.375) * STEP  # rounds to 0 on its own, every time
+    local = {"w": f32(TOP, small)}
+
+    first = state.encode(local)
+    assert [name for name, _, _ in first.parts] == ["w", "w:scale"]
+    np.testing.assert_array_equal(wire(first.parts)["w"], np.array([127, 0], np.int8))
+    np.testing.assert_array_equal(wire(first.parts)["w:scale"], f32(STEP))
+    np.testing.assert_array_equal(state.residual["w"], f32(0.0, small))  # what rounding kept back
+    assert first.ratio == pytest.approx(8 / 6)  # 2 float32 values / (2 int8 + 1 float32 scale)
+    assert first.error == pytest.approx(float(small) / math.hypot(TOP, small), rel=1e-6)
+
+    # the same local weights again: delta + residual = (TOP, 0.75 steps), which rounds to 1 step
+    second = state.encode(local)
+    np.testing.assert_array_equal(wire(second.parts)["w"], np.array([127, 1], np.int8))
+    np.testing.assert_array_equal(state.residual["w"], f32(0.0, 2 * small - STEP))
+
+
+def test_a_lossless_codec_keeps_no_residual() -> None:
+    state = UpdateState(get_codec("fp32"), {"w": f32(0.0)})
+    state.encode({"w": f32(0.1)})
+    assert state.residual == {}
+
+
+def test_nan_in_the_model_is_refused_before_anything_is_sent() -> None:
+    state = UpdateState(get_codec("fp32"), {"w": f32(0.0, 0.0)})
+    with pytest.raises(SyncError, match=r"'w' holds NaN or Inf"):
+        state.encode({"w": f32(1.0, np.nan)})
+
+
+def test_fold_adds_the_decoded_merged_update_by_hand() -> None:
+    base = {"w": f32(1.0, 2.0), "b": f32(0.5)}
+    state = UpdateState(get_codec("int8:block=2"), base)
+    merged = {"w": np.array([64, -128], np.int8), "w:scale": f32(STEP), "b": np.array([1], np.int8), "b:scale": f32(2)}
+    state.fold(merged)
+    np.testing.assert_array_equal(state.base["w"], f32(1.5, 1.0))  # 64/128 and -128/128
+    np.testing.assert_array_equal(state.base["b"], f32(2.5))
+    assert state.base is base  # in place: no second copy of the model
+
+
+@pytest.mark.parametrize("spec", ["fp32", "bf16", "int8", "int4:block=6"])
+def test_fold_is_bit_identical_to_version_plus_decoded_result(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the hub computes for version v + 1: ``v + decode(result)``, tensor by tensor."""
+    monkeypatch.setattr(syncwire.codecs, "SLICE_VALUES", 100)  # many slices in tiny arrays
+    codec, rng = get_codec(spec), np.random.default_rng(3)
+    version = {"w": rng.standard_normal((7, 61)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)}
+    update = {name: (rng.standard_normal(x.shape) * 1e-2).astype(np.float32) for name, x in version.items()}
+    result = {wire_name: part for _, wire_name, part, _ in encode_model(codec, update)}
+    state = UpdateState(codec, {name: x.copy() for name, x in version.items()})
+    state.fold(result)
+    for name, x in version.items():
+        np.testing.assert_array_equal(state.base[name], x + decode_tensor(codec, result, name, x.shape))
+
+
+def test_rebase_keeps_the_steps_taken_since_the_snapshot() -> None:
+    state = UpdateState(get_codec("fp32"), {"w": f32(1.5, 1.0)})  # base' = base + decode(U)
+    snapshot = {"w": f32(1.25, 2.0)}  # x_t, what was sent
+    local = {"w": f32(1.5, 1.75)}  # the model now: two more steps taken meanwhile
+    out = state.rebase(snapshot, local)
+    np.testing.assert_array_equal(out["w"], f32(1.75, 0.75))  # base' + (x - x_t)
+    assert out is snapshot  # computed in the snapshot's arrays
+    np.testing.assert_array_equal(state.base["w"], f32(1.5, 1.0))
