@@ -33,14 +33,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Header, Query, Request
+from fastapi import APIRouter, FastAPI, Query
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from syncserver import __version__
 from syncserver.coordinator import Coordinator, Run
-from syncserver.errors import Unauthorized
-from syncserver.routes import NAME, Hub, Wait, _bearer_is, _granted
+from syncserver.deps import Hub, RunQuery, Viewer, Wait
 from syncserver.store import RoundRecord, UpdateRecord
 
 __all__ = ["add_dashboard", "curves", "round_trace"]
@@ -190,26 +189,14 @@ def snapshot(coordinator: Coordinator, run_name: str | None, only: str | None = 
 api = APIRouter(prefix="/v1")
 
 
-def _viewer(request: Request, run: str | None, authorization: str | None) -> str | None:
-    """Who may look: None for every run (view, hub or admin token, or an open hub), else the
-    one run whose own token (``SYNC_RUN_TOKENS``) was given with ``?run=``."""
-    if _granted(request, authorization, view=True):
-        return None
-    if run is not None and _bearer_is(authorization, request.app.state.settings.run_tokens.get(run)):
-        return run
-    raise Unauthorized("missing or wrong bearer token")
-
-
 @api.get("/dashboard", summary="Everything the dashboard shows, as a long poll on a state fingerprint")
 async def dashboard_data(
-    request: Request,
     hub: Hub,
-    run: Annotated[str | None, Query(pattern=NAME, description="The run to detail.")] = None,
+    only: Viewer,
+    run: RunQuery = None,
     since: Annotated[str | None, Query(max_length=64, description="Fingerprint last seen.")] = None,
     wait: Wait = 0.0,
-    authorization: Annotated[str | None, Header()] = None,
 ) -> dict[str, Any]:
-    only = _viewer(request, run, authorization)
     deadline = time.monotonic() + min(wait, hub.settings.long_poll_seconds)
     while since is not None and time.monotonic() < deadline:
         state = hub.runs.get(run) if run else None

@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from syncserver.coordinator import Coordinator, PeerState, Run
-from syncserver.routes import authenticate_view
+from syncserver.deps import authenticate_view
 from syncserver.store import RoundRecord, UpdateRecord
 
 __all__ = ["HubMetrics", "router"]

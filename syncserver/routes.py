@@ -12,76 +12,26 @@ import binascii
 import json
 import math
 import pathlib
-import secrets
 import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, field_validator
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from syncserver.coordinator import Coordinator, Ticket
-from syncserver.errors import BadRequest, HubError, Incomplete, Unauthorized
+from syncserver.deps import Hub, PeerName, RunName, Wait, authenticate, authenticate_view
+from syncserver.errors import BadRequest, HubError, Incomplete
+from syncserver.names import NAME_PATTERN
 from syncserver.settings import Outer
-from syncserver.uploads import BodyInterrupted, partial_offset, receive
+from syncserver.uploads import BodyInterrupted, Received, partial_offset, receive
 from syncwire import get_codec
 
-NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-RunName = Annotated[str, Path(pattern=NAME, description="Run name: letters, digits, '.', '_', '-'.")]
-PeerName = Annotated[str, Path(pattern=NAME, description="Peer name, unique within a run.")]
-Wait = Annotated[float, Query(ge=0, le=600, description="Seconds to hold the request open (long poll).")]
+#: ``?peer=``: who downloads (for the dashboard's download log); absent for other clients.
+Downloader = Annotated[str | None, Query(pattern=NAME_PATTERN)]
 
-
-def hub(request: Request) -> Coordinator:
-    coordinator: Coordinator = request.app.state.coordinator
-    return coordinator
-
-
-def _bearer_is(authorization: str | None, secret: SecretStr | None) -> bool:
-    """Constant-time comparison of a ``Bearer`` header with a secret."""
-    scheme, _, given = (authorization or "").partition(" ")
-    return (
-        secret is not None
-        and scheme.lower() == "bearer"
-        and secrets.compare_digest(given.encode(), secret.get_secret_value().encode())
-    )
-
-
-def _granted(request: Request, authorization: str | None, *, view: bool) -> bool:
-    """Does the request's bearer token open this endpoint?
-
-    An open hub (no token of any kind set) lets everyone in. Otherwise: the hub token
-    (``SYNC_TOKEN``) and the admin token open everything; the view token opens read-only
-    endpoints (``view``); a run's token (``SYNC_RUN_TOKENS``) opens ``/v1/runs/<that run>/...``
-    only, so the same 401 answers a wrong token and a token of another run.
-    """
-    settings = request.app.state.settings
-    if not settings.auth_required:
-        return True
-    if _bearer_is(authorization, settings.token) or _bearer_is(authorization, settings.admin_token):
-        return True
-    if view and _bearer_is(authorization, settings.view_token):
-        return True
-    run = request.path_params.get("run")
-    return run is not None and _bearer_is(authorization, settings.run_tokens.get(run))
-
-
-def authenticate(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-    """Bearer token check in constant time (see :func:`_granted`)."""
-    if not _granted(request, authorization, view=False):
-        raise Unauthorized("missing or wrong bearer token")
-
-
-def authenticate_view(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-    """Read-only endpoints (run status, dashboard data, metrics) also take ``SYNC_VIEW_TOKEN``:
-    it can watch a run but not join it, send updates, renew leases or download weights."""
-    if not _granted(request, authorization, view=True):
-        raise Unauthorized("missing or wrong bearer token")
-
-
-Hub = Annotated[Coordinator, Depends(hub)]
 #: The raw body of the two uploads (read as a stream, so FastAPI cannot infer it for the schema).
 SAFETENSORS_BODY = {
     "requestBody": {
@@ -97,7 +47,7 @@ class JoinRequest(BaseModel):
     """Join a run. The first peer of a new run may set its config; later peers that set a
     field must agree with the run's value (409 otherwise). Unset fields accept the run's."""
 
-    peer: str = Field(pattern=NAME)
+    peer: str = Field(pattern=NAME_PATTERN)
     codec: str | None = None
     outer: Outer | None = None
     outer_lr: float | None = Field(None, gt=0)
@@ -176,7 +126,7 @@ async def _drain(request: Request, limit: int) -> None:
 
 async def _receive(
     request: Request, hub: Coordinator, ticket: Ticket, partial: pathlib.Path | None = None, offset: int = 0
-) -> Any:
+) -> Received:
     """Stream the body to disk: to a fresh tmp file, or to ``partial`` (resumable, from ``offset``)."""
     length = request.headers.get("content-length")
     try:
@@ -229,7 +179,7 @@ async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) 
     openapi_extra=SAFETENSORS_BODY,
 )
 async def put_initial(
-    run: RunName, request: Request, hub: Hub, peer: Annotated[str, Query(pattern=NAME)]
+    run: RunName, request: Request, hub: Hub, peer: Annotated[str, Query(pattern=NAME_PATTERN)]
 ) -> dict[str, Any]:
     ticket = hub.init_ticket(run, peer)
     received = await _receive(request, hub, ticket)
@@ -343,7 +293,7 @@ async def get_result(
     hub: Hub,
     request: Request,
     wait: Wait = 20.0,
-    peer: Annotated[str | None, Query(pattern=NAME)] = None,
+    peer: Downloader = None,
 ) -> Response:
     path = await hub.wait_result(run, round, peer, wait)
     if path is None:
@@ -365,9 +315,7 @@ async def get_result(
     summary="The latest model version as float32 safetensors (ETag, Range)",
     response_class=FileResponse,
 )
-async def get_model(
-    run: RunName, hub: Hub, request: Request, peer: Annotated[str | None, Query(pattern=NAME)] = None
-) -> Response:
+async def get_model(run: RunName, hub: Hub, request: Request, peer: Downloader = None) -> Response:
     version, path = await hub.model(run)
     hub.count_download(run, peer, _served_bytes(request, path.stat().st_size))
     return _BigFileResponse(
