@@ -40,6 +40,7 @@ from fastapi.staticfiles import StaticFiles
 from syncserver import __version__
 from syncserver.coordinator import Coordinator, Run
 from syncserver.deps import Hub, RunQuery, Viewer, Wait
+from syncserver.schemas import DashboardData, DashboardRun, RunSummary
 from syncserver.store import RoundRecord, UpdateRecord
 
 __all__ = ["add_dashboard", "curves", "round_trace"]
@@ -162,28 +163,32 @@ def _fingerprint(coordinator: Coordinator, run: Run | None) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-def snapshot(coordinator: Coordinator, run_name: str | None, only: str | None = None) -> dict[str, Any]:
+def snapshot(coordinator: Coordinator, run_name: str | None, only: str | None = None) -> DashboardData:
     """All the page shows of the hub and (when given and known) one run; with ``only``, of
     that run alone (a run token's view: it must not learn of the hub's other runs)."""
     run = coordinator.runs.get(run_name) if run_name else None
-    runs = coordinator.list_runs()
-    body: dict[str, Any] = {
-        "fingerprint": _fingerprint(coordinator, run),
-        "now": time.time(),
-        "runs": runs if only is None else [r for r in runs if r["run"] == only],
-        "run": None,
-    }
+    runs = [RunSummary.model_validate(r) for r in coordinator.list_runs()]
+    detail = None
     if run is not None:
         status = coordinator.status(run.name)
         status.pop("updates")  # the page gets their metrics as curves, their timings as the trace
         store = coordinator.store
         rounds = store.rounds(run.name, limit=TRACE_ROUNDS)
         updates = [u for r in rounds for u in store.updates(run.name, r.round)]
-        status["trace"] = round_trace(rounds, updates, run.downloads)
-        status["curves"] = curves(store.round_metrics(run.name, limit=CURVE_UPDATES))
-        status["lease_seconds"] = coordinator.settings.lease_seconds
-        body["run"] = status
-    return body
+        detail = DashboardRun.model_validate(
+            {
+                **status,
+                "trace": round_trace(rounds, updates, run.downloads),
+                "curves": curves(store.round_metrics(run.name, limit=CURVE_UPDATES)),
+                "lease_seconds": coordinator.settings.lease_seconds,
+            }
+        )
+    return DashboardData(
+        fingerprint=_fingerprint(coordinator, run),
+        now=time.time(),
+        runs=runs if only is None else [r for r in runs if r.run == only],
+        run=detail,
+    )
 
 
 api = APIRouter(prefix="/v1")
@@ -196,7 +201,7 @@ async def dashboard_data(
     run: RunQuery = None,
     since: Annotated[str | None, Query(max_length=64, description="Fingerprint last seen.")] = None,
     wait: Wait = 0.0,
-) -> dict[str, Any]:
+) -> DashboardData:
     deadline = time.monotonic() + min(wait, hub.settings.long_poll_seconds)
     while since is not None and time.monotonic() < deadline:
         state = hub.runs.get(run) if run else None

@@ -13,11 +13,11 @@ import json
 import math
 import pathlib
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, TypeAdapter, field_validator
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
@@ -25,20 +25,28 @@ from syncserver.coordinator import Coordinator, Ticket
 from syncserver.deps import Hub, PeerName, RunName, Wait, authenticate, authenticate_view
 from syncserver.errors import BadRequest, HubError, Incomplete
 from syncserver.names import NAME_PATTERN
+from syncserver.schemas import (
+    Heartbeat,
+    Left,
+    RunStatus,
+    RunSummary,
+    StartState,
+    UpdateAck,
+    VersionZero,
+)
 from syncserver.settings import Outer
 from syncserver.uploads import BodyInterrupted, Received, partial_offset, receive
 from syncwire import get_codec
 
 #: ``?peer=``: who downloads (for the dashboard's download log); absent for other clients.
 Downloader = Annotated[str | None, Query(pattern=NAME_PATTERN)]
+#: The start state comes from the coordinator as a dict for now: validated into its model here.
+START_STATE: TypeAdapter[StartState] = TypeAdapter(StartState)
 
-#: The raw body of the two uploads (read as a stream, so FastAPI cannot infer it for the schema).
-SAFETENSORS_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
-    }
-}
+#: safetensors bytes: the two uploads (read as a stream, so FastAPI cannot infer them for the
+#: schema) and the two downloads (files, which FastAPI leaves undescribed).
+SAFETENSORS = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+SAFETENSORS_BODY = {"requestBody": {"required": True, "content": SAFETENSORS}}
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 view_router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate_view)])
 
@@ -150,27 +158,27 @@ async def _receive(
 
 
 @view_router.get("/runs", summary="List runs")
-async def list_runs(hub: Hub) -> list[dict[str, Any]]:
-    return hub.list_runs()
+async def list_runs(hub: Hub) -> list[RunSummary]:
+    return [RunSummary.model_validate(r) for r in hub.list_runs()]
 
 
 @view_router.get("/runs/{run}", summary="A run's state: config, version, peers, open round, recent rounds")
-async def run_status(run: RunName, hub: Hub) -> dict[str, Any]:
-    return hub.status(run)
+async def run_status(run: RunName, hub: Hub) -> RunStatus:
+    return RunStatus.model_validate(hub.status(run))
 
 
 @router.post("/runs/{run}/peers", summary="Join a run (creating it if new); says what the peer must do next")
-async def join(run: RunName, body: JoinRequest, hub: Hub) -> dict[str, Any]:
+async def join(run: RunName, body: JoinRequest, hub: Hub) -> StartState:
     requested = body.model_dump(exclude={"peer"})
-    return hub.join(run, body.peer, requested)
+    return START_STATE.validate_python(hub.join(run, body.peer, requested))
 
 
 @router.get(
     "/runs/{run}/peers/{peer}/start",
     summary="Long poll until the peer may start: state is waiting, initialise or ready",
 )
-async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) -> dict[str, Any]:
-    return await hub.wait_start(run, peer, wait)
+async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) -> StartState:
+    return START_STATE.validate_python(await hub.wait_start(run, peer, wait))
 
 
 @router.put(
@@ -180,21 +188,21 @@ async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) 
 )
 async def put_initial(
     run: RunName, request: Request, hub: Hub, peer: Annotated[str, Query(pattern=NAME_PATTERN)]
-) -> dict[str, Any]:
+) -> VersionZero:
     ticket = hub.init_ticket(run, peer)
     received = await _receive(request, hub, ticket)
-    return await hub.commit_init(ticket, received)
+    return VersionZero.model_validate(await hub.commit_init(ticket, received))
 
 
 @router.post("/runs/{run}/peers/{peer}/heartbeat", summary="Renew the peer's lease")
-async def heartbeat(run: RunName, peer: PeerName, hub: Hub) -> dict[str, Any]:
-    return hub.heartbeat(run, peer)
+async def heartbeat(run: RunName, peer: PeerName, hub: Hub) -> Heartbeat:
+    return Heartbeat.model_validate(hub.heartbeat(run, peer))
 
 
 @router.post("/runs/{run}/peers/{peer}/leave", summary="Leave the run: no longer waited for")
-async def leave(run: RunName, peer: PeerName, hub: Hub) -> dict[str, Any]:
+async def leave(run: RunName, peer: PeerName, hub: Hub) -> Left:
     hub.leave(run, peer)
-    return {"left": True}
+    return Left(left=True)
 
 
 @router.put(
@@ -214,7 +222,7 @@ async def put_update(
     offset: Annotated[
         int, Header(alias="Upload-Offset", ge=0, description="Resume: the body starts at this byte.")
     ] = 0,
-) -> dict[str, Any]:
+) -> UpdateAck:
     try:
         ticket = await hub.update_ticket(run, round, peer, parse_digest(digest), samples, parse_metrics(metrics))
     except HubError:
@@ -222,7 +230,7 @@ async def put_update(
         raise
     if not isinstance(ticket, Ticket):  # the same update again: answer as the first time
         await _drain(request, hub.settings.max_body_bytes)
-        return ticket
+        return UpdateAck.model_validate(ticket)
     partial = hub.store.partial_path(run, round, peer, ticket.digest)
     for stale in partial.parent.glob("*.part"):  # this peer's earlier try at a different update
         if stale != partial:
@@ -237,9 +245,9 @@ async def put_update(
             # or the ack of this very update), so that the peer catches up
             again = await hub.update_ticket(run, round, peer, ticket.digest, ticket.samples, ticket.metrics)
             if not isinstance(again, Ticket):
-                return again
+                return UpdateAck.model_validate(again)
             raise
-        return await hub.commit_update(ticket, received)
+        return UpdateAck.model_validate(await hub.commit_update(ticket, received))
     finally:
         state.uploading.pop(peer, None)
 
@@ -285,7 +293,10 @@ class _BigFileResponse(FileResponse):
     "/runs/{run}/rounds/{round}/result",
     summary="Long poll for a round's merged update (204 while open; supports Range)",
     response_class=FileResponse,
-    responses={204: {"description": "Still open after `wait` seconds: ask again."}},
+    responses={
+        200: {"description": "The round's merged update, in the run's codec.", "content": SAFETENSORS},
+        204: {"description": "Still open after `wait` seconds: ask again."},
+    },
 )
 async def get_result(
     run: RunName,
@@ -314,6 +325,7 @@ async def get_result(
     "/runs/{run}/model",
     summary="The latest model version as float32 safetensors (ETag, Range)",
     response_class=FileResponse,
+    responses={200: {"description": "Version `X-Sync-Version` of the model.", "content": SAFETENSORS}},
 )
 async def get_model(run: RunName, hub: Hub, request: Request, peer: Downloader = None) -> Response:
     version, path = await hub.model(run)
