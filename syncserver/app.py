@@ -14,7 +14,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from syncserver import __version__
@@ -24,6 +23,7 @@ from syncserver.errors import HubError
 from syncserver.metrics import HubMetrics
 from syncserver.metrics import router as metrics_router
 from syncserver.routes import router, view_router
+from syncserver.schemas import ErrorBody, Health
 from syncserver.settings import HubSettings
 from syncserver.store import Store, storage_error
 
@@ -60,15 +60,6 @@ def _redact_access_log() -> None:
     access = logging.getLogger("uvicorn.access")
     if not any(isinstance(f, RedactTokens) for f in access.filters):
         access.addFilter(RedactTokens())
-
-
-class ErrorBody(BaseModel):
-    """Every error the hub answers: a code to branch on and a reason to show. Some carry more
-    (``current_version`` with a 409, ``errors`` with a 422 from request validation, ...)."""
-
-    model_config = ConfigDict(extra="allow")
-    error: str
-    detail: str
 
 
 #: Declared on every operation, so that the OpenAPI schema tells the truth about errors (and
@@ -155,8 +146,8 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
         )
 
     @app.get("/healthz", summary="Liveness probe (no auth)")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok", "version": __version__}
+    def healthz() -> Health:
+        return Health(status="ok", version=__version__)
 
     app.include_router(view_router)
     app.include_router(router)

@@ -26,6 +26,8 @@ from syncserver.engine import MergeEngine
 from syncserver.errors import Conflict, InvalidUpdate, NotFound
 from syncserver.policy import BarrierPolicy
 from syncserver.rounds import Rounds, Ticket
+from syncserver.schemas import Heartbeat, StartInitialise, StartReady, StartState, StartWaiting, UpdateAck, VersionZero
+from syncserver.schemas import RunConfig as RunConfigModel
 from syncserver.settings import HubSettings
 from syncserver.state import CONFIG_FIELDS, Peer, Run, RunConfig, now
 from syncserver.store import Blob, Missing, ResultKey, Store, VersionKey
@@ -123,7 +125,7 @@ class Coordinator:
         return peer
 
     # ---- joining -------------------------------------------------------------------------
-    def join(self, run_name: str, peer_name: str, requested: dict[str, Any]) -> dict[str, Any]:
+    def join(self, run_name: str, peer_name: str, requested: dict[str, Any]) -> StartState:
         """Register a peer (again, after a crash: same name, same rank) and say what it must do next."""
         run = self.runs.get(run_name)
         if run is None:
@@ -181,36 +183,36 @@ class Coordinator:
         log.info("run_started run=%s peers=%d members=%s", run.name, len(members), ",".join(members))
         self.view.changed(run)
 
-    def _start_state(self, run: Run, peer: Peer) -> dict[str, Any]:
-        base = {"run": run.name, "peer": peer.name, "lease_seconds": self.settings.lease_seconds}
+    def _start_state(self, run: Run, peer: Peer) -> StartInitialise | StartWaiting | StartReady:
+        base: dict[str, Any] = {"run": run.name, "peer": peer.name, "lease_seconds": self.settings.lease_seconds}
         if run.version < 0:
             if run.init_claim is None or run.init_claim not in run.policy.live:
                 run.init_claim = peer.name
             if run.init_claim == peer.name:
-                return {**base, "state": "initialise", "config": run.config.__dict__}
-            return {**base, "state": "waiting", "detail": f"waiting for {run.init_claim} to upload version 0"}
+                return StartInitialise(**base, state="initialise", config=RunConfigModel(**run.config.__dict__))
+            return StartWaiting(**base, state="waiting", detail=f"waiting for {run.init_claim} to upload version 0")
         if not run.sealed:
             joined = sum(not m.left for m in run.policy.members.values())
-            return {**base, "state": "waiting", "detail": f"{joined} of {run.config.min_peers} peers have joined"}
+            return StartWaiting(**base, state="waiting", detail=f"{joined} of {run.config.min_peers} peers have joined")
         assert run.schema is not None
-        return {
+        return StartReady(
             **base,
-            "state": "ready",
-            "rank": peer.rank,
-            "world_size": run.world_size(),
-            "version": run.version,
-            "config": run.config.__dict__,
-            "schema": {name: list(shape) for name, shape in run.schema.items()},
-        }
+            state="ready",
+            rank=peer.rank,
+            world_size=run.world_size(),
+            version=run.version,
+            config=RunConfigModel(**run.config.__dict__),
+            tensor_schema={name: list(shape) for name, shape in run.schema.items()},
+        )
 
-    async def wait_start(self, run_name: str, peer_name: str, wait: float) -> dict[str, Any]:
+    async def wait_start(self, run_name: str, peer_name: str, wait: float) -> StartState:
         """Long poll until the peer may start (or must initialise); at most ``wait`` seconds."""
         run = self.run(run_name)
         deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
         while True:
             state = self._start_state(run, self.peer(run, peer_name))
             remaining = deadline - time.monotonic()
-            if state["state"] != "waiting" or remaining <= 0:
+            if state.state != "waiting" or remaining <= 0:
                 return state
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.changed.wait(), remaining)
@@ -222,7 +224,7 @@ class Coordinator:
         self.peer(run, peer_name)
         return self.rounds.init_ticket(run, peer_name)
 
-    def commit_init(self, ticket: Ticket, received: Received) -> dict[str, Any]:
+    def commit_init(self, ticket: Ticket, received: Received) -> VersionZero:
         run = self.run(ticket.run)
         ack = self.rounds.commit_init(run, ticket, received)
         self._maybe_seal(run)
@@ -249,15 +251,15 @@ class Coordinator:
         """While the ticket's body streams in."""
         return self.rounds.uploading(self.run(ticket.run), ticket.peer)
 
-    async def commit_update(self, ticket: Ticket, received: Received) -> dict[str, Any]:
+    async def commit_update(self, ticket: Ticket, received: Received) -> UpdateAck:
         """Acknowledge a fully received update: verify, make durable, record, fold."""
         return await self.rounds.commit_update(self.run(ticket.run), ticket, received)
 
     # ---- liveness ------------------------------------------------------------------------
-    def heartbeat(self, run_name: str, peer_name: str) -> dict[str, Any]:
+    def heartbeat(self, run_name: str, peer_name: str) -> Heartbeat:
         run = self.run(run_name)
         self.peer(run, peer_name)
-        return {"version": run.version, "lease_seconds": self.settings.lease_seconds}
+        return Heartbeat(version=run.version, lease_seconds=self.settings.lease_seconds)
 
     def leave(self, run_name: str, peer_name: str) -> None:
         run = self.run(run_name)

@@ -29,13 +29,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Header, Query, Request
+from fastapi import APIRouter, FastAPI, Query
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from syncserver import __version__
-from syncserver.errors import Unauthorized
-from syncserver.routes import NAME, Hub, Wait, _bearer_is, _granted
+from syncserver.deps import Hub, RunQuery, Viewer, Wait
+from syncserver.schemas import DashboardData, DashboardRun
 from syncserver.store import RoundRecord, UpdateRecord
 from syncserver.view import HubView
 
@@ -143,53 +143,42 @@ def curves(updates: Iterable[UpdateRecord]) -> dict[str, Any]:
     return {"x": "step" if use_step else "round", "peers": peers}
 
 
-def snapshot(view: HubView, run_name: str | None, only: str | None = None) -> dict[str, Any]:
+def snapshot(view: HubView, run_name: str | None, only: str | None = None) -> DashboardData:
     """All the page shows of the hub and (when given and known) one run; with ``only``, of
     that run alone (a run token's view: it must not learn of the hub's other runs)."""
     run = view.find(run_name)
     runs = view.list_runs()
-    body: dict[str, Any] = {
-        "fingerprint": view.fingerprint(run),
-        "now": time.time(),
-        "runs": runs if only is None else [r for r in runs if r["run"] == only],
-        "run": None,
-    }
+    detail = None
     if run is not None:
-        status = view.status(run.name)
-        status.pop("updates")  # the page gets their metrics as curves, their timings as the trace
+        # the page gets the updates' metrics as curves, their timings as the trace
         store = view.store
         rounds = store.rounds(run.name, limit=TRACE_ROUNDS)
         updates = [u for r in rounds for u in store.updates(run.name, r.round)]
-        status["trace"] = round_trace(rounds, updates, run.downloads)
-        status["curves"] = curves(store.round_metrics(run.name, limit=CURVE_UPDATES))
-        status["lease_seconds"] = view.lease_seconds
-        body["run"] = status
-    return body
+        detail = DashboardRun(
+            **view.state(run),
+            trace=round_trace(rounds, updates, run.downloads),
+            curves=curves(store.round_metrics(run.name, limit=CURVE_UPDATES)),
+            lease_seconds=view.lease_seconds,
+        )
+    return DashboardData(
+        fingerprint=view.fingerprint(run),
+        now=time.time(),
+        runs=runs if only is None else [r for r in runs if r.run == only],
+        run=detail,
+    )
 
 
 api = APIRouter(prefix="/v1")
 
 
-def _viewer(request: Request, run: str | None, authorization: str | None) -> str | None:
-    """Who may look: None for every run (view, hub or admin token, or an open hub), else the
-    one run whose own token (``SYNC_RUN_TOKENS``) was given with ``?run=``."""
-    if _granted(request, authorization, view=True):
-        return None
-    if run is not None and _bearer_is(authorization, request.app.state.settings.run_tokens.get(run)):
-        return run
-    raise Unauthorized("missing or wrong bearer token")
-
-
 @api.get("/dashboard", summary="Everything the dashboard shows, as a long poll on a state fingerprint")
 async def dashboard_data(
-    request: Request,
     hub: Hub,
-    run: Annotated[str | None, Query(pattern=NAME, description="The run to detail.")] = None,
+    only: Viewer,
+    run: RunQuery = None,
     since: Annotated[str | None, Query(max_length=64, description="Fingerprint last seen.")] = None,
     wait: Wait = 0.0,
-    authorization: Annotated[str | None, Header()] = None,
-) -> dict[str, Any]:
-    only = _viewer(request, run, authorization)
+) -> DashboardData:
     view = hub.view
     deadline = time.monotonic() + min(wait, hub.settings.long_poll_seconds)
     # every change the page shows wakes the view (acknowledgements, uploads, closes, leases)

@@ -30,8 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from syncserver.deps import authenticate_view
 from syncserver.policy import PeerState
-from syncserver.routes import authenticate_view
 from syncserver.store import RoundRecord, UpdateRecord
 from syncserver.view import HubView
 

@@ -27,6 +27,7 @@ from syncserver import aggregate
 from syncserver.engine import MergeEngine
 from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, PoisonedUpdate, RoundClosed
 from syncserver.policy import Close
+from syncserver.schemas import UpdateAck, VersionZero
 from syncserver.settings import HubSettings
 from syncserver.state import Run, now
 from syncserver.store import RoundRecord, Store, UpdateKey, UpdateRecord, Upload, VersionKey
@@ -59,18 +60,18 @@ class Ticket:
     max_bytes: int
     check_header: Callable[[dict[str, TensorInfo]], None]
     upload: Upload | None = None
-    acknowledged: dict[str, Any] | None = None
+    acknowledged: UpdateAck | None = None
 
 
-def _ack(update: UpdateRecord, repeat: bool = False) -> dict[str, Any]:
-    return {
-        "round": update.round,
-        "peer": update.peer,
-        "seq": update.seq,
-        "samples": update.samples,
-        "bytes": update.nbytes,
-        "repeat": repeat,
-    }
+def _ack(update: UpdateRecord, repeat: bool = False) -> UpdateAck:
+    return UpdateAck(
+        round=update.round,
+        peer=update.peer,
+        seq=update.seq,
+        samples=update.samples,
+        bytes=update.nbytes,
+        repeat=repeat,
+    )
 
 
 def _check_initial(infos: dict[str, TensorInfo]) -> None:
@@ -133,7 +134,7 @@ class Rounds:
             run.name, -1, peer, "", 0, {}, self.settings.max_body_bytes, _check_initial, self.store.fresh_upload()
         )
 
-    def commit_init(self, run: Run, ticket: Ticket, received: Received) -> dict[str, Any]:
+    def commit_init(self, run: Run, ticket: Ticket, received: Received) -> VersionZero:
         if run.version >= 0 or run.init_claim != ticket.peer:
             received.staged.discard()
             raise Conflict(f"run {run.name!r} was initialised by another peer", current_version=run.version)
@@ -146,7 +147,7 @@ class Rounds:
         run.schema, run.version, run.init_claim = schema, 0, None
         run.policy.begin(0)
         log.info("version0 run=%s peer=%s tensors=%d bytes=%d", run.name, ticket.peer, len(schema), received.nbytes)
-        return {"version": 0, "tensors": len(schema), "bytes": received.nbytes}
+        return VersionZero(version=0, tensors=len(schema), bytes=received.nbytes)
 
     # ---- updates -------------------------------------------------------------------------
     async def update_ticket(
@@ -183,7 +184,7 @@ class Rounds:
         upload = self.store.resumable_upload(run.name, round_, peer, digest, supersede=supersede)
         return Ticket(run.name, round_, peer, digest, samples, metrics, max_bytes, check, upload)
 
-    def _acknowledged(self, run: Run, round_: int, peer: str, digest: str) -> dict[str, Any] | None:
+    def _acknowledged(self, run: Run, round_: int, peer: str, digest: str) -> UpdateAck | None:
         """Idempotency: the same update again is harmless, a different one is a conflict."""
         if round_ == run.version:
             previous = run.acked.get(peer)
@@ -227,7 +228,7 @@ class Rounds:
             run.uploading.discard(peer)
             self.view.changed(run)
 
-    async def commit_update(self, run: Run, ticket: Ticket, received: Received) -> dict[str, Any]:
+    async def commit_update(self, run: Run, ticket: Ticket, received: Received) -> UpdateAck:
         """Acknowledge a fully received update: verify, make durable, record, fold."""
         try:
             if received.digest != ticket.digest:

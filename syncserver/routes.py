@@ -11,85 +11,41 @@ import base64
 import binascii
 import json
 import math
-import secrets
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, field_validator
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from syncserver.coordinator import Coordinator
-from syncserver.errors import BadRequest, HubError, Incomplete, Unauthorized
+from syncserver.deps import Hub, PeerName, RunName, Wait, authenticate, authenticate_view
+from syncserver.errors import BadRequest, HubError, Incomplete
+from syncserver.names import NAME_PATTERN
 from syncserver.responses import BlobResponse, requested_range
 from syncserver.rounds import Ticket
+from syncserver.schemas import (
+    Heartbeat,
+    Left,
+    RunStatus,
+    RunSummary,
+    StartState,
+    UpdateAck,
+    VersionZero,
+)
 from syncserver.settings import Outer
 from syncserver.uploads import BodyInterrupted, Received, partial_offset, receive
 from syncwire import get_codec
 
-NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-RunName = Annotated[str, Path(pattern=NAME, description="Run name: letters, digits, '.', '_', '-'.")]
-PeerName = Annotated[str, Path(pattern=NAME, description="Peer name, unique within a run.")]
-Wait = Annotated[float, Query(ge=0, le=600, description="Seconds to hold the request open (long poll).")]
+#: ``?peer=``: who downloads (for the dashboard's download log); absent for other clients.
+Downloader = Annotated[str | None, Query(pattern=NAME_PATTERN)]
 
-
-def hub(request: Request) -> Coordinator:
-    coordinator: Coordinator = request.app.state.coordinator
-    return coordinator
-
-
-def _bearer_is(authorization: str | None, secret: SecretStr | None) -> bool:
-    """Constant-time comparison of a ``Bearer`` header with a secret."""
-    scheme, _, given = (authorization or "").partition(" ")
-    return (
-        secret is not None
-        and scheme.lower() == "bearer"
-        and secrets.compare_digest(given.encode(), secret.get_secret_value().encode())
-    )
-
-
-def _granted(request: Request, authorization: str | None, *, view: bool) -> bool:
-    """Does the request's bearer token open this endpoint?
-
-    An open hub (no token of any kind set) lets everyone in. Otherwise: the hub token
-    (``SYNC_TOKEN``) and the admin token open everything; the view token opens read-only
-    endpoints (``view``); a run's token (``SYNC_RUN_TOKENS``) opens ``/v1/runs/<that run>/...``
-    only, so the same 401 answers a wrong token and a token of another run.
-    """
-    settings = request.app.state.settings
-    if not settings.auth_required:
-        return True
-    if _bearer_is(authorization, settings.token) or _bearer_is(authorization, settings.admin_token):
-        return True
-    if view and _bearer_is(authorization, settings.view_token):
-        return True
-    run = request.path_params.get("run")
-    return run is not None and _bearer_is(authorization, settings.run_tokens.get(run))
-
-
-def authenticate(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-    """Bearer token check in constant time (see :func:`_granted`)."""
-    if not _granted(request, authorization, view=False):
-        raise Unauthorized("missing or wrong bearer token")
-
-
-def authenticate_view(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-    """Read-only endpoints (run status, dashboard data, metrics) also take ``SYNC_VIEW_TOKEN``:
-    it can watch a run but not join it, send updates, renew leases or download weights."""
-    if not _granted(request, authorization, view=True):
-        raise Unauthorized("missing or wrong bearer token")
-
-
-Hub = Annotated[Coordinator, Depends(hub)]
-#: The raw body of the two uploads (read as a stream, so FastAPI cannot infer it for the schema).
-SAFETENSORS_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
-    }
-}
+#: safetensors bytes: the two uploads (read as a stream, so FastAPI cannot infer them for the
+#: schema) and the two downloads (files, which FastAPI leaves undescribed).
+SAFETENSORS = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+SAFETENSORS_BODY = {"requestBody": {"required": True, "content": SAFETENSORS}}
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 view_router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate_view)])
 
@@ -98,7 +54,7 @@ class JoinRequest(BaseModel):
     """Join a run. The first peer of a new run may set its config; later peers that set a
     field must agree with the run's value (409 otherwise). Unset fields accept the run's."""
 
-    peer: str = Field(pattern=NAME)
+    peer: str = Field(pattern=NAME_PATTERN)
     codec: str | None = None
     outer: Outer | None = None
     outer_lr: float | None = Field(None, gt=0)
@@ -197,17 +153,17 @@ async def _receive(request: Request, hub: Coordinator, ticket: Ticket, offset: i
 
 
 @view_router.get("/runs", summary="List runs")
-async def list_runs(hub: Hub) -> list[dict[str, Any]]:
+async def list_runs(hub: Hub) -> list[RunSummary]:
     return hub.view.list_runs()
 
 
 @view_router.get("/runs/{run}", summary="A run's state: config, version, peers, open round, recent rounds")
-async def run_status(run: RunName, hub: Hub) -> dict[str, Any]:
+async def run_status(run: RunName, hub: Hub) -> RunStatus:
     return hub.view.status(run)
 
 
 @router.post("/runs/{run}/peers", summary="Join a run (creating it if new); says what the peer must do next")
-async def join(run: RunName, body: JoinRequest, hub: Hub) -> dict[str, Any]:
+async def join(run: RunName, body: JoinRequest, hub: Hub) -> StartState:
     requested = body.model_dump(exclude={"peer"})
     return hub.join(run, body.peer, requested)
 
@@ -216,7 +172,7 @@ async def join(run: RunName, body: JoinRequest, hub: Hub) -> dict[str, Any]:
     "/runs/{run}/peers/{peer}/start",
     summary="Long poll until the peer may start: state is waiting, initialise or ready",
 )
-async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) -> dict[str, Any]:
+async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) -> StartState:
     return await hub.wait_start(run, peer, wait)
 
 
@@ -226,22 +182,22 @@ async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) 
     openapi_extra=SAFETENSORS_BODY,
 )
 async def put_initial(
-    run: RunName, request: Request, hub: Hub, peer: Annotated[str, Query(pattern=NAME)]
-) -> dict[str, Any]:
+    run: RunName, request: Request, hub: Hub, peer: Annotated[str, Query(pattern=NAME_PATTERN)]
+) -> VersionZero:
     ticket = hub.init_ticket(run, peer)
     received = await _receive(request, hub, ticket)
     return hub.commit_init(ticket, received)
 
 
 @router.post("/runs/{run}/peers/{peer}/heartbeat", summary="Renew the peer's lease")
-async def heartbeat(run: RunName, peer: PeerName, hub: Hub) -> dict[str, Any]:
+async def heartbeat(run: RunName, peer: PeerName, hub: Hub) -> Heartbeat:
     return hub.heartbeat(run, peer)
 
 
 @router.post("/runs/{run}/peers/{peer}/leave", summary="Leave the run: no longer waited for")
-async def leave(run: RunName, peer: PeerName, hub: Hub) -> dict[str, Any]:
+async def leave(run: RunName, peer: PeerName, hub: Hub) -> Left:
     hub.leave(run, peer)
-    return {"left": True}
+    return Left(left=True)
 
 
 @router.put(
@@ -261,7 +217,7 @@ async def put_update(
     offset: Annotated[
         int, Header(alias="Upload-Offset", ge=0, description="Resume: the body starts at this byte.")
     ] = 0,
-) -> dict[str, Any]:
+) -> UpdateAck:
     try:
         ticket = await hub.update_ticket(
             run, round, peer, parse_digest(digest), samples, parse_metrics(metrics), supersede=True
@@ -305,7 +261,7 @@ async def update_offset(
     Asking supersedes an attempt still streaming on the hub: the client has given up on it."""
     ticket = await hub.update_ticket(run, round, peer, parse_digest(digest), samples, parse_metrics(metrics))
     if ticket.acknowledged is not None:
-        held, complete = int(ticket.acknowledged["bytes"]), "?1"
+        held, complete = ticket.acknowledged.bytes, "?1"
     else:
         assert ticket.upload is not None
         held, complete = await partial_offset(ticket.upload), "?0"
@@ -316,7 +272,10 @@ async def update_offset(
     "/runs/{run}/rounds/{round}/result",
     summary="Long poll for a round's merged update (204 while open; supports Range)",
     response_class=FileResponse,
-    responses={204: {"description": "Still open after `wait` seconds: ask again."}},
+    responses={
+        200: {"description": "The round's merged update, in the run's codec.", "content": SAFETENSORS},
+        204: {"description": "Still open after `wait` seconds: ask again."},
+    },
 )
 async def get_result(
     run: RunName,
@@ -324,7 +283,7 @@ async def get_result(
     hub: Hub,
     request: Request,
     wait: Wait = 20.0,
-    peer: Annotated[str | None, Query(pattern=NAME)] = None,
+    peer: Downloader = None,
 ) -> Response:
     blob = await hub.wait_result(run, round, peer, wait)
     if blob is None:
@@ -343,10 +302,9 @@ async def get_result(
     "/runs/{run}/model",
     summary="The latest model version as float32 safetensors (ETag, Range)",
     response_class=FileResponse,
+    responses={200: {"description": "Version `X-Sync-Version` of the model.", "content": SAFETENSORS}},
 )
-async def get_model(
-    run: RunName, hub: Hub, request: Request, peer: Annotated[str | None, Query(pattern=NAME)] = None
-) -> Response:
+async def get_model(run: RunName, hub: Hub, request: Request, peer: Downloader = None) -> Response:
     version, blob = await hub.model(run)
     hub.count_download(run, peer, _served_bytes(request, blob.size))
     return BlobResponse(blob, headers={"ETag": f'"{run}-v{version}"', "X-Sync-Version": str(version)})

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from syncserver.names import NAME_RULE, is_name
 from syncwire import get_codec
 
 Outer = Literal["avg", "diloco"]
-RUN_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"  # what routes accept in URLs (no path tricks)
 
 
 class HubSettings(BaseSettings):
@@ -73,8 +72,8 @@ class HubSettings(BaseSettings):
     @classmethod
     def _run_tokens(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
         for run, token in value.items():
-            if not re.fullmatch(RUN_NAME, run):
-                raise ValueError(f"SYNC_RUN_TOKENS: {run!r} is not a run name (letters, digits, '.', '_', '-')")
+            if not is_name(run):
+                raise ValueError(f"SYNC_RUN_TOKENS: {run!r} is not a run name ({NAME_RULE})")
             if not token.get_secret_value():
                 raise ValueError(f"SYNC_RUN_TOKENS: the token of run {run!r} is empty")
         return value

@@ -20,6 +20,7 @@ from typing import Any
 
 from syncserver.errors import NotFound
 from syncserver.policy import PeerState
+from syncserver.schemas import RoundSummary, RunStatus, RunSummary, UpdateSummary
 from syncserver.state import Run
 from syncserver.store import RoundRecord, Store, UpdateRecord
 
@@ -98,15 +99,15 @@ class HubView:
     def find(self, name: str | None) -> Run | None:
         return self._runs.get(name) if name else None
 
-    def list_runs(self) -> list[dict[str, Any]]:
+    def list_runs(self) -> list[RunSummary]:
         return [
-            {
-                "run": r.name,
-                "version": r.version,
-                "peers": len(r.policy.live),
-                "codec": r.config.codec,
-                "outer": r.config.outer,
-            }
+            RunSummary(
+                run=r.name,
+                version=r.version,
+                peers=len(r.policy.live),
+                codec=r.config.codec,
+                outer=r.config.outer,  # type: ignore[arg-type]  # checked when the run was created
+            )
             for r in self._runs.values()
         ]
 
@@ -129,8 +130,13 @@ class HubView:
             for run in self._runs.values()
         ]
 
-    def status(self, name: str) -> dict[str, Any]:
+    def status(self, name: str) -> RunStatus:
         run = self.get(name)
+        updates = [UpdateSummary.model_validate(u) for u in self.store.round_metrics(run.name)]
+        return RunStatus(**self.state(run), updates=updates)
+
+    def state(self, run: Run) -> dict[str, Any]:
+        """What run status and the dashboard both show of ``run`` (the fields of ``_RunState``)."""
         now = time.monotonic()
         policy = run.policy
         deadline = policy.deadline
@@ -154,7 +160,7 @@ class HubView:
                 {
                     "peer": p.name,
                     "rank": p.rank,
-                    "state": policy.state(p.name).value,
+                    "state": policy.state(p.name),
                     "last_seen_seconds": round(now - policy.members[p.name].last_seen, 3),
                     "active_from": policy.members[p.name].active_from,
                     "samples": p.samples,
@@ -164,8 +170,7 @@ class HubView:
                 }
                 for p in sorted(run.peers.values(), key=lambda p: (p.rank is None, p.rank, p.name))
             ],
-            "rounds": [r.__dict__ for r in self.store.rounds(run.name)],
-            "updates": [u.__dict__ for u in self.store.round_metrics(run.name)],
+            "rounds": [RoundSummary.model_validate(r) for r in self.store.rounds(run.name)],
         }
 
     def fingerprint(self, run: Run | None) -> str:

@@ -1,0 +1,99 @@
+"""What the routes depend on: the coordinator, who may call, and the parameters they share.
+
+Authentication lives here and only here (routes, dashboard and metrics use these public
+names), as ``Annotated`` aliases in the way of full-stack-fastapi-template's ``api/deps.py``.
+Who may call what:
+
+- an open hub (no token of any kind set) lets everyone in;
+- the hub token (``SYNC_TOKEN``) and the admin token open everything;
+- the view token (``SYNC_VIEW_TOKEN``) opens read-only endpoints: run status, the dashboard's
+  data, metrics; it can watch a run but not join it, send updates, renew leases or download weights;
+- a run's token (``SYNC_RUN_TOKENS``) opens ``/v1/runs/<that run>/...`` and that run's dashboard
+  only, so the same 401 answers a wrong token and a token of another run.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, Header, Path, Query, Request
+from pydantic import SecretStr
+
+from syncserver.coordinator import Coordinator
+from syncserver.errors import Unauthorized
+from syncserver.names import NAME_PATTERN, NAME_RULE
+
+__all__ = [
+    "Hub",
+    "PeerName",
+    "RunName",
+    "RunQuery",
+    "Viewer",
+    "Wait",
+    "authenticate",
+    "authenticate_view",
+]
+
+RunName = Annotated[str, Path(pattern=NAME_PATTERN, description=f"Run name: {NAME_RULE}.")]
+PeerName = Annotated[str, Path(pattern=NAME_PATTERN, description="Peer name, unique within a run.")]
+Wait = Annotated[float, Query(ge=0, le=600, description="Seconds to hold the request open (long poll).")]
+#: ``GET /v1/dashboard?run=``: the run to detail, and the scope of a run token.
+RunQuery = Annotated[str | None, Query(pattern=NAME_PATTERN, description="The run to detail.")]
+Authorization = Annotated[str | None, Header()]
+
+
+def _coordinator(request: Request) -> Coordinator:
+    coordinator: Coordinator = request.app.state.coordinator
+    return coordinator
+
+
+Hub = Annotated[Coordinator, Depends(_coordinator)]
+
+
+def _bearer_is(authorization: str | None, secret: SecretStr | None) -> bool:
+    """Constant-time comparison of a ``Bearer`` header with a secret."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return (
+        secret is not None
+        and scheme.lower() == "bearer"
+        and secrets.compare_digest(given.encode(), secret.get_secret_value().encode())
+    )
+
+
+def _granted(request: Request, authorization: str | None, *, view: bool, run: str | None) -> bool:
+    """Does the request's bearer token open an endpoint (read-only if ``view``) of ``run``?"""
+    settings = request.app.state.settings
+    if not settings.auth_required:
+        return True
+    if _bearer_is(authorization, settings.token) or _bearer_is(authorization, settings.admin_token):
+        return True
+    if view and _bearer_is(authorization, settings.view_token):
+        return True
+    return run is not None and _bearer_is(authorization, settings.run_tokens.get(run))
+
+
+def authenticate(request: Request, authorization: Authorization = None) -> None:
+    """Every endpoint that changes state or serves weights."""
+    if not _granted(request, authorization, view=False, run=request.path_params.get("run")):
+        raise Unauthorized("missing or wrong bearer token")
+
+
+def authenticate_view(request: Request, authorization: Authorization = None) -> None:
+    """Read-only endpoints: run status, run list, metrics."""
+    if not _granted(request, authorization, view=True, run=request.path_params.get("run")):
+        raise Unauthorized("missing or wrong bearer token")
+
+
+def _dashboard_viewer(request: Request, run: RunQuery = None, authorization: Authorization = None) -> str | None:
+    """The dashboard names its run in the query, not the path: None to see every run (view,
+    hub or admin token, or an open hub), else the one run whose own token was given."""
+    if _granted(request, authorization, view=True, run=None):
+        return None
+    if _granted(request, authorization, view=True, run=run):
+        return run
+    raise Unauthorized("missing or wrong bearer token")
+
+
+#: Whom the dashboard shows: None for every run, else the name of the one run it may show.
+Viewer = Annotated[str | None, Depends(_dashboard_viewer)]

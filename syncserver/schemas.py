@@ -1,0 +1,281 @@
+"""The hub's answers on the wire: one pydantic model per JSON body, so that ``/openapi.json``
+describes every answer (schemathesis checks each response against it).
+
+These are public shapes, apart from the coordinator's internal state (as in
+full-stack-fastapi-template's ``models.py``): field names and types are the wire format, and
+changing one is a protocol change. Models of what the hub says are strict (``extra="forbid"``):
+a field the schema does not name is a bug, refused where the answer is built rather than sent
+unannounced. They also read attributes (``from_attributes``), so that the store's records
+(``RoundRecord``, ``UpdateRecord``) and the coordinator's ``RunConfig`` convert as they are:
+``RoundSummary.model_validate(record)``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from syncserver.policy import PeerState
+from syncserver.settings import Outer
+
+__all__ = [
+    "Answer",
+    "Curves",
+    "DashboardData",
+    "DashboardRun",
+    "ErrorBody",
+    "Health",
+    "Heartbeat",
+    "Lane",
+    "Left",
+    "OpenRound",
+    "PeerCurves",
+    "PeerStatus",
+    "RoundSummary",
+    "RunConfig",
+    "RunStatus",
+    "RunSummary",
+    "StartInitialise",
+    "StartReady",
+    "StartState",
+    "StartWaiting",
+    "TraceRound",
+    "UpdateAck",
+    "UpdateSummary",
+    "VersionZero",
+]
+
+
+class Answer(BaseModel):
+    """Base of every success body: exactly these fields, built from keywords or attributes."""
+
+    model_config = ConfigDict(extra="forbid", from_attributes=True)
+
+
+class ErrorBody(BaseModel):
+    """Every error the hub answers: a code to branch on and a reason to show. Some carry more
+    (``current_version`` with a 409, ``errors`` with a 422 from request validation, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+    error: str
+    detail: str
+
+
+class Health(Answer):
+    status: Literal["ok"]
+    version: str = Field(description="The hub's weightsync version.")
+
+
+# ---- a run's configuration and its members' start -------------------------------------------------
+class RunConfig(Answer):
+    """What a run is, fixed at creation (the first peer may choose; later peers must agree)."""
+
+    codec: str
+    outer: Outer
+    outer_lr: float
+    outer_momentum: float
+    min_peers: int
+    round_timeout: float = Field(description="Seconds after a round's first update before stragglers are dropped.")
+    norm_guard: float | None = Field(description="Refuse an update whose norm is over this many times the median.")
+
+
+class _Start(Answer):
+    run: str
+    peer: str
+    lease_seconds: float = Field(description="Heartbeat at least this often, or be counted gone.")
+
+
+class StartInitialise(_Start):
+    """This peer uploads version 0 (``PUT /v1/runs/{run}/versions/0``), then asks again."""
+
+    state: Literal["initialise"]
+    config: RunConfig
+
+
+class StartWaiting(_Start):
+    """Ask again (``GET .../start`` long-polls): version 0 or ``min_peers`` are not there yet."""
+
+    state: Literal["waiting"]
+    detail: str = Field(description="What the run is waiting for.")
+
+
+class StartReady(_Start):
+    """Train: pull ``version`` and submit updates to round ``version``."""
+
+    model_config = ConfigDict(validate_by_name=True)
+    state: Literal["ready"]
+    rank: int | None = Field(
+        description="Fixed by sorted peer name when the run started; None for a peer that left before then "
+        "and came back after."
+    )
+    world_size: int
+    version: int
+    config: RunConfig
+    # "schema" would shadow BaseModel.schema(): the attribute has another name, the wire the same
+    tensor_schema: dict[str, list[int]] = Field(alias="schema", description="Tensor name -> shape, in file order.")
+
+
+#: What ``join`` and ``GET .../start`` answer, told apart by ``state``.
+StartState = Annotated[StartInitialise | StartWaiting | StartReady, Field(discriminator="state")]
+
+
+# ---- acknowledgements ----------------------------------------------------------------------------
+class VersionZero(Answer):
+    """Version 0 is stored: the run's schema is its tensors."""
+
+    version: Literal[0]
+    tensors: int
+    bytes: int
+
+
+class UpdateAck(Answer):
+    """An update is durable and counted in its round (``repeat``: it was already, this is its
+    first acknowledgement again)."""
+
+    round: int
+    peer: str
+    seq: int = Field(description="Order of acknowledgement within the run.")
+    samples: int
+    bytes: int
+    repeat: bool
+
+
+class Heartbeat(Answer):
+    version: int = Field(description="The run's latest version: behind it, a peer should catch up.")
+    lease_seconds: float
+
+
+class Left(Answer):
+    left: Literal[True]
+
+
+# ---- a run's state -------------------------------------------------------------------------------
+class RunSummary(Answer):
+    """One line of the run list."""
+
+    run: str
+    version: int
+    peers: int = Field(description="Live peers.")
+    codec: str
+    outer: Outer
+
+
+class OpenRound(Answer):
+    round: int
+    submitted: list[str] = Field(description="Peers whose update is acknowledged.")
+    uploading: list[str]
+    closing: bool
+    rejected: list[str] = Field(description="Peers whose update the norm guard refused this round.")
+    seconds_left: float | None = Field(description="Until the deadline; None before the first update.")
+
+
+class PeerStatus(Answer):
+    peer: str
+    rank: int | None
+    state: PeerState
+    last_seen_seconds: float
+    active_from: int = Field(description="First round this peer is waited for.")
+    samples: int
+    samples_per_second: float
+    bytes_up: int
+    bytes_down: int
+
+
+class RoundSummary(Answer):
+    """A closed round (``store.RoundRecord``)."""
+
+    round: int
+    opened: float
+    closed: float
+    participants: list[str]
+    dropped: list[str]
+    samples: int
+    bytes_in: int
+    result_bytes: int
+    timings: dict[str, float] = Field(description="Seconds spent in each of the hub's phases (fold, merge, ...).")
+
+
+class UpdateSummary(Answer):
+    """An acknowledged update (``store.UpdateRecord``)."""
+
+    peer: str
+    round: int
+    seq: int
+    digest: str
+    samples: int
+    metrics: dict[str, float]
+    nbytes: int
+    received: float
+    seconds: float = Field(description="Upload time.")
+
+
+class _RunState(Answer):
+    """What run status and the dashboard both say of a run."""
+
+    run: str
+    version: int
+    config: RunConfig
+    sealed: bool = Field(description="Ranks are fixed: version 0 exists and min_peers have joined.")
+    world_size: int
+    tensors: int
+    parameters: int
+    open_round: OpenRound
+    peers: list[PeerStatus]
+    rounds: list[RoundSummary] = Field(description="Latest first.")
+
+
+class RunStatus(_RunState):
+    updates: list[UpdateSummary] = Field(description="Latest first.")
+
+
+# ---- the dashboard -------------------------------------------------------------------------------
+Phase = Literal["train", "upload", "wait", "aggregate", "download"]
+Point = tuple[float, float]
+
+
+class Lane(Answer):
+    """One participant of a round: its phases as ``[phase, start, end]`` (wall seconds)."""
+
+    peer: str
+    samples: int
+    bytes: int
+    spans: list[tuple[Phase, float, float]]
+
+
+class TraceRound(Answer):
+    round: int
+    opened: float
+    closed: float
+    dropped: list[str]
+    aggregate_seconds: float
+    lanes: list[Lane]
+
+
+class PeerCurves(Answer):
+    """``[x, y]`` points; x is a step or a round (``Curves.x``)."""
+
+    loss: list[Point]
+    val_ppl: list[Point]
+    codec_ratio: list[Point]
+    codec_error: list[Point]
+
+
+class Curves(Answer):
+    x: Literal["step", "round"]
+    peers: dict[str, PeerCurves]
+
+
+class DashboardRun(_RunState):
+    """A run's status as the page draws it: updates as a trace and curves instead of a list."""
+
+    trace: list[TraceRound] = Field(description="Latest first.")
+    curves: Curves
+    lease_seconds: float
+
+
+class DashboardData(Answer):
+    fingerprint: str = Field(description="Changes with anything the page shows: pass it back as ?since=.")
+    now: float = Field(description="The hub's wall clock.")
+    runs: list[RunSummary]
+    run: DashboardRun | None = Field(description="The run asked for with ?run=, when it exists.")
