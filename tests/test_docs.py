@@ -1,4 +1,4 @@
-"""``/docs`` works on a hub without internet."""
+"""``/docs`` works on a hub without internet, and the schema is public by decision (docs/SECURITY.md)."""
 
 from __future__ import annotations
 
@@ -40,3 +40,16 @@ def test_docs_page_loads_only_its_own_assets(guarded_hub: Hub) -> None:
 def test_redoc_is_off(guarded_hub: Hub) -> None:
     # its page would load a 1 MB bundle from a CDN; Swagger UI at /docs shows the same schema
     assert httpx.get(f"{guarded_hub.url}/redoc").status_code == 404
+
+
+def test_docs_and_schema_need_no_token_but_the_api_does(guarded_hub: Hub) -> None:
+    """The decision, pinned: the schema is the open-source API and holds no secret, and the page
+    must load before anyone can type a token into it. Everything else still asks for one."""
+    schema = httpx.get(f"{guarded_hub.url}/openapi.json")
+    assert schema.status_code == 200
+    assert schema.json()["info"]["title"] == "weightsync hub"
+    assert TOKEN not in schema.text
+    assert httpx.get(f"{guarded_hub.url}/docs").status_code == 200
+    assert httpx.get(f"{guarded_hub.url}/v1/runs").status_code == 401
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.get(f"{guarded_hub.url}/v1/runs", headers=headers).status_code == 200
