@@ -12,7 +12,9 @@ pid=""
 trap 'if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi; rm -rf "$work"' EXIT
 python3.11 -m venv "$work/build-venv"
 "$work/build-venv/bin/pip" install --quiet --no-cache-dir build
-"$work/build-venv/bin/python" -m build --wheel --outdir "$work/dist" "$repo" >"$work/build.log" 2>&1 \
+# sdist first, then the wheel from the unpacked sdist (build's default): a stale build/ in the
+# checkout cannot leak into the wheel, and a file missing from the sdist fails here
+"$work/build-venv/bin/python" -m build --outdir "$work/dist" "$repo" >"$work/build.log" 2>&1 \
   || { cat "$work/build.log" >&2; echo "FAIL: python -m build" >&2; exit 1; }
 wheel=$(ls "$work"/dist/weightsync-*.whl)
 echo "built $(basename "$wheel")"
@@ -50,8 +52,8 @@ checks = {
     "/static/app.js": "text/javascript",
     "/static/app.css": "text/css",
     "/docs": "text/html",
-    "/static/swagger-ui/swagger-ui-bundle.js": "text/javascript",
-    "/static/swagger-ui/swagger-ui.css": "text/css",
+    "/docs/assets/swagger-ui-bundle.js": "text/javascript",
+    "/docs/assets/swagger-ui.css": "text/css",
 }
 for path, kind in checks.items():
     response = httpx.get(base + path)

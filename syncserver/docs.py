@@ -2,9 +2,9 @@
 
 FastAPI's own ``/docs`` loads Swagger UI's script and CSS from a CDN (and its favicon from
 fastapi.tiangolo.com), so a hub without internet, the usual case on a private network, shows a
-blank page. The few files it needs are vendored in ``syncserver/static/swagger-ui/`` (from the
-npm package ``swagger-ui-dist`` 5.35.0, Apache-2.0: its LICENSE, NOTICE and the bundle's
-third-party licences sit beside them) and served by the dashboard's ``/static`` mount. To
+blank page. The few files it needs are vendored in ``syncserver/swagger_ui/`` (from the npm
+package ``swagger-ui-dist`` 5.35.0, Apache-2.0: its LICENSE, NOTICE and the bundle's third-party
+licences sit beside them) and served under ``/docs/assets``, apart from the dashboard's files. To
 update: ``npm pack swagger-ui-dist``, copy ``swagger-ui-bundle.js``,
 ``swagger-ui-bundle.js.LICENSE.txt``, ``swagger-ui.css``, ``favicon-32x32.png``, ``LICENSE`` and
 ``NOTICE`` over these, and change :data:`SWAGGER_UI_VERSION`.
@@ -18,19 +18,23 @@ open-source API and holds no secret, and the page must load before a user can ty
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 
 __all__ = ["SWAGGER_UI_VERSION", "add_docs"]
 
 SWAGGER_UI_VERSION = "5.35.0"  # the vendored swagger-ui-dist; also busts browser caches on update
-ASSETS = "/static/swagger-ui"  # under the dashboard's mount of syncserver/static
+FILES = Path(__file__).parent / "swagger_ui"
+ASSETS = "/docs/assets"
 
 
 def add_docs(app: FastAPI) -> None:
-    """Serve ``/docs`` with local assets. Build ``app`` with ``docs_url=None, redoc_url=None``
-    so that FastAPI does not add its CDN-backed pages first."""
+    """Serve ``/docs`` and its files. Build ``app`` with ``docs_url=None, redoc_url=None`` so
+    that FastAPI does not add its CDN-backed pages first."""
     if app.openapi_url is None:
         raise ValueError("the docs page needs the app's OpenAPI schema (openapi_url is None)")
     openapi_url = app.openapi_url
@@ -48,3 +52,5 @@ def add_docs(app: FastAPI) -> None:
             # Swagger UI would otherwise ask validator.swagger.io to check the schema
             swagger_ui_parameters={"validatorUrl": None},
         )
+
+    app.mount(ASSETS, StaticFiles(directory=FILES), name="docs-assets")
