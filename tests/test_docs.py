@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urljoin
 
 import httpx
@@ -11,6 +12,7 @@ import pytest
 
 from syncserver.docs import SWAGGER_UI_VERSION
 from tests.conftest import Hub
+from tests.test_dashboard import browser  # noqa: F401 (the fixture: one Chromium, skipped without one)
 
 TOKEN = "hub-secret"
 
@@ -35,6 +37,30 @@ def test_docs_page_loads_only_its_own_assets(guarded_hub: Hub) -> None:
             assert b"SwaggerUIBundle" in response.content
     assert types == {"js": "text/javascript", "css": "text/css", "png": "image/png"}
     assert "url: '/openapi.json'" in page.text
+
+
+def test_docs_page_draws_the_api_with_no_internet(guarded_hub: Hub, browser: Any) -> None:  # noqa: F811 (the fixture)
+    """In a real Chromium that may reach nothing but the hub, Swagger UI draws every operation."""
+    page = browser.new_page()
+    outside: list[str] = []
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+
+    def only_the_hub(route: Any) -> None:
+        if route.request.url.startswith(guarded_hub.url):
+            route.continue_()
+        else:
+            outside.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", only_the_hub)
+    page.goto(f"{guarded_hub.url}/docs")
+    page.wait_for_selector(".opblock")  # Playwright waits for it (30 s at most)
+    schema = httpx.get(f"{guarded_hub.url}/openapi.json").json()
+    operations = sum(len(methods) for methods in schema["paths"].values())
+    assert page.locator(".opblock").count() == operations
+    assert outside == [] and errors == []
+    page.close()
 
 
 def test_redoc_is_off(guarded_hub: Hub) -> None:
