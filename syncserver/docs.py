@@ -9,7 +9,7 @@ update: ``npm pack swagger-ui-dist``, copy ``swagger-ui-bundle.js``,
 ``swagger-ui-bundle.js.LICENSE.txt``, ``swagger-ui.css``, ``favicon-32x32.png``, ``LICENSE`` and
 ``NOTICE`` over these, and change :data:`SWAGGER_UI_VERSION`.
 
-ReDoc (``/redoc``) is off: a second viewer of the same schema would add a 1 MB bundle for
+ReDoc (``/redoc``) is off: a second viewer of the same schema would add a second large bundle for
 nothing Swagger UI lacks.
 
 The page and ``/openapi.json`` need no token, by decision (docs/SECURITY.md): the schema is the

@@ -64,7 +64,7 @@ def test_docs_page_draws_the_api_with_no_internet(guarded_hub: Hub, browser: Any
 
 
 def test_redoc_is_off(guarded_hub: Hub) -> None:
-    # its page would load a 1 MB bundle from a CDN; Swagger UI at /docs shows the same schema
+    # its page would load its bundle from a CDN; Swagger UI at /docs shows the same schema
     assert httpx.get(f"{guarded_hub.url}/redoc").status_code == 404
 
 
