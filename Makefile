@@ -29,6 +29,8 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# install-chromium.sh apt-installs Debian's chromium system-wide (~155 MB download) unless
+# `chromium` is on PATH or CHROMIUM names one; README says so
 test: install lint
 	bash .ci/install-chromium.sh
 	$(BIN)/python -m pytest

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from syncserver import __version__
 from syncserver.coordinator import Coordinator
 from syncserver.dashboard import add_dashboard
+from syncserver.docs import add_docs
 from syncserver.errors import HubError
 from syncserver.metrics import HubMetrics
 from syncserver.metrics import router as metrics_router
@@ -109,6 +110,8 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
         summary="Averages the weights of training peers far apart on the internet.",
         lifespan=lifespan,
         responses=ERROR_RESPONSES,
+        docs_url=None,  # add_docs serves /docs from the package, not a CDN
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.metrics = metrics
@@ -153,6 +156,7 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
     app.include_router(router)
     app.include_router(metrics_router)
     add_dashboard(app)
+    add_docs(app)
     return app
 
 

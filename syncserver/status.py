@@ -9,10 +9,13 @@ open round. The view token (``SYNC_VIEW_TOKEN``) is enough. Errors are one line,
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from rich.console import Console, Group, RenderableType
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -21,6 +24,7 @@ __all__ = ["StatusError", "fetch", "render", "show"]
 
 STATE_STYLE = {"live": "green", "late": "yellow", "gone": "red", "left": "dim"}
 ROUNDS_SHOWN = 10
+TEXT_MIN = 8  # characters a text column (peer names, dropped peers) may wrap down to
 
 
 class StatusError(Exception):
@@ -70,15 +74,57 @@ def _latest(curve: list[list[float]] | None) -> str:
     return f"{curve[-1][1]:.4g}" if curve else "-"
 
 
-def _runs_table(data: dict[str, Any], base: str) -> RenderableType:
+@dataclass(frozen=True)
+class Col:
+    """A table column, and how long it stays when the terminal is narrow (higher ``keep``: later to go)."""
+
+    header: str
+    keep: int
+    numeric: bool = True  # numbers are shown whole or not at all; text (names) may wrap
+
+
+Cell = str | Text
+
+
+def _fit(title: str, columns: Sequence[Col], rows: Sequence[Sequence[Cell]], width: int, empty: str) -> Table:
+    """The table with as many columns as fit in ``width`` without cutting a number.
+
+    rich fits a wide table by shrinking columns and cutting their cells (``2.108e+04`` became
+    ``2.108…``, which reads as another number). Here a number column never wraps or shrinks; text
+    columns wrap down to :data:`TEXT_MIN`; while that is still too wide, the least important
+    column goes, and the caption names what went.
+    """
+
+    def need(i: int) -> int:
+        widest = max(cell_len(str(cell)) for cell in [columns[i].header, *(row[i] for row in rows)])
+        return widest if columns[i].numeric else min(widest, TEXT_MIN)
+
+    shown = list(range(len(columns)))
+    # each column has 1 space of padding either side and a border on its right, plus the left edge
+    while len(shown) > 1 and sum(need(i) for i in shown) + 3 * len(shown) + 1 > width:
+        shown.remove(min(shown, key=lambda i: columns[i].keep))
+    table = Table(title=title, title_justify="left")
+    for i in shown:
+        if columns[i].numeric:
+            table.add_column(columns[i].header, justify="right", no_wrap=True)
+        else:
+            table.add_column(columns[i].header, justify="left", overflow="fold")
+    for row in rows:
+        table.add_row(*(row[i] for i in shown))
+    hidden = [c.header for i, c in enumerate(columns) if i not in shown]
+    if not rows:
+        table.caption = empty
+    elif hidden:
+        table.caption = f"not shown at this width: {', '.join(hidden)}"
+    return table
+
+
+def _runs_table(data: dict[str, Any], base: str, width: int) -> RenderableType:
     if not data["runs"]:
         return Text(f"no runs at {base} yet: peers create one when they join")
-    table = Table(title=f"runs at {base}", title_justify="left")
-    for column in ("run", "version", "live peers", "codec", "outer"):
-        table.add_column(column)
-    for r in data["runs"]:
-        table.add_row(r["run"], str(r["version"]), str(r["peers"]), r["codec"], r["outer"])
-    return table
+    columns = [Col("run", 5, numeric=False), Col("version", 4), Col("live peers", 3), Col("codec", 2), Col("outer", 1)]
+    rows = [[r["run"], str(r["version"]), str(r["peers"]), r["codec"], r["outer"]] for r in data["runs"]]
+    return _fit(f"runs at {base}", columns, rows, width, empty="")
 
 
 def _phase_seconds(lane: dict[str, Any], phase: str) -> float | None:
@@ -86,7 +132,33 @@ def _phase_seconds(lane: dict[str, Any], phase: str) -> float | None:
     return sum(spans) if spans else None
 
 
-def _run_tables(s: dict[str, Any]) -> list[RenderableType]:
+PEER_COLUMNS = [
+    Col("rank", 6),
+    Col("peer", 10, numeric=False),
+    Col("state", 9, numeric=False),
+    Col("last seen s", 1),
+    Col("samples", 4),
+    Col("samples/s", 5),
+    Col("MB up", 2),
+    Col("MB down", 3),
+    Col("loss", 7),
+    Col("val ppl", 8),
+]
+ROUND_COLUMNS = [
+    Col("round", 10),
+    Col("peers", 4),
+    Col("dropped", 3, numeric=False),
+    Col("samples", 1),
+    Col("MB in", 2),
+    Col("upload", 6),
+    Col("wait", 7),
+    Col("aggregate", 8),
+    Col("download", 5),
+    Col("total", 9),
+]
+
+
+def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
     cfg = s["config"]
     live = sum(p["state"] in ("live", "late") for p in s["peers"])
     title = (
@@ -94,38 +166,27 @@ def _run_tables(s: dict[str, Any]) -> list[RenderableType]:
         f"codec {cfg['codec']}, outer {cfg['outer']}, min_peers {cfg['min_peers']}"
     )
     curves = s["curves"]["peers"]
-    peers = Table(title=title, title_justify="left")
-    for column in ("rank", "peer", "state", "last seen s", "samples", "samples/s", "MB up", "MB down"):
-        peers.add_column(column, justify="left" if column in ("peer", "state") else "right")
-    peers.add_column("loss", justify="right")
-    peers.add_column("val ppl", justify="right")
+    peer_rows: list[list[Cell]] = []
     for p in s["peers"]:
         c = curves.get(p["peer"], {})
-        peers.add_row(
-            "-" if p["rank"] is None else str(p["rank"]),
-            p["peer"],
-            Text(p["state"], style=STATE_STYLE.get(p["state"], "")),
-            f"{p['last_seen_seconds']:.1f}",
-            f"{p['samples']:,}",
-            f"{p['samples_per_second']:.1f}",
-            _mb(p["bytes_up"]),
-            _mb(p["bytes_down"]),
-            _latest(c.get("loss")),
-            _latest(c.get("val_ppl")),
+        peer_rows.append(
+            [
+                "-" if p["rank"] is None else str(p["rank"]),
+                p["peer"],
+                Text(p["state"], style=STATE_STYLE.get(p["state"], "")),
+                f"{p['last_seen_seconds']:.1f}",
+                f"{p['samples']:,}",
+                f"{p['samples_per_second']:.1f}",
+                _mb(p["bytes_up"]),
+                _mb(p["bytes_down"]),
+                _latest(c.get("loss")),
+                _latest(c.get("val_ppl")),
+            ]
         )
-    if not s["peers"]:
-        peers.caption = "no peers yet"
-    out: list[RenderableType] = [peers]
+    out: list[RenderableType] = [_fit(title, PEER_COLUMNS, peer_rows, width, empty="no peers yet")]
 
     trace = {t["round"]: t for t in s["trace"]}
-    rounds = Table(
-        title="recent rounds (seconds: slowest peer's upload, its wait, aggregation, slowest download)",
-        title_justify="left",
-    )
-    for column in ("round", "peers", "dropped", "samples", "MB in", "upload", "wait", "aggregate"):
-        rounds.add_column(column, justify="left" if column == "dropped" else "right")
-    rounds.add_column("download", justify="right")
-    rounds.add_column("total", justify="right")
+    round_rows: list[list[Cell]] = []
     for r in s["rounds"][-ROUNDS_SHOWN:]:
         lanes = trace.get(r["round"], {}).get("lanes", [])
 
@@ -133,21 +194,22 @@ def _run_tables(s: dict[str, Any]) -> list[RenderableType]:
             values = [v for lane in lanes if (v := _phase_seconds(lane, phase)) is not None]
             return max(values) if values else None
 
-        rounds.add_row(
-            str(r["round"]),
-            str(len(r["participants"])),
-            Text(", ".join(r["dropped"]) or "-", style="yellow" if r["dropped"] else ""),
-            f"{r['samples']:,}",
-            _mb(r["bytes_in"]),
-            _s(slowest("upload")),
-            _s(slowest("wait")),
-            _s(r["timings"].get("fold", 0.0) + r["timings"].get("merge", 0.0)),
-            _s(slowest("download")),
-            _s(r["closed"] - r["opened"]),
+        round_rows.append(
+            [
+                str(r["round"]),
+                str(len(r["participants"])),
+                Text(", ".join(r["dropped"]) or "-", style="yellow" if r["dropped"] else ""),
+                f"{r['samples']:,}",
+                _mb(r["bytes_in"]),
+                _s(slowest("upload")),
+                _s(slowest("wait")),
+                _s(r["timings"].get("fold", 0.0) + r["timings"].get("merge", 0.0)),
+                _s(slowest("download")),
+                _s(r["closed"] - r["opened"]),
+            ]
         )
-    if not s["rounds"]:
-        rounds.caption = "no round has closed yet"
-    out.append(rounds)
+    title = "recent rounds (seconds: slowest peer's upload, its wait, aggregation, slowest download)"
+    out.append(_fit(title, ROUND_COLUMNS, round_rows, width, empty="no round has closed yet"))
 
     o = s["open_round"]
     line = f"open round {o['round']}: submitted {', '.join(o['submitted']) or 'none'}"
@@ -165,11 +227,24 @@ def _run_tables(s: dict[str, Any]) -> list[RenderableType]:
     return out
 
 
-def render(data: dict[str, Any], base: str) -> Group:
+@dataclass(frozen=True)
+class _View:
+    """One answer of :func:`fetch` as tables, laid out for the width rich offers when it draws
+    (so ``--watch`` follows a resized terminal)."""
+
+    data: dict[str, Any]
+    base: str
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if self.data.get("run") is None:
+            yield _runs_table(self.data, self.base, options.max_width)
+        else:
+            yield from _run_tables(self.data["run"], options.max_width)
+
+
+def render(data: dict[str, Any], base: str) -> RenderableType:
     """The tables for one answer of :func:`fetch`."""
-    if data.get("run") is None:
-        return Group(_runs_table(data, base))
-    return Group(*_run_tables(data["run"]))
+    return _View(data, base)
 
 
 def show(url: str, *, run: str | None, token: str | None, watch: bool, interval: float = 2.0) -> None:

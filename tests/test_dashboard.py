@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 import threading
@@ -22,7 +23,7 @@ from tests.conftest import REPO, Hub
 from tests.livepeers import Peers
 
 TOKEN, VIEW = "hub-secret", "view-only"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"  # as .ci/install-chromium.sh
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",

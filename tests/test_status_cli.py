@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -10,18 +11,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
+from rich.console import Console
 
+from syncserver.status import render
 from tests.conftest import Hub, free_port
 from tests.livepeers import Peers
 
 TOKEN, VIEW = "hub-secret", "view-only"
 
 
-def status(*args: str, token: str | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+def status(
+    *args: str, token: str | None = None, columns: int = 200, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
-    env["COLUMNS"] = "200"  # rich wraps tables to the terminal: give it room, as a real terminal would
+    env["COLUMNS"] = str(columns)  # rich fits tables to the terminal: give it room unless told
     if token:
         env["SYNC_TOKEN"] = token
     return subprocess.run(
@@ -61,6 +67,98 @@ def test_run_table_lists_peers_and_rounds(hub_with_rounds: Hub) -> None:
     assert {"0", "1", "2"} <= round_numbers, text
     assert "upload" in text and "wait" in text and "aggregate" in text and "download" in text
     assert "open round 3" in text
+
+
+NUMBER = re.compile(r"\d[\d,.]*(?:e[+-]\d+)?")
+
+
+def numbers(text: str) -> set[str]:
+    return set(NUMBER.findall(text))
+
+
+def assert_numbers_whole(narrow: str, wide: str) -> None:
+    """Every number drawn at a narrow width is one of the wide drawing's, never a cut one."""
+    assert "…" not in narrow, narrow
+    assert numbers(narrow) <= numbers(wide), (numbers(narrow) - numbers(wide), narrow)
+
+
+@pytest.mark.parametrize("columns", [80, 60])
+def test_numbers_are_never_cut_at_narrow_terminals(hub_with_rounds: Hub, columns: int) -> None:
+    wide = status(hub_with_rounds.url, "--run", "cli-run", token=VIEW)
+    narrow = status(hub_with_rounds.url, "--run", "cli-run", token=VIEW, columns=columns)
+    assert narrow.returncode == 0, narrow.stderr
+    assert max(len(line) for line in narrow.stdout.splitlines()) <= columns, narrow.stdout
+    assert_numbers_whole(narrow.stdout, wide.stdout)
+
+
+def big_run() -> dict[str, Any]:
+    """A run as ``/v1/dashboard`` describes it, with the wide numbers of a long run: the
+    quickstart's early perplexity 2.108e+04 was drawn as ``2.108…`` at 80 columns."""
+    peers = [
+        {
+            "peer": f"gpu-{region}-1",
+            "rank": rank,
+            "state": "live",
+            "last_seen_seconds": 12345.6,
+            "samples": 123456789,
+            "samples_per_second": 98765.4,
+            "bytes_up": 987654321098,
+            "bytes_down": 876543210987,
+        }
+        for rank, region in enumerate(["europe-west", "us-east"])
+    ]
+    curves = {p["peer"]: {"loss": [[1.0, 9.876543]], "val_ppl": [[1.0, 21080.0 + 10000 * p["rank"]]]} for p in peers}
+    rounds = [
+        {
+            "round": 12345 + i,
+            "participants": ["gpu-europe-west-1", "gpu-us-east-1"],
+            "dropped": ["gpu-asia-south-1"] if i else [],
+            "samples": 123456789,
+            "bytes_in": 987654321098,
+            "timings": {"fold": 1234.5, "merge": 0.25},
+            "opened": 1000.0,
+            "closed": 13345.75,
+        }
+        for i in range(3)
+    ]
+    lane = {
+        "peer": "gpu-us-east-1",
+        "spans": [["upload", 0.0, 4321.5], ["wait", 4321.5, 5000.0], ["download", 0, 99.5]],
+    }
+    return {
+        "run": "imdb-gpt2",
+        "version": 12348,
+        "sealed": True,
+        "config": {"codec": "int8", "outer": "diloco", "min_peers": 2},
+        "peers": peers,
+        "curves": {"x": "step", "peers": curves},
+        "rounds": rounds,
+        "trace": [{"round": r["round"], "lanes": [lane]} for r in rounds],
+        "open_round": {
+            "round": 12348,
+            "submitted": [],
+            "uploading": ["gpu-us-east-1"],
+            "closing": False,
+            "seconds_left": 599.0,
+        },
+    }
+
+
+def draw(width: int) -> str:
+    out = io.StringIO()
+    Console(width=width, file=out, color_system=None).print(render({"runs": [], "run": big_run()}, "http://hub:8000"))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_big_numbers_stay_whole_and_the_least_important_columns_go(width: int) -> None:
+    wide, narrow = draw(300), draw(width)
+    assert "not shown at this width" not in wide
+    assert_numbers_whole(narrow, wide)
+    assert max(len(line) for line in narrow.splitlines()) <= width, narrow
+    for kept in ("2.108e+04", "3.108e+04", "9.877", "12347"):  # each peer's val ppl, loss, the last round
+        assert kept in narrow, narrow
+    assert "not shown at this width: last seen s" in narrow
 
 
 def test_runs_table_without_run(hub_with_rounds: Hub) -> None:
