@@ -30,7 +30,7 @@ def invoke(*args: str, env: dict[str, str] | None = None) -> Any:
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "200", **(env or {})})
 
 
-@pytest.mark.parametrize("command", ["serve"])
+@pytest.mark.parametrize("command", ["serve", "local"])
 def test_every_setting_has_a_flag(command: str) -> None:
     options = {opt for param in COMMANDS[command].params for opt in param.opts}
     missing = [flag_name(name) for name in HubSettings.model_fields if flag_name(name) not in options]
@@ -82,7 +82,7 @@ def test_through_the_command_a_flag_hides_a_bad_variable() -> None:
     ],
 )
 def test_bad_value_is_one_line_naming_its_source(args: list[str], env: dict[str, str], message: str) -> None:
-    for command in (["serve"],):
+    for command in (["serve"], ["local", "--peers", "2"]):
         extra = ["--", "true"] if command[0] == "local" else []
         result = invoke(*command, *args, *extra, env=env)
         assert result.exit_code == 2, result.output
