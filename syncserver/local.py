@@ -146,7 +146,7 @@ class RoundTable:
 
 
 def _cell(value: float | None, width: int) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}.4g}"
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.6g}"  # 10760.1, not 1.076e+04
 
 
 class LocalRun:

@@ -156,4 +156,4 @@ def test_round_table_rows_from_a_status() -> None:
     row = table.rows[0]
     assert (row["round"], row["version"], row["step"], row["participants"], row["samples"]) == (0, 1, 10, 2, 64)
     assert (row["bytes_up"], row["bytes_down"], row["seconds"]) == (2_000_000, 2_000_000, 2.5)
-    assert lines[0].split()[:9] == ["0", "10", "2", "64", "101.2", "99.5", "2.00", "2.00", "2.50"]
+    assert lines[0].split()[:9] == ["0", "10", "2", "64", "101.25", "99.5", "2.00", "2.00", "2.50"]
