@@ -1,39 +1,149 @@
-"""``syncserver``: run a hub, or look at one.
+"""``syncserver``: run a hub, run a hub and K peers on this machine, or look at a hub.
 
-syncserver serve --host 0.0.0.0 --port 8000 --data-dir /srv/weightsync --token "$TOKEN"
+syncserver serve --host 0.0.0.0 --port 8000 --data-dir /srv/weightsync --min-peers 3
+syncserver local --peers 2 --out runs/try -- python train.py --epochs 1
 syncserver status http://hub:8000 --run imdb-gpt2 [--watch]
+
+The hub settings are written once, in :class:`~syncserver.settings.HubSettings`: every field is
+a ``SYNC_*`` environment variable and, generated from the same field, a flag of ``serve`` and
+``local`` (``keep_versions`` -> ``--keep-versions``). A flag beats its variable, a variable beats
+the default, and pydantic checks every value, wherever it came from.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional, get_args, get_origin
 
 import typer
+from pydantic import SecretStr, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import SettingsError
+
+from syncserver.settings import HubSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="The weightsync hub.")
 
+SETTINGS_PANEL = "Hub settings (each also a SYNC_* environment variable; the flag wins)"
+
+
+class SettingsInputError(ValueError):
+    """A hub setting that does not hold: one line naming the flag or variable that gave it."""
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    return "SYNC_" + field.upper()
+
+
+def hub_settings(flags: dict[str, str], **defaults: Any) -> HubSettings:
+    """The settings from ``flags`` (raw strings, by field name), else ``SYNC_*`` variables, else
+    ``defaults`` (a command's own, e.g. ``local``'s data dir), else the model's defaults.
+
+    Flag strings are handed to pydantic as they are, so a flag and its variable accept the
+    same spellings; only a dict field (``--run-tokens``) is JSON, as its variable is.
+    """
+    given: dict[str, Any] = {}  # Any: each value goes to the field of its name, pydantic checks it
+    for name, raw in flags.items():
+        if get_origin(HubSettings.model_fields[name].annotation) is dict:
+            try:
+                given[name] = json.loads(raw)
+            except ValueError:
+                raise SettingsInputError(
+                    f'{flag_name(name)}: not JSON, expected an object such as \'{{"run": "token"}}\''
+                ) from None
+        else:
+            given[name] = raw
+    try:
+        settings = HubSettings(**given)
+        below_env = {k: v for k, v in defaults.items() if k not in settings.model_fields_set}
+        return HubSettings(**given, **below_env) if below_env else settings
+    except SettingsError as exc:  # an env value that does not parse at all, e.g. SYNC_RUN_TOKENS
+        raise SettingsInputError(f"{exc} (SYNC_RUN_TOKENS must be a JSON object)") from None
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = str(error["loc"][0]) if error["loc"] else None
+            source = "" if field is None else (flag_name(field) if field in flags else env_name(field)) + ": "
+            problems.append(source + error["msg"].removeprefix("Value error, "))
+        raise SettingsInputError("; ".join(problems)) from None
+
+
+def _metavar(field: FieldInfo) -> str:
+    kind = field.annotation
+    if get_origin(kind) is Literal:
+        return "|".join(get_args(kind))
+    if get_origin(kind) is dict:
+        return "JSON"
+    types = set(get_args(kind)) or {kind}
+    if SecretStr in types:
+        return "TOKEN"
+    names = {int: "INTEGER", float: "FLOAT", Path: "PATH"}
+    return next((names[t] for t in names if t in types), "TEXT")
+
+
+def _help(name: str, field: FieldInfo) -> str:
+    """The field's description, its variable and its default (none shown for a secret or an
+    unset value). The default goes in the text, not click's ``show_default``: the option's own
+    default is None, so that "not given" falls through to the variable."""
+    default = field.get_default(call_default_factory=True)
+    shown = "" if default is None or default == {} or _metavar(field) == "TOKEN" else f", default: {default}"
+    return f"{field.description} [{env_name(name)}{shown}]"  # [UPPER...]: not rich markup
+
+
+def _settings_parameters() -> list[inspect.Parameter]:
+    """One ``--flag`` per settings field. Typed ``str`` on purpose: pydantic, not click, parses
+    and checks the value, so a flag and its variable give the same one-line error."""
+    params = []
+    for name, field in HubSettings.model_fields.items():
+        option = typer.Option(
+            flag_name(name), help=_help(name, field), metavar=_metavar(field), rich_help_panel=SETTINGS_PANEL
+        )
+        annotation = Annotated[Optional[str], option]  # noqa: UP045 (typer reads Optional on 3.10)
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation))
+    return params
+
+
+def with_settings_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """Give ``command`` one flag per settings field; it receives those given, as raw strings by
+    field name, in its ``flags`` argument (for :func:`settings_or_exit`)."""
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "flags"]
+    fields = HubSettings.model_fields.keys()
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> None:
+        given = {k: kwargs.pop(k) for k in fields}
+        command(flags={k: v for k, v in given.items() if v is not None}, **kwargs)
+
+    params = own + _settings_parameters()
+    wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # what typer reads
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper
+
+
+def settings_or_exit(flags: dict[str, str], **defaults: Any) -> HubSettings:
+    """:func:`hub_settings`, or the one-line reason it failed and exit code 2."""
+    try:
+        return hub_settings(flags, **defaults)
+    except SettingsInputError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
 
 @app.command()
+@with_settings_flags
 def serve(
+    flags: dict[str, str],
     host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0 for the internet).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
-    data_dir: Annotated[Optional[Path], typer.Option(help="SYNC_DATA_DIR: where state lives.")] = None,  # noqa: UP045
-    token: Annotated[
-        Optional[str],  # noqa: UP045
-        typer.Option(help="SYNC_TOKEN: bearer token (prefer the env var)."),
-    ] = None,
-    view_token: Annotated[
-        Optional[str],  # noqa: UP045
-        typer.Option(help="SYNC_VIEW_TOKEN: read-only token for the dashboard, status and /metrics."),
-    ] = None,
-    min_peers: Annotated[Optional[int], typer.Option(help="SYNC_MIN_PEERS.")] = None,  # noqa: UP045
-    round_timeout: Annotated[Optional[float], typer.Option(help="SYNC_ROUND_TIMEOUT, seconds.")] = None,  # noqa: UP045
-    lease_seconds: Annotated[Optional[float], typer.Option(help="SYNC_LEASE_SECONDS.")] = None,  # noqa: UP045
-    max_body_bytes: Annotated[Optional[int], typer.Option(help="SYNC_MAX_BODY_BYTES.")] = None,  # noqa: UP045
-    codec: Annotated[Optional[str], typer.Option(help="SYNC_CODEC: default codec of new runs.")] = None,  # noqa: UP045
-    outer: Annotated[Optional[str], typer.Option(help="SYNC_OUTER: avg or diloco.")] = None,  # noqa: UP045
+    port: Annotated[int, typer.Option(help="TCP port (0: one the OS picks; see --ready-file).")] = 8000,
     ssl_certfile: Annotated[Optional[str], typer.Option(help="Serve HTTPS with this certificate.")] = None,  # noqa: UP045
     ssl_keyfile: Annotated[Optional[str], typer.Option(help="The certificate's private key.")] = None,  # noqa: UP045
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
@@ -44,30 +154,10 @@ def serve(
 ) -> None:
     """Run a hub. Flags override the matching SYNC_* environment variables."""
     import uvicorn
-    from pydantic import ValidationError
-    from pydantic_settings import SettingsError
 
     from syncserver.app import create_app
-    from syncserver.settings import HubSettings
 
-    given: dict[str, Any] = {  # Any: each value goes to the field of its name, pydantic checks it
-        "data_dir": data_dir,
-        "token": token,
-        "view_token": view_token,
-        "min_peers": min_peers,
-        "round_timeout": round_timeout,
-        "lease_seconds": lease_seconds,
-        "max_body_bytes": max_body_bytes,
-        "codec": codec,
-        "outer": outer,
-    }
-    try:
-        settings = HubSettings(**{k: v for k, v in given.items() if v is not None})
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise typer.BadParameter(problems) from None
-    except SettingsError as exc:  # an env value that does not parse at all, e.g. SYNC_RUN_TOKENS
-        raise typer.BadParameter(f"{exc} (SYNC_RUN_TOKENS must be a JSON object)") from None
+    settings = settings_or_exit(flags)
     scheme = "https" if ssl_certfile else "http"
     hint = " (open it with ?token=<view or hub token>, or paste the token when asked)" if settings.auth_required else ""
     config = uvicorn.Config(
@@ -111,6 +201,42 @@ class _Server:
             tmp.write_text(f"{self.scheme}://{host}:{port}\n")
             tmp.replace(self.ready_file)  # readers never see half a URL
         await task
+
+
+@app.command(no_args_is_help=True)
+@with_settings_flags
+def local(
+    flags: dict[str, str],
+    command: Annotated[list[str], typer.Argument(help="What each peer runs, after --, e.g. -- python train.py")],
+    peers: Annotated[int, typer.Option(help="Peer processes to start (K).")],
+    out: Annotated[Path, typer.Option(help="The hub's data and log, one folder per peer.")] = Path("weightsync-local"),
+    run: Annotated[str, typer.Option(help="The run's name, given to the peers as WEIGHTSYNC_RUN.")] = "local",
+    metric: Annotated[str, typer.Option(help="Which metric of the peers' updates the table shows.")] = "loss",
+) -> None:
+    """An embedded hub and K peer processes of COMMAND, one table row per round.
+
+    Each peer gets WEIGHTSYNC_HUB, WEIGHTSYNC_RUN, WEIGHTSYNC_TOKEN (if the hub has one),
+    WEIGHTSYNC_PEER, WEIGHTSYNC_RANK, WEIGHTSYNC_WORLD_SIZE and WEIGHTSYNC_PEER_DIR, and its
+    output goes to OUT/<peer>/log.txt. The hub keeps its data in OUT/hub and waits for all K
+    peers (unless --data-dir or --min-peers say otherwise). Exit code: 0 all peers succeeded,
+    1 a peer failed, 2 bad input, 3 the hub failed, 130 interrupted.
+    """
+    from syncserver.local import LaunchError, LocalRun
+
+    if peers < 1:
+        typer.echo("error: --peers must be >= 1", err=True)
+        raise typer.Exit(2)
+    # min_peers = K: the rendezvous waits for all K, so ranks (and a script's shards) are fixed.
+    settings = settings_or_exit(flags, data_dir=out / "hub", min_peers=peers)
+    try:
+        with LocalRun(command, peers=peers, out=out, settings=settings, run=run, metric=metric) as launched:
+            launched.wait()
+    except LaunchError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted: stopped the hub and the peers", err=True)
+        raise typer.Exit(130) from None
 
 
 @app.command()

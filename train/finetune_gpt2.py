@@ -11,7 +11,8 @@ One peer of a run (start the hub first, on a machine every peer can reach)::
     python -m syncserver serve --host 0.0.0.0 --port 8000 --data-dir hub-data --min-peers 2
     python train/finetune_gpt2.py --hub http://HUB:8000 --run imdb-gpt2 --sync-every 1000   # on each peer
 
-Everything on one machine: an embedded hub and K peer processes, one table row per round, then
+Everything on one machine: ``--local-peers K`` runs the rest of this command line as K peers
+under ``syncserver local`` (an embedded hub, one table row per round), then writes
 ``results.json`` and a plot of validation perplexity per peer. This one trains a random-init
 4-layer GPT-2 for 69 steps per peer, 7 rounds: about 7.5 CPU-minutes, so roughly 4 minutes on an
 idle 2-core machine (add ``--serial-baseline`` for the serial curve, at twice the time)::
@@ -20,6 +21,12 @@ idle 2-core machine (add ``--serial-baseline`` for the serial curve, at twice th
         --dataset ../shared/data/imdb --tokenizer ../shared/data/gpt2-tokenizer \\
         --train-samples 300 --val-samples 16 --test-samples 50 --epochs 1 --batch-size 64 \\
         --lr 1e-3 --sync-every 10 --eval-every 5
+
+The launcher alone runs the same peers, without the final check and plot (each peer writes to
+its own ``--out`` folder)::
+
+    syncserver local --peers 2 --out out/local --metric eval_ppl -- python train/finetune_gpt2.py \
+        --sync-every 10 --model-config small ...
 
 The serial baseline (one process, no hub; ``--sync-every 0`` means the same)::
 
@@ -42,25 +49,27 @@ curves touch exactly there; between syncs the gap between curves is the peers' d
 nothing else (per-peer validation shards would add their own sampling noise on top). This costs
 each peer a full validation pass per evaluation; shrink ``--val-samples`` on small machines.
 
+Under a launcher (``syncserver local``, or ``--local-peers``) the ``WEIGHTSYNC_*`` variables it
+sets are the defaults of ``--hub``, ``--run``, ``--peer``, ``--token`` and ``--output-dir``, and
+the peer checks that the hub gave it the rank and world size the launcher announced.
+
 Outputs (``--output-dir``): ``config.json``, ``results.json``, ``rounds.jsonl`` (one JSON line per
 evaluation and sync, appended as training goes), ``val_ppl.png``, and the final model saved with
 ``save_pretrained`` (safetensors) in ``model/``. With ``--local-peers`` each peer writes those in
 ``peer-i/`` (its console output goes to ``peer-i/log.txt``), the hub keeps its state in ``hub/``
 (log in ``hub.log``), the serial baseline runs in ``serial/``, and the top-level ``results.json``
-checks that every peer's final weights are identical and equal to the hub's last version.
+holds the launcher's rounds and checks that every peer's final weights are identical and equal to
+the hub's last version.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import math
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -68,7 +77,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
 OFFLINE_HINT = (
     "use local files instead, e.g. --dataset ../shared/data/imdb --tokenizer ../shared/data/gpt2-tokenizer "
     "--model-config small"
@@ -89,17 +97,23 @@ class Fail(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
     p = argparse.ArgumentParser(
         description="Fine-tune GPT-2 on IMDB with peers that average weights through a weightsync hub.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # --local-peers hands its own argv to the peers: every flag spelled out
     )
     g = p.add_argument_group("run", "which run to join and how often to sync")
-    g.add_argument("--hub", help="hub base URL, e.g. http://HUB:8000 (one peer of a run)")
+    g.add_argument("--hub", default=env("WEIGHTSYNC_HUB"), help="hub base URL, e.g. http://HUB:8000 [$WEIGHTSYNC_HUB]")
     g.add_argument("--no-hub", action="store_true", help="train alone: the serial baseline")
     g.add_argument("--sync-every", type=int, default=1000, help="optimizer steps between syncs; 0 = serial baseline")
-    g.add_argument("--run", default="imdb-gpt2", help="run name on the hub")
-    g.add_argument("--peer", help="this peer's name (default: host-pid); ranks follow sorted names")
-    g.add_argument("--token", default=os.environ.get("SYNC_TOKEN"), help="the run's bearer token [$SYNC_TOKEN]")
+    g.add_argument("--run", default=env("WEIGHTSYNC_RUN", "imdb-gpt2"), help="run name on the hub [$WEIGHTSYNC_RUN]")
+    g.add_argument(
+        "--peer",
+        default=env("WEIGHTSYNC_PEER"),
+        help="this peer's name (default: host-pid); ranks follow sorted names [$WEIGHTSYNC_PEER]",
+    )
+    g.add_argument("--token", help="the run's bearer token (default: $WEIGHTSYNC_TOKEN, else $SYNC_TOKEN)")
     g.add_argument("--codec", choices=["fp32", "bf16", "int8", "int4"], help="wire codec (default: the run's)")
     g.add_argument("--outer", choices=["avg", "diloco"], help="outer optimizer (default: the run's)")
     g.add_argument("--min-peers", type=int, help="peers per round / rendezvous size when creating the run")
@@ -109,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--serial-baseline", action="store_true", help="with --local-peers: also train serially, for the plot"
     )
-    g.add_argument("--threads", type=int, help="torch threads per process (--local-peers: cores // K)")
+    g.add_argument("--threads", type=int, help="torch threads per process (default: $OMP_NUM_THREADS, else cores)")
 
     g = p.add_argument_group("data", "IMDB, tokenized, concatenated and cut into blocks")
     g.add_argument("--dataset", default="imdb", help="Hub id, or a folder with train.parquet and test.parquet")
@@ -132,7 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234, help="shared by all peers: data order, shards, init")
 
     g = p.add_argument_group("output")
-    g.add_argument("--output-dir", default="out/finetune_gpt2", help="everything this run writes")
+    g.add_argument(
+        "--output-dir",
+        default=env("WEIGHTSYNC_PEER_DIR", "out/finetune_gpt2"),
+        help="everything this run writes [$WEIGHTSYNC_PEER_DIR]",
+    )
     g.add_argument(
         "--eval-every",
         type=int,
@@ -142,16 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
-        return launch(args) if args.local_peers else train_peer(args)
+        return launch(args, argv) if args.local_peers else train_peer(args)
     except Fail as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 
 
 def check_args(args: argparse.Namespace) -> None:
+    # Not an argparse default: --help would print it.
+    args.token = args.token or os.environ.get("WEIGHTSYNC_TOKEN") or os.environ.get("SYNC_TOKEN")
     if args.no_hub:
         args.sync_every = 0
     if args.local_peers < 0 or args.sync_every < 0 or (args.eval_every or 0) < 0:
@@ -190,8 +211,9 @@ def train_peer(args: argparse.Namespace) -> int:
     if all(local_inputs):
         for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
             os.environ.setdefault(var, "1")
-    if args.threads:
-        os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))  # the tokenizer's thread pool
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or 0)  # a launcher sets OMP_NUM_THREADS
+    if threads:
+        os.environ.setdefault("RAYON_NUM_THREADS", str(threads))  # the tokenizer's thread pool
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     # Huge pages for torch's big CPU buffers (the 50,257-wide logits): ~10% less CPU per step here,
     # most of it page-fault time in the kernel.
@@ -283,6 +305,14 @@ def train_peer(args: argparse.Namespace) -> int:
         except SyncError as exc:
             raise Fail(f"cannot join run {args.run!r} at {args.hub}: {exc}") from None
         rank, world_size, version = info.rank, info.world_size, info.version
+        announced = (os.environ.get("WEIGHTSYNC_RANK"), os.environ.get("WEIGHTSYNC_WORLD_SIZE"))
+        if announced[0] is not None and announced != (str(rank), str(world_size)):
+            # The launcher's rank is what its other peers shard by: a different one overlaps shards.
+            client.leave()
+            raise Fail(
+                f"the hub made this peer rank {rank} of {world_size}, the launcher said "
+                f"WEIGHTSYNC_RANK={announced[0]} of WEIGHTSYNC_WORLD_SIZE={announced[1]}"
+            )
         note(
             f"joined as {info.peer!r}: rank {rank} of {world_size}, version {version}, "
             f"codec {info.codec}, outer {info.outer}"
@@ -344,14 +374,17 @@ def train_peer(args: argparse.Namespace) -> int:
             disable_tqdm=True,
             dataloader_num_workers=0,
         )
-        callbacks: list[Any] = [record.callback()]
+        # In this order: perplexity joins the eval metrics before SyncCallback takes them (to the
+        # hub, with the next update: the launcher's table shows it), and RoundLog sees a sync
+        # in the log event where SyncCallback made it.
+        callbacks: list[Any] = [perplexity_callback(), record.callback()]
         if hub_mode:
             # The client has joined already, so the callback does not join again; it syncs every N steps.
             def on_sync(result: Any) -> None:
                 record.on_sync(result, round_participants(client, result.version - 1))
 
             callback = SyncCallback(client=client, sync_every=args.sync_every, on_sync=on_sync)
-            callbacks.insert(0, callback)
+            callbacks.insert(1, callback)
         trainer = Trainer(
             model=model,
             args=training_args,
@@ -437,8 +470,20 @@ def load_texts(args: argparse.Namespace, datasets: Any) -> tuple[Any, Any, Any]:
     return train, val, test
 
 
+def perplexity_callback() -> Any:
+    """A TrainerCallback that adds ``eval_ppl`` = exp(``eval_loss``) to the evaluation metrics."""
+    from transformers import TrainerCallback  # imported by now; see train_peer
+
+    class Perplexity(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):  # type: ignore[no-untyped-def]
+            if metrics and "eval_loss" in metrics:
+                metrics["eval_ppl"] = math.exp(metrics["eval_loss"])
+
+    return Perplexity()
+
+
 class RoundLog:
-    """Appends evaluations and syncs to rounds.jsonl (the launcher tails it) and prints a row each.
+    """Appends evaluations and syncs to rounds.jsonl and prints a row each.
 
     It also asks for an evaluation right after every sync: the SyncCallback syncs inside the
     Trainer's log event, and the Trainer evaluates after logging, so that evaluation sees the
@@ -570,94 +615,57 @@ def note(msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# --local-peers K: an embedded hub, K peer processes, a round table, results.json and a plot
+# --local-peers K: this command line as K peers under `syncserver local`, then results and a plot
 # ---------------------------------------------------------------------------------------------
 
+# What only the launching process reads (flag -> how many values follow it). The peers get
+# the rest of the command line; their hub, run, name, token and folder come from WEIGHTSYNC_*.
+LAUNCH_ONLY = {"--local-peers": 1, "--serial-baseline": 0, "--output-dir": 1, "--token": 1}
 
-def launch(args: argparse.Namespace) -> int:
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    from syncserver.cli import SettingsInputError, hub_settings
+    from syncserver.local import LaunchError, LocalRun
+
     t0 = time.time()
     k = args.local_peers
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "hub", ignore_errors=True)  # a fresh run, not the previous one's state
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = args.threads or max(1, cores // k)
-    cfg = dict(vars(args), threads=threads, cores=cores)
+    cfg = dict(vars(args), cores=cores)
     cfg.pop("token", None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     note("config " + json.dumps(cfg))
-
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=pythonpath)
-    if args.token:  # the hub and the peers read it from the environment: it stays out of `ps`
-        env["SYNC_TOKEN"] = args.token
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    logs: dict[str, Path] = {}
-
-    def start(name: str, cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("wb") as f:  # the child keeps its own handle
-            # A session of its own: Ctrl-C reaches only us, and we stop the children in order.
-            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        procs[name], logs[name] = p, log
-        return p
-
-    def stop_all() -> None:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.time() + 10
-        for p in procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-    # `kill` stops the children like Ctrl-C does; SIGINT is set too because a shell starts
-    # background jobs with it ignored.
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
-    peers = [f"peer-{i}" for i in range(k)]
-    table = RoundTable(peers, {p: out / p / "rounds.jsonl" for p in peers}, t0)
+    # As flags, so that they beat SYNC_* variables: the rendezvous must wait for all K peers.
+    flags = {"data_dir": str(out / "hub"), "min_peers": str(k)} | ({"token": args.token} if args.token else {})
     try:
-        port = free_port()
-        hub_url = f"http://127.0.0.1:{port}"
-        hub_cmd = [sys.executable, "-m", "syncserver", "serve", "--host", "127.0.0.1", "--port", str(port)]
-        hub_cmd += ["--data-dir", str(out / "hub"), "--min-peers", str(k)]
-        start("hub", hub_cmd, out / "hub.log")
-        wait_healthy(procs["hub"], hub_url, logs["hub"])
-        note(f"hub and dashboard at {hub_url}/ ; {k} peers, {threads} thread(s) each; logs: {out}/peer-*/log.txt")
-        for name in peers:
-            (out / name / "rounds.jsonl").unlink(missing_ok=True)
-            cmd = peer_argv(args, hub=hub_url, peer=name, output_dir=str(out / name), threads=threads)
-            start(name, cmd, out / name / "log.txt")
-        table.print_header()
-        while True:
-            table.poll()
-            check_children(procs, logs)
-            if all(procs[p].poll() == 0 for p in peers):
-                break
-            time.sleep(0.5)
-        table.poll(final=True)
-        peers_wall = time.time() - t0
-        hub_version, hub_sha = hub_digest(hub_url, args.run, args.token)
-        procs["hub"].terminate()  # its work is done; the serial baseline needs no hub
-        serial = None
-        if args.serial_baseline:
-            note(f"serial baseline: one process, {cores} thread(s), in {out}/serial ...")
-            cmd = peer_argv(args, no_hub=True, output_dir=str(out / "serial"), threads=args.threads or cores)
-            p = start("serial", cmd, out / "serial" / "log.txt")
-            while p.poll() is None:
-                check_children({"serial": p}, logs)
-                time.sleep(0.5)
-            check_children({"serial": p}, logs)
-            serial = json.loads((out / "serial" / "results.json").read_text())
+        settings = hub_settings(flags)
+    except SettingsInputError as exc:
+        raise Fail(f"hub settings: {exc}") from None
+    command = [sys.executable, str(Path(__file__).resolve()), *peer_argv(argv)]
+    try:
+        with LocalRun(command, peers=k, out=out, settings=settings, run=args.run, metric="eval_ppl") as local:
+            rounds = local.wait()
+            peers_wall = time.time() - t0
+            hub_version, hub_sha = hub_digest(local.hub_url, args.run, local.token)
+            peers = local.peers
+    except LaunchError as exc:
+        raise Fail(str(exc)) from None
     except KeyboardInterrupt:
-        note("interrupted: stopping the hub and the peers")
+        note("interrupted: stopped the hub and the peers")
         return 130
-    finally:
-        stop_all()  # on success too: the hub has served its last version
+    serial = None
+    if args.serial_baseline:
+        note(f"serial baseline: one process, {cores} thread(s), in {out}/serial ...")
+        (out / "serial").mkdir(exist_ok=True)
+        cmd = [*command, "--no-hub", "--output-dir", str(out / "serial"), "--threads", str(args.threads or cores)]
+        log = out / "serial" / "log.txt"
+        with log.open("wb") as f:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        if code != 0:
+            raise Fail(f"the serial baseline exited with code {code} (log: {log})")
+        serial = json.loads((out / "serial" / "results.json").read_text())
 
     # -- results ----------------------------------------------------------------------------------
     per_peer = {p: json.loads((out / p / "results.json").read_text()) for p in peers}
@@ -666,7 +674,7 @@ def launch(args: argparse.Namespace) -> int:
     equal_hub = set(digests.values()) == {hub_sha}
     results = {
         "config": cfg,
-        "rounds": table.rows,
+        "rounds": rounds,
         "final": {p: {key: r[key] for key in FINAL_KEYS} for p, r in per_peer.items()},
         "weights_identical": identical,
         "weights_equal_hub": equal_hub,
@@ -700,127 +708,20 @@ def launch(args: argparse.Namespace) -> int:
     return 0 if identical and equal_hub else 1
 
 
-class RoundTable:
-    """Tails every peer's rounds.jsonl and prints one row per version once all peers reported it."""
-
-    def __init__(self, peers: list[str], paths: dict[str, Path], t0: float) -> None:
-        self.peers, self.paths, self.t0 = peers, paths, t0
-        self.offsets = dict.fromkeys(peers, 0)
-        self.seen: dict[str, dict[int, dict[str, Any]]] = {p: {} for p in peers}  # version -> row
-        self.latest: dict[str, int] = dict.fromkeys(peers, -1)
-        self.next_version = 0
-        self.rows: list[dict[str, Any]] = []
-
-    def poll(self, final: bool = False) -> None:
-        for p in self.peers:
-            path = self.paths[p]
-            if not path.exists():
-                continue
-            with path.open("rb") as f:
-                f.seek(self.offsets[p])
-                data = f.read()
-            end = data.rfind(b"\n") + 1  # only complete lines
-            self.offsets[p] += end
-            for line in data[:end].splitlines():
-                row = json.loads(line)
-                version = row.get("version")
-                if row["event"] == "eval" and row["step"] == 0 and version is not None:
-                    self.seen[p].setdefault(version, row)
-                elif row["event"] == "round":
-                    self.seen[p][version] = row
-                else:
-                    continue
-                self.latest[p] = max(self.latest[p], version)
-        while True:
-            v = self.next_version
-            if not any(v in s for s in self.seen.values()):
-                if final and any(v < latest for latest in self.latest.values()):
-                    self.next_version += 1
-                    continue
-                return
-            # Print once every peer reported v, went past it (caught up), or (at the end) stopped.
-            if not all(v in self.seen[p] or self.latest[p] > v or final for p in self.peers):
-                return
-            self.emit(v, {p: self.seen[p].get(v) for p in self.peers})
-            self.next_version += 1
-
-    def emit(self, version: int, rows: dict[str, dict[str, Any] | None]) -> None:
-        got = [r for r in rows.values() if r is not None]
-        row = {
-            "version": version,
-            "step": max(r["step"] for r in got),
-            "participants": max((r.get("participants") or 0) for r in got) or len(got),
-            "val_ppl": {p: (r["val_ppl"] if r else None) for p, r in rows.items()},
-            "bytes_up": sum(r.get("bytes_up") or 0 for r in got),
-            "bytes_down": sum(r.get("bytes_down") or 0 for r in got),
-            "sync_seconds": max((r.get("sync_seconds") or 0.0) for r in got),
-            "elapsed": round(time.time() - self.t0, 1),
-        }
-        self.rows.append(row)
-        ppl = " ".join(_fmt(v, ".2f", 10) for v in row["val_ppl"].values())
-        print(
-            f"{version:>7} {row['step']:>6} {row['participants']:>5} {ppl} {row['bytes_up'] / 1e6:>9.2f} "
-            f"{row['bytes_down'] / 1e6:>9.2f} {row['sync_seconds']:>7.2f} {row['elapsed']:>8.0f}",
-            flush=True,
-        )
-
-    def print_header(self) -> None:
-        ppl = " ".join(f"{p[-10:]:>10}" for p in self.peers)
-        rest = f"{'MB up':>9} {'MB down':>9} {'sync s':>7} {'elapsed':>8}"
-        print(f"{'version':>7} {'step':>6} {'peers':>5} {ppl} {rest}")
-        print(f"{'':>20} validation perplexity per peer; MB summed over peers", flush=True)
-
-
-def peer_argv(args: argparse.Namespace, **overrides: Any) -> list[str]:
-    """This script's command line for one child: the parent's settings with ``overrides``."""
-    values = dict(vars(args), local_peers=0, serial_baseline=False, hub=None, peer=None)
-    values.update(overrides)
-    argv = [sys.executable, str(Path(__file__).resolve())]
-    for action in build_parser()._actions:
-        if not action.option_strings or action.dest == "help":
+def peer_argv(argv: list[str]) -> list[str]:
+    """``argv`` without the flags in LAUNCH_ONLY (``--flag value`` or ``--flag=value``)."""
+    kept: list[str] = []
+    skip = 0
+    for arg in argv:
+        if skip:
+            skip -= 1
             continue
-        value = values.get(action.dest)
-        if isinstance(action, argparse._StoreTrueAction):
-            argv += [action.option_strings[0]] if value else []
-        elif value is not None and action.dest != "token":
-            argv += [action.option_strings[0], str(value)]
-    return argv
-
-
-def check_children(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) -> None:
-    for name, p in procs.items():
-        code = p.poll()
-        if code is not None and code < 0:
-            raise Fail(f"{name} was killed by {signal.Signals(-code).name} (log: {logs[name]})")
-        if code not in (None, 0):
-            raise Fail(f"{name} exited with code {code}: {last_line(logs[name])} (log: {logs[name]})")
-
-
-def last_line(path: Path) -> str:
-    lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    return lines[-1] if lines else "(no output)"
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float = 60.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise Fail(f"the hub exited with code {proc.returncode}: {last_line(log)} (log: {log})")
-        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/healthz", timeout=2) as r:
-            if r.status == 200:
-                return
-        time.sleep(0.2)
-    raise Fail(f"the hub did not answer {url}/healthz within {timeout:.0f} s (log: {log})")
+        name, eq, _ = arg.partition("=")
+        if name in LAUNCH_ONLY:
+            skip = 0 if eq else LAUNCH_ONLY[name]
+        else:
+            kept.append(arg)
+    return kept
 
 
 def plot(series: dict[str, dict[str, Any]], path: Path, args: argparse.Namespace) -> None:

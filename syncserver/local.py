@@ -1,0 +1,342 @@
+"""``syncserver local``: an embedded hub and K peer processes of any command, on this machine.
+
+    syncserver local --peers 2 --out runs/try --metric eval_loss -- python train.py --epochs 1
+
+The hub runs as ``syncserver serve --port 0`` in a child process (the OS picks the port, the
+hub writes its URL to ``OUT/hub.url``), keeps its data in ``OUT/hub`` and logs to
+``OUT/hub.log``. Each peer runs COMMAND in the caller's working directory (so relative paths in
+COMMAND mean what they mean at the prompt) with its output in ``OUT/<peer>/log.txt`` and these
+environment variables:
+
+=========================  =============================================================
+``WEIGHTSYNC_HUB``         the hub's URL, e.g. ``http://127.0.0.1:41723``
+``WEIGHTSYNC_RUN``         the run to join (``--run``)
+``WEIGHTSYNC_TOKEN``       the run's token, if the hub has tokens (never on a command line)
+``WEIGHTSYNC_PEER``        the peer's name: ``peer-0`` ... ``peer-{K-1}``
+``WEIGHTSYNC_RANK``        0 ... K-1; the hub ranks peers by sorted name, so this is their rank
+``WEIGHTSYNC_WORLD_SIZE``  K
+``WEIGHTSYNC_PEER_DIR``    ``OUT/<peer>``, a folder of the peer's own for what it writes
+=========================  =============================================================
+
+plus ``OMP_NUM_THREADS`` = cores // K unless it is set already (as ``torchrun`` does), so K
+peers do not each start a thread per core. The hub's rendezvous waits for all K peers. Its
+state stays in ``OUT/hub``: launching again with the same ``--out`` continues that run (remove
+the folder, or pick another ``--out``, to start afresh).
+
+While they run, the launcher prints one row per closed round, read from the hub's run status:
+round, step (the SDK sends it), peers, samples, each peer's ``--metric`` from its update of that
+round, megabytes up and down, the round's seconds. Any program that syncs through the hub fills
+it; nothing is read from the peers' files.
+
+Supervision: a peer that fails (non-zero exit or a signal) or a hub that exits stops the whole
+run: the other peers get SIGINT (Python raises KeyboardInterrupt, so they leave the run), then
+SIGTERM, then SIGKILL, each after a grace period, and the hub goes last. SIGINT or SIGTERM to the
+launcher does the same. :class:`LaunchError` names what failed, how, and its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+from pydantic import SecretStr
+
+import syncserver
+from syncserver.settings import HubSettings
+
+__all__ = ["PEER_EXIT", "HUB_EXIT", "LaunchError", "LocalRun", "RoundTable", "settings_env"]
+
+log = logging.getLogger(__name__)
+
+PEER_EXIT, HUB_EXIT = 1, 3  # the launcher's exit codes for "a peer failed" and "the hub failed"
+HUB_START_SECONDS = 60.0
+GRACE_SECONDS = 10.0  # per stopping signal: time to leave the run, flush logs, save
+
+
+class LaunchError(Exception):
+    """A child of the launcher failed; ``exit_code`` says which kind (PEER_EXIT, HUB_EXIT)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def settings_env(settings: HubSettings) -> dict[str, str]:
+    """The ``SYNC_*`` variables that give a child hub these settings. Variables, not flags:
+    tokens stay out of ``ps``."""
+    env = {}
+    for name in settings.model_fields_set:
+        value = getattr(settings, name)
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        elif isinstance(value, dict):
+            value = json.dumps({k: v.get_secret_value() if isinstance(v, SecretStr) else v for k, v in value.items()})
+        if value is not None:
+            env[f"SYNC_{name.upper()}"] = str(value)
+    return env
+
+
+class RoundTable:
+    """One printed row per closed round of a run's status (``GET /v1/runs/{run}``).
+
+    ``rows`` keeps them as JSON-ready dicts: ``round``, ``version`` (the one it produced),
+    ``step``, ``participants``, ``dropped``, ``samples``, ``metrics`` (each peer's metrics from
+    its update, ``None`` if it sent none), ``bytes_up``, ``bytes_down`` (the result times its
+    participants), ``seconds`` (first update to close) and ``elapsed`` (since the launcher began).
+    """
+
+    def __init__(self, peers: Sequence[str], metric: str, echo: Callable[[str], None], t0: float) -> None:
+        self.peers, self.metric, self.echo, self.t0 = list(peers), metric, echo, t0
+        self.rows: list[dict[str, Any]] = []
+
+    def header(self) -> None:
+        width = max(10, *(len(p) for p in self.peers))
+        names = " ".join(f"{p:>{width}}" for p in self.peers)
+        self.echo(
+            f"{'round':>5} {'step':>6} {'peers':>5} {'samples':>8} {names} "
+            f"{'MB up':>9} {'MB down':>9} {'round s':>7} {'elapsed':>7}"
+        )
+        self.echo(f"{'':>27}{self.metric} per peer, from its update of the round")
+
+    def update(self, status: dict[str, Any]) -> None:
+        """Print the rounds of ``status`` not printed yet, in order."""
+        done = self.rows[-1]["round"] if self.rows else -1
+        metrics: dict[int, dict[str, dict[str, float]]] = {}
+        for u in status.get("updates", []):
+            metrics.setdefault(u["round"], {})[u["peer"]] = u["metrics"]
+        for r in sorted(status.get("rounds", []), key=lambda r: r["round"]):
+            if r["round"] > done:
+                self._emit(r, metrics.get(r["round"], {}))
+
+    def _emit(self, record: dict[str, Any], metrics: dict[str, dict[str, float]]) -> None:
+        steps = [m["step"] for m in metrics.values() if "step" in m]
+        row = {
+            "round": record["round"],
+            "version": record["round"] + 1,
+            "step": int(max(steps)) if steps else None,
+            "participants": len(record["participants"]),
+            "dropped": record["dropped"],
+            "samples": record["samples"],
+            "metrics": {p: metrics.get(p) for p in self.peers},
+            "bytes_up": record["bytes_in"],
+            "bytes_down": record["result_bytes"] * len(record["participants"]),
+            "seconds": round(record["closed"] - record["opened"], 3),
+            "elapsed": round(time.time() - self.t0, 1),
+        }
+        self.rows.append(row)
+        width = max(10, *(len(p) for p in self.peers))
+        values = " ".join(_cell((m or {}).get(self.metric), width) for m in row["metrics"].values())
+        step = "-" if row["step"] is None else row["step"]
+        self.echo(
+            f"{row['round']:>5} {step:>6} {row['participants']:>5} {row['samples']:>8} {values} "
+            f"{row['bytes_up'] / 1e6:>9.2f} {row['bytes_down'] / 1e6:>9.2f} {row['seconds']:>7.2f} "
+            f"{row['elapsed']:>7.0f}"
+        )
+
+
+def _cell(value: float | None, width: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.6g}"  # 10760.1, not 1.076e+04
+
+
+class LocalRun:
+    """An embedded hub plus K peers of ``command``; a context manager that stops them all.
+
+    ``with LocalRun(...) as launched: rows = launched.wait()``: while inside, ``hub_url`` answers
+    (a caller may still download the final version after ``wait``); leaving stops every child.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        peers: int,
+        out: Path,
+        settings: HubSettings,
+        run: str,
+        metric: str = "loss",
+        echo: Callable[[str], None] | None = None,
+    ) -> None:
+        if not command:
+            raise ValueError("give the command each peer runs, e.g. ['python', 'train.py']")
+        if peers < 1:
+            raise ValueError(f"peers must be >= 1, got {peers}")
+        self.command, self.k, self.out, self.settings, self.run = list(command), peers, Path(out), settings, run
+        digits = len(str(peers - 1))  # peer-07 sorts before peer-10: the hub's ranks follow the names
+        self.peers = [f"peer-{i:0{digits}d}" for i in range(peers)]
+        self.token = _token_for(settings, run)
+        self.t0 = time.time()
+        self.table = RoundTable(self.peers, metric, echo or _print, self.t0)
+        self.hub_url = ""
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: dict[str, Path] = {}
+        self._handlers: dict[int, Any] = {}
+
+    # -- start ------------------------------------------------------------------------------------
+
+    def __enter__(self) -> LocalRun:
+        # `kill` stops the children as Ctrl-C does; SIGINT is set too because a shell starts
+        # background jobs with it ignored.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._handlers[signum] = signal.signal(signum, _interrupt)
+        try:
+            self._start_hub()
+            self._start_peers()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _start_hub(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        ready = self.out / "hub.url"
+        ready.unlink(missing_ok=True)
+        env = dict(os.environ, **settings_env(self.settings))
+        cmd = [sys.executable, "-m", "syncserver", "serve", "--host", "127.0.0.1", "--port", "0"]
+        hub = self._spawn("hub", [*cmd, "--ready-file", str(ready)], self.out / "hub.log", env)
+        deadline = time.monotonic() + HUB_START_SECONDS
+        while not ready.exists():
+            if hub.poll() is not None:
+                self._check()
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"the hub did not listen within {HUB_START_SECONDS:.0f} s (log: {self.logs['hub']})", HUB_EXIT
+                )
+            time.sleep(0.05)
+        self.hub_url = ready.read_text().strip()
+
+    def _start_peers(self) -> None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // self.k)
+        _note(f"hub and dashboard at {self.hub_url}/ ; {self.k} peers of: {' '.join(self.command)}")
+        _note(f"logs: {self.logs['hub']}, {self.out}/peer-*/log.txt")
+        for rank, name in enumerate(self.peers):
+            folder = self.out / name
+            folder.mkdir(parents=True, exist_ok=True)
+            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads)))
+            env.update(
+                WEIGHTSYNC_HUB=self.hub_url,
+                WEIGHTSYNC_RUN=self.run,
+                WEIGHTSYNC_PEER=name,
+                WEIGHTSYNC_RANK=str(rank),
+                WEIGHTSYNC_WORLD_SIZE=str(self.k),
+                WEIGHTSYNC_PEER_DIR=str(folder),
+            )
+            env.pop("WEIGHTSYNC_TOKEN", None)
+            if self.token:
+                env["WEIGHTSYNC_TOKEN"] = self.token
+            self._spawn(name, self.command, folder / "log.txt", env)
+        self.table.header()
+
+    def _spawn(self, name: str, cmd: list[str], logfile: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        # The embedded hub must be this very syncserver, also when it runs from a checkout.
+        root = str(Path(syncserver.__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        with logfile.open("wb") as f:  # the child keeps its own handle
+            try:
+                # A session of its own: Ctrl-C reaches only the launcher, which stops children in order.
+                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            except OSError as exc:
+                raise LaunchError(f"cannot start {name}: {' '.join(cmd)}: {exc.strerror}", PEER_EXIT) from None
+        self.procs[name], self.logs[name] = proc, logfile
+        return proc
+
+    # -- supervise --------------------------------------------------------------------------------
+
+    def wait(self, poll_seconds: float = 0.5) -> list[dict[str, Any]]:
+        """Print rounds as they close until every peer has exited 0; return the table's rows.
+        Raises :class:`LaunchError` as soon as a peer or the hub fails."""
+        while True:
+            self._show_rounds()
+            self._check()
+            if all(self.procs[p].poll() == 0 for p in self.peers):
+                break
+            time.sleep(poll_seconds)
+        self._show_rounds()  # the last round closed while the peers were finishing
+        return self.table.rows
+
+    def _show_rounds(self) -> None:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            response = httpx.get(f"{self.hub_url}/v1/runs/{self.run}", headers=headers, timeout=10)
+        except httpx.HTTPError as exc:  # the hub's health is _check's business; try again next time
+            log.debug("run status: %s", exc)
+            return
+        if response.status_code == 200:  # 404 until the first peer creates the run
+            self.table.update(response.json())
+
+    def _check(self) -> None:
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            is_hub = name == "hub"
+            if code is None or (code == 0 and not is_hub):
+                continue
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            raise LaunchError(
+                f"{name} {how}: {_last_line(self.logs[name])} (log: {self.logs[name]})",
+                HUB_EXIT if is_hub else PEER_EXIT,
+            )
+
+    # -- stop -------------------------------------------------------------------------------------
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        for signum in self._handlers:  # a second Ctrl-C must not cut the stopping short
+            signal.signal(signum, signal.SIG_IGN)
+        # Peers first, while the hub still answers, so that they can leave the run.
+        _stop([p for name, p in self.procs.items() if name != "hub"], [signal.SIGINT, signal.SIGTERM])
+        _stop([p for name, p in self.procs.items() if name == "hub"], [signal.SIGTERM])
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler)
+        self._handlers.clear()
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], signals: list[signal.Signals]) -> None:
+    """Send each signal in turn to those still running, a grace period each; then SIGKILL."""
+    for signum in signals:
+        running = [p for p in procs if p.poll() is None]
+        if not running:
+            return
+        for p in running:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signum)
+        deadline = time.monotonic() + GRACE_SECONDS
+        for p in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _token_for(settings: HubSettings, run: str) -> str | None:
+    """The narrowest token that lets a peer into ``run``: its run token, else the hub's."""
+    token = settings.run_tokens.get(run) or settings.token or settings.admin_token
+    return token.get_secret_value() if token is not None else None
+
+
+def _last_line(path: Path) -> str:
+    lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def _note(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
