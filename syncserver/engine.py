@@ -153,9 +153,7 @@ class MergeEngine:
     def build_versions(self, run: str, target: int, codec: Codec, schema: Schema) -> None:
         """Write every missing version file up to ``target`` from the last one stored and the
         rounds' results: ``version j+1 = version j + decode(result j)``."""
-        first = target
-        while first > 0 and not self.store.exists(VersionKey(run, first)):
-            first -= 1
+        first = max((v for v in self.store.versions(run) if v <= target), default=0)
         for v in range(first, target):
             self._next_version(run, v, codec, schema)
 

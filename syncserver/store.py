@@ -434,6 +434,11 @@ class Store:
         return self._path(key).exists()
 
     @_translated
+    def versions(self, run: str) -> list[int]:
+        """The versions of ``run`` whose files are stored, in order."""
+        return sorted(int(path.stem) for path in (self._run_dir(run) / "versions").glob("*.safetensors"))
+
+    @_translated
     def read(self, key: Key) -> TensorFile:
         """A ranged reader (``pread`` a slice at a time); close it (it is a context manager)."""
         return TensorFile(self._path(key))
@@ -492,8 +497,14 @@ class Store:
 
     def acknowledge(self, staged: Staged, run: str, update: UpdateRecord) -> None:
         """Store an update: its file, then its record (the acknowledgement's commit point). A
-        failure leaves neither."""
+        failure leaves neither, and an update already stored is never touched (ValueError)."""
         path = self._path(UpdateKey(run, update.round, update.peer))
+        with _translating():
+            held = self._db.execute(
+                "SELECT 1 FROM updates WHERE run = ? AND round = ? AND peer = ?", (run, update.round, update.peer)
+            ).fetchone()
+        if held:
+            raise ValueError(f"{update.peer!r} already has an update stored for round {update.round} of {run!r}")
         try:
             with _translating():
                 _publish(staged._path, path)

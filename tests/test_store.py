@@ -1,0 +1,118 @@
+"""The store in-process: keys, handles, atomicity and the one translation of storage errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from syncserver.errors import Unavailable
+from syncserver.store import Missing, ResultKey, Store, UpdateKey, UpdateRecord, VersionKey
+from syncwire import iter_chunks
+from syncwire.format import encode_header
+
+
+def body(arrays: dict[str, np.ndarray]) -> bytes:
+    return b"".join(iter_chunks([(name, a, "F32") for name, a in arrays.items()]))
+
+
+def write_version(store: Store, key: VersionKey, arrays: dict[str, np.ndarray]) -> None:
+    """Through the atomic writer, as the engine does: the header, then slices at their offsets."""
+    head, infos = encode_header([(name, "F32", a.shape) for name, a in arrays.items()])
+    with store.write(key) as out:
+        out.write(head)
+        for info in infos:
+            out.write_at(arrays[info.name].astype(np.float32), len(head) + info.start)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "hub")
+
+
+def test_the_writer_publishes_whole_files_and_the_reader_reads_ranges(store: Store) -> None:
+    arrays = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, np.float32)}
+    write_version(store, VersionKey("r", 0), arrays)
+    assert store.exists(VersionKey("r", 0)) and store.versions("r") == [0]
+    with store.read(VersionKey("r", 0)) as f:
+        assert f.read("w", 3, 7).tolist() == [3, 4, 5, 6]
+        assert f.read("b").tolist() == [1] * 5
+
+
+def test_a_failed_write_leaves_neither_the_file_nor_a_temporary(store: Store, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), store.write(ResultKey("r", 0)) as out:
+        out.write(b"half a file")
+        raise RuntimeError("the merge failed")
+    assert not store.exists(ResultKey("r", 0))
+    assert not [p for p in (tmp_path / "hub" / "runs").rglob("*") if p.is_file()]
+
+
+def test_storage_errors_become_503s(store: Store, tmp_path: Path) -> None:
+    (tmp_path / "hub" / "runs" / "blocked").write_text("a file where the run's folder goes")
+    with pytest.raises(Unavailable, match="cannot write its data dir"), store.write(VersionKey("blocked", 0)):
+        pass
+    store.close()  # sqlite's errors too: here "cannot operate on a closed database"
+    with pytest.raises(Unavailable, match="cannot write its database"):
+        store.seal("r", {"a": 0})
+
+
+def test_a_served_blob_outlives_its_pruning(store: Store) -> None:
+    arrays = {"w": np.arange(4, dtype=np.float32)}
+    for v in range(3):
+        write_version(store, VersionKey("r", v), arrays)
+    blob = store.serve(VersionKey("r", 0))
+    store.prune("r", 2, keep=1)
+    assert store.versions("r") == [2]
+    try:
+        assert blob.read(0, blob.size) == body(arrays)  # the download in flight completes
+    finally:
+        blob.close()
+    with pytest.raises(Missing):
+        store.serve(VersionKey("r", 0))
+
+
+def test_an_update_is_acknowledged_with_its_record_or_not_at_all(store: Store) -> None:
+    store.create_run("r", {})
+
+    def staged(data: bytes):  # type: ignore[no-untyped-def]
+        upload = store.fresh_upload()
+        upload.open(0)
+        upload.append([data])
+        return upload.finish()
+
+    data = body({"w": np.ones(3, np.float32)})
+    record = UpdateRecord("a", 0, 1, "d", 5, {}, len(data), 0.0, 0.0)
+    store.acknowledge(staged(data), "r", record)
+    assert store.exists(UpdateKey("r", 0, "a")) and [u.peer for u in store.updates("r", 0)] == ["a"]
+    # the same (run, round, peer) again is refused before the stored update is touched
+    with pytest.raises(ValueError, match="already has an update stored"):
+        store.acknowledge(staged(data), "r", UpdateRecord("a", 0, 2, "e", 5, {}, len(data), 0.0, 0.0))
+    assert [u.seq for u in store.updates("r", 0)] == [1]
+    with store.read(UpdateKey("r", 0, "a")) as f:
+        assert f.read("w").tolist() == [1, 1, 1]
+    # a database that cannot record it: a 503, and no file is left for the round's fold to find
+    late = staged(data)
+    store.close()
+    with pytest.raises(Unavailable):
+        store.acknowledge(late, "r", UpdateRecord("b", 0, 3, "f", 5, {}, len(data), 0.0, 0.0))
+    assert not store.exists(UpdateKey("r", 0, "b"))
+
+
+def test_a_resumable_upload_keeps_its_bytes_and_a_new_digest_supersedes_them(store: Store) -> None:
+    first = store.resumable_upload("r", 0, "a", "d1")
+    first.open(0)
+    first.append([b"12345"])
+    first.close()
+    assert store.resumable_upload("r", 0, "a", "d1").held() == 5
+    assert store.resumable_upload("r", 0, "a", "d2", supersede=True).held() == 0
+    assert store.resumable_upload("r", 0, "a", "d1").held() == 0, "the older try is gone"
+
+
+def test_a_partial_pruned_as_it_completes_is_missing(store: Store) -> None:
+    upload = store.resumable_upload("r", 0, "a", "d")
+    upload.open(0)
+    upload.append([b"x"])
+    store.prune("r", 1, keep=3)  # round 0 closed: its partials can never complete
+    with pytest.raises(Missing):
+        upload.finish()
