@@ -273,10 +273,12 @@ class Rounds:
             received.nbytes / 1e6,
             received.seconds,
         )
-        close = run.policy.acknowledged(ticket.peer, now())
+        # a close starts at once: it folds what is not folded yet (its "fold" timing: the round's
+        # last fold after its last acknowledgement), beside this request's own fold
+        self.carry_out(run, run.policy.acknowledged(ticket.peer, now()))
         self.view.updated(run, update)
         await self._fold_pending(run)
-        self.carry_out(run, close or run.policy.decide(now()))
+        self.decide(run)  # the fold took time: a deadline may have passed meanwhile
         return _ack(update)
 
     def _norm(self, run: Run, received: Received) -> float:
@@ -315,13 +317,17 @@ class Rounds:
 
     # ---- folding and closing -------------------------------------------------------------
     async def _fold_pending(self, run: Run) -> None:
-        """Fold every acknowledged, not yet folded update, in acknowledgement order."""
         async with run.fold_lock:
-            acc = run.accumulator()
-            for update in sorted(run.acked.values(), key=lambda u: u.seq):
-                if update.peer not in acc.folded:
-                    key = UpdateKey(run.name, update.round, update.peer)
-                    await to_thread.run_sync(self.engine.fold, acc, key, update.samples, run.codec)
+            await self._fold_unfolded(run)
+
+    async def _fold_unfolded(self, run: Run) -> None:
+        """Fold every acknowledged, not yet folded update, in acknowledgement order (the caller
+        holds ``run.fold_lock``)."""
+        acc = run.accumulator()
+        for update in sorted(run.acked.values(), key=lambda u: u.seq):
+            if update.peer not in acc.folded:
+                key = UpdateKey(run.name, update.round, update.peer)
+                await to_thread.run_sync(self.engine.fold, acc, key, update.samples, run.codec)
 
     def decide(self, run: Run) -> None:
         """Ask the policy again (time passed)."""
@@ -334,8 +340,8 @@ class Rounds:
     async def _close(self, run: Run, close: Close) -> None:
         started = time.monotonic()
         try:
-            await self._fold_pending(run)
             async with run.fold_lock:
+                await self._fold_unfolded(run)
                 folded = time.monotonic()
                 acc = run.accumulator()
                 outer = run.config.outer_optimizer
