@@ -53,6 +53,7 @@ import httpx
 from pydantic import SecretStr
 
 import syncserver
+from syncserver.process import ServerProcess, ServerStartError
 from syncserver.settings import HubSettings
 
 __all__ = ["PEER_EXIT", "HUB_EXIT", "LaunchError", "LocalRun", "RoundTable", "settings_env"]
@@ -199,21 +200,22 @@ class LocalRun:
 
     def _start_hub(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        ready = self.out / "hub.url"
-        ready.unlink(missing_ok=True)
-        env = dict(os.environ, **settings_env(self.settings))
-        cmd = [sys.executable, "-m", "syncserver", "serve", "--host", "127.0.0.1", "--port", "0"]
-        hub = self._spawn("hub", [*cmd, "--ready-file", str(ready)], self.out / "hub.log", env)
-        deadline = time.monotonic() + HUB_START_SECONDS
-        while not ready.exists():
-            if hub.poll() is not None:
-                self._check()
-            if time.monotonic() > deadline:
-                raise LaunchError(
-                    f"the hub did not listen within {HUB_START_SECONDS:.0f} s (log: {self.logs['hub']})", HUB_EXIT
-                )
-            time.sleep(0.05)
-        self.hub_url = ready.read_text().strip()
+        env = _child_env(dict(os.environ, **settings_env(self.settings)))
+        hub = ServerProcess(
+            [sys.executable, "-m", "syncserver", "serve", "--host", "127.0.0.1"],
+            log=self.out / "hub.log",
+            env=env,
+            new_session=True,
+            ready_file=self.out / "hub.url",
+        )
+        self.procs["hub"], self.logs["hub"] = hub.spawn(), hub.log
+        try:
+            self.hub_url = hub.wait_ready(HUB_START_SECONDS)
+        except ServerStartError:
+            self._check()  # a hub that exited: named with its exit
+            raise LaunchError(
+                f"the hub did not listen within {HUB_START_SECONDS:.0f} s (log: {self.logs['hub']})", HUB_EXIT
+            ) from None
 
     def _start_peers(self) -> None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -239,9 +241,7 @@ class LocalRun:
         self.table.header()
 
     def _spawn(self, name: str, cmd: list[str], logfile: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        # The embedded hub must be this very syncserver, also when it runs from a checkout.
-        root = str(Path(syncserver.__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        env = _child_env(env)
         with logfile.open("wb") as f:  # the child keeps its own handle
             try:
                 # A session of its own: Ctrl-C reaches only the launcher, which stops children in order.
@@ -317,6 +317,12 @@ def _stop(procs: list[subprocess.Popen[bytes]], signals: list[signal.Signals]) -
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def _child_env(env: dict[str, str]) -> dict[str, str]:
+    """The children import this very syncserver, also when it runs from a checkout."""
+    root = str(Path(syncserver.__file__).resolve().parents[1])
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))}
 
 
 def _token_for(settings: HubSettings, run: str) -> str | None:

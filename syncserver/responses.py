@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import anyio
 from anyio import to_thread
 from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
@@ -90,30 +89,16 @@ class BlobResponse(Response):
         if scope["method"].upper() == "HEAD":
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
-        last_sent = False  # the end of the body is with the server: the download is complete
-        async with anyio.create_task_group() as group:
-
-            async def stream() -> None:
-                nonlocal last_sent
-                position = start
-                while position < end:
-                    chunk = await to_thread.run_sync(self.blob.read, position, min(CHUNK, end - position))
-                    if not chunk:
-                        raise RuntimeError(f"the blob ends at {position} of {end} bytes")
-                    position += len(chunk)
-                    last_sent = position >= end
-                    await send({"type": "http.response.body", "body": chunk, "more_body": not last_sent})
-                if start == end:
-                    last_sent = True
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                group.cancel_scope.cancel()
-
-            async def disconnect() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                if not last_sent:
-                    self.background = None  # the peer did not get it all: not a finished download
-                group.cancel_scope.cancel()
-
-            group.start_soon(stream)
-            group.start_soon(disconnect)
+        # No task listens for http.disconnect beside the stream (as in Starlette's FileResponse):
+        # with one, this response raised the hub's peak RSS with 4 fp32 peers from 0.74-0.84 GB
+        # to 1.07-1.22 GB (bench/round.py; bench/RESULTS.md; why was not pinned down). A peer
+        # that goes away mid-body costs the rest of the file's reads, which uvicorn drops.
+        position = start
+        while position < end:
+            chunk = await to_thread.run_sync(self.blob.read, position, min(CHUNK, end - position))
+            if not chunk:
+                raise RuntimeError(f"the blob ends at {position} of {end} bytes")
+            position += len(chunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": position < end})
+        if start == end:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,102 +1,63 @@
-"""Shared fixtures: real hubs on 127.0.0.1 (a free port each), tiny real models.
+"""Shared fixtures: real hubs on 127.0.0.1 (port 0: the OS picks a free one), tiny real models.
 
-``hub_factory`` starts ``python -m syncserver serve`` as a real process, so tests can kill
-it with SIGKILL and start it again on the same data dir. ``hub`` is one such hub.
+``hub_factory`` starts ``python -m syncserver serve`` as a real process on port 0 (it writes
+the port it got to a ready file: :mod:`syncserver.process`), so tests can kill it with SIGKILL
+and start it again on the same data dir and URL. ``hub`` is one such hub.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel  # imported once here: lazy imports race in threads
+
+from syncserver.process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
 class Hub:
-    """A hub process; ``url`` stays the same across restarts."""
+    """A hub process (``python -m syncserver serve``) on a port the OS picked; ``url`` stays the
+    same across restarts (a restart asks for the port the first start got)."""
 
-    data_dir: Path
-    port: int
-    args: list[str]
-    env: dict[str, str]
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    scheme: str = "http"
-    extra: dict[str, str] = field(default_factory=dict)
+    def __init__(self, data_dir: Path, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.data_dir = data_dir
+        serve = [sys.executable, "-m", "syncserver", "serve", "--host", "127.0.0.1", "--data-dir", str(data_dir)]
+        self.server = ServerProcess([*serve, "--log-level", "warning", *args], log=log_path, env=env)
 
     @property
     def url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.port}"
+        assert self.server.url is not None, "start the hub first"
+        return self.server.url
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.server.proc
 
     def start(self, timeout: float = 30.0) -> Hub:
-        log = open(self.log_path, "ab")  # noqa: SIM115 (owned by the process)
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "syncserver",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--data-dir",
-                str(self.data_dir),
-                "--log-level",
-                "warning",
-                *self.args,
-            ],
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"hub exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1, verify=False).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                time.sleep(0.05)
-        raise RuntimeError(f"hub did not start in {timeout}s:\n{self.log()}")
+        self.server.start(timeout)
+        return self
 
     def kill(self) -> None:
         """SIGKILL: no shutdown handler runs, as when a VM dies."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+        self.server.kill()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self.server.stop()
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-5000:]
+        return self.server.log_tail()
 
 
 @pytest.fixture
@@ -108,7 +69,7 @@ def hub_factory(tmp_path: Path) -> Iterator[Callable[..., Hub]]:
         n = len(hubs)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
         full_env.update(env or {})
-        hub = Hub(data_dir or tmp_path / f"hub{n}", free_port(), list(args), full_env, tmp_path / f"hub{n}.log")
+        hub = Hub(data_dir or tmp_path / f"hub{n}", list(args), full_env, tmp_path / f"hub{n}.log")
         hubs.append(hub)
         return hub.start() if start else hub
 

@@ -32,7 +32,7 @@ import safetensors.numpy
 
 from syncwire import Codec, encode_model, get_codec, iter_chunks
 from syncwire.format import MAX_HEADER_BYTES
-from tests.conftest import Hub, free_port
+from tests.conftest import Hub
 
 TOKEN = "bad-input-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -46,7 +46,7 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     root = tmp_path_factory.mktemp("bad-input")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
     env["SYNC_TOKEN"] = TOKEN
-    hub = Hub(root / "data", free_port(), ["--round-timeout", "600"], env, root / "hub.log").start()
+    hub = Hub(root / "data", ["--round-timeout", "600"], env, root / "hub.log").start()
     yield hub
     hub.stop()
 

@@ -6,6 +6,7 @@ import io
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ import pytest
 from rich.console import Console
 
 from syncserver.status import render
-from tests.conftest import Hub, free_port
+from tests.conftest import Hub
 from tests.livepeers import Peers
 
 TOKEN, VIEW = "hub-secret", "view-only"
@@ -45,7 +46,7 @@ def hub_with_rounds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     tmp = tmp_path_factory.mktemp("status")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
     env.update(SYNC_TOKEN=TOKEN, SYNC_VIEW_TOKEN=VIEW)
-    hub = Hub(tmp / "hub", free_port(), ["--min-peers", "2"], env, tmp / "hub.log").start()
+    hub = Hub(tmp / "hub", ["--min-peers", "2"], env, tmp / "hub.log").start()
     try:
         Peers(hub.url, "cli-run", rounds=3, token=TOKEN).start().join()
         yield hub
@@ -184,8 +185,10 @@ def test_refusals_are_one_line(hub_with_rounds: Hub, args: list[str], token: str
 
 
 def test_unreachable_hub_is_one_line() -> None:
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    out = status(url, "--run", "x")
+    with socket.socket() as bound:  # bound, never listening: connections to it are refused
+        bound.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        out = status(url, "--run", "x")
     assert out.returncode == 1
     assert out.stderr.startswith(f"error: cannot reach the hub at {url}")
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr

@@ -110,11 +110,7 @@ def pki(tmp_path: Path) -> tuple[Path, Path, Path]:
 
 
 def https_hub(hub_factory: Callable[..., Hub], certfile: Path, keyfile: Path) -> Hub:
-    hub = hub_factory(
-        "--ssl-certfile", str(certfile), "--ssl-keyfile", str(keyfile), env={"SYNC_TOKEN": TOKEN}, start=False
-    )
-    hub.scheme = "https"
-    return hub.start()
+    return hub_factory("--ssl-certfile", str(certfile), "--ssl-keyfile", str(keyfile), env={"SYNC_TOKEN": TOKEN})
 
 
 def test_two_peers_sync_over_tls(hub_factory: Callable[..., Hub], pki: tuple[Path, Path, Path]) -> None:
