@@ -36,8 +36,6 @@ import logging
 import math
 import multiprocessing
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -50,6 +48,9 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO)]
+
+from syncserver.process import ServerProcess  # noqa: E402 (after the path above)
 
 
 @dataclass
@@ -80,12 +81,6 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def proc_status(pid: int) -> dict[str, float]:
     """VmHWM, VmRSS, RssAnon (heap) and RssFile (mapped files) of a process in MB (Linux)."""
     out: dict[str, float] = {}
@@ -99,36 +94,17 @@ def proc_status(pid: int) -> dict[str, float]:
 
 @contextlib.contextmanager
 def hub_process(data_dir: Path, log_path: Path, *args: str) -> Iterator[tuple[str, int]]:
-    """A real hub on a free loopback port: yields (url, pid)."""
-    port = free_port()
+    """A real hub on a loopback port the OS picks: yields (url, pid)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
     env["PYTHONPATH"] = str(REPO)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "syncserver", "serve", "--port", str(port), "--data-dir", str(data_dir),
-             "--log-level", "warning", *args],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    serve = [sys.executable, "-m", "syncserver", "serve", "--data-dir", str(data_dir), "--log-level", "warning"]
+    hub = ServerProcess([*serve, *args], log=log_path, env=env, cwd=REPO)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"hub exited: {log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        yield url, proc.pid
+        url = hub.start()
+        assert hub.proc is not None
+        yield url, hub.proc.pid
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        hub.stop()
 
 
 def mlp(params: int, seed: int) -> Any:

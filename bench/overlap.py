@@ -34,7 +34,6 @@ import hashlib
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(REPO)]
+
+from syncserver.process import ServerProcess  # noqa: E402 (after the path above)
 
 # -----------------------------------------------------------------------------
 # settings
@@ -84,12 +85,6 @@ PEER_SETTINGS = (
     "threads",
     "seed",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def weights_digest(model: Any) -> str:
@@ -202,40 +197,22 @@ def peer(args: argparse.Namespace) -> dict[str, Any]:
 # -----------------------------------------------------------------------------
 # the driver: a hub and the peers per mode, then the table
 def run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str, Any]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     data = tmp / f"hub-{mode}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
-    hub_log = open(tmp / f"hub-{mode}.log", "wb")  # noqa: SIM115 (the hub process writes it)
-    hub = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "syncserver",
-            "serve",
-            "--host=127.0.0.1",
-            f"--port={port}",
-            f"--data-dir={data}",
-            "--log-level=warning",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=hub_log,
-        stderr=subprocess.STDOUT,
-    )
+    serve = [
+        sys.executable,
+        "-m",
+        "syncserver",
+        "serve",
+        "--host=127.0.0.1",
+        f"--data-dir={data}",
+        "--log-level=warning",
+    ]
+    hub = ServerProcess(serve, log=tmp / f"hub-{mode}.log", env=env, cwd=REPO)
     try:
         import httpx
 
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if hub.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"hub did not start: {(tmp / f'hub-{mode}.log').read_text()[-2000:]}")
-            time.sleep(0.1)
+        url = hub.start()
         shared = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in PEER_SETTINGS]
         procs = []
         for i in range(args.peers):
@@ -248,9 +225,7 @@ def run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str, Any]:
         r = httpx.get(f"{url}/v1/runs/overlap-{mode}/model")
         r.raise_for_status()
     finally:
-        hub.terminate()
-        hub.wait(30)
-        hub_log.close()
+        hub.stop(timeout=30)
     import safetensors.numpy
 
     hub_weights = safetensors.numpy.load(r.content)

@@ -6,8 +6,8 @@
     python bench/round.py --peers 8 --codecs int8 int4 --baselines limit gloo   # what fits 24 GiB at 8
     python bench/round.py --peers 2 --codecs fp32 --profile --data-root /dev/shm # py-spy; hub off disk
 
-For each N and codec: a real hub process (``python -m syncserver serve`` on a free loopback
-port, its own temp data dir, ``--min-peers N``) and N peer processes driving the real
+For each N and codec: a real hub process (``python -m syncserver serve`` on a loopback
+port the OS picks, its own temp data dir, ``--min-peers N``) and N peer processes driving the real
 ``SyncClient``. Each peer holds a lean module with GPT-2's parameter names and shapes (no
 transformers model: 8 peers must fit in 24 GiB), perturbs its weights (its delta), and all
 call ``sync()`` at the same instant. After every round all peers must hold the hub's latest
@@ -48,7 +48,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -62,6 +61,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(REPO), str(BENCH)]
+
+from syncserver.process import ServerProcess  # noqa: E402 (after the path above)
 
 # -----------------------------------------------------------------------------
 # settings
@@ -115,12 +116,6 @@ def _sleep_until(t: float) -> None:
     delay = t - _now()
     if delay > 0:
         time.sleep(delay)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 #: (layers, width, vocabulary, context) of the models the benchmark can sync
@@ -283,7 +278,7 @@ class Peer:
             t_done = _now()
         return {"t_put": t_put, "t_up": t_up, "t_done": t_done, "bytes_up": size, "bytes_down": got}
 
-    def gloo(self, port: int, world: int, reps: int) -> dict[str, Any]:
+    def gloo(self, store: str, world: int, reps: int) -> dict[str, Any]:
         """all_reduce of the float32 parameters in 25 MB buckets (DDP's default), then / N."""
         import datetime as dt
 
@@ -292,7 +287,7 @@ class Peer:
 
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"file://{store}",
             rank=self.rank,
             world_size=world,
             timeout=dt.timedelta(minutes=10),
@@ -407,26 +402,16 @@ class Peers:
 
 
 class Server:
-    """A server process on a free loopback port, with its peak RSS watched."""
+    """A server process on a port the OS picks (:class:`syncserver.process.ServerProcess`),
+    with its peak RSS watched."""
 
-    def __init__(self, args: list[str], port: int, log: Path, health: str = "/healthz") -> None:
-        import httpx
-
-        self.port, self.log_path = port, log
-        self.url = f"http://127.0.0.1:{port}"
+    def __init__(self, args: list[str], log: Path) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(BENCH), env.get("PYTHONPATH", "")])
-        with open(log, "ab") as f:
-            self.proc = subprocess.Popen([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        deadline = _now() + 60
-        while _now() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{args} exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + health, timeout=1).status_code == 200:
-                    return
-            time.sleep(0.05)
-        raise RuntimeError(f"{args} did not start:\n{log.read_text()[-3000:]}")
+        self.server = ServerProcess([sys.executable, *args], log=log, env=env, cwd=REPO)
+        self.url = self.server.start()
+        assert self.server.proc is not None
+        self.proc = self.server.proc
 
     def _status(self) -> dict[str, int]:
         values = {}
@@ -463,13 +448,7 @@ class Server:
             into["anon"], into["file"] = peak["anon"], peak["file"]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.server.stop(timeout=20)
 
 
 def version_digest(url: str, data_dir: Path, run: str) -> tuple[int, str]:
@@ -555,7 +534,6 @@ def run_hub_rounds(
     import httpx
 
     data_dir = work / f"hub-{n}-{codec}"
-    port = free_port()
     hub = Server(
         [
             "-m",
@@ -563,8 +541,6 @@ def run_hub_rounds(
             "serve",
             "--host",
             "127.0.0.1",
-            "--port",
-            str(port),
             "--data-dir",
             str(data_dir),
             "--min-peers",
@@ -576,7 +552,6 @@ def run_hub_rounds(
             "--log-level",
             "warning",
         ],
-        port,
         hub_log,
     )
     run = f"bench-{codec}"
@@ -664,8 +639,7 @@ def run_hub_rounds(
 
 
 def run_limit(peers: Peers, n: int, codec: str, down: int, reps: int, work: Path) -> dict[str, Any]:
-    port = free_port()
-    server = Server([str(BENCH / "baselines" / "limit_server.py"), "--port", str(port)], port, work / "limit.log")
+    server = Server([str(BENCH / "baselines" / "limit_server.py")], work / "limit.log")
     try:
         times, up_bytes, rss_all = [], 0, []
         for r in range(reps):
@@ -691,9 +665,10 @@ def run_limit(peers: Peers, n: int, codec: str, down: int, reps: int, work: Path
     }
 
 
-def run_gloo(peers: Peers, n: int, reps: int) -> dict[str, Any]:
-    port = free_port()
-    results = peers.all("gloo", port=port, world=n, reps=reps)
+def run_gloo(peers: Peers, n: int, reps: int, work: Path) -> dict[str, Any]:
+    store = work / f"gloo-{n}.store"  # a file rendezvous: no port to pick
+    store.unlink(missing_ok=True)
+    results = peers.all("gloo", store=str(store), world=n, reps=reps)
     times = [max(r["times"][i] for r in results) for i in range(reps)]
     return {"gloo_s": best(times), "gloo_s_median": median(times), "gloo_all": times, "gloo_bytes": results[0]["bytes"]}
 
@@ -701,8 +676,7 @@ def run_gloo(peers: Peers, n: int, reps: int) -> dict[str, Any]:
 def run_origin(peers: Peers, n: int, reps: int, work: Path) -> dict[str, Any]:
     import httpx
 
-    port = free_port()
-    server = Server([str(BENCH / "baselines" / "pickle_hub.py"), "--port", str(port)], port, work / "pickle.log")
+    server = Server([str(BENCH / "baselines" / "pickle_hub.py")], work / "pickle.log")
     try:
         times, syncs, rss_all, last = [], [], [], []
         for _ in range(reps):
@@ -854,7 +828,7 @@ def main() -> None:
                         flush=True,
                     )
                 if "gloo" in baselines:
-                    base[n] = run_gloo(peers, n, args.gloo_reps)
+                    base[n] = run_gloo(peers, n, args.gloo_reps, work)
                     print(f"N={n} gloo {base[n]['gloo_s']:.2f}s", flush=True)
                 if "origin" in baselines and n in args.pickle_peers:
                     base.setdefault(n, {}).update(run_origin(peers, n, args.rounds, work))

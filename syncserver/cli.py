@@ -25,6 +25,7 @@ from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import SettingsError
 
+from syncserver.process import run_uvicorn
 from syncserver.settings import HubSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="The weightsync hub.")
@@ -158,8 +159,14 @@ def serve(
     from syncserver.app import create_app
 
     settings = settings_or_exit(flags)
-    scheme = "https" if ssl_certfile else "http"
     hint = " (open it with ?token=<view or hub token>, or paste the token when asked)" if settings.auth_required else ""
+
+    def listening(url: str) -> None:
+        scheme, _, rest = url.partition("://")
+        host, _, port = rest.rpartition(":")
+        shown = "127.0.0.1" if host in ("0.0.0.0", "[::]", "::", "") else host  # what a browser here can open
+        typer.echo(f"dashboard: {scheme}://{shown}:{port}/{hint}", err=True)
+
     config = uvicorn.Config(
         create_app(settings),
         host=host,
@@ -168,39 +175,7 @@ def serve(
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
     )
-    _Server(config, scheme, ready_file, hint).run()
-
-
-class _Server:
-    """uvicorn's server, saying where it listens once it does: with ``--port 0`` the OS picks a
-    free port, and a launcher or a test reads it back instead of guessing one that may be taken."""
-
-    def __init__(self, config: Any, scheme: str, ready_file: Path | None, hint: str) -> None:
-        import uvicorn
-
-        self.scheme, self.ready_file, self.hint = scheme, ready_file, hint
-        self.server = uvicorn.Server(config)
-
-    def run(self) -> None:
-        import asyncio
-
-        asyncio.run(self._serve())
-
-    async def _serve(self) -> None:
-        import asyncio
-
-        task = asyncio.create_task(self.server.serve())
-        while not self.server.started and not task.done():
-            await asyncio.sleep(0.01)
-        if self.server.started:
-            host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-            shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # what a browser here can open
-            typer.echo(f"dashboard: {self.scheme}://{shown}:{port}/{self.hint}", err=True)
-        if self.server.started and self.ready_file is not None:
-            tmp = self.ready_file.with_name(self.ready_file.name + ".tmp")
-            tmp.write_text(f"{self.scheme}://{host}:{port}\n")
-            tmp.replace(self.ready_file)  # readers never see half a URL
-        await task
+    run_uvicorn(config, ready_file=ready_file, on_listening=listening)
 
 
 @app.command(no_args_is_help=True)

@@ -16,11 +16,15 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-__all__ = ["ServerProcess", "ServerStartError"]
+if TYPE_CHECKING:
+    import uvicorn
+
+__all__ = ["ServerProcess", "ServerStartError", "run_uvicorn", "write_ready"]
 
 START_SECONDS = 60.0
 
@@ -116,3 +120,42 @@ class ServerProcess:
             return self.log.read_text(errors="replace")[-chars:]
         except FileNotFoundError:
             return ""
+
+
+# ---- the child's side ------------------------------------------------------------------------
+def write_ready(path: Path, url: str) -> None:
+    """Say where a server listens, all at once: readers never see half a URL."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(url + "\n")
+    tmp.replace(path)
+
+
+def run_uvicorn(
+    config: uvicorn.Config,
+    *,
+    ready_file: Path | None = None,
+    on_listening: Callable[[str], None] | None = None,
+) -> None:
+    """uvicorn's server, telling its URL once it listens (with port 0: the port the OS chose)
+    to ``ready_file`` and ``on_listening``."""
+    import asyncio
+
+    import uvicorn
+
+    server = uvicorn.Server(config)
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            host, port = server.servers[0].sockets[0].getsockname()[:2]
+            scheme = "https" if config.ssl_certfile else "http"
+            url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+            if on_listening is not None:
+                on_listening(url)
+            if ready_file is not None:
+                write_ready(ready_file, url)
+        await task
+
+    asyncio.run(serve())

@@ -6,7 +6,7 @@ buffer in 1 MiB chunks. That is the shape of a round (N peers upload, then each 
 one copy) with nothing in between: no parsing, hashing, disk, folding or merging. Whatever
 our hub costs above this is overhead.
 
-python bench/baselines/limit_server.py --port 8123
+python bench/baselines/limit_server.py --port 8123    # or --port 0 --ready-file F
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
+
+from syncserver.process import run_uvicorn
 
 CHUNK = 1 << 20
 
@@ -88,10 +91,12 @@ def main() -> None:
     import uvicorn
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0, help="0: the OS picks one")
+    parser.add_argument("--ready-file", type=Path, help="once listening, write the URL here")
     args = parser.parse_args()
     # loop/http "auto" pick uvloop and httptools when installed (uvicorn[standard]), as for the hub
-    uvicorn.run(LimitApp(), host="127.0.0.1", port=args.port, log_level="warning")
+    config = uvicorn.Config(LimitApp(), host="127.0.0.1", port=args.port, log_level="warning")
+    run_uvicorn(config, ready_file=args.ready_file)
 
 
 if __name__ == "__main__":

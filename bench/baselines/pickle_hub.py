@@ -28,9 +28,12 @@ import pickle  # BENCHMARK BASELINE ONLY: see the module docstring
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from syncserver.process import write_ready
 
 _STATE: dict[int, dict[str, np.ndarray]] = {}
 _LOCK = threading.Lock()
@@ -127,10 +130,13 @@ def sync_round(url: str, rank: int, world: int, state: dict[str, np.ndarray]) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="the origin's pickle hub (benchmark baseline only)")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0, help="0: the OS picks one")
+    parser.add_argument("--ready-file", type=Path, help="once listening, write the URL here")
     args = parser.parse_args()
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)  # loopback only, on purpose
     server.daemon_threads = True
+    if args.ready_file is not None:
+        write_ready(args.ready_file, f"http://127.0.0.1:{server.server_address[1]}")
     server.serve_forever()
 
 
