@@ -29,10 +29,10 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
-__all__ = ["FaultProxy", "ProxiedRequest", "wait_until"]
+__all__ = ["FaultProxy", "ProxiedRequest"]
 
 _PIECE = 64 * 1024  # forwarding granularity: keeps throttling smooth and cuts exact
 
@@ -397,15 +397,3 @@ def _reset(writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     writer.transport.abort()
-
-
-Waiter = Callable[[], bool]
-
-
-def wait_until(condition: Waiter, timeout: float, what: str, interval: float = 0.01) -> None:
-    """Poll ``condition`` until true; fail the test with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)

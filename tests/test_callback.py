@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
-import safetensors.numpy
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainerControl, TrainingArguments
 
 from syncclient import SyncClient
 from syncclient.callbacks import SyncCallback
 from tests.conftest import Hub
+from tests.harness import Blocks, hub_model, run_peers
 
 BATCH = 4
 
@@ -25,19 +23,6 @@ def tiny_model(seed: int) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=1000, n_positions=32)
     return GPT2LMHeadModel(config)
-
-
-class Blocks(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Random 16-token blocks, different per seed (each peer its own shard)."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        self.ids = torch.randint(0, 1000, (n, 16), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class RecordingClient(SyncClient):
@@ -98,32 +83,6 @@ def training_args(out: Path, *, steps: int, accumulation: int = 1, eval_steps: i
     )
 
 
-def run_peers(n: int, body: Any) -> list[Any]:
-    results: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def target(i: int) -> None:
-        try:
-            results[i] = body(i)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    if errors:
-        raise errors[0]
-    return results
-
-
-def hub_model(hub: Hub, run: str) -> dict[str, np.ndarray]:
-    r = httpx.get(f"{hub.url}/v1/runs/{run}/model")
-    r.raise_for_status()
-    return safetensors.numpy.load(r.content)
-
-
 def kinds(events: list[tuple[Any, ...]]) -> list[Any]:
     return [e[0] if e[0] in ("join", "sync", "leave", "train_begin", "train_end") else e for e in events]
 
@@ -142,8 +101,8 @@ def test_two_peers_sync_every_k_steps_and_end_identical(hub: Hub, tmp_path: Path
         Trainer(
             model=models[i],
             args=training_args(tmp_path / f"peer-{i}", steps=steps, eval_steps=k),
-            train_dataset=Blocks(64, seed=i),
-            eval_dataset=Blocks(16, seed=99),
+            train_dataset=Blocks(64, seed=i, vocab=1000),
+            eval_dataset=Blocks(16, seed=99, vocab=1000),
             callbacks=[callbacks[i], Recorder(events[i])],
         )
         for i in range(2)
@@ -198,7 +157,7 @@ def test_gradient_accumulation_counts_optimizer_steps(hub: Hub, tmp_path: Path) 
     trainer = Trainer(
         model=tiny_model(seed=0),
         args=training_args(tmp_path, steps=4, accumulation=2),
-        train_dataset=Blocks(64, seed=0),
+        train_dataset=Blocks(64, seed=0, vocab=1000),
         callbacks=[SyncCallback(client=client, sync_every=2)],
     )
     trainer.train()
@@ -214,7 +173,7 @@ def test_hub_url_form_creates_joins_and_closes_its_client(hub: Hub, tmp_path: Pa
     trainer = Trainer(
         model=model,
         args=training_args(tmp_path, steps=4),
-        train_dataset=Blocks(32, seed=0),
+        train_dataset=Blocks(32, seed=0, vocab=1000),
         callbacks=[callback],
     )
     trainer.train()

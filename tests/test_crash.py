@@ -28,8 +28,8 @@ import torch
 
 from syncclient._model import ModelView
 from tests.conftest import Hub
-from tests.faultproxy import FaultProxy, wait_until
-from tests.peer_proc import Peers, assert_exact_mean, round_record, version_file
+from tests.faultproxy import FaultProxy
+from tests.harness import Peers, assert_exact_mean, round_record, version_file, wait_for
 
 SAMPLES = {"a": 10, "b": 30, "c": 20}
 SEEDS = {"a": 1, "b": 2, "c": 3}
@@ -51,7 +51,7 @@ def two_then_one(hub: Hub, crash: bool) -> Peers:
     peers.join()
     for p in "ab":
         peers.start(p, lambda p=p: peers.sync(p, samples=SAMPLES[p], seed=SEEDS[p]))
-    wait_until(lambda: (open_round(hub, "crash") or {}).get("submitted") == ["a", "b"], 30, "a and b acked")
+    wait_for(lambda: (open_round(hub, "crash") or {}).get("submitted") == ["a", "b"], "a and b acked", 30)
     if crash:
         hub.kill()
         hub.start()
@@ -117,7 +117,7 @@ def multi_round(hub: Hub, plan: list[str] | None, rng: random.Random) -> tuple[P
             for gate in gates:
                 gate.set()
         for round_, phase in enumerate(plan or []):
-            wait_until(lambda r=round_: (open_round(hub, "multi") or {}).get("version", -1) >= r, 60, f"round {round_}")
+            wait_for(lambda r=round_: (open_round(hub, "multi") or {}).get("version", -1) >= r, f"round {round_}", 60)
             hit.append(kill_during(hub, proxy, round_, phase, rng, go=gates[round_].set))
             proxy.throttle(None)
             hub.start()
@@ -138,22 +138,19 @@ def kill_during(
         proxy.throttle(4_000_000, match="/updates/" if phase == "upload" else result)
     go()
     if phase == "upload":
-        wait_until(lambda: bool((open_round(hub, "multi") or {}).get("uploading")), 30, "an upload")
+        wait_for(lambda: bool((open_round(hub, "multi") or {}).get("uploading")), "an upload", 30)
         time.sleep(rng.uniform(0.0, 1.0))
         what = f"upload ({sorted(open_round(hub, 'multi')['uploading'])} streaming)"
     elif phase == "merge":  # round v's result is being written, before the commit
-        wait_until(
-            lambda: any(n.startswith(".result") for r in _listdir(rounds) for n in _listdir(rounds / r)),
-            60,
-            "a merge",
-            interval=0.0005,
+        wait_for(
+            lambda: any(n.startswith(".result") for r in _listdir(rounds) for n in _listdir(rounds / r)), "a merge", 60
         )
         what = "merge (result file half-written)"
     elif phase == "version":  # round v committed; version v+1's file is being written after it
-        wait_until(lambda: any(n.endswith(".tmp") for n in _listdir(versions)), 60, "a version", interval=0.0005)
+        wait_for(lambda: any(n.endswith(".tmp") for n in _listdir(versions)), "a version", 60)
         what = "version (round committed, version file half-written)"
     elif phase == "download":  # the round's result crawls back to the peers
-        wait_until(lambda: any(r.response_bytes > 1 << 20 for r in proxy.matching(result)), 60, "a download")
+        wait_for(lambda: any(r.response_bytes > 1 << 20 for r in proxy.matching(result)), "a download", 60)
         time.sleep(rng.uniform(0.0, 1.0))
         what = "download (result streaming)"
     else:

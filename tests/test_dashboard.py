@@ -20,7 +20,7 @@ from syncserver.dashboard import STATIC, curves, round_trace
 from syncserver.settings import HubSettings
 from syncserver.store import RoundRecord, UpdateRecord
 from tests.conftest import REPO, Hub
-from tests.livepeers import Peers
+from tests.harness import Peers
 
 TOKEN, VIEW = "hub-secret", "view-only"
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"  # as .ci/install-chromium.sh
@@ -146,7 +146,7 @@ def test_view_token_watches_but_cannot_act(hub_factory: Callable[..., Hub]) -> N
     assert httpx.get(f"{hub.url}/v1/dashboard").status_code == 401
     assert httpx.get(f"{hub.url}/v1/dashboard", headers={"Authorization": "Bearer nope"}).status_code == 401
 
-    Peers(hub.url, "v", rounds=1, token=TOKEN, names=("solo",)).start().join()
+    Peers(hub.url, "v", ["solo"], token=TOKEN, retry_seconds=30).train_all(1).wait()
     for path in ("/v1/dashboard?run=v", "/v1/runs", "/v1/runs/v", "/metrics"):
         assert httpx.get(f"{hub.url}{path}", headers=view).status_code == 200, path
         assert httpx.get(f"{hub.url}{path}", headers=full).status_code == 200, path
@@ -242,7 +242,8 @@ def test_page_shows_two_peers_training_live(hub_factory: Callable[..., Hub], bro
     assert "token" not in page.url
     assert page.locator("#conn").get_attribute("data-state") == "live"
 
-    peers = Peers(hub.url, "live-run", rounds=4, token=TOKEN, pause=0.3).start()
+    peers = Peers(hub.url, "live-run", ["peer-a", "peer-b"], token=TOKEN, min_peers=2, retry_seconds=30)
+    peers.train_all(4, pause=0.3)
     try:
         # the page follows by itself: no reload
         page.wait_for_function("document.querySelectorAll('#rounds tbody tr').length >= 2", timeout=60_000)
@@ -281,7 +282,7 @@ def test_page_shows_two_peers_training_live(hub_factory: Callable[..., Hub], bro
         shutil.copy(out, artifacts / "dashboard.png")
         assert out.stat().st_size > 20_000
     finally:
-        peers.join()
+        peers.wait()
     page.wait_for_function("document.querySelector('#summary .v').textContent === '4'", timeout=30_000)
     assert errors == []
     page.close()

@@ -3,58 +3,16 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-import safetensors.numpy
-import torch
 
 from syncclient import SchemaMismatch, SyncClient
 from syncclient._model import ModelView
 from syncserver.aggregate import diloco_step
 from tests.conftest import Hub, tiny_gpt2
-
-
-def run_peers(n: int, body: Callable[[int], Any]) -> list[Any]:
-    """Run ``body(i)`` for n peers in threads; re-raise the first failure."""
-    results: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def target(i: int) -> None:
-        try:
-            results[i] = body(i)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return results
-
-
-def hub_model(hub: Hub, run: str) -> dict[str, np.ndarray]:
-    r = httpx.get(f"{hub.url}/v1/runs/{run}/model")
-    r.raise_for_status()
-    return safetensors.numpy.load(r.content)
-
-
-def train_a_little(model: torch.nn.Module, seed: int, steps: int = 2) -> None:
-    """Real optimizer steps on random tokens, different per peer."""
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        ids = torch.randint(0, 256, (4, 16), generator=gen)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+from tests.harness import hub_model, run_peers, train_a_little
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16"])

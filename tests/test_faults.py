@@ -28,8 +28,9 @@ import torch
 from syncclient._model import ModelView
 from syncwire import iter_chunks
 from tests.conftest import REPO, Hub
-from tests.faultproxy import FaultProxy, wait_until
-from tests.peer_proc import Peers, assert_exact_mean, events, round_record, status, version_file
+from tests.faultproxy import FaultProxy
+from tests.harness import Peers, assert_exact_mean, round_record, status, version_file, wait_for
+from tests.peer_proc import events
 
 # ---- peers killed --------------------------------------------------------------------------
 
@@ -93,13 +94,13 @@ def test_peers_killed_mid_upload_and_mid_training(hub_factory: Callable[..., Hub
         peers = Peers(hub.url, run, ["a", "b"])
         stack.callback(peers.close)
         peers.join()
-        wait_until(lambda: all(last_event(out, p).get("event") == "joined" for p in "cd"), 120, "c, d joined")
+        wait_for(lambda: all(last_event(out, p).get("event") == "joined" for p in "cd"), "c, d joined", 120)
         (out / "go_0").touch()
         for p in "ab":
             peers.start(p, lambda p=p: peers.sync(p, samples=samples[p], seed=seeds[p]))
-        wait_until(lambda: "c" in status(hub, run)["open_round"]["uploading"], 20, "c uploading")
+        wait_for(lambda: "c" in status(hub, run)["open_round"]["uploading"], "c uploading", 20)
         sigkill(procs["c"])
-        wait_until(lambda: last_event(out, "d").get("event") == "training", 20, "d training")
+        wait_for(lambda: last_event(out, "d").get("event") == "training", "d training", 20)
         sigkill(procs["d"])
         partials = hub.data_dir / "tmp" / "partials" / run / f"{0:08d}"
         assert any(partials.rglob("*.part")), "the hub keeps c's partial upload"
@@ -112,13 +113,13 @@ def test_peers_killed_mid_upload_and_mid_training(hub_factory: Callable[..., Hub
         assert not partials.exists(), "partials of a closed round must go"
         # the kernel still flushes a killed process's socket: if c's body did arrive whole, late,
         # the hub refused it as late (409 round_closed), never as a 5xx, and counted nothing
-        wait_until(lambda: all(r.done or r.status for r in slow.matching(c_put)), 30, "c's body to end")
+        wait_for(lambda: all(r.done or r.status for r in slow.matching(c_put)), "c's body to end", 30)
         assert {r.status for r in slow.matching(c_put)} <= {None, 409}
 
         # c and d come back (same names, fresh processes), catch up, and take part again
         for p in "cd":
             procs[p] = launch(hub.url, run, p, seeds[p], samples[p], out, until_version=2)
-        wait_until(lambda: all(last_event(out, p).get("event") == "joined" for p in "cd"), 120, "c, d back")
+        wait_for(lambda: all(last_event(out, p).get("event") == "joined" for p in "cd"), "c, d back", 120)
         assert all(last_event(out, p)["version"] == 1 for p in "cd")
         (out / "go_1").touch()
         for p in "ab":
@@ -167,11 +168,16 @@ def test_heartbeat_keeps_a_peer_training_for_three_leases(hub_factory: Callable[
     peers = Peers(hub.url, "beat", ["a", "b"], min_peers=1)
     peers.join()
     peers.start("a", lambda: peers.sync("a", samples=10, seed=1))
-    peers.start("b", lambda: peers.sync("b", samples=30, seed=2, train_seconds=6))
-    time.sleep(5)  # 2.5 leases into b's training
-    states = {p["peer"]: p["state"] for p in status(hub, "beat")["peers"]}
-    assert states == {"a": "live", "b": "live"}
-    assert status(hub, "beat")["version"] == 0  # still waiting for b
+    started = time.monotonic()
+    b = peers.start("b", lambda: peers.sync("b", samples=30, seed=2, train_seconds=6))
+    watched = 0.0  # how long into b's training it was seen live, round 0 still open
+    while b.is_alive():
+        seen = status(hub, "beat")
+        if "b" in seen["open_round"]["submitted"] or seen["version"] > 0:
+            break  # b has sent its update: its training is over
+        assert {p["peer"]: p["state"] for p in seen["peers"]}["b"] == "live"
+        watched = time.monotonic() - started  # round 0 still waits for b
+    assert watched >= 4, f"b was watched for {watched:.1f} s of its 6 s: two leases at least"
     peers.wait()
     assert not peers.results["b"].caught_up
     assert round_record(hub, "beat", 0)["participants"] == ["a", "b"]
@@ -391,9 +397,10 @@ def test_storage_fault_gives_503_and_never_a_half_written_version(
         # 2. a and b are acknowledged; the disk fails before the deadline: the merge fails
         peers.start("a", lambda: peers.sync("a", samples=10, seed=1))
         peers.start("b", lambda: peers.sync("b", samples=30, seed=2))
-        wait_until(lambda: status(hub, "disk")["open_round"]["submitted"] == ["a", "b"], 20, "a and b acked")
+        wait_for(lambda: status(hub, "disk")["open_round"]["submitted"] == ["a", "b"], "a and b acked", 20)
         with fault():
-            time.sleep(4)  # past the deadline: the hub tries to close (every tick) and cannot
+            # past the deadline the hub tries to close (every tick) and cannot: its log says so
+            wait_for(lambda: "round_close_failed run=disk" in hub.log(), "a failed close", 60)
             assert status(hub, "disk")["version"] == 0
             assert version_files(hub, "disk") == [f"{0:08d}.safetensors"]  # no v1, no leftovers
             assert not (data / "runs" / "disk" / "rounds" / f"{0:08d}" / "result.safetensors").exists()

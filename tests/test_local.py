@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from syncserver.local import RoundTable
+from tests.harness import wait_for
 
 SDK_PEER = """
 import os, torch
@@ -63,13 +64,6 @@ def launch(tmp_path: Path, *args: str, peer: str, peer_args: tuple[str, ...] = (
         text=True,
         env=env,
     )
-
-
-def wait_for(condition: object, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def gone(pid: int) -> bool:

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from syncserver import HubSettings, create_app
 from tests.conftest import Hub
-from tests.livepeers import Peers
+from tests.harness import Peers
 
 TOKEN, VIEW = "hub-secret", "view-only"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -51,7 +51,7 @@ def test_metrics_after_two_rounds(hub_factory: Callable[..., Hub]) -> None:
     before = scrape(hub)
     assert not any(name.startswith("weightsync_version") for name, _ in before)  # no run yet
 
-    Peers(hub.url, "m", rounds=2, token=TOKEN).start().join()
+    Peers(hub.url, "m", ["peer-a", "peer-b"], token=TOKEN, min_peers=2, retry_seconds=30).train_all(2).wait()
 
     # a result download ends hub-side just after the peer has its bytes: give it a moment
     deadline = time.monotonic() + 10

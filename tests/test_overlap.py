@@ -8,7 +8,6 @@ sends ``x_t - base``; when the round's merged update ``U`` lands it holds
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import safetensors.numpy
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -24,35 +22,9 @@ from syncclient import PendingSync, SyncClient, SyncError, SyncResult
 from syncclient._model import ModelView
 from syncclient.callbacks import SyncCallback
 from tests.conftest import Hub, tiny_gpt2
+from tests.harness import Blocks, hub_model, run_peers
 
 BATCH = 4
-
-
-def run_peers(n: int, body: Callable[[int], Any]) -> list[Any]:
-    """Run ``body(i)`` for n peers in threads; re-raise the first failure."""
-    results: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def target(i: int) -> None:
-        try:
-            results[i] = body(i)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    if errors:
-        raise errors[0]
-    return results
-
-
-def hub_model(hub: Hub, run: str) -> dict[str, np.ndarray]:
-    r = httpx.get(f"{hub.url}/v1/runs/{run}/model")
-    r.raise_for_status()
-    return safetensors.numpy.load(r.content)
 
 
 def weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -173,19 +145,6 @@ def test_a_late_peer_catches_up_when_its_overlapped_sync_is_applied(hub_factory:
 
 
 # ---- the Trainer callback ------------------------------------------------------------------------
-
-
-class Blocks(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Random 16-token blocks, different per seed (each peer its own shard)."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        self.ids = torch.randint(0, 256, (n, 16), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class RecordingClient(SyncClient):

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from syncserver.status import render
 from tests.conftest import Hub
-from tests.livepeers import Peers
+from tests.harness import Peers
 
 TOKEN, VIEW = "hub-secret", "view-only"
 
@@ -48,7 +48,7 @@ def hub_with_rounds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     env.update(SYNC_TOKEN=TOKEN, SYNC_VIEW_TOKEN=VIEW)
     hub = Hub(tmp / "hub", ["--min-peers", "2"], env, tmp / "hub.log").start()
     try:
-        Peers(hub.url, "cli-run", rounds=3, token=TOKEN).start().join()
+        Peers(hub.url, "cli-run", ["peer-a", "peer-b"], token=TOKEN, min_peers=2, retry_seconds=30).train_all(3).wait()
         yield hub
     finally:
         hub.stop()

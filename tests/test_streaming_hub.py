@@ -33,7 +33,7 @@ from syncwire import Codec, FormatError, decode_tensor, get_codec, iter_chunks, 
 from syncwire.codecs import slices
 from syncwire.format import TensorFile
 from tests.conftest import Hub
-from tests.peer_proc import version_file
+from tests.harness import version_file
 
 CODECS = ["fp32", "bf16", "int8", "int4", "int8:block=100", "int4:block=6"]
 
