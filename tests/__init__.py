@@ -1,0 +1,1 @@
+"""The test suite (a package, so that ``tests.conftest`` is imported once, under one name)."""
