@@ -194,6 +194,13 @@ def test_unreachable_hub_is_one_line() -> None:
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
 
 
+# `syncserver` as a terminal starts it: a shell starts background jobs (CI's, say) with SIGINT
+# ignored, their children inherit that, and Python then installs no KeyboardInterrupt handler
+CTRL_C_ABLE = (
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); from syncserver.cli import main; main()"
+)
+
+
 class Watch:
     """``syncserver status … --watch`` with a pseudo-terminal's behaviour (FORCE_COLOR makes rich
     redraw as it goes), its output read as it comes."""
@@ -206,7 +213,7 @@ class Watch:
         if token:
             env["SYNC_TOKEN"] = token
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "syncserver", "status", *args, "--watch"],
+            [sys.executable, "-c", CTRL_C_ABLE, "status", *args, "--watch"],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
