@@ -240,7 +240,11 @@ class Watch:
 
     def interrupt(self) -> int:
         self.proc.send_signal(signal.SIGINT)  # Ctrl-C
-        return self.proc.wait(20)
+        try:
+            return self.proc.wait(20)
+        finally:
+            if self.proc.poll() is None:  # a failed test leaves no watcher behind
+                self.proc.kill()
 
 
 def test_watch_refreshes_until_interrupted(hub_with_rounds: Hub) -> None:
