@@ -24,9 +24,18 @@ from typing import Any
 
 from syncserver.engine import MergeEngine
 from syncserver.errors import Conflict, InvalidUpdate, NotFound
-from syncserver.policy import BarrierPolicy
+from syncserver.policy import SamplesPolicy
 from syncserver.rounds import Rounds, Ticket
-from syncserver.schemas import Heartbeat, StartInitialise, StartReady, StartState, StartWaiting, UpdateAck, VersionZero
+from syncserver.schemas import (
+    Heartbeat,
+    Progress,
+    StartInitialise,
+    StartReady,
+    StartState,
+    StartWaiting,
+    UpdateAck,
+    VersionZero,
+)
 from syncserver.schemas import RunConfig as RunConfigModel
 from syncserver.settings import HubSettings
 from syncserver.state import CONFIG_FIELDS, Peer, Run, RunConfig, now
@@ -60,9 +69,8 @@ class Coordinator:
         self.store.clear_tmp()
         for record in self.store.runs():
             config = RunConfig(**record.config)
-            run = Run(
-                record.name, config, get_codec(config.codec), self._policy(config, record.version), record.version
-            )
+            policy = config.make_policy(self.settings.lease_seconds, record.version)
+            run = Run(record.name, config, get_codec(config.codec), policy, record.version)
             run.schema, run.sealed = record.schema, record.sealed
             self.store.recover(run.name, run.version)
             for p in self.store.peers(run.name):
@@ -83,14 +91,6 @@ class Coordinator:
                 await self._ticker
         await self.rounds.stop()
         self.engine.close()
-
-    def _policy(self, config: RunConfig, version: int) -> BarrierPolicy:
-        return BarrierPolicy(
-            min_peers=config.min_peers,
-            round_timeout=config.round_timeout,
-            lease_seconds=self.settings.lease_seconds,
-            round_=version,
-        )
 
     async def _tick_forever(self) -> None:
         interval = min(0.5, self.settings.lease_seconds / 4)
@@ -157,13 +157,18 @@ class Coordinator:
     def _create(self, name: str, requested: dict[str, Any]) -> Run:
         values = {key: getattr(self.settings, key) for key in CONFIG_FIELDS}
         values.update({k: v for k, v in requested.items() if v is not None})
+        if values["policy"] == "barrier" and requested.get("round_samples") and not requested.get("policy"):
+            values["policy"] = "samples"  # a sample target asks for rounds that close on it
         config = RunConfig(**values)
+        if config.policy == "barrier" and config.round_samples is not None:
+            raise InvalidUpdate("round_samples goes with policy 'samples' or 'async' (a barrier round is N steps)")
         try:
             codec = get_codec(config.codec)
+            policy = config.make_policy(self.settings.lease_seconds, -1)
         except ValueError as exc:
             raise InvalidUpdate(str(exc)) from None
         self.store.create_run(name, config.__dict__)
-        run = Run(name, config, codec, self._policy(config, -1))
+        run = Run(name, config, codec, policy)
         self.runs[name] = run
         log.info("run_created run=%s %s", name, " ".join(f"{k}={v}" for k, v in config.__dict__.items()))
         return run
@@ -255,6 +260,39 @@ class Coordinator:
         """Acknowledge a fully received update: verify, make durable, record, fold."""
         return await self.rounds.commit_update(self.run(ticket.run), ticket, received)
 
+    # ---- progress --------------------------------------------------------------------------
+    async def progress(self, run_name: str, peer_name: str, round_: int, samples: int, wait: float) -> Progress:
+        """A peer has trained ``samples`` samples since its update to round ``round_`` began.
+
+        Renews its lease like a heartbeat. In a samples run the report may make the round due,
+        and the answer is a long poll (at most ``wait`` seconds) that returns as soon as the
+        round is due or closed: ``due`` tells the peer to send its update now.
+        """
+        run = self.run(run_name)
+        peer = self.peer(run, peer_name)
+        await self.rounds.check_open(run, round_)
+        peer.observe(round_, samples, time.monotonic())
+        was_due = run.policy.due
+        self.rounds.carry_out(run, run.policy.progress(peer_name, samples, now()))
+        if run.policy.due != was_due:
+            log.info("round_due run=%s round=%d samples=%d", run.name, run.version, run.policy.round_total())
+            self.view.changed(run)
+        deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
+        while isinstance(run.policy, SamplesPolicy) and not run.policy.due and run.version == round_:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(run.changed.wait(), remaining)
+        closed = run.version > round_ and run.config.policy != "async"
+        return Progress(
+            round=round_,
+            version=run.version,
+            due=run.policy.due or closed,
+            samples=run.policy.round_total(),
+            target=run.config.round_samples if run.config.policy == "samples" else None,
+        )
+
     # ---- liveness ------------------------------------------------------------------------
     def heartbeat(self, run_name: str, peer_name: str) -> Heartbeat:
         run = self.run(run_name)
@@ -303,6 +341,10 @@ class Coordinator:
             with contextlib.suppress(Missing):
                 return version, self.store.serve(VersionKey(run.name, version))
             await self.rounds.versions.written(run)
+
+    def samples_through(self, run_name: str, round_: int) -> int:
+        """Samples the run had trained by the end of round ``round_``: a peer stops on a budget."""
+        return self.store.samples_through(run_name, round_)
 
     def count_download(self, run_name: str, peer_name: str | None, nbytes: int) -> None:
         run = self.runs.get(run_name)

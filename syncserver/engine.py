@@ -6,10 +6,11 @@ and the slices of a step are spread over one small thread pool, since numpy, ``p
 ``pwrite`` release the GIL. Nothing here decides *when* (that is :mod:`syncserver.policy`)
 or touches HTTP; files are reached through :class:`~syncserver.store.Store` keys.
 
-A round's arithmetic::
+A round's arithmetic (the weights and the divisor are the round policy's: samples and their
+sum for a barrier, samples discounted by staleness over ``round_samples`` for async)::
 
-    acc     = sum over acknowledged updates u of samples(u) * decode(u)     (float32, O(1) models)
-    mean    = acc / sum of samples
+    acc     = sum over acknowledged updates u of weight(u) * decode(u)      (float32, O(1) models)
+    mean    = acc / total
     result  = encode(outer_step(mean, momentum))                            -> ResultKey(v)
     v + 1   = version v + decode(result)                                    -> VersionKey(v + 1)
 
@@ -55,7 +56,6 @@ class Accumulator:
     schema: Schema
     sums: dict[str, np.ndarray] | None = None  # allocated at the first fold
     folded: list[str] = field(default_factory=list)  # peers, in fold (= acknowledgement) order
-    samples: int = 0
 
 
 class MergeEngine:
@@ -80,8 +80,8 @@ class MergeEngine:
             for start, stop, parts in slices(codec, shape)
         )
 
-    def fold(self, acc: Accumulator, key: UpdateKey, samples: int, codec: Codec) -> None:
-        """Fold one acknowledged update into ``acc``, a slice at a time.
+    def fold(self, acc: Accumulator, key: UpdateKey, weight: float, codec: Codec) -> None:
+        """Fold one acknowledged update, times ``weight``, into ``acc``, a slice at a time.
 
         The file is read with ``pread`` a few MB at a time and decoded slice by slice, so
         folding holds one slice of temporaries, whatever the model's size.
@@ -93,15 +93,19 @@ class MergeEngine:
 
             def fold(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
                 decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))
-                aggregate.fold(sums[name].reshape(-1)[start:stop], decoded, samples)
+                aggregate.fold(sums[name].reshape(-1)[start:stop], decoded, weight)
 
             self._each_slice(codec, acc.schema, fold)
         acc.folded.append(key.peer)
-        acc.samples += samples
 
     # ---- per round -----------------------------------------------------------------------
-    def merge(self, run: str, round_: int, acc: Accumulator, codec: Codec, outer: Outer) -> int:
-        """Write round ``round_``'s result and DiLoCo momentum; return the result's size.
+    def merge(
+        self, run: str, round_: int, acc: Accumulator, codec: Codec, outer: Outer, *, total: float, fraction: float
+    ) -> int:
+        """Write round ``round_``'s result (``outer_step(acc / total)``) and DiLoCo momentum;
+        return the result's size. ``fraction``: how much of a whole outer step this round is
+        (Delayed Nesterov's clock, kept in the momentum file's metadata; a barrier round is a
+        whole one, ``inf``).
 
         The result is the encoded global update ``U``. Version v+1 (``version v + decode(U)``,
         exactly what every peer computes from the same bytes) is not written here but after
@@ -111,18 +115,23 @@ class MergeEngine:
         slice's writeback starts as soon as it is written, so the fsyncs before the commit
         wait for little more than the last slices.
         """
-        if acc.sums is None or acc.samples <= 0:
+        if acc.sums is None or not total > 0:
             raise ValueError(f"round {round_} of run {run!r} has nothing folded to merge")
         schema, sums, v = acc.schema, acc.sums, round_
-        total = np.float32(acc.samples)
+        divisor = np.float32(total)
         diloco = outer.kind == "diloco"
         result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
         result_head, result_at = _header(result_layout, meta)
-        momentum_head, momentum_at = _header(_fp32_layout(schema), {"version": str(v + 1)})
         with contextlib.ExitStack() as files:
             has_old = diloco and self.store.exists(MomentumKey(run, v))
             old_momentum = files.enter_context(self.store.read(MomentumKey(run, v))) if has_old else None
+            # Delayed Nesterov's clock: the part of an outer step done before this round
+            done = float(old_momentum.metadata.get("progress", "0")) if old_momentum is not None else 0.0
+            fresh, complete = done == 0.0, done + fraction >= 1.0
+            progress = 0.0 if complete else done + fraction
+            momentum_meta = {"version": str(v + 1), "progress": repr(progress)}
+            momentum_head, momentum_at = _header(_fp32_layout(schema), momentum_meta)
             result = files.enter_context(self.store.write(ResultKey(run, v)))
             mom = files.enter_context(self.store.write(MomentumKey(run, v + 1))) if diloco else None
             result.write(result_head)
@@ -131,13 +140,15 @@ class MergeEngine:
 
             def merge(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
                 n = stop - start
-                mean = sums[name].reshape(-1)[start:stop] / total
+                mean = sums[name].reshape(-1)[start:stop] / divisor
                 m_old = (
                     old_momentum.read(name, start, stop)
                     if old_momentum is not None
                     else (np.zeros(n, np.float32) if diloco else None)
                 )
-                update, m_new = aggregate.outer_step(outer.kind, mean, m_old, lr=outer.lr, mu=outer.momentum)
+                update, m_new = aggregate.outer_step(
+                    outer.kind, mean, m_old, lr=outer.lr, mu=outer.momentum, fresh=fresh, complete=complete
+                )
                 encoded = codec.encode(update)
                 for suffix, (first, count) in parts.items():
                     part = np.ascontiguousarray(encoded[suffix]).reshape(-1)

@@ -29,13 +29,14 @@ from syncserver.rounds import Ticket
 from syncserver.schemas import (
     Heartbeat,
     Left,
+    Progress,
     RunStatus,
     RunSummary,
     StartState,
     UpdateAck,
     VersionZero,
 )
-from syncserver.settings import Outer
+from syncserver.settings import MAX_SAMPLES, Outer, Policy
 from syncserver.uploads import BodyInterrupted, Received, partial_offset, receive
 from syncwire import get_codec
 
@@ -62,6 +63,9 @@ class JoinRequest(BaseModel):
     min_peers: int | None = Field(None, ge=1)
     round_timeout: float | None = Field(None, gt=0)
     norm_guard: float | None = Field(None, gt=1)
+    policy: Policy | None = None
+    round_samples: int | None = Field(None, ge=1, le=MAX_SAMPLES)
+    max_staleness: int | None = Field(None, ge=0, le=100_000)
 
     @field_validator("codec")
     @classmethod
@@ -194,6 +198,21 @@ async def heartbeat(run: RunName, peer: PeerName, hub: Hub) -> Heartbeat:
     return hub.heartbeat(run, peer)
 
 
+class ProgressReport(BaseModel):
+    """Samples trained since the update to ``round`` began (a peer's running count, not a delta)."""
+
+    round: int = Field(ge=0, le=MAX_SAMPLES, description="The version this peer trains from.")
+    samples: int = Field(ge=0, le=MAX_SAMPLES, strict=True, description="Samples since its last update.")
+
+
+@router.post(
+    "/runs/{run}/peers/{peer}/progress",
+    summary="Report training progress (renews the lease); in samples runs, long poll until the round is due",
+)
+async def progress(run: RunName, peer: PeerName, body: ProgressReport, hub: Hub, wait: Wait = 0.0) -> Progress:
+    return await hub.progress(run, peer, body.round, body.samples, wait)
+
+
 @router.post("/runs/{run}/peers/{peer}/leave", summary="Leave the run: no longer waited for")
 async def leave(run: RunName, peer: PeerName, hub: Hub) -> Left:
     hub.leave(run, peer)
@@ -290,7 +309,11 @@ async def get_result(
         return Response(status_code=204)
     response = BlobResponse(
         blob,
-        headers={"ETag": f'"{run}-r{round}"', "X-Sync-Version": str(round + 1)},
+        headers={
+            "ETag": f'"{run}-r{round}"',
+            "X-Sync-Version": str(round + 1),
+            "X-Sync-Run-Samples": str(hub.samples_through(run, round)),
+        },
         # runs once the whole body is sent: the end of the peer's download phase
         background=BackgroundTask(_downloaded, hub, run, round, peer, time.time()),
     )
@@ -307,7 +330,12 @@ async def get_result(
 async def get_model(run: RunName, hub: Hub, request: Request, peer: Downloader = None) -> Response:
     version, blob = await hub.model(run)
     hub.count_download(run, peer, _served_bytes(request, blob.size))
-    return BlobResponse(blob, headers={"ETag": f'"{run}-v{version}"', "X-Sync-Version": str(version)})
+    headers = {
+        "ETag": f'"{run}-v{version}"',
+        "X-Sync-Version": str(version),
+        "X-Sync-Run-Samples": str(hub.samples_through(run, version - 1)),
+    }
+    return BlobResponse(blob, headers=headers)
 
 
 async def _downloaded(hub: Coordinator, run: str, round_: int, peer: str | None, began: float) -> None:

@@ -12,6 +12,8 @@ from syncserver.names import NAME_RULE, is_name
 from syncwire import get_codec
 
 Outer = Literal["avg", "diloco"]
+Policy = Literal["barrier", "samples", "async"]
+MAX_SAMPLES = 2**53  # a sample count: exact as a float, and it fits sqlite's INTEGER
 
 
 class HubSettings(BaseSettings):
@@ -62,6 +64,22 @@ class HubSettings(BaseSettings):
         "Unset: off.",
     )
 
+    policy: Policy = Field(
+        "barrier",
+        description="Default of new runs: when a round closes. barrier: every live peer sent its N steps; samples: "
+        "the peers' reported samples reached round_samples; async: no rounds, each update is applied as it comes.",
+    )
+    round_samples: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_SAMPLES,
+        description="Default of new runs: samples per round (policy samples) or per outer step (async). Setting it "
+        "alone makes the default policy samples.",
+    )
+    max_staleness: int = Field(
+        32, ge=0, le=100_000, description="Default of new async runs: refuse an update whose base is older (versions)."
+    )
+
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, value: str) -> str:
@@ -87,6 +105,16 @@ class HubSettings(BaseSettings):
     def _view_token_needs_token(self) -> HubSettings:
         if self.view_token is not None and not self.auth_required:
             raise ValueError("SYNC_VIEW_TOKEN is set but SYNC_TOKEN is not: an open hub needs no view token")
+        return self
+
+    @model_validator(mode="after")
+    def _policy_has_its_target(self) -> HubSettings:
+        if self.round_samples is not None and "policy" not in self.model_fields_set and self.policy == "barrier":
+            self.policy = "samples"
+        if self.policy != "barrier" and self.round_samples is None:
+            raise ValueError(f"SYNC_POLICY={self.policy} needs SYNC_ROUND_SAMPLES (samples per round)")
+        if self.policy == "barrier" and self.round_samples is not None:
+            raise ValueError("SYNC_ROUND_SAMPLES goes with SYNC_POLICY=samples or async, not barrier")
         return self
 
     @model_validator(mode="after")

@@ -74,7 +74,7 @@ CREATE TABLE IF NOT EXISTS peers (
 CREATE TABLE IF NOT EXISTS updates (
     run TEXT NOT NULL, round INTEGER NOT NULL, peer TEXT NOT NULL, seq INTEGER NOT NULL,
     digest TEXT NOT NULL, samples INTEGER NOT NULL, metrics TEXT NOT NULL, nbytes INTEGER NOT NULL,
-    received REAL NOT NULL, seconds REAL NOT NULL, PRIMARY KEY (run, round, peer));
+    received REAL NOT NULL, seconds REAL NOT NULL, base INTEGER, PRIMARY KEY (run, round, peer));
 CREATE TABLE IF NOT EXISTS rounds (
     run TEXT NOT NULL, round INTEGER NOT NULL, opened REAL NOT NULL, closed REAL NOT NULL,
     participants TEXT NOT NULL, dropped TEXT NOT NULL, samples INTEGER NOT NULL,
@@ -106,7 +106,7 @@ class PeerRecord:
 @dataclass
 class UpdateRecord:
     peer: str
-    round: int
+    round: int  # the round it is merged in
     seq: int
     digest: str
     samples: int
@@ -114,6 +114,7 @@ class UpdateRecord:
     nbytes: int
     received: float
     seconds: float
+    base: int  # the version it was computed from: its round, but in async runs an older one
 
 
 @dataclass
@@ -386,6 +387,9 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(updates)")}
+        if "base" not in columns:  # a data dir from before async runs: every update's base is its round
+            self._db.execute("ALTER TABLE updates ADD COLUMN base INTEGER")
 
     def describe(self) -> str:
         """Where the data lives, for the startup log line."""
@@ -510,11 +514,11 @@ class Store:
                 _publish(staged._path, path)
             with self._tx() as db:
                 db.execute(
-                    "INSERT INTO updates VALUES (?,?,?,?,?,?,?,?,?,?)",
+                    f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         run,
-                        update.round,
                         update.peer,
+                        update.round,
                         update.seq,
                         update.digest,
                         update.samples,
@@ -522,6 +526,7 @@ class Store:
                         update.nbytes,
                         update.received,
                         update.seconds,
+                        update.base,
                     ),
                 )
         except BaseException:
@@ -575,12 +580,12 @@ class Store:
             )
 
     # ---- updates and rounds --------------------------------------------------------------
-    _UPDATE_COLUMNS = "peer, round, seq, digest, samples, metrics, nbytes, received, seconds"
+    _UPDATE_COLUMNS = "peer, round, seq, digest, samples, metrics, nbytes, received, seconds, base"
 
     @staticmethod
     def _update(row: tuple[Any, ...]) -> UpdateRecord:
-        p, r, s, d, n, m, b, t, sec = row
-        return UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec)
+        p, r, s, d, n, m, b, t, sec, base = row
+        return UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec, r if base is None else base)
 
     @_translated
     def updates(self, run: str, round_: int) -> list[UpdateRecord]:
@@ -588,6 +593,16 @@ class Store:
             f"SELECT {self._UPDATE_COLUMNS} FROM updates WHERE run = ? AND round = ? ORDER BY seq", (run, round_)
         ).fetchall()
         return [self._update(row) for row in rows]
+
+    @_translated
+    def update_from(self, run: str, peer: str, base: int) -> UpdateRecord | None:
+        """``peer``'s update computed from version ``base``, wherever it was merged (a peer sends
+        at most one per version it starts from)."""
+        row = self._db.execute(
+            f"SELECT {self._UPDATE_COLUMNS} FROM updates WHERE run = ? AND peer = ? AND COALESCE(base, round) = ?",
+            (run, peer, base),
+        ).fetchone()
+        return None if row is None else self._update(row)
 
     @_translated
     def next_seq(self, run: str) -> int:
@@ -625,6 +640,14 @@ class Store:
             RoundRecord(r, o, c, json.loads(p), json.loads(d), s, b, rb, json.loads(t))
             for r, o, c, p, d, s, b, rb, t in reversed(rows)
         ]
+
+    @_translated
+    def samples_through(self, run: str, round_: int) -> int:
+        """Samples trained in ``run`` by the end of round ``round_`` (version ``round_ + 1``)."""
+        (total,) = self._db.execute(
+            "SELECT COALESCE(SUM(samples), 0) FROM rounds WHERE run = ? AND round <= ?", (run, round_)
+        ).fetchone()
+        return int(total)
 
     @_translated
     def round_metrics(self, run: str, limit: int = 500) -> list[UpdateRecord]:
@@ -665,17 +688,19 @@ class Store:
                 path.unlink(missing_ok=True)
 
     @_translated
-    def prune(self, run: str, version: int, keep: int) -> None:
-        """Keep the last ``keep`` versions and round results; drop older files, and the
-        partial uploads of closed rounds (they can never complete)."""
+    def prune(self, run: str, version: int, keep: int, keep_results: int | None = None) -> None:
+        """Keep the last ``keep`` versions and the last ``keep_results`` round results (default
+        ``keep``: peers of an async run fetch the results since their base, so it keeps more);
+        drop older files, and the partial uploads no open round can take (they can never complete)."""
         floor = version - keep + 1
         for kind in ("versions", "momentum"):
             for path in (self._run_dir(run) / kind).glob("*.safetensors"):
                 if int(path.stem) < floor:
                     path.unlink(missing_ok=True)
+        results_floor = version - max(keep, keep_results or 0) + 1
         for path in (self._run_dir(run) / "rounds").glob("*"):
-            if path.is_dir() and int(path.name) < floor:
+            if path.is_dir() and int(path.name) < results_floor:
                 shutil.rmtree(path, ignore_errors=True)
         for path in self._partials(run).glob("*"):
-            if int(path.name) < version:
+            if int(path.name) < version - (keep_results or 0):
                 shutil.rmtree(path, ignore_errors=True)

@@ -155,6 +155,8 @@ class HubView:
                 "closing": run.closing,
                 "rejected": sorted(policy.refused),
                 "seconds_left": None if deadline is None else max(0.0, deadline - now),
+                "samples": policy.round_total(),
+                "due": policy.due,
             },
             "peers": [
                 {

@@ -82,12 +82,12 @@ def test_an_update_is_acknowledged_with_its_record_or_not_at_all(store: Store) -
         return upload.finish()
 
     data = body({"w": np.ones(3, np.float32)})
-    record = UpdateRecord("a", 0, 1, "d", 5, {}, len(data), 0.0, 0.0)
+    record = UpdateRecord("a", 0, 1, "d", 5, {}, len(data), 0.0, 0.0, 0)
     store.acknowledge(staged(data), "r", record)
     assert store.exists(UpdateKey("r", 0, "a")) and [u.peer for u in store.updates("r", 0)] == ["a"]
     # the same (run, round, peer) again is refused before the stored update is touched
     with pytest.raises(ValueError, match="already has an update stored"):
-        store.acknowledge(staged(data), "r", UpdateRecord("a", 0, 2, "e", 5, {}, len(data), 0.0, 0.0))
+        store.acknowledge(staged(data), "r", UpdateRecord("a", 0, 2, "e", 5, {}, len(data), 0.0, 0.0, 0))
     assert [u.seq for u in store.updates("r", 0)] == [1]
     with store.read(UpdateKey("r", 0, "a")) as f:
         assert f.read("w").tolist() == [1, 1, 1]
@@ -95,7 +95,7 @@ def test_an_update_is_acknowledged_with_its_record_or_not_at_all(store: Store) -
     late = staged(data)
     store.close()
     with pytest.raises(Unavailable):
-        store.acknowledge(late, "r", UpdateRecord("b", 0, 3, "f", 5, {}, len(data), 0.0, 0.0))
+        store.acknowledge(late, "r", UpdateRecord("b", 0, 3, "f", 5, {}, len(data), 0.0, 0.0, 0))
     assert not store.exists(UpdateKey("r", 0, "b"))
 
 
