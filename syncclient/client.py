@@ -40,10 +40,12 @@ import numpy as np
 import torch
 
 from syncclient._model import ModelView
-from syncclient.exceptions import ConflictError, HubError, RoundClosed, SchemaMismatch, SyncError
+from syncclient.exceptions import ConflictError, HubError, RoundClosed, SchemaMismatch, StaleUpdate, SyncError
 from syncclient.state import EncodedUpdate, UpdateState
 from syncclient.transport import Download, Transport, body_size
 from syncwire import Codec, get_codec, layout_bytes, wire_layout
+
+POLICIES = ("barrier", "samples", "async")  # as the hub names them (syncserver.policy)
 
 __all__ = ["JoinInfo", "PendingSync", "SyncClient", "SyncResult"]
 
@@ -81,18 +83,24 @@ class SyncResult:
     # of ``seconds``, the part spent on the caller's (training) thread: all of it for ``sync``;
     # for ``sync_async`` the snapshot and encoding, waiting in ``apply`` and applying
     stall_seconds: float = 0.0
+    run_samples: int = -1  # samples all peers had trained by ``version`` (a budget to stop on)
 
 
 @dataclass(frozen=True)
 class _Outcome:
-    """What the background half of a sync brought back. ``latest`` is set when the round
-    closed without us: the run's latest version, to catch up to."""
+    """What the background half of a sync brought back: the base now holds ``version``.
+    ``latest`` is set when the round closed without us (or, async, our base was too old): the
+    run's latest version, to catch up to. ``fresh_base``: our update is in, but a result we
+    needed was pruned, so this full version (which includes ours) is the new base."""
 
     bytes_up: int
     bytes_down: int
     upload_seconds: float
     wait_seconds: float
+    version: int = -1
+    run_samples: int = -1
     latest: Download | None = None
+    fresh_base: Download | None = None
 
 
 class PendingSync:
@@ -133,6 +141,7 @@ class PendingSync:
             compression=1.0 if late else self._ratio,
             codec_error=0.0 if late else self._error,
             stall_seconds=self._stall + done - waiting,
+            run_samples=outcome.latest.run_samples if outcome.latest is not None else outcome.run_samples,
         )
 
     def done(self) -> bool:
@@ -152,11 +161,17 @@ class SyncClient:
     >>> client.sync(model, samples=256_000, metrics={"loss": 3.1})
     >>> client.leave()
 
-    ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``min_peers``, ``round_timeout`` and
-    ``norm_guard`` (refuse updates over that many times the usual norm) configure the run if this
-    peer creates it; for an existing run they must match (or be
-    None to accept the run's). ``min_peers`` is also the rendezvous size: the run starts once
-    that many peers joined, and ranks follow sorted peer names, not join order.
+    ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``min_peers``, ``round_timeout``,
+    ``norm_guard`` (refuse updates over that many times the usual norm), ``policy``,
+    ``round_samples`` and ``max_staleness`` configure the run if this peer creates it; for an
+    existing run they must match (or be None to accept the run's). ``min_peers`` is also the
+    rendezvous size: the run starts once that many peers joined, and ranks follow sorted peer
+    names, not join order.
+
+    ``round_samples`` alone makes a *samples* run (rounds close once the peers together trained
+    that many samples: report them with :meth:`progress`, send when :attr:`due`, or let
+    :meth:`step` do both); ``policy="async"`` with ``round_samples`` an asynchronous one (each
+    sync is applied at once, nobody waits; ``round_samples`` is the size of a whole outer step).
 
     ``verify`` checks the hub's TLS certificate: True (the system's CAs), the path of a CA
     bundle (a PEM file, or a folder of them) for a hub with its own CA, or an ``ssl.SSLContext``.
@@ -178,6 +193,9 @@ class SyncClient:
         min_peers: int | None = None,
         round_timeout: float | None = None,
         norm_guard: float | None = None,
+        policy: str | None = None,
+        round_samples: int | None = None,
+        max_staleness: int | None = None,
         verify: bool | str | ssl.SSLContext = True,
         timeout: float = 60.0,
         retry_seconds: float = 600.0,
@@ -186,6 +204,12 @@ class SyncClient:
             raise ValueError(f"hub must be an http:// or https:// URL, got {hub!r}")
         if codec is not None:
             get_codec(codec)  # fail here, not at the hub
+        if policy is not None and policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if round_samples is not None and (isinstance(round_samples, bool) or not isinstance(round_samples, int)):
+            raise ValueError(f"round_samples must be an int, got {round_samples!r}")
+        if round_samples is not None and round_samples < 1:
+            raise ValueError(f"round_samples must be >= 1, got {round_samples}")
         self.hub = hub.rstrip("/")
         self.run = run
         self.peer = peer or f"{socket.gethostname()}-{os.getpid()}"
@@ -198,6 +222,9 @@ class SyncClient:
             "min_peers": min_peers,
             "round_timeout": round_timeout,
             "norm_guard": norm_guard,
+            "policy": policy,
+            "round_samples": round_samples,
+            "max_staleness": max_staleness,
         }
         self._transport = Transport(
             self.hub, run=run, token=token, verify=verify, timeout=timeout, retry_seconds=retry_seconds
@@ -214,6 +241,8 @@ class SyncClient:
         self._heartbeat: _Heartbeat | None = None  # from join on: the hub knows this peer
         self._worker: ThreadPoolExecutor | None = None  # the one thread a sync's network work runs on
         self._inflight: PendingSync | None = None  # started, not yet applied: the state is the worker's
+        self.policy: str | None = None  # the run's round policy, from join on
+        self._progress: _Progress | None = None  # samples runs: tells the hub how far this peer is
 
     # ---- the public surface --------------------------------------------------------------
     def join(self, model: torch.nn.Module) -> JoinInfo:
@@ -258,6 +287,10 @@ class SyncClient:
             self.version,
         )
         config = state["config"]
+        self.policy = config.get("policy", "barrier")
+        if self.policy == "samples" and self._progress is None:
+            path = f"{self._runs}/peers/{self.peer}/progress"
+            self._progress = _Progress(self, path, poll=min(0.5, self._poll))
         return JoinInfo(
             self.run, self.peer, self.rank, self.world_size, self.version, config["codec"], config["outer"], config
         )
@@ -288,6 +321,43 @@ class SyncClient:
         and drops all local work since the last sync, the steps taken meanwhile included.
         """
         return self._start(model, samples, metrics, keep_local=True)
+
+    def progress(self, samples: int) -> None:
+        """Count ``samples`` more samples trained since the last sync (cheap: no I/O here). In a
+        samples run a background thread reports the count, and :attr:`due` says when to send."""
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        if self._progress is not None:
+            self._progress.add(samples)
+
+    @property
+    def due(self) -> bool:
+        """Samples runs: the hub asked for this round's update (the peers' samples reached
+        ``round_samples``, or the round closed without us): sync now."""
+        return self._progress is not None and self._progress.due(self.version)
+
+    @property
+    def pending_samples(self) -> int:
+        """Samples counted with :meth:`progress` since the last sync began."""
+        return self._progress.count if self._progress is not None else 0
+
+    def step(
+        self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None
+    ) -> SyncResult | None:
+        """For a samples run's training loop, after each optimizer step: count ``samples`` and,
+        when the round is due, sync what was counted since the last sync. Returns the sync's
+        result, or None when no sync was due.
+
+        >>> for batch in loader:
+        ...     train_step(batch)
+        ...     client.step(model, samples=len(batch))
+        """
+        if self._progress is None:
+            raise SyncError(f"step() is for runs whose rounds close on samples; run {self.run} is {self.policy!r}")
+        self.progress(samples)
+        if not self.due or self._progress.count == 0:
+            return None
+        return self.sync(model, samples=self._progress.count, metrics=metrics)
 
     def pull(self, model: torch.nn.Module) -> int:
         """Load the run's latest version into ``model`` (dropping local changes); return it."""
@@ -323,6 +393,9 @@ class SyncClient:
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
         self._transport.close()
 
     def __enter__(self) -> SyncClient:
@@ -355,6 +428,8 @@ class SyncClient:
         sent_metrics = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(float(v))}
         if not self._state.codec.lossless:
             sent_metrics.update(codec_ratio=update.ratio, codec_error=update.error)
+        if self._progress is not None:
+            self._progress.sent()  # what is counted from here on goes into the next round
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
         future = self._worker.submit(self._exchange, self.version, update.parts, samples, sent_metrics)
@@ -365,29 +440,50 @@ class SyncClient:
         self, round_: int, parts: list[tuple[str, np.ndarray, str]], samples: int, metrics: dict[str, float]
     ) -> _Outcome:
         """The worker's half: upload, long-poll the result, fold it into the base (which nobody
-        else touches while a sync is in flight). Late: fetch the latest version instead."""
+        else touches while a sync is in flight). Late: fetch the latest version instead.
+
+        The hub answers with the round the update went into: ``round_`` itself, or in an async
+        run a later one (versions were applied since our base). Then the base catches up through
+        every round's result from ``round_`` to that one, in order, as the hub built its versions.
+        """
         started = time.monotonic()
         headers = {"X-Sync-Samples": str(samples), "X-Sync-Metrics": json.dumps(metrics)}
         path = f"{self._runs}/rounds/{round_}/updates/{self.peer}"
         try:
-            size = self._transport.upload(path, parts, what="upload", headers=headers, resumable=True)
-        except RoundClosed:
+            size, ack = self._transport.upload(path, parts, what="upload", headers=headers, resumable=True)
+        except (RoundClosed, StaleUpdate):
             size = body_size(parts)  # sent, though refused
             return _Outcome(size, 0, time.monotonic() - started, 0.0, latest=self._fetch_latest())
         uploaded = time.monotonic()
-        result = f"{self._runs}/rounds/{round_}/result"
+        landed = int(ack["round"])
         try:
-            download = None
-            while download is None:  # None: the long poll ended with the round still open
-                download = self._transport.download(result, {"wait": self._poll, "peer": self.peer})
+            own = self._result(landed, wait=True)  # ours first: the others are out already
+            waited = time.monotonic()
+            assert self._state is not None
+            received = own.reader.received
+            for earlier in range(round_, landed):
+                result = self._result(earlier, wait=False)
+                self._state.fold(result.reader.tensors)
+                received += result.reader.received
+            self._state.fold(own.reader.tensors)
         except HubError as exc:
             if exc.status != 410:
                 raise
-            return _Outcome(size, 0, uploaded - started, 0.0, latest=self._fetch_latest())  # the result was pruned
-        waited = time.monotonic()
-        assert self._state is not None
-        self._state.fold(download.reader.tensors)
-        return _Outcome(size, download.reader.received, uploaded - started, waited - uploaded)
+            # a result was pruned: the latest version, which holds ours, is the new base
+            latest = self._fetch_latest()
+            elapsed = uploaded - started
+            return _Outcome(
+                size, latest.reader.received, elapsed, 0.0, latest.version, latest.run_samples, fresh_base=latest
+            )
+        return _Outcome(size, received, uploaded - started, waited - uploaded, landed + 1, own.run_samples)
+
+    def _result(self, round_: int, *, wait: bool) -> Download:
+        """Round ``round_``'s merged update (with ``wait``, long-polling while the round is open)."""
+        path = f"{self._runs}/rounds/{round_}/result"
+        while True:
+            download = self._transport.download(path, {"wait": self._poll if wait else 0, "peer": self.peer})
+            if download is not None:  # None: the long poll ended with the round still open
+                return download
 
     def _apply(self, pending: PendingSync, model: torch.nn.Module) -> SyncResult:
         """The caller's last half: wait for the worker, then load ``base'`` (blocking sync) or
@@ -415,8 +511,10 @@ class SyncClient:
             )
         else:
             assert self._state is not None
+            if outcome.fresh_base is not None:
+                self._state.base = self._tensors(view, outcome.fresh_base)  # the residual stays: it was not sent
             view.load(self._state.base if snapshot is None else self._state.rebase(snapshot, view.export()))
-            self.version = pending.round + 1
+            self.version = outcome.version
         result = pending._result(outcome, self.version, waiting)
         late = result.caught_up
         if not late:
@@ -448,13 +546,17 @@ class SyncClient:
     def _adopt(self, view: ModelView, download: Download) -> None:
         """Make a downloaded full model the base and load it (local work is dropped)."""
         assert self.codec is not None
+        # a new state: the residual belonged to work that was just dropped
+        self._state = UpdateState(self.codec, self._tensors(view, download))
+        view.load(self._state.base)
+        self.version = download.version
+
+    def _tensors(self, view: ModelView, download: Download) -> dict[str, np.ndarray]:
+        """A downloaded full model's tensors, in the model's order (which must be the run's)."""
         reader = download.reader
         if set(reader.tensors) != set(view.schema):
             raise SchemaMismatch(_schema_diff({k: v.shape for k, v in reader.tensors.items()}, view.schema, self.run))
-        # a new state: the residual belonged to work that was just dropped
-        self._state = UpdateState(self.codec, {name: reader.tensors[name] for name in view.schema})
-        view.load(self._state.base)
-        self.version = download.version
+        return {name: reader.tensors[name] for name in view.schema}
 
 
 class _Heartbeat:
@@ -484,6 +586,71 @@ class _Heartbeat:
                 return
             if failures == 3:
                 log.warning("run %s: heartbeats are failing; the hub may drop this peer", self._run)
+
+
+class _Progress:
+    """Samples runs: reports this peer's sample count to the hub from a daemon thread, as a
+    long poll that also says when the round is due, so the training thread never waits on the
+    network for it. At most one report is out at a time and each holds for ``poll`` seconds when
+    nothing happens, so the hub's view of the count lags by about that much."""
+
+    def __init__(self, client: SyncClient, path: str, *, poll: float) -> None:
+        self._client, self._path, self._poll = client, path, poll
+        self._lock = threading.Lock()
+        self.count = 0  # samples since the last sync began
+        self._paused = False  # a sync is under way: its round is no longer this peer's to report
+        self._due_round = -1  # the round the hub said was due
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._report, name=f"weightsync-progress-{client.peer}", daemon=True)
+        self._thread.start()
+
+    def add(self, samples: int) -> None:
+        with self._lock:
+            self.count += samples
+
+    def sent(self) -> None:
+        """A sync began with what was counted: count afresh, and report again once it is done."""
+        with self._lock:
+            self.count, self._paused = 0, True
+
+    def due(self, version: int) -> bool:
+        return self._due_round == version
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _report(self) -> None:
+        client = self._client
+        while not self._stop.is_set():
+            with self._lock:
+                round_, count = client.version, self.count
+                if self._paused and client._inflight is None:
+                    self._paused = False
+                paused = self._paused
+            if paused or self._due_round == round_:
+                self._stop.wait(0.02)  # nothing to say until the sync is done
+                continue
+            try:
+                answer = client._transport.call(
+                    "POST",
+                    self._path,
+                    json={"round": round_, "samples": count},
+                    params={"wait": self._poll},
+                    retry=False,
+                ).json()
+            except (RoundClosed, StaleUpdate):
+                self._due_round = round_  # the round closed without us: the next sync catches up
+                continue
+            except SyncError as exc:
+                log.debug("run %s: progress report failed (%s); trying again", client.run, exc)
+                self._stop.wait(1.0)
+                continue
+            except RuntimeError:  # client closed under us
+                return
+            if answer["due"]:
+                self._due_round = round_
 
 
 def _schema_diff(run: Mapping[str, tuple[int, ...]], model: Mapping[str, tuple[int, ...]], name: str) -> str:
