@@ -184,6 +184,7 @@ class HubView:
                 sorted(run.acked),
                 sorted(run.uploading),
                 run.closing,
+                run.policy.due,
                 sorted(run.policy.live),
                 sorted((name, run.policy.state(name).value, p.rank) for name, p in run.peers.items()),
                 sorted((r, sorted(peers)) for r, peers in run.downloads.items()),
