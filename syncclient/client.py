@@ -589,10 +589,13 @@ class _Heartbeat:
 
 
 class _Progress:
-    """Samples runs: reports this peer's sample count to the hub from a daemon thread, as a
-    long poll that also says when the round is due, so the training thread never waits on the
-    network for it. At most one report is out at a time and each holds for ``poll`` seconds when
-    nothing happens, so the hub's view of the count lags by about that much."""
+    """Samples runs: reports this peer's sample count to the hub from a daemon thread, so the
+    training thread never waits on the network for it. A new count goes out at once (at most
+    every ``REPORT_SECONDS``, one request at a time), so the hub's sum lags by about a round trip;
+    with nothing new to say the thread long-polls for ``poll`` seconds, so that it hears the
+    round is due while this peer is in the middle of a long step."""
+
+    REPORT_SECONDS = 0.05
 
     def __init__(self, client: SyncClient, path: str, *, poll: float) -> None:
         self._client, self._path, self._poll = client, path, poll
@@ -622,7 +625,7 @@ class _Progress:
             self._thread.join(timeout=5)
 
     def _report(self) -> None:
-        client = self._client
+        client, said = self._client, (-1, -1)
         while not self._stop.is_set():
             with self._lock:
                 round_, count = client.version, self.count
@@ -632,12 +635,13 @@ class _Progress:
             if paused or self._due_round == round_:
                 self._stop.wait(0.02)  # nothing to say until the sync is done
                 continue
+            news = (round_, count) != said
             try:
                 answer = client._transport.call(
                     "POST",
                     self._path,
                     json={"round": round_, "samples": count},
-                    params={"wait": self._poll},
+                    params={"wait": 0 if news else self._poll},
                     retry=False,
                 ).json()
             except (RoundClosed, StaleUpdate):
@@ -649,8 +653,11 @@ class _Progress:
                 continue
             except RuntimeError:  # client closed under us
                 return
+            said = (round_, count)
             if answer["due"]:
                 self._due_round = round_
+            elif news:
+                self._stop.wait(self.REPORT_SECONDS)
 
 
 def _schema_diff(run: Mapping[str, tuple[int, ...]], model: Mapping[str, tuple[int, ...]], name: str) -> str:

@@ -23,9 +23,16 @@ Three policies, chosen per run (``policy``):
   bit-identical.
 - :class:`AsyncPolicy` (``async``, FedAsync / FedBuff with a buffer of one): no barrier. An update
   computed from version b is applied as soon as it is acknowledged, into the version open then
-  (v >= b), weighted by its samples and the staleness discount ``(1 + s) ** -0.5`` with
-  ``s = v - b``; an update more than ``max_staleness`` versions old is refused. Updates that
-  arrive while a version is being written go together into the next one.
+  (v >= b), weighted by its samples and FedAsync's polynomial staleness discount
+  ``(1 + late) ** -0.5``; an update more than ``max_staleness`` versions old is refused. Updates
+  that arrive while a version is being written go together into the next one.
+
+  *late* counts whole outer steps, not versions: ``s = v - b`` versions were applied since the
+  update's base, each about as big as this one, so ``s * samples / round_samples`` outer steps,
+  of which the first is free. With N peers of equal speed every update is naturally N - 1
+  versions old (less than one outer step); discounting that would shrink every update alike,
+  which is a smaller learning rate, not a correction. What is discounted is a peer that fell
+  behind by more than a step: one four times slower than three others, say.
 
 A peer is live while its lease is fresh: any request renews it (``seen``).
 """
@@ -381,11 +388,13 @@ class AsyncPolicy(RoundPolicy):
         return frozenset()
 
     def weight(self, samples: int, base: int, round_: int) -> float:
-        """``samples * (1 + staleness) ** -0.5``: a stale update counts less, never nothing."""
+        """``samples * (1 + late) ** -0.5``, ``late`` the outer steps beyond the first applied
+        since its base (see the module docstring): a stale update counts less, never nothing."""
         staleness = round_ - base
         if staleness < 0:
             raise ValueError(f"an update from version {base} cannot go into round {round_}")
-        return samples * (1.0 + staleness) ** -STALENESS_EXPONENT
+        late = max(0.0, staleness * samples / self.round_samples - 1.0)
+        return samples * (1.0 + late) ** -STALENESS_EXPONENT
 
     def total(self, samples: int) -> float:
         """``round_samples``, or more when the updates hold more: an update of ``round_samples``

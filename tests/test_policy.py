@@ -257,9 +257,11 @@ def test_async_applies_each_update_at_once_and_never_waits() -> None:
 
 
 def test_async_weights_discount_staleness_and_total_is_a_whole_outer_step() -> None:
-    policy = async_run("a")
+    policy = async_run("a")  # an outer step is 200 samples
     assert policy.weight(100, 5, 5) == 100.0
-    assert policy.weight(100, 2, 5) == pytest.approx(100 / 2.0)  # 3 versions old: (1 + 3) ** -0.5
+    assert policy.weight(50, 2, 5) == 50.0  # 3 versions of ~50 samples: less than a step behind, not late
+    assert policy.weight(100, 2, 5) == pytest.approx(100 / 1.5**0.5)  # 3 x 100 / 200 = 1.5 steps: 0.5 late
+    assert policy.weight(100, 0, 5) == pytest.approx(100 / 2.5**0.5)
     assert policy.total(50) == 200.0 and policy.total(300) == 300.0  # never more than a whole mean
     assert policy.fraction(50) == 0.25
     with pytest.raises(ValueError, match="cannot go into"):
