@@ -73,3 +73,28 @@ def test_pagecache_benchmark_times_every_mode(tmp_path: Path) -> None:
     assert {(w.strip(), f.strip()) for w, f, *_ in rows} == {("no", "no"), ("yes", "no"), ("no", "yes"), ("yes", "yes")}
     assert all(float(r[4]) > 0 for r in rows), "every mode wrote at a positive rate"
     assert list(tmp_path.iterdir()) == [], "the test file is removed"
+
+
+def test_unequal_benchmark_runs_every_policy(tmp_path: Path) -> None:
+    """bench/unequal.py --quick: every policy trains to the same budget and is evaluated."""
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "unequal.py"), "--quick", "--scenarios", "slow", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = out.glob("unequal-*.json")
+    result = json.loads(path.read_text())
+    rows = {r["policy"]: r for r in result["rows"]}
+    assert set(rows) == {"barrier", "samples", "async"}
+    budget = result["settings"]["budget"]
+    for row in rows.values():
+        assert row["curve"] and row["final_val_ppl"] > 1 and row["wall"] > 0
+        assert sum(p["samples"] for p in row["peers"]) >= budget
+        assert row["bytes_up"] > 0 and row["bytes_down"] > 0
+    slow = [p for p in rows["samples"]["peers"] if p["slow"]]
+    assert len(slow) == 1 and all(p["steps"] > slow[0]["steps"] for p in rows["samples"]["peers"] if not p["slow"])
+    assert "| slow | samples |" in proc.stdout
