@@ -6,29 +6,35 @@
     ...
     client.sync(model, samples=n)
 
-or, with a Hugging Face ``Trainer``, one callback: ``SyncCallback``. It is loaded on first
-use, so that ``pip install 'weightsync[client]'`` (no transformers) is enough for ``SyncClient``.
+or, with a Hugging Face ``Trainer``, one callback: ``SyncCallback`` (with Lightning:
+``syncclient.lightning.SyncCallback``); or no code at all: ``weightsync-run -- python train.py``
+(:mod:`syncclient.run`).
+
+Every name here is loaded on first use: ``import syncclient`` imports neither torch nor httpx,
+so that ``weightsync-run``'s hooks can sit in every Python process it starts at no cost to the
+ones that never train, and ``pip install 'weightsync[client]'`` (no transformers) is enough for
+``SyncClient``.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
-
-from syncclient.client import JoinInfo, PendingSync, SyncClient, SyncResult
-from syncclient.exceptions import (
-    AuthError,
-    ConflictError,
-    HubError,
-    HubUnreachable,
-    NotFound,
-    RoundClosed,
-    SchemaMismatch,
-    StaleUpdate,
-    SyncError,
-)
 
 if TYPE_CHECKING:
     from syncclient.callbacks import SyncCallback
+    from syncclient.client import JoinInfo, PendingSync, SyncClient, SyncResult
+    from syncclient.exceptions import (
+        AuthError,
+        ConflictError,
+        HubError,
+        HubUnreachable,
+        NotFound,
+        RoundClosed,
+        SchemaMismatch,
+        StaleUpdate,
+        SyncError,
+    )
 
 __all__ = [
     "AuthError",
@@ -47,15 +53,36 @@ __all__ = [
     "SyncError",
 ]
 
+_EXCEPTIONS = [
+    "AuthError",
+    "ConflictError",
+    "HubError",
+    "HubUnreachable",
+    "NotFound",
+    "RoundClosed",
+    "SchemaMismatch",
+    "StaleUpdate",
+    "SyncError",
+]
+_HOMES = {
+    **dict.fromkeys(["JoinInfo", "PendingSync", "SyncClient", "SyncResult"], "syncclient.client"),
+    **dict.fromkeys(_EXCEPTIONS, "syncclient.exceptions"),
+    "SyncCallback": "syncclient.callbacks",
+}
+
 
 def __getattr__(name: str) -> Any:
-    """``SyncCallback`` on first use: it imports transformers, which ``SyncClient`` does not need."""
-    if name != "SyncCallback":
+    """Each public name from its module, on first use. ``SyncCallback`` imports transformers,
+    which ``SyncClient`` does not need; it says so when transformers is missing."""
+    home = _HOMES.get(name)
+    if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
-        from syncclient.callbacks import SyncCallback
+        module = importlib.import_module(home)
     except ModuleNotFoundError as exc:
-        if exc.name != "transformers":
+        if name != "SyncCallback" or exc.name != "transformers":
             raise
         raise ImportError("SyncCallback needs transformers: pip install transformers (or weightsync[train])") from exc
-    return SyncCallback
+    value = getattr(module, name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value

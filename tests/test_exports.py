@@ -44,7 +44,10 @@ def test_sync_client_does_not_import_transformers() -> None:
     """``pip install 'weightsync[client]'`` has no transformers: SyncCallback loads on first use."""
     done = _python(
         "import sys, syncclient\n"
-        "assert 'transformers' not in sys.modules, 'import syncclient pulled transformers'\n"
+        "heavy = [m for m in ('torch', 'httpx', 'transformers', 'lightning') if m in sys.modules]\n"
+        "assert not heavy, f'import syncclient pulled {heavy}'\n"
+        "syncclient.SyncClient\n"
+        "assert 'torch' in sys.modules and 'transformers' not in sys.modules\n"
         "syncclient.SyncCallback\n"
         "assert 'transformers' in sys.modules"
     )
