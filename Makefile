@@ -1,6 +1,7 @@
 # Two commands matter (README's Quickstart):  make quickstart   and   make test
-# Both install into .venv first. torch==2.13.0 goes in before anything that depends on torch,
-# so pip takes the CPU wheel on disk and never pulls a multi-GB CUDA build.
+# Both install into .venv first. torch==2.13.0 goes in before anything that depends on torch
+# (transformers, accelerate, lightning: the dev extra), so pip takes the CPU wheel on disk and
+# never pulls a multi-GB CUDA build.
 PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin

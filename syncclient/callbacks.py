@@ -68,10 +68,10 @@ import logging
 import math
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from syncclient._callback import callback_client, join_at_train_begin
 from syncclient.client import PendingSync, SyncClient, SyncResult
 
 __all__ = ["SyncCallback"]
@@ -121,31 +121,11 @@ class SyncCallback(TrainerCallback):
         overlap: bool = False,
         **client_kwargs: Any,
     ) -> None:
-        if sync_every is not None and (
-            isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1
-        ):
-            raise ValueError(f"sync_every must be an int >= 1 (optimizer steps), got {sync_every!r}")
-        if sync_every is None and client is None and client_kwargs.get("round_samples") is None:
-            raise ValueError("give sync_every=N (optimizer steps between syncs) or round_samples=S (samples per round)")
-        if (hub is None) == (client is None):
-            raise ValueError("give either hub='http://host:port' or client=SyncClient(...), not both or none")
         if on_sync is not None and not callable(on_sync):
             raise ValueError(f"on_sync must be callable, got {on_sync!r}")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
-        if client is not None:
-            if client_kwargs:
-                raise ValueError(
-                    f"client settings ({', '.join(sorted(client_kwargs))}) go to SyncClient(...) when you pass client="
-                )
-            self.client = client
-        elif hub is not None:
-            parts = urlsplit(hub)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"hub must be an http:// or https:// URL such as http://hub:8000, got {hub!r}")
-            if not client_kwargs.get("run"):
-                raise ValueError("SyncCallback(hub, ...) needs run='name-of-the-run'")
-            self.client = SyncClient(hub, **client_kwargs)
+        self.client = callback_client(hub, sync_every=sync_every, client=client, client_kwargs=client_kwargs)
         self._owns_client = client is None
         self.sync_every = sync_every
         self.on_sync = on_sync
@@ -174,17 +154,7 @@ class SyncCallback(TrainerCallback):
             )
         if not state.is_world_process_zero:
             return
-        model = _model(kwargs)
-        if _has_joined(self.client):
-            logger.info("client already joined the run; not joining again")
-        else:
-            self.join_info = self.client.join(model)
-            logger.info("joined: %s", self.join_info)
-        if self.client.policy != "samples" and self.sync_every is None:
-            raise ValueError(
-                f"run {self.client.run!r} is a {self.client.policy} run: give SyncCallback sync_every=N "
-                "(optimizer steps between syncs)"
-            )
+        self.join_info = join_at_train_begin(self.client, _model(kwargs), self.sync_every) or self.join_info
         self._active = True
         self._last_sync_step = state.global_step
         self._pending = False
@@ -321,10 +291,6 @@ def _model(kwargs: dict[str, Any]) -> Any:
     if model is None:
         raise ValueError("SyncCallback needs the model: the Trainer passes it as kwargs['model']")
     return model
-
-
-def _has_joined(client: SyncClient) -> bool:
-    return client.version >= 0  # -1 until join() loaded a version
 
 
 def _is_number(value: object) -> bool:

@@ -47,9 +47,9 @@ def test_sync_client_does_not_import_transformers() -> None:
         "heavy = [m for m in ('torch', 'httpx', 'transformers', 'lightning') if m in sys.modules]\n"
         "assert not heavy, f'import syncclient pulled {heavy}'\n"
         "syncclient.SyncClient\n"
-        "assert 'torch' in sys.modules and 'transformers' not in sys.modules\n"
+        "assert 'torch' in sys.modules and 'transformers' not in sys.modules and 'lightning' not in sys.modules\n"
         "syncclient.SyncCallback\n"
-        "assert 'transformers' in sys.modules"
+        "assert 'transformers' in sys.modules and 'lightning' not in sys.modules"
     )
     assert done.returncode == 0, done.stderr
 
@@ -59,11 +59,21 @@ def test_sync_client_does_not_import_transformers() -> None:
     [
         ("sys.modules['transformers'] = None; syncclient.SyncCallback", "ImportError: SyncCallback needs transformers"),
         ("syncclient.SyncCallbak", "AttributeError: module 'syncclient' has no attribute 'SyncCallbak'"),
+        (
+            "sys.modules['lightning'] = sys.modules['pytorch_lightning'] = None; import syncclient.lightning",
+            "ImportError: syncclient.lightning needs PyTorch Lightning: pip install lightning",
+        ),
     ],
 )
 def test_lazy_attributes_fail_clearly(code: str, error: str) -> None:
     done = _python(f"import sys, syncclient; {code}")
     assert done.returncode == 1 and error in done.stderr, done.stderr
+
+
+def test_lightning_exports() -> None:
+    import syncclient.lightning
+
+    assert syncclient.lightning.__all__ == ["SyncCallback", "callback_class"]
 
 
 def test_syncserver_exports() -> None:

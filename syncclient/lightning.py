@@ -1,0 +1,205 @@
+"""``SyncCallback`` for PyTorch Lightning: join a weightsync run from a ``Trainer`` with one line.
+
+```python
+from syncclient.lightning import SyncCallback
+
+trainer = L.Trainer(max_epochs=3, callbacks=[SyncCallback("http://hub:8000", sync_every=1000, run="imdb")])
+trainer.fit(model, train_loader)
+```
+
+What it does (as :class:`syncclient.SyncCallback` does for Hugging Face):
+
+- **fit start** (the model is on its device, the optimizers exist): join the run and load the
+  global version into the ``LightningModule``, so every peer starts from the same weights;
+- **every ``sync_every`` optimizer steps** (``trainer.global_step``, so
+  ``accumulate_grad_batches`` needs nothing special), at a batch's end: send the update with the
+  samples of the batches since the last sync, the last batch's ``loss`` and the metrics the
+  module logged (``trainer.callback_metrics``: ``self.log("val_acc", ...)`` shows in the dashboard), then
+  train on from the merged version;
+- **or, with ``round_samples=S``** (a samples run): count each batch's samples for the hub and
+  sync at the first batch end after the hub says the round is due;
+- **train end**: a last sync if there were steps since the previous one (every peer then holds
+  the same weights), then leave. **On an exception** (Ctrl-C included): leave, so the others
+  stop waiting.
+
+A batch's samples are the length of its first tensor (the batch dimension). One process per
+peer: it raises at fit start when the Trainer runs on several devices (DDP peers are not
+supported yet), as the Hugging Face callback does. The optimizers' state is kept across syncs
+(local SGD / DiLoCo's inner optimizer).
+
+Works with ``lightning`` (``import lightning as L``) and, if that is not installed, with the
+older ``pytorch_lightning`` package; :func:`callback_class` gives the class for the other one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+try:
+    from lightning.pytorch import Callback
+except ModuleNotFoundError as exc:
+    if exc.name not in ("lightning", "lightning.pytorch"):
+        raise
+    try:
+        from pytorch_lightning import Callback  # type: ignore[assignment]
+    except ModuleNotFoundError:
+        raise ImportError(
+            "syncclient.lightning needs PyTorch Lightning: pip install lightning (or weightsync[lightning])"
+        ) from exc
+
+import torch
+
+from syncclient._callback import callback_client, join_at_train_begin
+from syncclient.client import SyncClient, SyncResult
+
+__all__ = ["SyncCallback", "callback_class"]
+
+logger = logging.getLogger(__name__)
+
+_METRICS_BUDGET = 2048  # bytes of JSON metrics per update, as the Hugging Face callback sends
+
+
+class _Sync:
+    """The callback's behaviour, apart from the ``Callback`` base it is mixed into."""
+
+    def __init__(
+        self,
+        hub: str | None = None,
+        *,
+        sync_every: int | None = None,
+        client: SyncClient | None = None,
+        **client_kwargs: Any,
+    ) -> None:
+        self.client = callback_client(hub, sync_every=sync_every, client=client, client_kwargs=client_kwargs)
+        self.sync_every = sync_every
+        self.join_info: Any = None
+        self.last_result: SyncResult | None = None
+        self.syncs = 0
+        self._active = False
+        self._last_sync_step = 0
+        self._samples = 0  # since the last sync
+        self._loss: Any = None  # the last batch's, as training_step returned it
+
+    # -- hooks ------------------------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: Any, pl_module: torch.nn.Module) -> None:
+        if trainer.world_size > 1:
+            raise ValueError(
+                f"SyncCallback supports one training process per peer, got a Trainer on {trainer.world_size} "
+                "processes: run one peer per process (DDP peers are not supported yet)"
+            )
+        self.join_info = join_at_train_begin(self.client, pl_module, self.sync_every) or self.join_info
+        self._active = True
+        self._last_sync_step = trainer.global_step
+        self._samples = 0
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: torch.nn.Module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._active:
+            return
+        samples = _batch_size(batch) or 1
+        self._samples += samples
+        self._loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs  # read at the sync
+        since = trainer.global_step - self._last_sync_step
+        if self.client.policy == "samples":
+            self.client.progress(samples)
+            due = since > 0 and self.client.due
+        else:
+            assert self.sync_every is not None
+            due = since >= self.sync_every
+        if due:
+            self._sync(trainer, pl_module)
+
+    def on_train_end(self, trainer: Any, pl_module: torch.nn.Module) -> None:
+        if not self._active:
+            return
+        try:
+            if trainer.global_step > self._last_sync_step:
+                self._sync(trainer, pl_module)
+        finally:
+            self._leave()
+
+    def on_exception(self, trainer: Any, pl_module: torch.nn.Module, exception: BaseException) -> None:
+        if self._active:
+            self._leave()
+
+    # -- the work ---------------------------------------------------------------------------------
+
+    def _sync(self, trainer: Any, pl_module: torch.nn.Module) -> None:
+        metrics = _metrics({"loss": self._loss, **trainer.callback_metrics})
+        metrics["step"] = float(trainer.global_step)
+        steps = trainer.global_step - self._last_sync_step
+        result = self.client.sync(pl_module, samples=max(1, self._samples), metrics=metrics)
+        self._last_sync_step, self._samples = trainer.global_step, 0
+        self.last_result = result
+        self.syncs += 1
+        logger.info(
+            "step %d: synced %d steps -> version %d in %.2f s%s",
+            trainer.global_step,
+            steps,
+            result.version,
+            result.seconds,
+            " (late: caught up, local steps dropped)" if result.caught_up else "",
+        )
+
+    def _leave(self) -> None:
+        self._active = False
+        self.client.leave()  # leave() also closes the client; a client passed in is left too
+
+
+class SyncCallback(_Sync, Callback):  # type: ignore[misc]  # Callback: Any when Lightning has no stubs
+    """Average this Trainer's ``LightningModule`` with the other peers of a run every
+    ``sync_every`` optimizer steps, or whenever the peers together trained ``round_samples``
+    samples (see the module docstring).
+
+    Args:
+        hub: the hub's base URL (``http://`` or ``https://``). Give ``hub`` or ``client``.
+        sync_every: optimizer steps between syncs (an int >= 1): barrier and async runs.
+        client: a :class:`SyncClient` you built yourself; joined already or not.
+        **client_kwargs: passed to ``SyncClient(hub, ...)``: ``run`` (required), ``peer``,
+            ``token``, ``codec``, ``round_samples``, ...
+    """
+
+
+_CLASSES: dict[type, type] = {Callback: SyncCallback}
+
+
+def callback_class(base: type) -> type:
+    """``SyncCallback`` for the ``Callback`` class of another Lightning package (``lightning`` and
+    ``pytorch_lightning`` each check callbacks against their own)."""
+    if base not in _CLASSES:
+        _CLASSES[base] = type("SyncCallback", (_Sync, base), {"__module__": __name__, "__doc__": SyncCallback.__doc__})
+    return _CLASSES[base]
+
+
+def _batch_size(batch: Any) -> int:
+    """The length of the batch's first tensor (depth first through tuples, lists and dicts); 0
+    if it holds none."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = _batch_size(item)
+            if size:
+                return size
+    return 0
+
+
+def _metrics(logged: Mapping[str, Any]) -> dict[str, float]:
+    """The module's logged scalars, as floats, within the hub's header budget."""
+    metrics: dict[str, float] = {}
+    for name, value in logged.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            metrics[name] = float(value)
+    if len(json.dumps(metrics)) > _METRICS_BUDGET:
+        metrics = {k: v for k, v in metrics.items() if "loss" in k}
+    return metrics
