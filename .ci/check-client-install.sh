@@ -30,3 +30,5 @@ else:
     raise SystemExit("FAIL: SyncCallback imported without transformers installed")
 print("SDK without transformers: SyncClient imports and builds; SyncCallback asks for transformers")
 PY
+"$venv/bin/weightsync-run" --help >/dev/null  # the zero-code command installs with the client
+echo "weightsync-run is installed with the client"

@@ -1,12 +1,14 @@
-"""``syncserver``: run a hub, run a hub and K peers on this machine, or look at a hub.
+"""``syncserver``: run a hub, or look at one.
 
 syncserver serve --host 0.0.0.0 --port 8000 --data-dir /srv/weightsync --min-peers 3
-syncserver local --peers 2 --out runs/try -- python train.py --epochs 1
 syncserver status http://hub:8000 --run imdb-gpt2 [--watch]
 
+(A hub and K peers on this machine: ``weightsync-run --local-peers K -- COMMAND``, which runs
+:mod:`syncserver.local`'s launcher.)
+
 The hub settings are written once, in :class:`~syncserver.settings.HubSettings`: every field is
-a ``SYNC_*`` environment variable and, generated from the same field, a flag of ``serve`` and
-``local`` (``keep_versions`` -> ``--keep-versions``). A flag beats its variable, a variable beats
+a ``SYNC_*`` environment variable and, generated from the same field, a flag of ``serve``
+(``keep_versions`` -> ``--keep-versions``). A flag beats its variable, a variable beats
 the default, and pydantic checks every value, wherever it came from.
 """
 
@@ -47,7 +49,7 @@ def env_name(field: str) -> str:
 
 def hub_settings(flags: dict[str, str], **defaults: Any) -> HubSettings:
     """The settings from ``flags`` (raw strings, by field name), else ``SYNC_*`` variables, else
-    ``defaults`` (a command's own, e.g. ``local``'s data dir), else the model's defaults.
+    ``defaults`` (a caller's own), else the model's defaults.
 
     Flag strings are handed to pydantic as they are, so a flag and its variable accept the
     same spellings; only a dict field (``--run-tokens``) is JSON, as its variable is.
@@ -176,42 +178,6 @@ def serve(
         ssl_keyfile=ssl_keyfile,
     )
     run_uvicorn(config, ready_file=ready_file, on_listening=listening)
-
-
-@app.command(no_args_is_help=True)
-@with_settings_flags
-def local(
-    flags: dict[str, str],
-    command: Annotated[list[str], typer.Argument(help="What each peer runs, after --, e.g. -- python train.py")],
-    peers: Annotated[int, typer.Option(help="Peer processes to start (K).")],
-    out: Annotated[Path, typer.Option(help="The hub's data and log, one folder per peer.")] = Path("weightsync-local"),
-    run: Annotated[str, typer.Option(help="The run's name, given to the peers as WEIGHTSYNC_RUN.")] = "local",
-    metric: Annotated[str, typer.Option(help="Which metric of the peers' updates the table shows.")] = "loss",
-) -> None:
-    """An embedded hub and K peer processes of COMMAND, one table row per round.
-
-    Each peer gets WEIGHTSYNC_HUB, WEIGHTSYNC_RUN, WEIGHTSYNC_TOKEN (if the hub has one),
-    WEIGHTSYNC_PEER, WEIGHTSYNC_RANK, WEIGHTSYNC_WORLD_SIZE and WEIGHTSYNC_PEER_DIR, and its
-    output goes to OUT/<peer>/log.txt. The hub keeps its data in OUT/hub and waits for all K
-    peers (unless --data-dir or --min-peers say otherwise). Exit code: 0 all peers succeeded,
-    1 a peer failed, 2 bad input, 3 the hub failed, 130 interrupted.
-    """
-    from syncserver.local import LaunchError, LocalRun
-
-    if peers < 1:
-        typer.echo("error: --peers must be >= 1", err=True)
-        raise typer.Exit(2)
-    # min_peers = K: the rendezvous waits for all K, so ranks (and a script's shards) are fixed.
-    settings = settings_or_exit(flags, data_dir=out / "hub", min_peers=peers)
-    try:
-        with LocalRun(command, peers=peers, out=out, settings=settings, run=run, metric=metric) as launched:
-            launched.wait()
-    except LaunchError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(exc.exit_code) from None
-    except KeyboardInterrupt:
-        typer.echo("interrupted: stopped the hub and the peers", err=True)
-        raise typer.Exit(130) from None
 
 
 @app.command()

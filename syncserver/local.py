@@ -1,12 +1,14 @@
-"""``syncserver local``: an embedded hub and K peer processes of any command, on this machine.
+"""The one launcher: an embedded hub and K peer processes of any command, on this machine.
 
-    syncserver local --peers 2 --out runs/try --metric eval_loss -- python train.py --epochs 1
+    weightsync-run --local-peers 2 --out runs/try --metric eval_loss -- python train.py --epochs 1
 
-The hub runs as ``syncserver serve --port 0`` in a child process (the OS picks the port, the
-hub writes its URL to ``OUT/hub.url``), keeps its data in ``OUT/hub`` and logs to
-``OUT/hub.log``. Each peer runs COMMAND in the caller's working directory (so relative paths in
-COMMAND mean what they mean at the prompt) with its output in ``OUT/<peer>/log.txt`` and these
-environment variables:
+(``syncclient/run.py``; ``train/finetune_gpt2.py --local-peers`` uses it too.) The hub runs as
+``syncserver serve --port 0`` in a child process (the OS picks the port, the hub writes its URL
+to ``OUT/hub.url``), keeps its data in ``OUT/hub`` and logs to ``OUT/hub.log``. Each peer runs
+COMMAND in the caller's working directory (so relative paths in COMMAND mean what they mean at
+the prompt), or with ``peer_folders`` in its own folder ``OUT/<peer>`` (so relative paths it
+writes to do not collide), with its output in ``OUT/<peer>.log`` and these environment
+variables (over ``env``, if given, else the caller's):
 
 =========================  =============================================================
 ``WEIGHTSYNC_HUB``         the hub's URL, e.g. ``http://127.0.0.1:41723``
@@ -21,7 +23,7 @@ environment variables:
 plus ``OMP_NUM_THREADS`` = cores // K unless it is set already (as ``torchrun`` does), so K
 peers do not each start a thread per core. The hub's rendezvous waits for all K peers. Its
 state stays in ``OUT/hub``: launching again with the same ``--out`` continues that run (remove
-the folder, or pick another ``--out``, to start afresh).
+the folder, or pick another ``--out``, to start afresh; ``weightsync-run`` removes it).
 
 While they run, the launcher prints one row per closed round, read from the hub's run status:
 round, step (the SDK sends it), peers, samples, each peer's ``--metric`` from its update of that
@@ -44,7 +46,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -167,12 +169,15 @@ class LocalRun:
         run: str,
         metric: str = "loss",
         echo: Callable[[str], None] | None = None,
+        env: Mapping[str, str] | None = None,
+        peer_folders: bool = False,
     ) -> None:
         if not command:
             raise ValueError("give the command each peer runs, e.g. ['python', 'train.py']")
         if peers < 1:
             raise ValueError(f"peers must be >= 1, got {peers}")
         self.command, self.k, self.out, self.settings, self.run = list(command), peers, Path(out), settings, run
+        self.env, self.peer_folders = dict(os.environ if env is None else env), peer_folders
         digits = len(str(peers - 1))  # peer-07 sorts before peer-10: the hub's ranks follow the names
         self.peers = [f"peer-{i:0{digits}d}" for i in range(peers)]
         self.token = _token_for(settings, run)
@@ -221,11 +226,11 @@ class LocalRun:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads = max(1, cores // self.k)
         _note(f"hub and dashboard at {self.hub_url}/ ; {self.k} peers of: {' '.join(self.command)}")
-        _note(f"logs: {self.logs['hub']}, {self.out}/peer-*/log.txt")
+        _note(f"logs: {self.logs['hub']}, {self.out}/peer-*.log")
         for rank, name in enumerate(self.peers):
-            folder = self.out / name
+            folder = (self.out / name).absolute()  # the peer may run in it: a relative path would not do
             folder.mkdir(parents=True, exist_ok=True)
-            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads)))
+            env = dict(self.env, OMP_NUM_THREADS=self.env.get("OMP_NUM_THREADS", str(threads)))
             env.update(
                 WEIGHTSYNC_HUB=self.hub_url,
                 WEIGHTSYNC_RUN=self.run,
@@ -237,15 +242,19 @@ class LocalRun:
             env.pop("WEIGHTSYNC_TOKEN", None)
             if self.token:
                 env["WEIGHTSYNC_TOKEN"] = self.token
-            self._spawn(name, self.command, folder / "log.txt", env)
+            self._spawn(name, self.command, self.out / f"{name}.log", env, cwd=folder if self.peer_folders else None)
         self.table.header()
 
-    def _spawn(self, name: str, cmd: list[str], logfile: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, cmd: list[str], logfile: Path, env: dict[str, str], cwd: Path | None = None
+    ) -> subprocess.Popen[bytes]:
         env = _child_env(env)
         with logfile.open("wb") as f:  # the child keeps its own handle
             try:
                 # A session of its own: Ctrl-C reaches only the launcher, which stops children in order.
-                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                proc = subprocess.Popen(
+                    cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+                )
             except OSError as exc:
                 raise LaunchError(f"cannot start {name}: {' '.join(cmd)}: {exc.strerror}", PEER_EXIT) from None
         self.procs[name], self.logs[name] = proc, logfile
@@ -332,7 +341,9 @@ def _token_for(settings: HubSettings, run: str) -> str | None:
 
 
 def _last_line(path: Path) -> str:
+    """The program's own last line: not the hooks' notes on the way out (``weightsync: ...``)."""
     lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith("weightsync: ")] or lines
     return lines[-1] if lines else "(no output)"
 
 

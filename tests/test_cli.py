@@ -1,4 +1,4 @@
-"""``syncserver serve`` and ``local`` flags, generated from ``HubSettings``: one flag per field,
+"""``syncserver serve``'s flags, generated from ``HubSettings``: one flag per field,
 flag over variable over default, one-line errors. In-process where nothing needs a server."""
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ def invoke(*args: str, env: dict[str, str] | None = None) -> Any:
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "200", **(env or {})})
 
 
-@pytest.mark.parametrize("command", ["serve", "local"])
-def test_every_setting_has_a_flag(command: str) -> None:
-    options = {opt for param in COMMANDS[command].params for opt in param.opts}
+def test_every_setting_has_a_flag() -> None:
+    options = {opt for param in COMMANDS["serve"].params for opt in param.opts}
     missing = [flag_name(name) for name in HubSettings.model_fields if flag_name(name) not in options]
     assert not missing
     assert {"--host", "--port", "--ssl-certfile", "--ssl-keyfile", "--log-level", "--ready-file"} <= set(
@@ -82,11 +81,9 @@ def test_through_the_command_a_flag_hides_a_bad_variable() -> None:
     ],
 )
 def test_bad_value_is_one_line_naming_its_source(args: list[str], env: dict[str, str], message: str) -> None:
-    for command in (["serve"], ["local", "--peers", "2"]):
-        extra = ["--", "true"] if command[0] == "local" else []
-        result = invoke(*command, *args, *extra, env=env)
-        assert result.exit_code == 2, result.output
-        assert len(result.output.strip().splitlines()) == 1 and result.output.startswith(message), result.output
+    result = invoke("serve", *args, env=env)
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1 and result.output.startswith(message), result.output
 
 
 def test_bad_value_from_a_real_process_has_no_traceback() -> None:

@@ -1,4 +1,4 @@
-"""``syncserver local`` as a user runs it: a real embedded hub and real peer processes.
+"""``weightsync-run --local-peers`` as a user runs it: a real embedded hub and real peer processes.
 
 Peers here are tiny programs written for each test: SDK peers that sync a 10-parameter model,
 and plain Python ones that fail, get killed or wait, to check the supervision.
@@ -56,7 +56,7 @@ def launch(tmp_path: Path, *args: str, peer: str, peer_args: tuple[str, ...] = (
     script = tmp_path / "peer.py"
     script.write_text(peer)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SYNC_", "WEIGHTSYNC_"))}
-    cmd = [sys.executable, "-m", "syncserver", "local", "--out", str(tmp_path / "out"), *args]
+    cmd = [sys.executable, "-m", "syncclient.run", "--out", str(tmp_path / "out"), *args]
     return subprocess.Popen(
         [*cmd, "--", sys.executable, str(script), *peer_args],
         stdout=subprocess.PIPE,
@@ -82,7 +82,7 @@ def assert_all_stopped(out: Path) -> None:
 
 
 def test_sdk_peers_print_a_row_per_round(tmp_path: Path) -> None:
-    proc = launch(tmp_path, "--peers", "2", "--metric", "acc", "--token", "hub-secret", peer=SDK_PEER)
+    proc = launch(tmp_path, "--local-peers", "2", "--metric", "acc", "--token", "hub-secret", peer=SDK_PEER)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stdout + stderr
     out = tmp_path / "out"
@@ -96,24 +96,27 @@ def test_sdk_peers_print_a_row_per_round(tmp_path: Path) -> None:
     ]
     assert "hub-secret" not in stdout + stderr
     assert (out / "hub.log").stat().st_size > 0 and (out / "hub").is_dir()
-    assert all((out / p / "log.txt").exists() for p in ("peer-0", "peer-1"))
+    assert all((out / f"{p}.log").exists() for p in ("peer-0", "peer-1"))
 
 
 @pytest.mark.parametrize(
     ("mode", "message"),
-    [("fail", "error: peer-1 exited with code 3: rank 1 gives up"), ("kill", "error: peer-1 was killed by SIGKILL")],
+    [
+        ("fail", "weightsync-run: error: peer-1 exited with code 3: rank 1 gives up"),
+        ("kill", "weightsync-run: error: peer-1 was killed by SIGKILL"),
+    ],
 )
 def test_a_failed_peer_stops_the_others_and_the_hub(tmp_path: Path, mode: str, message: str) -> None:
-    proc = launch(tmp_path, "--peers", "2", peer=PLAIN_PEER, peer_args=(mode,))
+    proc = launch(tmp_path, "--local-peers", "2", peer=PLAIN_PEER, peer_args=(mode,))
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr
     assert stderr.strip().splitlines()[-1].startswith(message), stderr
-    assert f"(log: {tmp_path / 'out' / 'peer-1' / 'log.txt'})" in stderr
+    assert f"(log: {tmp_path / 'out' / 'peer-1.log'})" in stderr
     assert_all_stopped(tmp_path / "out")
 
 
 def test_sigint_stops_every_child(tmp_path: Path) -> None:
-    proc = launch(tmp_path, "--peers", "2", peer=PLAIN_PEER, peer_args=("wait",))
+    proc = launch(tmp_path, "--local-peers", "2", peer=PLAIN_PEER, peer_args=("wait",))
     out = tmp_path / "out"
     wait_for(lambda: all((out / p / "pid").exists() for p in ("peer-0", "peer-1")), "both peers")
     proc.send_signal(signal.SIGINT)
@@ -125,10 +128,11 @@ def test_sigint_stops_every_child(tmp_path: Path) -> None:
 
 def test_a_command_that_does_not_exist(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
-    cmd = [sys.executable, "-m", "syncserver", "local", "--peers", "1", "--out", str(tmp_path / "out")]
+    cmd = [sys.executable, "-m", "syncclient.run", "--local-peers", "1", "--out", str(tmp_path / "out")]
     proc = subprocess.run([*cmd, "--", "no-such-program-here"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: cannot start peer-0: no-such-program-here")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("weightsync-run: error: cannot start peer-0: no-such-program-here"), proc.stderr
 
 
 def test_round_table_rows_from_a_status() -> None:

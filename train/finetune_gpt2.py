@@ -12,8 +12,8 @@ One peer of a run (start the hub first, on a machine every peer can reach)::
     python train/finetune_gpt2.py --hub http://HUB:8000 --run imdb-gpt2 --sync-every 1000   # on each peer
 
 Everything on one machine: ``--local-peers K`` runs the rest of this command line as K peers
-under ``syncserver local`` (an embedded hub, one table row per round), then writes
-``results.json`` and a plot of validation perplexity per peer. This one trains a random-init
+under the launcher of ``weightsync-run --local-peers`` (an embedded hub, one table row per round),
+then writes ``results.json`` and a plot of validation perplexity per peer. This one trains a random-init
 4-layer GPT-2 for 69 steps per peer, 7 rounds: about 7.5 CPU-minutes, so roughly 4 minutes on an
 idle 2-core machine (add ``--serial-baseline`` for the serial curve, at twice the time)::
 
@@ -25,7 +25,7 @@ idle 2-core machine (add ``--serial-baseline`` for the serial curve, at twice th
 The launcher alone runs the same peers, without the final check and plot (each peer writes to
 its own ``--out`` folder)::
 
-    syncserver local --peers 2 --out out/local --metric eval_ppl -- python train/finetune_gpt2.py \
+    weightsync-run --local-peers 2 --out out/local --metric eval_ppl -- python train/finetune_gpt2.py \
         --sync-every 10 --model-config small ...
 
 The serial baseline (one process, no hub; ``--sync-every 0`` means the same)::
@@ -57,14 +57,15 @@ curves touch exactly there; between syncs the gap between curves is the peers' d
 nothing else (per-peer validation shards would add their own sampling noise on top). This costs
 each peer a full validation pass per evaluation; shrink ``--val-samples`` on small machines.
 
-Under a launcher (``syncserver local``, or ``--local-peers``) the ``WEIGHTSYNC_*`` variables it
-sets are the defaults of ``--hub``, ``--run``, ``--peer``, ``--token`` and ``--output-dir``, and
-the peer checks that the hub gave it the rank and world size the launcher announced.
+Under a launcher (``weightsync-run --local-peers``, or this script's ``--local-peers``) the
+``WEIGHTSYNC_*`` variables it sets are the defaults of ``--hub``, ``--run``, ``--peer``,
+``--token`` and ``--output-dir``, and the peer checks that the hub gave it the rank and world
+size the launcher announced.
 
 Outputs (``--output-dir``): ``config.json``, ``results.json``, ``rounds.jsonl`` (one JSON line per
 evaluation and sync, appended as training goes), ``val_ppl.png``, and the final model saved with
 ``save_pretrained`` (safetensors) in ``model/``. With ``--local-peers`` each peer writes those in
-``peer-i/`` (its console output goes to ``peer-i/log.txt``), the hub keeps its state in ``hub/``
+``peer-i/`` (its console output goes to ``peer-i.log``), the hub keeps its state in ``hub/``
 (log in ``hub.log``), the serial baseline runs in ``serial/``, and the top-level ``results.json``
 holds the launcher's rounds and checks that every peer's final weights are identical and equal to
 the hub's last version.
@@ -687,7 +688,7 @@ def note(msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# --local-peers K: this command line as K peers under `syncserver local`, then results and a plot
+# --local-peers K: this command line as K peers under syncserver/local.py's launcher, then results, a plot
 # ---------------------------------------------------------------------------------------------
 
 # What only the launching process reads (flag -> how many values follow it). The peers get

@@ -1,0 +1,63 @@
+"""A Hugging Face ``Trainer``, or any subclass of it: ``SyncCallback`` added when it is built.
+
+``Trainer.__init__`` is wrapped (subclasses call it through ``super().__init__``); at its end, if
+this process is not synced another way already (:mod:`.session`): the ``train_dataset`` becomes
+this rank's share (:mod:`.shard`), and :class:`syncclient.SyncCallback` joins the Trainer's
+callbacks. From there on the callback does what it does for code that adds it by hand: join at
+train begin, sync every ``sync_every`` steps (or when a samples round is due), a last sync and
+leave at train end. A program that adds ``SyncCallback`` itself is left alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+from transformers import TrainerCallback
+
+from syncclient.hooks import session, shard
+from syncclient.hooks.settings import HookSettings
+
+__all__ = ["install"]
+
+
+def install(module: ModuleType, settings: HookSettings) -> None:
+    """At ``transformers.trainer``'s import: wrap ``Trainer.__init__``."""
+    trainer_class = module.Trainer
+    original = trainer_class.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        _attach(self, settings)
+
+    trainer_class.__init__ = __init__
+
+
+def _attach(trainer: Any, settings: HookSettings) -> None:
+    name = type(trainer).__name__
+    if not session.claim("transformers", f"a Hugging Face {name}"):
+        return
+    from syncclient.callbacks import SyncCallback  # the SDK, only now: see session.uses_sdk
+
+    trainer.train_dataset = shard.shard_dataset(trainer.train_dataset, settings, f"{name}'s train_dataset")
+    callback = SyncCallback(settings.hub, sync_every=settings.sync_every, **settings.client_kwargs())
+    trainer.add_callback(callback)
+    trainer.add_callback(_JoinCheck(callback, settings))
+    session.attached(lambda: callback.client, lambda: trainer.model)
+    every = f"every {settings.sync_every} steps" if settings.sync_every else "when rounds are due"
+    session.note(f"{name} will sync its model in run {settings.run!r} {every}")
+
+
+class _JoinCheck(TrainerCallback):
+    """After ``SyncCallback`` joined (callbacks run in order): the hub's rank must be the one the
+    data was sharded by."""
+
+    def __init__(self, sync: Any, settings: HookSettings) -> None:
+        self.sync, self.settings = sync, settings
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        client = self.sync.client
+        if client.rank is not None:
+            session.check_rank(self.settings, client)

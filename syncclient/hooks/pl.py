@@ -1,0 +1,53 @@
+"""A PyTorch Lightning ``Trainer``: :class:`syncclient.lightning.SyncCallback` added when it is built.
+
+``Trainer.__init__`` (``lightning.pytorch`` and ``pytorch_lightning`` alike) is wrapped to add
+the callback to its ``callbacks`` argument, so that Lightning orders it as one of the program's
+own (checkpoints stay last). The DataLoaders the module or the program builds are plain ones:
+:mod:`.shard` shards them (training and validation alike).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+from syncclient.hooks import session
+from syncclient.hooks.settings import HookSettings
+
+__all__ = ["install"]
+
+
+def install(module: ModuleType, settings: HookSettings) -> None:
+    """At the import of a Lightning package's ``trainer.trainer`` module: wrap ``Trainer.__init__``."""
+    trainer_class = module.Trainer
+    original = trainer_class.__init__
+    package = module.__name__.split(".")[0]
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if session.claim("lightning", f"a Lightning {type(self).__name__}"):
+            given = kwargs.get("callbacks")
+            given = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
+            kwargs["callbacks"] = [*given, *_callbacks(package, settings, self)]
+        original(self, *args, **kwargs)
+
+    trainer_class.__init__ = __init__
+
+
+def _callbacks(package: str, settings: HookSettings, trainer: Any) -> list[Any]:
+    import importlib
+
+    from syncclient.lightning import callback_class  # the SDK, only now: see session.uses_sdk
+
+    base = importlib.import_module(package).Callback
+    sync = callback_class(base)(settings.hub, sync_every=settings.sync_every, **settings.client_kwargs())
+
+    def check(self: Any, trainer: Any, pl_module: Any) -> None:  # after the sync callback joined
+        session.check_rank(settings, sync.client)
+
+    check_class = type("_JoinCheck", (base,), {"on_fit_start": check})
+    session.attached(lambda: sync.client, lambda: trainer.lightning_module)
+    every = f"every {settings.sync_every} steps" if settings.sync_every else "when rounds are due"
+    session.note(f"{type(trainer).__name__} will sync its LightningModule in run {settings.run!r} {every}")
+    return [sync, check_class()]

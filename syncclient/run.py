@@ -1,0 +1,231 @@
+"""``weightsync-run``: run a training program unchanged, with the weightsync SDK hooked in.
+
+    weightsync-run --hub https://hub:8000 --run imdb --token "$T" -- python train.py --epochs 3
+    weightsync-run --local-peers 2 -- python examples/plain_loop.py
+    python -m syncclient.run --local-peers 2 --sync-every 20 -- python -m mypackage.train
+
+It runs COMMAND as it is, with hooks that find what it trains (:mod:`syncclient.hooks`): a
+Hugging Face ``Trainer`` gets ``SyncCallback``, a Lightning ``Trainer`` gets
+``syncclient.lightning``'s, a plain PyTorch loop syncs through torch's optimizer hooks. A program
+in which none of them is found runs unchanged, says so on stderr and exits with its own code.
+
+Every option is also a variable (``--sync-every`` is ``WEIGHTSYNC_SYNC_EVERY``; a flag beats its
+variable), so a job scheduler can set them. With ``--hub`` the command *becomes* COMMAND
+(``exec``): same process, signals, exit code. With ``--local-peers K`` it runs an embedded hub
+and K copies of COMMAND on this machine through the one launcher, :class:`syncserver.local.LocalRun`
+(it needs ``weightsync[server]``): each peer runs in its own folder ``OUT/peer-k`` (so relative
+paths it writes to do not collide), with its console in ``OUT/peer-k.log``; the hub keeps its
+state in ``OUT/hub`` (each launch starts a fresh run) and logs to ``OUT/hub.log``, and takes its
+settings from ``SYNC_*`` variables (README's Hub settings). Words of COMMAND that name a file or
+folder that exists where you launch (the script, a data folder) are made absolute so that they
+still name it from a peer's folder; other relative paths (outputs) land in the peer's folder.
+With ``python -m``, the folder you launch from goes on ``PYTHONPATH``, where ``-m`` looks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from syncclient.hooks import SITE
+from syncclient.hooks.session import MARKER
+from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, ENV, HookSettings, SettingsError
+
+__all__ = ["build_parser", "main"]
+
+LOCAL_RUN = "local"  # the run's name under --local-peers, unless --run says otherwise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="weightsync-run",
+        description="Run a training program unchanged, its model averaged with other peers' through a weightsync hub.",
+        epilog="Exit code: COMMAND's own with --hub; with --local-peers 0 when all peers succeeded, 1 a peer "
+        "failed, 2 bad input, 3 the hub failed, 130 interrupted.",
+        allow_abbrev=False,  # every flag spelled out: COMMAND's own flags follow
+    )
+    g = p.add_argument_group("the run")
+    g.add_argument("--hub", metavar="URL", help="the hub to join, e.g. https://hub:8000 [WEIGHTSYNC_HUB]")
+    g.add_argument("--run", metavar="NAME", help=f"the run to join [WEIGHTSYNC_RUN; with --local-peers: {LOCAL_RUN}]")
+    g.add_argument("--token", metavar="TOKEN", help="the run's bearer token [WEIGHTSYNC_TOKEN]")
+    every = g.add_mutually_exclusive_group()
+    every.add_argument(
+        "--sync-every",
+        metavar="N",
+        help=f"sync every N optimizer steps [WEIGHTSYNC_SYNC_EVERY; default {DEFAULT_SYNC_EVERY}]",
+    )
+    every.add_argument(
+        "--round-samples",
+        metavar="S",
+        help="instead: a round closes once the peers together trained S samples (peers of unequal speed) "
+        "[WEIGHTSYNC_ROUND_SAMPLES]",
+    )
+    g.add_argument("--codec", metavar="C", help="wire codec for a new run: fp32, bf16, int8, int4 [WEIGHTSYNC_CODEC]")
+    g.add_argument(
+        "--no-shard",
+        action="store_const",
+        const="0",
+        dest="shard",
+        help="do not shard the training data by rank (the program shards it itself) [WEIGHTSYNC_SHARD=0]",
+    )
+    g = p.add_argument_group("on this machine")
+    g.add_argument(
+        "--local-peers", metavar="K", help="run an embedded hub and K peers of COMMAND [WEIGHTSYNC_LOCAL_PEERS]"
+    )
+    g.add_argument(
+        "--out", metavar="DIR", help="the peers' folders, the hub's data and logs [WEIGHTSYNC_OUT; ./weightsync-local]"
+    )
+    g.add_argument(
+        "--metric", metavar="NAME", help="the metric of the peers' updates that the round table shows [loss]"
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the program to run")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        _fail("give the program to run after --, e.g. -- python train.py", 2)
+    env: Mapping[str, str] = os.environ
+    try:
+        if args.local_peers is not None:
+            peers = _count(args.local_peers, "--local-peers")
+        else:
+            peers = _count(env.get("WEIGHTSYNC_LOCAL_PEERS"), "WEIGHTSYNC_LOCAL_PEERS")
+        if peers and args.hub:
+            raise SettingsError("--local-peers runs its own hub: drop --hub")
+        flags = {field: getattr(args, field) for field in ("hub", "run", "token", "sync_every", "round_samples")}
+        flags |= {"codec": args.codec, "shard": args.shard}
+        if peers:  # the launcher gives each peer its hub, run, name and rank
+            flags["run"] = args.run or env.get(ENV["run"]) or LOCAL_RUN
+            env = {k: v for k, v in env.items() if k not in (ENV["hub"], ENV["peer"], ENV["rank"], ENV["world_size"])}
+        settings = HookSettings.resolve(flags, env, launched=bool(peers))
+    except SettingsError as exc:
+        _fail(str(exc), 2)
+    if peers:
+        out = Path(args.out or env.get("WEIGHTSYNC_OUT") or "weightsync-local")
+        return run_local(settings, command, peers=peers, out=out, metric=args.metric or "loss")
+    exec_peer(settings, command)
+
+
+def hook_env(settings: HookSettings, base: Mapping[str, str], *, local: bool) -> dict[str, str]:
+    """``base`` with the hooks on: their folder first on ``PYTHONPATH`` (with this checkout's
+    root, for a ``syncclient`` that is not installed) and the settings as variables. Under
+    ``--local-peers`` the launcher sets the hub, run, token, name and rank itself."""
+    env = {k: v for k, v in base.items() if k not in ENV.values() and k != MARKER}
+    given = settings.to_env()
+    if local:
+        given = {k: v for k, v in given.items() if k not in (ENV["run"], ENV["token"])}
+    root = str(Path(SITE).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SITE, root, base.get("PYTHONPATH")]))
+    return env | given
+
+
+def exec_peer(settings: HookSettings, command: list[str]) -> NoReturn:
+    """Become COMMAND, hooked: its process, its signals, its exit code."""
+    env = hook_env(settings, os.environ, local=False)
+    try:
+        os.execvpe(command[0], command, env)
+    except FileNotFoundError:
+        _fail(f"cannot run {command[0]!r}: no such program", 127)
+    except PermissionError:
+        _fail(f"cannot run {command[0]!r}: not executable", 126)
+    except OSError as exc:
+        _fail(f"cannot run {command[0]!r}: {exc.strerror}", 126)
+
+
+def run_local(settings: HookSettings, command: list[str], *, peers: int, out: Path, metric: str) -> int:
+    """An embedded hub and ``peers`` hooked copies of COMMAND, each in ``out/peer-k``."""
+    try:
+        import httpx
+        import safetensors.numpy
+
+        from syncserver.cli import SettingsInputError, hub_settings
+        from syncserver.local import LaunchError, LocalRun
+    except ModuleNotFoundError as exc:
+        _fail(f"--local-peers runs a hub, which needs {exc.name}: pip install 'weightsync[server]'", 2)
+    from syncwire.digest import weights_sha256
+
+    # As flags, so that they beat SYNC_* variables: the rendezvous must wait for all K peers.
+    flags = {"data_dir": str(out / "hub"), "min_peers": str(peers)}
+    if settings.token:
+        flags["token"] = settings.token
+    try:
+        hub = hub_settings(flags)
+    except SettingsInputError as exc:
+        _fail(f"hub settings: {exc}", 2)
+    shutil.rmtree(out / "hub", ignore_errors=True)  # a fresh run, not the previous launch's
+    command, moved = absolute_paths(command, Path.cwd())
+    if moved:
+        _note(f"each peer runs in its own folder {out}/peer-k; made absolute: {' '.join(moved)}")
+    env = hook_env(settings, os.environ, local=True)
+    if "-m" in command[1:]:
+        env["PYTHONPATH"] += os.pathsep + str(Path.cwd())  # where `python -m` looks at the prompt
+    try:
+        with LocalRun(
+            command, peers=peers, out=out, settings=hub, run=settings.run, metric=metric, env=env, peer_folders=True
+        ) as launched:
+            launched.wait()
+            headers = {"Authorization": f"Bearer {launched.token}"} if launched.token else {}
+            response = httpx.get(f"{launched.hub_url}/v1/runs/{settings.run}/model", headers=headers, timeout=120)
+    except LaunchError as exc:
+        _fail(str(exc), exc.exit_code)
+    except KeyboardInterrupt:
+        _note("interrupted: stopped the hub and the peers")
+        return 130
+    if response.status_code != 200:
+        _note(f"no run {settings.run!r} on the hub: no peer joined it (the hooks found nothing to sync?)")
+        return 0
+    digest = weights_sha256(safetensors.numpy.load(response.content))
+    version = response.headers.get("X-Sync-Version", "?")
+    print(f"hub: run {settings.run!r} ended at version {version}; weights sha256 {digest}", flush=True)
+    return 0
+
+
+def absolute_paths(command: Sequence[str], cwd: Path) -> tuple[list[str], list[str]]:
+    """COMMAND with each relative word (or ``--flag=value``'s value) that names an existing
+    file or folder under ``cwd`` made absolute; and those words. The program itself only when
+    it is a path (``./train.sh``): a bare name is looked up on ``PATH``, as at the prompt."""
+    result, moved = [], []
+    for i, word in enumerate(command):
+        flag, eq, value = word.partition("=") if word.startswith("-") else ("", "", word)
+        if i == 0 and os.sep not in word:
+            result.append(word)
+        elif (eq or not flag) and value and not os.path.isabs(value) and (cwd / value).exists():
+            result.append(f"{flag}{eq}{(cwd / value).resolve()}")
+            moved.append(value)
+        else:
+            result.append(word)
+    return result, moved
+
+
+def _count(raw: str | None, source: str) -> int:
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{source}: expected an integer, got {raw!r}") from None
+    if value < 1:
+        raise SettingsError(f"{source}: must be >= 1, got {value}")
+    return value
+
+
+def _note(line: str) -> None:
+    print(f"weightsync-run: {line}", file=sys.stderr, flush=True)
+
+
+def _fail(line: str, code: int) -> NoReturn:
+    print(f"weightsync-run: error: {line}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The parts of weightsync-run's hooks that decide alone: which model an optimizer trains, each
+peer's share of the data, the settings and their one-line errors, the post-import hooks, the
+launcher's path rewriting. In this process where nothing is patched; in a fresh one where
+something would be (tests/test_zero_code.py runs the whole thing)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from syncclient.hooks import SITE
+from syncclient.hooks.model import AmbiguousModel, find_model
+from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, HookSettings, SettingsError
+from syncclient.hooks.shard import ShardSampler
+from syncclient.run import absolute_paths, main
+
+# -- which model ------------------------------------------------------------------------------------
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+        self.norm = torch.nn.BatchNorm1d(4)
+
+
+class Wrapper(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+
+def test_the_model_is_the_root_that_owns_the_parameters() -> None:
+    net = Net()
+    assert find_model(net.parameters()) is net
+    assert find_model(net.head.parameters()) is net  # the head's optimizer: the whole model is synced
+
+
+def test_a_wrapper_is_the_root() -> None:
+    net = Net()
+    wrapped = Wrapper(net)  # as torch.compile and DDP do: the SDK unwraps it
+    assert find_model(net.parameters()) is wrapped
+
+
+def test_one_model_inside_two_wrappers_is_that_model() -> None:
+    net = Net()
+    first, second = Wrapper(net), Wrapper(net)
+    assert find_model(net.parameters()) is net
+    del first, second
+
+
+def test_two_models_are_refused() -> None:
+    a, b = Net(), torch.nn.Linear(2, 2)
+    with pytest.raises(AmbiguousModel, match=r"2 models that share no root module \((Net, Linear|Linear, Net)\)"):
+        find_model([*a.parameters(), *b.parameters()])
+
+
+def test_tensors_of_no_module_are_refused() -> None:
+    net, loose = Net(), torch.zeros(3, requires_grad=True)
+    with pytest.raises(AmbiguousModel, match=r"^1 of the optimizer's 7 tensors belong to no torch.nn.Module"):
+        find_model([*net.parameters(), loose])
+    with pytest.raises(AmbiguousModel, match=r"^1 of the optimizer's 1 tensors"):
+        find_model([loose])
+
+
+def test_a_dropped_wrapper_is_not_the_model() -> None:
+    net = Net()
+    wrapper = Wrapper(net)
+    wrapper.cycle = [wrapper]  # type: ignore[assignment]  # only the garbage collector frees it
+    del wrapper
+    assert find_model(net.parameters()) is net
+
+
+# -- each peer's share -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shares_are_disjoint_equal_and_follow_the_inner_order(world: int) -> None:
+    n = 10
+    shares = [list(ShardSampler(torch.utils.data.SequentialSampler(range(n)), n, rank, world)) for rank in range(world)]
+    assert all(len(s) == n // world for s in shares)
+    assert sorted(i for s in shares for i in s) == list(range(n // world * world))
+    assert shares[1] == list(range(1, n // world * world, world))
+    gen = torch.Generator().manual_seed(0)
+    shuffled = ShardSampler(torch.utils.data.RandomSampler(range(n), generator=gen), n, 0, world)
+    first, second = list(shuffled), list(shuffled)
+    assert sorted(first) == sorted(second) == shares[0] and len(shuffled) == n // world
+
+
+# -- settings ------------------------------------------------------------------------------------------
+
+
+def test_settings_round_trip_through_variables() -> None:
+    settings = HookSettings.resolve({"hub": "http://hub:8000/", "run": "r", "round_samples": "64", "shard": "0"}, {})
+    assert (settings.hub, settings.sync_every, settings.round_samples, settings.shard) == (
+        "http://hub:8000",
+        None,
+        64,
+        False,
+    )
+    assert HookSettings.from_env(settings.to_env()) == settings
+    assert HookSettings.resolve({"hub": "http://h:1", "run": "r"}, {}).sync_every == DEFAULT_SYNC_EVERY
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        ({"sync_every": "0"}, {}, "--sync-every: must be >= 1, got 0"),
+        ({}, {"WEIGHTSYNC_SYNC_EVERY": "often"}, "WEIGHTSYNC_SYNC_EVERY: expected an integer, got 'often'"),
+        ({"hub": "hub:8000"}, {}, "--hub: expected an http:// or https:// URL"),
+        ({"codec": "zip"}, {}, "--codec: unknown codec 'zip'"),
+        ({"round_samples": "8"}, {"WEIGHTSYNC_SYNC_EVERY": "4"}, "WEIGHTSYNC_SYNC_EVERY and --round-samples exclude"),
+        ({}, {"WEIGHTSYNC_RANK": "2", "WEIGHTSYNC_WORLD_SIZE": "2"}, "WEIGHTSYNC_RANK and WEIGHTSYNC_WORLD_SIZE go"),
+    ],
+)
+def test_a_bad_setting_names_its_source(flags: dict[str, str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        HookSettings.resolve({"hub": "http://h:1", "run": "r", **flags}, env)
+    assert str(caught.value).startswith(message), caught.value
+
+
+def test_the_launcher_says_a_bad_setting_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--hub", "http://h:1", "--run", "r", "--sync-every", "0", "--", "python", "x.py"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "weightsync-run: error: --sync-every: must be >= 1, got 0\n"
+    with pytest.raises(SystemExit):
+        main(["--run", "r", "--", "python", "x.py"])
+    assert "give the hub: --hub URL" in capsys.readouterr().err
+
+
+def test_existing_paths_are_made_absolute_for_the_peer_folders(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "data").mkdir()
+    command = ["python", "train.py", "--data", "data", "--out=results", "--config=data", "-m", "pkg"]
+    rewritten, moved = absolute_paths(command, tmp_path)
+    assert rewritten == ["python", str(tmp_path / "train.py"), "--data", str(tmp_path / "data"), "--out=results",
+                         f"--config={tmp_path / 'data'}", "-m", "pkg"]  # fmt: skip
+    assert moved == ["train.py", "data", "data"]
+
+
+# -- in a fresh interpreter ----------------------------------------------------------------------------
+
+
+def python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**clean, **env}, timeout=120
+    )
+
+
+def test_a_post_import_hook_runs_once_after_the_module() -> None:
+    done = python(
+        "import sys\n"
+        "from syncclient.hooks.imports import when_imported\n"
+        "seen = []\n"
+        "when_imported('wave', lambda m: seen.append((m.__name__, hasattr(m, 'open'), type(m.__loader__).__name__)))\n"
+        "assert 'wave' not in sys.modules and not seen\n"
+        "import wave, wave\n"
+        "print(seen)\n"
+    )
+    assert done.stdout.strip() == "[('wave', True, 'SourceFileLoader')]", done.stderr
+
+
+def test_the_hooks_import_nothing_heavy_and_run_a_hidden_sitecustomize(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['HIDDEN_SITECUSTOMIZE'] = 'ran'\n")
+    env = {"PYTHONPATH": os.pathsep.join([SITE, str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    code = (
+        "import os, sys\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'lightning', 'httpx', 'numpy') if m in sys.modules)\n"
+        "print(heavy, 'syncclient.hooks' in sys.modules, os.environ.get('HIDDEN_SITECUSTOMIZE'))\n"
+    )
+    done = python(code, WEIGHTSYNC_HUB="http://127.0.0.1:9", WEIGHTSYNC_RUN="r", **env)
+    assert done.stdout.strip() == "[] True ran", done.stderr
+    assert "found nothing to sync" in done.stderr

@@ -1,0 +1,239 @@
+"""``weightsync-run``: unmodified programs made collaborative, as a user runs them.
+
+The three examples (``examples/``: a Hugging Face ``Trainer``, a plain PyTorch loop, a Lightning
+module; none imports weightsync) each run as 2 local peers beside a real embedded hub: rounds
+close, every peer leaves at the hub's last version with the same weights (the sha-256 each peer
+prints as it leaves, and the one the launcher prints of the hub's last version), and what each
+script writes lands in its own peer folder. Then the edges: a program with nothing to sync keeps
+its exit code, ``python -m`` and console scripts are hooked too, a Trainer subclass syncs through
+its callback only (not through the optimizer hook as well), and two models in one optimizer are
+refused in one line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from tests.conftest import REPO, SHARED_DATA, Hub
+from tests.harness import status
+
+needs_data = pytest.mark.skipif(
+    not (SHARED_DATA / "imdb" / "sample.parquet").exists(), reason=f"no offline data in {SHARED_DATA}"
+)
+LEFT = re.compile(r"^weightsync: (\S+) left run '(\S+)' at version (\d+); weights sha256 ([0-9a-f]{64})$", re.M)
+PEERS = ("peer-0", "peer-1")
+HUB = re.compile(r"^hub: run '(\S+)' ended at version (\d+); weights sha256 ([0-9a-f]{64})$", re.M)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SYNC_", "WEIGHTSYNC_"))}
+    return {**env, **extra}
+
+
+def weightsync_run(*args: str, cwd: Path = REPO, timeout: float = 420, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "syncclient.run", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=clean_env(**env),
+        timeout=timeout,
+    )
+
+
+def round_rows(stdout: str) -> list[list[str]]:
+    """The launcher's table: one row per closed round (round, step, peers, samples, ...)."""
+    return [line.split() for line in stdout.splitlines() if re.match(r"^\s+\d+\s+\d+\s+\d+\s+\d+\s", line)]
+
+
+def run_example(tmp_path: Path, script: str, sync_every: int) -> tuple[Path, int, list[list[str]]]:
+    """``examples/<script>`` as 2 local peers: rounds closed, and each peer left at the hub's last
+    version with its weights. The peers' folder, that version and the round table."""
+    out = tmp_path / "out"
+    proc = weightsync_run("--local-peers", "2", "--sync-every", str(sync_every), "--out", str(out), "--",
+                          sys.executable, f"examples/{script}")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = round_rows(proc.stdout)
+    assert rows and [int(r[0]) for r in rows] == list(range(len(rows)))
+    assert all(r[2] == "2" for r in rows)  # both peers in every round
+    (hub,) = HUB.findall(proc.stdout)
+    assert hub[0] == "local" and int(hub[1]) == len(rows)
+    for peer in PEERS:
+        log = (out / f"{peer}.log").read_text()
+        assert LEFT.findall(log) == [(peer, "local", hub[1], hub[2])], log[-3000:]
+    return out, int(hub[1]), rows
+
+
+def trained_steps(out: Path) -> int:
+    """What the example says it trained (the same on every peer: their shares are equal)."""
+    counts = {int(re.findall(r"after (\d+) steps", (out / f"{peer}.log").read_text())[0]) for peer in PEERS}
+    assert len(counts) == 1, counts
+    return counts.pop()
+
+
+def assert_same(saved: list[dict[str, torch.Tensor]]) -> None:
+    assert saved[0].keys() == saved[1].keys() and all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
+
+
+@needs_data
+def test_plain_loop_example(tmp_path: Path) -> None:
+    out, version, rows = run_example(tmp_path, "plain_loop.py", 20)
+    # 2,000 reviews: 1,000 per peer, 32 steps of 32 per epoch, 3 epochs = 96 steps: syncs at 20, 40,
+    # 60 and 80, and the last one at exit (16 steps since the one before)
+    assert version == 5 and [r[1] for r in rows] == ["20", "40", "60", "80", "96"]
+    for peer in PEERS:
+        assert (out / peer / "out" / "model.pt").is_file() and (out / peer / "out" / "metrics.json").is_file()
+        log = (out / f"{peer}.log").read_text()
+        assert f"rank {peer[-1]} of 2 takes 1000 of them" in log and "epoch 2: 32 steps" in log  # its share
+
+
+@needs_data
+def test_hugging_face_trainer_example(tmp_path: Path) -> None:
+    out, version, _ = run_example(tmp_path, "hf_trainer.py", 4)
+    assert version == math.ceil(trained_steps(out) / 4) >= 2  # the callback's syncs, and no others
+    assert_same([safetensors.torch.load_file(str(out / p / "out" / "model" / "model.safetensors")) for p in PEERS])
+    for peer in PEERS:
+        assert (out / peer / "out" / "metrics.json").is_file()
+        assert "Trainer's train_dataset of" in (out / f"{peer}.log").read_text()
+
+
+@needs_data
+def test_lightning_example(tmp_path: Path) -> None:
+    out, version, _ = run_example(tmp_path, "lightning_module.py", 20)
+    assert version == math.ceil(trained_steps(out) / 20) >= 2
+    assert_same([torch.load(out / p / "out" / "model.pt") for p in PEERS])
+    for peer in PEERS:
+        assert list((out / peer / "out" / "logs").rglob("metrics.csv")), "Lightning's own log"
+
+
+NOTHING = "weightsync: found nothing to sync"
+
+NO_MODEL = """
+import sys, torch
+print("sum", int(torch.arange(4).sum()))
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_program_with_nothing_to_sync_runs_unchanged(tmp_path: Path, hub: Hub, code: int) -> None:
+    script = tmp_path / "no_model.py"
+    script.write_text(NO_MODEL)
+    proc = weightsync_run("--hub", hub.url, "--run", "r", "--", sys.executable, str(script), str(code))
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout == "sum 6\n"
+    assert proc.stderr.strip().splitlines()[-1].startswith(NOTHING), proc.stderr
+
+
+def test_local_peers_with_nothing_to_sync(tmp_path: Path) -> None:
+    script = tmp_path / "no_model.py"
+    script.write_text(NO_MODEL)
+    out = tmp_path / "out"
+    proc = weightsync_run("--local-peers", "2", "--out", str(out), "--", sys.executable, str(script), "0")
+    assert proc.returncode == 0, proc.stderr
+    assert "no run 'local' on the hub" in proc.stderr
+    for peer in PEERS:
+        assert NOTHING in (out / f"{peer}.log").read_text()
+    proc = weightsync_run("--local-peers", "2", "--out", str(out), "--", sys.executable, str(script), "3")
+    assert proc.returncode == 1  # the launcher's code for a failed peer; its message gives the peer's
+    assert "exited with code 3: sum 6" in proc.stderr
+
+
+TINY_LOOP = """
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(6):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+print("trained")
+"""
+
+
+def test_python_dash_m_and_console_scripts_are_hooked(tmp_path: Path, hub: Hub) -> None:
+    (tmp_path / "tinyloop.py").write_text(TINY_LOOP)
+    proc = weightsync_run("--hub", hub.url, "--run", "dash-m", "--sync-every", "2", "--", sys.executable, "-m",
+                          "tinyloop", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == "trained\n", proc.stderr
+    assert len(status(hub, "dash-m")["rounds"]) == 3  # 6 steps, every 2
+    assert "left run 'dash-m' at version 3" in proc.stderr
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    console_script = bin_dir / "tiny-train"  # what pip writes for a [project.scripts] entry
+    console_script.write_text(f"#!{sys.executable}\n{TINY_LOOP}")
+    console_script.chmod(0o755)
+    proc = weightsync_run("--hub", hub.url, "--run", "cli", "--sync-every", "3", "--", "tiny-train",
+                          PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == "trained\n", proc.stderr
+    assert len(status(hub, "cli")["rounds"]) == 2
+
+
+TRAINER_SUBCLASS = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+class MyTrainer(Trainer):
+    pass
+
+class Blocks(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+    def __getitem__(self, i):
+        ids = torch.arange(16) * (i + 1) % 64
+        return {"input_ids": ids, "labels": ids}
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_layer=1, n_embd=16, n_head=2))
+args = TrainingArguments(output_dir="trainer", per_device_train_batch_size=4, max_steps=6, save_strategy="no",
+                         report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=100)
+trainer = MyTrainer(model=model, args=args, train_dataset=Blocks())
+print("callbacks", sorted(type(cb).__name__ for cb in trainer.callback_handler.callbacks))
+trainer.train()
+"""
+
+
+def test_a_trainer_subclass_syncs_through_its_callback_only(tmp_path: Path, hub: Hub) -> None:
+    (tmp_path / "train.py").write_text(TRAINER_SUBCLASS)
+    proc = weightsync_run("--hub", hub.url, "--run", "sub", "--sync-every", "2", "--", sys.executable, "train.py",
+                          cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SyncCallback" in proc.stdout
+    # 6 steps, every 2: three rounds; had the optimizer hook synced as well, there would be more
+    rounds = status(hub, "sub")["rounds"]
+    assert len(rounds) == 3 and [len(r["participants"]) for r in rounds] == [1, 1, 1]
+    assert "left run 'sub' at version 3" in proc.stderr
+
+
+TWO_MODELS = """
+import torch
+generator, critic = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+optimizer = torch.optim.Adam([*generator.parameters(), *critic.parameters()])
+critic(generator(torch.randn(2, 4))).sum().backward()
+optimizer.step()
+print("not reached")
+"""
+
+
+def test_two_models_in_one_optimizer_are_refused_in_one_line(tmp_path: Path, hub: Hub) -> None:
+    (tmp_path / "gan.py").write_text(TWO_MODELS)
+    proc = weightsync_run("--hub", hub.url, "--run", "gan", "--", sys.executable, str(tmp_path / "gan.py"))
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip() == (
+        "weightsync: cannot tell which model to sync: the optimizer trains parameters of 2 models that share no "
+        "root module (Linear, Linear): make them submodules of one torch.nn.Module, or sync with the SDK yourself "
+        "(SyncClient)"
+    )
