@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -41,12 +43,19 @@ __all__ = ["build_parser", "main"]
 LOCAL_RUN = "local"  # the run's name under --local-peers, unless --run says otherwise
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, not argparse's usage block: the line names the flag, --help has the rest."""
+        _fail(f"{message} (see weightsync-run --help)", 2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="weightsync-run",
         description="Run a training program unchanged, its model averaged with other peers' through a weightsync hub.",
-        epilog="Exit code: COMMAND's own with --hub; with --local-peers 0 when all peers succeeded, 1 a peer "
-        "failed, 2 bad input, 3 the hub failed, 130 interrupted.",
+        epilog="Exit code: 2 bad input (one line on stderr); with --hub 3 when the hub does not answer, 126/127 "
+        "when COMMAND cannot run, else COMMAND's own; with --local-peers 0 when all peers succeeded, 1 a peer "
+        "failed, 3 the hub failed, 130 interrupted.",
         allow_abbrev=False,  # every flag spelled out: COMMAND's own flags follow
     )
     g = p.add_argument_group("the run")
@@ -109,6 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = HookSettings.resolve(flags, env, launched=bool(peers))
     except SettingsError as exc:
         _fail(str(exc), 2)
+    missing = missing_script(command)
+    if missing is not None:
+        _fail(f"no such script: {missing} (COMMAND runs from {Path.cwd()})", 2)
     if peers:
         out = Path(args.out or env.get("WEIGHTSYNC_OUT") or "weightsync-local")
         return run_local(settings, command, peers=peers, out=out, metric=args.metric or "loss")
@@ -129,7 +141,10 @@ def hook_env(settings: HookSettings, base: Mapping[str, str], *, local: bool) ->
 
 
 def exec_peer(settings: HookSettings, command: list[str]) -> NoReturn:
-    """Become COMMAND, hooked: its process, its signals, its exit code."""
+    """Become COMMAND, hooked: its process, its signals, its exit code; once the hub answers."""
+    problem = hub_problem(settings.hub)
+    if problem is not None:
+        _fail(f"no hub at {settings.hub}: {problem}", 3)
     env = hook_env(settings, os.environ, local=False)
     try:
         os.execvpe(command[0], command, env)
@@ -204,6 +219,47 @@ def absolute_paths(command: Sequence[str], cwd: Path) -> tuple[list[str], list[s
         else:
             result.append(word)
     return result, moved
+
+
+# Python's options that take a value (``-W error``, ``-X dev``): the word after them is no script
+_PYTHON_VALUE_OPTIONS = {"-W", "-X", "--check-hash-based-pycs"}
+
+
+def missing_script(command: Sequence[str]) -> str | None:
+    """The script of ``python [options] SCRIPT ...`` when it does not exist (else None): Python
+    would say so only after the hooks had started. ``-c``, ``-m`` and other programs: None."""
+    if not re.fullmatch(r"python[\d.]*", os.path.basename(command[0])):
+        return None
+    words = iter(command[1:])
+    for word in words:
+        if word in _PYTHON_VALUE_OPTIONS:
+            next(words, None)
+        elif word == "-" or word.startswith(("-c", "-m")) or word == "--":
+            return None
+        elif not word.startswith("-"):
+            return None if os.path.exists(word) else word
+    return None
+
+
+def hub_problem(hub: str, *, wait: float = 5.0) -> str | None:
+    """Why ``hub`` does not answer ``GET /healthz`` within ``wait`` seconds (None: it does). The
+    SDK would retry a join for minutes, one warning a try; a hub that is not there is a typo far
+    more often than a slow start, so the launcher says so in one line first."""
+    import httpx
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            response = httpx.get(f"{hub}/healthz", timeout=min(5.0, wait))  # verified as the SDK does
+        except httpx.HTTPError as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            if response.status_code == 200:
+                return None
+            return f"GET /healthz answered {response.status_code}: is it a weightsync hub?"
+        if time.monotonic() >= deadline:
+            return reason
+        time.sleep(0.5)
 
 
 def _count(raw: str | None, source: str) -> int:

@@ -6,6 +6,7 @@ something would be (tests/test_zero_code.py runs the whole thing)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,39 @@ def test_the_launcher_says_a_bad_setting_in_one_line(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         main(["--run", "r", "--", "python", "x.py"])
     assert "give the hub: --hub URL" in capsys.readouterr().err
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:  # bound, never listening: a connection there is refused
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "line"),
+    [
+        (["--bogus", "--", "python", "x.py"], 2, "unrecognized arguments: --bogus (see weightsync-run --help)"),
+        (["--sync-every", "2", "--round-samples", "8", "--", "python"], 2, "argument --round-samples: not allowed"),
+        (["--hub", "http://h:1", "--run", "r", "--", "python", "-u", "no_such.py"], 2, "no such script: no_such.py"),
+        (["--local-peers", "2", "--", "python3.11", "-W", "ignore", "nope.py", "x.py"], 2, "no such script: nope.py"),
+        (["--run", "r", "--", "python", "-c", "pass"], 2, "give the hub: --hub URL"),
+        (["--hub", "http://127.0.0.1:{port}", "--run", "r", "--", "python", "-c", "pass"], 3, "no hub at http://"),
+        (["--hub", "http://h:1", "--run", "r"], 2, "give the program to run after --"),
+    ],
+)
+def test_bad_input_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], code: int,
+    line: str,
+) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    for name in [n for n in os.environ if n.startswith("WEIGHTSYNC_")]:
+        monkeypatch.delenv(name)
+    port = closed_port()
+    with pytest.raises(SystemExit) as exited:
+        main([word.format(port=port) for word in argv])
+    err = capsys.readouterr().err
+    assert exited.value.code == code and err.count("\n") == 1, err
+    assert err.startswith(f"weightsync-run: error: {line}"), err
 
 
 def test_existing_paths_are_made_absolute_for_the_peer_folders(tmp_path: Path) -> None:
