@@ -212,3 +212,24 @@ def test_the_hooks_import_nothing_heavy_and_run_a_hidden_sitecustomize(tmp_path:
     done = python(code, WEIGHTSYNC_HUB="http://127.0.0.1:9", WEIGHTSYNC_RUN="r", **env)
     assert done.stdout.strip() == "[] True ran", done.stderr
     assert "found nothing to sync" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("shard", "seen"), [("1", "[1, 3, 5, 7, 9] [1, 3, 5, 7, 9]"), ("0", "[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10] 11")]
+)
+def test_a_dataloader_is_sharded_by_rank_unless_told_not_to(shard: str, seen: str) -> None:
+    """Rank 1 of 2 reads every other sample of the first 10 of 11 (shuffled or not); with
+    WEIGHTSYNC_SHARD=0 it reads them all. No optimizer steps: no hub is needed."""
+    code = (
+        "import torch\n"
+        "from torch.utils.data import DataLoader\n"
+        "data = list(range(11))\n"
+        "plain = [int(x) for x in DataLoader(data, batch_size=1)]\n"
+        "shuffled = sorted(int(i) for batch in DataLoader(data, batch_size=2, shuffle=True) for i in batch)\n"
+        "print(plain, shuffled if len(shuffled) < 11 else len(shuffled))\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([SITE, os.environ.get("PYTHONPATH", "")])}
+    done = python(code, WEIGHTSYNC_HUB="http://127.0.0.1:9", WEIGHTSYNC_RUN="r", WEIGHTSYNC_RANK="1",
+                  WEIGHTSYNC_WORLD_SIZE="2", WEIGHTSYNC_SHARD=shard, **env)  # fmt: skip
+    assert done.stdout.strip() == seen, done.stderr
+    assert ("rank 1 of 2 takes 5 of them" in done.stderr) == (shard == "1"), done.stderr

@@ -237,3 +237,35 @@ def test_two_models_in_one_optimizer_are_refused_in_one_line(tmp_path: Path, hub
         "root module (Linear, Linear): make them submodules of one torch.nn.Module, or sync with the SDK yourself "
         "(SyncClient)"
     )
+
+
+LOADER_LOOP = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+x = torch.randn(48, 4)
+for xb, yb in DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8):
+    loss = torch.nn.functional.mse_loss(model(xb), yb)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+print("trained")
+"""
+
+
+def test_round_samples_makes_a_samples_run_counted_by_the_dataloader(tmp_path: Path, hub: Hub) -> None:
+    """--round-samples: the plain loop reports the DataLoader's batch sizes and syncs when the hub
+    says a round is due; every sample trained is in some round, the last ones in the exit sync.
+    (How many rounds 6 quick steps make depends on when the hub's answer lands: not asserted.)"""
+    (tmp_path / "train.py").write_text(LOADER_LOOP)
+    proc = weightsync_run("--hub", hub.url, "--run", "by-samples", "--round-samples", "16", "--", sys.executable,
+                          "train.py", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == "trained\n", proc.stderr[-3000:]
+    run = status(hub, "by-samples")
+    assert run["config"]["policy"] == "samples" and run["config"]["round_samples"] == 16
+    samples = [r["samples"] for r in run["rounds"]]
+    assert sum(samples) == 48 and all(s % 8 == 0 for s in samples), samples
+    assert f"left run 'by-samples' at version {len(samples)}" in proc.stderr
