@@ -98,3 +98,18 @@ def test_unequal_benchmark_runs_every_policy(tmp_path: Path) -> None:
     slow = [p for p in rows["samples"]["peers"] if p["slow"]]
     assert len(slow) == 1 and all(p["steps"] > slow[0]["steps"] for p in rows["samples"]["peers"] if not p["slow"])
     assert "| slow | samples |" in proc.stdout
+
+
+def test_hooks_benchmark_times_hooked_and_plain_steps(tmp_path: Path) -> None:
+    """bench/hooks.py with a few steps: both processes run, the hooked one synced, every ratio is there."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "hooks.py"), "--models", "null", "--pairs", "1", "--steps", "40",
+         "--warmup", "5", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.glob("hooks-*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["model"] == "null" and row["params"] == 2
+    assert row["on_step_s"] > 0 and row["off_step_s"] > 0 and row["baseline_step_s"] > 0
+    assert "| null |" in proc.stdout
