@@ -43,7 +43,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import record  # bench/record.py: this script's folder is first on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
@@ -289,22 +290,9 @@ def main() -> None:
             f"| {r['inside_median']:.4f} ({r['inside_min']:.4f}-{r['inside_max']:.4f}) "
             f"| {r['across_median']:.4f} ({r['across_min']:.4f}-{r['across_max']:.4f}) |"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"hooks{'-control' if args.control else ''}-{started:%Y-%m-%d}.json"
     settings = {k: v for k, v in vars(args).items() if k not in ("loop", "result", "out")}
-    path.write_text(
-        json.dumps(
-            {
-                "date": started.isoformat(),
-                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
-                "load": load,
-                "settings": settings,
-                "rows": rows,
-            },
-            indent=1,
-        )
-    )
-    print(f"\nwrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+    name = f"hooks{'-control' if args.control else ''}-{started:%Y-%m-%d}.json"
+    record.save(args.out / name, started, load=load, settings=settings, rows=rows)
 
 
 if __name__ == "__main__":

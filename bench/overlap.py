@@ -33,7 +33,6 @@ import datetime
 import hashlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import record  # bench/record.py: this script's folder is first on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
@@ -301,20 +302,7 @@ def main() -> None:
             f"\noverlap stall / blocking stall: {ratio:.1%} (target <= 10%: {'met' if ratio <= 0.10 else 'missed'}); "
             f"stall + slowdown against the blocking one's: {with_slowdown:.1%}"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"overlap-{started:%Y-%m-%d}.json"
-    path.write_text(
-        json.dumps(
-            {
-                "date": started.isoformat(),
-                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
-                "settings": settings,
-                "rows": rows,
-            },
-            indent=1,
-        )
-    )
-    print(f"\nwrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+    record.save(args.out / f"overlap-{started:%Y-%m-%d}.json", started, settings=settings, rows=rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,24 @@
+"""What every benchmark writes beside its table: one JSON file that says when, where and how it ran."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def save(path: Path, started: datetime.datetime, **fields: Any) -> None:
+    """``path`` (its folder made) with the start time, the machine, and ``fields``; says where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "date": started.isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        **fields,
+    }
+    path.write_text(json.dumps(record, indent=1))
+    print(f"\nwrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
