@@ -10,10 +10,10 @@ or, with a Hugging Face ``Trainer``, one callback: ``SyncCallback`` (with Lightn
 ``syncclient.lightning.SyncCallback``); or no code at all: ``weightsync-run -- python train.py``
 (:mod:`syncclient.run`).
 
-Every name here is loaded on first use: ``import syncclient`` imports neither torch nor httpx,
-so that ``weightsync-run``'s hooks can sit in every Python process it starts at no cost to the
-ones that never train, and ``pip install 'weightsync[client]'`` (no transformers) is enough for
-``SyncClient``.
+Every name here but the exceptions is loaded on first use: ``import syncclient`` imports neither
+torch nor httpx, so that ``weightsync-run``'s hooks can sit in every Python process it starts at
+no cost to the ones that never train, and ``pip install 'weightsync[client]'`` (no transformers)
+is enough for ``SyncClient``.
 """
 
 from __future__ import annotations
@@ -21,20 +21,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from syncclient.exceptions import (  # the standard library only: cheap to import now
+    AuthError,
+    ConflictError,
+    HubError,
+    HubUnreachable,
+    NotFound,
+    RoundClosed,
+    SchemaMismatch,
+    StaleUpdate,
+    SyncError,
+)
+
 if TYPE_CHECKING:
     from syncclient.callbacks import SyncCallback
     from syncclient.client import JoinInfo, PendingSync, SyncClient, SyncResult
-    from syncclient.exceptions import (
-        AuthError,
-        ConflictError,
-        HubError,
-        HubUnreachable,
-        NotFound,
-        RoundClosed,
-        SchemaMismatch,
-        StaleUpdate,
-        SyncError,
-    )
 
 __all__ = [
     "AuthError",
@@ -53,20 +54,8 @@ __all__ = [
     "SyncError",
 ]
 
-_EXCEPTIONS = [
-    "AuthError",
-    "ConflictError",
-    "HubError",
-    "HubUnreachable",
-    "NotFound",
-    "RoundClosed",
-    "SchemaMismatch",
-    "StaleUpdate",
-    "SyncError",
-]
 _HOMES = {
     **dict.fromkeys(["JoinInfo", "PendingSync", "SyncClient", "SyncResult"], "syncclient.client"),
-    **dict.fromkeys(_EXCEPTIONS, "syncclient.exceptions"),
     "SyncCallback": "syncclient.callbacks",
 }
 
