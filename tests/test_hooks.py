@@ -233,3 +233,19 @@ def test_a_dataloader_is_sharded_by_rank_unless_told_not_to(shard: str, seen: st
                   WEIGHTSYNC_WORLD_SIZE="2", WEIGHTSYNC_SHARD=shard, **env)  # fmt: skip
     assert done.stdout.strip() == seen, done.stderr
     assert ("rank 1 of 2 takes 5 of them" in done.stderr) == (shard == "1"), done.stderr
+
+
+def test_a_program_python_cannot_start_gets_no_note_from_the_hooks(tmp_path: Path) -> None:
+    """``python -m no_such_module``: Python's own line is the only one; the hooks found nothing
+    because nothing ran, and do not say otherwise."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")},
+        "PYTHONPATH": os.pathsep.join([SITE, os.environ.get("PYTHONPATH", "")]),
+        "WEIGHTSYNC_HUB": "http://127.0.0.1:9",
+        "WEIGHTSYNC_RUN": "r",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "no_such_module_here"], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [f"{sys.executable}: No module named no_such_module_here"]

@@ -117,10 +117,19 @@ def crashed() -> bool:
     return getattr(sys, "last_value", None) is not None
 
 
+def _program_started() -> bool:
+    """False when Python could not start the program (no such script, or ``-m`` with no such
+    module): its ``__main__`` then never got a ``__file__``. ``-c`` and the prompt have none either."""
+    main = sys.modules.get("__main__")
+    return getattr(main, "__file__", None) is not None or (sys.argv[:1] in (["-c"], [""]))
+
+
 def _at_exit() -> None:
     if os.getpid() != _pid or multiprocessing.parent_process() is not None:
         return  # a fork, or a worker process: the exit line is the main program's
     if _owner is None and not _child and not crashed() and "syncclient.client" not in sys.modules:
+        if not _program_started():
+            return  # Python said why (no such script or module): nothing ran, so nothing to add
         note(
             "found nothing to sync: no Hugging Face or Lightning Trainer was built and no torch optimizer "
             "stepped; the program ran unchanged"
