@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", metavar="DIR", help="the peers' folders, the hub's data and logs [WEIGHTSYNC_OUT; ./weightsync-local]"
     )
     g.add_argument(
-        "--metric", metavar="NAME", help="the metric of the peers' updates that the round table shows [loss]"
+        "--metric",
+        metavar="NAME",
+        help="the metric of the peers' updates that the round table shows [WEIGHTSYNC_METRIC; loss]",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the program to run")
     return p
@@ -123,7 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(f"no such script: {missing} (COMMAND runs from {Path.cwd()})", 2)
     if peers:
         out = Path(args.out or env.get("WEIGHTSYNC_OUT") or "weightsync-local")
-        return run_local(settings, command, peers=peers, out=out, metric=args.metric or "loss")
+        return run_local(
+            settings, command, peers=peers, out=out, metric=args.metric or env.get("WEIGHTSYNC_METRIC") or "loss"
+        )
     exec_peer(settings, command)
 
 
