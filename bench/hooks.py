@@ -66,6 +66,7 @@ parser.add_argument(
 parser.add_argument("--pairs", type=int, default=5, help="baseline/hooked pairs of runs per model")
 parser.add_argument("--steps", type=int, default=0, help="timed steps per run (default: per model)")
 parser.add_argument("--warmup", type=int, default=50, help="untimed steps first (the join is in them)")
+parser.add_argument("--alone-blocks", type=int, default=400, help="blocks of calls per side for the hooks' own cost")
 parser.add_argument("--threads", type=int, default=1, help="torch threads")
 parser.add_argument("--out", type=Path, default=BENCH / "results", help="folder for the JSON")
 parser.add_argument(
@@ -79,7 +80,7 @@ parser.add_argument("--loop", default=None, help=argparse.SUPPRESS)
 parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
 
 STEPS = {"null": 8_000, "mlp": 4_000, "transformer": 400}  # about 4-8 s of timed steps each here
-ALONE_CALLS, ALONE_BLOCKS = 100, 400  # the hooks' own cost: calls per block (under a time slice), blocks per side
+ALONE_CALLS = 100  # the hooks' own cost: calls per block (a block fits in a time slice)
 
 
 # -----------------------------------------------------------------------------
@@ -125,7 +126,7 @@ def loop(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             if step == total:
                 break
-    alone = _hooks_alone(opt, toggle) if toggle is not None else {}
+    alone = _hooks_alone(opt, toggle, args.alone_blocks) if toggle is not None else {}
     if toggle is not None:
         toggle(True)  # the exit sync needs them
     return {
@@ -138,7 +139,7 @@ def loop(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _hooks_alone(opt: Any, toggle: Any) -> dict[str, float]:
+def _hooks_alone(opt: Any, toggle: Any, blocks: int) -> dict[str, float]:
     """What the hooks add to a step, in seconds, timed apart from the model: the least block mean
     with them on minus the least with them off, for ``opt.step()`` without gradients (torch runs
     the global hooks and skips every parameter) and for ``next()`` on a one-number DataLoader."""
@@ -160,7 +161,7 @@ def _hooks_alone(opt: Any, toggle: Any) -> dict[str, float]:
     result = {}
     for name, calls in (("optimizer_step", step_calls), ("dataloader_next", next_calls)):
         best = {True: float("inf"), False: float("inf")}
-        for i in range(2 * ALONE_BLOCKS):
+        for i in range(2 * blocks):
             on = i % 2 == 0
             toggle(on)
             t0 = time.perf_counter()
@@ -205,7 +206,12 @@ def _hooks_switch(control: bool = False) -> Any:
 def run(args: argparse.Namespace, kind: str, hooked: bool, url: str, tmp: Path, i: int) -> dict[str, Any]:
     result = tmp / f"{kind}-{'hooked' if hooked else 'baseline'}-{i}.json"
     cmd = [sys.executable, __file__, "--loop", kind, "--result", str(result), f"--threads={args.threads}"]
-    cmd += [f"--warmup={args.warmup}", f"--steps={args.steps}", *(["--control"] if args.control else [])]
+    cmd += [
+        f"--warmup={args.warmup}",
+        f"--steps={args.steps}",
+        f"--alone-blocks={args.alone_blocks}",
+        *(["--control"] if args.control else []),
+    ]
     if hooked:
         wrap = [sys.executable, "-m", "syncclient.run", "--hub", url, "--run", f"{kind}-{i}", "--sync-every"]
         cmd = [*wrap, str(10**9), "--", *cmd]

@@ -104,7 +104,7 @@ def test_hooks_benchmark_times_hooked_and_plain_steps(tmp_path: Path) -> None:
     """bench/hooks.py with a few steps: both processes run, the hooked one synced, every ratio is there."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "hooks.py"), "--models", "null", "--pairs", "1", "--steps", "40",
-         "--warmup", "5", "--out", str(tmp_path)],
+         "--warmup", "5", "--alone-blocks", "4", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=180, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
