@@ -100,8 +100,10 @@ def test_a_samples_run_trains_until_the_run_has_seen_its_epochs(tmp_path: Path) 
     peers = [json.loads((out / p / "results.json").read_text()) for p in ("peer-0", "peer-1")]
     budget = peers[0]["config"]["sample_budget"]
     assert peers[0]["config"]["run_policy"] == "samples" and budget == peers[0]["config"]["train_blocks"]
-    run_samples = sum(r["samples"] for r in results["rounds"])
-    assert budget <= run_samples < budget + 64 + 16  # stopped at the round that reached it
+    samples = [r["samples"] for r in results["rounds"]]
+    # Stopped at the round that reached the budget: not one before, not one after. (How far that round
+    # overshoots depends on how fast peers notice it is due, which a loaded machine stretches.)
+    assert sum(samples[:-1]) < budget <= sum(samples)
     assert all(r["samples"] >= 64 for r in results["rounds"])  # each round closed on its target
     assert {p["final_version"] for p in peers} == {results["hub_version"]} == {len(results["rounds"])}
 
