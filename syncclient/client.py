@@ -25,23 +25,28 @@ again. ``sync`` is the same code: ``sync_async``, wait, apply with no local step
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import math
 import os
+import signal
 import socket
 import ssl
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from syncclient._model import ModelView
+from syncclient._model import ArrayView, ModelView
 from syncclient.background import Heartbeat, ProgressReporter
 from syncclient.exceptions import SchemaMismatch, SyncError
+from syncclient.group import PeerGroup
 from syncclient.protocol import Outcome, RunProtocol, run_settings
 from syncclient.state import EncodedUpdate, UpdateState
 from syncclient.transport import Download, Transport
@@ -50,6 +55,8 @@ from syncwire import Codec, get_codec, layout_bytes, wire_layout
 __all__ = ["JoinInfo", "PendingSync", "SyncClient", "SyncResult"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -146,7 +153,7 @@ class PendingSync:
 
     def apply(self, model: torch.nn.Module) -> SyncResult:
         """Load the merged version plus this peer's steps since the snapshot into ``model``."""
-        return self._client._apply(self, model)
+        return self._client._apply(self, ModelView(model))
 
 
 class SyncClient:
@@ -161,6 +168,11 @@ class SyncClient:
     existing run's (None: accept it): see :func:`syncclient.protocol.run_settings`. In a samples
     run report what each step trained with :meth:`progress` and send when :attr:`due` (or let
     :meth:`step` do both).
+
+    ``group``: a torch.distributed process group whose ranks train this peer together (DDP or
+    FSDP under ``torchrun``; ``torch.distributed.group.WORLD``): every rank makes the same calls,
+    rank 0 alone talks to the hub, and the merged weights reach every rank
+    (:mod:`syncclient.group`); ``samples`` are then each rank's own.
 
     ``verify`` checks the hub's TLS certificate: True (the system's CAs), the path of a CA
     bundle (a PEM file, or a folder of them) for a hub with its own CA, or an ``ssl.SSLContext``.
@@ -188,6 +200,7 @@ class SyncClient:
         verify: bool | str | ssl.SSLContext = True,
         timeout: float = 60.0,
         retry_seconds: float = 600.0,
+        group: Any = None,
     ) -> None:
         if not hub.startswith(("http://", "https://")):
             raise ValueError(f"hub must be an http:// or https:// URL, got {hub!r}")
@@ -214,6 +227,7 @@ class SyncClient:
         # a long poll must end (answered) well before the read timeout, or waiting for a slow
         # round would look like a dead hub: retried with backoff, then HubUnreachable
         self._poll = max(1.0, min(20.0, timeout / 2))
+        self._group = PeerGroup(group) if group is not None else None
         self._protocol = RunProtocol(self._transport, run=run, peer=self.peer, poll=self._poll)
         self.version = -1
         self.rank: int | None = None
@@ -233,8 +247,14 @@ class SyncClient:
         The first peer of a new run uploads ``model`` as version 0; every other peer waits
         for it, so all start identical. Blocks until the run has started (``min_peers``).
         """
-        view = ModelView(model)
+        info = self._in_group(model, self._join, JoinInfo)
+        self.version, self.rank, self.world_size = info.version, info.rank, info.world_size
+        self.policy = info.config.get("policy", "barrier")
+        if self._group is not None and self._group.leader:
+            self._leave_at_exit()
+        return info
 
+    def _join(self, view: ModelView | ArrayView) -> JoinInfo:
         def joined(lease: float) -> None:  # the hub knows us from here on: keep the lease
             if self._heartbeat is None:
                 beat = f"{self._runs}/peers/{self.peer}/heartbeat"
@@ -243,7 +263,8 @@ class SyncClient:
         def version0() -> list[tuple[str, np.ndarray, str]]:  # if the hub tells us to initialise
             return [(name, a, "F32") for name, a in view.export().items()]
 
-        state = self._protocol.join(self._config, version0=version0, joined=joined)
+        group_size = {"group_size": self._group.size} if self._group is not None else {}
+        state = self._protocol.join({**self._config, **group_size}, version0=version0, joined=joined)
         schema = {name: tuple(shape) for name, shape in state["schema"].items()}
         if schema != view.schema:
             self.close()
@@ -285,7 +306,19 @@ class SyncClient:
         ``samples`` (examples seen since the last sync) weighs this peer in the average. Blocks
         for the whole round: :meth:`sync_async` is the same sync with training going on meanwhile.
         """
-        return self._apply(self._start(model, samples, metrics, keep_local=False), model)
+        if self._group is None:
+            view = ModelView(model)
+            return self._apply(self._start(view, samples, metrics, keep_local=False), view)
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"samples must be an int >= 0 (this rank's), got {samples!r}")
+        total = self._group.total(samples)  # the group's update weighs all its ranks' samples
+
+        def call(view: ArrayView) -> SyncResult:
+            return self._apply(self._start(view, total, metrics, keep_local=False), view)
+
+        result = self._in_group(model, call, SyncResult)
+        self.version = result.version
+        return result
 
     def sync_async(
         self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None
@@ -304,21 +337,25 @@ class SyncClient:
         round closed without it) is caught up as by ``sync``: ``apply`` loads the latest version
         and drops all local work since the last sync, the steps taken meanwhile included.
         """
-        return self._start(model, samples, metrics, keep_local=True)
+        if self._group is not None:
+            raise SyncError("sync_async() with a process group is not supported: use sync() (see syncclient.group)")
+        return self._start(ModelView(model), samples, metrics, keep_local=True)
 
     def progress(self, samples: int) -> None:
         """Count ``samples`` more samples trained since the last sync (cheap: no I/O here). In a
         samples run a background thread reports the count, and :attr:`due` says when to send."""
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
-        if self._progress is not None:
-            self._progress.add(samples)
+        if self._progress is not None:  # a group's leader counts for its ranks (equal batches)
+            self._progress.add(samples * (self._group.size if self._group is not None else 1))
 
     @property
     def due(self) -> bool:
         """Samples runs: the hub asked for this round's update (the peers' samples reached
-        ``round_samples``, or the round closed without us): sync now."""
-        return self._progress is not None and self._progress.due(self.version)
+        ``round_samples``, or the round closed without us): sync now. In a process group every
+        rank must ask, at the same points: the leader's answer is broadcast."""
+        due = self._progress is not None and self._progress.due(self.version)
+        return self._group.flag(due) if self._group is not None else due
 
     @property
     def pending_samples(self) -> int:
@@ -336,28 +373,38 @@ class SyncClient:
         ...     train_step(batch)
         ...     client.step(model, samples=len(batch))
         """
-        if self._progress is None:
+        if self.policy != "samples":
             raise SyncError(f"step() is for runs whose rounds close on samples; run {self.run} is {self.policy!r}")
         self.progress(samples)
-        if not self.due or self._progress.count == 0:
+        counted = self.pending_samples  # the leader's count covers its group; the others send 0
+        ready = self._progress is not None and self._progress.due(self.version) and counted > 0
+        if not (self._group.flag(ready) if self._group is not None else ready):
             return None
-        return self.sync(model, samples=self._progress.count, metrics=metrics)
+        return self.sync(model, samples=counted, metrics=metrics)
 
     def pull(self, model: torch.nn.Module) -> int:
         """Load the run's latest version into ``model`` (dropping local changes); return it."""
-        if self._state is None:
+        if self.version < 0:
             raise SyncError("join(model) before pull()")
         self._check_idle()
-        self._adopt(ModelView(model), self._protocol.latest())
+
+        def call(view: ModelView | ArrayView) -> int:
+            self._adopt(view, self._protocol.latest())
+            return self.version
+
+        self.version = self._in_group(model, call, int)
         return self.version
 
     def status(self) -> dict[str, Any]:
         """The run's state as the hub sees it (peers, open round, recent rounds)."""
+        if self._group is not None and not self._group.leader:
+            raise SyncError("status() asks the hub, and only rank 0 of a process group talks to it")
         result: dict[str, Any] = self._transport.call("GET", self._runs).json()
         return result
 
     def leave(self) -> None:
-        """Tell the hub this peer is done (it stops waiting for it), then close."""
+        """Tell the hub this peer is done (it stops waiting for it), then close. (In a process
+        group, rank 0 tells it; the other ranks only close.)"""
         if self._heartbeat is not None:
             try:
                 self._transport.call("POST", f"{self._runs}/peers/{self.peer}/leave")
@@ -380,6 +427,7 @@ class SyncClient:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+        atexit.unregister(self._exit)
         self._transport.close()
 
     def __enter__(self) -> SyncClient:
@@ -389,6 +437,27 @@ class SyncClient:
         self.leave()
 
     # ---- internals -----------------------------------------------------------------------
+    def _in_group(self, model: torch.nn.Module, call: Callable[[Any], T], kind: type[T]) -> T:
+        """``call(view)``: on this process's model, or, in a process group, on the leader for
+        every rank (the group gathers the weights to it and scatters the new ones back)."""
+        if self._group is None:
+            return call(ModelView(model))
+        return self._group.run(model, lambda arrays: call(ArrayView(arrays)), kind)
+
+    def _leave_at_exit(self) -> None:
+        """A group's leader leaves the run when its process ends, SIGTERM included: torchrun
+        stops every rank of a group that lost one, and the other peers must not wait for it."""
+        atexit.register(self._exit)
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+    def _exit(self) -> None:
+        if self._heartbeat is None:  # left or closed already
+            return
+        with contextlib.suppress(SyncError):  # one quick try: the process is going away
+            self._transport.call("POST", f"{self._runs}/peers/{self.peer}/leave", retry=False, timeout=5)
+        self.close()
+
     def _check_idle(self) -> None:
         if self._inflight is not None:
             raise SyncError(
@@ -396,7 +465,7 @@ class SyncClient:
             )
 
     def _start(
-        self, model: torch.nn.Module, samples: int, metrics: Mapping[str, float] | None, *, keep_local: bool
+        self, view: ModelView | ArrayView, samples: int, metrics: Mapping[str, float] | None, *, keep_local: bool
     ) -> PendingSync:
         """The caller's half of a sync: snapshot, encode, hand the network work to the worker."""
         if self._state is None:
@@ -405,7 +474,6 @@ class SyncClient:
         if not isinstance(samples, int) or samples < 1:
             raise ValueError(f"samples must be a positive int, got {samples!r}")
         started = time.monotonic()
-        view = ModelView(model)
         local = view.export()  # on CPU float32 these share memory with the model: copy to keep
         snapshot = {name: x.copy() for name, x in local.items()} if keep_local else None
         update = self._state.encode(snapshot or local)  # new arrays: training may go on
@@ -422,12 +490,11 @@ class SyncClient:
         self._inflight = PendingSync(self, future, self.version, snapshot, started, time.monotonic() - started, update)
         return self._inflight
 
-    def _apply(self, pending: PendingSync, model: torch.nn.Module) -> SyncResult:
+    def _apply(self, pending: PendingSync, view: ModelView | ArrayView) -> SyncResult:
         """The caller's last half: wait for the worker, then load ``base'`` (blocking sync) or
-        ``base' + (model - x_t)`` (overlap) into ``model``; or catch up when late."""
+        ``base' + (model - x_t)`` (overlap) into the model; or catch up when late."""
         if self._inflight is not pending:
             raise SyncError(f"the sync of round {pending.round} was applied already")
-        view = ModelView(model)
         waiting = time.monotonic()
         try:
             outcome = pending._future.result()
@@ -447,7 +514,7 @@ class SyncClient:
             self.version = outcome.version
         return pending._result(outcome, self.version, waiting)
 
-    def _adopt(self, view: ModelView, download: Download) -> None:
+    def _adopt(self, view: ModelView | ArrayView, download: Download) -> None:
         """Make a downloaded full model the base and load it (local work is dropped)."""
         assert self.codec is not None
         # a new state: the residual belonged to work that was just dropped
@@ -456,12 +523,16 @@ class SyncClient:
         self.version = download.version
 
 
-def _tensors(view: ModelView, download: Download, run: str) -> dict[str, np.ndarray]:
+def _tensors(view: ModelView | ArrayView, download: Download, run: str) -> dict[str, np.ndarray]:
     """A downloaded full model's tensors, in the model's order (which must be the run's)."""
     reader = download.reader
     if set(reader.tensors) != set(view.schema):
         raise SchemaMismatch(_schema_diff({k: v.shape for k, v in reader.tensors.items()}, view.schema, run))
     return {name: reader.tensors[name] for name in view.schema}
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwind, so that atexit handlers (leaving the run) run
 
 
 def _schema_diff(run: Mapping[str, tuple[int, ...]], model: Mapping[str, tuple[int, ...]], name: str) -> str:
