@@ -177,3 +177,15 @@ def test_peers_get_the_command_line_without_the_launchers_flags(monkeypatch: pyt
     script.check_args(child)
     assert (child.hub, child.run, child.peer, child.token, child.output_dir) == tuple(env.values())
     assert child.local_peers == 0 and not child.serial_baseline and child.lr == 0.001
+
+
+def test_under_torchrun_the_reference_job_says_what_to_use_instead(tmp_path: Path) -> None:
+    """It shards data by the hub's rank, one process per peer: several ranks would train one shard
+    as several peers. A one-line error, before any data is loaded or a hub contacted."""
+    env = {"WORLD_SIZE": "2", "RANK": "0"}
+    proc = run_script("--hub", "http://127.0.0.1:9", "--output-dir", str(tmp_path), *SMALL, env=env, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: train/finetune_gpt2.py runs one process per peer, not under torchrun (WORLD_SIZE=2); "
+        "use SyncCallback in your own torchrun script"
+    ]
