@@ -51,10 +51,12 @@ describe this peer's recent gradients; that is what local SGD and DiLoCo do (the
 optimizer is local, only weights are averaged). Resetting Adam at every sync would restart
 its bias correction and cost a warm-up per round, for no gain in agreement between peers.
 
-One process per peer: the callback raises at train begin when ``args.world_size > 1``. A peer
-that trains on several GPUs with DDP would need the merged weights broadcast from rank 0 to
-the other ranks after every sync; that is not implemented (yet), so we refuse rather than
-let the ranks drift apart silently. Several GPUs in one process (``DataParallel``) are fine.
+**A peer with several GPUs** (``torchrun --nproc-per-node P``, DDP or FSDP, ``args.world_size >
+1``): every rank runs the callback; the client serves the process group
+(``SyncClient(..., group=torch.distributed.group.WORLD)``, made at train begin when the
+callback made the client): rank 0 alone talks to the hub and the merged weights reach every
+rank after each sync (:mod:`syncclient.group`). Overlap is not available there (the ranks would
+have to agree at every step on whether the result is in).
 
 The sample count of an update is ``steps * args.train_batch_size *
 args.gradient_accumulation_steps * args.world_size``: the nominal number of training
@@ -127,6 +129,7 @@ class SyncCallback(TrainerCallback):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
         self.client = callback_client(hub, sync_every=sync_every, client=client, client_kwargs=client_kwargs)
         self._owns_client = client is None
+        self._hub, self._client_kwargs = hub, client_kwargs  # to remake the client for a process group
         self.sync_every = sync_every
         self.on_sync = on_sync
         self.overlap = overlap
@@ -148,12 +151,7 @@ class SyncCallback(TrainerCallback):
     ) -> None:
         # Checked on every rank, so that a DDP job fails everywhere instead of hanging on rank 1.
         if args.world_size > 1:
-            raise ValueError(
-                f"SyncCallback supports one training process per peer, got args.world_size="
-                f"{args.world_size}: run one peer per process (DDP peers are not supported yet)"
-            )
-        if not state.is_world_process_zero:
-            return
+            self._serve_the_group(args)
         self.join_info = join_at_train_begin(self.client, _model(kwargs), self.sync_every) or self.join_info
         self._active = True
         self._last_sync_step = state.global_step
@@ -177,7 +175,7 @@ class SyncCallback(TrainerCallback):
         since = state.global_step - self._last_sync_step
         last_step = state.max_steps > 0 and state.global_step >= state.max_steps
         if self.client.policy == "samples":
-            self.client.progress(_samples_per_step(args))
+            self.client.progress(_samples_per_step(args, self.client))
             due = since > 0 and self.client.due
         else:
             assert self.sync_every is not None
@@ -233,13 +231,28 @@ class SyncCallback(TrainerCallback):
 
     # -- the work ---------------------------------------------------------------------------------
 
+    def _serve_the_group(self, args: TrainingArguments) -> None:
+        """Several processes train this peer: the client must serve their process group."""
+        if self.overlap:
+            raise ValueError(f"overlap=True is for one process per peer; this peer has {args.world_size} ranks")
+        if self.client._group is not None:
+            return
+        if not self._owns_client:
+            raise ValueError(
+                f"this peer has {args.world_size} ranks: pass SyncClient(..., group=torch.distributed.group.WORLD)"
+            )
+        import torch.distributed as dist
+
+        self.client.close()  # never joined: made before the Trainer set torch.distributed up
+        self.client = SyncClient(self._hub, group=dist.group.WORLD, **self._client_kwargs)  # type: ignore[arg-type]
+
     def _sync(self, args: TrainingArguments, state: TrainerState, model: Any, *, blocking: bool = False) -> None:
         self._land(state, model)  # the previous overlapped sync, if still out: wait for it here
         steps = state.global_step - self._last_sync_step
         self._pending = False
         if steps == 0:  # it was late: its apply dropped every local step, nothing left to send
             return
-        samples = steps * _samples_per_step(args)
+        samples = steps * _samples_per_step(args, self.client)
         metrics = dict(self._eval_metrics)
         if self._loss is not None:
             metrics["loss"] = self._loss
@@ -282,8 +295,10 @@ class SyncCallback(TrainerCallback):
             self.on_sync(result)
 
 
-def _samples_per_step(args: TrainingArguments) -> int:
-    return int(args.train_batch_size * args.gradient_accumulation_steps * args.world_size)
+def _samples_per_step(args: TrainingArguments, client: SyncClient) -> int:
+    """The samples one optimizer step trains: a group's client sums its ranks' own."""
+    per_rank = int(args.train_batch_size * args.gradient_accumulation_steps)
+    return per_rank if client._group is not None else per_rank * int(args.world_size)
 
 
 def _model(kwargs: dict[str, Any]) -> Any:

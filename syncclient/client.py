@@ -1,10 +1,12 @@
 """SyncClient: join a run, sync every few thousand steps, leave.
 
-The client orchestrates; two parts do the work. :mod:`syncclient.state` holds the update
+The client orchestrates; other modules do the work. :mod:`syncclient.state` holds the update
 maths (numpy): the base version, the error-feedback residual, encoding a delta, folding the
-merged update in, the overlap correction. :mod:`syncclient.transport` moves the bytes
-(httpx): retries, resumable uploads and downloads, and the one map from HTTP trouble to
-:mod:`syncclient.exceptions`.
+merged update in, the overlap correction. :mod:`syncclient.protocol` is the request flows of a
+sync (upload, wait, fold the results in). :mod:`syncclient.transport` moves the bytes (httpx):
+retries, resumable uploads and downloads, and the one map from HTTP trouble to
+:mod:`syncclient.exceptions`. :mod:`syncclient.background` keeps the lease (and in samples
+runs reports progress) from daemon threads.
 
 A sync sends ``encode(local - base + residual)``, waits for the round's merged update ``U`` and
 sets the model to ``base + decode(U)``: the very sum the hub computes, so every peer and the
@@ -23,33 +25,38 @@ again. ``sync`` is the same code: ``sync_async``, wait, apply with no local step
 
 from __future__ import annotations
 
-import json
+import atexit
+import contextlib
 import logging
 import math
 import os
+import signal
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from syncclient._model import ModelView
-from syncclient.exceptions import ConflictError, HubError, RoundClosed, SchemaMismatch, StaleUpdate, SyncError
+from syncclient._model import ArrayView, ModelView
+from syncclient.background import Heartbeat, ProgressReporter
+from syncclient.exceptions import SchemaMismatch, SyncError
+from syncclient.group import PeerGroup
+from syncclient.protocol import Outcome, RunProtocol, run_settings
 from syncclient.state import EncodedUpdate, UpdateState
-from syncclient.transport import Download, Transport, body_size
+from syncclient.transport import Download, Transport
 from syncwire import Codec, get_codec, layout_bytes, wire_layout
-
-POLICIES = ("barrier", "samples", "async")  # as the hub names them (syncserver.policy)
 
 __all__ = ["JoinInfo", "PendingSync", "SyncClient", "SyncResult"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -86,23 +93,6 @@ class SyncResult:
     run_samples: int = -1  # samples all peers had trained by ``version`` (a budget to stop on)
 
 
-@dataclass(frozen=True)
-class _Outcome:
-    """What the background half of a sync brought back: the base now holds ``version``.
-    ``latest`` is set when the round closed without us (or, async, our base was too old): the
-    run's latest version, to catch up to. ``fresh_base``: our update is in, but a result we
-    needed was pruned, so this full version (which includes ours) is the new base."""
-
-    bytes_up: int
-    bytes_down: int
-    upload_seconds: float
-    wait_seconds: float
-    version: int = -1
-    run_samples: int = -1
-    latest: Download | None = None
-    fresh_base: Download | None = None
-
-
 class PendingSync:
     """A sync on its way, from :meth:`SyncClient.sync_async`.
 
@@ -115,7 +105,7 @@ class PendingSync:
     def __init__(
         self,
         client: SyncClient,
-        future: Future[_Outcome],
+        future: Future[Outcome],
         round_: int,
         snapshot: dict[str, np.ndarray] | None,
         started: float,
@@ -127,9 +117,22 @@ class PendingSync:
         self._started, self._stall = started, stall
         self._ratio, self._error = update.ratio, update.error  # not the parts: the worker frees them
 
-    def _result(self, outcome: _Outcome, version: int, waiting: float) -> SyncResult:
-        """What this sync did, applied now at ``version``; ``waiting``: when ``apply`` began."""
+    def _result(self, outcome: Outcome, version: int, waiting: float) -> SyncResult:
+        """What this sync did, applied now at ``version`` (and logged); ``waiting``: when
+        ``apply`` began."""
         done, late = time.monotonic(), outcome.latest is not None
+        client = self._client
+        if late:
+            log.warning(
+                "run %s: round %d closed without %s (late); caught up to version %d, local steps dropped",
+                *(client.run, self.round, client.peer, version),
+            )
+        else:
+            log.info(
+                "run %s: synced to version %d in %.2fs, %.2fs of it on this thread (%.1f MB up, %.1f MB down)",
+                *(client.run, version, done - self._started, self._stall + done - waiting),
+                *(outcome.bytes_up / 1e6, outcome.bytes_down / 1e6),
+            )
         return SyncResult(
             version=version,
             bytes_up=outcome.bytes_up,
@@ -150,7 +153,7 @@ class PendingSync:
 
     def apply(self, model: torch.nn.Module) -> SyncResult:
         """Load the merged version plus this peer's steps since the snapshot into ``model``."""
-        return self._client._apply(self, model)
+        return self._client._apply(self, ModelView(model))
 
 
 class SyncClient:
@@ -161,17 +164,15 @@ class SyncClient:
     >>> client.sync(model, samples=256_000, metrics={"loss": 3.1})
     >>> client.leave()
 
-    ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``min_peers``, ``round_timeout``,
-    ``norm_guard`` (refuse updates over that many times the usual norm), ``policy``,
-    ``round_samples`` and ``max_staleness`` configure the run if this peer creates it; for an
-    existing run they must match (or be None to accept the run's). ``min_peers`` is also the
-    rendezvous size: the run starts once that many peers joined, and ranks follow sorted peer
-    names, not join order.
+    ``codec`` ... ``max_staleness`` configure the run if this peer creates it, and must match an
+    existing run's (None: accept it): see :func:`syncclient.protocol.run_settings`. In a samples
+    run report what each step trained with :meth:`progress` and send when :attr:`due` (or let
+    :meth:`step` do both).
 
-    ``round_samples`` alone makes a *samples* run (rounds close once the peers together trained
-    that many samples: report them with :meth:`progress`, send when :attr:`due`, or let
-    :meth:`step` do both); ``policy="async"`` with ``round_samples`` an asynchronous one (each
-    sync is applied at once, nobody waits; ``round_samples`` is the size of a whole outer step).
+    ``group``: a torch.distributed process group whose ranks train this peer together (DDP or
+    FSDP under ``torchrun``; ``torch.distributed.group.WORLD``): every rank makes the same calls,
+    rank 0 alone talks to the hub, and the merged weights reach every rank
+    (:mod:`syncclient.group`); ``samples`` are then each rank's own.
 
     ``verify`` checks the hub's TLS certificate: True (the system's CAs), the path of a CA
     bundle (a PEM file, or a folder of them) for a hub with its own CA, or an ``ssl.SSLContext``.
@@ -199,33 +200,26 @@ class SyncClient:
         verify: bool | str | ssl.SSLContext = True,
         timeout: float = 60.0,
         retry_seconds: float = 600.0,
+        group: Any = None,
     ) -> None:
         if not hub.startswith(("http://", "https://")):
             raise ValueError(f"hub must be an http:// or https:// URL, got {hub!r}")
-        if codec is not None:
-            get_codec(codec)  # fail here, not at the hub
-        if policy is not None and policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        if round_samples is not None and (isinstance(round_samples, bool) or not isinstance(round_samples, int)):
-            raise ValueError(f"round_samples must be an int, got {round_samples!r}")
-        if round_samples is not None and round_samples < 1:
-            raise ValueError(f"round_samples must be >= 1, got {round_samples}")
         self.hub = hub.rstrip("/")
         self.run = run
         self.peer = peer or f"{socket.gethostname()}-{os.getpid()}"
         self.retry_seconds = retry_seconds
-        self._config = {
-            "codec": codec,
-            "outer": outer,
-            "outer_lr": outer_lr,
-            "outer_momentum": outer_momentum,
-            "min_peers": min_peers,
-            "round_timeout": round_timeout,
-            "norm_guard": norm_guard,
-            "policy": policy,
-            "round_samples": round_samples,
-            "max_staleness": max_staleness,
-        }
+        self._config = run_settings(
+            codec=codec,
+            outer=outer,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            min_peers=min_peers,
+            round_timeout=round_timeout,
+            norm_guard=norm_guard,
+            policy=policy,
+            round_samples=round_samples,
+            max_staleness=max_staleness,
+        )
         self._transport = Transport(
             self.hub, run=run, token=token, verify=verify, timeout=timeout, retry_seconds=retry_seconds
         )
@@ -233,16 +227,18 @@ class SyncClient:
         # a long poll must end (answered) well before the read timeout, or waiting for a slow
         # round would look like a dead hub: retried with backoff, then HubUnreachable
         self._poll = max(1.0, min(20.0, timeout / 2))
+        self._group = PeerGroup(group) if group is not None else None
+        self._protocol = RunProtocol(self._transport, run=run, peer=self.peer, poll=self._poll)
         self.version = -1
         self.rank: int | None = None
         self.world_size: int | None = None
         self.codec: Codec | None = None
         self._state: UpdateState | None = None  # from the first version loaded on
-        self._heartbeat: _Heartbeat | None = None  # from join on: the hub knows this peer
+        self._heartbeat: Heartbeat | None = None  # from join on: the hub knows this peer
         self._worker: ThreadPoolExecutor | None = None  # the one thread a sync's network work runs on
         self._inflight: PendingSync | None = None  # started, not yet applied: the state is the worker's
         self.policy: str | None = None  # the run's round policy, from join on
-        self._progress: _Progress | None = None  # samples runs: tells the hub how far this peer is
+        self._progress: ProgressReporter | None = None  # samples runs: tells the hub how far this peer is
 
     # ---- the public surface --------------------------------------------------------------
     def join(self, model: torch.nn.Module) -> JoinInfo:
@@ -251,22 +247,24 @@ class SyncClient:
         The first peer of a new run uploads ``model`` as version 0; every other peer waits
         for it, so all start identical. Blocks until the run has started (``min_peers``).
         """
-        view = ModelView(model)
-        body = {"peer": self.peer, **{k: v for k, v in self._config.items() if v is not None}}
-        state = self._transport.call("POST", f"{self._runs}/peers", json=body).json()
-        if self._heartbeat is None:
-            lease = float(state.get("lease_seconds", 60.0))
-            beat = f"{self._runs}/peers/{self.peer}/heartbeat"
-            self._heartbeat = _Heartbeat(self._transport, beat, lease=lease, run=self.run, peer=self.peer)
-        said = ""
-        while state["state"] != "ready":
-            if state["state"] == "initialise":
-                self._initialise(view)
-            elif state.get("detail") != said:
-                said = state.get("detail", "")
-                log.info("run %s: %s", self.run, said)
-            start = f"{self._runs}/peers/{self.peer}/start"
-            state = self._transport.call("GET", start, params={"wait": self._poll}).json()
+        info = self._in_group(model, self._join, JoinInfo)
+        self.version, self.rank, self.world_size = info.version, info.rank, info.world_size
+        self.policy = info.config.get("policy", "barrier")
+        if self._group is not None and self._group.leader:
+            self._leave_at_exit()
+        return info
+
+    def _join(self, view: ModelView | ArrayView) -> JoinInfo:
+        def joined(lease: float) -> None:  # the hub knows us from here on: keep the lease
+            if self._heartbeat is None:
+                beat = f"{self._runs}/peers/{self.peer}/heartbeat"
+                self._heartbeat = Heartbeat(self._transport, beat, lease=lease, run=self.run, peer=self.peer)
+
+        def version0() -> list[tuple[str, np.ndarray, str]]:  # if the hub tells us to initialise
+            return [(name, a, "F32") for name, a in view.export().items()]
+
+        group_size = {"group_size": self._group.size} if self._group is not None else {}
+        state = self._protocol.join({**self._config, **group_size}, version0=version0, joined=joined)
         schema = {name: tuple(shape) for name, shape in state["schema"].items()}
         if schema != view.schema:
             self.close()
@@ -277,7 +275,7 @@ class SyncClient:
         fp32 = 4 * sum(math.prod(s) for s in schema.values())
         self._transport.max_download = max(fp32, layout_bytes(wire_layout(self.codec, schema)))
         self.rank, self.world_size = int(state["rank"]), int(state["world_size"])
-        self._adopt(view, self._fetch_latest())
+        self._adopt(view, self._protocol.latest())
         log.info(
             "run %s: joined as %s (rank %d of %d) at version %d",
             self.run,
@@ -289,8 +287,15 @@ class SyncClient:
         config = state["config"]
         self.policy = config.get("policy", "barrier")
         if self.policy == "samples" and self._progress is None:
-            path = f"{self._runs}/peers/{self.peer}/progress"
-            self._progress = _Progress(self, path, poll=min(0.5, self._poll))
+            self._progress = ProgressReporter(
+                self._transport,
+                f"{self._runs}/peers/{self.peer}/progress",
+                poll=min(0.5, self._poll),
+                version=lambda: self.version,
+                syncing=lambda: self._inflight is not None,
+                run=self.run,
+                peer=self.peer,
+            )
         return JoinInfo(
             self.run, self.peer, self.rank, self.world_size, self.version, config["codec"], config["outer"], config
         )
@@ -301,7 +306,19 @@ class SyncClient:
         ``samples`` (examples seen since the last sync) weighs this peer in the average. Blocks
         for the whole round: :meth:`sync_async` is the same sync with training going on meanwhile.
         """
-        return self._apply(self._start(model, samples, metrics, keep_local=False), model)
+        if self._group is None:
+            view = ModelView(model)
+            return self._apply(self._start(view, samples, metrics, keep_local=False), view)
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"samples must be an int >= 0 (this rank's), got {samples!r}")
+        total = self._group.total(samples)  # the group's update weighs all its ranks' samples
+
+        def call(view: ArrayView) -> SyncResult:
+            return self._apply(self._start(view, total, metrics, keep_local=False), view)
+
+        result = self._in_group(model, call, SyncResult)
+        self.version = result.version
+        return result
 
     def sync_async(
         self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None
@@ -320,21 +337,25 @@ class SyncClient:
         round closed without it) is caught up as by ``sync``: ``apply`` loads the latest version
         and drops all local work since the last sync, the steps taken meanwhile included.
         """
-        return self._start(model, samples, metrics, keep_local=True)
+        if self._group is not None:
+            raise SyncError("sync_async() with a process group is not supported: use sync() (see syncclient.group)")
+        return self._start(ModelView(model), samples, metrics, keep_local=True)
 
     def progress(self, samples: int) -> None:
         """Count ``samples`` more samples trained since the last sync (cheap: no I/O here). In a
         samples run a background thread reports the count, and :attr:`due` says when to send."""
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
-        if self._progress is not None:
-            self._progress.add(samples)
+        if self._progress is not None:  # a group's leader counts for its ranks (equal batches)
+            self._progress.add(samples * (self._group.size if self._group is not None else 1))
 
     @property
     def due(self) -> bool:
         """Samples runs: the hub asked for this round's update (the peers' samples reached
-        ``round_samples``, or the round closed without us): sync now."""
-        return self._progress is not None and self._progress.due(self.version)
+        ``round_samples``, or the round closed without us): sync now. In a process group every
+        rank must ask, at the same points: the leader's answer is broadcast."""
+        due = self._progress is not None and self._progress.due(self.version)
+        return self._group.flag(due) if self._group is not None else due
 
     @property
     def pending_samples(self) -> int:
@@ -352,28 +373,38 @@ class SyncClient:
         ...     train_step(batch)
         ...     client.step(model, samples=len(batch))
         """
-        if self._progress is None:
+        if self.policy != "samples":
             raise SyncError(f"step() is for runs whose rounds close on samples; run {self.run} is {self.policy!r}")
         self.progress(samples)
-        if not self.due or self._progress.count == 0:
+        counted = self.pending_samples  # the leader's count covers its group; the others send 0
+        ready = self._progress is not None and self._progress.due(self.version) and counted > 0
+        if not (self._group.flag(ready) if self._group is not None else ready):
             return None
-        return self.sync(model, samples=self._progress.count, metrics=metrics)
+        return self.sync(model, samples=counted, metrics=metrics)
 
     def pull(self, model: torch.nn.Module) -> int:
         """Load the run's latest version into ``model`` (dropping local changes); return it."""
-        if self._state is None:
+        if self.version < 0:
             raise SyncError("join(model) before pull()")
         self._check_idle()
-        self._adopt(ModelView(model), self._fetch_latest())
+
+        def call(view: ModelView | ArrayView) -> int:
+            self._adopt(view, self._protocol.latest())
+            return self.version
+
+        self.version = self._in_group(model, call, int)
         return self.version
 
     def status(self) -> dict[str, Any]:
         """The run's state as the hub sees it (peers, open round, recent rounds)."""
+        if self._group is not None and not self._group.leader:
+            raise SyncError("status() asks the hub, and only rank 0 of a process group talks to it")
         result: dict[str, Any] = self._transport.call("GET", self._runs).json()
         return result
 
     def leave(self) -> None:
-        """Tell the hub this peer is done (it stops waiting for it), then close."""
+        """Tell the hub this peer is done (it stops waiting for it), then close. (In a process
+        group, rank 0 tells it; the other ranks only close.)"""
         if self._heartbeat is not None:
             try:
                 self._transport.call("POST", f"{self._runs}/peers/{self.peer}/leave")
@@ -396,6 +427,7 @@ class SyncClient:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+        atexit.unregister(self._exit)
         self._transport.close()
 
     def __enter__(self) -> SyncClient:
@@ -405,6 +437,27 @@ class SyncClient:
         self.leave()
 
     # ---- internals -----------------------------------------------------------------------
+    def _in_group(self, model: torch.nn.Module, call: Callable[[Any], T], kind: type[T]) -> T:
+        """``call(view)``: on this process's model, or, in a process group, on the leader for
+        every rank (the group gathers the weights to it and scatters the new ones back)."""
+        if self._group is None:
+            return call(ModelView(model))
+        return self._group.run(model, lambda arrays: call(ArrayView(arrays)), kind)
+
+    def _leave_at_exit(self) -> None:
+        """A group's leader leaves the run when its process ends, SIGTERM included: torchrun
+        stops every rank of a group that lost one, and the other peers must not wait for it."""
+        atexit.register(self._exit)
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+    def _exit(self) -> None:
+        if self._heartbeat is None:  # left or closed already
+            return
+        with contextlib.suppress(SyncError):  # one quick try: the process is going away
+            self._transport.call("POST", f"{self._runs}/peers/{self.peer}/leave", retry=False, timeout=5)
+        self.close()
+
     def _check_idle(self) -> None:
         if self._inflight is not None:
             raise SyncError(
@@ -412,7 +465,7 @@ class SyncClient:
             )
 
     def _start(
-        self, model: torch.nn.Module, samples: int, metrics: Mapping[str, float] | None, *, keep_local: bool
+        self, view: ModelView | ArrayView, samples: int, metrics: Mapping[str, float] | None, *, keep_local: bool
     ) -> PendingSync:
         """The caller's half of a sync: snapshot, encode, hand the network work to the worker."""
         if self._state is None:
@@ -421,7 +474,6 @@ class SyncClient:
         if not isinstance(samples, int) or samples < 1:
             raise ValueError(f"samples must be a positive int, got {samples!r}")
         started = time.monotonic()
-        view = ModelView(model)
         local = view.export()  # on CPU float32 these share memory with the model: copy to keep
         snapshot = {name: x.copy() for name, x in local.items()} if keep_local else None
         update = self._state.encode(snapshot or local)  # new arrays: training may go on
@@ -432,65 +484,17 @@ class SyncClient:
             self._progress.sent()  # what is counted from here on goes into the next round
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
-        future = self._worker.submit(self._exchange, self.version, update.parts, samples, sent_metrics)
+        future = self._worker.submit(
+            self._protocol.exchange, self.version, update.parts, samples, sent_metrics, self._state
+        )
         self._inflight = PendingSync(self, future, self.version, snapshot, started, time.monotonic() - started, update)
         return self._inflight
 
-    def _exchange(
-        self, round_: int, parts: list[tuple[str, np.ndarray, str]], samples: int, metrics: dict[str, float]
-    ) -> _Outcome:
-        """The worker's half: upload, long-poll the result, fold it into the base (which nobody
-        else touches while a sync is in flight). Late: fetch the latest version instead.
-
-        The hub answers with the round the update went into: ``round_`` itself, or in an async
-        run a later one (versions were applied since our base). Then the base catches up through
-        every round's result from ``round_`` to that one, in order, as the hub built its versions.
-        """
-        started = time.monotonic()
-        headers = {"X-Sync-Samples": str(samples), "X-Sync-Metrics": json.dumps(metrics)}
-        path = f"{self._runs}/rounds/{round_}/updates/{self.peer}"
-        try:
-            size, ack = self._transport.upload(path, parts, what="upload", headers=headers, resumable=True)
-        except (RoundClosed, StaleUpdate):
-            size = body_size(parts)  # sent, though refused
-            return _Outcome(size, 0, time.monotonic() - started, 0.0, latest=self._fetch_latest())
-        uploaded = time.monotonic()
-        landed = int(ack["round"])
-        try:
-            own = self._result(landed, wait=True)  # ours first: the others are out already
-            waited = time.monotonic()
-            assert self._state is not None
-            received = own.reader.received
-            for earlier in range(round_, landed):
-                result = self._result(earlier, wait=False)
-                self._state.fold(result.reader.tensors)
-                received += result.reader.received
-            self._state.fold(own.reader.tensors)
-        except HubError as exc:
-            if exc.status != 410:
-                raise
-            # a result was pruned: the latest version, which holds ours, is the new base
-            latest = self._fetch_latest()
-            elapsed = uploaded - started
-            return _Outcome(
-                size, latest.reader.received, elapsed, 0.0, latest.version, latest.run_samples, fresh_base=latest
-            )
-        return _Outcome(size, received, uploaded - started, waited - uploaded, landed + 1, own.run_samples)
-
-    def _result(self, round_: int, *, wait: bool) -> Download:
-        """Round ``round_``'s merged update (with ``wait``, long-polling while the round is open)."""
-        path = f"{self._runs}/rounds/{round_}/result"
-        while True:
-            download = self._transport.download(path, {"wait": self._poll if wait else 0, "peer": self.peer})
-            if download is not None:  # None: the long poll ended with the round still open
-                return download
-
-    def _apply(self, pending: PendingSync, model: torch.nn.Module) -> SyncResult:
+    def _apply(self, pending: PendingSync, view: ModelView | ArrayView) -> SyncResult:
         """The caller's last half: wait for the worker, then load ``base'`` (blocking sync) or
-        ``base' + (model - x_t)`` (overlap) into ``model``; or catch up when late."""
+        ``base' + (model - x_t)`` (overlap) into the model; or catch up when late."""
         if self._inflight is not pending:
             raise SyncError(f"the sync of round {pending.round} was applied already")
-        view = ModelView(model)
         waiting = time.monotonic()
         try:
             outcome = pending._future.result()
@@ -502,162 +506,33 @@ class SyncClient:
         snapshot, pending._snapshot = pending._snapshot, None
         if outcome.latest is not None:
             self._adopt(view, outcome.latest)
-            log.warning(
-                "run %s: round %d closed without %s (late); caught up to version %d, local steps dropped",
-                self.run,
-                pending.round,
-                self.peer,
-                self.version,
-            )
         else:
             assert self._state is not None
             if outcome.fresh_base is not None:
-                self._state.base = self._tensors(view, outcome.fresh_base)  # the residual stays: it was not sent
+                self._state.base = _tensors(view, outcome.fresh_base, self.run)  # the residual stays: it was not sent
             view.load(self._state.base if snapshot is None else self._state.rebase(snapshot, view.export()))
             self.version = outcome.version
-        result = pending._result(outcome, self.version, waiting)
-        late = result.caught_up
-        if not late:
-            log.info(
-                "run %s: synced to version %d in %.2fs, %.2fs of it on this thread (%.1f MB up, %.1f MB down)",
-                self.run,
-                self.version,
-                result.seconds,
-                result.stall_seconds,
-                result.bytes_up / 1e6,
-                result.bytes_down / 1e6,
-            )
-        return result
+        return pending._result(outcome, self.version, waiting)
 
-    def _initialise(self, view: ModelView) -> None:
-        items = [(name, a, "F32") for name, a in view.export().items()]
-        log.info("run %s: uploading version 0 (%.1f MB)", self.run, sum(a.nbytes for _, a, _ in items) / 1e6)
-        try:
-            self._transport.upload(f"{self._runs}/versions/0", items, what="version 0", params={"peer": self.peer})
-        except ConflictError as exc:  # someone else initialised (we lost our claim): just pull
-            log.info("run %s: %s", self.run, exc.detail)
-
-    def _fetch_latest(self) -> Download:
-        download = self._transport.download(f"{self._runs}/model", {"peer": self.peer})
-        if download is None:
-            raise SyncError(f"run {self.run}: the hub answered 204 for the model")
-        return download
-
-    def _adopt(self, view: ModelView, download: Download) -> None:
+    def _adopt(self, view: ModelView | ArrayView, download: Download) -> None:
         """Make a downloaded full model the base and load it (local work is dropped)."""
         assert self.codec is not None
         # a new state: the residual belonged to work that was just dropped
-        self._state = UpdateState(self.codec, self._tensors(view, download))
+        self._state = UpdateState(self.codec, _tensors(view, download, self.run))
         view.load(self._state.base)
         self.version = download.version
 
-    def _tensors(self, view: ModelView, download: Download) -> dict[str, np.ndarray]:
-        """A downloaded full model's tensors, in the model's order (which must be the run's)."""
-        reader = download.reader
-        if set(reader.tensors) != set(view.schema):
-            raise SchemaMismatch(_schema_diff({k: v.shape for k, v in reader.tensors.items()}, view.schema, self.run))
-        return {name: reader.tensors[name] for name in view.schema}
+
+def _tensors(view: ModelView | ArrayView, download: Download, run: str) -> dict[str, np.ndarray]:
+    """A downloaded full model's tensors, in the model's order (which must be the run's)."""
+    reader = download.reader
+    if set(reader.tensors) != set(view.schema):
+        raise SchemaMismatch(_schema_diff({k: v.shape for k, v in reader.tensors.items()}, view.schema, run))
+    return {name: reader.tensors[name] for name in view.schema}
 
 
-class _Heartbeat:
-    """Renews a peer's lease while the user trains for minutes between syncs: one POST every
-    third of the lease, one try each (the next beat is the retry), on a daemon thread."""
-
-    def __init__(self, transport: Transport, path: str, *, lease: float, run: str, peer: str) -> None:
-        self._transport, self._path, self._lease, self._run = transport, path, lease, run
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name=f"weightsync-heartbeat-{peer}", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-
-    def _beat(self) -> None:
-        failures = 0
-        while not self._stop.wait(self._lease / 3):
-            try:
-                self._transport.call("POST", self._path, retry=False, timeout=10)
-                failures = 0
-            except SyncError:
-                failures += 1
-            except RuntimeError:  # client closed under us
-                return
-            if failures == 3:
-                log.warning("run %s: heartbeats are failing; the hub may drop this peer", self._run)
-
-
-class _Progress:
-    """Samples runs: reports this peer's sample count to the hub from a daemon thread, so the
-    training thread never waits on the network for it. A new count goes out at once (at most
-    every ``REPORT_SECONDS``, one request at a time), so the hub's sum lags by about a round trip;
-    with nothing new to say the thread long-polls for ``poll`` seconds, so that it hears the
-    round is due while this peer is in the middle of a long step."""
-
-    REPORT_SECONDS = 0.05
-
-    def __init__(self, client: SyncClient, path: str, *, poll: float) -> None:
-        self._client, self._path, self._poll = client, path, poll
-        self._lock = threading.Lock()
-        self.count = 0  # samples since the last sync began
-        self._paused = False  # a sync is under way: its round is no longer this peer's to report
-        self._due_round = -1  # the round the hub said was due
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._report, name=f"weightsync-progress-{client.peer}", daemon=True)
-        self._thread.start()
-
-    def add(self, samples: int) -> None:
-        with self._lock:
-            self.count += samples
-
-    def sent(self) -> None:
-        """A sync began with what was counted: count afresh, and report again once it is done."""
-        with self._lock:
-            self.count, self._paused = 0, True
-
-    def due(self, version: int) -> bool:
-        return self._due_round == version
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-
-    def _report(self) -> None:
-        client, said = self._client, (-1, -1)
-        while not self._stop.is_set():
-            with self._lock:
-                round_, count = client.version, self.count
-                if self._paused and client._inflight is None:
-                    self._paused = False
-                paused = self._paused
-            if paused or self._due_round == round_:
-                self._stop.wait(0.02)  # nothing to say until the sync is done
-                continue
-            news = (round_, count) != said
-            try:
-                answer = client._transport.call(
-                    "POST",
-                    self._path,
-                    json={"round": round_, "samples": count},
-                    params={"wait": 0 if news else self._poll},
-                    retry=False,
-                ).json()
-            except (RoundClosed, StaleUpdate):
-                self._due_round = round_  # the round closed without us: the next sync catches up
-                continue
-            except SyncError as exc:
-                log.debug("run %s: progress report failed (%s); trying again", client.run, exc)
-                self._stop.wait(1.0)
-                continue
-            except RuntimeError:  # client closed under us
-                return
-            said = (round_, count)
-            if answer["due"]:
-                self._due_round = round_
-            elif news:
-                self._stop.wait(self.REPORT_SECONDS)
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwind, so that atexit handlers (leaving the run) run
 
 
 def _schema_diff(run: Mapping[str, tuple[int, ...]], model: Mapping[str, tuple[int, ...]], name: str) -> str:

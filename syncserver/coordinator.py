@@ -75,7 +75,7 @@ class Coordinator:
             self.store.recover(run.name, run.version)
             for p in self.store.peers(run.name):
                 # every peer gets a fresh lease: they ride through the restart on retries
-                run.peers[p.name] = Peer(p.name, p.rank, p.joined)
+                run.peers[p.name] = Peer(p.name, p.rank, p.joined, p.group_size)
                 run.policy.restore(
                     p.name, active_from=p.active_from, counted=p.rank is not None, left=p.left, now=now()
                 )
@@ -125,8 +125,9 @@ class Coordinator:
         return peer
 
     # ---- joining -------------------------------------------------------------------------
-    def join(self, run_name: str, peer_name: str, requested: dict[str, Any]) -> StartState:
-        """Register a peer (again, after a crash: same name, same rank) and say what it must do next."""
+    def join(self, run_name: str, peer_name: str, requested: dict[str, Any], *, group_size: int = 1) -> StartState:
+        """Register a peer (again, after a crash: same name, same rank) and say what it must do next.
+        ``group_size``: the ranks of the torch.distributed group it is (shown, not used)."""
         run = self.runs.get(run_name)
         if run is None:
             run = self._create(run_name, requested)
@@ -142,6 +143,7 @@ class Coordinator:
         if peer is None:
             peer = Peer(peer_name, run.world_size() if run.sealed else None, time.time())
             run.peers[peer_name] = peer
+        peer.group_size = group_size
         log.info(
             "%s run=%s peer=%s rank=%s",
             "peer_rejoined" if admit.returning else "peer_joined",

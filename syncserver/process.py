@@ -6,8 +6,8 @@ once it listens, writes its URL to a *ready file* (``syncserver serve --ready-fi
 benchmarks' baseline servers take the same two flags). A restart asks for the port the first
 start got, so clients that retry against the same URL find the server again.
 
-Used by ``syncserver local``, the tests and the benchmarks: the one way this project starts a
-server it talks to.
+Used by the launcher (``weightsync-run --local-peers``), the tests and the benchmarks: the one
+way this project starts a server it talks to.
 """
 
 from __future__ import annotations

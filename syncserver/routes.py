@@ -66,6 +66,7 @@ class JoinRequest(BaseModel):
     policy: Policy | None = None
     round_samples: int | None = Field(None, ge=1, le=MAX_SAMPLES)
     max_staleness: int | None = Field(None, ge=0, le=100_000)
+    group_size: int = Field(1, ge=1, le=65_536, description="Ranks of the torch.distributed group this peer is.")
 
     @field_validator("codec")
     @classmethod
@@ -168,8 +169,8 @@ async def run_status(run: RunName, hub: Hub) -> RunStatus:
 
 @router.post("/runs/{run}/peers", summary="Join a run (creating it if new); says what the peer must do next")
 async def join(run: RunName, body: JoinRequest, hub: Hub) -> StartState:
-    requested = body.model_dump(exclude={"peer"})
-    return hub.join(run, body.peer, requested)
+    requested = body.model_dump(exclude={"peer", "group_size"})
+    return hub.join(run, body.peer, requested, group_size=body.group_size)
 
 
 @router.get(

@@ -189,6 +189,7 @@ class OpenRound(Answer):
 class PeerStatus(Answer):
     peer: str
     rank: int | None
+    group_size: int = Field(description="Ranks of the torch.distributed group that trains as this peer.")
     state: PeerState
     last_seen_seconds: float
     active_from: int = Field(description="First round this peer is waited for.")

@@ -69,6 +69,7 @@ class Peer:
     name: str
     rank: int | None
     joined: float  # wall time
+    group_size: int = 1  # ranks of a torch.distributed group that train as this one peer
     samples: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
@@ -135,7 +136,7 @@ class Run:
     def record(self, peer: Peer) -> PeerRecord:
         """The peer as stored."""
         member = self.policy.members[peer.name]
-        return PeerRecord(peer.name, peer.rank, member.active_from, peer.joined, member.left)
+        return PeerRecord(peer.name, peer.rank, member.active_from, peer.joined, member.left, peer.group_size)
 
     def accumulator(self) -> Accumulator:
         assert self.schema is not None

@@ -70,7 +70,8 @@ CREATE TABLE IF NOT EXISTS runs (
     created REAL NOT NULL, sealed INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS peers (
     run TEXT NOT NULL, name TEXT NOT NULL, rank INTEGER, active_from INTEGER NOT NULL,
-    joined REAL NOT NULL, left INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (run, name));
+    joined REAL NOT NULL, left INTEGER NOT NULL DEFAULT 0, group_size INTEGER NOT NULL DEFAULT 1,
+    PRIMARY KEY (run, name));
 CREATE TABLE IF NOT EXISTS updates (
     run TEXT NOT NULL, round INTEGER NOT NULL, peer TEXT NOT NULL, seq INTEGER NOT NULL,
     digest TEXT NOT NULL, samples INTEGER NOT NULL, metrics TEXT NOT NULL, nbytes INTEGER NOT NULL,
@@ -101,6 +102,7 @@ class PeerRecord:
     active_from: int
     joined: float
     left: bool
+    group_size: int = 1  # ranks of a torch.distributed group that train as this one peer
 
 
 @dataclass
@@ -390,6 +392,8 @@ class Store:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(updates)")}
         if "base" not in columns:  # a data dir from before async runs: every update's base is its round
             self._db.execute("ALTER TABLE updates ADD COLUMN base INTEGER")
+        if "group_size" not in {row[1] for row in self._db.execute("PRAGMA table_info(peers)")}:
+            self._db.execute("ALTER TABLE peers ADD COLUMN group_size INTEGER NOT NULL DEFAULT 1")
 
     def describe(self) -> str:
         """Where the data lives, for the startup log line."""
@@ -568,15 +572,16 @@ class Store:
     @_translated
     def peers(self, run: str) -> list[PeerRecord]:
         rows = self._db.execute(
-            "SELECT name, rank, active_from, joined, left FROM peers WHERE run = ? ORDER BY joined", (run,)
+            "SELECT name, rank, active_from, joined, left, group_size FROM peers WHERE run = ? ORDER BY joined", (run,)
         ).fetchall()
-        return [PeerRecord(n, r, a, j, bool(left)) for n, r, a, j, left in rows]
+        return [PeerRecord(n, r, a, j, bool(left), g) for n, r, a, j, left, g in rows]
 
     def save_peer(self, run: str, peer: PeerRecord) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT OR REPLACE INTO peers (run, name, rank, active_from, joined, left) VALUES (?,?,?,?,?,?)",
-                (run, peer.name, peer.rank, peer.active_from, peer.joined, int(peer.left)),
+                "INSERT OR REPLACE INTO peers (run, name, rank, active_from, joined, left, group_size) "
+                "VALUES (?,?,?,?,?,?,?)",
+                (run, peer.name, peer.rank, peer.active_from, peer.joined, int(peer.left), peer.group_size),
             )
 
     # ---- updates and rounds --------------------------------------------------------------

@@ -162,6 +162,7 @@ class HubView:
                 {
                     "peer": p.name,
                     "rank": p.rank,
+                    "group_size": p.group_size,
                     "state": policy.state(p.name),
                     "last_seen_seconds": round(now - policy.members[p.name].last_seen, 3),
                     "active_from": policy.members[p.name].active_from,

@@ -100,8 +100,10 @@ def test_a_samples_run_trains_until_the_run_has_seen_its_epochs(tmp_path: Path) 
     peers = [json.loads((out / p / "results.json").read_text()) for p in ("peer-0", "peer-1")]
     budget = peers[0]["config"]["sample_budget"]
     assert peers[0]["config"]["run_policy"] == "samples" and budget == peers[0]["config"]["train_blocks"]
-    run_samples = sum(r["samples"] for r in results["rounds"])
-    assert budget <= run_samples < budget + 64 + 16  # stopped at the round that reached it
+    samples = [r["samples"] for r in results["rounds"]]
+    # Stopped at the round that reached the budget: not one before, not one after. (How far that round
+    # overshoots depends on how fast peers notice it is due, which a loaded machine stretches.)
+    assert sum(samples[:-1]) < budget <= sum(samples)
     assert all(r["samples"] >= 64 for r in results["rounds"])  # each round closed on its target
     assert {p["final_version"] for p in peers} == {results["hub_version"]} == {len(results["rounds"])}
 
@@ -175,3 +177,15 @@ def test_peers_get_the_command_line_without_the_launchers_flags(monkeypatch: pyt
     script.check_args(child)
     assert (child.hub, child.run, child.peer, child.token, child.output_dir) == tuple(env.values())
     assert child.local_peers == 0 and not child.serial_baseline and child.lr == 0.001
+
+
+def test_under_torchrun_the_reference_job_says_what_to_use_instead(tmp_path: Path) -> None:
+    """It shards data by the hub's rank, one process per peer: several ranks would train one shard
+    as several peers. A one-line error, before any data is loaded or a hub contacted."""
+    env = {"WORLD_SIZE": "2", "RANK": "0"}
+    proc = run_script("--hub", "http://127.0.0.1:9", "--output-dir", str(tmp_path), *SMALL, env=env, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: train/finetune_gpt2.py runs one process per peer, not under torchrun (WORLD_SIZE=2); "
+        "use SyncCallback in your own torchrun script"
+    ]

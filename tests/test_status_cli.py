@@ -99,6 +99,7 @@ def big_run() -> dict[str, Any]:
         {
             "peer": f"gpu-{region}-1",
             "rank": rank,
+            "group_size": 2,
             "state": "live",
             "last_seen_seconds": 12345.6,
             "samples": 123456789,
@@ -130,7 +131,7 @@ def big_run() -> dict[str, Any]:
         "run": "imdb-gpt2",
         "version": 12348,
         "sealed": True,
-        "config": {"codec": "int8", "outer": "diloco", "min_peers": 2},
+        "config": {"codec": "int8", "outer": "diloco", "min_peers": 2, "policy": "samples"},
         "peers": peers,
         "curves": {"x": "step", "peers": curves},
         "rounds": rounds,
@@ -159,7 +160,7 @@ def test_big_numbers_stay_whole_and_the_least_important_columns_go(width: int) -
     assert max(len(line) for line in narrow.splitlines()) <= width, narrow
     for kept in ("2.108e+04", "3.108e+04", "9.877", "12347"):  # each peer's val ppl, loss, the last round
         assert kept in narrow, narrow
-    assert "not shown at this width: last seen s" in narrow
+    assert "not shown at this width: ranks, last seen s" in narrow
 
 
 def test_runs_table_without_run(hub_with_rounds: Hub) -> None:

@@ -241,6 +241,13 @@ def check_args(args: argparse.Namespace) -> None:
 
 def train_peer(args: argparse.Namespace) -> int:
     t0 = time.time()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # One process per peer here (it shards the data by the hub's rank). SyncCallback serves a
+        # torchrun group in any other Trainer script: README, "Peers with several GPUs".
+        raise Fail(
+            "train/finetune_gpt2.py runs one process per peer, not under torchrun "
+            f"(WORLD_SIZE={os.environ['WORLD_SIZE']}); use SyncCallback in your own torchrun script"
+        )
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     hub_mode = args.hub_mode

@@ -267,7 +267,7 @@
   function renderPeers(run, colors) {
     const el = $("peers");
     if (!run.peers.length) return fill(el, h("p", { class: "empty-note" }, "No peer has joined yet."));
-    const head = ["rank", "peer", "state", "last seen", "samples", "samples/s", "up", "down", "loss", "val ppl"];
+    const head = ["rank", "peer", "ranks", "state", "last seen", "samples", "samples/s", "up", "down", "loss", "val ppl"];
     const left = new Set(["peer", "state"]);
     fill(el, h("div", { class: "scroll" }, h("table", {},
       h("thead", {}, h("tr", {}, head.map((c) => h("th", { scope: "col", class: left.has(c) ? "l" : null }, c)))),
@@ -276,6 +276,7 @@
         return h("tr", { "data-peer": p.peer },
           h("td", {}, p.rank === null ? "–" : p.rank),
           h("td", { class: "l" }, h("span", { class: "swatch", style: `background:${colors.get(p.peer)}` }), p.peer),
+          h("td", { title: "processes (GPUs) of the torch.distributed group that trains as this peer" }, p.group_size),
           h("td", { class: "l" }, h("span", { class: `badge ${p.state}`, title: stateHelp(p.state) }, p.state)),
           h("td", { "data-age": p.last_seen_seconds }, fmtAgo(p.last_seen_seconds)),
           h("td", {}, fmtNum(p.samples)),
