@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 from syncserver.coordinator import Coordinator
 from syncserver.deps import Hub, PeerName, RunName, Wait, authenticate, authenticate_view
 from syncserver.errors import BadRequest, HubError, Incomplete
+from syncserver.limits import MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds
 from syncserver.names import NAME_PATTERN
 from syncserver.responses import BlobResponse, requested_range
 from syncserver.rounds import Ticket
@@ -57,11 +58,12 @@ class JoinRequest(BaseModel):
     peer: str = Field(pattern=NAME_PATTERN)
     codec: str | None = None
     outer: Outer | None = None
-    outer_lr: float | None = Field(None, gt=0)
-    outer_momentum: float | None = Field(None, ge=0, lt=1)
-    min_peers: int | None = Field(None, ge=1)
-    round_timeout: float | None = Field(None, gt=0)
-    norm_guard: float | None = Field(None, gt=1)
+    # the same bounds as the hub's defaults (syncserver.limits): finite, and sane
+    outer_lr: OuterLR | None = None
+    outer_momentum: OuterMomentum | None = None
+    min_peers: MinPeers | None = None
+    round_timeout: Seconds | None = None
+    norm_guard: NormGuard | None = None
 
     @field_validator("codec")
     @classmethod

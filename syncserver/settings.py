@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from syncserver.limits import MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds
 from syncserver.names import NAME_RULE, is_name
 from syncwire import get_codec
 
@@ -40,23 +41,22 @@ class HubSettings(BaseSettings):
         description='Per-run bearer tokens, JSON: SYNC_RUN_TOKENS=\'{"imdb-gpt2": "..."}\'. A run token '
         "opens /v1/runs/<its run>/... only (it may create that run), nothing else.",
     )
-    min_peers: int = Field(1, ge=1, description="Updates a round needs before its deadline may close it.")
-    round_timeout: float = Field(
-        600.0, gt=0, description="Seconds after a round's first update before stragglers are dropped."
+    min_peers: MinPeers = Field(1, description="Updates a round needs before its deadline may close it.")
+    round_timeout: Seconds = Field(
+        600.0, description="Seconds after a round's first update before stragglers are dropped."
     )
-    lease_seconds: float = Field(60.0, gt=0, description="A peer not heard from for this long is gone.")
+    lease_seconds: Seconds = Field(60.0, description="A peer not heard from for this long is gone.")
     max_body_bytes: int = Field(
-        8 * 1024**3, gt=0, description="Hard cap on any upload; the run's schema sets a tighter one."
+        8 * 1024**3, gt=0, le=2**44, description="Hard cap on any upload; the run's schema sets a tighter one."
     )
-    long_poll_seconds: float = Field(20.0, gt=0, description="Longest a wait request is held open.")
-    keep_versions: int = Field(3, ge=1, description="Model versions (and round results) kept on disk.")
+    long_poll_seconds: Seconds = Field(20.0, description="Longest a wait request is held open.")
+    keep_versions: int = Field(3, ge=1, le=10_000, description="Model versions (and round results) kept on disk.")
     codec: str = Field("fp32", description="Default codec of new runs: fp32, bf16, int8, int4.")
     outer: Outer = Field("avg", description="Default outer optimizer of new runs.")
-    outer_lr: float = Field(0.7, gt=0, description="DiLoCo outer learning rate (default of new runs).")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="DiLoCo Nesterov momentum (default).")
-    norm_guard: float | None = Field(
+    outer_lr: OuterLR = Field(0.7, description="DiLoCo outer learning rate (default of new runs; at most 10).")
+    outer_momentum: OuterMomentum = Field(0.9, description="DiLoCo Nesterov momentum (default).")
+    norm_guard: NormGuard | None = Field(
         None,
-        gt=1,
         description="Default of new runs: refuse (422 poisoned_update) an update whose L2 norm is over this "
         "many times the median norm of the updates accepted in this round and the previous one (e.g. 10). "
         "Unset: off.",

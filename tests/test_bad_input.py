@@ -650,6 +650,38 @@ def test_join_with_a_different_config_is_409(run: Run) -> None:
     assert body["config"]["codec"] == "fp32"
 
 
+#: Run settings a join may not set: not finite, or out of the sane range (syncserver.limits).
+#: Raw JSON, since ``1e999`` is how JSON spells a number that parses as Inf.
+BAD_SETTINGS = {
+    "outer_lr inf": '"outer_lr": 1e999',
+    "outer_lr -inf": '"outer_lr": -1e999',
+    "outer_lr 1e38": '"outer_lr": 1e38',
+    "outer_lr nan": '"outer_lr": NaN',
+    "outer_momentum 1": '"outer_momentum": 1',
+    "outer_momentum inf": '"outer_momentum": Infinity',
+    "round_timeout inf": '"round_timeout": 1e999',
+    "round_timeout a year": '"round_timeout": 31536000',
+    "norm_guard inf": '"norm_guard": 1e999',
+    "norm_guard 1e300": '"norm_guard": 1e300',
+    "min_peers 2^64": '"min_peers": 18446744073709551616',
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SETTINGS))
+def test_join_with_an_absurd_setting_is_422_and_creates_nothing(run: Run, case: str) -> None:
+    field = case.split()[0]
+
+    def join(run_name: str, peer: str) -> httpx.Response:
+        body = '{"peer": "' + peer + '", ' + BAD_SETTINGS[case] + "}"
+        headers = {"Content-Type": "application/json"}
+        return run.http.post(f"/v1/runs/{run_name}/peers", content=body.encode(), headers=headers)
+
+    fresh = f"absurd-{next(_names)}"
+    assert_refused(join(fresh, "a"), 422, "invalid_request", field)
+    assert run.http.get(f"/v1/runs/{fresh}").status_code == 404  # no run was created
+    refused_and_unchanged(run, lambda: join(run.name, "c"), 422, "invalid_request", field)
+
+
 def test_join_with_an_unknown_codec_is_422(run: Run) -> None:
     refused_and_unchanged(
         run,
