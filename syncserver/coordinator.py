@@ -132,9 +132,9 @@ class Coordinator:
             run = self._create(run_name, requested)
         else:
             for key, value in requested.items():
-                if value is not None and getattr(run.config, key) != value:
+                if value is not None and _configured(run, key) != value:
                     raise Conflict(
-                        f"run {run_name!r} uses {key}={getattr(run.config, key)!r}; this peer asked for {value!r}",
+                        f"run {run_name!r} uses {key}={_configured(run, key)!r}; this peer asked for {value!r}",
                         config=run.config.__dict__,
                     )
         admit = run.policy.join(peer_name, now(), counted=run.sealed)
@@ -321,3 +321,9 @@ class Coordinator:
         while len(run.downloads) > DOWNLOADS_KEPT:
             del run.downloads[min(run.downloads)]
         self.view.downloaded(run, round_, peer_name, ended - began)
+
+
+def _configured(run: Run, key: str) -> Any:
+    """A run's setting as a join compares it: its codec in the codec's one spelling (the join
+    request is normalised, and runs created before that stored the spec as it was given)."""
+    return run.codec.spec if key == "codec" else getattr(run.config, key)

@@ -36,9 +36,8 @@ from syncserver.schemas import (
     UpdateAck,
     VersionZero,
 )
-from syncserver.settings import Outer
+from syncserver.settings import Outer, normal_codec
 from syncserver.uploads import BodyInterrupted, Received, partial_offset, receive
-from syncwire import get_codec
 
 #: ``?peer=``: who downloads (for the dashboard's download log); absent for other clients.
 Downloader = Annotated[str | None, Query(pattern=NAME_PATTERN)]
@@ -68,9 +67,7 @@ class JoinRequest(BaseModel):
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, value: str | None) -> str | None:
-        if value is not None:
-            get_codec(value)
-        return value
+        return None if value is None else normal_codec(value)
 
 
 def parse_digest(value: str) -> str:

@@ -15,6 +15,14 @@ from syncwire import get_codec
 Outer = Literal["avg", "diloco"]
 
 
+def normal_codec(spec: str) -> str:
+    """The codec's one spelling (``int8:block=64`` is ``int8``), so that runs compare codecs,
+    not strings. ValueError, with the list of codecs, for one that does not exist."""
+    if len(spec) > 64:
+        raise ValueError("a codec spec is at most 64 characters, e.g. 'int8:block=128'")
+    return get_codec(spec).spec
+
+
 class HubSettings(BaseSettings):
     """Everything the hub can be told. Per-run values (codec, outer optimizer, min_peers,
     round timeout) are only defaults: the first peer of a run may choose its own."""
@@ -65,8 +73,7 @@ class HubSettings(BaseSettings):
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, value: str) -> str:
-        get_codec(value)  # raises ValueError with the list of codecs
-        return value
+        return normal_codec(value)
 
     @field_validator("run_tokens")
     @classmethod

@@ -650,6 +650,23 @@ def test_join_with_a_different_config_is_409(run: Run) -> None:
     assert body["config"]["codec"] == "fp32"
 
 
+def test_join_with_the_same_codec_spelled_otherwise(api: httpx.Client, hub: Hub) -> None:
+    """``int8:block=64`` is ``int8`` (its default block): the same codec, not a 409 (*was* a 409)."""
+    run = new_run(api, hub, codec="int8:block=64")
+    r = run.http.post(f"{run.path}/peers", json={"peer": "c", "codec": "int8"})
+    assert r.status_code == 200 and r.json()["config"]["codec"] == "int8", r.text
+    assert run.http.post(f"{run.path}/peers/c/leave").status_code == 200
+    run.valid_round()
+    body = refused_and_unchanged(
+        run,
+        lambda: run.http.post(f"{run.path}/peers", json={"peer": "d", "codec": "int8:block=128"}),
+        409,
+        "conflict",
+        "codec",
+    )
+    assert body["config"]["codec"] == "int8"
+
+
 #: Run settings a join may not set: not finite, or out of the sane range (syncserver.limits).
 #: Raw JSON, since ``1e999`` is how JSON spells a number that parses as Inf.
 BAD_SETTINGS = {
@@ -664,6 +681,7 @@ BAD_SETTINGS = {
     "norm_guard inf": '"norm_guard": 1e999',
     "norm_guard 1e300": '"norm_guard": 1e300',
     "min_peers 2^64": '"min_peers": 18446744073709551616',
+    "codec long": '"codec": "int8:block=' + "1" * 100 + '"',
 }
 
 

@@ -34,3 +34,9 @@ def test_a_join_and_the_hub_settings_agree_on_every_bound(field: str) -> None:
     assert all(join == hub for join, hub in verdicts.values()), verdicts
     for value in (math.inf, -math.inf, math.nan, 1e38, 2**64):
         assert not accepts(HubSettings, field, value), f"{field}={value} is accepted"
+
+
+def test_codecs_are_compared_in_one_spelling() -> None:
+    assert JoinRequest(peer="p", codec="int8:block=64").codec == "int8"
+    assert HubSettings(codec="int4:block=128").codec == "int4"
+    assert JoinRequest(peer="p", codec="int8:block=32").codec == "int8:block=32"
