@@ -22,11 +22,13 @@ from pydantic import SecretStr
 
 from syncserver.coordinator import Coordinator
 from syncserver.errors import Unauthorized
+from syncserver.limits import MAX_ROUND
 from syncserver.names import NAME_PATTERN, NAME_RULE
 
 __all__ = [
     "Hub",
     "PeerName",
+    "Round",
     "RunName",
     "RunQuery",
     "Viewer",
@@ -37,6 +39,8 @@ __all__ = [
 
 RunName = Annotated[str, Path(pattern=NAME_PATTERN, description=f"Run name: {NAME_RULE}.")]
 PeerName = Annotated[str, Path(pattern=NAME_PATTERN, description="Peer name, unique within a run.")]
+#: Bounded before use: a round past sqlite's 64 bits was a 500.
+Round = Annotated[int, Path(ge=0, le=MAX_ROUND, description="Round number: the version the round starts from.")]
 Wait = Annotated[float, Query(ge=0, le=600, description="Seconds to hold the request open (long poll).")]
 #: ``GET /v1/dashboard?run=``: the run to detail, and the scope of a run token.
 RunQuery = Annotated[str | None, Query(pattern=NAME_PATTERN, description="The run to detail.")]

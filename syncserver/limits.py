@@ -23,6 +23,7 @@ from typing import Annotated
 from pydantic import Field
 
 __all__ = [
+    "MAX_BYTES",
     "MAX_PEERS",
     "MAX_ROUND",
     "MAX_SAMPLES",
@@ -33,9 +34,12 @@ __all__ = [
     "OuterMomentum",
     "RoundNumber",
     "Seconds",
+    "header_int",
 ]
 
 MAX_SECONDS = 7 * 24 * 3600.0
+#: Bytes of any body or offset (16 TiB; ``SYNC_MAX_BODY_BYTES`` is at most this).
+MAX_BYTES = 2**44
 #: Peers a run may ever have (the ``SYNC_MAX_PEERS_PER_RUN`` setting is at most this).
 MAX_PEERS = 2**13
 #: An update's weight (``X-Sync-Samples``): ~1.1e12 samples since the last sync.
@@ -49,3 +53,15 @@ MinPeers = Annotated[int, Field(ge=1, le=MAX_PEERS)]
 Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
 NormGuard = Annotated[float, Field(gt=1, le=1e6, allow_inf_nan=False)]
 RoundNumber = Annotated[int, Field(ge=0, le=MAX_ROUND)]
+
+
+def header_int(value: str | None) -> int | None:
+    """A header's non-negative decimal integer (``Content-Length``), or None if it is not one.
+
+    ASCII digits only (``"²".isdigit()`` is true, and ``int("²")`` raises) and at most 19 of
+    them (under 2^63), so that ``int()`` never parses thousands of digits and sqlite never
+    sees a number it cannot store.
+    """
+    if value is None or not (value.isascii() and value.isdigit()) or len(value) > 19:
+        return None
+    return int(value)

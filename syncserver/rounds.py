@@ -26,6 +26,7 @@ from anyio import to_thread
 from syncserver import aggregate
 from syncserver.engine import MergeEngine
 from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, PoisonedUpdate, RoundClosed
+from syncserver.limits import MAX_SAMPLES
 from syncserver.policy import Close
 from syncserver.schemas import UpdateAck, VersionZero
 from syncserver.settings import HubSettings
@@ -40,7 +41,6 @@ __all__ = ["MAX_SAMPLES", "Rounds", "Ticket"]
 
 log = logging.getLogger(__name__)
 
-MAX_SAMPLES = 2**53  # an update's weight: exact as a float, and it fits sqlite's INTEGER
 HEADER_SLACK = 64 * 1024  # bytes an update's safetensors header may exceed twice the run's own
 
 Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]

@@ -14,16 +14,16 @@ import math
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field, field_validator
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from syncserver.coordinator import Coordinator
-from syncserver.deps import Hub, PeerName, RunName, Wait, authenticate, authenticate_view
+from syncserver.deps import Hub, PeerName, Round, RunName, Wait, authenticate, authenticate_view
 from syncserver.errors import BadRequest, HubError, Incomplete
-from syncserver.limits import MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds
+from syncserver.limits import MAX_BYTES, MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds, header_int
 from syncserver.names import NAME_PATTERN
 from syncserver.responses import BlobResponse, requested_range
 from syncserver.rounds import Ticket
@@ -119,8 +119,9 @@ async def _drain(request: Request, limit: int) -> None:
     stops sending for ``DRAIN_IDLE_SECONDS`` (say its Content-Length promised more bytes than
     it sent) gets the answer then, instead of holding the request open forever.
     """
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > limit:
+    length = request.headers.get("content-length")
+    declared = header_int(length)
+    if length is not None and (declared is None or declared > limit):
         return
     chunks = request.stream().__aiter__()
     try:
@@ -133,13 +134,12 @@ async def _drain(request: Request, limit: int) -> None:
 async def _receive(request: Request, hub: Coordinator, ticket: Ticket, offset: int = 0) -> Received:
     """Stream the body into the ticket's upload (a resumable one from ``offset``)."""
     assert ticket.upload is not None
-    length = request.headers.get("content-length")
     try:
         return await receive(
             request.stream(),
             ticket.upload,
             max_bytes=ticket.max_bytes,
-            content_length=int(length) if length and length.isdigit() else None,
+            content_length=header_int(request.headers.get("content-length")),
             check_header=ticket.check_header,
             offset=offset,
             idle_seconds=hub.settings.lease_seconds,
@@ -206,7 +206,7 @@ async def leave(run: RunName, peer: PeerName, hub: Hub) -> Left:
 )
 async def put_update(
     run: RunName,
-    round: Annotated[int, Path(ge=0)],
+    round: Round,
     peer: PeerName,
     request: Request,
     hub: Hub,
@@ -214,7 +214,7 @@ async def put_update(
     digest: Annotated[str, Header(alias="Content-Digest", description="sha-256=:<base64>: of the body.")],
     metrics: Annotated[str | None, Header(alias="X-Sync-Metrics", description="JSON object of numbers.")] = None,
     offset: Annotated[
-        int, Header(alias="Upload-Offset", ge=0, description="Resume: the body starts at this byte.")
+        int, Header(alias="Upload-Offset", ge=0, le=MAX_BYTES, description="Resume: the body starts at this byte.")
     ] = 0,
 ) -> UpdateAck:
     try:
@@ -247,7 +247,7 @@ async def put_update(
 )
 async def update_offset(
     run: RunName,
-    round: Annotated[int, Path(ge=0)],
+    round: Round,
     peer: PeerName,
     hub: Hub,
     samples: Annotated[int, Header(alias="X-Sync-Samples")],
@@ -278,7 +278,7 @@ async def update_offset(
 )
 async def get_result(
     run: RunName,
-    round: Annotated[int, Path(ge=0)],
+    round: Round,
     hub: Hub,
     request: Request,
     wait: Wait = 20.0,

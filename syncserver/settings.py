@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from syncserver.limits import MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds
+from syncserver.limits import MAX_BYTES, MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds
 from syncserver.names import NAME_RULE, is_name
 from syncwire import get_codec
 
@@ -55,7 +55,7 @@ class HubSettings(BaseSettings):
     )
     lease_seconds: Seconds = Field(60.0, description="A peer not heard from for this long is gone.")
     max_body_bytes: int = Field(
-        8 * 1024**3, gt=0, le=2**44, description="Hard cap on any upload; the run's schema sets a tighter one."
+        8 * 1024**3, gt=0, le=MAX_BYTES, description="Hard cap on any upload; the run's schema sets a tighter one."
     )
     long_poll_seconds: Seconds = Field(20.0, description="Longest a wait request is held open.")
     keep_versions: int = Field(3, ge=1, le=10_000, description="Model versions (and round results) kept on disk.")

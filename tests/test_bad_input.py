@@ -235,6 +235,58 @@ def test_negative_round_is_invalid(run: Run) -> None:
     refused_and_unchanged(run, lambda: run.put("a", data, round_=-1), 422, "invalid_request", "round")
 
 
+@pytest.mark.parametrize(
+    "round_", [2**53 + 1, 2**63, 2**64, 10**30, int("9" * 400)], ids=["2^53+1", "2^63", "2^64", "1e30", "400-digits"]
+)
+def test_round_past_the_bound_is_invalid(run: Run, round_: int) -> None:
+    """Round numbers from the path are bounded before use (a round >= 2^63 *was* a 500: sqlite)."""
+    data = encode(run.delta())
+    refused_and_unchanged(run, lambda: run.put("a", data, round_=round_), 422, "invalid_request", "round")
+    path = f"{run.path}/rounds/{round_}"
+    before = run.state()
+    assert run.http.head(f"{path}/updates/a", headers=update_headers(data)).status_code == 422  # no body: HEAD
+    assert_refused(run.http.get(f"{path}/result", params={"wait": 0}), 422, "invalid_request", "round")
+    assert run.state() == before
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [(str(2**70), "Upload-Offset"), ("9" * 5000, "Upload-Offset"), ("-1", "Upload-Offset")],
+    ids=["2^70", "5000-digits", "negative"],
+)
+def test_upload_offset_past_the_bound_is_invalid(run: Run, value: str, reason: str) -> None:
+    data = encode(run.delta())
+    headers = update_headers(data, **{"Upload-Offset": value})
+    refused_and_unchanged(run, lambda: run.put("a", data, headers=headers), 422, "invalid_request", reason)
+
+
+@pytest.mark.parametrize(
+    ("spec", "status", "served"),
+    [
+        ("bytes=" + "9" * 5000 + "-", 416, None),  # starts past the end: not satisfiable
+        ("bytes=0-" + "9" * 5000, 206, "all"),  # ends past the end: the whole body
+        ("bytes=-" + "9" * 5000, 206, "all"),  # the last 10^5000 bytes: the whole body
+        ("bytes=1-" + "9" * 30, 206, "from 1"),
+        ("bytes=²-", 200, "all"),  # not an ASCII digit: no range at all
+    ],
+    ids=["start", "end", "suffix", "end-30-digits", "superscript"],
+)
+def test_range_with_thousands_of_digits(run: Run, spec: str, status: int, served: str | None) -> None:
+    """A Range header is read without parsing thousands of digits, with the meaning RFC 9110 gives."""
+    whole = run.http.get(f"{run.path}/model").content
+    before = run.state()
+    for path in (f"{run.path}/model", f"{run.path}/rounds/0/result"):
+        full = run.http.get(path).content
+        r = run.http.get(path, headers={"Range": spec.encode("latin-1")})  # bytes: "²" is not ASCII
+        assert r.status_code == status, (path, r.status_code)
+        if served == "all":
+            assert r.content == full
+        elif served == "from 1":
+            assert r.content == full[1:]
+    assert run.http.get(f"{run.path}/model").content == whole
+    assert run.state() == before
+
+
 # ---- the body ------------------------------------------------------------------------------------
 BAD_BODIES = {
     "not safetensors": (b"hello, hub" * 10, 422, "invalid_update", "over the"),
@@ -509,6 +561,7 @@ def test_missing_digest(run: Run) -> None:
         ("three", 422, "invalid_request"),
         ("1.5", 422, "invalid_request"),
         (str(2**70), 422, "invalid_update"),
+        (str(2**53), 422, "invalid_update"),  # *was* accepted: 1e25 x 2^53 overflowed float32
         ("", 422, "invalid_request"),
     ],
 )
