@@ -18,10 +18,15 @@ Layout under ``data_dir``::
     hub.sqlite3
     runs/<run>/versions/<v>.safetensors     the model after v merges (float32)
     runs/<run>/momentum/<v>.safetensors     DiLoCo's momentum that goes with version v
-    runs/<run>/rounds/<v>/<peer>.safetensors an acknowledged update for round v (wire codec)
+    runs/<run>/rounds/<v>/updates/<peer>.safetensors  an acknowledged update for round v (wire codec)
     runs/<run>/rounds/<v>/result.safetensors round v's merged update (wire codec)
     tmp/                                    uploads in flight
     tmp/partials/<run>/<v>/<peer>/<digest>.part  an update cut mid-body, kept for its resume
+
+Peer names are chosen by peers, so they get a folder of their own: no peer name can be a file
+of the hub's (a peer called ``result`` once stored its update at the round's result path, and
+the merge's rename replaced it). Data dirs of that older layout, with updates beside the
+result, are moved into this one on start (:meth:`Store.recover`).
 """
 
 from __future__ import annotations
@@ -418,8 +423,11 @@ class Store:
         if isinstance(key, MomentumKey):
             return self._run_dir(key.run) / "momentum" / f"{key.number:08d}.safetensors"
         if isinstance(key, UpdateKey):
-            return self._round_dir(key.run, key.round) / f"{key.peer}.safetensors"
+            return self._updates_dir(key.run, key.round) / f"{key.peer}.safetensors"
         return self._round_dir(key.run, key.round) / "result.safetensors"
+
+    def _updates_dir(self, run: str, round_: int) -> Path:
+        return self._round_dir(run, round_) / "updates"
 
     def _partials(self, run: str, round_: int | None = None, peer: str | None = None) -> Path:
         path = self._tmp / "partials" / run
@@ -649,11 +657,24 @@ class Store:
             if int(path.name) > version:
                 shutil.rmtree(path)
             elif int(path.name) == version:
-                for f in path.iterdir():
-                    if f.name.startswith(".") or f.stem not in acked:
-                        f.unlink()
+                self._recover_open_round(path, self._updates_dir(run, version), acked)
         for path in self._run_dir(run).rglob(".*.tmp"):
             path.unlink()
+
+    def _recover_open_round(self, folder: Path, updates: Path, acked: set[str]) -> None:
+        """The open round holds its acknowledged updates and nothing else: a result there is
+        a merge that never committed. An update of the older layout (beside the result, see
+        the module docstring) moves into ``updates/`` first: in an open round, a file named
+        after an acknowledged peer is that peer's update."""
+        updates.mkdir(exist_ok=True)
+        for f in folder.iterdir():
+            if f.is_file() and f.suffix == ".safetensors" and f.stem in acked and not (updates / f.name).exists():
+                os.replace(f, updates / f.name)
+                _fsync_dir(updates)
+                _fsync_dir(folder)
+        for f in [*folder.iterdir(), *updates.iterdir()]:
+            if f.is_file() and (f.parent == folder or f.name.startswith(".") or f.stem not in acked):
+                f.unlink()
 
     @_translated
     def clear_tmp(self) -> None:

@@ -114,7 +114,7 @@ class Run:
             "uploading": s["open_round"]["uploading"],
             "bytes_up": {p["peer"]: p["bytes_up"] for p in s["peers"]},
             "samples": {p["peer"]: p["samples"] for p in s["peers"]},
-            "files": sorted(f.name for f in round_dir.glob("*")) if round_dir.exists() else [],
+            "files": sorted(str(f.relative_to(round_dir)) for f in round_dir.rglob("*") if f.is_file()),
             # uploads in flight; a resumable partial (tmp/partials/...) is the resume's business
             "tmp": sorted(f.name for f in (self.hub.data_dir / "tmp").glob("*") if f.is_file()),
         }
