@@ -26,6 +26,7 @@ from anyio import to_thread
 from syncserver import aggregate
 from syncserver.engine import MergeEngine
 from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, PoisonedUpdate, RoundClosed
+from syncserver.finite import merge_finite
 from syncserver.limits import MAX_SAMPLES
 from syncserver.policy import Close
 from syncserver.schemas import UpdateAck, VersionZero
@@ -42,6 +43,7 @@ __all__ = ["MAX_SAMPLES", "Rounds", "Ticket"]
 log = logging.getLogger(__name__)
 
 HEADER_SLACK = 64 * 1024  # bytes an update's safetensors header may exceed twice the run's own
+CLOSE_RETRY_MAX = 30.0  # seconds between two tries at a close that keeps failing
 
 Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
 
@@ -330,8 +332,9 @@ class Rounds:
                 await to_thread.run_sync(self.engine.fold, acc, key, update.samples, run.codec)
 
     def decide(self, run: Run) -> None:
-        """Ask the policy again (time passed)."""
-        self.carry_out(run, run.policy.decide(now()))
+        """Ask the policy again (time passed); not while a failed close waits to retry."""
+        if now() >= run.close_retry_at:
+            self.carry_out(run, run.policy.decide(now()))
 
     def carry_out(self, run: Run, close: Close | None) -> None:
         if close is not None:
@@ -343,28 +346,28 @@ class Rounds:
             async with run.fold_lock:
                 await self._fold_unfolded(run)
                 folded = time.monotonic()
-                acc = run.accumulator()
-                outer = run.config.outer_optimizer
-                result_bytes = await to_thread.run_sync(self.engine.merge, run.name, close.round, acc, run.codec, outer)
-            updates = [run.acked[name] for name in close.participants]
+                if not self.store.exists(VersionKey(run.name, close.round)):
+                    await self.versions.written(run)  # the merge checks version v + its result
+                result_bytes, left_out = await merge_finite(self.engine, run, close.round)
+            participants = [name for name in close.participants if name not in left_out]
+            updates = [run.acked[name] for name in participants]
             assert run.opened is not None
             record = RoundRecord(
                 round=close.round,
                 opened=run.opened,
                 closed=time.time(),
-                participants=list(close.participants),
-                dropped=list(close.dropped),
+                participants=participants,
+                dropped=[*close.dropped, *left_out],
                 samples=sum(u.samples for u in updates),
                 bytes_in=sum(u.nbytes for u in updates),
                 result_bytes=result_bytes,
                 timings={"fold": folded - started, "merge": time.monotonic() - folded},
             )
             self.store.commit_round(run.name, record)
-        except Exception:
-            log.exception("round_close_failed run=%s round=%d (will retry)", run.name, close.round)
-            run.policy.abandoned()
-            self.view.changed(run)
+        except Exception as exc:
+            self._close_failed(run, close, exc)
             return
+        run.close_failures, run.close_retry_at = 0, 0.0
         run.policy.committed(close)
         run.version = close.round + 1
         run.acked, run.acc, run.opened = {}, None, None
@@ -390,6 +393,27 @@ class Rounds:
         )
         self.versions.start(run)
         self.view.closed(run, record)
+
+    def _close_failed(self, run: Run, close: Close, exc: Exception) -> None:
+        """The round stays open (say the disk is full) and is decided again after a backoff
+        (1 s, doubling, at most CLOSE_RETRY_MAX): a failing close must not spin, nor log a
+        traceback on every tick. The traceback is logged once per round, then one line."""
+        run.close_failures += 1
+        delay = min(CLOSE_RETRY_MAX, 2.0 ** (run.close_failures - 1))
+        run.close_retry_at = now() + delay
+        if run.close_failures == 1:
+            log.exception("round_close_failed run=%s round=%d (will retry in %.0fs)", run.name, close.round, delay)
+        else:
+            log.warning(
+                "round_close_failed run=%s round=%d failures=%d (will retry in %.0fs): %r",
+                run.name,
+                close.round,
+                run.close_failures,
+                delay,
+                exc,
+            )
+        run.policy.abandoned()
+        self.view.changed(run)
 
     def gone(self, run: Run, round_: int) -> Gone:
         return Gone(f"round {round_}'s result was pruned; pull the model", current_version=run.version)

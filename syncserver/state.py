@@ -62,7 +62,7 @@ class Run:
     peers: dict[str, Peer] = field(default_factory=dict)
     init_claim: str | None = None  # the peer told to upload version 0
     # the open round (number == version): its acknowledged updates, uploads under way, when it
-    # got its first update (wall time), and its running sum
+    # got its first update (wall time), and its running mean
     acked: dict[str, UpdateRecord] = field(default_factory=dict)
     uploading: set[str] = field(default_factory=set)
     opened: float | None = None
@@ -74,6 +74,9 @@ class Run:
     previous_norms: list[float] = field(default_factory=list)
     # round -> peer -> (wall time its result download began, ended); in memory, bounded
     downloads: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    # a close that failed (say the disk is full) is tried again from this monotonic time on
+    close_failures: int = 0
+    close_retry_at: float = 0.0
     # writes the file of ``version`` after the round that made it committed; pulls wait for it
     writing: asyncio.Task[None] | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from syncserver.aggregate import weighted_mean
 from syncwire import Codec, encode_model, get_codec, iter_chunks
 from syncwire.format import MAX_HEADER_BYTES
 from tests.conftest import Hub
@@ -134,10 +135,8 @@ class Run:
         expected = {}
         for name, shape in SCHEMA.items():
             # the hub's fold, in acknowledgement order, then the codec round trip of the mean
-            acc = np.zeros(shape, np.float32)
-            for d, n in ((d_a, samples[0]), (d_b, samples[1])):
-                acc += np.float32(n) * self.codec.decode(self.codec.encode(d[name]), shape)
-            mean = acc / np.float32(sum(samples))
+            decoded = [self.codec.decode(self.codec.encode(d[name]), shape) for d in (d_a, d_b)]
+            mean = weighted_mean(decoded, list(samples))
             expected[name] = self.model[name] + self.codec.decode(self.codec.encode(mean), shape)
         model = self.http.get(f"{self.path}/model")
         assert model.status_code == 200 and int(model.headers["x-sync-version"]) == self.version + 1
@@ -598,6 +597,67 @@ def test_bad_metrics(run: Run, metrics: str) -> None:
     data = encode(run.delta())
     headers = update_headers(data, **{"X-Sync-Metrics": metrics})
     refused_and_unchanged(run, lambda: run.put("a", data, headers=headers), 400, "bad_request", "X-Sync-Metrics")
+
+
+# ---- numbers that overflow -------------------------------------------------------------------
+@pytest.mark.parametrize("codec", ["fp32", "int8", "bf16"])
+def test_updates_near_the_float32_limit_average_to_finite_weights(api: httpx.Client, hub: Hub, codec: str) -> None:
+    """Two finite updates of 2e38: their float32 sum *was* Inf, served to every peer as version 2
+    (fp32), or a round that never closed while the hub logged a traceback per retry (int8)."""
+    run = new_run(api, hub, codec=codec)
+    big = {n: np.full(s, 2e38, np.float32) for n, s in SCHEMA.items()}
+    run.valid_round(deltas=(big, big))  # the exact (running) mean, the codec's round trip: 2e38
+    assert all(np.isfinite(v).all() for v in run.model.values())
+    run.valid_round()
+
+
+def overflowing_round(run: Run, d_a: dict[str, np.ndarray], d_b: dict[str, np.ndarray]) -> dict[str, Any]:
+    """a and b submit; the round closes (never loops); its record."""
+    for peer, d in (("a", d_a), ("b", d_b)):
+        data = encode(d, run.codec)
+        assert run.put(peer, data).status_code == 200
+    result = run.http.get(f"{run.path}/rounds/{run.version}/result", params={"wait": 30})
+    assert result.status_code == 200, result.text
+    (record,) = [r for r in run.http.get(run.path).json()["rounds"] if r["round"] == run.version]
+    return dict(record)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8", "bf16"])
+def test_a_round_that_would_overflow_goes_without_the_offending_update(api: httpx.Client, hub: Hub, codec: str) -> None:
+    """Weights near 3e38 plus a mean of 1.5e38 overflow: the round closes without a's update
+    (the largest), with b's alone; nothing non-finite is ever published, and the run goes on."""
+    run = new_run(api, hub, codec=codec)
+    huge = {n: np.full(s, 3e38, np.float32) for n, s in SCHEMA.items()}
+    run.valid_round(deltas=(huge, huge))  # the weights are now near 3e38, finite
+    d_b = run.delta()
+    record = overflowing_round(run, huge, d_b)
+    assert record["participants"] == ["b"] and record["dropped"] == ["a"]
+    model = safetensors.numpy.load(run.http.get(f"{run.path}/model").content)
+    for name, shape in SCHEMA.items():
+        expected = run.model[name] + run.codec.decode(run.codec.encode(d_b[name]), shape)
+        np.testing.assert_array_equal(model[name], expected, err_msg=name)
+        assert np.isfinite(model[name]).all()
+    run.model, run.version = model, run.version + 1
+    assert "update_left_out run=" + run.name in hub.log()
+    run.valid_round()
+
+
+def test_a_diloco_step_that_would_overflow_changes_nothing(api: httpx.Client, hub: Hub) -> None:
+    """outer_lr 10 on a mean of 1e38 overflows whoever sends it: every update is left out, the
+    round closes and changes nothing (version 1 is version 0, bit for bit)."""
+    name = f"bad-diloco-{next(_names)}"
+    config = {"min_peers": 2, "outer": "diloco", "outer_lr": 10}
+    assert api.post(f"/v1/runs/{name}/peers", json={"peer": "a", **config}).json()["state"] == "initialise"
+    model = {n: np.ones(s, np.float32) for n, s in SCHEMA.items()}
+    assert api.put(f"/v1/runs/{name}/versions/0", params={"peer": "a"}, content=encode(model)).status_code == 200
+    assert api.post(f"/v1/runs/{name}/peers", json={"peer": "b"}).json()["state"] == "ready"
+    run = Run(api, hub, name, get_codec("fp32"), model)
+    big = {n: np.full(s, 1e38, np.float32) for n, s in SCHEMA.items()}
+    record = overflowing_round(run, big, big)
+    assert record["participants"] == [] and sorted(record["dropped"]) == ["a", "b"]
+    after = safetensors.numpy.load(api.get(f"/v1/runs/{name}/model").content)
+    for n in SCHEMA:
+        np.testing.assert_array_equal(after[n], model[n])
 
 
 # ---- idempotency -----------------------------------------------------------------------------
