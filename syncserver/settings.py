@@ -58,6 +58,14 @@ class HubSettings(BaseSettings):
         8 * 1024**3, gt=0, le=MAX_BYTES, description="Hard cap on any upload; the run's schema sets a tighter one."
     )
     long_poll_seconds: Seconds = Field(20.0, description="Longest a wait request is held open.")
+    header_timeout: Seconds = Field(
+        10.0,
+        description="Seconds a client has to send a request's line and headers, from connecting or from the end "
+        "of the previous answer; then 408 and the connection is closed (syncserver serve; not plain uvicorn).",
+    )
+    idle_timeout: Seconds = Field(
+        5.0, description="An idle keep-alive connection is closed after this many seconds (uvicorn's keep-alive)."
+    )
     keep_versions: int = Field(3, ge=1, le=10_000, description="Model versions (and round results) kept on disk.")
     codec: str = Field("fp32", description="Default codec of new runs: fp32, bf16, int8, int4.")
     outer: Outer = Field("avg", description="Default outer optimizer of new runs.")
