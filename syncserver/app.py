@@ -103,6 +103,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     for status, description in {
         400: "Malformed input: a bad body, header or digest.",
         401: "Missing or wrong bearer token.",
+        403: "A limit of the hub is reached: runs per token, peers per run (the answer names it).",
         404: "Unknown run, peer or path.",
         409: "Conflicts with the run's state (a closed round, another config, another update).",
         413: "The body is over the run's size limit.",
@@ -116,7 +117,7 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
     """Build a hub. Its state lives in ``settings.data_dir`` and is recovered on start."""
     settings = settings or HubSettings()
     _configure_logging()
-    metrics = HubMetrics()  # one registry per app: tests build many apps in one process
+    metrics = HubMetrics(settings.metrics_runs)  # one registry per app: tests build many apps in one process
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -25,6 +25,7 @@ from typing import Any
 from syncserver.engine import MergeEngine
 from syncserver.errors import Conflict, InvalidUpdate, NotFound
 from syncserver.policy import BarrierPolicy
+from syncserver.quotas import check_new_peer, check_new_run
 from syncserver.rounds import Rounds, Ticket
 from syncserver.schemas import Heartbeat, StartInitialise, StartReady, StartState, StartWaiting, UpdateAck, VersionZero
 from syncserver.schemas import RunConfig as RunConfigModel
@@ -63,7 +64,7 @@ class Coordinator:
             run = Run(
                 record.name, config, get_codec(config.codec), self._policy(config, record.version), record.version
             )
-            run.schema, run.sealed = record.schema, record.sealed
+            run.schema, run.sealed, run.creator = record.schema, record.sealed, record.creator
             self.store.recover(run.name, run.version)
             for p in self.store.peers(run.name):
                 # every peer gets a fresh lease: they ride through the restart on retries
@@ -125,11 +126,15 @@ class Coordinator:
         return peer
 
     # ---- joining -------------------------------------------------------------------------
-    def join(self, run_name: str, peer_name: str, requested: dict[str, Any]) -> StartState:
-        """Register a peer (again, after a crash: same name, same rank) and say what it must do next."""
+    def join(self, run_name: str, peer_name: str, requested: dict[str, Any], creator: str = "token") -> StartState:
+        """Register a peer (again, after a crash: same name, same rank) and say what it must do next.
+        ``creator``: the kind of token that asks (:data:`syncserver.deps.Caller`), for the quotas."""
         run = self.runs.get(run_name)
         if run is None:
-            run = self._create(run_name, requested)
+            check_new_run(
+                self.runs.values(), creator, requested.get("min_peers") or self.settings.min_peers, self.settings
+            )
+            run = self._create(run_name, requested, creator)
         else:
             for key, value in requested.items():
                 if value is not None and _configured(run, key) != value:
@@ -137,6 +142,7 @@ class Coordinator:
                         f"run {run_name!r} uses {key}={_configured(run, key)!r}; this peer asked for {value!r}",
                         config=run.config.__dict__,
                     )
+            check_new_peer(run, peer_name, self.settings)
         admit = run.policy.join(peer_name, now(), counted=run.sealed)
         peer = run.peers.get(peer_name)
         if peer is None:
@@ -154,7 +160,7 @@ class Coordinator:
         self.view.changed(run)
         return self._start_state(run, peer)
 
-    def _create(self, name: str, requested: dict[str, Any]) -> Run:
+    def _create(self, name: str, requested: dict[str, Any], creator: str) -> Run:
         values = {key: getattr(self.settings, key) for key in CONFIG_FIELDS}
         values.update({k: v for k, v in requested.items() if v is not None})
         config = RunConfig(**values)
@@ -162,8 +168,8 @@ class Coordinator:
             codec = get_codec(config.codec)
         except ValueError as exc:
             raise InvalidUpdate(str(exc)) from None
-        self.store.create_run(name, config.__dict__)
-        run = Run(name, config, codec, self._policy(config, -1))
+        self.store.create_run(name, config.__dict__, creator)
+        run = Run(name, config, codec, self._policy(config, -1), creator=creator)
         self.runs[name] = run
         log.info("run_created run=%s %s", name, " ".join(f"{k}={v}" for k, v in config.__dict__.items()))
         return run

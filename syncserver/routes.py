@@ -21,7 +21,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from syncserver.coordinator import Coordinator
-from syncserver.deps import Hub, PeerName, Round, RunName, Wait, authenticate, authenticate_view
+from syncserver.deps import Caller, Hub, PeerName, Round, RunName, Wait, authenticate, authenticate_view
 from syncserver.errors import BadRequest, HubError, Incomplete
 from syncserver.limits import MAX_BYTES, MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds, header_int
 from syncserver.names import NAME_PATTERN
@@ -151,9 +151,18 @@ async def _receive(request: Request, hub: Coordinator, ticket: Ticket, offset: i
         raise Incomplete(f"the body did not arrive whole: {exc}") from None
 
 
-@view_router.get("/runs", summary="List runs")
-async def list_runs(hub: Hub) -> list[RunSummary]:
-    return hub.view.list_runs()
+@view_router.get("/runs", summary="List runs by name, a page at a time (the next page: Link rel=next)")
+async def list_runs(
+    hub: Hub,
+    response: Response,
+    limit: Annotated[int, Query(ge=1, le=1000, description="Runs per page.")] = 100,
+    after: Annotated[str | None, Query(pattern=NAME_PATTERN, description="The last run of the page before.")] = None,
+) -> list[RunSummary]:
+    page = hub.view.list_runs(limit=limit + 1, after=after)
+    if len(page) > limit:  # there is more: say where (RFC 8288), the body stays a plain list
+        page = page[:limit]
+        response.headers["Link"] = f'</v1/runs?limit={limit}&after={page[-1].run}>; rel="next"'
+    return page
 
 
 @view_router.get("/runs/{run}", summary="A run's state: config, version, peers, open round, recent rounds")
@@ -161,10 +170,13 @@ async def run_status(run: RunName, hub: Hub) -> RunStatus:
     return hub.view.status(run)
 
 
-@router.post("/runs/{run}/peers", summary="Join a run (creating it if new); says what the peer must do next")
-async def join(run: RunName, body: JoinRequest, hub: Hub) -> StartState:
+@router.post(
+    "/runs/{run}/peers",
+    summary="Join a run (creating it if new); says what the peer must do next",
+)
+async def join(run: RunName, body: JoinRequest, hub: Hub, caller: Caller) -> StartState:
     requested = body.model_dump(exclude={"peer"})
-    return hub.join(run, body.peer, requested)
+    return hub.join(run, body.peer, requested, creator=caller)
 
 
 @router.get(

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from syncserver.limits import MAX_BYTES, MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds
+from syncserver.limits import MAX_BYTES, MAX_PEERS, MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds
 from syncserver.names import NAME_RULE, is_name
 from syncwire import get_codec
 
@@ -58,6 +58,23 @@ class HubSettings(BaseSettings):
         8 * 1024**3, gt=0, le=MAX_BYTES, description="Hard cap on any upload; the run's schema sets a tighter one."
     )
     long_poll_seconds: Seconds = Field(20.0, description="Longest a wait request is held open.")
+    max_runs_per_token: int = Field(
+        100,
+        ge=1,
+        le=100_000,
+        description="Runs one token may create (runs are kept for the hub's life); then 403 limit_reached. "
+        "The admin token has no limit; a run token only ever creates its run.",
+    )
+    max_peers_per_run: int = Field(
+        256, ge=1, le=MAX_PEERS, description="Peers that may join one run; then 403 limit_reached."
+    )
+    metrics_runs: int = Field(
+        50,
+        ge=0,
+        le=10_000,
+        description="Runs that /metrics labels one by one (the first ones seen); the others are summed "
+        'under run="_other", so that the metrics stay bounded however many runs there are.',
+    )
     header_timeout: Seconds = Field(
         10.0,
         description="Seconds a client has to send a request's line and headers, from connecting or from the end "
@@ -102,6 +119,14 @@ class HubSettings(BaseSettings):
     def _view_token_needs_token(self) -> HubSettings:
         if self.view_token is not None and not self.auth_required:
             raise ValueError("SYNC_VIEW_TOKEN is set but SYNC_TOKEN is not: an open hub needs no view token")
+        return self
+
+    @model_validator(mode="after")
+    def _min_peers_can_join(self) -> HubSettings:
+        if self.min_peers > self.max_peers_per_run:
+            raise ValueError(
+                f"min_peers {self.min_peers} is over max_peers_per_run {self.max_peers_per_run}: no run could start"
+            )
         return self
 
     @model_validator(mode="after")

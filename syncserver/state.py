@@ -61,6 +61,7 @@ class Run:
     sealed: bool = False
     peers: dict[str, Peer] = field(default_factory=dict)
     init_claim: str | None = None  # the peer told to upload version 0
+    creator: str | None = None  # the kind of token that created it (its quota's; None: created before)
     # the open round (number == version): its acknowledged updates, uploads under way, when it
     # got its first update (wall time), and its running mean
     acked: dict[str, UpdateRecord] = field(default_factory=dict)

@@ -72,7 +72,7 @@ __all__ = [
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     name TEXT PRIMARY KEY, config TEXT NOT NULL, schema TEXT, version INTEGER NOT NULL,
-    created REAL NOT NULL, sealed INTEGER NOT NULL DEFAULT 0);
+    created REAL NOT NULL, sealed INTEGER NOT NULL DEFAULT 0, creator TEXT);
 CREATE TABLE IF NOT EXISTS peers (
     run TEXT NOT NULL, name TEXT NOT NULL, rank INTEGER, active_from INTEGER NOT NULL,
     joined REAL NOT NULL, left INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (run, name));
@@ -97,6 +97,7 @@ class RunRecord:
     version: int  # -1 until version 0 exists
     created: float
     sealed: bool
+    creator: str | None = None  # the kind of token that created it (quotas.py); None: before it was kept
 
 
 @dataclass
@@ -391,6 +392,13 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring a database of an older hub up to :data:`_SCHEMA` (columns added since)."""
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(runs)")}
+        if "creator" not in columns:  # who created a run counts against its quota (quotas.py)
+            self._db.execute("ALTER TABLE runs ADD COLUMN creator TEXT")
 
     def describe(self) -> str:
         """Where the data lives, for the startup log line."""
@@ -539,7 +547,9 @@ class Store:
     # ---- runs ----------------------------------------------------------------------------
     @_translated
     def runs(self) -> list[RunRecord]:
-        rows = self._db.execute("SELECT name, config, schema, version, created, sealed FROM runs").fetchall()
+        rows = self._db.execute(
+            "SELECT name, config, schema, version, created, sealed, creator FROM runs ORDER BY rowid"
+        ).fetchall()
         return [
             RunRecord(
                 name,
@@ -548,15 +558,16 @@ class Store:
                 version,
                 created,
                 bool(sealed),
+                creator,
             )
-            for name, config, schema, version, created, sealed in rows
+            for name, config, schema, version, created, sealed, creator in rows
         ]
 
-    def create_run(self, name: str, config: dict[str, Any]) -> None:
+    def create_run(self, name: str, config: dict[str, Any], creator: str | None = None) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT INTO runs (name, config, version, created) VALUES (?, ?, -1, ?)",
-                (name, json.dumps(config), time.time()),
+                "INSERT INTO runs (name, config, version, created, creator) VALUES (?, ?, -1, ?, ?)",
+                (name, json.dumps(config), time.time(), creator),
             )
 
     def seal(self, run: str, ranks: dict[str, int]) -> None:

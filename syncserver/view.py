@@ -99,7 +99,9 @@ class HubView:
     def find(self, name: str | None) -> Run | None:
         return self._runs.get(name) if name else None
 
-    def list_runs(self) -> list[RunSummary]:
+    def list_runs(self, limit: int | None = None, after: str | None = None) -> list[RunSummary]:
+        """Runs by name: all of them, or ``limit`` after the run named ``after``."""
+        names = sorted(name for name in self._runs if after is None or name > after)[:limit]
         return [
             RunSummary(
                 run=r.name,
@@ -108,7 +110,7 @@ class HubView:
                 codec=r.config.codec,
                 outer=r.config.outer,  # type: ignore[arg-type]  # checked when the run was created
             )
-            for r in self._runs.values()
+            for r in (self._runs[name] for name in names)
         ]
 
     def peer_states(self, run: Run) -> dict[PeerState, int]:

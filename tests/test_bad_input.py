@@ -42,11 +42,13 @@ _names = itertools.count()
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    """One hub for the module (each test has its own run): a token hub, so auth runs on every call."""
+    """One hub for the module (each test has its own run): a token hub, so auth runs on every call.
+    Its tests create a few hundred runs with the hub token: more than the default quota."""
     root = tmp_path_factory.mktemp("bad-input")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
     env["SYNC_TOKEN"] = TOKEN
-    hub = Hub(root / "data", ["--round-timeout", "600"], env, root / "hub.log").start()
+    args = ["--round-timeout", "600", "--max-runs-per-token", "100000"]
+    hub = Hub(root / "data", args, env, root / "hub.log").start()
     yield hub
     hub.stop()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +163,19 @@ def test_a_partial_pruned_as_it_completes_is_missing(store: Store) -> None:
     store.prune("r", 1, keep=3)  # round 0 closed: its partials can never complete
     with pytest.raises(Missing):
         upload.finish()
+
+
+def test_a_database_of_an_older_hub_gets_the_new_column(tmp_path: Path) -> None:
+    """Runs created before their creator was kept (for the quotas) load with ``creator=None``."""
+    (tmp_path / "old").mkdir()
+    db = sqlite3.connect(tmp_path / "old" / "hub.sqlite3")
+    db.execute(
+        "CREATE TABLE runs (name TEXT PRIMARY KEY, config TEXT NOT NULL, schema TEXT, version INTEGER NOT NULL, "
+        "created REAL NOT NULL, sealed INTEGER NOT NULL DEFAULT 0)"
+    )
+    db.execute("INSERT INTO runs (name, config, version, created) VALUES ('r', '{}', -1, 0)")
+    db.commit()
+    db.close()
+    store = Store(tmp_path / "old")
+    store.create_run("s", {}, "token")
+    assert [(r.name, r.creator) for r in store.runs()] == [("r", None), ("s", "token")]
