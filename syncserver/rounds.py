@@ -31,18 +31,17 @@ from syncserver.limits import MAX_SAMPLES
 from syncserver.policy import Close
 from syncserver.schemas import UpdateAck, VersionZero
 from syncserver.settings import HubSettings
+from syncserver.shape import RunShape
 from syncserver.state import Run, now
 from syncserver.store import RoundRecord, Store, UpdateKey, UpdateRecord, Upload, VersionKey
 from syncserver.uploads import Received
 from syncserver.view import HubView
-from syncwire import FormatError, TensorInfo, check_layout, layout_bytes, wire_layout
-from syncwire.format import MAX_HEADER_BYTES, encode_header
+from syncwire import FormatError, TensorInfo, check_layout
 
 __all__ = ["MAX_SAMPLES", "Rounds", "Ticket"]
 
 log = logging.getLogger(__name__)
 
-HEADER_SLACK = 64 * 1024  # bytes an update's safetensors header may exceed twice the run's own
 CLOSE_RETRY_MAX = 30.0  # seconds between two tries at a close that keeps failing
 
 Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
@@ -136,17 +135,17 @@ class Rounds:
             run.name, -1, peer, "", 0, {}, self.settings.max_body_bytes, _check_initial, self.store.fresh_upload()
         )
 
-    def commit_init(self, run: Run, ticket: Ticket, received: Received) -> VersionZero:
+    def commit_init(self, run: Run, ticket: Ticket, received: Received, shape: RunShape) -> VersionZero:
+        """Version 0 is ``received``; ``shape`` is its schema's (:meth:`RunShape.of_infos`)."""
         if run.version >= 0 or run.init_claim != ticket.peer:
             received.staged.discard()
             raise Conflict(f"run {run.name!r} was initialised by another peer", current_version=run.version)
-        order = sorted(received.infos.values(), key=lambda i: i.start)
-        schema = {i.name: i.shape for i in order}
+        schema = shape.schema
         try:
             self.store.publish_initial(received.staged, run.name, schema)
         finally:
             received.staged.discard()
-        run.schema, run.version, run.init_claim = schema, 0, None
+        run.schema, run.shape, run.version, run.init_claim = schema, shape, 0, None
         run.policy.begin(0)
         log.info("version0 run=%s peer=%s tensors=%d bytes=%d", run.name, ticket.peer, len(schema), received.nbytes)
         return VersionZero(version=0, tensors=len(schema), bytes=received.nbytes)
@@ -172,19 +171,14 @@ class Rounds:
         if repeat is not None:
             return Ticket(run.name, round_, peer, digest, samples, metrics, 0, _refuse_body, acknowledged=repeat)
         await self._check_open(run, round_)
-        assert run.schema is not None
-        layout = wire_layout(run.codec, run.schema)
+        assert run.shape is not None  # set with the schema: O(schema) once, not per request
+        layout = run.shape.layout
 
-        def check(infos: dict[str, TensorInfo]) -> None:
+        def check(infos: dict[str, TensorInfo]) -> None:  # in a worker thread (uploads.receive)
             check_layout(infos, layout)
 
-        # the header may be a few times the size of the run's own (other writers pad it, add
-        # metadata), not the format's 8 MiB cap: a small run's limit stays small
-        own_header, _ = encode_header((name, dtype, shape) for name, (dtype, shape) in layout.items())
-        header_cap = min(MAX_HEADER_BYTES, 2 * len(own_header) + HEADER_SLACK)
-        max_bytes = min(8 + header_cap + layout_bytes(layout), self.settings.max_body_bytes)
         upload = self.store.resumable_upload(run.name, round_, peer, digest, supersede=supersede)
-        return Ticket(run.name, round_, peer, digest, samples, metrics, max_bytes, check, upload)
+        return Ticket(run.name, round_, peer, digest, samples, metrics, run.shape.max_update_bytes, check, upload)
 
     def _acknowledged(self, run: Run, round_: int, peer: str, digest: str) -> UpdateAck | None:
         """Idempotency: the same update again is harmless, a different one is a conflict."""

@@ -32,6 +32,7 @@ from syncserver.schemas import (
     Left,
     RunStatus,
     RunSummary,
+    StartReady,
     StartState,
     UpdateAck,
     VersionZero,
@@ -170,21 +171,35 @@ async def run_status(run: RunName, hub: Hub) -> RunStatus:
     return hub.view.status(run)
 
 
+def _start_answer(state: StartState, hub: Coordinator) -> StartState | Response:
+    """A ready answer carries the run's schema, 7 MB of JSON for 100,000 tensors: it is spliced
+    in from the run's own JSON (made once, :class:`~syncserver.shape.RunShape`) instead of being
+    validated and serialised again for every request, on the event loop. Same bytes as the model."""
+    if not isinstance(state, StartReady):
+        return state
+    shape = hub.run(state.run).shape
+    assert shape is not None and state.tensor_schema is shape.schema_lists
+    head = state.model_dump_json(by_alias=True, exclude={"tensor_schema"}).encode()
+    return Response(head[:-1] + b',"schema":' + shape.schema_json + b"}", media_type="application/json")
+
+
 @router.post(
     "/runs/{run}/peers",
     summary="Join a run (creating it if new); says what the peer must do next",
+    response_model=StartState,
 )
-async def join(run: RunName, body: JoinRequest, hub: Hub, caller: Caller) -> StartState:
+async def join(run: RunName, body: JoinRequest, hub: Hub, caller: Caller) -> StartState | Response:
     requested = body.model_dump(exclude={"peer"})
-    return hub.join(run, body.peer, requested, creator=caller)
+    return _start_answer(hub.join(run, body.peer, requested, creator=caller), hub)
 
 
 @router.get(
     "/runs/{run}/peers/{peer}/start",
     summary="Long poll until the peer may start: state is waiting, initialise or ready",
+    response_model=StartState,
 )
-async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) -> StartState:
-    return await hub.wait_start(run, peer, wait)
+async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) -> StartState | Response:
+    return _start_answer(await hub.wait_start(run, peer, wait), hub)
 
 
 @router.put(
@@ -197,7 +212,7 @@ async def put_initial(
 ) -> VersionZero:
     ticket = hub.init_ticket(run, peer)
     received = await _receive(request, hub, ticket)
-    return hub.commit_init(ticket, received)
+    return await hub.commit_init(ticket, received)
 
 
 @router.post("/runs/{run}/peers/{peer}/heartbeat", summary="Renew the peer's lease")

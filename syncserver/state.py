@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from syncserver.engine import Accumulator, Outer
 from syncserver.policy import BarrierPolicy
+from syncserver.shape import RunShape
 from syncserver.store import PeerRecord, UpdateRecord
 from syncwire import Codec, Schema
 
@@ -58,6 +59,7 @@ class Run:
     policy: BarrierPolicy
     version: int = -1
     schema: Schema | None = None
+    shape: RunShape | None = None  # what the schema implies (layout, limits, its JSON): set with it
     sealed: bool = False
     peers: dict[str, Peer] = field(default_factory=dict)
     init_claim: str | None = None  # the peer told to upload version 0

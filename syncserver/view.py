@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -149,7 +148,7 @@ class HubView:
             "sealed": run.sealed,
             "world_size": run.world_size(),
             "tensors": len(run.schema or {}),
-            "parameters": sum(math.prod(s) for s in (run.schema or {}).values()),
+            "parameters": run.shape.parameters if run.shape else 0,
             "open_round": {
                 "round": run.version,
                 "submitted": sorted(run.acked),
