@@ -73,3 +73,24 @@ def test_pagecache_benchmark_times_every_mode(tmp_path: Path) -> None:
     assert {(w.strip(), f.strip()) for w, f, *_ in rows} == {("no", "no"), ("yes", "no"), ("no", "yes"), ("yes", "yes")}
     assert all(float(r[4]) > 0 for r in rows), "every mode wrote at a positive rate"
     assert list(tmp_path.iterdir()) == [], "the test file is removed"
+
+
+def test_starve_benchmark_runs_and_writes_its_figures(tmp_path: Path) -> None:
+    """bench/starve.py with a small big run: the attack gets going, every figure is written."""
+    out = tmp_path / "results"
+    command = [sys.executable, str(REPO / "bench" / "starve.py"), "--tensors", "2000", "--rounds", "1"]
+    proc = subprocess.run(
+        [*command, "--phases", "1", "--honest-mb", "0.5", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = out.glob("starve-*.json")
+    result = json.loads(path.read_text())
+    assert len(result["alone"]) == len(result["attacked"]) == 1 and result["ratio"] > 0
+    statuses = result["attack"]["statuses"]
+    assert set(statuses) == {"head", "put", "status", "start"}
+    assert all(int(code) < 500 for counts in statuses.values() for code in counts), statuses
+    assert "attacked / alone" in proc.stdout
