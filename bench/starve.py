@@ -86,8 +86,9 @@ def big_run(url: str, tensors: int) -> float:
 
 
 def hammer(url: str, clients: int, control: bool, ready: Any, stop: Any, results: Any) -> None:
-    """A process of ``clients`` threads polling the big run until ``stop`` is set; ``ready`` is
-    set once every thread has had an answer to each kind of request (the attack is under way)."""
+    """``clients`` threads polling the big run until ``stop`` is set (in a process of their own
+    here; tests/test_cost.py runs it in a thread); ``ready`` is set once every thread has had an
+    answer to each kind of request (the attack is under way). Puts latencies and statuses by kind."""
     kinds = ["head", "put", "status", "start"]
     latencies: dict[str, list[float]] = {k: [] for k in kinds}
     statuses: dict[str, dict[int, int]] = {k: {} for k in kinds}
