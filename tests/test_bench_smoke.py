@@ -98,3 +98,23 @@ def test_unequal_benchmark_runs_every_policy(tmp_path: Path) -> None:
     slow = [p for p in rows["samples"]["peers"] if p["slow"]]
     assert len(slow) == 1 and all(p["steps"] > slow[0]["steps"] for p in rows["samples"]["peers"] if not p["slow"])
     assert "| slow | samples |" in proc.stdout
+
+
+def test_group_benchmark_times_every_peer_shape(tmp_path: Path) -> None:
+    """bench/group.py: 1 rank, 2 ranks DDP, 2 ranks FSDP, each rank checked against the hub."""
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "group.py"),
+        "--model",
+        "tiny",
+        "--syncs",
+        "1",
+        "--results",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(next(tmp_path.glob("group-*.json")).read_text())
+    assert [(r["mode"], r["ranks"]) for r in record["rows"]] == [("plain", 1), ("ddp", 2), ("fsdp", 2)]
+    assert all(len(r["sync_s"]) == 1 and r["sync_s"][0] > 0 for r in record["rows"])
+    assert len(record["rows"][1]["broadcast_s"]) == 1
