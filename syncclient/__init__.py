@@ -23,6 +23,7 @@ from syncclient.exceptions import (
     NotFound,
     RoundClosed,
     SchemaMismatch,
+    StaleUpdate,
     SyncError,
 )
 
@@ -39,6 +40,7 @@ __all__ = [
     "PendingSync",
     "RoundClosed",
     "SchemaMismatch",
+    "StaleUpdate",
     "SyncCallback",
     "SyncClient",
     "SyncResult",

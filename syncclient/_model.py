@@ -57,3 +57,23 @@ class ModelView:
         """Copy ``arrays`` into the model (cast to each tensor's dtype and device)."""
         for name, t in self.tensors.items():
             t.copy_(torch.from_numpy(np.asarray(arrays[name])).reshape(t.shape))
+
+
+class ArrayView:
+    """A model held as named float32 arrays: what the leader of a process group syncs for the
+    group (:mod:`syncclient.group`). Same surface as :class:`ModelView`; ``load`` copies into
+    the arrays in place, so whoever holds the dict sees the new weights."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self.arrays = arrays
+
+    @property
+    def schema(self) -> Schema:
+        return {name: tuple(a.shape) for name, a in self.arrays.items()}
+
+    def export(self) -> dict[str, np.ndarray]:
+        return self.arrays
+
+    def load(self, arrays: dict[str, np.ndarray]) -> None:
+        for name, a in self.arrays.items():
+            np.copyto(a, np.asarray(arrays[name]).reshape(a.shape))

@@ -19,6 +19,11 @@ What it does, on the main process of the peer:
   nothing special): send the update with the number of samples seen since the last sync and
   the training loss of those steps (it asks the Trainer to log at that step, so the loss is
   fresh), then train on from the merged version.
+- **or, with ``round_samples=S``** (a run whose rounds close on a global sample count, the
+  ``samples`` policy): count each step's samples for the hub and sync at the first step end
+  after the hub says the round is due (the peers together trained S samples). A fast peer syncs
+  after more steps than a slow one; nobody waits for more than the step another peer is in.
+  Whichever the callback was given, it follows the run's policy as the hub reports it at join.
 - **evaluate**: the eval metrics ride along with the next update.
 - **train end**: a last sync if there were steps since the previous one, then leave.
 
@@ -46,10 +51,12 @@ describe this peer's recent gradients; that is what local SGD and DiLoCo do (the
 optimizer is local, only weights are averaged). Resetting Adam at every sync would restart
 its bias correction and cost a warm-up per round, for no gain in agreement between peers.
 
-One process per peer: the callback raises at train begin when ``args.world_size > 1``. A peer
-that trains on several GPUs with DDP would need the merged weights broadcast from rank 0 to
-the other ranks after every sync; that is not implemented (yet), so we refuse rather than
-let the ranks drift apart silently. Several GPUs in one process (``DataParallel``) are fine.
+**A peer with several GPUs** (``torchrun --nproc-per-node P``, DDP or FSDP, ``args.world_size >
+1``): every rank runs the callback; the client serves the process group
+(``SyncClient(..., group=torch.distributed.group.WORLD)``, made at train begin when the
+callback made the client): rank 0 alone talks to the hub and the merged weights reach every
+rank after each sync (:mod:`syncclient.group`). Overlap is not available there (the ranks would
+have to agree at every step on whether the result is in).
 
 The sample count of an update is ``steps * args.train_batch_size *
 args.gradient_accumulation_steps * args.world_size``: the nominal number of training
@@ -79,11 +86,14 @@ _METRICS_BUDGET = 2048
 
 
 class SyncCallback(TrainerCallback):
-    """Average this Trainer's model with the other peers of a run every ``sync_every`` steps.
+    """Average this Trainer's model with the other peers of a run every ``sync_every`` steps,
+    or whenever the peers together trained ``round_samples`` samples.
 
     Args:
         hub: the hub's base URL (``http://`` or ``https://``). Give ``hub`` or ``client``.
-        sync_every: optimizer steps between syncs (an int >= 1).
+        sync_every: optimizer steps between syncs (an int >= 1): barrier and async runs.
+        round_samples: samples per round for the run (an int >= 1), which makes it a samples
+            run when this peer creates it; a keyword of ``SyncClient`` too.
         client: a :class:`SyncClient` you built yourself; joined already or not. The callback
             leaves the run at the end but does not close a client it did not create.
         on_sync: called with each :class:`SyncResult` after a sync (for scripts that log or
@@ -107,14 +117,18 @@ class SyncCallback(TrainerCallback):
         self,
         hub: str | None = None,
         *,
-        sync_every: int,
+        sync_every: int | None = None,
         client: SyncClient | None = None,
         on_sync: Callable[[SyncResult], None] | None = None,
         overlap: bool = False,
         **client_kwargs: Any,
     ) -> None:
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        if sync_every is not None and (
+            isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1
+        ):
             raise ValueError(f"sync_every must be an int >= 1 (optimizer steps), got {sync_every!r}")
+        if sync_every is None and client is None and client_kwargs.get("round_samples") is None:
+            raise ValueError("give sync_every=N (optimizer steps between syncs) or round_samples=S (samples per round)")
         if (hub is None) == (client is None):
             raise ValueError("give either hub='http://host:port' or client=SyncClient(...), not both or none")
         if on_sync is not None and not callable(on_sync):
@@ -135,6 +149,7 @@ class SyncCallback(TrainerCallback):
                 raise ValueError("SyncCallback(hub, ...) needs run='name-of-the-run'")
             self.client = SyncClient(hub, **client_kwargs)
         self._owns_client = client is None
+        self._hub, self._client_kwargs = hub, client_kwargs  # to remake the client for a process group
         self.sync_every = sync_every
         self.on_sync = on_sync
         self.overlap = overlap
@@ -156,18 +171,18 @@ class SyncCallback(TrainerCallback):
     ) -> None:
         # Checked on every rank, so that a DDP job fails everywhere instead of hanging on rank 1.
         if args.world_size > 1:
-            raise ValueError(
-                f"SyncCallback supports one training process per peer, got args.world_size="
-                f"{args.world_size}: run one peer per process (DDP peers are not supported yet)"
-            )
-        if not state.is_world_process_zero:
-            return
+            self._serve_the_group(args)
         model = _model(kwargs)
         if _has_joined(self.client):
             logger.info("client already joined the run; not joining again")
         else:
             self.join_info = self.client.join(model)
             logger.info("joined: %s", self.join_info)
+        if self.client.policy != "samples" and self.sync_every is None:
+            raise ValueError(
+                f"run {self.client.run!r} is a {self.client.policy} run: give SyncCallback sync_every=N "
+                "(optimizer steps between syncs)"
+            )
         self._active = True
         self._last_sync_step = state.global_step
         self._pending = False
@@ -189,7 +204,13 @@ class SyncCallback(TrainerCallback):
             self._land(state, _model(kwargs))
         since = state.global_step - self._last_sync_step
         last_step = state.max_steps > 0 and state.global_step >= state.max_steps
-        if since >= self.sync_every or (last_step and since > 0):
+        if self.client.policy == "samples":
+            self.client.progress(_samples_per_step(args, self.client))
+            due = since > 0 and self.client.due
+        else:
+            assert self.sync_every is not None
+            due = since >= self.sync_every
+        if due or (last_step and since > 0):
             # Decide here, act in on_log: asking for a log makes the Trainer report the loss of
             # the steps since its last log, which we send with the update. Evaluation at this
             # step runs after the log, so it sees the merged weights.
@@ -240,13 +261,28 @@ class SyncCallback(TrainerCallback):
 
     # -- the work ---------------------------------------------------------------------------------
 
+    def _serve_the_group(self, args: TrainingArguments) -> None:
+        """Several processes train this peer: the client must serve their process group."""
+        if self.overlap:
+            raise ValueError(f"overlap=True is for one process per peer; this peer has {args.world_size} ranks")
+        if self.client._group is not None:
+            return
+        if not self._owns_client:
+            raise ValueError(
+                f"this peer has {args.world_size} ranks: pass SyncClient(..., group=torch.distributed.group.WORLD)"
+            )
+        import torch.distributed as dist
+
+        self.client.close()  # never joined: made before the Trainer set torch.distributed up
+        self.client = SyncClient(self._hub, group=dist.group.WORLD, **self._client_kwargs)  # type: ignore[arg-type]
+
     def _sync(self, args: TrainingArguments, state: TrainerState, model: Any, *, blocking: bool = False) -> None:
         self._land(state, model)  # the previous overlapped sync, if still out: wait for it here
         steps = state.global_step - self._last_sync_step
         self._pending = False
         if steps == 0:  # it was late: its apply dropped every local step, nothing left to send
             return
-        samples = steps * args.train_batch_size * args.gradient_accumulation_steps * args.world_size
+        samples = steps * _samples_per_step(args, self.client)
         metrics = dict(self._eval_metrics)
         if self._loss is not None:
             metrics["loss"] = self._loss
@@ -287,6 +323,12 @@ class SyncCallback(TrainerCallback):
         )
         if self.on_sync is not None:
             self.on_sync(result)
+
+
+def _samples_per_step(args: TrainingArguments, client: SyncClient) -> int:
+    """The samples one optimizer step trains: a group's client sums its ranks' own."""
+    per_rank = int(args.train_batch_size * args.gradient_accumulation_steps)
+    return per_rank if client._group is not None else per_rank * int(args.world_size)
 
 
 def _model(kwargs: dict[str, Any]) -> Any:

@@ -1,10 +1,12 @@
 """SyncClient: join a run, sync every few thousand steps, leave.
 
-The client orchestrates; two parts do the work. :mod:`syncclient.state` holds the update
+The client orchestrates; other modules do the work. :mod:`syncclient.state` holds the update
 maths (numpy): the base version, the error-feedback residual, encoding a delta, folding the
-merged update in, the overlap correction. :mod:`syncclient.transport` moves the bytes
-(httpx): retries, resumable uploads and downloads, and the one map from HTTP trouble to
-:mod:`syncclient.exceptions`.
+merged update in, the overlap correction. :mod:`syncclient.protocol` is the request flows of a
+sync (upload, wait, fold the results in). :mod:`syncclient.transport` moves the bytes (httpx):
+retries, resumable uploads and downloads, and the one map from HTTP trouble to
+:mod:`syncclient.exceptions`. :mod:`syncclient.background` keeps the lease (and in samples
+runs reports progress) from daemon threads.
 
 A sync sends ``encode(local - base + residual)``, waits for the round's merged update ``U`` and
 sets the model to ``base + decode(U)``: the very sum the hub computes, so every peer and the
@@ -23,31 +25,38 @@ again. ``sync`` is the same code: ``sync_async``, wait, apply with no local step
 
 from __future__ import annotations
 
-import json
+import atexit
+import contextlib
 import logging
 import math
 import os
+import signal
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from syncclient._model import ModelView
-from syncclient.exceptions import ConflictError, HubError, RoundClosed, SchemaMismatch, SyncError
+from syncclient._model import ArrayView, ModelView
+from syncclient.background import Heartbeat, ProgressReporter
+from syncclient.exceptions import SchemaMismatch, SyncError
+from syncclient.group import PeerGroup
+from syncclient.protocol import Outcome, RunProtocol, run_settings
 from syncclient.state import EncodedUpdate, UpdateState
-from syncclient.transport import Download, Transport, body_size
+from syncclient.transport import Download, Transport
 from syncwire import Codec, get_codec, layout_bytes, wire_layout
 
 __all__ = ["JoinInfo", "PendingSync", "SyncClient", "SyncResult"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -81,18 +90,7 @@ class SyncResult:
     # of ``seconds``, the part spent on the caller's (training) thread: all of it for ``sync``;
     # for ``sync_async`` the snapshot and encoding, waiting in ``apply`` and applying
     stall_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    """What the background half of a sync brought back. ``latest`` is set when the round
-    closed without us: the run's latest version, to catch up to."""
-
-    bytes_up: int
-    bytes_down: int
-    upload_seconds: float
-    wait_seconds: float
-    latest: Download | None = None
+    run_samples: int = -1  # samples all peers had trained by ``version`` (a budget to stop on)
 
 
 class PendingSync:
@@ -107,7 +105,7 @@ class PendingSync:
     def __init__(
         self,
         client: SyncClient,
-        future: Future[_Outcome],
+        future: Future[Outcome],
         round_: int,
         snapshot: dict[str, np.ndarray] | None,
         started: float,
@@ -119,9 +117,22 @@ class PendingSync:
         self._started, self._stall = started, stall
         self._ratio, self._error = update.ratio, update.error  # not the parts: the worker frees them
 
-    def _result(self, outcome: _Outcome, version: int, waiting: float) -> SyncResult:
-        """What this sync did, applied now at ``version``; ``waiting``: when ``apply`` began."""
+    def _result(self, outcome: Outcome, version: int, waiting: float) -> SyncResult:
+        """What this sync did, applied now at ``version`` (and logged); ``waiting``: when
+        ``apply`` began."""
         done, late = time.monotonic(), outcome.latest is not None
+        client = self._client
+        if late:
+            log.warning(
+                "run %s: round %d closed without %s (late); caught up to version %d, local steps dropped",
+                *(client.run, self.round, client.peer, version),
+            )
+        else:
+            log.info(
+                "run %s: synced to version %d in %.2fs, %.2fs of it on this thread (%.1f MB up, %.1f MB down)",
+                *(client.run, version, done - self._started, self._stall + done - waiting),
+                *(outcome.bytes_up / 1e6, outcome.bytes_down / 1e6),
+            )
         return SyncResult(
             version=version,
             bytes_up=outcome.bytes_up,
@@ -133,6 +144,7 @@ class PendingSync:
             compression=1.0 if late else self._ratio,
             codec_error=0.0 if late else self._error,
             stall_seconds=self._stall + done - waiting,
+            run_samples=outcome.latest.run_samples if outcome.latest is not None else outcome.run_samples,
         )
 
     def done(self) -> bool:
@@ -141,7 +153,7 @@ class PendingSync:
 
     def apply(self, model: torch.nn.Module) -> SyncResult:
         """Load the merged version plus this peer's steps since the snapshot into ``model``."""
-        return self._client._apply(self, model)
+        return self._client._apply(self, ModelView(model))
 
 
 class SyncClient:
@@ -152,11 +164,15 @@ class SyncClient:
     >>> client.sync(model, samples=256_000, metrics={"loss": 3.1})
     >>> client.leave()
 
-    ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``min_peers``, ``round_timeout`` and
-    ``norm_guard`` (refuse updates over that many times the usual norm) configure the run if this
-    peer creates it; for an existing run they must match (or be
-    None to accept the run's). ``min_peers`` is also the rendezvous size: the run starts once
-    that many peers joined, and ranks follow sorted peer names, not join order.
+    ``codec`` ... ``max_staleness`` configure the run if this peer creates it, and must match an
+    existing run's (None: accept it): see :func:`syncclient.protocol.run_settings`. In a samples
+    run report what each step trained with :meth:`progress` and send when :attr:`due` (or let
+    :meth:`step` do both).
+
+    ``group``: a torch.distributed process group whose ranks train this peer together (DDP or
+    FSDP under ``torchrun``; ``torch.distributed.group.WORLD``): every rank makes the same calls,
+    rank 0 alone talks to the hub, and the merged weights reach every rank
+    (:mod:`syncclient.group`); ``samples`` are then each rank's own.
 
     ``verify`` checks the hub's TLS certificate: True (the system's CAs), the path of a CA
     bundle (a PEM file, or a folder of them) for a hub with its own CA, or an ``ssl.SSLContext``.
@@ -178,27 +194,32 @@ class SyncClient:
         min_peers: int | None = None,
         round_timeout: float | None = None,
         norm_guard: float | None = None,
+        policy: str | None = None,
+        round_samples: int | None = None,
+        max_staleness: int | None = None,
         verify: bool | str | ssl.SSLContext = True,
         timeout: float = 60.0,
         retry_seconds: float = 600.0,
+        group: Any = None,
     ) -> None:
         if not hub.startswith(("http://", "https://")):
             raise ValueError(f"hub must be an http:// or https:// URL, got {hub!r}")
-        if codec is not None:
-            get_codec(codec)  # fail here, not at the hub
         self.hub = hub.rstrip("/")
         self.run = run
         self.peer = peer or f"{socket.gethostname()}-{os.getpid()}"
         self.retry_seconds = retry_seconds
-        self._config = {
-            "codec": codec,
-            "outer": outer,
-            "outer_lr": outer_lr,
-            "outer_momentum": outer_momentum,
-            "min_peers": min_peers,
-            "round_timeout": round_timeout,
-            "norm_guard": norm_guard,
-        }
+        self._config = run_settings(
+            codec=codec,
+            outer=outer,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            min_peers=min_peers,
+            round_timeout=round_timeout,
+            norm_guard=norm_guard,
+            policy=policy,
+            round_samples=round_samples,
+            max_staleness=max_staleness,
+        )
         self._transport = Transport(
             self.hub, run=run, token=token, verify=verify, timeout=timeout, retry_seconds=retry_seconds
         )
@@ -206,14 +227,18 @@ class SyncClient:
         # a long poll must end (answered) well before the read timeout, or waiting for a slow
         # round would look like a dead hub: retried with backoff, then HubUnreachable
         self._poll = max(1.0, min(20.0, timeout / 2))
+        self._group = PeerGroup(group) if group is not None else None
+        self._protocol = RunProtocol(self._transport, run=run, peer=self.peer, poll=self._poll)
         self.version = -1
         self.rank: int | None = None
         self.world_size: int | None = None
         self.codec: Codec | None = None
         self._state: UpdateState | None = None  # from the first version loaded on
-        self._heartbeat: _Heartbeat | None = None  # from join on: the hub knows this peer
+        self._heartbeat: Heartbeat | None = None  # from join on: the hub knows this peer
         self._worker: ThreadPoolExecutor | None = None  # the one thread a sync's network work runs on
         self._inflight: PendingSync | None = None  # started, not yet applied: the state is the worker's
+        self.policy: str | None = None  # the run's round policy, from join on
+        self._progress: ProgressReporter | None = None  # samples runs: tells the hub how far this peer is
 
     # ---- the public surface --------------------------------------------------------------
     def join(self, model: torch.nn.Module) -> JoinInfo:
@@ -222,22 +247,24 @@ class SyncClient:
         The first peer of a new run uploads ``model`` as version 0; every other peer waits
         for it, so all start identical. Blocks until the run has started (``min_peers``).
         """
-        view = ModelView(model)
-        body = {"peer": self.peer, **{k: v for k, v in self._config.items() if v is not None}}
-        state = self._transport.call("POST", f"{self._runs}/peers", json=body).json()
-        if self._heartbeat is None:
-            lease = float(state.get("lease_seconds", 60.0))
-            beat = f"{self._runs}/peers/{self.peer}/heartbeat"
-            self._heartbeat = _Heartbeat(self._transport, beat, lease=lease, run=self.run, peer=self.peer)
-        said = ""
-        while state["state"] != "ready":
-            if state["state"] == "initialise":
-                self._initialise(view)
-            elif state.get("detail") != said:
-                said = state.get("detail", "")
-                log.info("run %s: %s", self.run, said)
-            start = f"{self._runs}/peers/{self.peer}/start"
-            state = self._transport.call("GET", start, params={"wait": self._poll}).json()
+        info = self._in_group(model, self._join, JoinInfo)
+        self.version, self.rank, self.world_size = info.version, info.rank, info.world_size
+        self.policy = info.config.get("policy", "barrier")
+        if self._group is not None and self._group.leader:
+            self._leave_at_exit()
+        return info
+
+    def _join(self, view: ModelView | ArrayView) -> JoinInfo:
+        def joined(lease: float) -> None:  # the hub knows us from here on: keep the lease
+            if self._heartbeat is None:
+                beat = f"{self._runs}/peers/{self.peer}/heartbeat"
+                self._heartbeat = Heartbeat(self._transport, beat, lease=lease, run=self.run, peer=self.peer)
+
+        def version0() -> list[tuple[str, np.ndarray, str]]:  # if the hub tells us to initialise
+            return [(name, a, "F32") for name, a in view.export().items()]
+
+        group_size = {"group_size": self._group.size} if self._group is not None else {}
+        state = self._protocol.join({**self._config, **group_size}, version0=version0, joined=joined)
         schema = {name: tuple(shape) for name, shape in state["schema"].items()}
         if schema != view.schema:
             self.close()
@@ -248,7 +275,7 @@ class SyncClient:
         fp32 = 4 * sum(math.prod(s) for s in schema.values())
         self._transport.max_download = max(fp32, layout_bytes(wire_layout(self.codec, schema)))
         self.rank, self.world_size = int(state["rank"]), int(state["world_size"])
-        self._adopt(view, self._fetch_latest())
+        self._adopt(view, self._protocol.latest())
         log.info(
             "run %s: joined as %s (rank %d of %d) at version %d",
             self.run,
@@ -258,6 +285,17 @@ class SyncClient:
             self.version,
         )
         config = state["config"]
+        self.policy = config.get("policy", "barrier")
+        if self.policy == "samples" and self._progress is None:
+            self._progress = ProgressReporter(
+                self._transport,
+                f"{self._runs}/peers/{self.peer}/progress",
+                poll=min(0.5, self._poll),
+                version=lambda: self.version,
+                syncing=lambda: self._inflight is not None,
+                run=self.run,
+                peer=self.peer,
+            )
         return JoinInfo(
             self.run, self.peer, self.rank, self.world_size, self.version, config["codec"], config["outer"], config
         )
@@ -268,7 +306,19 @@ class SyncClient:
         ``samples`` (examples seen since the last sync) weighs this peer in the average. Blocks
         for the whole round: :meth:`sync_async` is the same sync with training going on meanwhile.
         """
-        return self._apply(self._start(model, samples, metrics, keep_local=False), model)
+        if self._group is None:
+            view = ModelView(model)
+            return self._apply(self._start(view, samples, metrics, keep_local=False), view)
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"samples must be an int >= 0 (this rank's), got {samples!r}")
+        total = self._group.total(samples)  # the group's update weighs all its ranks' samples
+
+        def call(view: ArrayView) -> SyncResult:
+            return self._apply(self._start(view, total, metrics, keep_local=False), view)
+
+        result = self._in_group(model, call, SyncResult)
+        self.version = result.version
+        return result
 
     def sync_async(
         self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None
@@ -287,23 +337,74 @@ class SyncClient:
         round closed without it) is caught up as by ``sync``: ``apply`` loads the latest version
         and drops all local work since the last sync, the steps taken meanwhile included.
         """
-        return self._start(model, samples, metrics, keep_local=True)
+        if self._group is not None:
+            raise SyncError("sync_async() with a process group is not supported: use sync() (see syncclient.group)")
+        return self._start(ModelView(model), samples, metrics, keep_local=True)
+
+    def progress(self, samples: int) -> None:
+        """Count ``samples`` more samples trained since the last sync (cheap: no I/O here). In a
+        samples run a background thread reports the count, and :attr:`due` says when to send."""
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        if self._progress is not None:  # a group's leader counts for its ranks (equal batches)
+            self._progress.add(samples * (self._group.size if self._group is not None else 1))
+
+    @property
+    def due(self) -> bool:
+        """Samples runs: the hub asked for this round's update (the peers' samples reached
+        ``round_samples``, or the round closed without us): sync now. In a process group every
+        rank must ask, at the same points: the leader's answer is broadcast."""
+        due = self._progress is not None and self._progress.due(self.version)
+        return self._group.flag(due) if self._group is not None else due
+
+    @property
+    def pending_samples(self) -> int:
+        """Samples counted with :meth:`progress` since the last sync began."""
+        return self._progress.count if self._progress is not None else 0
+
+    def step(
+        self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None
+    ) -> SyncResult | None:
+        """For a samples run's training loop, after each optimizer step: count ``samples`` and,
+        when the round is due, sync what was counted since the last sync. Returns the sync's
+        result, or None when no sync was due.
+
+        >>> for batch in loader:
+        ...     train_step(batch)
+        ...     client.step(model, samples=len(batch))
+        """
+        if self.policy != "samples":
+            raise SyncError(f"step() is for runs whose rounds close on samples; run {self.run} is {self.policy!r}")
+        self.progress(samples)
+        counted = self.pending_samples  # the leader's count covers its group; the others send 0
+        ready = self._progress is not None and self._progress.due(self.version) and counted > 0
+        if not (self._group.flag(ready) if self._group is not None else ready):
+            return None
+        return self.sync(model, samples=counted, metrics=metrics)
 
     def pull(self, model: torch.nn.Module) -> int:
         """Load the run's latest version into ``model`` (dropping local changes); return it."""
-        if self._state is None:
+        if self.version < 0:
             raise SyncError("join(model) before pull()")
         self._check_idle()
-        self._adopt(ModelView(model), self._fetch_latest())
+
+        def call(view: ModelView | ArrayView) -> int:
+            self._adopt(view, self._protocol.latest())
+            return self.version
+
+        self.version = self._in_group(model, call, int)
         return self.version
 
     def status(self) -> dict[str, Any]:
         """The run's state as the hub sees it (peers, open round, recent rounds)."""
+        if self._group is not None and not self._group.leader:
+            raise SyncError("status() asks the hub, and only rank 0 of a process group talks to it")
         result: dict[str, Any] = self._transport.call("GET", self._runs).json()
         return result
 
     def leave(self) -> None:
-        """Tell the hub this peer is done (it stops waiting for it), then close."""
+        """Tell the hub this peer is done (it stops waiting for it), then close. (In a process
+        group, rank 0 tells it; the other ranks only close.)"""
         if self._heartbeat is not None:
             try:
                 self._transport.call("POST", f"{self._runs}/peers/{self.peer}/leave")
@@ -323,6 +424,10 @@ class SyncClient:
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        atexit.unregister(self._exit)
         self._transport.close()
 
     def __enter__(self) -> SyncClient:
@@ -332,6 +437,27 @@ class SyncClient:
         self.leave()
 
     # ---- internals -----------------------------------------------------------------------
+    def _in_group(self, model: torch.nn.Module, call: Callable[[Any], T], kind: type[T]) -> T:
+        """``call(view)``: on this process's model, or, in a process group, on the leader for
+        every rank (the group gathers the weights to it and scatters the new ones back)."""
+        if self._group is None:
+            return call(ModelView(model))
+        return self._group.run(model, lambda arrays: call(ArrayView(arrays)), kind)
+
+    def _leave_at_exit(self) -> None:
+        """A group's leader leaves the run when its process ends, SIGTERM included: torchrun
+        stops every rank of a group that lost one, and the other peers must not wait for it."""
+        atexit.register(self._exit)
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+    def _exit(self) -> None:
+        if self._heartbeat is None:  # left or closed already
+            return
+        with contextlib.suppress(SyncError):  # one quick try: the process is going away
+            self._transport.call("POST", f"{self._runs}/peers/{self.peer}/leave", retry=False, timeout=5)
+        self.close()
+
     def _check_idle(self) -> None:
         if self._inflight is not None:
             raise SyncError(
@@ -339,7 +465,7 @@ class SyncClient:
             )
 
     def _start(
-        self, model: torch.nn.Module, samples: int, metrics: Mapping[str, float] | None, *, keep_local: bool
+        self, view: ModelView | ArrayView, samples: int, metrics: Mapping[str, float] | None, *, keep_local: bool
     ) -> PendingSync:
         """The caller's half of a sync: snapshot, encode, hand the network work to the worker."""
         if self._state is None:
@@ -348,53 +474,27 @@ class SyncClient:
         if not isinstance(samples, int) or samples < 1:
             raise ValueError(f"samples must be a positive int, got {samples!r}")
         started = time.monotonic()
-        view = ModelView(model)
         local = view.export()  # on CPU float32 these share memory with the model: copy to keep
         snapshot = {name: x.copy() for name, x in local.items()} if keep_local else None
         update = self._state.encode(snapshot or local)  # new arrays: training may go on
         sent_metrics = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(float(v))}
         if not self._state.codec.lossless:
             sent_metrics.update(codec_ratio=update.ratio, codec_error=update.error)
+        if self._progress is not None:
+            self._progress.sent()  # what is counted from here on goes into the next round
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
-        future = self._worker.submit(self._exchange, self.version, update.parts, samples, sent_metrics)
+        future = self._worker.submit(
+            self._protocol.exchange, self.version, update.parts, samples, sent_metrics, self._state
+        )
         self._inflight = PendingSync(self, future, self.version, snapshot, started, time.monotonic() - started, update)
         return self._inflight
 
-    def _exchange(
-        self, round_: int, parts: list[tuple[str, np.ndarray, str]], samples: int, metrics: dict[str, float]
-    ) -> _Outcome:
-        """The worker's half: upload, long-poll the result, fold it into the base (which nobody
-        else touches while a sync is in flight). Late: fetch the latest version instead."""
-        started = time.monotonic()
-        headers = {"X-Sync-Samples": str(samples), "X-Sync-Metrics": json.dumps(metrics)}
-        path = f"{self._runs}/rounds/{round_}/updates/{self.peer}"
-        try:
-            size = self._transport.upload(path, parts, what="upload", headers=headers, resumable=True)
-        except RoundClosed:
-            size = body_size(parts)  # sent, though refused
-            return _Outcome(size, 0, time.monotonic() - started, 0.0, latest=self._fetch_latest())
-        uploaded = time.monotonic()
-        result = f"{self._runs}/rounds/{round_}/result"
-        try:
-            download = None
-            while download is None:  # None: the long poll ended with the round still open
-                download = self._transport.download(result, {"wait": self._poll, "peer": self.peer})
-        except HubError as exc:
-            if exc.status != 410:
-                raise
-            return _Outcome(size, 0, uploaded - started, 0.0, latest=self._fetch_latest())  # the result was pruned
-        waited = time.monotonic()
-        assert self._state is not None
-        self._state.fold(download.reader.tensors)
-        return _Outcome(size, download.reader.received, uploaded - started, waited - uploaded)
-
-    def _apply(self, pending: PendingSync, model: torch.nn.Module) -> SyncResult:
+    def _apply(self, pending: PendingSync, view: ModelView | ArrayView) -> SyncResult:
         """The caller's last half: wait for the worker, then load ``base'`` (blocking sync) or
-        ``base' + (model - x_t)`` (overlap) into ``model``; or catch up when late."""
+        ``base' + (model - x_t)`` (overlap) into the model; or catch up when late."""
         if self._inflight is not pending:
             raise SyncError(f"the sync of round {pending.round} was applied already")
-        view = ModelView(model)
         waiting = time.monotonic()
         try:
             outcome = pending._future.result()
@@ -406,84 +506,33 @@ class SyncClient:
         snapshot, pending._snapshot = pending._snapshot, None
         if outcome.latest is not None:
             self._adopt(view, outcome.latest)
-            log.warning(
-                "run %s: round %d closed without %s (late); caught up to version %d, local steps dropped",
-                self.run,
-                pending.round,
-                self.peer,
-                self.version,
-            )
         else:
             assert self._state is not None
+            if outcome.fresh_base is not None:
+                self._state.base = _tensors(view, outcome.fresh_base, self.run)  # the residual stays: it was not sent
             view.load(self._state.base if snapshot is None else self._state.rebase(snapshot, view.export()))
-            self.version = pending.round + 1
-        result = pending._result(outcome, self.version, waiting)
-        late = result.caught_up
-        if not late:
-            log.info(
-                "run %s: synced to version %d in %.2fs, %.2fs of it on this thread (%.1f MB up, %.1f MB down)",
-                self.run,
-                self.version,
-                result.seconds,
-                result.stall_seconds,
-                result.bytes_up / 1e6,
-                result.bytes_down / 1e6,
-            )
-        return result
+            self.version = outcome.version
+        return pending._result(outcome, self.version, waiting)
 
-    def _initialise(self, view: ModelView) -> None:
-        items = [(name, a, "F32") for name, a in view.export().items()]
-        log.info("run %s: uploading version 0 (%.1f MB)", self.run, sum(a.nbytes for _, a, _ in items) / 1e6)
-        try:
-            self._transport.upload(f"{self._runs}/versions/0", items, what="version 0", params={"peer": self.peer})
-        except ConflictError as exc:  # someone else initialised (we lost our claim): just pull
-            log.info("run %s: %s", self.run, exc.detail)
-
-    def _fetch_latest(self) -> Download:
-        download = self._transport.download(f"{self._runs}/model", {"peer": self.peer})
-        if download is None:
-            raise SyncError(f"run {self.run}: the hub answered 204 for the model")
-        return download
-
-    def _adopt(self, view: ModelView, download: Download) -> None:
+    def _adopt(self, view: ModelView | ArrayView, download: Download) -> None:
         """Make a downloaded full model the base and load it (local work is dropped)."""
         assert self.codec is not None
-        reader = download.reader
-        if set(reader.tensors) != set(view.schema):
-            raise SchemaMismatch(_schema_diff({k: v.shape for k, v in reader.tensors.items()}, view.schema, self.run))
         # a new state: the residual belonged to work that was just dropped
-        self._state = UpdateState(self.codec, {name: reader.tensors[name] for name in view.schema})
+        self._state = UpdateState(self.codec, _tensors(view, download, self.run))
         view.load(self._state.base)
         self.version = download.version
 
 
-class _Heartbeat:
-    """Renews a peer's lease while the user trains for minutes between syncs: one POST every
-    third of the lease, one try each (the next beat is the retry), on a daemon thread."""
+def _tensors(view: ModelView | ArrayView, download: Download, run: str) -> dict[str, np.ndarray]:
+    """A downloaded full model's tensors, in the model's order (which must be the run's)."""
+    reader = download.reader
+    if set(reader.tensors) != set(view.schema):
+        raise SchemaMismatch(_schema_diff({k: v.shape for k, v in reader.tensors.items()}, view.schema, run))
+    return {name: reader.tensors[name] for name in view.schema}
 
-    def __init__(self, transport: Transport, path: str, *, lease: float, run: str, peer: str) -> None:
-        self._transport, self._path, self._lease, self._run = transport, path, lease, run
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name=f"weightsync-heartbeat-{peer}", daemon=True)
-        self._thread.start()
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-
-    def _beat(self) -> None:
-        failures = 0
-        while not self._stop.wait(self._lease / 3):
-            try:
-                self._transport.call("POST", self._path, retry=False, timeout=10)
-                failures = 0
-            except SyncError:
-                failures += 1
-            except RuntimeError:  # client closed under us
-                return
-            if failures == 3:
-                log.warning("run %s: heartbeats are failing; the hub may drop this peer", self._run)
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwind, so that atexit handlers (leaving the run) run
 
 
 def _schema_diff(run: Mapping[str, tuple[int, ...]], model: Mapping[str, tuple[int, ...]], name: str) -> str:

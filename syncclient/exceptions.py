@@ -6,7 +6,8 @@ SyncError
 ├── HubError              the hub answered with an error that retrying cannot fix
 │   ├── AuthError         401: missing or wrong token
 │   ├── ConflictError     409: e.g. the run was created with another codec
-│   │   └── RoundClosed   409: the round closed without us (the SDK catches up itself)
+│   │   ├── RoundClosed   409: the round closed without us (the SDK catches up itself)
+│   │   └── StaleUpdate   409: async: our base is too many versions old (the SDK catches up)
 │   └── NotFound          404: unknown run or peer
 └── SchemaMismatch        the model's tensors are not the run's
 """
@@ -47,6 +48,15 @@ class ConflictError(HubError):
 
 class RoundClosed(ConflictError):
     """409: the round closed before our update arrived; ``current_version`` is where to go."""
+
+    @property
+    def current_version(self) -> int:
+        return int(self.body.get("current_version", -1))
+
+
+class StaleUpdate(ConflictError):
+    """409, async runs: our update was computed from a version more than the run's
+    ``max_staleness`` behind; ``current_version`` is where to go."""
 
     @property
     def current_version(self) -> int:

@@ -34,7 +34,15 @@ import numpy as np
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_exponential_jitter
 from tqdm.auto import tqdm
 
-from syncclient.exceptions import AuthError, ConflictError, HubError, HubUnreachable, NotFound, RoundClosed
+from syncclient.exceptions import (
+    AuthError,
+    ConflictError,
+    HubError,
+    HubUnreachable,
+    NotFound,
+    RoundClosed,
+    StaleUpdate,
+)
 from syncwire import StreamReader, iter_chunks
 
 __all__ = ["Download", "Transport", "body_size"]
@@ -53,6 +61,7 @@ class Download:
 
     reader: StreamReader
     version: int  # X-Sync-Version: the model version the body is (or leads to)
+    run_samples: int = -1  # X-Sync-Run-Samples: samples the run had trained by that version
 
 
 class _Retry(Exception):
@@ -154,8 +163,8 @@ class Transport:
         params: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
         resumable: bool = False,
-    ) -> int:
-        """PUT ``parts`` as one safetensors body; return its size in bytes.
+    ) -> tuple[int, dict[str, Any]]:
+        """PUT ``parts`` as one safetensors body; return its size in bytes and the hub's answer.
 
         ``resumable`` adds a ``Content-Digest`` and, after a cut, sends only the bytes the hub
         lacks (see the module docstring); the hub must support it for ``path``.
@@ -170,7 +179,7 @@ class Transport:
         if resumable:
             headers["Content-Digest"] = _digest(body())
             resume = functools.partial(self._upload_offset, path, headers)
-        self.call(
+        response = self.call(
             "PUT",
             path,
             params=params,
@@ -178,7 +187,7 @@ class Transport:
             content=lambda: self._progress(body(), size, what),
             resume=resume,
         )
-        return size
+        return size, response.json()
 
     def download(self, path: str, params: dict[str, Any]) -> Download | None:
         """GET a safetensors body into arrays, resuming with Range after a cut; None on 204
@@ -186,7 +195,7 @@ class Transport:
         is refused before anything is allocated."""
         reader = StreamReader(self.max_download)
         etag: str | None = None
-        version = -1
+        version = run_samples = -1
         bar: Any = None
         try:
             with self._errors(path):
@@ -205,6 +214,7 @@ class Transport:
                                 reader = StreamReader(self.max_download)  # the file changed: start over
                             etag = r.headers.get("etag")
                             version = int(r.headers.get("x-sync-version", -1))
+                            run_samples = int(r.headers.get("x-sync-run-samples", -1))
                             total = reader.received + int(r.headers.get("content-length", 0))
                             if bar is None and total >= _PROGRESS_BYTES and log.isEnabledFor(logging.INFO):
                                 bar = tqdm(total=total, unit="B", unit_scale=True, desc="download", leave=False)
@@ -217,7 +227,7 @@ class Transport:
         finally:
             if bar is not None:
                 bar.close()
-        return Download(reader, version)
+        return Download(reader, version, run_samples)
 
     # ---- internals -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -323,7 +333,7 @@ def _hub_error(response: httpx.Response) -> HubError:
     if status == 404:
         return NotFound(status, code, detail, body)
     if status == 409:
-        cls = RoundClosed if code == "round_closed" else ConflictError
+        cls = {"round_closed": RoundClosed, "stale_update": StaleUpdate}.get(code, ConflictError)
         return cls(status, code, detail, body)
     return HubError(status, code, detail, body)
 

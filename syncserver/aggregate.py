@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["diloco_step", "fold", "global_norm", "norm_outlier", "outer_step", "weighted_mean"]
+__all__ = ["delayed_nesterov_step", "diloco_step", "fold", "global_norm", "norm_outlier", "outer_step", "weighted_mean"]
 
 _NORM_CHUNK = 1 << 20  # values squared at a time in float64: 8 MB of temporaries, whatever the tensor
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -76,22 +76,50 @@ def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.
 
 def diloco_step(mean: np.ndarray, momentum: np.ndarray, *, lr: float, mu: float) -> tuple[np.ndarray, np.ndarray]:
     """One Nesterov step on the pseudo-gradient ``-mean``: return ``(update, new momentum)``."""
+    return delayed_nesterov_step(mean, momentum, lr=lr, mu=mu, fresh=True, complete=True)
+
+
+def delayed_nesterov_step(
+    mean: np.ndarray, momentum: np.ndarray, *, lr: float, mu: float, fresh: bool, complete: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Delayed Nesterov (Liu et al., 2024, "Asynchronous Local-SGD Training for Language
+    Modeling"): with asynchronous updates, momentum is advanced once per *whole* outer step
+    instead of once per update, which is what makes it tolerate delay.
+
+    An outer step is cut into several updates, each with its part ``g = -mean`` of the
+    pseudo-gradient. Every part is applied at once as plain SGD (``-lr * g``) and added to the
+    momentum buffer; the part that completes the step (``complete``) also applies the Nesterov
+    look-ahead ``-lr * mu * m``. ``fresh``: this part starts a step, so the buffer first decays
+    (``m = mu * m``). Over a whole step of parts ``g_1 .. g_k`` the model moves by
+    ``-lr * (G + mu * m)`` with ``m = mu * m_old + G``, ``G = g_1 + ... + g_k``: exactly one
+    Nesterov step on ``G``. A step made of one part (``fresh`` and ``complete``, every barrier
+    round) is :func:`diloco_step`, bit for bit.
+    """
     grad = -mean
-    new_momentum = np.float32(mu) * momentum + grad
-    update = np.float32(-lr) * (grad + np.float32(mu) * new_momentum)
+    new_momentum = (np.float32(mu) * momentum if fresh else momentum) + grad
+    look_ahead = grad + np.float32(mu) * new_momentum if complete else grad
+    update = np.float32(-lr) * look_ahead
     return update.astype(np.float32, copy=False), new_momentum.astype(np.float32, copy=False)
 
 
 def outer_step(
-    kind: str, mean: np.ndarray, momentum: np.ndarray | None, *, lr: float, mu: float
+    kind: str,
+    mean: np.ndarray,
+    momentum: np.ndarray | None,
+    *,
+    lr: float,
+    mu: float,
+    fresh: bool = True,
+    complete: bool = True,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Apply the run's outer optimizer to one tensor's mean delta."""
+    """Apply the run's outer optimizer to one tensor's mean delta (``fresh``/``complete``: the
+    Delayed Nesterov clock of :func:`delayed_nesterov_step`; a barrier round is both)."""
     if kind == "avg":
         return mean, None
     if kind == "diloco":
         if momentum is None:
             raise ValueError("diloco needs a momentum buffer")
-        return diloco_step(mean, momentum, lr=lr, mu=mu)
+        return delayed_nesterov_step(mean, momentum, lr=lr, mu=mu, fresh=fresh, complete=complete)
     raise ValueError(f"unknown outer optimizer {kind!r}; use 'avg' or 'diloco'")
 
 

@@ -26,10 +26,19 @@ from anyio import to_thread
 
 from syncserver.engine import MergeEngine
 from syncserver.errors import Conflict, InvalidUpdate, NotFound
-from syncserver.policy import BarrierPolicy
+from syncserver.policy import SamplesPolicy
 from syncserver.quotas import check_new_peer, check_new_run
 from syncserver.rounds import Rounds, Ticket
-from syncserver.schemas import Heartbeat, StartInitialise, StartReady, StartState, StartWaiting, UpdateAck, VersionZero
+from syncserver.schemas import (
+    Heartbeat,
+    Progress,
+    StartInitialise,
+    StartReady,
+    StartState,
+    StartWaiting,
+    UpdateAck,
+    VersionZero,
+)
 from syncserver.schemas import RunConfig as RunConfigModel
 from syncserver.settings import HubSettings
 from syncserver.shape import RunShape
@@ -64,16 +73,15 @@ class Coordinator:
         self.store.clear_tmp()
         for record in self.store.runs():
             config = RunConfig(**record.config)
-            run = Run(
-                record.name, config, get_codec(config.codec), self._policy(config, record.version), record.version
-            )
+            policy = config.make_policy(self.settings.lease_seconds, record.version)
+            run = Run(record.name, config, get_codec(config.codec), policy, record.version)
             run.schema, run.sealed, run.creator = record.schema, record.sealed, record.creator
             if run.schema is not None:
                 run.shape = await to_thread.run_sync(RunShape.of, run.schema, run.codec, self.settings.max_body_bytes)
             self.store.recover(run.name, run.version)
             for p in self.store.peers(run.name):
                 # every peer gets a fresh lease: they ride through the restart on retries
-                run.peers[p.name] = Peer(p.name, p.rank, p.joined)
+                run.peers[p.name] = Peer(p.name, p.rank, p.joined, p.group_size)
                 run.policy.restore(
                     p.name, active_from=p.active_from, counted=p.rank is not None, left=p.left, now=now()
                 )
@@ -89,14 +97,6 @@ class Coordinator:
                 await self._ticker
         await self.rounds.stop()
         self.engine.close()
-
-    def _policy(self, config: RunConfig, version: int) -> BarrierPolicy:
-        return BarrierPolicy(
-            min_peers=config.min_peers,
-            round_timeout=config.round_timeout,
-            lease_seconds=self.settings.lease_seconds,
-            round_=version,
-        )
 
     async def _tick_forever(self) -> None:
         interval = min(0.5, self.settings.lease_seconds / 4)
@@ -131,8 +131,11 @@ class Coordinator:
         return peer
 
     # ---- joining -------------------------------------------------------------------------
-    def join(self, run_name: str, peer_name: str, requested: dict[str, Any], creator: str = "token") -> StartState:
+    def join(
+        self, run_name: str, peer_name: str, requested: dict[str, Any], *, group_size: int = 1, creator: str = "token"
+    ) -> StartState:
         """Register a peer (again, after a crash: same name, same rank) and say what it must do next.
+        ``group_size``: the ranks of the torch.distributed group it is (shown, not used);
         ``creator``: the kind of token that asks (:data:`syncserver.deps.Caller`), for the quotas."""
         run = self.runs.get(run_name)
         if run is None:
@@ -153,6 +156,7 @@ class Coordinator:
         if peer is None:
             peer = Peer(peer_name, run.world_size() if run.sealed else None, time.time())
             run.peers[peer_name] = peer
+        peer.group_size = group_size
         log.info(
             "%s run=%s peer=%s rank=%s",
             "peer_rejoined" if admit.returning else "peer_joined",
@@ -168,13 +172,18 @@ class Coordinator:
     def _create(self, name: str, requested: dict[str, Any], creator: str) -> Run:
         values = {key: getattr(self.settings, key) for key in CONFIG_FIELDS}
         values.update({k: v for k, v in requested.items() if v is not None})
+        if values["policy"] == "barrier" and requested.get("round_samples") and not requested.get("policy"):
+            values["policy"] = "samples"  # a sample target asks for rounds that close on it
         config = RunConfig(**values)
+        if config.policy == "barrier" and config.round_samples is not None:
+            raise InvalidUpdate("round_samples goes with policy 'samples' or 'async' (a barrier round is N steps)")
         try:
             codec = get_codec(config.codec)
+            policy = config.make_policy(self.settings.lease_seconds, -1)
         except ValueError as exc:
             raise InvalidUpdate(str(exc)) from None
         self.store.create_run(name, config.__dict__, creator)
-        run = Run(name, config, codec, self._policy(config, -1), creator=creator)
+        run = Run(name, config, codec, policy, creator=creator)
         self.runs[name] = run
         log.info("run_created run=%s %s", name, " ".join(f"{k}={v}" for k, v in config.__dict__.items()))
         return run
@@ -269,6 +278,39 @@ class Coordinator:
         """Acknowledge a fully received update: verify, make durable, record, fold."""
         return await self.rounds.commit_update(self.run(ticket.run), ticket, received)
 
+    # ---- progress --------------------------------------------------------------------------
+    async def progress(self, run_name: str, peer_name: str, round_: int, samples: int, wait: float) -> Progress:
+        """A peer has trained ``samples`` samples since its update to round ``round_`` began.
+
+        Renews its lease like a heartbeat. In a samples run the report may make the round due,
+        and the answer is a long poll (at most ``wait`` seconds) that returns as soon as the
+        round is due or closed: ``due`` tells the peer to send its update now.
+        """
+        run = self.run(run_name)
+        peer = self.peer(run, peer_name)
+        await self.rounds.check_open(run, round_)
+        peer.observe(round_, samples, time.monotonic())
+        was_due = run.policy.due
+        self.rounds.carry_out(run, run.policy.progress(peer_name, samples, now()))
+        if run.policy.due != was_due:
+            log.info("round_due run=%s round=%d samples=%d", run.name, run.version, run.policy.round_total())
+            self.view.changed(run)
+        deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
+        while isinstance(run.policy, SamplesPolicy) and not run.policy.due and run.version == round_:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(run.changed.wait(), remaining)
+        closed = run.version > round_ and run.config.policy != "async"
+        return Progress(
+            round=round_,
+            version=run.version,
+            due=run.policy.due or closed,
+            samples=run.policy.round_total(),
+            target=run.config.round_samples if run.config.policy == "samples" else None,
+        )
+
     # ---- liveness ------------------------------------------------------------------------
     def heartbeat(self, run_name: str, peer_name: str) -> Heartbeat:
         run = self.run(run_name)
@@ -317,6 +359,10 @@ class Coordinator:
             with contextlib.suppress(Missing):
                 return version, self.store.serve(VersionKey(run.name, version))
             await self.rounds.versions.written(run)
+
+    def samples_through(self, run_name: str, round_: int) -> int:
+        """Samples the run had trained by the end of round ``round_``: a peer stops on a budget."""
+        return self.store.samples_through(run_name, round_)
 
     def count_download(self, run_name: str, peer_name: str | None, nbytes: int) -> None:
         run = self.runs.get(run_name)

@@ -93,6 +93,7 @@ def round_trace(
                     "peer": u.peer,
                     "samples": u.samples,
                     "bytes": u.nbytes,
+                    "staleness": u.round - u.base,
                     "spans": [[phase, round(a, 4), round(b, 4)] for phase, a, b in spans],
                 }
             )

@@ -6,10 +6,12 @@ and the slices of a step are spread over one small thread pool, since numpy, ``p
 ``pwrite`` release the GIL. Nothing here decides *when* (that is :mod:`syncserver.policy`)
 or touches HTTP; files are reached through :class:`~syncserver.store.Store` keys.
 
-A round's arithmetic::
+A round's arithmetic (the weights and the divisor are the round policy's: samples and their
+sum for a barrier, samples discounted by staleness over ``round_samples`` for async)::
 
-    mean    = sample-weighted running mean of decode(u) over acknowledged updates u,
+    mean    = running weighted mean of decode(u) over acknowledged updates u,
               folded in acknowledgement order                               (float32, O(1) models)
+    mean    = mean * (sum of the weights / total)       (1 for a barrier: its total is that sum)
     result  = encode(outer_step(mean, momentum))                            -> ResultKey(v)
     v + 1   = version v + decode(result)                                    -> VersionKey(v + 1)
 
@@ -57,12 +59,12 @@ class NonFinite(ArithmeticError):
 @dataclass
 class Accumulator:
     """The open round's running weighted mean of ``decode(update)`` over folded updates
-    (:func:`syncserver.aggregate.fold`), and the samples it weighs."""
+    (:func:`syncserver.aggregate.fold`), and the sum of the weights it holds."""
 
     schema: Schema
     mean: dict[str, np.ndarray] | None = None  # allocated at the first fold
     folded: list[str] = field(default_factory=list)  # peers, in fold (= acknowledgement) order
-    samples: int = 0
+    weight: float = 0.0  # the folded updates' weights, summed (exact: at most 2^53, whole for a barrier)
 
 
 class MergeEngine:
@@ -87,24 +89,24 @@ class MergeEngine:
             for start, stop, parts in slices(codec, shape)
         )
 
-    def fold(self, acc: Accumulator, key: UpdateKey, samples: int, codec: Codec) -> None:
-        """Fold one acknowledged update into ``acc``, a slice at a time.
+    def fold(self, acc: Accumulator, key: UpdateKey, weight: float, codec: Codec) -> None:
+        """Fold one acknowledged update, times ``weight``, into ``acc``, a slice at a time.
 
         The file is read with ``pread`` a few MB at a time and decoded slice by slice, so
         folding holds one slice of temporaries, whatever the model's size.
         """
         if acc.mean is None:
             acc.mean = {name: np.zeros(shape, np.float32) for name, shape in acc.schema.items()}
-        mean, before = acc.mean, acc.samples
+        mean, before = acc.mean, acc.weight
         with self.store.read(key) as wire:
 
             def fold(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
                 decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))
-                aggregate.fold(mean[name].reshape(-1)[start:stop], decoded, samples, before)
+                aggregate.fold(mean[name].reshape(-1)[start:stop], decoded, weight, before)
 
             self._each_slice(codec, acc.schema, fold)
         acc.folded.append(key.peer)
-        acc.samples += samples
+        acc.weight += weight
 
     def peak(self, key: UpdateKey, codec: Codec, schema: Schema) -> float:
         """The largest magnitude in an update as decoded (to tell which update a non-finite
@@ -120,11 +122,15 @@ class MergeEngine:
         return max(peaks, default=0.0)
 
     # ---- per round -----------------------------------------------------------------------
-    def merge(self, run: str, round_: int, acc: Accumulator, codec: Codec, outer: Outer) -> int:
-        """Write round ``round_``'s result and DiLoCo momentum; return the result's size.
-        :class:`NonFinite` if version ``round_`` + the result, or the momentum, would not be
-        finite (nothing is written then). With nothing folded, the result is zero and the
-        momentum stays: the round changes nothing.
+    def merge(
+        self, run: str, round_: int, acc: Accumulator, codec: Codec, outer: Outer, *, total: float, fraction: float
+    ) -> int:
+        """Write round ``round_``'s result (``outer_step(mean * weight / total)``) and DiLoCo
+        momentum; return the result's size. ``fraction``: how much of a whole outer step this
+        round is (Delayed Nesterov's clock, kept in the momentum file's metadata; a barrier
+        round is a whole one, ``inf``). :class:`NonFinite` if version ``round_`` + the result,
+        or the momentum, would not be finite (nothing is written then). With nothing folded,
+        the result is zero and the momentum and its clock stay: the round changes nothing.
 
         The result is the encoded global update ``U``. Version v+1 (``version v + decode(U)``,
         exactly what every peer computes from the same bytes) is not written here but after
@@ -135,15 +141,25 @@ class MergeEngine:
         wait for little more than the last slices.
         """
         schema, means, v = acc.schema, acc.mean, round_
+        if means is not None and not total > 0:
+            raise ValueError(f"round {round_} of run {run!r}: total {total} must be positive")
+        # the running mean is sum(w u) / sum(w); the policy divides sum(w u) by ``total``. For a
+        # barrier the two are the same float (the same integers summed): scale 1, the very same bits
+        scale = None if means is None or acc.weight == total else np.float32(acc.weight / total)
         diloco = outer.kind == "diloco"
         result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
         result_head, result_at = _header(result_layout, meta)
-        momentum_head, momentum_at = _header(_fp32_layout(schema), {"version": str(v + 1)})
         with contextlib.ExitStack() as files:
             has_old = diloco and self.store.exists(MomentumKey(run, v))
             old_momentum = files.enter_context(self.store.read(MomentumKey(run, v))) if has_old else None
             base = files.enter_context(self.store.read(VersionKey(run, v)))
+            # Delayed Nesterov's clock: the part of an outer step done before this round
+            done = float(old_momentum.metadata.get("progress", "0")) if old_momentum is not None else 0.0
+            fresh, complete = done == 0.0, done + fraction >= 1.0
+            progress = done if means is None else (0.0 if complete else done + fraction)
+            momentum_meta = {"version": str(v + 1), "progress": repr(progress)}
+            momentum_head, momentum_at = _header(_fp32_layout(schema), momentum_meta)
             result = files.enter_context(self.store.write(ResultKey(run, v)))
             mom = files.enter_context(self.store.write(MomentumKey(run, v + 1))) if diloco else None
             result.write(result_head)
@@ -161,7 +177,12 @@ class MergeEngine:
                     update, m_new = np.zeros(n, np.float32), m_old
                 else:
                     mean = means[name].reshape(-1)[start:stop]
-                    update, m_new = aggregate.outer_step(outer.kind, mean, m_old, lr=outer.lr, mu=outer.momentum)
+                    if scale is not None:
+                        with np.errstate(over="ignore"):  # an overflow is refused below
+                            mean = mean * scale
+                    update, m_new = aggregate.outer_step(
+                        outer.kind, mean, m_old, lr=outer.lr, mu=outer.momentum, fresh=fresh, complete=complete
+                    )
                     if m_new is not None and not (_finite(update) and _finite(m_new)):
                         raise NonFinite(f"tensor {name!r}: the outer step overflows float32")
                 encoded = codec.encode(update)

@@ -10,6 +10,7 @@ exception handler, so every failure is ``{"error": code, "detail": reason, ...}`
     ├── NotFound (404)            unknown run or peer
     ├── Conflict (409)            config mismatch, a different update for an acknowledged round
     │   ├── RoundClosed (409)     the round is over: carries the current version to catch up to
+    │   ├── StaleUpdate (409)     async: the update's base is more than max_staleness versions old
     │   └── OffsetMismatch (409)  a resumed upload's Upload-Offset is past what the hub holds
     ├── Gone (410)                a round result that was pruned: pull the model instead
     ├── PayloadTooLarge (413)
@@ -77,6 +78,13 @@ class Conflict(HubError):
 
 class RoundClosed(Conflict):
     code = "round_closed"
+
+
+class StaleUpdate(Conflict):
+    """Async runs: the update was computed from a version too old to apply; it carries
+    ``current_version`` (pull it) and ``max_staleness``."""
+
+    code = "stale_update"
 
 
 class OffsetMismatch(Conflict):

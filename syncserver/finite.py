@@ -15,7 +15,9 @@ name) and the same bits, so a hub restarted mid-round closes it exactly as it wo
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Sequence
 
 from anyio import to_thread
 
@@ -28,23 +30,36 @@ __all__ = ["merge_finite"]
 log = logging.getLogger(__name__)
 
 
-async def merge_finite(engine: MergeEngine, run: Run, round_: int) -> tuple[int, list[str]]:
+async def merge_finite(
+    engine: MergeEngine, run: Run, round_: int, participants: Sequence[str]
+) -> tuple[int, list[str]]:
     """Merge ``run``'s open round ``round_`` from its accumulator (every participant folded);
-    return the result's size and the peers whose updates were left out, in that order."""
+    return the result's size and the peers whose updates were left out, in that order. The
+    divisor and the outer step's share are the policy's, of the participants' samples."""
     assert run.schema is not None
     acc = run.accumulator()
     left_out: list[str] = []
     peaks: dict[str, float] = {}
     while True:
+        samples = sum(run.acked[name].samples for name in participants if name not in left_out)
+        merge = functools.partial(
+            engine.merge,
+            run.name,
+            round_,
+            acc,
+            run.codec,
+            run.config.outer_optimizer,
+            total=run.policy.total(samples),
+            fraction=run.policy.fraction(samples),
+        )
         try:
-            size = await to_thread.run_sync(engine.merge, run.name, round_, acc, run.codec, run.config.outer_optimizer)
-            return size, left_out
+            return await to_thread.run_sync(merge), left_out
         except NonFinite as exc:
             if not acc.folded:
                 raise  # a round that changes nothing is finite: cannot happen
             for peer in acc.folded:
                 if peer not in peaks:
-                    key = UpdateKey(run.name, round_, peer)
+                    key = UpdateKey(run.name, run.acked[peer].round, peer)
                     peaks[peer] = await to_thread.run_sync(engine.peak, key, run.codec, run.schema)
             worst = max(acc.folded, key=lambda p: (peaks[p], p))
             log.warning(
@@ -65,6 +80,8 @@ async def _refold(engine: MergeEngine, run: Run, round_: int, peers: list[str]) 
     assert run.schema is not None
     acc = Accumulator(run.schema)
     for peer in peers:
-        key = UpdateKey(run.name, round_, peer)
-        await to_thread.run_sync(engine.fold, acc, key, run.acked[peer].samples, run.codec)
+        update = run.acked[peer]
+        key = UpdateKey(run.name, update.round, peer)
+        weight = run.policy.weight(update.samples, update.base, update.round)
+        await to_thread.run_sync(engine.fold, acc, key, weight, run.codec)
     return acc

@@ -1,26 +1,65 @@
-"""Round policies: who is waited for, and when a round closes with whom.
+"""Round policies: who is waited for, when a round closes with whom, and what each update weighs.
 
 Pure decisions: no I/O, no HTTP, no clock (every event carries ``now``, a monotonic time in
 seconds), no tensors. The coordinator feeds a policy the events of a run (a peer joins, is
-seen, leaves; an update is acknowledged or refused; time passes) and carries out what it
-answers: :class:`Admit` for a join, :class:`Close` when a round must close. Unit tests drive a
-policy with hand-built event sequences, the way Flower tests its aggregation functions.
+seen, reports progress, leaves; an update is acknowledged or refused; time passes) and carries
+out what it answers: :class:`Admit` for a join, :class:`Close` when a round must close, a
+:class:`Place` for an update addressed to a round. Unit tests drive each policy with hand-built
+event sequences, the way Flower tests its aggregation functions.
 
-:class:`BarrierPolicy` is the rule the hub has always had: round v closes once every live
-peer that is waited for in v has an acknowledged update, or once the round's deadline
-(``round_timeout`` after its first acknowledgement) has passed with at least ``min_peers``
-updates; the live peers that did not make it are dropped (they catch up). A peer is live while
-its lease is fresh: any request renews it (``seen``). Other policies (rounds that close on a
-global sample count, asynchronous merging) implement the same events.
+Three policies, chosen per run (``policy``):
+
+- :class:`BarrierPolicy` (``barrier``, the default): round v closes once every live peer that is
+  waited for in v has an acknowledged update, or once the round's deadline (``round_timeout``
+  after its first acknowledgement) has passed with at least ``min_peers`` updates; the live peers
+  that did not make it are dropped (they catch up). Peers sync every N of their own steps, so
+  each round waits for the slowest peer's N steps.
+- :class:`SamplesPolicy` (``samples``, hivemind's ``target_batch_size``): peers report the
+  samples they have trained since the last round as they go; once the live peers' sum reaches
+  ``round_samples`` the round is *due*: every peer is told to send what it has, weighted by its
+  samples, and the round closes when every live peer that reported samples is in (or at the
+  deadline, ``round_timeout`` after it became due). A fast peer contributes more steps, a slow one
+  fewer, and nobody waits for more than the step a peer is in. All peers still end every round
+  bit-identical.
+- :class:`AsyncPolicy` (``async``, FedAsync / FedBuff with a buffer of one): no barrier. An update
+  computed from version b is applied as soon as it is acknowledged, into the version open then
+  (v >= b), weighted by its samples and FedAsync's polynomial staleness discount
+  ``(1 + late) ** -0.5``; an update more than ``max_staleness`` versions old is refused. Updates
+  that arrive while a version is being written go together into the next one.
+
+  *late* counts whole outer steps, not versions: ``s = v - b`` versions were applied since the
+  update's base, each about as big as this one, so ``s * samples / round_samples`` outer steps,
+  of which the first is free. With N peers of equal speed every update is naturally N - 1
+  versions old (less than one outer step); discounting that would shrink every update alike,
+  which is a smaller learning rate, not a correction. What is discounted is a peer that fell
+  behind by more than a step: one four times slower than three others, say.
+
+A peer is live while its lease is fresh: any request renews it (``seen``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Admit", "BarrierPolicy", "Close", "Member", "PeerState"]
+__all__ = [
+    "POLICIES",
+    "Admit",
+    "AsyncPolicy",
+    "BarrierPolicy",
+    "Close",
+    "Member",
+    "PeerState",
+    "Place",
+    "RoundPolicy",
+    "SamplesPolicy",
+    "make_policy",
+]
+
+POLICIES = ("barrier", "samples", "async")
+STALENESS_EXPONENT = 0.5  # FedAsync's polynomial discount (1 + s) ** -a; FedBuff uses the same a
 
 
 class PeerState(str, Enum):
@@ -28,6 +67,15 @@ class PeerState(str, Enum):
     LATE = "late"  # lease fresh, but its round closed without it: it is catching up
     GONE = "gone"  # lease expired: not waited for; its next request brings it back
     LEFT = "left"  # said goodbye; joining again brings it back
+
+
+class Place(str, Enum):
+    """Where an update (or a progress report) addressed to a round belongs."""
+
+    OPEN = "open"  # the open round takes it
+    CLOSED = "closed"  # that round closed without it: catch up
+    AHEAD = "ahead"  # no such round yet
+    STALE = "stale"  # async: its base is more than max_staleness versions old
 
 
 @dataclass
@@ -59,13 +107,13 @@ class Close:
     dropped: tuple[str, ...]  # waited for but not in: stragglers, told to catch up
 
 
-class BarrierPolicy:
-    """Quorum + deadline barrier: every live peer, or ``min_peers`` once the deadline passed."""
+class RoundPolicy:
+    """Membership, leases and the open round, shared by every policy; subclasses decide."""
 
-    name = "barrier"
+    name = ""
 
     def __init__(self, *, min_peers: int, round_timeout: float, lease_seconds: float, round_: int = -1) -> None:
-        if min_peers < 1 or round_timeout <= 0 or lease_seconds <= 0:
+        if min_peers < 1 or not round_timeout > 0 or not lease_seconds > 0:
             raise ValueError("min_peers must be >= 1, round_timeout and lease_seconds > 0")
         self.min_peers = min_peers
         self.round_timeout = round_timeout
@@ -74,6 +122,8 @@ class BarrierPolicy:
         self.members: dict[str, Member] = {}
         self.live: frozenset[str] = frozenset()  # as of the last event or expiry
         self.acked: list[str] = []  # the open round's updates, in acknowledgement order
+        self.samples: dict[str, int] = {}  # their sample counts
+        self.reported: dict[str, int] = {}  # samples each peer trained in the open round, as it said
         self.refused: set[str] = set()  # refused this round (the norm guard): not waited for
         self.opened: float | None = None  # when the open round got its first update
         self.closing = False  # a Close was answered and is being carried out
@@ -132,16 +182,43 @@ class BarrierPolicy:
         """Round ``round_`` is open (version 0 exists, or the hub restarted at this version)."""
         self.round = round_
 
-    def acknowledged(self, name: str, now: float) -> Close | None:
-        """``name``'s update for the open round is durable."""
-        self.restore_update(name, now)
+    def place(self, round_: int) -> Place:
+        """Where an update computed from version ``round_`` goes: rounds are barriers, so only
+        the open round takes updates."""
+        if round_ < self.round:
+            return Place.CLOSED
+        return Place.AHEAD if round_ > self.round or self.round < 0 else Place.OPEN
+
+    def progress(self, name: str, samples: int, now: float) -> Close | None:
+        """``name`` has trained ``samples`` samples since its last update (of the open round).
+        Only the samples policy acts on it; the others show it."""
+        if name not in self.samples:  # an update in says it all
+            self.reported[name] = samples
         return self.decide(now)
 
-    def restore_update(self, name: str, now: float) -> None:
+    def round_total(self) -> int:
+        """The open round's samples so far: every acknowledged update, and live peers' reports."""
+        held = sum(self.samples.values())
+        return held + sum(n for name, n in self.reported.items() if name in self.live and name not in self.samples)
+
+    @property
+    def due(self) -> bool:
+        """Whether every peer should send its update now (the samples policy's signal)."""
+        return False
+
+    def acknowledged(self, name: str, now: float, samples: int = 1) -> Close | None:
+        """``name``'s update for the open round (``samples`` samples) is durable."""
+        if self.closing and name not in self.acked:
+            raise ValueError(f"round {self.round} is closing: an update now belongs to the next one")
+        self.restore_update(name, now, samples)
+        return self.decide(now)
+
+    def restore_update(self, name: str, now: float, samples: int = 1) -> None:
         """An update the open round had before a restart (no decision yet: the next tick makes it)."""
         if name in self.acked:
             raise ValueError(f"{name!r} already has an update in round {self.round}")
         self.acked.append(name)
+        self.samples[name] = samples
         self.members[name].last_round = self.round
         if self.opened is None:
             self.opened = now
@@ -162,28 +239,37 @@ class BarrierPolicy:
         ) - frozenset(self.refused)
 
     def decide(self, now: float) -> Close | None:
-        """Close the open round if it is complete, or overdue with a quorum; else wait."""
-        if self.closing or not self.acked:
-            return None
-        expected = self.expected()
-        enough = len(self.acked) >= self.min_peers
-        everyone = expected <= set(self.acked)
-        overdue = self.deadline is not None and now >= self.deadline
-        if not (enough and (everyone or overdue)):
-            return None
+        raise NotImplementedError
+
+    def _close(self, dropped: Iterable[str]) -> Close:
         self.closing = True
-        return Close(self.round, tuple(self.acked), tuple(sorted(expected - set(self.acked))))
+        return Close(self.round, tuple(self.acked), tuple(sorted(dropped)))
 
     def committed(self, close: Close) -> None:
         """The round ``close`` named is durable: the next one opens, empty."""
         if close.round != self.round:
             raise ValueError(f"round {close.round} committed, but round {self.round} is open")
         self.round += 1
-        self.acked, self.refused, self.opened, self.closing = [], set(), None, False
+        self.acked, self.samples, self.reported, self.refused = [], {}, {}, set()
+        self.opened, self.closing = None, False
 
     def abandoned(self) -> None:
         """Closing failed (say the disk filled up): the round stays open and is decided again."""
         self.closing = False
+
+    # ---- what an update weighs ---------------------------------------------------------------
+    def weight(self, samples: int, base: int, round_: int) -> float:
+        """An update's weight in the merge of round ``round_`` (computed from version ``base``)."""
+        return float(samples)
+
+    def total(self, samples: int) -> float:
+        """What the sum of a round's weighted updates is divided by (``samples``: their sum)."""
+        return float(samples)
+
+    def fraction(self, samples: int) -> float:
+        """How much of an outer step a round's ``samples`` make (Delayed Nesterov's clock): a
+        barrier round is always a whole one."""
+        return math.inf
 
     # ---- reading -------------------------------------------------------------------------
     def state(self, name: str) -> PeerState:
@@ -195,3 +281,166 @@ class BarrierPolicy:
         if 0 <= member.last_round < self.round - 1 and member.active_from <= self.round - 1:
             return PeerState.LATE
         return PeerState.LIVE
+
+
+class BarrierPolicy(RoundPolicy):
+    """Quorum + deadline barrier: every live peer, or ``min_peers`` once the deadline passed."""
+
+    name = "barrier"
+
+    def decide(self, now: float) -> Close | None:
+        """Close the open round if it is complete, or overdue with a quorum; else wait."""
+        if self.closing or not self.acked:
+            return None
+        expected = self.expected()
+        enough = len(self.acked) >= self.min_peers
+        everyone = expected <= set(self.acked)
+        overdue = self.deadline is not None and now >= self.deadline
+        if not (enough and (everyone or overdue)):
+            return None
+        return self._close(expected - set(self.acked))
+
+
+class SamplesPolicy(RoundPolicy):
+    """A round closes on a global sample count: due once the live peers' reported samples
+    reach ``round_samples``, closed once everyone who reported samples has sent them."""
+
+    name = "samples"
+
+    def __init__(
+        self, *, round_samples: int, min_peers: int, round_timeout: float, lease_seconds: float, round_: int = -1
+    ) -> None:
+        super().__init__(min_peers=min_peers, round_timeout=round_timeout, lease_seconds=lease_seconds, round_=round_)
+        if round_samples < 1:
+            raise ValueError("round_samples must be >= 1")
+        self.round_samples = round_samples
+        self.due_since: float | None = None
+
+    @property
+    def due(self) -> bool:
+        return self.due_since is not None
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.due_since is None else self.due_since + self.round_timeout
+
+    def decide(self, now: float) -> Close | None:
+        """Due once the samples reach the target; close when every live peer with samples is in
+        (or the deadline passed with a quorum), or before that when every live peer is in."""
+        if self.closing:
+            return None
+        if self.due_since is None and self.round_total() >= self.round_samples:
+            self.due_since = now
+        if not self.acked or len(self.acked) < self.min_peers:
+            return None
+        acked = set(self.acked)
+        expected = self.expected()
+        if expected <= acked:  # everyone is in (say, every peer's last update at the end of training)
+            return self._close(())
+        if self.due_since is None:
+            return None
+        with_samples = {name for name in expected if self.reported.get(name, 0) > 0}
+        if with_samples <= acked or now >= self.due_since + self.round_timeout:
+            return self._close(with_samples - acked)
+        return None
+
+    def committed(self, close: Close) -> None:
+        super().committed(close)
+        self.due_since = None
+
+
+class AsyncPolicy(RoundPolicy):
+    """No barrier: each update is applied as soon as it is acknowledged, discounted by its
+    staleness; ``round_samples`` is the size of a whole outer step in samples."""
+
+    name = "async"
+
+    def __init__(
+        self,
+        *,
+        round_samples: int,
+        max_staleness: int,
+        min_peers: int,
+        round_timeout: float,
+        lease_seconds: float,
+        round_: int = -1,
+    ) -> None:
+        super().__init__(min_peers=min_peers, round_timeout=round_timeout, lease_seconds=lease_seconds, round_=round_)
+        if round_samples < 1 or max_staleness < 0:
+            raise ValueError("round_samples must be >= 1 and max_staleness >= 0")
+        self.round_samples = round_samples
+        self.max_staleness = max_staleness
+
+    def place(self, round_: int) -> Place:
+        """An update computed from version ``round_`` goes into the open version unless it is
+        more than ``max_staleness`` versions old."""
+        if round_ > self.round or self.round < 0:
+            return Place.AHEAD
+        return Place.STALE if self.round - round_ > self.max_staleness else Place.OPEN
+
+    def decide(self, now: float) -> Close | None:
+        """Apply what is in, now: no one is waited for."""
+        if self.closing or not self.acked:
+            return None
+        return self._close(())
+
+    def expected(self) -> frozenset[str]:
+        return frozenset()
+
+    def weight(self, samples: int, base: int, round_: int) -> float:
+        """``samples * (1 + late) ** -0.5``, ``late`` the outer steps beyond the first applied
+        since its base (see the module docstring): a stale update counts less, never nothing."""
+        staleness = round_ - base
+        if staleness < 0:
+            raise ValueError(f"an update from version {base} cannot go into round {round_}")
+        late = max(0.0, staleness * samples / self.round_samples - 1.0)
+        return samples * (1.0 + late) ** -STALENESS_EXPONENT
+
+    def total(self, samples: int) -> float:
+        """``round_samples``, or more when the updates hold more: an update of ``round_samples``
+        samples moves the model by its whole (discounted) delta, a smaller one by its share."""
+        return float(max(self.round_samples, samples))
+
+    def fraction(self, samples: int) -> float:
+        return samples / self.round_samples
+
+    def state(self, name: str) -> PeerState:
+        state = super().state(name)
+        return PeerState.LIVE if state is PeerState.LATE else state  # nobody is late without rounds
+
+
+def make_policy(
+    name: str,
+    *,
+    min_peers: int,
+    round_timeout: float,
+    lease_seconds: float,
+    round_samples: int | None,
+    max_staleness: int,
+    round_: int = -1,
+) -> RoundPolicy:
+    """The policy a run's config names."""
+    if name == "barrier":
+        return BarrierPolicy(
+            min_peers=min_peers, round_timeout=round_timeout, lease_seconds=lease_seconds, round_=round_
+        )
+    if round_samples is None:
+        raise ValueError(f"policy {name!r} needs round_samples")
+    if name == "samples":
+        return SamplesPolicy(
+            round_samples=round_samples,
+            min_peers=min_peers,
+            round_timeout=round_timeout,
+            lease_seconds=lease_seconds,
+            round_=round_,
+        )
+    if name == "async":
+        return AsyncPolicy(
+            round_samples=round_samples,
+            max_staleness=max_staleness,
+            min_peers=min_peers,
+            round_timeout=round_timeout,
+            lease_seconds=lease_seconds,
+            round_=round_,
+        )
+    raise ValueError(f"unknown policy {name!r}; use one of {', '.join(POLICIES)}")

@@ -25,10 +25,10 @@ from anyio import to_thread
 
 from syncserver import aggregate
 from syncserver.engine import MergeEngine
-from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, PoisonedUpdate, RoundClosed
+from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, PoisonedUpdate, RoundClosed, StaleUpdate
 from syncserver.finite import merge_finite
 from syncserver.limits import MAX_SAMPLES
-from syncserver.policy import Close
+from syncserver.policy import Close, Place
 from syncserver.schemas import UpdateAck, VersionZero
 from syncserver.settings import HubSettings
 from syncserver.shape import RunShape
@@ -38,11 +38,12 @@ from syncserver.uploads import Received
 from syncserver.view import HubView
 from syncwire import FormatError, TensorInfo, check_layout
 
-__all__ = ["MAX_SAMPLES", "Rounds", "Ticket"]
+__all__ = ["Rounds", "Ticket"]
 
 log = logging.getLogger(__name__)
 
 CLOSE_RETRY_MAX = 30.0  # seconds between two tries at a close that keeps failing
+ASYNC_NORMS = 8  # the norm guard's reference in async runs: the last accepted updates' norms
 
 Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
 
@@ -107,7 +108,7 @@ class Rounds:
             return
         for update in self.store.updates(run.name, run.version):
             run.acked[update.peer] = update
-            run.policy.restore_update(update.peer, now())  # its deadline starts afresh
+            run.policy.restore_update(update.peer, now(), update.samples)  # its deadline starts afresh
         if run.acked:
             run.opened = min(u.received for u in run.acked.values())
         if run.version > 0 and not self.store.exists(VersionKey(run.name, run.version)):
@@ -170,7 +171,7 @@ class Rounds:
         repeat = self._acknowledged(run, round_, peer, digest)
         if repeat is not None:
             return Ticket(run.name, round_, peer, digest, samples, metrics, 0, _refuse_body, acknowledged=repeat)
-        await self._check_open(run, round_)
+        await self.check_open(run, round_)
         assert run.shape is not None  # set with the schema: O(schema) once, not per request
         layout = run.shape.layout
 
@@ -181,11 +182,12 @@ class Rounds:
         return Ticket(run.name, round_, peer, digest, samples, metrics, run.shape.max_update_bytes, check, upload)
 
     def _acknowledged(self, run: Run, round_: int, peer: str, digest: str) -> UpdateAck | None:
-        """Idempotency: the same update again is harmless, a different one is a conflict."""
-        if round_ == run.version:
-            previous = run.acked.get(peer)
-        else:
-            previous = next((u for u in self.store.updates(run.name, round_) if u.peer == peer), None)
+        """Idempotency: the same update again is harmless, a different one is a conflict. An
+        update is named by the version it was computed from (``round_``), which is also the round
+        it is merged in but in async runs."""
+        previous = run.acked.get(peer)
+        if previous is None or previous.base != round_:
+            previous = self.store.update_from(run.name, peer, round_)
         if previous is None:
             return None
         if previous.digest != digest:
@@ -195,20 +197,29 @@ class Rounds:
             )
         return _ack(previous, repeat=True)
 
-    async def _check_open(self, run: Run, round_: int) -> None:
+    async def check_open(self, run: Run, round_: int) -> None:
+        """Raise unless the open round takes an update computed from version ``round_``."""
         if run.version < 0 or not run.sealed:
             raise Conflict(f"run {run.name!r} has not started yet", current_version=run.version)
-        if run.closing and round_ == run.version:
-            # it is about to close without this update: answer once the new version exists,
-            # so that the peer's catch-up finds it
+        if run.closing and run.policy.place(round_) is Place.OPEN:
+            # the open round is closing without this update: answer once the new version exists,
+            # so that a late peer's catch-up finds it (and an async update goes into the next one)
             while run.closing:
                 await run.changed.wait()
-        if round_ < run.version:
+        place = run.policy.place(round_)
+        if place is Place.CLOSED:
             raise RoundClosed(
                 f"round {round_} closed without this update; the run is at version {run.version}",
                 current_version=run.version,
             )
-        if round_ > run.version:
+        if place is Place.STALE:
+            raise StaleUpdate(
+                f"an update computed from version {round_} is {run.version - round_} versions old, over this "
+                f"run's max_staleness of {run.config.max_staleness}: it was not applied; pull the model",
+                current_version=run.version,
+                max_staleness=run.config.max_staleness,
+            )
+        if place is Place.AHEAD:
             raise Conflict(
                 f"round {round_} is not open; the run is at version {run.version}", current_version=run.version
             )
@@ -233,11 +244,17 @@ class Rounds:
             repeat = self._acknowledged(run, ticket.round, ticket.peer, ticket.digest)
             if repeat is not None:
                 return repeat
-            await self._check_open(run, ticket.round)
+            await self.check_open(run, ticket.round)
+            if ticket.peer in run.acked:  # async: its previous update waits for a close that failed
+                raise Conflict(
+                    f"peer {ticket.peer!r} has an update waiting to be applied in round {run.version}; "
+                    "send this one once that round has closed",
+                    current_version=run.version,
+                )
             self._guard(run, ticket.peer, norm)
             update = UpdateRecord(
                 ticket.peer,
-                ticket.round,
+                run.version,
                 self.store.next_seq(run.name),
                 ticket.digest,
                 ticket.samples,
@@ -245,6 +262,7 @@ class Rounds:
                 received.nbytes,
                 time.time(),
                 received.seconds,
+                base=ticket.round,
             )
             self.store.acknowledge(received.staged, run.name, update)  # the acknowledgement's commit point
         finally:
@@ -255,15 +273,17 @@ class Rounds:
         if run.opened is None:
             run.opened = update.received
         peer = run.peers[ticket.peer]
-        if peer.last_update_at is not None and update.received > peer.last_update_at:
+        reports = peer.last_progress is not None
+        if not reports and peer.last_update_at is not None and update.received > peer.last_update_at:
             peer.rate = ticket.samples / (update.received - peer.last_update_at)
         peer.last_update_at = update.received
         peer.samples += ticket.samples
         peer.bytes_up += received.nbytes
         log.info(
-            "update_acked run=%s round=%d peer=%s samples=%d mb=%.3f upload_s=%.3f",
+            "update_acked run=%s round=%d base=%d peer=%s samples=%d mb=%.3f upload_s=%.3f",
             run.name,
-            ticket.round,
+            update.round,
+            update.base,
             ticket.peer,
             ticket.samples,
             received.nbytes / 1e6,
@@ -271,7 +291,7 @@ class Rounds:
         )
         # a close starts at once: it folds what is not folded yet (its "fold" timing: the round's
         # last fold after its last acknowledgement), beside this request's own fold
-        self.carry_out(run, run.policy.acknowledged(ticket.peer, now()))
+        self.carry_out(run, run.policy.acknowledged(ticket.peer, now(), ticket.samples))
         self.view.updated(run, update)
         await self._fold_pending(run)
         self.decide(run)  # the fold took time: a deadline may have passed meanwhile
@@ -323,7 +343,8 @@ class Rounds:
         for update in sorted(run.acked.values(), key=lambda u: u.seq):
             if update.peer not in acc.folded:
                 key = UpdateKey(run.name, update.round, update.peer)
-                await to_thread.run_sync(self.engine.fold, acc, key, update.samples, run.codec)
+                weight = run.policy.weight(update.samples, update.base, update.round)
+                await to_thread.run_sync(self.engine.fold, acc, key, weight, run.codec)
 
     def decide(self, run: Run) -> None:
         """Ask the policy again (time passed); not while a failed close waits to retry."""
@@ -342,7 +363,7 @@ class Rounds:
                 folded = time.monotonic()
                 if not self.store.exists(VersionKey(run.name, close.round)):
                     await self.versions.written(run)  # the merge checks version v + its result
-                result_bytes, left_out = await merge_finite(self.engine, run, close.round)
+                result_bytes, left_out = await merge_finite(self.engine, run, close.round, close.participants)
             participants = [name for name in close.participants if name not in left_out]
             updates = [run.acked[name] for name in participants]
             assert run.opened is not None
@@ -366,7 +387,10 @@ class Rounds:
         run.version = close.round + 1
         run.acked, run.acc, run.opened = {}, None, None
         if run.norms:
-            run.previous_norms = list(run.norms.values())
+            # the guard's reference: this round's norms and the previous round's; async rounds
+            # hold one update or a few, so there the last ASYNC_NORMS accepted ones
+            kept = [*run.previous_norms, *run.norms.values()][-ASYNC_NORMS:] if run.config.policy == "async" else []
+            run.previous_norms = kept or list(run.norms.values())
         run.norms = {}
         for name in close.dropped:
             log.warning("straggler_dropped run=%s round=%d peer=%s", run.name, close.round, name)
@@ -436,7 +460,7 @@ class VersionFiles:
             target = run.version
             await to_thread.run_sync(self.engine.build_versions, run.name, target, run.codec, run.schema)
             with contextlib.suppress(Exception):  # housekeeping: a failure here loses nothing
-                self.store.prune(run.name, target, self.settings.keep_versions)
+                self.store.prune(run.name, target, self.settings.keep_versions, run.keep_results)
             if run.version == target:  # else rounds closed meanwhile
                 return
 

@@ -23,13 +23,24 @@ from starlette.requests import ClientDisconnect
 from syncserver.coordinator import Coordinator
 from syncserver.deps import Caller, Hub, PeerName, Round, RunName, Wait, authenticate, authenticate_view
 from syncserver.errors import BadRequest, HubError, Incomplete
-from syncserver.limits import MAX_BYTES, MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds, header_int
+from syncserver.limits import (
+    MAX_BYTES,
+    MAX_ROUND,
+    MAX_SAMPLES,
+    MinPeers,
+    NormGuard,
+    OuterLR,
+    OuterMomentum,
+    Seconds,
+    header_int,
+)
 from syncserver.names import NAME_PATTERN
 from syncserver.responses import BlobResponse, requested_range
 from syncserver.rounds import Ticket
 from syncserver.schemas import (
     Heartbeat,
     Left,
+    Progress,
     RunStatus,
     RunSummary,
     StartReady,
@@ -37,7 +48,7 @@ from syncserver.schemas import (
     UpdateAck,
     VersionZero,
 )
-from syncserver.settings import Outer, normal_codec
+from syncserver.settings import Outer, Policy, normal_codec
 from syncserver.uploads import BodyInterrupted, Received, partial_offset, receive
 
 #: ``?peer=``: who downloads (for the dashboard's download log); absent for other clients.
@@ -64,6 +75,10 @@ class JoinRequest(BaseModel):
     min_peers: MinPeers | None = None
     round_timeout: Seconds | None = None
     norm_guard: NormGuard | None = None
+    policy: Policy | None = None
+    round_samples: int | None = Field(None, ge=1, le=MAX_SAMPLES)
+    max_staleness: int | None = Field(None, ge=0, le=100_000)
+    group_size: int = Field(1, ge=1, le=65_536, description="Ranks of the torch.distributed group this peer is.")
 
     @field_validator("codec")
     @classmethod
@@ -189,8 +204,8 @@ def _start_answer(state: StartState, hub: Coordinator) -> StartState | Response:
     response_model=StartState,
 )
 async def join(run: RunName, body: JoinRequest, hub: Hub, caller: Caller) -> StartState | Response:
-    requested = body.model_dump(exclude={"peer"})
-    return _start_answer(hub.join(run, body.peer, requested, creator=caller), hub)
+    requested = body.model_dump(exclude={"peer", "group_size"})
+    return _start_answer(hub.join(run, body.peer, requested, group_size=body.group_size, creator=caller), hub)
 
 
 @router.get(
@@ -218,6 +233,21 @@ async def put_initial(
 @router.post("/runs/{run}/peers/{peer}/heartbeat", summary="Renew the peer's lease")
 async def heartbeat(run: RunName, peer: PeerName, hub: Hub) -> Heartbeat:
     return hub.heartbeat(run, peer)
+
+
+class ProgressReport(BaseModel):
+    """Samples trained since the update to ``round`` began (a peer's running count, not a delta)."""
+
+    round: int = Field(ge=0, le=MAX_ROUND, description="The version this peer trains from.")
+    samples: int = Field(ge=0, le=MAX_SAMPLES, strict=True, description="Samples since its last update.")
+
+
+@router.post(
+    "/runs/{run}/peers/{peer}/progress",
+    summary="Report training progress (renews the lease); in samples runs, long poll until the round is due",
+)
+async def progress(run: RunName, peer: PeerName, body: ProgressReport, hub: Hub, wait: Wait = 0.0) -> Progress:
+    return await hub.progress(run, peer, body.round, body.samples, wait)
 
 
 @router.post("/runs/{run}/peers/{peer}/leave", summary="Leave the run: no longer waited for")
@@ -316,7 +346,11 @@ async def get_result(
         return Response(status_code=204)
     response = BlobResponse(
         blob,
-        headers={"ETag": f'"{run}-r{round}"', "X-Sync-Version": str(round + 1)},
+        headers={
+            "ETag": f'"{run}-r{round}"',
+            "X-Sync-Version": str(round + 1),
+            "X-Sync-Run-Samples": str(hub.samples_through(run, round)),
+        },
         # runs once the whole body is sent: the end of the peer's download phase
         background=BackgroundTask(_downloaded, hub, run, round, peer, time.time()),
     )
@@ -333,7 +367,12 @@ async def get_result(
 async def get_model(run: RunName, hub: Hub, request: Request, peer: Downloader = None) -> Response:
     version, blob = await hub.model(run)
     hub.count_download(run, peer, _served_bytes(request, blob.size))
-    return BlobResponse(blob, headers={"ETag": f'"{run}-v{version}"', "X-Sync-Version": str(version)})
+    headers = {
+        "ETag": f'"{run}-v{version}"',
+        "X-Sync-Version": str(version),
+        "X-Sync-Run-Samples": str(hub.samples_through(run, version - 1)),
+    }
+    return BlobResponse(blob, headers=headers)
 
 
 async def _downloaded(hub: Coordinator, run: str, round_: int, peer: str | None, began: float) -> None:

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from syncserver.policy import PeerState
-from syncserver.settings import Outer
+from syncserver.settings import Outer, Policy
 
 __all__ = [
     "Answer",
@@ -32,6 +32,7 @@ __all__ = [
     "OpenRound",
     "PeerCurves",
     "PeerStatus",
+    "Progress",
     "RoundSummary",
     "RunConfig",
     "RunStatus",
@@ -78,6 +79,9 @@ class RunConfig(Answer):
     min_peers: int
     round_timeout: float = Field(description="Seconds after a round's first update before stragglers are dropped.")
     norm_guard: float | None = Field(description="Refuse an update whose norm is over this many times the median.")
+    policy: Policy = Field(description="When a round closes: barrier, samples or async.")
+    round_samples: int | None = Field(description="samples: the samples of a round; async: of an outer step.")
+    max_staleness: int = Field(description="async: the most versions an update's base may lag behind.")
 
 
 class _Start(Answer):
@@ -150,6 +154,16 @@ class Left(Answer):
     left: Literal[True]
 
 
+class Progress(Answer):
+    """Where the open round stands after a progress report (``due``: send your update now)."""
+
+    round: int
+    version: int = Field(description="The run's latest version (above round: that round closed).")
+    due: bool = Field(description="The run's samples reached the round's target: every peer sends what it has.")
+    samples: int = Field(description="Samples of the open round so far: live peers' reports and updates in.")
+    target: int | None = Field(description="round_samples (samples runs), else None.")
+
+
 # ---- a run's state -------------------------------------------------------------------------------
 class RunSummary(Answer):
     """One line of the run list."""
@@ -168,11 +182,14 @@ class OpenRound(Answer):
     closing: bool
     rejected: list[str] = Field(description="Peers whose update the norm guard refused this round.")
     seconds_left: float | None = Field(description="Until the deadline; None before the first update.")
+    samples: int = Field(description="Samples so far: updates in, plus live peers' progress reports.")
+    due: bool = Field(description="samples runs: the target is reached, every peer is asked for its update.")
 
 
 class PeerStatus(Answer):
     peer: str
     rank: int | None
+    group_size: int = Field(description="Ranks of the torch.distributed group that trains as this peer.")
     state: PeerState
     last_seen_seconds: float
     active_from: int = Field(description="First round this peer is waited for.")
@@ -208,6 +225,7 @@ class UpdateSummary(Answer):
     nbytes: int
     received: float
     seconds: float = Field(description="Upload time.")
+    base: int = Field(description="The version it was computed from: its round, or older in async runs.")
 
 
 class _RunState(Answer):
@@ -240,6 +258,7 @@ class Lane(Answer):
     peer: str
     samples: int
     bytes: int
+    staleness: int = Field(description="Versions its base lagged the round it went into (async; else 0).")
     spans: list[tuple[Phase, float, float]]
 
 

@@ -8,11 +8,12 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from syncserver.limits import MAX_BYTES, MAX_PEERS, MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds
+from syncserver.limits import MAX_BYTES, MAX_PEERS, MAX_SAMPLES, MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds
 from syncserver.names import NAME_RULE, is_name
 from syncwire import get_codec
 
 Outer = Literal["avg", "diloco"]
+Policy = Literal["barrier", "samples", "async"]
 
 
 def normal_codec(spec: str) -> str:
@@ -95,6 +96,22 @@ class HubSettings(BaseSettings):
         "Unset: off.",
     )
 
+    policy: Policy = Field(
+        "barrier",
+        description="Default of new runs: when a round closes. barrier: every live peer sent its N steps; samples: "
+        "the peers' reported samples reached round_samples; async: no rounds, each update is applied as it comes.",
+    )
+    round_samples: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_SAMPLES,
+        description="Default of new runs: samples per round (policy samples) or per outer step (async). Setting it "
+        "alone makes the default policy samples.",
+    )
+    max_staleness: int = Field(
+        32, ge=0, le=100_000, description="Default of new async runs: refuse an update whose base is older (versions)."
+    )
+
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, value: str) -> str:
@@ -127,6 +144,16 @@ class HubSettings(BaseSettings):
             raise ValueError(
                 f"min_peers {self.min_peers} is over max_peers_per_run {self.max_peers_per_run}: no run could start"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _policy_has_its_target(self) -> HubSettings:
+        if self.round_samples is not None and "policy" not in self.model_fields_set and self.policy == "barrier":
+            self.policy = "samples"
+        if self.policy != "barrier" and self.round_samples is None:
+            raise ValueError(f"SYNC_POLICY={self.policy} needs SYNC_ROUND_SAMPLES (samples per round)")
+        if self.policy == "barrier" and self.round_samples is not None:
+            raise ValueError("SYNC_ROUND_SAMPLES goes with SYNC_POLICY=samples or async, not barrier")
         return self
 
     @model_validator(mode="after")

@@ -8,14 +8,25 @@ import time
 from dataclasses import dataclass, field
 
 from syncserver.engine import Accumulator, Outer
-from syncserver.policy import BarrierPolicy
+from syncserver.policy import RoundPolicy, make_policy
 from syncserver.shape import RunShape
 from syncserver.store import PeerRecord, UpdateRecord
 from syncwire import Codec, Schema
 
 __all__ = ["CONFIG_FIELDS", "Peer", "Run", "RunConfig"]
 
-CONFIG_FIELDS = ("codec", "outer", "outer_lr", "outer_momentum", "min_peers", "round_timeout", "norm_guard")
+CONFIG_FIELDS = (
+    "codec",
+    "outer",
+    "outer_lr",
+    "outer_momentum",
+    "min_peers",
+    "round_timeout",
+    "norm_guard",
+    "policy",
+    "round_samples",
+    "max_staleness",
+)
 
 
 @dataclass
@@ -29,8 +40,23 @@ class RunConfig:
     min_peers: int
     round_timeout: float
     # refuse an update whose norm is over norm_guard x the median of accepted ones; None: off
-    # (a default, so that runs created before the guard existed load as they were)
+    # (defaults from here on, so that runs created before these existed load as they were)
     norm_guard: float | None = None
+    policy: str = "barrier"  # when rounds close: barrier, samples or async (syncserver.policy)
+    round_samples: int | None = None  # samples and async: the samples of a round (of an outer step)
+    max_staleness: int = 32  # async: versions an update's base may lag the open version by
+
+    def make_policy(self, lease_seconds: float, version: int) -> RoundPolicy:
+        """This run's round policy, with round ``version`` open."""
+        return make_policy(
+            self.policy,
+            min_peers=self.min_peers,
+            round_timeout=self.round_timeout,
+            lease_seconds=lease_seconds,
+            round_samples=self.round_samples,
+            max_staleness=self.max_staleness,
+            round_=version,
+        )
 
     @property
     def outer_optimizer(self) -> Outer:
@@ -44,11 +70,21 @@ class Peer:
     name: str
     rank: int | None
     joined: float  # wall time
+    group_size: int = 1  # ranks of a torch.distributed group that train as this one peer
     samples: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
-    rate: float = 0.0  # samples/s between its last two updates
+    rate: float = 0.0  # samples/s: from its progress reports, else between its last two updates
     last_update_at: float | None = None
+    last_progress: tuple[int, int, float] | None = None  # (round, samples, monotonic time) it last reported
+
+    def observe(self, round_: int, samples: int, at: float) -> None:
+        """A progress report: its speed is the samples it gained since the last report of the round."""
+        last = self.last_progress
+        if last is not None and last[0] == round_ and samples > last[1] and at > last[2]:
+            speed = (samples - last[1]) / (at - last[2])
+            self.rate = speed if self.rate == 0 else 0.5 * (self.rate + speed)  # smooth out report jitter
+        self.last_progress = (round_, samples, at)
 
 
 @dataclass
@@ -56,7 +92,7 @@ class Run:
     name: str
     config: RunConfig
     codec: Codec
-    policy: BarrierPolicy
+    policy: RoundPolicy
     version: int = -1
     schema: Schema | None = None
     shape: RunShape | None = None  # what the schema implies (layout, limits, its JSON): set with it
@@ -93,6 +129,12 @@ class Run:
     def closing(self) -> bool:
         return self.policy.closing
 
+    @property
+    def keep_results(self) -> int | None:
+        """Round results to keep beyond the versions: an async peer fetches every result since
+        its base, up to ``max_staleness`` of them."""
+        return self.config.max_staleness + 1 if self.config.policy == "async" else None
+
     def world_size(self) -> int:
         ranks = [p.rank for p in self.peers.values() if p.rank is not None]
         return max(ranks) + 1 if ranks else 0
@@ -100,7 +142,7 @@ class Run:
     def record(self, peer: Peer) -> PeerRecord:
         """The peer as stored."""
         member = self.policy.members[peer.name]
-        return PeerRecord(peer.name, peer.rank, member.active_from, peer.joined, member.left)
+        return PeerRecord(peer.name, peer.rank, member.active_from, peer.joined, member.left, peer.group_size)
 
     def accumulator(self) -> Accumulator:
         assert self.schema is not None

@@ -135,8 +135,9 @@ def _phase_seconds(lane: dict[str, Any], phase: str) -> float | None:
 PEER_COLUMNS = [
     Col("rank", 6),
     Col("peer", 10, numeric=False),
+    Col("ranks", 1),
     Col("state", 9, numeric=False),
-    Col("last seen s", 1),
+    Col("last seen s", 0),
     Col("samples", 4),
     Col("samples/s", 5),
     Col("MB up", 2),
@@ -163,7 +164,7 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
     live = sum(p["state"] in ("live", "late") for p in s["peers"])
     title = (
         f"run {s['run']}: version {s['version']}, {live}/{len(s['peers'])} peers live, "
-        f"codec {cfg['codec']}, outer {cfg['outer']}, min_peers {cfg['min_peers']}"
+        f"codec {cfg['codec']}, outer {cfg['outer']}, min_peers {cfg['min_peers']}, rounds {cfg['policy']}"
     )
     curves = s["curves"]["peers"]
     peer_rows: list[list[Cell]] = []
@@ -173,6 +174,7 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
             [
                 "-" if p["rank"] is None else str(p["rank"]),
                 p["peer"],
+                str(p["group_size"]),
                 Text(p["state"], style=STATE_STYLE.get(p["state"], "")),
                 f"{p['last_seen_seconds']:.1f}",
                 f"{p['samples']:,}",

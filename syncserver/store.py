@@ -75,11 +75,12 @@ CREATE TABLE IF NOT EXISTS runs (
     created REAL NOT NULL, sealed INTEGER NOT NULL DEFAULT 0, creator TEXT);
 CREATE TABLE IF NOT EXISTS peers (
     run TEXT NOT NULL, name TEXT NOT NULL, rank INTEGER, active_from INTEGER NOT NULL,
-    joined REAL NOT NULL, left INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (run, name));
+    joined REAL NOT NULL, left INTEGER NOT NULL DEFAULT 0, group_size INTEGER NOT NULL DEFAULT 1,
+    PRIMARY KEY (run, name));
 CREATE TABLE IF NOT EXISTS updates (
     run TEXT NOT NULL, round INTEGER NOT NULL, peer TEXT NOT NULL, seq INTEGER NOT NULL,
     digest TEXT NOT NULL, samples INTEGER NOT NULL, metrics TEXT NOT NULL, nbytes INTEGER NOT NULL,
-    received REAL NOT NULL, seconds REAL NOT NULL, PRIMARY KEY (run, round, peer));
+    received REAL NOT NULL, seconds REAL NOT NULL, base INTEGER, PRIMARY KEY (run, round, peer));
 CREATE TABLE IF NOT EXISTS rounds (
     run TEXT NOT NULL, round INTEGER NOT NULL, opened REAL NOT NULL, closed REAL NOT NULL,
     participants TEXT NOT NULL, dropped TEXT NOT NULL, samples INTEGER NOT NULL,
@@ -107,12 +108,13 @@ class PeerRecord:
     active_from: int
     joined: float
     left: bool
+    group_size: int = 1  # ranks of a torch.distributed group that train as this one peer
 
 
 @dataclass
 class UpdateRecord:
     peer: str
-    round: int
+    round: int  # the round it is merged in
     seq: int
     digest: str
     samples: int
@@ -120,6 +122,7 @@ class UpdateRecord:
     nbytes: int
     received: float
     seconds: float
+    base: int  # the version it was computed from: its round, but in async runs an older one
 
 
 @dataclass
@@ -399,6 +402,11 @@ class Store:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(runs)")}
         if "creator" not in columns:  # who created a run counts against its quota (quotas.py)
             self._db.execute("ALTER TABLE runs ADD COLUMN creator TEXT")
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(updates)")}
+        if "base" not in columns:  # a data dir from before async runs: every update's base is its round
+            self._db.execute("ALTER TABLE updates ADD COLUMN base INTEGER")
+        if "group_size" not in {row[1] for row in self._db.execute("PRAGMA table_info(peers)")}:
+            self._db.execute("ALTER TABLE peers ADD COLUMN group_size INTEGER NOT NULL DEFAULT 1")
 
     def describe(self) -> str:
         """Where the data lives, for the startup log line."""
@@ -526,11 +534,11 @@ class Store:
                 _publish(staged._path, path)
             with self._tx() as db:
                 db.execute(
-                    "INSERT INTO updates VALUES (?,?,?,?,?,?,?,?,?,?)",
+                    f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         run,
-                        update.round,
                         update.peer,
+                        update.round,
                         update.seq,
                         update.digest,
                         update.samples,
@@ -538,6 +546,7 @@ class Store:
                         update.nbytes,
                         update.received,
                         update.seconds,
+                        update.base,
                     ),
                 )
         except BaseException:
@@ -582,24 +591,25 @@ class Store:
     @_translated
     def peers(self, run: str) -> list[PeerRecord]:
         rows = self._db.execute(
-            "SELECT name, rank, active_from, joined, left FROM peers WHERE run = ? ORDER BY joined", (run,)
+            "SELECT name, rank, active_from, joined, left, group_size FROM peers WHERE run = ? ORDER BY joined", (run,)
         ).fetchall()
-        return [PeerRecord(n, r, a, j, bool(left)) for n, r, a, j, left in rows]
+        return [PeerRecord(n, r, a, j, bool(left), g) for n, r, a, j, left, g in rows]
 
     def save_peer(self, run: str, peer: PeerRecord) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT OR REPLACE INTO peers (run, name, rank, active_from, joined, left) VALUES (?,?,?,?,?,?)",
-                (run, peer.name, peer.rank, peer.active_from, peer.joined, int(peer.left)),
+                "INSERT OR REPLACE INTO peers (run, name, rank, active_from, joined, left, group_size) "
+                "VALUES (?,?,?,?,?,?,?)",
+                (run, peer.name, peer.rank, peer.active_from, peer.joined, int(peer.left), peer.group_size),
             )
 
     # ---- updates and rounds --------------------------------------------------------------
-    _UPDATE_COLUMNS = "peer, round, seq, digest, samples, metrics, nbytes, received, seconds"
+    _UPDATE_COLUMNS = "peer, round, seq, digest, samples, metrics, nbytes, received, seconds, base"
 
     @staticmethod
     def _update(row: tuple[Any, ...]) -> UpdateRecord:
-        p, r, s, d, n, m, b, t, sec = row
-        return UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec)
+        p, r, s, d, n, m, b, t, sec, base = row
+        return UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec, r if base is None else base)
 
     @_translated
     def updates(self, run: str, round_: int) -> list[UpdateRecord]:
@@ -607,6 +617,16 @@ class Store:
             f"SELECT {self._UPDATE_COLUMNS} FROM updates WHERE run = ? AND round = ? ORDER BY seq", (run, round_)
         ).fetchall()
         return [self._update(row) for row in rows]
+
+    @_translated
+    def update_from(self, run: str, peer: str, base: int) -> UpdateRecord | None:
+        """``peer``'s update computed from version ``base``, wherever it was merged (a peer sends
+        at most one per version it starts from)."""
+        row = self._db.execute(
+            f"SELECT {self._UPDATE_COLUMNS} FROM updates WHERE run = ? AND peer = ? AND COALESCE(base, round) = ?",
+            (run, peer, base),
+        ).fetchone()
+        return None if row is None else self._update(row)
 
     @_translated
     def next_seq(self, run: str) -> int:
@@ -644,6 +664,14 @@ class Store:
             RoundRecord(r, o, c, json.loads(p), json.loads(d), s, b, rb, json.loads(t))
             for r, o, c, p, d, s, b, rb, t in reversed(rows)
         ]
+
+    @_translated
+    def samples_through(self, run: str, round_: int) -> int:
+        """Samples trained in ``run`` by the end of round ``round_`` (version ``round_ + 1``)."""
+        (total,) = self._db.execute(
+            "SELECT COALESCE(SUM(samples), 0) FROM rounds WHERE run = ? AND round <= ?", (run, round_)
+        ).fetchone()
+        return int(total)
 
     @_translated
     def round_metrics(self, run: str, limit: int = 500) -> list[UpdateRecord]:
@@ -697,17 +725,19 @@ class Store:
                 path.unlink(missing_ok=True)
 
     @_translated
-    def prune(self, run: str, version: int, keep: int) -> None:
-        """Keep the last ``keep`` versions and round results; drop older files, and the
-        partial uploads of closed rounds (they can never complete)."""
+    def prune(self, run: str, version: int, keep: int, keep_results: int | None = None) -> None:
+        """Keep the last ``keep`` versions and the last ``keep_results`` round results (default
+        ``keep``: peers of an async run fetch the results since their base, so it keeps more);
+        drop older files, and the partial uploads no open round can take (they can never complete)."""
         floor = version - keep + 1
         for kind in ("versions", "momentum"):
             for path in (self._run_dir(run) / kind).glob("*.safetensors"):
                 if int(path.stem) < floor:
                     path.unlink(missing_ok=True)
+        results_floor = version - max(keep, keep_results or 0) + 1
         for path in (self._run_dir(run) / "rounds").glob("*"):
-            if path.is_dir() and int(path.name) < floor:
+            if path.is_dir() and int(path.name) < results_floor:
                 shutil.rmtree(path, ignore_errors=True)
         for path in self._partials(run).glob("*"):
-            if int(path.name) < version:
+            if int(path.name) < version - (keep_results or 0):
                 shutil.rmtree(path, ignore_errors=True)

@@ -156,11 +156,14 @@ class HubView:
                 "closing": run.closing,
                 "rejected": sorted(policy.refused),
                 "seconds_left": None if deadline is None else max(0.0, deadline - now),
+                "samples": policy.round_total(),
+                "due": policy.due,
             },
             "peers": [
                 {
                     "peer": p.name,
                     "rank": p.rank,
+                    "group_size": p.group_size,
                     "state": policy.state(p.name),
                     "last_seen_seconds": round(now - policy.members[p.name].last_seen, 3),
                     "active_from": policy.members[p.name].active_from,
@@ -183,6 +186,7 @@ class HubView:
                 sorted(run.acked),
                 sorted(run.uploading),
                 run.closing,
+                run.policy.due,
                 sorted(run.policy.live),
                 sorted((name, run.policy.state(name).value, p.rank) for name, p in run.peers.items()),
                 sorted((r, sorted(peers)) for r, peers in run.downloads.items()),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from syncserver.aggregate import diloco_step, fold, outer_step, weighted_mean
+from syncserver.aggregate import delayed_nesterov_step, diloco_step, fold, outer_step, weighted_mean
 
 
 def test_weighted_mean_by_samples() -> None:
@@ -102,3 +102,28 @@ def test_outer_step_plain_average_is_the_mean() -> None:
     assert update is mean and momentum is None
     with pytest.raises(ValueError, match="unknown outer"):
         outer_step("adam", mean, None, lr=1, mu=0)
+
+
+def test_delayed_nesterov_over_a_whole_step_is_one_nesterov_step() -> None:
+    """Four asynchronous parts of an outer step, applied as they come, move the model as one
+    Nesterov step on their sum does, and leave the same momentum (Liu et al., 2024)."""
+    lr, mu = 0.7, 0.9
+    rng = np.random.default_rng(1)
+    m0 = rng.standard_normal(5).astype(np.float32)
+    parts = [rng.standard_normal(5).astype(np.float32) * 0.25 for _ in range(4)]
+    moved, m = np.zeros(5, np.float32), m0.copy()
+    for i, part in enumerate(parts):
+        update, m = outer_step("diloco", part, m, lr=lr, mu=mu, fresh=i == 0, complete=i == 3)
+        moved += update
+        if i < 3:  # until the step completes, a part moves the model by plain SGD, no momentum
+            np.testing.assert_allclose(update, lr * part, rtol=1e-6)
+    whole, m_whole = diloco_step(np.sum(parts, axis=0), m0, lr=lr, mu=mu)
+    np.testing.assert_allclose(moved, whole, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m, m_whole, rtol=1e-5, atol=1e-6)
+
+
+def test_delayed_nesterov_of_a_whole_step_is_diloco_bit_for_bit() -> None:
+    mean, m = np.array([0.3, -1.7], np.float32), np.array([0.2, 0.1], np.float32)
+    a = delayed_nesterov_step(mean, m, lr=0.7, mu=0.9, fresh=True, complete=True)
+    b = diloco_step(mean, m, lr=0.7, mu=0.9)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))

@@ -15,10 +15,10 @@ from typing import Any
 from tests.conftest import REPO
 
 
-def run_bench(script: str, out: Path, *args: str) -> tuple[str, dict[str, Any]]:
+def run_bench(script: str, out: Path, *args: str, timeout: float = 240) -> tuple[str, dict[str, Any]]:
     """Run ``bench/<script>.py`` with ``args`` and ``--out out``; its stdout and the one JSON it wrote."""
     command = [sys.executable, str(REPO / "bench" / f"{script}.py"), *args, "--out", str(out)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=REPO)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = out.glob(f"{script}-*.json")
     return proc.stdout, json.loads(path.read_text())
@@ -69,3 +69,38 @@ def test_starve_benchmark_runs_and_writes_its_figures(tmp_path: Path) -> None:
     assert set(statuses) == {"head", "put", "status", "start"}
     assert all(int(code) < 500 for counts in statuses.values() for code in counts), statuses
     assert "attacked / alone" in stdout
+
+
+def test_unequal_benchmark_runs_every_policy(tmp_path: Path) -> None:
+    """bench/unequal.py --quick: every policy trains to the same budget and is evaluated."""
+    stdout, result = run_bench("unequal", tmp_path / "results", "--quick", "--scenarios", "slow", timeout=400)
+    rows = {r["policy"]: r for r in result["rows"]}
+    assert set(rows) == {"barrier", "samples", "async"}
+    budget = result["settings"]["budget"]
+    for row in rows.values():
+        assert row["curve"] and row["final_val_ppl"] > 1 and row["wall"] > 0
+        assert sum(p["samples"] for p in row["peers"]) >= budget
+        assert row["bytes_up"] > 0 and row["bytes_down"] > 0
+    slow = [p for p in rows["samples"]["peers"] if p["slow"]]
+    assert len(slow) == 1 and all(p["steps"] > slow[0]["steps"] for p in rows["samples"]["peers"] if not p["slow"])
+    assert "| slow | samples |" in stdout
+
+
+def test_group_benchmark_times_every_peer_shape(tmp_path: Path) -> None:
+    """bench/group.py: 1 rank, 2 ranks DDP, 2 ranks FSDP, each rank checked against the hub."""
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "group.py"),
+        "--model",
+        "tiny",
+        "--syncs",
+        "1",
+        "--results",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(next(tmp_path.glob("group-*.json")).read_text())
+    assert [(r["mode"], r["ranks"]) for r in record["rows"]] == [("plain", 1), ("ddp", 2), ("fsdp", 2)]
+    assert all(len(r["sync_s"]) == 1 and r["sync_s"][0] > 0 for r in record["rows"])
+    assert len(record["rows"][1]["broadcast_s"]) == 1

@@ -37,7 +37,7 @@ CHROMIUM_ARGS = [
 
 
 def update(peer: str, round_: int, received: float, seconds: float, seq: int, **metrics: float) -> UpdateRecord:
-    return UpdateRecord(peer, round_, seq, "d" * 64, 8, metrics, 1000, received, seconds)
+    return UpdateRecord(peer, round_, seq, "d" * 64, 8, metrics, 1000, received, seconds, round_)
 
 
 def closed_round(round_: int, opened: float, closed: float, fold: float, merge: float, **kw: Any) -> RoundRecord:

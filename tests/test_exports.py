@@ -24,6 +24,7 @@ def test_syncclient_exports() -> None:
             "PendingSync",
             "RoundClosed",
             "SchemaMismatch",
+            "StaleUpdate",
             "SyncCallback",
             "SyncClient",
             "SyncError",

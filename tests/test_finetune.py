@@ -87,6 +87,28 @@ def test_two_local_peers_end_identical_and_learn(tmp_path: Path) -> None:
 
 
 @needs_data
+def test_a_samples_run_trains_until_the_run_has_seen_its_epochs(tmp_path: Path) -> None:
+    """--round-samples: rounds close on the peers' summed samples, and every peer trains (cycling
+    its shard) until the run as a whole has trained --epochs of data, then stops at one version."""
+    out = tmp_path / "samples"
+    flags = [f for f in SMALL if f not in ("--max-steps", "12")]
+    flags[flags.index("--train-samples") + 1] = "20"
+    proc = run_script("--local-peers", "2", "--round-samples", "64", "--epochs", "1", "--output-dir", str(out), *flags)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["weights_identical"] and results["weights_equal_hub"]
+    peers = [json.loads((out / p / "results.json").read_text()) for p in ("peer-0", "peer-1")]
+    budget = peers[0]["config"]["sample_budget"]
+    assert peers[0]["config"]["run_policy"] == "samples" and budget == peers[0]["config"]["train_blocks"]
+    samples = [r["samples"] for r in results["rounds"]]
+    # Stopped at the round that reached the budget: not one before, not one after. (How far that round
+    # overshoots depends on how fast peers notice it is due, which a loaded machine stretches.)
+    assert sum(samples[:-1]) < budget <= sum(samples)
+    assert all(r["samples"] >= 64 for r in results["rounds"])  # each round closed on its target
+    assert {p["final_version"] for p in peers} == {results["hub_version"]} == {len(results["rounds"])}
+
+
+@needs_data
 def test_serial_baseline(tmp_path: Path) -> None:
     out = tmp_path / "serial"
     proc = run_script("--sync-every", "0", "--output-dir", str(out), *SMALL)
@@ -127,6 +149,10 @@ def test_unreachable_hub_id_fails_in_one_line(flags: list[str], tmp_path: Path) 
         (["--local-peers", "2", "--no-hub"], "--sync-every > 0"),
         (["--serial-baseline", "--no-hub"], "goes with --local-peers"),
         (["--no-hub", "--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--local-peers", "2", "--round-samples", "64", "--sync-every", "5"], "drop --sync-every"),
+        (["--local-peers", "2", "--policy", "async"], "needs --round-samples"),
+        (["--local-peers", "2", "--policy", "barrier", "--round-samples", "8"], "goes with --policy samples"),
+        (["--local-peers", "2", "--round-samples", "-1"], "must be >= 0"),
     ],
 )
 def test_bad_flag_combinations_fail_in_one_line(
@@ -151,3 +177,15 @@ def test_peers_get_the_command_line_without_the_launchers_flags(monkeypatch: pyt
     script.check_args(child)
     assert (child.hub, child.run, child.peer, child.token, child.output_dir) == tuple(env.values())
     assert child.local_peers == 0 and not child.serial_baseline and child.lr == 0.001
+
+
+def test_under_torchrun_the_reference_job_says_what_to_use_instead(tmp_path: Path) -> None:
+    """It shards data by the hub's rank, one process per peer: several ranks would train one shard
+    as several peers. A one-line error, before any data is loaded or a hub contacted."""
+    env = {"WORLD_SIZE": "2", "RANK": "0"}
+    proc = run_script("--hub", "http://127.0.0.1:9", "--output-dir", str(tmp_path), *SMALL, env=env, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: train/finetune_gpt2.py runs one process per peer, not under torchrun (WORLD_SIZE=2); "
+        "use SyncCallback in your own torchrun script"
+    ]

@@ -105,7 +105,7 @@ def test_metrics_after_two_rounds(hub_factory: Callable[..., Hub]) -> None:
             log,
         ), log
     assert "run_started run=m peers=2 members=peer-a,peer-b" in log
-    assert re.search(r"update_acked run=m round=1 peer=peer-b samples=8 mb=[\d.]+ upload_s=[\d.]+", log)
+    assert re.search(r"update_acked run=m round=1 base=1 peer=peer-b samples=8 mb=[\d.]+ upload_s=[\d.]+", log)
     assert "peer_left run=m peer=peer-a" in log
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from syncserver.policy import Admit, BarrierPolicy, Close, PeerState
+from syncserver.policy import Admit, AsyncPolicy, BarrierPolicy, Close, PeerState, Place, SamplesPolicy, make_policy
 
 LEASE = 60.0
 TIMEOUT = 10.0
@@ -144,3 +144,138 @@ def test_misuse_is_refused() -> None:
         policy.acknowledged("a", 0.0)
     with pytest.raises(ValueError, match="round 0 is open"):
         policy.committed(Close(3, ("a",), ()))
+
+
+# ---- samples: rounds that close on a global sample count ----------------------------------------
+
+
+def samples_run(*names: str, target: int = 100, min_peers: int = 1) -> SamplesPolicy:
+    policy = SamplesPolicy(round_samples=target, min_peers=min_peers, round_timeout=TIMEOUT, lease_seconds=LEASE)
+    for name in names:
+        policy.join(name, 0.0, counted=False)
+    policy.begin(0)
+    policy.seal(names)
+    return policy
+
+
+def test_a_samples_round_is_due_once_the_reports_reach_the_target() -> None:
+    policy = samples_run("a", "b", "c")
+    assert policy.progress("a", 40, 1.0) is None and policy.progress("b", 30, 1.0) is None
+    assert not policy.due and policy.round_total() == 70
+    assert policy.progress("c", 30, 2.0) is None
+    assert policy.due and policy.deadline == 2.0 + TIMEOUT
+    assert policy.acknowledged("a", 3.0, samples=45) is None  # b and c have samples: they are waited for
+    assert policy.acknowledged("c", 3.5, samples=31) is None
+    assert policy.acknowledged("b", 4.0, samples=30) == Close(0, ("a", "c", "b"), ())
+    assert policy.round_total() == 106
+
+
+def test_a_due_round_does_not_wait_for_a_peer_without_samples() -> None:
+    policy = samples_run("fast", "fresh")
+    policy.progress("fresh", 0, 1.0)
+    policy.progress("fast", 100, 1.0)
+    assert policy.due
+    assert policy.acknowledged("fast", 2.0, samples=100) == Close(0, ("fast",), ())
+
+
+def test_a_due_round_closes_at_its_deadline_with_a_quorum() -> None:
+    policy = samples_run("a", "b")
+    policy.progress("a", 60, 1.0)
+    policy.progress("b", 40, 1.0)
+    assert policy.acknowledged("a", 2.0, samples=60) is None
+    assert policy.decide(1.0 + TIMEOUT - 0.01) is None
+    assert policy.decide(1.0 + TIMEOUT) == Close(0, ("a",), ("b",))
+
+
+def test_a_samples_round_closes_early_when_every_live_peer_is_in() -> None:
+    policy = samples_run("a", "b")  # say both finished training: their last updates are small
+    assert policy.acknowledged("a", 1.0, samples=5) is None
+    assert policy.acknowledged("b", 2.0, samples=7) == Close(0, ("a", "b"), ())
+    assert not policy.due
+
+
+def test_only_live_peers_reports_count() -> None:
+    policy = samples_run("a", "b")
+    policy.progress("b", 50, 0.0)
+    policy.seen("a", LEASE)
+    policy.progress("a", 60, LEASE)
+    assert policy.due
+    policy = samples_run("a", "b")
+    policy.progress("b", 50, 0.0)
+    policy.seen("a", LEASE)
+    policy.expire(LEASE + 1)  # b's lease ran out: its samples will not come
+    policy.progress("a", 60, LEASE + 1)
+    assert not policy.due and policy.round_total() == 60
+
+
+def test_a_committed_samples_round_starts_the_count_afresh() -> None:
+    policy = samples_run("a")
+    policy.progress("a", 100, 1.0)
+    close = policy.acknowledged("a", 1.0, samples=100)
+    assert close is not None
+    policy.committed(close)
+    assert (policy.round, policy.due, policy.round_total(), policy.deadline) == (1, False, 0, None)
+
+
+def test_an_update_cannot_join_a_closing_round() -> None:
+    policy = samples_run("a", "b")
+    policy.progress("a", 90, 1.0)
+    policy.progress("b", 10, 1.0)
+    assert policy.acknowledged("a", 1.0, samples=90) is None
+    assert policy.acknowledged("b", 1.0, samples=11) == Close(0, ("a", "b"), ())
+    with pytest.raises(ValueError, match="closing"):
+        policy.acknowledged("c", 1.0)
+
+
+# ---- async: no barrier, staleness-weighted ------------------------------------------------------
+
+
+def async_run(*names: str, round_: int = 5, max_staleness: int = 2) -> AsyncPolicy:
+    policy = AsyncPolicy(
+        round_samples=200, max_staleness=max_staleness, min_peers=1, round_timeout=TIMEOUT, lease_seconds=LEASE
+    )
+    for name in names:
+        policy.join(name, 0.0, counted=False)
+    policy.begin(round_)
+    policy.seal(names)
+    return policy
+
+
+def test_async_takes_updates_up_to_max_staleness_versions_old() -> None:
+    policy = async_run("a", round_=5, max_staleness=2)
+    assert [policy.place(b) for b in (6, 5, 4, 3, 2)] == [Place.AHEAD, Place.OPEN, Place.OPEN, Place.OPEN, Place.STALE]
+    assert BarrierPolicy(min_peers=1, round_timeout=1, lease_seconds=1, round_=5).place(4) is Place.CLOSED
+
+
+def test_async_applies_each_update_at_once_and_never_waits() -> None:
+    policy = async_run("a", "b", "c")
+    assert policy.acknowledged("b", 1.0, samples=10) == Close(5, ("b",), ())
+    policy.committed(Close(5, ("b",), ()))
+    assert policy.expected() == frozenset() and policy.state("a") is PeerState.LIVE
+    policy.expire(LEASE + 1)
+    assert policy.state("a") is PeerState.GONE
+
+
+def test_async_weights_discount_staleness_and_total_is_a_whole_outer_step() -> None:
+    policy = async_run("a")  # an outer step is 200 samples
+    assert policy.weight(100, 5, 5) == 100.0
+    assert policy.weight(50, 2, 5) == 50.0  # 3 versions of ~50 samples: less than a step behind, not late
+    assert policy.weight(100, 2, 5) == pytest.approx(100 / 1.5**0.5)  # 3 x 100 / 200 = 1.5 steps: 0.5 late
+    assert policy.weight(100, 0, 5) == pytest.approx(100 / 2.5**0.5)
+    assert policy.total(50) == 200.0 and policy.total(300) == 300.0  # never more than a whole mean
+    assert policy.fraction(50) == 0.25
+    with pytest.raises(ValueError, match="cannot go into"):
+        policy.weight(1, 6, 5)
+    barrier = started("a")
+    assert (barrier.weight(7, 0, 0), barrier.total(7), barrier.fraction(7)) == (7.0, 7.0, float("inf"))
+
+
+def test_make_policy_names_each_and_wants_a_target() -> None:
+    common = {"min_peers": 1, "round_timeout": 1.0, "lease_seconds": 1.0, "max_staleness": 3}
+    assert isinstance(make_policy("barrier", round_samples=None, **common), BarrierPolicy)
+    assert isinstance(make_policy("samples", round_samples=8, **common), SamplesPolicy)
+    assert isinstance(make_policy("async", round_samples=8, **common), AsyncPolicy)
+    with pytest.raises(ValueError, match="needs round_samples"):
+        make_policy("samples", round_samples=None, **common)
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("gossip", round_samples=8, **common)

@@ -79,6 +79,8 @@ def test_deadline_alone_does_not_close_below_min_peers(hub_factory) -> None:
     clients[1].sync(models[1], samples=1)
     first.join(10)
     assert done.is_set() and status(hub, "mp")["version"] == 1
+    for client in clients:
+        client.close()
 
 
 def test_a_peer_joining_mid_training_starts_from_the_latest_version(hub: Hub) -> None:
@@ -106,3 +108,5 @@ def test_a_peer_joining_mid_training_starts_from_the_latest_version(hub: Hub) ->
     for t in threads:
         t.join(20)
     assert status(hub, "mid")["version"] == 3 and a.version == late.version == 3
+    a.close()
+    late.close()

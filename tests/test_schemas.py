@@ -63,4 +63,5 @@ def test_openapi_describes_every_answer(hub: Hub) -> None:
                     if media == "application/json":
                         closed(body["schema"], components, where)
                         described += 1
-    assert described == 10  # healthz, runs, status, join, start, version 0, heartbeat, leave, update, dashboard
+    # healthz, runs, status, join, start, version 0, progress, heartbeat, leave, update, dashboard
+    assert described == 11

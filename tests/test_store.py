@@ -84,12 +84,12 @@ def staged(store: Store, data: bytes) -> Staged:
 def test_an_update_is_acknowledged_with_its_record_or_not_at_all(store: Store) -> None:
     store.create_run("r", {})
     data = body({"w": np.ones(3, np.float32)})
-    record = UpdateRecord("a", 0, 1, "d", 5, {}, len(data), 0.0, 0.0)
+    record = UpdateRecord("a", 0, 1, "d", 5, {}, len(data), 0.0, 0.0, 0)
     store.acknowledge(staged(store, data), "r", record)
     assert store.exists(UpdateKey("r", 0, "a")) and [u.peer for u in store.updates("r", 0)] == ["a"]
     # the same (run, round, peer) again is refused before the stored update is touched
     with pytest.raises(ValueError, match="already has an update stored"):
-        store.acknowledge(staged(store, data), "r", UpdateRecord("a", 0, 2, "e", 5, {}, len(data), 0.0, 0.0))
+        store.acknowledge(staged(store, data), "r", UpdateRecord("a", 0, 2, "e", 5, {}, len(data), 0.0, 0.0, 0))
     assert [u.seq for u in store.updates("r", 0)] == [1]
     with store.read(UpdateKey("r", 0, "a")) as f:
         assert f.read("w").tolist() == [1, 1, 1]
@@ -97,7 +97,7 @@ def test_an_update_is_acknowledged_with_its_record_or_not_at_all(store: Store) -
     late = staged(store, data)
     store.close()
     with pytest.raises(Unavailable):
-        store.acknowledge(late, "r", UpdateRecord("b", 0, 3, "f", 5, {}, len(data), 0.0, 0.0))
+        store.acknowledge(late, "r", UpdateRecord("b", 0, 3, "f", 5, {}, len(data), 0.0, 0.0, 0))
     assert not store.exists(UpdateKey("r", 0, "b"))
 
 
@@ -106,7 +106,7 @@ def test_no_peer_name_is_a_file_of_the_hub(store: Store, peer: str) -> None:
     """A peer called ``result`` *was* stored at the round's result path: the merge replaced it."""
     store.create_run("r", {})
     data = body({"w": np.ones(3, np.float32)})
-    store.acknowledge(staged(store, data), "r", UpdateRecord(peer, 0, 1, "d", 5, {}, len(data), 0.0, 0.0))
+    store.acknowledge(staged(store, data), "r", UpdateRecord(peer, 0, 1, "d", 5, {}, len(data), 0.0, 0.0, 0))
     write_version(store, ResultKey("r", 0), {"w": np.zeros(3, np.float32)})  # the merge of round 0
     with store.read(UpdateKey("r", 0, peer)) as f:
         assert f.read("w").tolist() == [1, 1, 1]
@@ -118,7 +118,7 @@ def test_recovery_keeps_the_open_rounds_updates_and_drops_an_uncommitted_result(
     store.create_run("r", {})
     for seq, peer in enumerate(["a", "result"], 1):
         data = body({"w": np.full(3, seq, np.float32)})
-        store.acknowledge(staged(store, data), "r", UpdateRecord(peer, 0, seq, "d", 5, {}, len(data), 0.0, 0.0))
+        store.acknowledge(staged(store, data), "r", UpdateRecord(peer, 0, seq, "d", 5, {}, len(data), 0.0, 0.0, 0))
     write_version(store, ResultKey("r", 0), {"w": np.zeros(3, np.float32)})
     store.recover("r", 0)
     assert not store.exists(ResultKey("r", 0))
@@ -133,7 +133,7 @@ def test_recovery_moves_updates_of_the_older_layout(store: Store, tmp_path: Path
     store.create_run("r", {})
     data = body({"w": np.full(3, 7, np.float32)})
     for peer in ("a", "result"):
-        store.acknowledge(staged(store, data), "r", UpdateRecord(peer, 0, 1, "d", 5, {}, len(data), 0.0, 0.0))
+        store.acknowledge(staged(store, data), "r", UpdateRecord(peer, 0, 1, "d", 5, {}, len(data), 0.0, 0.0, 0))
     round_dir = tmp_path / "hub" / "runs" / "r" / "rounds" / f"{0:08d}"
     for path in (round_dir / "updates").iterdir():
         path.rename(round_dir / path.name)  # as the older layout had it

@@ -43,6 +43,14 @@ world size come from the hub, which assigns them by sorted peer name, so shards 
 who joined first. The per-peer batch is ``--batch-size // world_size``: with N peers one round
 covers as many samples as ``sync-every`` serial steps.
 
+Peers of unequal speed: ``--round-samples S`` closes a round once the peers together trained S
+blocks (the hub's ``samples`` policy; ``--policy async`` applies each update as it comes instead),
+so a fast peer takes more steps per round than a slow one. Then the data is not split evenly in
+time: every peer cycles through its shard and all stop once the run as a whole has trained
+``--epochs`` of data (``epochs x train blocks`` samples, as the hub counts them), so the run sees
+the samples a serial run would, sooner. Use a constant ``--lr-schedule`` there: the Trainer
+cannot know how many steps a peer will take.
+
 Validation is *not* sharded: every peer evaluates the same held-out reviews, right after every
 sync and every ``--eval-every`` steps. At a sync all peers hold bit-identical weights, so their
 curves touch exactly there; between syncs the gap between curves is the peers' drift and
@@ -106,7 +114,24 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("run", "which run to join and how often to sync")
     g.add_argument("--hub", default=env("WEIGHTSYNC_HUB"), help="hub base URL, e.g. http://HUB:8000 [$WEIGHTSYNC_HUB]")
     g.add_argument("--no-hub", action="store_true", help="train alone: the serial baseline")
-    g.add_argument("--sync-every", type=int, default=1000, help="optimizer steps between syncs; 0 = serial baseline")
+    g.add_argument(
+        "--sync-every",
+        type=int,
+        help="optimizer steps between syncs; 0 = serial baseline (default: 1000, or none with --round-samples)",
+    )
+    g.add_argument(
+        "--round-samples",
+        type=int,
+        help="instead: a round closes once all peers together trained this many samples (blocks); peers of "
+        "unequal speed then each send what they have, and train until the run has seen --epochs of data",
+    )
+    g.add_argument(
+        "--policy",
+        choices=["barrier", "samples", "async"],
+        help="when rounds close (default: samples with --round-samples, else barrier); async: no rounds, "
+        "each update is applied as it arrives (needs --round-samples: the samples of a whole outer step)",
+    )
+    g.add_argument("--max-staleness", type=int, help="async: refuse an update whose base is more versions old")
     g.add_argument("--run", default=env("WEIGHTSYNC_RUN", "imdb-gpt2"), help="run name on the hub [$WEIGHTSYNC_RUN]")
     g.add_argument(
         "--peer",
@@ -173,22 +198,36 @@ def main(argv: list[str] | None = None) -> int:
 def check_args(args: argparse.Namespace) -> None:
     # Not an argparse default: --help would print it.
     args.token = args.token or os.environ.get("WEIGHTSYNC_TOKEN") or os.environ.get("SYNC_TOKEN")
-    if args.no_hub:
-        args.sync_every = 0
+    if (args.round_samples or 0) < 0 or (args.max_staleness or 0) < 0:
+        raise Fail("--round-samples and --max-staleness must be >= 0")
+    if args.no_hub or args.sync_every == 0:  # the serial baseline: no hub, no rounds
+        args.sync_every, args.round_samples, args.policy = 0, None, None
+    else:
+        args.policy = args.policy or ("samples" if args.round_samples else "barrier")
+        if args.policy != "barrier" and not args.round_samples:
+            raise Fail(f"--policy {args.policy} needs --round-samples S (the samples of a round)")
+        if args.policy == "barrier" and args.round_samples:
+            raise Fail("--round-samples goes with --policy samples or async")
+        if args.policy == "samples" and args.sync_every:
+            raise Fail("a samples run syncs whenever its round is due: drop --sync-every")
+        if args.sync_every is None and args.policy != "samples":
+            args.sync_every = 1000
+    args.sync_every = args.sync_every or 0
+    args.hub_mode = args.policy is not None
     if args.local_peers < 0 or args.sync_every < 0 or (args.eval_every or 0) < 0:
         raise Fail("--local-peers, --sync-every and --eval-every must be >= 0")
     if args.local_peers and args.hub:
         raise Fail("--local-peers runs its own hub: drop --hub")
-    if args.local_peers and args.sync_every == 0:
-        raise Fail("--local-peers needs --sync-every > 0 (use --serial-baseline to add the serial run)")
+    if args.local_peers and not args.hub_mode:
+        raise Fail("--local-peers needs --sync-every > 0 or --round-samples (use --serial-baseline for the serial run)")
     if args.serial_baseline and not args.local_peers:
         raise Fail("--serial-baseline goes with --local-peers (for a serial run alone use --no-hub)")
-    if args.sync_every and not args.hub and not args.local_peers:
+    if args.hub_mode and not args.hub and not args.local_peers:
         raise Fail("give --hub URL to join a run, --local-peers K to run K peers here, or --no-hub (serial)")
-    if args.hub and args.sync_every == 0:
-        raise Fail("--hub needs --sync-every > 0")
+    if args.hub and not args.hub_mode:
+        raise Fail("--hub needs --sync-every > 0 or --round-samples")
     if args.eval_every is None:
-        args.eval_every = max(1, args.sync_every // 4) if args.sync_every else 250
+        args.eval_every = max(1, args.sync_every // 4) if args.sync_every else (0 if args.hub_mode else 250)
     for name in ("block_size", "batch_size", "train_samples", "val_samples", "test_samples"):
         if getattr(args, name) < 1:
             raise Fail(f"--{name.replace('_', '-')} must be >= 1")
@@ -201,9 +240,16 @@ def check_args(args: argparse.Namespace) -> None:
 
 def train_peer(args: argparse.Namespace) -> int:
     t0 = time.time()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # One process per peer here (it shards the data by the hub's rank). SyncCallback serves a
+        # torchrun group in any other Trainer script: README, "Peers with several GPUs".
+        raise Fail(
+            "train/finetune_gpt2.py runs one process per peer, not under torchrun "
+            f"(WORLD_SIZE={os.environ['WORLD_SIZE']}); use SyncCallback in your own torchrun script"
+        )
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hub_mode = args.sync_every > 0
+    hub_mode = args.hub_mode
 
     # Offline switches are read when huggingface_hub is imported, so they go before the imports.
     local_inputs = [Path(args.dataset).is_dir(), Path(args.tokenizer).is_dir()]
@@ -298,6 +344,9 @@ def train_peer(args: argparse.Namespace) -> int:
             codec=args.codec,
             outer=args.outer,
             min_peers=args.min_peers,
+            policy=args.policy,
+            round_samples=args.round_samples,
+            max_staleness=args.max_staleness,
         )
         note(f"joining run {args.run!r} at {args.hub} ...")
         try:
@@ -328,8 +377,17 @@ def train_peer(args: argparse.Namespace) -> int:
         if per_peer < batch:
             raise Fail(f"only {per_peer} training blocks per peer for a batch of {batch}: raise --train-samples")
 
+        # Peers of unequal speed (samples and async runs) do not split the data evenly in time: a
+        # fast peer cycles through its shard more often, and every peer stops once the run as a
+        # whole has trained --epochs of data (the hub counts it: SyncResult.run_samples).
+        policy = client.policy if client is not None else None
+        budget = round(args.epochs * len(train_blocks)) if policy in ("samples", "async") else None
+        epochs = args.epochs * world_size if budget else args.epochs
+
         cfg = dict(vars(args))
         cfg.update(
+            run_policy=policy,
+            sample_budget=budget,
             rank=rank,
             world_size=world_size,
             per_peer_batch=batch,
@@ -360,7 +418,7 @@ def train_peer(args: argparse.Namespace) -> int:
             weight_decay=0.0,  # AdamW without decay is the report's Adam
             optim="adamw_torch",
             lr_scheduler_type=args.lr_schedule,
-            num_train_epochs=args.epochs,
+            num_train_epochs=epochs,
             max_steps=args.max_steps if args.max_steps > 0 else -1,
             eval_strategy="steps" if args.eval_every else "no",
             eval_steps=args.eval_every or None,
@@ -379,12 +437,17 @@ def train_peer(args: argparse.Namespace) -> int:
         # in the log event where SyncCallback made it.
         callbacks: list[Any] = [perplexity_callback(), record.callback()]
         if hub_mode:
-            # The client has joined already, so the callback does not join again; it syncs every N steps.
+            stop = budget_callback()
+
+            # The client has joined already, so the callback does not join again; it syncs every N
+            # steps, or when the round is due.
             def on_sync(result: Any) -> None:
                 record.on_sync(result, round_participants(client, result.version - 1))
+                if budget is not None and result.run_samples >= budget:
+                    stop.reached = True
 
-            callback = SyncCallback(client=client, sync_every=args.sync_every, on_sync=on_sync)
-            callbacks.insert(1, callback)
+            callback = SyncCallback(client=client, sync_every=args.sync_every or None, on_sync=on_sync)
+            callbacks[1:1] = [callback, stop]
         trainer = Trainer(
             model=model,
             args=training_args,
@@ -480,6 +543,22 @@ def perplexity_callback() -> Any:
                 metrics["eval_ppl"] = math.exp(metrics["eval_loss"])
 
     return Perplexity()
+
+
+def budget_callback() -> Any:
+    """A TrainerCallback that stops training once ``reached`` is set (the run's sample budget);
+    after SyncCallback, so that the sync that reached it is logged first."""
+    from transformers import TrainerCallback  # imported by now; see train_peer
+
+    class Budget(TrainerCallback):
+        reached = False
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+            if self.reached:
+                control.should_training_stop = True
+            return control
+
+    return Budget()
 
 
 class RoundLog:
@@ -752,7 +831,8 @@ def plot(series: dict[str, dict[str, Any]], path: Path, args: argparse.Namespace
     ax.set_xlabel("optimizer step (per peer)")
     ax.set_ylabel("validation perplexity")
     peers = sum(1 for res in series.values() if res["rounds"])
-    title = f"GPT-2 on IMDB: {peers} peer(s), sync every {args.sync_every} steps (grey)" if peers else "GPT-2 on IMDB"
+    every = f"every {args.sync_every} steps" if args.sync_every else f"every {args.round_samples} samples"
+    title = f"GPT-2 on IMDB: {peers} peer(s), sync {every} (grey)" if peers else "GPT-2 on IMDB"
     if "serial" in series and peers:
         title += " vs serial"
     ax.set_title(title)

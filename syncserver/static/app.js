@@ -259,6 +259,7 @@
       stat("sent to hub", fmtBytes(up), `received ${fmtBytes(down)}`),
       stat("codec", cfg.codec, ratios.length ? `${(ratios.reduce((a, b) => a + b) / ratios.length).toFixed(1)}× smaller` : cfg.codec === "fp32" ? "no compression" : ""),
       stat("outer", cfg.outer, cfg.outer === "diloco" ? `lr ${cfg.outer_lr}, μ ${cfg.outer_momentum}` : "weighted mean"),
+      stat("rounds", cfg.policy, { barrier: "every peer's N steps", samples: `close at ${fmtNum(cfg.round_samples)} samples`, async: `no barrier, staleness ≤ ${cfg.max_staleness}` }[cfg.policy] || ""),
       stat("model", run.parameters ? fmtNum(run.parameters) : "–", run.parameters ? `params, ${run.tensors} tensors` : ""),
     );
   }
@@ -266,7 +267,7 @@
   function renderPeers(run, colors) {
     const el = $("peers");
     if (!run.peers.length) return fill(el, h("p", { class: "empty-note" }, "No peer has joined yet."));
-    const head = ["rank", "peer", "state", "last seen", "samples", "samples/s", "up", "down", "loss", "val ppl"];
+    const head = ["rank", "peer", "ranks", "state", "last seen", "samples", "samples/s", "up", "down", "loss", "val ppl"];
     const left = new Set(["peer", "state"]);
     fill(el, h("div", { class: "scroll" }, h("table", {},
       h("thead", {}, h("tr", {}, head.map((c) => h("th", { scope: "col", class: left.has(c) ? "l" : null }, c)))),
@@ -275,6 +276,7 @@
         return h("tr", { "data-peer": p.peer },
           h("td", {}, p.rank === null ? "–" : p.rank),
           h("td", { class: "l" }, h("span", { class: "swatch", style: `background:${colors.get(p.peer)}` }), p.peer),
+          h("td", { title: "processes (GPUs) of the torch.distributed group that trains as this peer" }, p.group_size),
           h("td", { class: "l" }, h("span", { class: `badge ${p.state}`, title: stateHelp(p.state) }, p.state)),
           h("td", { "data-age": p.last_seen_seconds }, fmtAgo(p.last_seen_seconds)),
           h("td", {}, fmtNum(p.samples)),
@@ -312,17 +314,30 @@
     const expected = run.peers.filter((p) => p.rank !== null && p.state === "live" && p.active_from <= o.round).map((p) => p.peer);
     const pending = expected.filter((n) => !o.submitted.includes(n) && !o.uploading.includes(n));
     const chips = (names, cls) => (names.length ? names.map((n) => h("span", { class: `chip ${cls}` }, n)) : h("span", { class: "muted" }, "none"));
+    if (cfg.policy === "async") {
+      return fill(el, h("dl", { class: "kv" },
+        h("dt", {}, "applying"), h("dd", {}, chips(o.submitted, "done")),
+        h("dt", {}, "uploading"), h("dd", {}, chips(o.uploading, "busy")),
+        h("dt", {}, "lease"), h("dd", {}, `${fmtSecs(run.lease_seconds)} without a request and a peer is gone`),
+      ), h("p", { class: "note" }, `Asynchronous: each update is applied as it arrives, weighted by its samples and (1 + staleness)^-½; one computed from a version more than ${cfg.max_staleness} behind is refused.`));
+    }
     let deadline;
     if (o.closing) deadline = h("span", {}, "aggregating…");
     else if (o.seconds_left === null) deadline = h("span", { class: "muted" }, `starts with the first update (${fmtSecs(cfg.round_timeout)} timeout)`);
     else deadline = h("span", { "data-countdown": o.seconds_left }, `in ${fmtSecs(o.seconds_left)}`);
+    const samples = cfg.policy === "samples"
+      ? [h("dt", {}, "samples"), h("dd", {}, `${fmtNum(o.samples)} of ${fmtNum(cfg.round_samples)}`, o.due ? h("span", { class: "chip busy" }, "due: every peer sends now") : null)]
+      : [];
     fill(el, h("dl", { class: "kv" },
+      ...samples,
       h("dt", {}, "submitted"), h("dd", {}, chips(o.submitted, "done")),
       h("dt", {}, "uploading"), h("dd", {}, chips(o.uploading, "busy")),
       h("dt", {}, "waiting for"), h("dd", {}, chips(pending, "wait")),
       h("dt", {}, "stragglers dropped"), h("dd", {}, deadline),
       h("dt", {}, "lease"), h("dd", {}, `${fmtSecs(run.lease_seconds)} without a request and a peer is gone`),
-    ), h("p", { class: "note" }, `The round closes when every live peer has submitted, or at its deadline with at least ${cfg.min_peers} update(s).`));
+    ), h("p", { class: "note" }, cfg.policy === "samples"
+      ? `The round is due once the peers together trained ${fmtNum(cfg.round_samples)} samples; it closes when every live peer that trained has sent what it has, or at the deadline with at least ${cfg.min_peers} update(s).`
+      : `The round closes when every live peer has submitted, or at its deadline with at least ${cfg.min_peers} update(s).`));
   }
 
   // ---- the timeline: phases of every peer, stacked like a trace viewer -------------------------
@@ -545,14 +560,19 @@
     return out;
   }
 
+  function shares(traceRound, total) {
+    if (!traceRound || !total) return "–";
+    return traceRound.lanes.map((lane) => `${lane.peer} ${Math.round((100 * lane.samples) / total)}%${lane.staleness ? ` (s=${lane.staleness})` : ""}`).join(" · ");
+  }
+
   function renderRounds(run) {
     const el = $("rounds");
     if (!run.rounds.length) {
       return emptyNote(el, run.sealed ? "No round has closed yet. The first closes when every live peer has sent its update." : "Rounds start once the run has its peers.");
     }
     const trace = new Map(run.trace.map((t) => [t.round, t]));
-    const head = ["round", "peers", "dropped", "samples", "in", "out", "upload", "wait", "aggregate", "download", "total", "where the time went"];
-    const left = new Set(["dropped"]);
+    const head = ["round", "peers", "dropped", "samples", "share of samples", "in", "out", "upload", "wait", "aggregate", "download", "total", "where the time went"];
+    const left = new Set(["dropped", "share of samples"]);
     const rows = run.rounds.slice(-TABLE_ROUNDS).reverse().map((r) => {
       const p = phaseTotals(trace.get(r.round));
       const agg = (r.timings.fold || 0) + (r.timings.merge || 0);
@@ -565,6 +585,7 @@
         h("td", { title: r.participants.join(", ") }, r.participants.length),
         h("td", { class: `l ${r.dropped.length ? "dropped" : ""}` }, r.dropped.join(", ") || "–"),
         h("td", {}, fmtNum(r.samples)),
+        h("td", { class: "l", title: "each participant's part of the round's samples; s: its staleness (versions its base lagged)" }, shares(trace.get(r.round), r.samples)),
         h("td", {}, fmtBytes(r.bytes_in)),
         h("td", { title: "size of the merged update each peer downloads" }, fmtBytes(r.result_bytes)),
         h("td", {}, fmtSecs(p.upload)),

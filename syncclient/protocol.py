@@ -1,0 +1,193 @@
+"""One peer's requests to one run, as flows: the network half of a sync, the latest version,
+version 0. No model and no torch here: the client hands in encoded parts and an
+:class:`~syncclient.state.UpdateState`, and gets back what happened (:class:`Outcome`).
+
+The network half of a sync (:meth:`RunProtocol.exchange`) runs on the client's worker thread:
+upload the update; the hub answers with the round it went into (the round it was computed
+from, or in an async run a later one, when versions were applied since its base); long-poll that
+round's merged update; then fold into the base every round's result from the update's base to
+that round, in order, as the hub built its versions, so the base ends as the hub's version bit
+for bit. A refused update (the round closed without it, or async: too stale) brings back the
+latest version to catch up to instead; a pruned result, the latest version as the new base.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from syncclient.exceptions import ConflictError, HubError, RoundClosed, StaleUpdate, SyncError
+from syncclient.state import UpdateState
+from syncclient.transport import Download, Transport, body_size
+from syncwire import get_codec
+
+__all__ = ["POLICIES", "Outcome", "RunProtocol", "run_settings"]
+
+log = logging.getLogger(__name__)
+
+Parts = list[tuple[str, np.ndarray, str]]  # (wire name, array, safetensors dtype), in order
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the network half of a sync brought back: the base now holds ``version``.
+    ``latest`` is set when the round closed without us (or, async, our base was too old): the
+    run's latest version, to catch up to. ``fresh_base``: our update is in, but a result we
+    needed was pruned, so this full version (which includes ours) is the new base."""
+
+    bytes_up: int
+    bytes_down: int
+    upload_seconds: float
+    wait_seconds: float
+    version: int = -1
+    run_samples: int = -1
+    latest: Download | None = None
+    fresh_base: Download | None = None
+
+
+POLICIES = ("barrier", "samples", "async")  # as the hub names them (syncserver.policy)
+
+
+def run_settings(
+    *,
+    codec: str | None,
+    outer: str | None,
+    outer_lr: float | None,
+    outer_momentum: float | None,
+    min_peers: int | None,
+    round_timeout: float | None,
+    norm_guard: float | None,
+    policy: str | None,
+    round_samples: int | None,
+    max_staleness: int | None,
+) -> dict[str, Any]:
+    """The run settings a peer asks for when it joins, checked here what can be checked here, so
+    that a typo fails at once and not at the hub.
+
+    They configure the run if this peer creates it; for an existing run each must match the run's
+    (None: accept the run's, or for a new run the hub's default). ``norm_guard``: refuse updates
+    over that many times the usual norm. ``min_peers`` is also the rendezvous size: the run starts
+    once that many peers joined, and ranks follow sorted peer names, not join order.
+    ``round_samples`` alone makes a *samples* run (rounds close once the peers together trained
+    that many samples); ``policy="async"`` with ``round_samples`` an asynchronous one (each sync
+    is applied at once, nobody waits; ``round_samples`` is the size of a whole outer step, and
+    ``max_staleness`` the most versions an update's base may lag).
+    """
+    if codec is not None:
+        get_codec(codec)
+    if policy is not None and policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if round_samples is not None and (isinstance(round_samples, bool) or not isinstance(round_samples, int)):
+        raise ValueError(f"round_samples must be an int, got {round_samples!r}")
+    if round_samples is not None and round_samples < 1:
+        raise ValueError(f"round_samples must be >= 1, got {round_samples}")
+    settings = {
+        "codec": codec,
+        "outer": outer,
+        "outer_lr": outer_lr,
+        "outer_momentum": outer_momentum,
+        "min_peers": min_peers,
+        "round_timeout": round_timeout,
+        "norm_guard": norm_guard,
+        "policy": policy,
+        "round_samples": round_samples,
+        "max_staleness": max_staleness,
+    }
+    return {k: v for k, v in settings.items() if v is not None}
+
+
+class RunProtocol:
+    """The request flows of one peer in one run, over a :class:`~syncclient.transport.Transport`."""
+
+    def __init__(self, transport: Transport, *, run: str, peer: str, poll: float) -> None:
+        self.transport, self.run, self.peer, self.poll = transport, run, peer, poll
+        self.path = f"/v1/runs/{run}"
+
+    def join(
+        self, settings: dict[str, Any], *, version0: Callable[[], Parts], joined: Callable[[float], None]
+    ) -> dict[str, Any]:
+        """Join and wait until the run starts: the ``ready`` answer (rank, schema, config).
+        ``joined(lease_seconds)`` is called once the hub knows the peer; ``version0()`` gives the
+        model to upload if this peer is told to initialise the run."""
+        body = {"peer": self.peer, **settings}
+        state: dict[str, Any] = self.transport.call("POST", f"{self.path}/peers", json=body).json()
+        joined(float(state.get("lease_seconds", 60.0)))
+        said = ""
+        while state["state"] != "ready":
+            if state["state"] == "initialise":
+                self.initialise(version0())
+            elif state.get("detail") != said:
+                said = state.get("detail", "")
+                log.info("run %s: %s", self.run, said)
+            start = f"{self.path}/peers/{self.peer}/start"
+            state = self.transport.call("GET", start, params={"wait": self.poll}).json()
+        return state
+
+    def exchange(
+        self, round_: int, parts: Parts, samples: int, metrics: dict[str, float], state: UpdateState
+    ) -> Outcome:
+        """Upload an update computed from version ``round_``, bring the merged result(s) back and
+        fold them into ``state``'s base (nobody else touches it while a sync is in flight)."""
+        started = time.monotonic()
+        headers = {"X-Sync-Samples": str(samples), "X-Sync-Metrics": json.dumps(metrics)}
+        try:
+            size, ack = self.transport.upload(
+                f"{self.path}/rounds/{round_}/updates/{self.peer}",
+                parts,
+                what="upload",
+                headers=headers,
+                resumable=True,
+            )
+        except (RoundClosed, StaleUpdate):
+            size = body_size(parts)  # sent, though refused
+            return Outcome(size, 0, time.monotonic() - started, 0.0, latest=self.latest())
+        uploaded = time.monotonic()
+        landed = int(ack["round"])
+        try:
+            own = self.result(landed, wait=True)  # ours first: the others are out already
+            waited = time.monotonic()
+            received = own.reader.received
+            for earlier in range(round_, landed):
+                result = self.result(earlier, wait=False)
+                state.fold(result.reader.tensors)
+                received += result.reader.received
+            state.fold(own.reader.tensors)
+        except HubError as exc:
+            if exc.status != 410:
+                raise
+            # a result was pruned: the latest version, which holds ours, is the new base
+            latest = self.latest()
+            elapsed = uploaded - started
+            return Outcome(
+                size, latest.reader.received, elapsed, 0.0, latest.version, latest.run_samples, fresh_base=latest
+            )
+        return Outcome(size, received, uploaded - started, waited - uploaded, landed + 1, own.run_samples)
+
+    def result(self, round_: int, *, wait: bool) -> Download:
+        """Round ``round_``'s merged update (with ``wait``, long-polling while the round is open)."""
+        path = f"{self.path}/rounds/{round_}/result"
+        while True:
+            download = self.transport.download(path, {"wait": self.poll if wait else 0, "peer": self.peer})
+            if download is not None:  # None: the long poll ended with the round still open
+                return download
+
+    def latest(self) -> Download:
+        """The run's latest version, whole."""
+        download = self.transport.download(f"{self.path}/model", {"peer": self.peer})
+        if download is None:
+            raise SyncError(f"run {self.run}: the hub answered 204 for the model")
+        return download
+
+    def initialise(self, parts: Parts) -> None:
+        """Upload version 0 (this peer was told to initialise the run)."""
+        log.info("run %s: uploading version 0 (%.1f MB)", self.run, sum(a.nbytes for _, a, _ in parts) / 1e6)
+        try:
+            self.transport.upload(f"{self.path}/versions/0", parts, what="version 0", params={"peer": self.peer})
+        except ConflictError as exc:  # someone else initialised (we lost our claim): just pull
+            log.info("run %s: %s", self.run, exc.detail)

@@ -1,0 +1,156 @@
+"""Peers that are torch.distributed groups: 2 peers x 2 ranks under real torchrun, gloo on CPU.
+
+After every round every rank of every peer holds bit-identical weights, equal to the hub's
+version; a rank killed mid-run makes its group leave the run, and the other peer carries on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from syncclient import SyncClient, SyncError
+from tests.conftest import REPO, Hub, tiny_gpt2
+from tests.harness import status, version_file, wait_for
+
+PEER = REPO / "tests" / "group_peer.py"
+
+
+def torchrun(hub: Hub, run: str, peer: str, mode: str, rounds: int, out: Path, *more: str) -> subprocess.Popen[bytes]:
+    """``torchrun --standalone --nproc-per-node 2 tests/group_peer.py ...``: one peer, two ranks."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SYNC_", "WEIGHTSYNC_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(PEER)]
+    command += ["--hub", hub.url, "--job", run, "--peer", peer, "--mode", mode, "--rounds", str(rounds)]
+    log = (out / f"{peer}.log").open("wb")
+    return subprocess.Popen(
+        [*command, "--out", str(out), *more],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
+
+
+def kill_all(proc: subprocess.Popen[bytes], out: Path, peer: str) -> None:
+    """SIGKILL torchrun and the ranks it started (each in a session of its own, so by the pid
+    files they wrote), so that no rank outlives a failed test."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pidfile in out.glob(f"{peer}-r*.pid"):
+        pid = int(pidfile.read_text())
+        with contextlib.suppress(OSError):
+            if "group_peer.py" in Path(f"/proc/{pid}/cmdline").read_text():
+                os.kill(pid, signal.SIGKILL)
+
+
+def hub_digest(hub: Hub, run: str, version: int) -> str:
+    """The sha-256 the peers write, of the hub's version file (the tied lm_head is not in it)."""
+    h = hashlib.sha256()
+    arrays = version_file(hub, run, version)
+    for name in sorted(arrays):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(arrays[name], "<f4").tobytes())
+    return h.hexdigest()
+
+
+def finish(procs: dict[str, subprocess.Popen[bytes]], out: Path) -> None:
+    """Wait for every peer's torchrun to end well (its ranks' and the hub's logs if not)."""
+    for peer, proc in procs.items():
+        try:
+            code: int | None = proc.wait(300)
+        except subprocess.TimeoutExpired:
+            code = None  # hung: say so with the logs below
+        finally:
+            kill_all(proc, out, peer)
+        logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in out.glob("*.log"))
+        assert code == 0, logs
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "trainer"])
+def test_every_rank_of_every_peer_holds_the_hubs_version(hub_factory: Any, tmp_path: Path, mode: str) -> None:
+    hub = hub_factory("--keep-versions", "100")
+    rounds = 3
+    procs = {name: torchrun(hub, mode, name, mode, rounds, tmp_path) for name in ("a", "b")}
+    finish(procs, tmp_path)
+    state = status(hub, mode)
+    assert state["version"] == rounds
+    assert {p["peer"]: p["group_size"] for p in state["peers"]} == {"a": 2, "b": 2}
+    assert all(r["participants"] == ["a", "b"] or sorted(r["participants"]) == ["a", "b"] for r in state["rounds"])
+    assert all(r["samples"] == 2 * 2 * 4 * 2 for r in state["rounds"]), "each update counts both ranks' samples"
+    for version in range(1, rounds + 1):
+        expected = hub_digest(hub, mode, version)
+        held = {f.name: f.read_text() for f in tmp_path.glob(f"*-r*-v{version}")}
+        assert sorted(held) == sorted(f"{p}-r{r}-v{version}" for p in "ab" for r in (0, 1)), held
+        assert set(held.values()) == {expected}, f"version {version}: {held}"
+
+
+def test_a_killed_rank_takes_its_group_out_and_the_other_peer_carries_on(hub_factory: Any, tmp_path: Path) -> None:
+    hub = hub_factory("--lease-seconds", "30", "--keep-versions", "100")
+    # min_peers 1, so that a may go on alone; b first, so that a's six rounds start with b in them.
+    b = torchrun(hub, "kill", "b", "ddp", 1000, tmp_path, "--min-peers", "1")
+    wait_for(lambda: (tmp_path / "b-r1-v1").exists(), "b's ranks through a round", 240)
+    a = torchrun(hub, "kill", "a", "ddp", 6, tmp_path, "--min-peers", "1")
+    wait_for(lambda: len(list(tmp_path.glob("a-r1-v*"))) >= 2, "a's ranks through two rounds with b", 240)
+    os.kill(int((tmp_path / "b-r1.pid").read_text()), signal.SIGKILL)
+    try:
+        b.wait(120)  # torchrun stops b's rank 0 (SIGTERM), which leaves the run
+    finally:
+        kill_all(b, tmp_path, "b")
+    assert b.returncode != 0
+    finish({"a": a}, tmp_path)
+    state = status(hub, "kill")
+    peers = {p["peer"]: p["state"] for p in state["peers"]}
+    assert peers["b"] == "left", peers  # it said goodbye: a stopped waiting at once, not after its lease
+    assert state["version"] >= 6 and state["rounds"][-1]["participants"] == ["a"]
+    last = state["version"]
+    assert {f.read_text() for f in tmp_path.glob(f"a-r*-v{last}")} == {hub_digest(hub, "kill", last)}
+
+
+def test_a_hub_gone_for_good_stops_every_rank_of_the_group(hub_factory: Any, tmp_path: Path) -> None:
+    """Rank 0 gives up on the hub after its retries; the other rank hears so and raises too,
+    rather than waiting forever in the next collective."""
+    hub = hub_factory()
+    peer = torchrun(hub, "gone", "a", "ddp", 1000, tmp_path, "--min-peers", "1", "--retry-seconds", "3")
+    wait_for(lambda: (tmp_path / "a-r1-v1").exists(), "a round on both ranks", 240)
+    hub.kill()
+    try:
+        code = peer.wait(120)
+    finally:
+        kill_all(peer, tmp_path, "a")
+    log = (tmp_path / "a.log").read_text(errors="replace")
+    assert code != 0
+    assert "HubUnreachable" in log, log[-3000:]
+    assert "GroupError: rank 0 of this peer failed: HubUnreachable" in log, log[-3000:]
+
+
+def test_a_group_client_rejects_what_a_group_cannot_do(hub: Hub, tmp_path: Path) -> None:
+    """Without torch.distributed there is no group to serve; in a group (here of one rank, in this
+    process) syncs work as for one process, overlap is refused, and samples are the ranks' sum."""
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match=r"torch\.distributed initialised"):
+        SyncClient(hub.url, run="g", peer="p", group=object())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = tiny_gpt2(0)
+        client = SyncClient(hub.url, run="g", peer="p", group=dist.group.WORLD)
+        assert client.join(model).version == 0
+        with pytest.raises(SyncError, match="not supported"):
+            client.sync_async(model, samples=4)
+        assert client.sync(model, samples=4).version == 1
+        assert status(hub, "g")["rounds"][0]["samples"] == 4 and status(hub, "g")["peers"][0]["group_size"] == 1
+        client.leave()
+    finally:
+        dist.destroy_process_group()
