@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 #: Request line + headers. The hub's own are under 1 KiB (a token, a digest, 4 KiB of metrics at most).
 MAX_HEADER_BYTES = 64 * 1024
+#: When the deadline finds nothing received, one more look after this long: a loop stalled past
+#: the deadline runs its timers before it reads the sockets, and bytes that did come would be
+#: taken for silence (a silent close instead of the 408; seen under a loaded test suite).
+LAST_LOOK_SECONDS = 0.1
 
 
 def http_protocol(header_seconds: float, max_header_bytes: int = MAX_HEADER_BYTES) -> type[asyncio.Protocol] | str:
@@ -46,6 +50,7 @@ def http_protocol(header_seconds: float, max_header_bytes: int = MAX_HEADER_BYTE
         _timer: asyncio.TimerHandle | None = None
         _header_bytes = 0  # bytes that came while the deadline ran, outside a request's body
         _in_body = False  # between a request's headers and the end of its body
+        _last_look = False  # the deadline passed with nothing received; looking once more
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -90,7 +95,7 @@ def http_protocol(header_seconds: float, max_header_bytes: int = MAX_HEADER_BYTE
 
         def _await_headers(self) -> None:
             self._stop_timer()
-            self._header_bytes = 0
+            self._header_bytes, self._last_look = 0, False
             self._timer = self.loop.call_later(header_seconds, self._too_slow)
 
         def _stop_timer(self) -> None:
@@ -101,6 +106,10 @@ def http_protocol(header_seconds: float, max_header_bytes: int = MAX_HEADER_BYTE
         def _too_slow(self) -> None:
             self._timer = None
             if self.transport.is_closing():
+                return
+            if self._header_bytes == 0 and not self._in_body and not self._last_look:
+                self._last_look = True  # let the loop read what may have come meanwhile
+                self._timer = self.loop.call_later(LAST_LOOK_SECONDS, self._too_slow)
                 return
             if self._header_bytes == 0 or self._in_body:
                 # nothing asked (closed as an idle keep-alive is), or the rest of a body already
