@@ -243,6 +243,8 @@ class SyncCallback(TrainerCallback):
             )
         import torch.distributed as dist
 
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"args.world_size is {args.world_size} but torch.distributed is not initialised")
         self.client.close()  # never joined: made before the Trainer set torch.distributed up
         self.client = SyncClient(self._hub, group=dist.group.WORLD, **self._client_kwargs)  # type: ignore[arg-type]
 

@@ -3,6 +3,12 @@
 A round's merged update is computed tensor by tensor so that the hub never holds more than a
 tensor's worth of temporaries beside its accumulator (and DiLoCo's momentum).
 
+The accumulator holds the *running weighted mean* of the updates folded so far, not their
+weighted sum: each fold is a convex combination of the mean so far and the new update, so
+every value stays between the smallest and the largest input. A float32 sum of ``samples x
+delta`` overflowed with honest-looking inputs (two updates near 2e38, or 1e25 x 2^53 samples)
+and published Inf to every peer.
+
 Outer optimizers, on the sample-weighted mean delta ``mean`` of a round:
 
 - ``avg`` (FedAvg / local SGD): ``update = mean``.
@@ -21,31 +27,51 @@ import numpy as np
 __all__ = ["delayed_nesterov_step", "diloco_step", "fold", "global_norm", "norm_outlier", "outer_step", "weighted_mean"]
 
 _NORM_CHUNK = 1 << 20  # values squared at a time in float64: 8 MB of temporaries, whatever the tensor
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
-def fold(acc: np.ndarray, delta: np.ndarray, weight: float) -> None:
-    """Add ``weight * delta`` into the float32 accumulator ``acc`` in place.
+def fold(mean: np.ndarray, delta: np.ndarray, weight: float, before: float) -> None:
+    """Fold ``delta`` with ``weight`` into ``mean``, in place: ``mean`` is the weighted mean of
+    updates whose weights sum to ``before`` (0: none yet), and becomes that of all of them.
 
-    This is the only in-place function here: the accumulator is the hub's one running copy.
+    ``mean = mean * (before / total) + delta * (weight / total)``, with ``total = before +
+    weight``: both terms are at most their input in size, so their sum is finite whenever the
+    inputs are, but for float32 rounding when both lie within a few ulps of float32's largest
+    value; then those values are summed in float64 and clipped to it (the exact mean is no
+    larger). The same inputs in the same order give the same bits: a restarted hub re-folds to
+    the very same mean. This is the only in-place function here: the accumulator is the hub's
+    one running copy.
     """
-    if acc.shape != delta.shape:
-        raise ValueError(f"shape {delta.shape} does not match the accumulator's {acc.shape}")
-    if not weight > 0:
-        raise ValueError(f"weight must be positive, got {weight}")
-    acc += np.float32(weight) * delta
+    if mean.shape != delta.shape:
+        raise ValueError(f"shape {delta.shape} does not match the accumulator's {mean.shape}")
+    if not weight > 0 or not before >= 0:
+        raise ValueError(f"weight must be positive and before non-negative, got {weight} and {before}")
+    if before == 0:
+        mean[...] = delta
+        return
+    total = before + weight
+    kept = mean * np.float32(before / total)
+    taken = delta * np.float32(weight / total)
+    try:
+        with np.errstate(over="raise"):
+            np.add(kept, taken, out=mean)
+    except FloatingPointError:
+        bad = ~np.isfinite(mean)
+        mean[bad] = np.clip(kept[bad].astype(np.float64) + taken[bad], -_F32_MAX, _F32_MAX)
 
 
 def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
-    """Sample-weighted mean of deltas (the reference the streaming fold must agree with)."""
+    """Sample-weighted mean of deltas, folded as the hub folds them (in this order)."""
     if len(deltas) != len(weights) or not deltas:
         raise ValueError("need one positive weight per delta, and at least one delta")
-    total = float(sum(weights))
-    if not total > 0 or any(w <= 0 for w in weights):
+    if any(not w > 0 for w in weights):
         raise ValueError("weights must be positive")
-    acc = np.zeros(deltas[0].shape, np.float32)
+    mean = np.zeros(deltas[0].shape, np.float32)
+    before = 0.0
     for delta, weight in zip(deltas, weights, strict=True):
-        fold(acc, delta, weight)
-    return acc / np.float32(total)
+        fold(mean, delta, weight, before)
+        before += weight
+    return mean
 
 
 def diloco_step(mean: np.ndarray, momentum: np.ndarray, *, lr: float, mu: float) -> tuple[np.ndarray, np.ndarray]:

@@ -10,6 +10,7 @@ import re
 import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from urllib.parse import unquote_plus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,25 +43,57 @@ def _configure_logging() -> None:
         logger.setLevel(logging.INFO)
 
 
+#: Query keys whose values are secrets (compared once URL-decoded, in any case).
+SECRET_KEYS = frozenset({"token", "access_token"})
+_QUERY_ITEM = re.compile(r"([?&;])([^=&;#\s\"?]*)=([^&;#\s\"]*)")
+
+
+def redact(text: str) -> str:
+    """``text`` with the value of every secret query item replaced by ``***``.
+
+    The key is compared *decoded*: ``?%74oken=`` is ``?token=`` to the dashboard and to
+    Starlette, so matching the literal ``token=`` let it through. Decoded until it no longer
+    changes, so that no spelling of the key is missed (hiding too much is harmless).
+    """
+
+    def item(match: re.Match[str]) -> str:
+        key, previous = match.group(2), None
+        while key != previous:
+            key, previous = unquote_plus(key), key
+        return f"{match.group(1)}{match.group(2)}=***" if key.strip().lower() in SECRET_KEYS else match.group(0)
+
+    return _QUERY_ITEM.sub(item, text) if "=" in text else text
+
+
 class RedactTokens(logging.Filter):
     """uvicorn's access log prints each request line with its query string, and a dashboard
-    link may carry ``?token=``: log ``token=***`` instead. (Bearer headers are never logged.)"""
-
-    PATTERN = re.compile(r"(?i)([?&;](?:access_)?token=)[^&;#\s\"]*")
+    link may carry ``?token=``: log ``token=***`` instead. (Bearer headers are never logged.)
+    On every handler the hub's records go through, so no logger can print one."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(self.PATTERN.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args)
+            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {k: redact(v) if isinstance(v, str) else v for k, v in record.args.items()}
         if isinstance(record.msg, str):
-            record.msg = self.PATTERN.sub(r"\1***", record.msg)
+            record.msg = redact(record.msg)
+        if record.exc_info and not record.exc_text:  # a traceback may quote a URL too
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
         return True
 
 
-def _redact_access_log() -> None:
-    # at startup, after uvicorn has configured its loggers
-    access = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, RedactTokens) for f in access.filters):
-        access.addFilter(RedactTokens())
+#: The loggers whose handlers print the hub's records (uvicorn's do not propagate to the root).
+_LOGGERS = ("", "uvicorn", "uvicorn.error", "uvicorn.access", "syncserver")
+
+
+def _redact_logs() -> None:
+    # at startup, after uvicorn has configured its loggers; a filter on a handler sees the
+    # records of every logger that propagates to it, a filter on a logger only its own
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        for target in (logger, *logger.handlers):
+            if not any(isinstance(f, RedactTokens) for f in target.filters):
+                target.addFilter(RedactTokens())
 
 
 #: Declared on every operation, so that the OpenAPI schema tells the truth about errors (and
@@ -70,6 +103,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     for status, description in {
         400: "Malformed input: a bad body, header or digest.",
         401: "Missing or wrong bearer token.",
+        403: "A limit of the hub is reached: runs per token, peers per run (the answer names it).",
         404: "Unknown run, peer or path.",
         409: "Conflicts with the run's state (a closed round, another config, another update).",
         413: "The body is over the run's size limit.",
@@ -83,14 +117,14 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
     """Build a hub. Its state lives in ``settings.data_dir`` and is recovered on start."""
     settings = settings or HubSettings()
     _configure_logging()
-    metrics = HubMetrics()  # one registry per app: tests build many apps in one process
+    metrics = HubMetrics(settings.metrics_runs)  # one registry per app: tests build many apps in one process
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = Store(settings.data_dir)
         coordinator = Coordinator(settings, store)
         await coordinator.start()
-        _redact_access_log()
+        _redact_logs()
         metrics.attach(coordinator.view)
         app.state.coordinator = coordinator
         log.info(

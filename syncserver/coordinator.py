@@ -22,9 +22,12 @@ import logging
 import time
 from typing import Any
 
+from anyio import to_thread
+
 from syncserver.engine import MergeEngine
 from syncserver.errors import Conflict, InvalidUpdate, NotFound
 from syncserver.policy import SamplesPolicy
+from syncserver.quotas import check_new_peer, check_new_run
 from syncserver.rounds import Rounds, Ticket
 from syncserver.schemas import (
     Heartbeat,
@@ -38,6 +41,7 @@ from syncserver.schemas import (
 )
 from syncserver.schemas import RunConfig as RunConfigModel
 from syncserver.settings import HubSettings
+from syncserver.shape import RunShape
 from syncserver.state import CONFIG_FIELDS, Peer, Run, RunConfig, now
 from syncserver.store import Blob, Missing, ResultKey, Store, VersionKey
 from syncserver.uploads import Received
@@ -71,7 +75,9 @@ class Coordinator:
             config = RunConfig(**record.config)
             policy = config.make_policy(self.settings.lease_seconds, record.version)
             run = Run(record.name, config, get_codec(config.codec), policy, record.version)
-            run.schema, run.sealed = record.schema, record.sealed
+            run.schema, run.sealed, run.creator = record.schema, record.sealed, record.creator
+            if run.schema is not None:
+                run.shape = await to_thread.run_sync(RunShape.of, run.schema, run.codec, self.settings.max_body_bytes)
             self.store.recover(run.name, run.version)
             for p in self.store.peers(run.name):
                 # every peer gets a fresh lease: they ride through the restart on retries
@@ -125,19 +131,26 @@ class Coordinator:
         return peer
 
     # ---- joining -------------------------------------------------------------------------
-    def join(self, run_name: str, peer_name: str, requested: dict[str, Any], *, group_size: int = 1) -> StartState:
+    def join(
+        self, run_name: str, peer_name: str, requested: dict[str, Any], *, group_size: int = 1, creator: str = "token"
+    ) -> StartState:
         """Register a peer (again, after a crash: same name, same rank) and say what it must do next.
-        ``group_size``: the ranks of the torch.distributed group it is (shown, not used)."""
+        ``group_size``: the ranks of the torch.distributed group it is (shown, not used);
+        ``creator``: the kind of token that asks (:data:`syncserver.deps.Caller`), for the quotas."""
         run = self.runs.get(run_name)
         if run is None:
-            run = self._create(run_name, requested)
+            check_new_run(
+                self.runs.values(), creator, requested.get("min_peers") or self.settings.min_peers, self.settings
+            )
+            run = self._create(run_name, requested, creator)
         else:
             for key, value in requested.items():
-                if value is not None and getattr(run.config, key) != value:
+                if value is not None and _configured(run, key) != value:
                     raise Conflict(
-                        f"run {run_name!r} uses {key}={getattr(run.config, key)!r}; this peer asked for {value!r}",
+                        f"run {run_name!r} uses {key}={_configured(run, key)!r}; this peer asked for {value!r}",
                         config=run.config.__dict__,
                     )
+            check_new_peer(run, peer_name, self.settings)
         admit = run.policy.join(peer_name, now(), counted=run.sealed)
         peer = run.peers.get(peer_name)
         if peer is None:
@@ -156,7 +169,7 @@ class Coordinator:
         self.view.changed(run)
         return self._start_state(run, peer)
 
-    def _create(self, name: str, requested: dict[str, Any]) -> Run:
+    def _create(self, name: str, requested: dict[str, Any], creator: str) -> Run:
         values = {key: getattr(self.settings, key) for key in CONFIG_FIELDS}
         values.update({k: v for k, v in requested.items() if v is not None})
         if values["policy"] == "barrier" and requested.get("round_samples") and not requested.get("policy"):
@@ -169,8 +182,8 @@ class Coordinator:
             policy = config.make_policy(self.settings.lease_seconds, -1)
         except ValueError as exc:
             raise InvalidUpdate(str(exc)) from None
-        self.store.create_run(name, config.__dict__)
-        run = Run(name, config, codec, policy)
+        self.store.create_run(name, config.__dict__, creator)
+        run = Run(name, config, codec, policy, creator=creator)
         self.runs[name] = run
         log.info("run_created run=%s %s", name, " ".join(f"{k}={v}" for k, v in config.__dict__.items()))
         return run
@@ -201,15 +214,16 @@ class Coordinator:
         if not run.sealed:
             joined = sum(not m.left for m in run.policy.members.values())
             return StartWaiting(**base, state="waiting", detail=f"{joined} of {run.config.min_peers} peers have joined")
-        assert run.schema is not None
-        return StartReady(
+        assert run.shape is not None
+        # not validated again: the schema (100,000 tensors: 0.2 s) is the hub's own, made once
+        return StartReady.model_construct(
             **base,
             state="ready",
             rank=peer.rank,
             world_size=run.world_size(),
             version=run.version,
             config=RunConfigModel(**run.config.__dict__),
-            tensor_schema={name: list(shape) for name, shape in run.schema.items()},
+            tensor_schema=run.shape.schema_lists,
         )
 
     async def wait_start(self, run_name: str, peer_name: str, wait: float) -> StartState:
@@ -231,9 +245,11 @@ class Coordinator:
         self.peer(run, peer_name)
         return self.rounds.init_ticket(run, peer_name)
 
-    def commit_init(self, ticket: Ticket, received: Received) -> VersionZero:
+    async def commit_init(self, ticket: Ticket, received: Received) -> VersionZero:
         run = self.run(ticket.run)
-        ack = self.rounds.commit_init(run, ticket, received)
+        # O(schema): in a worker thread, so that a run of 100,000 tensors stalls no other run
+        shape = await to_thread.run_sync(RunShape.of_infos, received.infos, run.codec, self.settings.max_body_bytes)
+        ack = self.rounds.commit_init(run, ticket, received, shape)
         self._maybe_seal(run)
         self.view.changed(run)
         return ack
@@ -365,3 +381,9 @@ class Coordinator:
         while len(run.downloads) > DOWNLOADS_KEPT:
             del run.downloads[min(run.downloads)]
         self.view.downloaded(run, round_, peer_name, ended - began)
+
+
+def _configured(run: Run, key: str) -> Any:
+    """A run's setting as a join compares it: its codec in the codec's one spelling (the join
+    request is normalised, and runs created before that stored the spec as it was given)."""
+    return run.codec.spec if key == "codec" else getattr(run.config, key)

@@ -22,11 +22,14 @@ from pydantic import SecretStr
 
 from syncserver.coordinator import Coordinator
 from syncserver.errors import Unauthorized
+from syncserver.limits import MAX_ROUND
 from syncserver.names import NAME_PATTERN, NAME_RULE
 
 __all__ = [
+    "Caller",
     "Hub",
     "PeerName",
+    "Round",
     "RunName",
     "RunQuery",
     "Viewer",
@@ -37,6 +40,8 @@ __all__ = [
 
 RunName = Annotated[str, Path(pattern=NAME_PATTERN, description=f"Run name: {NAME_RULE}.")]
 PeerName = Annotated[str, Path(pattern=NAME_PATTERN, description="Peer name, unique within a run.")]
+#: Bounded before use: a round past sqlite's 64 bits was a 500.
+Round = Annotated[int, Path(ge=0, le=MAX_ROUND, description="Round number: the version the round starts from.")]
 Wait = Annotated[float, Query(ge=0, le=600, description="Seconds to hold the request open (long poll).")]
 #: ``GET /v1/dashboard?run=``: the run to detail, and the scope of a run token.
 RunQuery = Annotated[str | None, Query(pattern=NAME_PATTERN, description="The run to detail.")]
@@ -94,6 +99,23 @@ def _dashboard_viewer(request: Request, run: RunQuery = None, authorization: Aut
         return run
     raise Unauthorized("missing or wrong bearer token")
 
+
+def _caller(request: Request, authorization: Authorization = None) -> str:
+    """Which kind of credential made an authenticated request: ``open`` (no token set),
+    ``admin``, ``token`` (the hub's) or ``run`` (a run's own). Never the token itself: this
+    is kept with each run it creates, for its quota (:mod:`syncserver.quotas`)."""
+    settings = request.app.state.settings
+    if not settings.auth_required:
+        return "open"
+    if _bearer_is(authorization, settings.admin_token):
+        return "admin"
+    if _bearer_is(authorization, settings.token):
+        return "token"
+    return "run"  # authenticate() let it in, so it holds the run's token
+
+
+#: Who calls (the kind of its token), for the quotas.
+Caller = Annotated[str, Depends(_caller)]
 
 #: Whom the dashboard shows: None for every run, else the name of the one run it may show.
 Viewer = Annotated[str | None, Depends(_dashboard_viewer)]

@@ -9,12 +9,15 @@ or touches HTTP; files are reached through :class:`~syncserver.store.Store` keys
 A round's arithmetic (the weights and the divisor are the round policy's: samples and their
 sum for a barrier, samples discounted by staleness over ``round_samples`` for async)::
 
-    acc     = sum over acknowledged updates u of weight(u) * decode(u)      (float32, O(1) models)
-    mean    = acc / total
+    mean    = running weighted mean of decode(u) over acknowledged updates u,
+              folded in acknowledgement order                               (float32, O(1) models)
+    mean    = mean * (sum of the weights / total)       (1 for a barrier: its total is that sum)
     result  = encode(outer_step(mean, momentum))                            -> ResultKey(v)
     v + 1   = version v + decode(result)                                    -> VersionKey(v + 1)
 
 The hub and every peer apply the same decoded bytes, so all of them hold version v + 1 bit for bit.
+The merge checks, slice by slice, that the new momentum and version v + decode(result) are
+finite before the result is written whole; :class:`NonFinite` otherwise, and nothing is kept.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from syncwire import Codec, FormatError, Schema, layout_bytes, wire_layout, wire
 from syncwire.codecs import slices
 from syncwire.format import TensorFile, encode_header
 
-__all__ = ["Accumulator", "MergeEngine", "Outer", "SLICE_THREADS"]
+__all__ = ["Accumulator", "MergeEngine", "NonFinite", "Outer", "SLICE_THREADS"]
 
 SLICE_THREADS = min(4, os.cpu_count() or 1)  # threads that fold and merge (see MergeEngine._each_slice)
 
@@ -49,13 +52,19 @@ class Outer:
     momentum: float
 
 
+class NonFinite(ArithmeticError):
+    """A round's merge would make a value that is not finite (the new version or momentum)."""
+
+
 @dataclass
 class Accumulator:
-    """The open round's running sum: ``sum samples * decode(update)`` over folded updates."""
+    """The open round's running weighted mean of ``decode(update)`` over folded updates
+    (:func:`syncserver.aggregate.fold`), and the sum of the weights it holds."""
 
     schema: Schema
-    sums: dict[str, np.ndarray] | None = None  # allocated at the first fold
+    mean: dict[str, np.ndarray] | None = None  # allocated at the first fold
     folded: list[str] = field(default_factory=list)  # peers, in fold (= acknowledgement) order
+    weight: float = 0.0  # the folded updates' weights, summed (exact: at most 2^53, whole for a barrier)
 
 
 class MergeEngine:
@@ -86,26 +95,42 @@ class MergeEngine:
         The file is read with ``pread`` a few MB at a time and decoded slice by slice, so
         folding holds one slice of temporaries, whatever the model's size.
         """
-        if acc.sums is None:
-            acc.sums = {name: np.zeros(shape, np.float32) for name, shape in acc.schema.items()}
-        sums = acc.sums
+        if acc.mean is None:
+            acc.mean = {name: np.zeros(shape, np.float32) for name, shape in acc.schema.items()}
+        mean, before = acc.mean, acc.weight
         with self.store.read(key) as wire:
 
             def fold(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
                 decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))
-                aggregate.fold(sums[name].reshape(-1)[start:stop], decoded, weight)
+                aggregate.fold(mean[name].reshape(-1)[start:stop], decoded, weight, before)
 
             self._each_slice(codec, acc.schema, fold)
         acc.folded.append(key.peer)
+        acc.weight += weight
+
+    def peak(self, key: UpdateKey, codec: Codec, schema: Schema) -> float:
+        """The largest magnitude in an update as decoded (to tell which update a non-finite
+        merge must go without; a rare path, so not kept from the fold)."""
+        peaks: list[float] = []
+        with self.store.read(key) as wire:
+
+            def peak(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
+                decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))
+                peaks.append(float(np.max(np.abs(decoded), initial=0.0)))  # list.append: atomic
+
+            self._each_slice(codec, schema, peak)
+        return max(peaks, default=0.0)
 
     # ---- per round -----------------------------------------------------------------------
     def merge(
         self, run: str, round_: int, acc: Accumulator, codec: Codec, outer: Outer, *, total: float, fraction: float
     ) -> int:
-        """Write round ``round_``'s result (``outer_step(acc / total)``) and DiLoCo momentum;
-        return the result's size. ``fraction``: how much of a whole outer step this round is
-        (Delayed Nesterov's clock, kept in the momentum file's metadata; a barrier round is a
-        whole one, ``inf``).
+        """Write round ``round_``'s result (``outer_step(mean * weight / total)``) and DiLoCo
+        momentum; return the result's size. ``fraction``: how much of a whole outer step this
+        round is (Delayed Nesterov's clock, kept in the momentum file's metadata; a barrier
+        round is a whole one, ``inf``). :class:`NonFinite` if version ``round_`` + the result,
+        or the momentum, would not be finite (nothing is written then). With nothing folded,
+        the result is zero and the momentum and its clock stay: the round changes nothing.
 
         The result is the encoded global update ``U``. Version v+1 (``version v + decode(U)``,
         exactly what every peer computes from the same bytes) is not written here but after
@@ -115,10 +140,12 @@ class MergeEngine:
         slice's writeback starts as soon as it is written, so the fsyncs before the commit
         wait for little more than the last slices.
         """
-        if acc.sums is None or not total > 0:
-            raise ValueError(f"round {round_} of run {run!r} has nothing folded to merge")
-        schema, sums, v = acc.schema, acc.sums, round_
-        divisor = np.float32(total)
+        schema, means, v = acc.schema, acc.mean, round_
+        if means is not None and not total > 0:
+            raise ValueError(f"round {round_} of run {run!r}: total {total} must be positive")
+        # the running mean is sum(w u) / sum(w); the policy divides sum(w u) by ``total``. For a
+        # barrier the two are the same float (the same integers summed): scale 1, the very same bits
+        scale = None if means is None or acc.weight == total else np.float32(acc.weight / total)
         diloco = outer.kind == "diloco"
         result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
@@ -126,10 +153,11 @@ class MergeEngine:
         with contextlib.ExitStack() as files:
             has_old = diloco and self.store.exists(MomentumKey(run, v))
             old_momentum = files.enter_context(self.store.read(MomentumKey(run, v))) if has_old else None
+            base = files.enter_context(self.store.read(VersionKey(run, v)))
             # Delayed Nesterov's clock: the part of an outer step done before this round
             done = float(old_momentum.metadata.get("progress", "0")) if old_momentum is not None else 0.0
             fresh, complete = done == 0.0, done + fraction >= 1.0
-            progress = 0.0 if complete else done + fraction
+            progress = done if means is None else (0.0 if complete else done + fraction)
             momentum_meta = {"version": str(v + 1), "progress": repr(progress)}
             momentum_head, momentum_at = _header(_fp32_layout(schema), momentum_meta)
             result = files.enter_context(self.store.write(ResultKey(run, v)))
@@ -140,16 +168,31 @@ class MergeEngine:
 
             def merge(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
                 n = stop - start
-                mean = sums[name].reshape(-1)[start:stop] / divisor
                 m_old = (
                     old_momentum.read(name, start, stop)
                     if old_momentum is not None
                     else (np.zeros(n, np.float32) if diloco else None)
                 )
-                update, m_new = aggregate.outer_step(
-                    outer.kind, mean, m_old, lr=outer.lr, mu=outer.momentum, fresh=fresh, complete=complete
-                )
+                if means is None:  # every update was left out: this round changes nothing
+                    update, m_new = np.zeros(n, np.float32), m_old
+                else:
+                    mean = means[name].reshape(-1)[start:stop]
+                    if scale is not None:
+                        with np.errstate(over="ignore"):  # an overflow is refused below
+                            mean = mean * scale
+                    update, m_new = aggregate.outer_step(
+                        outer.kind, mean, m_old, lr=outer.lr, mu=outer.momentum, fresh=fresh, complete=complete
+                    )
+                    if m_new is not None and not (_finite(update) and _finite(m_new)):
+                        raise NonFinite(f"tensor {name!r}: the outer step overflows float32")
                 encoded = codec.encode(update)
+                # what every peer will hold: version v + decode(result), the same bytes decoded
+                new = base.read(name, start, stop)
+                applied = update if codec.lossless else codec.decode(encoded, (n,))
+                with np.errstate(over="ignore"):  # an overflow is refused just below
+                    np.add(new, applied, out=new)
+                if not _finite(new):
+                    raise NonFinite(f"tensor {name!r}: version {v} + this round's update overflows float32")
                 for suffix, (first, count) in parts.items():
                     part = np.ascontiguousarray(encoded[suffix]).reshape(-1)
                     if part.size != count:
@@ -203,6 +246,10 @@ class MergeEngine:
             for future in futures:
                 future.cancel()  # after a failure: the rest is moot (a cancelled round starts over)
             wait(futures)  # nothing may still write to the files the caller is about to discard
+
+
+def _finite(values: np.ndarray) -> bool:
+    return bool(np.isfinite(values).all())
 
 
 def _read_parts(wire: TensorFile, name: str, parts: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:

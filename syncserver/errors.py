@@ -6,6 +6,7 @@ exception handler, so every failure is ``{"error": code, "detail": reason, ...}`
     │   ├── InvalidUpdate (422)   well-formed but wrong: schema mismatch, NaN/Inf, bad samples
     │   └── Incomplete (400)      the body stopped before its end (cut, stalled, superseded)
     ├── Unauthorized (401)
+    ├── LimitReached (403)        a limit of the hub: runs per token, peers per run
     ├── NotFound (404)            unknown run or peer
     ├── Conflict (409)            config mismatch, a different update for an acknowledged round
     │   ├── RoundClosed (409)     the round is over: carries the current version to catch up to
@@ -58,6 +59,13 @@ class PoisonedUpdate(InvalidUpdate):
 
 class Unauthorized(HubError):
     status, code = 401, "unauthorized"
+
+
+class LimitReached(HubError):
+    """A quota of the hub (``SYNC_MAX_RUNS_PER_TOKEN``, ``SYNC_MAX_PEERS_PER_RUN``) is used up;
+    carries ``limit`` (the setting) and ``value``. Not retried: waiting does not free it."""
+
+    status, code = 403, "limit_reached"
 
 
 class NotFound(HubError):

@@ -13,6 +13,11 @@ one process; the global registry would refuse the second). Two kinds of numbers:
 All names start with ``weightsync_``. Counters restart from zero when the hub restarts, as
 Prometheus expects (``rate()`` handles resets).
 
+The ``run`` label is bounded: the first ``SYNC_METRICS_RUNS`` runs seen (50) are labelled
+by name, every other run is summed under ``run="_other"`` (no run name starts with ``_``).
+With 2,000 runs ``/metrics`` *was* 881 KB, and a scraper's series grew with every run made.
+A run's label never changes (runs are never deleted), so the sums stay monotonic counters.
+
 Scrape config (when the hub has a token, the view token is enough)::
 
     - job_name: weightsync
@@ -41,6 +46,9 @@ __all__ = ["HubMetrics", "router"]
 # minutes (a straggler on a slow link): buckets span that range.
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, float("inf"))
 
+#: The label of every run past the first SYNC_METRICS_RUNS.
+OTHER = "_other"
+
 # The routes that carry an update (or version 0): refusals there count as rejected updates.
 _UPLOAD_ROUTES = ("/v1/runs/{run}/rounds/{round}/updates/{peer}", "/v1/runs/{run}/versions/0")
 
@@ -56,6 +64,7 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         view = self._metrics.view
+        runs = GaugeMetricFamily("weightsync_runs", "Runs on the hub (labelled one by one or not).")
         version = GaugeMetricFamily("weightsync_version", "Current model version of the run.", labels=["run"])
         live = GaugeMetricFamily(
             "weightsync_live_peers", "Peers whose lease is fresh (waited for in rounds).", labels=["run"]
@@ -70,23 +79,41 @@ class _StateCollector(Collector):
         bytes_out = CounterMetricFamily(
             "weightsync_bytes_sent", "Result and model bytes served to peers.", labels=["run"]
         )
-        for run in view.facts() if view is not None else []:
-            version.add_metric([run.run], run.version)
-            live.add_metric([run.run], run.peers[PeerState.LIVE] + run.peers[PeerState.LATE])
-            for state, count in run.peers.items():
-                peers.add_metric([run.run, state.value], count)
-            pending.add_metric([run.run], run.open_updates)
-            bytes_in.add_metric([run.run], run.bytes_up)
-            bytes_out.add_metric([run.run], run.bytes_down)
-        yield from (version, live, peers, pending, bytes_in, bytes_out)
+        facts = view.facts() if view is not None else []
+        sums: dict[str, dict[str, float]] = {}  # label -> what is summed under it
+        for run in facts:
+            label = self._metrics.label(run.run)
+            if label != OTHER:  # a version of many runs means nothing: only named runs have one
+                version.add_metric([label], run.version)
+            total = sums.setdefault(label, {})
+            counts = {
+                "live": run.peers[PeerState.LIVE] + run.peers[PeerState.LATE],
+                "pending": run.open_updates,
+                "in": run.bytes_up,
+                "out": run.bytes_down,
+                **{state.value: count for state, count in run.peers.items()},
+            }
+            for key, value in counts.items():
+                total[key] = total.get(key, 0) + value
+        for label, total in sums.items():
+            live.add_metric([label], total["live"])
+            for state in PeerState:
+                peers.add_metric([label, state.value], total[state.value])
+            pending.add_metric([label], total["pending"])
+            bytes_in.add_metric([label], total["in"])
+            bytes_out.add_metric([label], total["out"])
+        runs.add_metric([], len(facts))
+        yield from (runs, version, live, peers, pending, bytes_in, bytes_out)
 
 
 class HubMetrics:
     """The registry of one app, and the observers that feed it."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_runs: int = 50) -> None:
         self.registry = CollectorRegistry()
         self.view: HubView | None = None
+        self.max_runs = max_runs
+        self._labelled: set[str] = set()
         r = self.registry
         self.rounds = Counter("weightsync_rounds_completed", "Rounds closed.", ["run"], registry=r)
         self.phases = Histogram(
@@ -126,31 +153,41 @@ class HubMetrics:
         for run in view.names():  # show every known run at 0 from the start
             self._touch(run)
 
+    def label(self, run: str) -> str:
+        """``run``'s label: its name if it is among the first ``max_runs`` runs seen, else ``_other``."""
+        if run not in self._labelled:
+            if len(self._labelled) >= self.max_runs:
+                return OTHER
+            self._labelled.add(run)
+        return run
+
     def _touch(self, run: str) -> None:
         for counter in (self.rounds, self.accepted, self.samples, self.dropped):
-            counter.labels(run)
+            counter.labels(self.label(run))
 
     # ---- observers (event loop thread; cheap) --------------------------------------------
     def _updated(self, run: str, update: UpdateRecord) -> None:
-        self.accepted.labels(run).inc()
-        self.samples.labels(run).inc(update.samples)
-        self.phases.labels(run, "upload").observe(update.seconds)
+        label = self.label(run)
+        self.accepted.labels(label).inc()
+        self.samples.labels(label).inc(update.samples)
+        self.phases.labels(label, "upload").observe(update.seconds)
 
     def _closed(self, run: str, record: RoundRecord) -> None:
         self._touch(run)
-        self.rounds.labels(run).inc()
-        self.dropped.labels(run).inc(len(record.dropped))
+        label = self.label(run)
+        self.rounds.labels(label).inc()
+        self.dropped.labels(label).inc(len(record.dropped))
         fold, merge = record.timings.get("fold", 0.0), record.timings.get("merge", 0.0)
-        self.phases.labels(run, "fold").observe(fold)
-        self.phases.labels(run, "merge").observe(merge)
-        self.phases.labels(run, "round").observe(max(0.0, record.closed - record.opened))
+        self.phases.labels(label, "fold").observe(fold)
+        self.phases.labels(label, "merge").observe(merge)
+        self.phases.labels(label, "round").observe(max(0.0, record.closed - record.opened))
         aggregation_began = record.closed - fold - merge
         assert self.view is not None
         for update in self.view.store.updates(run, record.round):
-            self.phases.labels(run, "wait").observe(max(0.0, aggregation_began - update.received))
+            self.phases.labels(label, "wait").observe(max(0.0, aggregation_began - update.received))
 
     def _downloaded(self, run: str, round_: int, peer: str, seconds: float) -> None:
-        self.phases.labels(run, "download").observe(seconds)
+        self.phases.labels(self.label(run), "download").observe(seconds)
 
     def rejected_upload(self, request: Request, reason: str) -> None:
         """Count a refused upload (called by the app's error handlers for every error answer)."""
@@ -160,7 +197,7 @@ class HubMetrics:
         run = request.path_params.get("run", "")
         # only known runs become label values: a stranger cannot grow the label set
         known = self.view is not None and run in self.view.names()
-        self.rejected.labels(run if known else "", reason).inc()
+        self.rejected.labels(self.label(run) if known else "", reason).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

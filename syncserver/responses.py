@@ -34,16 +34,26 @@ def requested_range(headers: Headers, size: int, etag: str | None) -> tuple[int,
     if unit.strip().lower() != "bytes" or "," in spec:
         return None
     first, dash, last = spec.strip().partition("-")
-    if not dash or not (first.isdigit() or (not first and last.isdigit())):
+    if not dash or not (_digits(first) or (not first and _digits(last))):
         return None
     if not first:  # a suffix: the last N bytes
-        n = int(last)
+        n = _position(last)
         return (max(0, size - n), size) if n else None
-    start = int(first)
-    end = min(size, int(last) + 1) if last.isdigit() else size
+    start = _position(first)
+    end = min(size, _position(last) + 1) if _digits(last) else size
     if start >= size:
         raise ValueError(f"range starts at {start}, the body has {size} bytes")
     return (start, end) if start < end else None
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # "²".isdigit() is true too
+
+
+def _position(digits: str) -> int:
+    """A byte position of a Range header. Past 18 digits it is past the end of any blob: no
+    need to parse thousands of them to know that."""
+    return int(digits) if len(digits) <= 18 else 10**18
 
 
 class BlobResponse(Response):

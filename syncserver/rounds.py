@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -27,22 +26,24 @@ from anyio import to_thread
 from syncserver import aggregate
 from syncserver.engine import MergeEngine
 from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, PoisonedUpdate, RoundClosed, StaleUpdate
+from syncserver.finite import merge_finite
+from syncserver.limits import MAX_SAMPLES
 from syncserver.policy import Close, Place
 from syncserver.schemas import UpdateAck, VersionZero
-from syncserver.settings import MAX_SAMPLES, HubSettings
+from syncserver.settings import HubSettings
+from syncserver.shape import RunShape
 from syncserver.state import Run, now
 from syncserver.store import RoundRecord, Store, UpdateKey, UpdateRecord, Upload, VersionKey
 from syncserver.uploads import Received
 from syncserver.view import HubView
-from syncwire import FormatError, TensorInfo, check_layout, layout_bytes, wire_layout
-from syncwire.format import MAX_HEADER_BYTES, encode_header
+from syncwire import FormatError, TensorInfo, check_layout
 
 __all__ = ["Rounds", "Ticket"]
 
 log = logging.getLogger(__name__)
 
+CLOSE_RETRY_MAX = 30.0  # seconds between two tries at a close that keeps failing
 ASYNC_NORMS = 8  # the norm guard's reference in async runs: the last accepted updates' norms
-HEADER_SLACK = 64 * 1024  # bytes an update's safetensors header may exceed twice the run's own
 
 Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
 
@@ -135,17 +136,17 @@ class Rounds:
             run.name, -1, peer, "", 0, {}, self.settings.max_body_bytes, _check_initial, self.store.fresh_upload()
         )
 
-    def commit_init(self, run: Run, ticket: Ticket, received: Received) -> VersionZero:
+    def commit_init(self, run: Run, ticket: Ticket, received: Received, shape: RunShape) -> VersionZero:
+        """Version 0 is ``received``; ``shape`` is its schema's (:meth:`RunShape.of_infos`)."""
         if run.version >= 0 or run.init_claim != ticket.peer:
             received.staged.discard()
             raise Conflict(f"run {run.name!r} was initialised by another peer", current_version=run.version)
-        order = sorted(received.infos.values(), key=lambda i: i.start)
-        schema = {i.name: i.shape for i in order}
+        schema = shape.schema
         try:
             self.store.publish_initial(received.staged, run.name, schema)
         finally:
             received.staged.discard()
-        run.schema, run.version, run.init_claim = schema, 0, None
+        run.schema, run.shape, run.version, run.init_claim = schema, shape, 0, None
         run.policy.begin(0)
         log.info("version0 run=%s peer=%s tensors=%d bytes=%d", run.name, ticket.peer, len(schema), received.nbytes)
         return VersionZero(version=0, tensors=len(schema), bytes=received.nbytes)
@@ -171,19 +172,14 @@ class Rounds:
         if repeat is not None:
             return Ticket(run.name, round_, peer, digest, samples, metrics, 0, _refuse_body, acknowledged=repeat)
         await self.check_open(run, round_)
-        assert run.schema is not None
-        layout = wire_layout(run.codec, run.schema)
+        assert run.shape is not None  # set with the schema: O(schema) once, not per request
+        layout = run.shape.layout
 
-        def check(infos: dict[str, TensorInfo]) -> None:
+        def check(infos: dict[str, TensorInfo]) -> None:  # in a worker thread (uploads.receive)
             check_layout(infos, layout)
 
-        # the header may be a few times the size of the run's own (other writers pad it, add
-        # metadata), not the format's 8 MiB cap: a small run's limit stays small
-        own_header, _ = encode_header((name, dtype, shape) for name, (dtype, shape) in layout.items())
-        header_cap = min(MAX_HEADER_BYTES, 2 * len(own_header) + HEADER_SLACK)
-        max_bytes = min(8 + header_cap + layout_bytes(layout), self.settings.max_body_bytes)
         upload = self.store.resumable_upload(run.name, round_, peer, digest, supersede=supersede)
-        return Ticket(run.name, round_, peer, digest, samples, metrics, max_bytes, check, upload)
+        return Ticket(run.name, round_, peer, digest, samples, metrics, run.shape.max_update_bytes, check, upload)
 
     def _acknowledged(self, run: Run, round_: int, peer: str, digest: str) -> UpdateAck | None:
         """Idempotency: the same update again is harmless, a different one is a conflict. An
@@ -351,8 +347,9 @@ class Rounds:
                 await to_thread.run_sync(self.engine.fold, acc, key, weight, run.codec)
 
     def decide(self, run: Run) -> None:
-        """Ask the policy again (time passed)."""
-        self.carry_out(run, run.policy.decide(now()))
+        """Ask the policy again (time passed); not while a failed close waits to retry."""
+        if now() >= run.close_retry_at:
+            self.carry_out(run, run.policy.decide(now()))
 
     def carry_out(self, run: Run, close: Close | None) -> None:
         if close is not None:
@@ -364,39 +361,28 @@ class Rounds:
             async with run.fold_lock:
                 await self._fold_unfolded(run)
                 folded = time.monotonic()
-                acc = run.accumulator()
-                samples = sum(run.acked[name].samples for name in close.participants)
-                result_bytes = await to_thread.run_sync(
-                    functools.partial(
-                        self.engine.merge,
-                        run.name,
-                        close.round,
-                        acc,
-                        run.codec,
-                        run.config.outer_optimizer,
-                        total=run.policy.total(samples),
-                        fraction=run.policy.fraction(samples),
-                    )
-                )
-            updates = [run.acked[name] for name in close.participants]
+                if not self.store.exists(VersionKey(run.name, close.round)):
+                    await self.versions.written(run)  # the merge checks version v + its result
+                result_bytes, left_out = await merge_finite(self.engine, run, close.round, close.participants)
+            participants = [name for name in close.participants if name not in left_out]
+            updates = [run.acked[name] for name in participants]
             assert run.opened is not None
             record = RoundRecord(
                 round=close.round,
                 opened=run.opened,
                 closed=time.time(),
-                participants=list(close.participants),
-                dropped=list(close.dropped),
+                participants=participants,
+                dropped=[*close.dropped, *left_out],
                 samples=sum(u.samples for u in updates),
                 bytes_in=sum(u.nbytes for u in updates),
                 result_bytes=result_bytes,
                 timings={"fold": folded - started, "merge": time.monotonic() - folded},
             )
             self.store.commit_round(run.name, record)
-        except Exception:
-            log.exception("round_close_failed run=%s round=%d (will retry)", run.name, close.round)
-            run.policy.abandoned()
-            self.view.changed(run)
+        except Exception as exc:
+            self._close_failed(run, close, exc)
             return
+        run.close_failures, run.close_retry_at = 0, 0.0
         run.policy.committed(close)
         run.version = close.round + 1
         run.acked, run.acc, run.opened = {}, None, None
@@ -425,6 +411,27 @@ class Rounds:
         )
         self.versions.start(run)
         self.view.closed(run, record)
+
+    def _close_failed(self, run: Run, close: Close, exc: Exception) -> None:
+        """The round stays open (say the disk is full) and is decided again after a backoff
+        (1 s, doubling, at most CLOSE_RETRY_MAX): a failing close must not spin, nor log a
+        traceback on every tick. The traceback is logged once per round, then one line."""
+        run.close_failures += 1
+        delay = min(CLOSE_RETRY_MAX, 2.0 ** (run.close_failures - 1))
+        run.close_retry_at = now() + delay
+        if run.close_failures == 1:
+            log.exception("round_close_failed run=%s round=%d (will retry in %.0fs)", run.name, close.round, delay)
+        else:
+            log.warning(
+                "round_close_failed run=%s round=%d failures=%d (will retry in %.0fs): %r",
+                run.name,
+                close.round,
+                run.close_failures,
+                delay,
+                exc,
+            )
+        run.policy.abandoned()
+        self.view.changed(run)
 
     def gone(self, run: Run, round_: int) -> Gone:
         return Gone(f"round {round_}'s result was pruned; pull the model", current_version=run.version)

@@ -14,15 +14,26 @@ import math
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field, field_validator
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from syncserver.coordinator import Coordinator
-from syncserver.deps import Hub, PeerName, RunName, Wait, authenticate, authenticate_view
+from syncserver.deps import Caller, Hub, PeerName, Round, RunName, Wait, authenticate, authenticate_view
 from syncserver.errors import BadRequest, HubError, Incomplete
+from syncserver.limits import (
+    MAX_BYTES,
+    MAX_ROUND,
+    MAX_SAMPLES,
+    MinPeers,
+    NormGuard,
+    OuterLR,
+    OuterMomentum,
+    Seconds,
+    header_int,
+)
 from syncserver.names import NAME_PATTERN
 from syncserver.responses import BlobResponse, requested_range
 from syncserver.rounds import Ticket
@@ -32,13 +43,13 @@ from syncserver.schemas import (
     Progress,
     RunStatus,
     RunSummary,
+    StartReady,
     StartState,
     UpdateAck,
     VersionZero,
 )
-from syncserver.settings import MAX_SAMPLES, Outer, Policy
+from syncserver.settings import Outer, Policy, normal_codec
 from syncserver.uploads import BodyInterrupted, Received, partial_offset, receive
-from syncwire import get_codec
 
 #: ``?peer=``: who downloads (for the dashboard's download log); absent for other clients.
 Downloader = Annotated[str | None, Query(pattern=NAME_PATTERN)]
@@ -58,11 +69,12 @@ class JoinRequest(BaseModel):
     peer: str = Field(pattern=NAME_PATTERN)
     codec: str | None = None
     outer: Outer | None = None
-    outer_lr: float | None = Field(None, gt=0)
-    outer_momentum: float | None = Field(None, ge=0, lt=1)
-    min_peers: int | None = Field(None, ge=1)
-    round_timeout: float | None = Field(None, gt=0)
-    norm_guard: float | None = Field(None, gt=1)
+    # the same bounds as the hub's defaults (syncserver.limits): finite, and sane
+    outer_lr: OuterLR | None = None
+    outer_momentum: OuterMomentum | None = None
+    min_peers: MinPeers | None = None
+    round_timeout: Seconds | None = None
+    norm_guard: NormGuard | None = None
     policy: Policy | None = None
     round_samples: int | None = Field(None, ge=1, le=MAX_SAMPLES)
     max_staleness: int | None = Field(None, ge=0, le=100_000)
@@ -71,9 +83,7 @@ class JoinRequest(BaseModel):
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, value: str | None) -> str | None:
-        if value is not None:
-            get_codec(value)
-        return value
+        return None if value is None else normal_codec(value)
 
 
 def parse_digest(value: str) -> str:
@@ -125,8 +135,9 @@ async def _drain(request: Request, limit: int) -> None:
     stops sending for ``DRAIN_IDLE_SECONDS`` (say its Content-Length promised more bytes than
     it sent) gets the answer then, instead of holding the request open forever.
     """
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > limit:
+    length = request.headers.get("content-length")
+    declared = header_int(length)
+    if length is not None and (declared is None or declared > limit):
         return
     chunks = request.stream().__aiter__()
     try:
@@ -139,13 +150,12 @@ async def _drain(request: Request, limit: int) -> None:
 async def _receive(request: Request, hub: Coordinator, ticket: Ticket, offset: int = 0) -> Received:
     """Stream the body into the ticket's upload (a resumable one from ``offset``)."""
     assert ticket.upload is not None
-    length = request.headers.get("content-length")
     try:
         return await receive(
             request.stream(),
             ticket.upload,
             max_bytes=ticket.max_bytes,
-            content_length=int(length) if length and length.isdigit() else None,
+            content_length=header_int(request.headers.get("content-length")),
             check_header=ticket.check_header,
             offset=offset,
             idle_seconds=hub.settings.lease_seconds,
@@ -157,9 +167,18 @@ async def _receive(request: Request, hub: Coordinator, ticket: Ticket, offset: i
         raise Incomplete(f"the body did not arrive whole: {exc}") from None
 
 
-@view_router.get("/runs", summary="List runs")
-async def list_runs(hub: Hub) -> list[RunSummary]:
-    return hub.view.list_runs()
+@view_router.get("/runs", summary="List runs by name, a page at a time (the next page: Link rel=next)")
+async def list_runs(
+    hub: Hub,
+    response: Response,
+    limit: Annotated[int, Query(ge=1, le=1000, description="Runs per page.")] = 100,
+    after: Annotated[str | None, Query(pattern=NAME_PATTERN, description="The last run of the page before.")] = None,
+) -> list[RunSummary]:
+    page = hub.view.list_runs(limit=limit + 1, after=after)
+    if len(page) > limit:  # there is more: say where (RFC 8288), the body stays a plain list
+        page = page[:limit]
+        response.headers["Link"] = f'</v1/runs?limit={limit}&after={page[-1].run}>; rel="next"'
+    return page
 
 
 @view_router.get("/runs/{run}", summary="A run's state: config, version, peers, open round, recent rounds")
@@ -167,18 +186,35 @@ async def run_status(run: RunName, hub: Hub) -> RunStatus:
     return hub.view.status(run)
 
 
-@router.post("/runs/{run}/peers", summary="Join a run (creating it if new); says what the peer must do next")
-async def join(run: RunName, body: JoinRequest, hub: Hub) -> StartState:
+def _start_answer(state: StartState, hub: Coordinator) -> StartState | Response:
+    """A ready answer carries the run's schema, 7 MB of JSON for 100,000 tensors: it is spliced
+    in from the run's own JSON (made once, :class:`~syncserver.shape.RunShape`) instead of being
+    validated and serialised again for every request, on the event loop. Same bytes as the model."""
+    if not isinstance(state, StartReady):
+        return state
+    shape = hub.run(state.run).shape
+    assert shape is not None and state.tensor_schema is shape.schema_lists
+    head = state.model_dump_json(by_alias=True, exclude={"tensor_schema"}).encode()
+    return Response(head[:-1] + b',"schema":' + shape.schema_json + b"}", media_type="application/json")
+
+
+@router.post(
+    "/runs/{run}/peers",
+    summary="Join a run (creating it if new); says what the peer must do next",
+    response_model=StartState,
+)
+async def join(run: RunName, body: JoinRequest, hub: Hub, caller: Caller) -> StartState | Response:
     requested = body.model_dump(exclude={"peer", "group_size"})
-    return hub.join(run, body.peer, requested, group_size=body.group_size)
+    return _start_answer(hub.join(run, body.peer, requested, group_size=body.group_size, creator=caller), hub)
 
 
 @router.get(
     "/runs/{run}/peers/{peer}/start",
     summary="Long poll until the peer may start: state is waiting, initialise or ready",
+    response_model=StartState,
 )
-async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) -> StartState:
-    return await hub.wait_start(run, peer, wait)
+async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) -> StartState | Response:
+    return _start_answer(await hub.wait_start(run, peer, wait), hub)
 
 
 @router.put(
@@ -191,7 +227,7 @@ async def put_initial(
 ) -> VersionZero:
     ticket = hub.init_ticket(run, peer)
     received = await _receive(request, hub, ticket)
-    return hub.commit_init(ticket, received)
+    return await hub.commit_init(ticket, received)
 
 
 @router.post("/runs/{run}/peers/{peer}/heartbeat", summary="Renew the peer's lease")
@@ -202,7 +238,7 @@ async def heartbeat(run: RunName, peer: PeerName, hub: Hub) -> Heartbeat:
 class ProgressReport(BaseModel):
     """Samples trained since the update to ``round`` began (a peer's running count, not a delta)."""
 
-    round: int = Field(ge=0, le=MAX_SAMPLES, description="The version this peer trains from.")
+    round: int = Field(ge=0, le=MAX_ROUND, description="The version this peer trains from.")
     samples: int = Field(ge=0, le=MAX_SAMPLES, strict=True, description="Samples since its last update.")
 
 
@@ -227,7 +263,7 @@ async def leave(run: RunName, peer: PeerName, hub: Hub) -> Left:
 )
 async def put_update(
     run: RunName,
-    round: Annotated[int, Path(ge=0)],
+    round: Round,
     peer: PeerName,
     request: Request,
     hub: Hub,
@@ -235,7 +271,7 @@ async def put_update(
     digest: Annotated[str, Header(alias="Content-Digest", description="sha-256=:<base64>: of the body.")],
     metrics: Annotated[str | None, Header(alias="X-Sync-Metrics", description="JSON object of numbers.")] = None,
     offset: Annotated[
-        int, Header(alias="Upload-Offset", ge=0, description="Resume: the body starts at this byte.")
+        int, Header(alias="Upload-Offset", ge=0, le=MAX_BYTES, description="Resume: the body starts at this byte.")
     ] = 0,
 ) -> UpdateAck:
     try:
@@ -268,7 +304,7 @@ async def put_update(
 )
 async def update_offset(
     run: RunName,
-    round: Annotated[int, Path(ge=0)],
+    round: Round,
     peer: PeerName,
     hub: Hub,
     samples: Annotated[int, Header(alias="X-Sync-Samples")],
@@ -299,7 +335,7 @@ async def update_offset(
 )
 async def get_result(
     run: RunName,
-    round: Annotated[int, Path(ge=0)],
+    round: Round,
     hub: Hub,
     request: Request,
     wait: Wait = 20.0,

@@ -8,12 +8,20 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from syncserver.limits import MAX_BYTES, MAX_PEERS, MAX_SAMPLES, MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds
 from syncserver.names import NAME_RULE, is_name
 from syncwire import get_codec
 
 Outer = Literal["avg", "diloco"]
 Policy = Literal["barrier", "samples", "async"]
-MAX_SAMPLES = 2**53  # a sample count: exact as a float, and it fits sqlite's INTEGER
+
+
+def normal_codec(spec: str) -> str:
+    """The codec's one spelling (``int8:block=64`` is ``int8``), so that runs compare codecs,
+    not strings. ValueError, with the list of codecs, for one that does not exist."""
+    if len(spec) > 64:
+        raise ValueError("a codec spec is at most 64 characters, e.g. 'int8:block=128'")
+    return get_codec(spec).spec
 
 
 class HubSettings(BaseSettings):
@@ -42,23 +50,47 @@ class HubSettings(BaseSettings):
         description='Per-run bearer tokens, JSON: SYNC_RUN_TOKENS=\'{"imdb-gpt2": "..."}\'. A run token '
         "opens /v1/runs/<its run>/... only (it may create that run), nothing else.",
     )
-    min_peers: int = Field(1, ge=1, description="Updates a round needs before its deadline may close it.")
-    round_timeout: float = Field(
-        600.0, gt=0, description="Seconds after a round's first update before stragglers are dropped."
+    min_peers: MinPeers = Field(1, description="Updates a round needs before its deadline may close it.")
+    round_timeout: Seconds = Field(
+        600.0, description="Seconds after a round's first update before stragglers are dropped."
     )
-    lease_seconds: float = Field(60.0, gt=0, description="A peer not heard from for this long is gone.")
+    lease_seconds: Seconds = Field(60.0, description="A peer not heard from for this long is gone.")
     max_body_bytes: int = Field(
-        8 * 1024**3, gt=0, description="Hard cap on any upload; the run's schema sets a tighter one."
+        8 * 1024**3, gt=0, le=MAX_BYTES, description="Hard cap on any upload; the run's schema sets a tighter one."
     )
-    long_poll_seconds: float = Field(20.0, gt=0, description="Longest a wait request is held open.")
-    keep_versions: int = Field(3, ge=1, description="Model versions (and round results) kept on disk.")
+    long_poll_seconds: Seconds = Field(20.0, description="Longest a wait request is held open.")
+    max_runs_per_token: int = Field(
+        100,
+        ge=1,
+        le=100_000,
+        description="Runs one token may create (runs are kept for the hub's life); then 403 limit_reached. "
+        "The admin token has no limit; a run token only ever creates its run.",
+    )
+    max_peers_per_run: int = Field(
+        256, ge=1, le=MAX_PEERS, description="Peers that may join one run; then 403 limit_reached."
+    )
+    metrics_runs: int = Field(
+        50,
+        ge=0,
+        le=10_000,
+        description="Runs that /metrics labels one by one (the first ones seen); the others are summed "
+        'under run="_other", so that the metrics stay bounded however many runs there are.',
+    )
+    header_timeout: Seconds = Field(
+        10.0,
+        description="Seconds a client has to send a request's line and headers, from connecting or from the end "
+        "of the previous answer; then 408 and the connection is closed (syncserver serve; not plain uvicorn).",
+    )
+    idle_timeout: Seconds = Field(
+        5.0, description="An idle keep-alive connection is closed after this many seconds (uvicorn's keep-alive)."
+    )
+    keep_versions: int = Field(3, ge=1, le=10_000, description="Model versions (and round results) kept on disk.")
     codec: str = Field("fp32", description="Default codec of new runs: fp32, bf16, int8, int4.")
     outer: Outer = Field("avg", description="Default outer optimizer of new runs.")
-    outer_lr: float = Field(0.7, gt=0, description="DiLoCo outer learning rate (default of new runs).")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="DiLoCo Nesterov momentum (default).")
-    norm_guard: float | None = Field(
+    outer_lr: OuterLR = Field(0.7, description="DiLoCo outer learning rate (default of new runs; at most 10).")
+    outer_momentum: OuterMomentum = Field(0.9, description="DiLoCo Nesterov momentum (default).")
+    norm_guard: NormGuard | None = Field(
         None,
-        gt=1,
         description="Default of new runs: refuse (422 poisoned_update) an update whose L2 norm is over this "
         "many times the median norm of the updates accepted in this round and the previous one (e.g. 10). "
         "Unset: off.",
@@ -83,8 +115,7 @@ class HubSettings(BaseSettings):
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, value: str) -> str:
-        get_codec(value)  # raises ValueError with the list of codecs
-        return value
+        return normal_codec(value)
 
     @field_validator("run_tokens")
     @classmethod
@@ -105,6 +136,14 @@ class HubSettings(BaseSettings):
     def _view_token_needs_token(self) -> HubSettings:
         if self.view_token is not None and not self.auth_required:
             raise ValueError("SYNC_VIEW_TOKEN is set but SYNC_TOKEN is not: an open hub needs no view token")
+        return self
+
+    @model_validator(mode="after")
+    def _min_peers_can_join(self) -> HubSettings:
+        if self.min_peers > self.max_peers_per_run:
+            raise ValueError(
+                f"min_peers {self.min_peers} is over max_peers_per_run {self.max_peers_per_run}: no run could start"
+            )
         return self
 
     @model_validator(mode="after")

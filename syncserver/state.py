@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from syncserver.engine import Accumulator, Outer
 from syncserver.policy import RoundPolicy, make_policy
+from syncserver.shape import RunShape
 from syncserver.store import PeerRecord, UpdateRecord
 from syncwire import Codec, Schema
 
@@ -94,11 +95,13 @@ class Run:
     policy: RoundPolicy
     version: int = -1
     schema: Schema | None = None
+    shape: RunShape | None = None  # what the schema implies (layout, limits, its JSON): set with it
     sealed: bool = False
     peers: dict[str, Peer] = field(default_factory=dict)
     init_claim: str | None = None  # the peer told to upload version 0
+    creator: str | None = None  # the kind of token that created it (its quota's; None: created before)
     # the open round (number == version): its acknowledged updates, uploads under way, when it
-    # got its first update (wall time), and its running sum
+    # got its first update (wall time), and its running mean
     acked: dict[str, UpdateRecord] = field(default_factory=dict)
     uploading: set[str] = field(default_factory=set)
     opened: float | None = None
@@ -110,6 +113,9 @@ class Run:
     previous_norms: list[float] = field(default_factory=list)
     # round -> peer -> (wall time its result download began, ended); in memory, bounded
     downloads: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    # a close that failed (say the disk is full) is tried again from this monotonic time on
+    close_failures: int = 0
+    close_retry_at: float = 0.0
     # writes the file of ``version`` after the round that made it committed; pulls wait for it
     writing: asyncio.Task[None] | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)

@@ -18,10 +18,15 @@ Layout under ``data_dir``::
     hub.sqlite3
     runs/<run>/versions/<v>.safetensors     the model after v merges (float32)
     runs/<run>/momentum/<v>.safetensors     DiLoCo's momentum that goes with version v
-    runs/<run>/rounds/<v>/<peer>.safetensors an acknowledged update for round v (wire codec)
+    runs/<run>/rounds/<v>/updates/<peer>.safetensors  an acknowledged update for round v (wire codec)
     runs/<run>/rounds/<v>/result.safetensors round v's merged update (wire codec)
     tmp/                                    uploads in flight
     tmp/partials/<run>/<v>/<peer>/<digest>.part  an update cut mid-body, kept for its resume
+
+Peer names are chosen by peers, so they get a folder of their own: no peer name can be a file
+of the hub's (a peer called ``result`` once stored its update at the round's result path, and
+the merge's rename replaced it). Data dirs of that older layout, with updates beside the
+result, are moved into this one on start (:meth:`Store.recover`).
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ __all__ = [
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     name TEXT PRIMARY KEY, config TEXT NOT NULL, schema TEXT, version INTEGER NOT NULL,
-    created REAL NOT NULL, sealed INTEGER NOT NULL DEFAULT 0);
+    created REAL NOT NULL, sealed INTEGER NOT NULL DEFAULT 0, creator TEXT);
 CREATE TABLE IF NOT EXISTS peers (
     run TEXT NOT NULL, name TEXT NOT NULL, rank INTEGER, active_from INTEGER NOT NULL,
     joined REAL NOT NULL, left INTEGER NOT NULL DEFAULT 0, group_size INTEGER NOT NULL DEFAULT 1,
@@ -93,6 +98,7 @@ class RunRecord:
     version: int  # -1 until version 0 exists
     created: float
     sealed: bool
+    creator: str | None = None  # the kind of token that created it (quotas.py); None: before it was kept
 
 
 @dataclass
@@ -389,6 +395,13 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring a database of an older hub up to :data:`_SCHEMA` (columns added since)."""
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(runs)")}
+        if "creator" not in columns:  # who created a run counts against its quota (quotas.py)
+            self._db.execute("ALTER TABLE runs ADD COLUMN creator TEXT")
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(updates)")}
         if "base" not in columns:  # a data dir from before async runs: every update's base is its round
             self._db.execute("ALTER TABLE updates ADD COLUMN base INTEGER")
@@ -426,8 +439,11 @@ class Store:
         if isinstance(key, MomentumKey):
             return self._run_dir(key.run) / "momentum" / f"{key.number:08d}.safetensors"
         if isinstance(key, UpdateKey):
-            return self._round_dir(key.run, key.round) / f"{key.peer}.safetensors"
+            return self._updates_dir(key.run, key.round) / f"{key.peer}.safetensors"
         return self._round_dir(key.run, key.round) / "result.safetensors"
+
+    def _updates_dir(self, run: str, round_: int) -> Path:
+        return self._round_dir(run, round_) / "updates"
 
     def _partials(self, run: str, round_: int | None = None, peer: str | None = None) -> Path:
         path = self._tmp / "partials" / run
@@ -540,7 +556,9 @@ class Store:
     # ---- runs ----------------------------------------------------------------------------
     @_translated
     def runs(self) -> list[RunRecord]:
-        rows = self._db.execute("SELECT name, config, schema, version, created, sealed FROM runs").fetchall()
+        rows = self._db.execute(
+            "SELECT name, config, schema, version, created, sealed, creator FROM runs ORDER BY rowid"
+        ).fetchall()
         return [
             RunRecord(
                 name,
@@ -549,15 +567,16 @@ class Store:
                 version,
                 created,
                 bool(sealed),
+                creator,
             )
-            for name, config, schema, version, created, sealed in rows
+            for name, config, schema, version, created, sealed, creator in rows
         ]
 
-    def create_run(self, name: str, config: dict[str, Any]) -> None:
+    def create_run(self, name: str, config: dict[str, Any], creator: str | None = None) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT INTO runs (name, config, version, created) VALUES (?, ?, -1, ?)",
-                (name, json.dumps(config), time.time()),
+                "INSERT INTO runs (name, config, version, created, creator) VALUES (?, ?, -1, ?, ?)",
+                (name, json.dumps(config), time.time(), creator),
             )
 
     def seal(self, run: str, ranks: dict[str, int]) -> None:
@@ -677,11 +696,24 @@ class Store:
             if int(path.name) > version:
                 shutil.rmtree(path)
             elif int(path.name) == version:
-                for f in path.iterdir():
-                    if f.name.startswith(".") or f.stem not in acked:
-                        f.unlink()
+                self._recover_open_round(path, self._updates_dir(run, version), acked)
         for path in self._run_dir(run).rglob(".*.tmp"):
             path.unlink()
+
+    def _recover_open_round(self, folder: Path, updates: Path, acked: set[str]) -> None:
+        """The open round holds its acknowledged updates and nothing else: a result there is
+        a merge that never committed. An update of the older layout (beside the result, see
+        the module docstring) moves into ``updates/`` first: in an open round, a file named
+        after an acknowledged peer is that peer's update."""
+        updates.mkdir(exist_ok=True)
+        for f in folder.iterdir():
+            if f.is_file() and f.suffix == ".safetensors" and f.stem in acked and not (updates / f.name).exists():
+                os.replace(f, updates / f.name)
+                _fsync_dir(updates)
+                _fsync_dir(folder)
+        for f in [*folder.iterdir(), *updates.iterdir()]:
+            if f.is_file() and (f.parent == folder or f.name.startswith(".") or f.stem not in acked):
+                f.unlink()
 
     @_translated
     def clear_tmp(self) -> None:

@@ -252,7 +252,18 @@ async def _receive(
     interrupted = False  # the body stopped arriving (as opposed to: it was refused)
     sink = _Sink(upload, offset)
 
-    def take(chunk: bytes) -> None:
+    def read_header(chunk: bytes) -> int | None:
+        """Worker thread: feed the header; once whole, check it and set up the scan. O(tensors):
+        a header of 100,000 tensors is megabytes of JSON, which the event loop must not parse."""
+        if not header.feed(chunk):
+            return None
+        assert header.result is not None
+        infos, _, data_bytes = header.result
+        check_header(infos)
+        sink.scan = _FiniteScan(infos, header.header_bytes)
+        return header.header_bytes + data_bytes
+
+    async def take(chunk: bytes) -> None:
         """Count a chunk against the limits and parse the header out of the first ones."""
         nonlocal received, expected
         received += len(chunk)
@@ -263,12 +274,7 @@ async def _receive(
             raise PayloadTooLarge(f"body is over this endpoint's {max_bytes}-byte limit")
         if header.result is None:
             try:
-                if header.feed(chunk):
-                    assert header.result is not None
-                    infos, _, data_bytes = header.result
-                    check_header(infos)
-                    expected = header.header_bytes + data_bytes
-                    sink.scan = _FiniteScan(infos, header.header_bytes)
+                expected = await to_thread.run_sync(read_header, chunk)
             except FormatError as exc:
                 raise InvalidUpdate(str(exc)) from None
             if expected is not None:
@@ -286,7 +292,7 @@ async def _receive(
         if offset:  # a resumed body: its start is on disk already
             head = await to_thread.run_sync(sink.replay, offset)
             received = offset - len(head)
-            take(head)
+            await take(head)
             if sink.scan is not None:  # the bytes the partial holds are checked like the rest
                 await to_thread.run_sync(sink.rescan, offset)
             scope.deadline = anyio.current_time() + idle  # re-reading a big partial is not idling
@@ -304,7 +310,7 @@ async def _receive(
             now = anyio.current_time()
             if now - refreshed >= refresh_every:  # moving the deadline re-arms a timer: not per chunk
                 scope.deadline, refreshed = now + idle, now
-            take(chunk)
+            await take(chunk)
             batch.append(chunk)
             batched += len(chunk)
             if batched >= _BATCH:

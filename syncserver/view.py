@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,7 +98,9 @@ class HubView:
     def find(self, name: str | None) -> Run | None:
         return self._runs.get(name) if name else None
 
-    def list_runs(self) -> list[RunSummary]:
+    def list_runs(self, limit: int | None = None, after: str | None = None) -> list[RunSummary]:
+        """Runs by name: all of them, or ``limit`` after the run named ``after``."""
+        names = sorted(name for name in self._runs if after is None or name > after)[:limit]
         return [
             RunSummary(
                 run=r.name,
@@ -108,7 +109,7 @@ class HubView:
                 codec=r.config.codec,
                 outer=r.config.outer,  # type: ignore[arg-type]  # checked when the run was created
             )
-            for r in self._runs.values()
+            for r in (self._runs[name] for name in names)
         ]
 
     def peer_states(self, run: Run) -> dict[PeerState, int]:
@@ -147,7 +148,7 @@ class HubView:
             "sealed": run.sealed,
             "world_size": run.world_size(),
             "tensors": len(run.schema or {}),
-            "parameters": sum(math.prod(s) for s in (run.schema or {}).values()),
+            "parameters": run.shape.parameters if run.shape else 0,
             "open_round": {
                 "round": run.version,
                 "submitted": sorted(run.acked),

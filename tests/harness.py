@@ -8,7 +8,8 @@ instead of a copy of its own:
   (:meth:`Peers.sync` "trains" by :func:`perturb` and remembers each delta, for the exact-mean
   check) or left to train for real and report metrics (:meth:`Peers.train`, a run with loss and
   perplexity curves for the dashboard, metrics and status tests);
-- :func:`hub_model`, :func:`version_file`, :func:`status`, :func:`round_record`: what the hub holds;
+- :func:`hub_model`, :func:`version_file`, :func:`result_file`, :func:`status`, :func:`round_record`: what
+  the hub holds;
 - :func:`wait_for`: poll a condition until it holds or a deadline passes (never sleep-then-assert).
 
 ``tests/peer_proc.py`` is the same peer as a process of its own, for the tests that SIGKILL one.
@@ -20,6 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -81,6 +83,12 @@ def version_file(hub: Hub, run: str, version: int) -> dict[str, np.ndarray]:
     one place the tests know the hub's file layout.)"""
     httpx.get(f"{hub.url}/v1/runs/{run}/model", headers={"Range": "bytes=0-0"}, timeout=60).raise_for_status()
     return safetensors.numpy.load_file(str(hub.data_dir / "runs" / run / "versions" / f"{version:08d}.safetensors"))
+
+
+def result_file(hub: Hub, run: str, round_: int) -> Path:
+    """Where the hub writes round ``round_``'s result (the other place the tests know its layout:
+    the crash tests put there what a merge killed before its commit leaves)."""
+    return hub.data_dir / "runs" / run / "rounds" / f"{round_:08d}" / "result.safetensors"
 
 
 def status(hub: Hub, run: str, token: str | None = None) -> dict[str, Any]:

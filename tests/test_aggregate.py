@@ -15,14 +15,49 @@ def test_weighted_mean_by_samples() -> None:
     np.testing.assert_array_equal(weighted_mean([a, b], [1, 3]), np.array([3.25, -1.0], np.float32))
 
 
-def test_fold_is_in_place_and_checks_inputs() -> None:
-    acc = np.zeros(2, np.float32)
-    fold(acc, np.array([1.0, 2.0], np.float32), 2)
-    np.testing.assert_array_equal(acc, [2.0, 4.0])
+def test_fold_keeps_a_running_mean_in_place_and_checks_inputs() -> None:
+    mean = np.zeros(2, np.float32)
+    fold(mean, np.array([1.0, 2.0], np.float32), 2, before=0)  # the first update is the mean
+    np.testing.assert_array_equal(mean, [1.0, 2.0])
+    fold(mean, np.array([4.0, -4.0], np.float32), 6, before=2)  # 1 * 2/8 + 4 * 6/8 = 3.25; 0.5 - 3 = -2.5
+    np.testing.assert_array_equal(mean, [3.25, -2.5])
     with pytest.raises(ValueError, match="shape"):
-        fold(acc, np.zeros(3, np.float32), 1)
+        fold(mean, np.zeros(3, np.float32), 1, before=8)
     with pytest.raises(ValueError, match="positive"):
-        fold(acc, np.zeros(2, np.float32), 0)
+        fold(mean, np.zeros(2, np.float32), 0, before=8)
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize(
+    ("values", "weights", "expected"),
+    [
+        ([2e38, 2e38], [1, 1], 2e38),  # the float32 sum (4e38) *was* Inf
+        ([F32_MAX, F32_MAX], [1, 2], F32_MAX),  # 1/3 and 2/3 round up in float32: clipped, not Inf
+        ([F32_MAX, -F32_MAX], [1, 1], 0.0),
+        ([1e25, 1e25], [2**40, 2**40], 1e25),  # 1e25 x 2^40 x 2 summed in float32 is near its limit
+    ],
+    ids=["2e38", "max-rounding", "opposite", "1e25-x-2^40"],
+)
+def test_the_weighted_mean_is_finite_whenever_the_inputs_are(
+    values: list[float], weights: list[int], expected: float
+) -> None:
+    deltas = [np.full(3, v, np.float32) for v in values]
+    got = weighted_mean(deltas, weights)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, np.float32(expected), rtol=1e-6, atol=1e-6)
+
+
+def test_the_fold_is_the_same_bits_every_time() -> None:
+    """A restarted hub re-folds the acknowledged updates in the same order: same bits."""
+    rng = np.random.default_rng(0)
+    deltas = [rng.standard_normal(1000).astype(np.float32) for _ in range(5)]
+    weights = [3, 1, 4, 1, 5]
+    first, second = weighted_mean(deltas, weights), weighted_mean([d.copy() for d in deltas], weights)
+    assert first.tobytes() == second.tobytes()
+    exact = sum(d.astype(np.float64) * w for d, w in zip(deltas, weights, strict=True)) / sum(weights)
+    np.testing.assert_allclose(first, exact, rtol=0, atol=1e-6)
 
 
 def test_weighted_mean_rejects_bad_weights() -> None:

@@ -22,6 +22,7 @@ import torch
 
 from syncclient import SyncClient
 from syncclient.exceptions import AuthError
+from syncserver.app import redact
 from tests.conftest import Hub, tiny_gpt2
 
 # distinctive values, so that a grep of the log finds any of them
@@ -170,11 +171,33 @@ def test_no_token_in_the_log(hub: Hub) -> None:
     for token in (VIEW, ADMIN):
         httpx.get(f"{hub.url}/", params={"token": token})  # the dashboard link
         httpx.get(f"{hub.url}/v1/runs", params={"token": token, "x": "1"}, headers=bearer(token))
+        for key in ENCODED_KEYS:  # the key spelled so that only a decoder sees "token" (*was* logged)
+            httpx.get(f"{hub.url}/?{key}={token}")
+            httpx.get(f"{hub.url}/v1/runs?x=1&{key}={token}", headers=bearer(token))
     hub.stop()
     log = hub.log()
     assert '"GET /v1/runs/run-a' in log and "token=***" in log  # the access log was on, and redacted
+    assert "GET /?%74oken=***" in log
     for secret in (*SECRETS, TOKEN_B + "-guess"):
         assert secret not in log, secret
+
+
+ENCODED_KEYS = ["%74oken", "%54%4F%4B%45%4E", "t%6Fken", "access%5Ftoken", "%2574oken", "Token"]
+
+
+@pytest.mark.parametrize(
+    ("line", "redacted"),
+    [
+        ('"GET /?token=s3cret HTTP/1.1"', '"GET /?token=*** HTTP/1.1"'),
+        ('"GET /?%74oken=s3cret HTTP/1.1"', '"GET /?%74oken=*** HTTP/1.1"'),
+        ("/v1/runs?x=1&%54%4f%4b%45%4e=s3cret&y=2", "/v1/runs?x=1&%54%4f%4b%45%4e=***&y=2"),
+        ("/?access%5Ftoken=s3cret;token=s3cret", "/?access%5Ftoken=***;token=***"),
+        ("/?%2574oken=s3cret", "/?%2574oken=***"),  # decoded twice: hiding too much is harmless
+        ("/?tokens=public&to=ken", "/?tokens=public&to=ken"),  # other keys stay
+    ],
+)
+def test_redaction_decodes_the_key(line: str, redacted: str) -> None:
+    assert redact(line) == redacted
 
 
 def test_open_hub_needs_no_token(hub_factory: Callable[..., Hub]) -> None:

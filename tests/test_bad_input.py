@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from syncserver.aggregate import weighted_mean
 from syncwire import Codec, encode_model, get_codec, iter_chunks
 from syncwire.format import MAX_HEADER_BYTES
 from tests.conftest import Hub
@@ -41,11 +42,13 @@ _names = itertools.count()
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    """One hub for the module (each test has its own run): a token hub, so auth runs on every call."""
+    """One hub for the module (each test has its own run): a token hub, so auth runs on every call.
+    Its tests create a few hundred runs with the hub token: more than the default quota."""
     root = tmp_path_factory.mktemp("bad-input")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
     env["SYNC_TOKEN"] = TOKEN
-    hub = Hub(root / "data", ["--round-timeout", "600"], env, root / "hub.log").start()
+    args = ["--round-timeout", "600", "--max-runs-per-token", "100000"]
+    hub = Hub(root / "data", args, env, root / "hub.log").start()
     yield hub
     hub.stop()
 
@@ -114,7 +117,7 @@ class Run:
             "uploading": s["open_round"]["uploading"],
             "bytes_up": {p["peer"]: p["bytes_up"] for p in s["peers"]},
             "samples": {p["peer"]: p["samples"] for p in s["peers"]},
-            "files": sorted(f.name for f in round_dir.glob("*")) if round_dir.exists() else [],
+            "files": sorted(str(f.relative_to(round_dir)) for f in round_dir.rglob("*") if f.is_file()),
             # uploads in flight; a resumable partial (tmp/partials/...) is the resume's business
             "tmp": sorted(f.name for f in (self.hub.data_dir / "tmp").glob("*") if f.is_file()),
         }
@@ -134,10 +137,8 @@ class Run:
         expected = {}
         for name, shape in SCHEMA.items():
             # the hub's fold, in acknowledgement order, then the codec round trip of the mean
-            acc = np.zeros(shape, np.float32)
-            for d, n in ((d_a, samples[0]), (d_b, samples[1])):
-                acc += np.float32(n) * self.codec.decode(self.codec.encode(d[name]), shape)
-            mean = acc / np.float32(sum(samples))
+            decoded = [self.codec.decode(self.codec.encode(d[name]), shape) for d in (d_a, d_b)]
+            mean = weighted_mean(decoded, list(samples))
             expected[name] = self.model[name] + self.codec.decode(self.codec.encode(mean), shape)
         model = self.http.get(f"{self.path}/model")
         assert model.status_code == 200 and int(model.headers["x-sync-version"]) == self.version + 1
@@ -233,6 +234,58 @@ def test_future_round_is_a_conflict(run: Run) -> None:
 def test_negative_round_is_invalid(run: Run) -> None:
     data = encode(run.delta())
     refused_and_unchanged(run, lambda: run.put("a", data, round_=-1), 422, "invalid_request", "round")
+
+
+@pytest.mark.parametrize(
+    "round_", [2**53 + 1, 2**63, 2**64, 10**30, int("9" * 400)], ids=["2^53+1", "2^63", "2^64", "1e30", "400-digits"]
+)
+def test_round_past_the_bound_is_invalid(run: Run, round_: int) -> None:
+    """Round numbers from the path are bounded before use (a round >= 2^63 *was* a 500: sqlite)."""
+    data = encode(run.delta())
+    refused_and_unchanged(run, lambda: run.put("a", data, round_=round_), 422, "invalid_request", "round")
+    path = f"{run.path}/rounds/{round_}"
+    before = run.state()
+    assert run.http.head(f"{path}/updates/a", headers=update_headers(data)).status_code == 422  # no body: HEAD
+    assert_refused(run.http.get(f"{path}/result", params={"wait": 0}), 422, "invalid_request", "round")
+    assert run.state() == before
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [(str(2**70), "Upload-Offset"), ("9" * 5000, "Upload-Offset"), ("-1", "Upload-Offset")],
+    ids=["2^70", "5000-digits", "negative"],
+)
+def test_upload_offset_past_the_bound_is_invalid(run: Run, value: str, reason: str) -> None:
+    data = encode(run.delta())
+    headers = update_headers(data, **{"Upload-Offset": value})
+    refused_and_unchanged(run, lambda: run.put("a", data, headers=headers), 422, "invalid_request", reason)
+
+
+@pytest.mark.parametrize(
+    ("spec", "status", "served"),
+    [
+        ("bytes=" + "9" * 5000 + "-", 416, None),  # starts past the end: not satisfiable
+        ("bytes=0-" + "9" * 5000, 206, "all"),  # ends past the end: the whole body
+        ("bytes=-" + "9" * 5000, 206, "all"),  # the last 10^5000 bytes: the whole body
+        ("bytes=1-" + "9" * 30, 206, "from 1"),
+        ("bytes=²-", 200, "all"),  # not an ASCII digit: no range at all
+    ],
+    ids=["start", "end", "suffix", "end-30-digits", "superscript"],
+)
+def test_range_with_thousands_of_digits(run: Run, spec: str, status: int, served: str | None) -> None:
+    """A Range header is read without parsing thousands of digits, with the meaning RFC 9110 gives."""
+    whole = run.http.get(f"{run.path}/model").content
+    before = run.state()
+    for path in (f"{run.path}/model", f"{run.path}/rounds/0/result"):
+        full = run.http.get(path).content
+        r = run.http.get(path, headers={"Range": spec.encode("latin-1")})  # bytes: "²" is not ASCII
+        assert r.status_code == status, (path, r.status_code)
+        if served == "all":
+            assert r.content == full
+        elif served == "from 1":
+            assert r.content == full[1:]
+    assert run.http.get(f"{run.path}/model").content == whole
+    assert run.state() == before
 
 
 # ---- the body ------------------------------------------------------------------------------------
@@ -509,6 +562,7 @@ def test_missing_digest(run: Run) -> None:
         ("three", 422, "invalid_request"),
         ("1.5", 422, "invalid_request"),
         (str(2**70), 422, "invalid_update"),
+        (str(2**53), 422, "invalid_update"),  # *was* accepted: 1e25 x 2^53 overflowed float32
         ("", 422, "invalid_request"),
     ],
 )
@@ -545,6 +599,67 @@ def test_bad_metrics(run: Run, metrics: str) -> None:
     data = encode(run.delta())
     headers = update_headers(data, **{"X-Sync-Metrics": metrics})
     refused_and_unchanged(run, lambda: run.put("a", data, headers=headers), 400, "bad_request", "X-Sync-Metrics")
+
+
+# ---- numbers that overflow -------------------------------------------------------------------
+@pytest.mark.parametrize("codec", ["fp32", "int8", "bf16"])
+def test_updates_near_the_float32_limit_average_to_finite_weights(api: httpx.Client, hub: Hub, codec: str) -> None:
+    """Two finite updates of 2e38: their float32 sum *was* Inf, served to every peer as version 2
+    (fp32), or a round that never closed while the hub logged a traceback per retry (int8)."""
+    run = new_run(api, hub, codec=codec)
+    big = {n: np.full(s, 2e38, np.float32) for n, s in SCHEMA.items()}
+    run.valid_round(deltas=(big, big))  # the exact (running) mean, the codec's round trip: 2e38
+    assert all(np.isfinite(v).all() for v in run.model.values())
+    run.valid_round()
+
+
+def overflowing_round(run: Run, d_a: dict[str, np.ndarray], d_b: dict[str, np.ndarray]) -> dict[str, Any]:
+    """a and b submit; the round closes (never loops); its record."""
+    for peer, d in (("a", d_a), ("b", d_b)):
+        data = encode(d, run.codec)
+        assert run.put(peer, data).status_code == 200
+    result = run.http.get(f"{run.path}/rounds/{run.version}/result", params={"wait": 30})
+    assert result.status_code == 200, result.text
+    (record,) = [r for r in run.http.get(run.path).json()["rounds"] if r["round"] == run.version]
+    return dict(record)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8", "bf16"])
+def test_a_round_that_would_overflow_goes_without_the_offending_update(api: httpx.Client, hub: Hub, codec: str) -> None:
+    """Weights near 3e38 plus a mean of 1.5e38 overflow: the round closes without a's update
+    (the largest), with b's alone; nothing non-finite is ever published, and the run goes on."""
+    run = new_run(api, hub, codec=codec)
+    huge = {n: np.full(s, 3e38, np.float32) for n, s in SCHEMA.items()}
+    run.valid_round(deltas=(huge, huge))  # the weights are now near 3e38, finite
+    d_b = run.delta()
+    record = overflowing_round(run, huge, d_b)
+    assert record["participants"] == ["b"] and record["dropped"] == ["a"]
+    model = safetensors.numpy.load(run.http.get(f"{run.path}/model").content)
+    for name, shape in SCHEMA.items():
+        expected = run.model[name] + run.codec.decode(run.codec.encode(d_b[name]), shape)
+        np.testing.assert_array_equal(model[name], expected, err_msg=name)
+        assert np.isfinite(model[name]).all()
+    run.model, run.version = model, run.version + 1
+    assert "update_left_out run=" + run.name in hub.log()
+    run.valid_round()
+
+
+def test_a_diloco_step_that_would_overflow_changes_nothing(api: httpx.Client, hub: Hub) -> None:
+    """outer_lr 10 on a mean of 1e38 overflows whoever sends it: every update is left out, the
+    round closes and changes nothing (version 1 is version 0, bit for bit)."""
+    name = f"bad-diloco-{next(_names)}"
+    config = {"min_peers": 2, "outer": "diloco", "outer_lr": 10}
+    assert api.post(f"/v1/runs/{name}/peers", json={"peer": "a", **config}).json()["state"] == "initialise"
+    model = {n: np.ones(s, np.float32) for n, s in SCHEMA.items()}
+    assert api.put(f"/v1/runs/{name}/versions/0", params={"peer": "a"}, content=encode(model)).status_code == 200
+    assert api.post(f"/v1/runs/{name}/peers", json={"peer": "b"}).json()["state"] == "ready"
+    run = Run(api, hub, name, get_codec("fp32"), model)
+    big = {n: np.full(s, 1e38, np.float32) for n, s in SCHEMA.items()}
+    record = overflowing_round(run, big, big)
+    assert record["participants"] == [] and sorted(record["dropped"]) == ["a", "b"]
+    after = safetensors.numpy.load(api.get(f"/v1/runs/{name}/model").content)
+    for n in SCHEMA:
+        np.testing.assert_array_equal(after[n], model[n])
 
 
 # ---- idempotency -----------------------------------------------------------------------------
@@ -648,6 +763,56 @@ def test_join_with_a_different_config_is_409(run: Run) -> None:
         run, lambda: run.http.post(f"{run.path}/peers", json={"peer": "c", "codec": "bf16"}), 409, "conflict", "codec"
     )
     assert body["config"]["codec"] == "fp32"
+
+
+def test_join_with_the_same_codec_spelled_otherwise(api: httpx.Client, hub: Hub) -> None:
+    """``int8:block=64`` is ``int8`` (its default block): the same codec, not a 409 (*was* a 409)."""
+    run = new_run(api, hub, codec="int8:block=64")
+    r = run.http.post(f"{run.path}/peers", json={"peer": "c", "codec": "int8"})
+    assert r.status_code == 200 and r.json()["config"]["codec"] == "int8", r.text
+    assert run.http.post(f"{run.path}/peers/c/leave").status_code == 200
+    run.valid_round()
+    body = refused_and_unchanged(
+        run,
+        lambda: run.http.post(f"{run.path}/peers", json={"peer": "d", "codec": "int8:block=128"}),
+        409,
+        "conflict",
+        "codec",
+    )
+    assert body["config"]["codec"] == "int8"
+
+
+#: Run settings a join may not set: not finite, or out of the sane range (syncserver.limits).
+#: Raw JSON, since ``1e999`` is how JSON spells a number that parses as Inf.
+BAD_SETTINGS = {
+    "outer_lr inf": '"outer_lr": 1e999',
+    "outer_lr -inf": '"outer_lr": -1e999',
+    "outer_lr 1e38": '"outer_lr": 1e38',
+    "outer_lr nan": '"outer_lr": NaN',
+    "outer_momentum 1": '"outer_momentum": 1',
+    "outer_momentum inf": '"outer_momentum": Infinity',
+    "round_timeout inf": '"round_timeout": 1e999',
+    "round_timeout a year": '"round_timeout": 31536000',
+    "norm_guard inf": '"norm_guard": 1e999',
+    "norm_guard 1e300": '"norm_guard": 1e300',
+    "min_peers 2^64": '"min_peers": 18446744073709551616',
+    "codec long": '"codec": "int8:block=' + "1" * 100 + '"',
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SETTINGS))
+def test_join_with_an_absurd_setting_is_422_and_creates_nothing(run: Run, case: str) -> None:
+    field = case.split()[0]
+
+    def join(run_name: str, peer: str) -> httpx.Response:
+        body = '{"peer": "' + peer + '", ' + BAD_SETTINGS[case] + "}"
+        headers = {"Content-Type": "application/json"}
+        return run.http.post(f"/v1/runs/{run_name}/peers", content=body.encode(), headers=headers)
+
+    fresh = f"absurd-{next(_names)}"
+    assert_refused(join(fresh, "a"), 422, "invalid_request", field)
+    assert run.http.get(f"/v1/runs/{fresh}").status_code == 404  # no run was created
+    refused_and_unchanged(run, lambda: join(run.name, "c"), 422, "invalid_request", field)
 
 
 def test_join_with_an_unknown_codec_is_422(run: Run) -> None:

@@ -1,4 +1,4 @@
-"""bench/round.py still runs end to end and writes the rows its table is made of.
+"""The benchmarks still run end to end and write the rows their tables are made of.
 
 A tiny model and 2 peers: seconds, not minutes. The numbers are not checked (they mean
 nothing at this size); that every row, baseline and target is there, with sane bytes, is.
@@ -10,38 +10,23 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.conftest import REPO
 
 
-def test_round_benchmark_runs_and_writes_every_row(tmp_path: Path) -> None:
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "round.py"),
-            "--model",
-            "tiny",
-            "--peers",
-            "2",
-            "--codecs",
-            "fp32",
-            "int8",
-            "--rounds",
-            "1",
-            "--gloo-reps",
-            "1",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=REPO,
-    )
+def run_bench(script: str, out: Path, *args: str, timeout: float = 240) -> tuple[str, dict[str, Any]]:
+    """Run ``bench/<script>.py`` with ``args`` and ``--out out``; its stdout and the one JSON it wrote."""
+    command = [sys.executable, str(REPO / "bench" / f"{script}.py"), *args, "--out", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (path,) = out.glob("round-*.json")
-    result = json.loads(path.read_text())
+    (path,) = out.glob(f"{script}-*.json")
+    return proc.stdout, json.loads(path.read_text())
+
+
+def test_round_benchmark_runs_and_writes_every_row(tmp_path: Path) -> None:
+    args = ["--model", "tiny", "--peers", "2", "--codecs", "fp32", "int8", "--rounds", "1", "--gloo-reps", "1"]
+    stdout, result = run_bench("round", tmp_path / "results", *args)
     assert result["model"]["kind"] == "tiny" and result["model"]["fp32_bytes"] > 0
     rows = {(r["peers"], r["codec"]): r for r in result["rows"]}
     assert set(rows) == {(2, "fp32"), (2, "int8")}
@@ -57,7 +42,7 @@ def test_round_benchmark_runs_and_writes_every_row(tmp_path: Path) -> None:
     targets = {t["target"] for t in result["targets"]}
     assert any(t.startswith("fp32, 2 peers: origin") for t in targets)
     assert "| 2 | fp32 |" in result["table"] and "| 2 | int8 |" in result["table"]
-    assert result["table"] in proc.stdout
+    assert result["table"] in stdout
 
 
 def test_pagecache_benchmark_times_every_mode(tmp_path: Path) -> None:
@@ -75,19 +60,20 @@ def test_pagecache_benchmark_times_every_mode(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [], "the test file is removed"
 
 
+def test_starve_benchmark_runs_and_writes_its_figures(tmp_path: Path) -> None:
+    """bench/starve.py with a small big run: the attack gets going, every figure is written."""
+    args = ["--tensors", "2000", "--rounds", "1", "--phases", "1", "--honest-mb", "0.5"]
+    stdout, result = run_bench("starve", tmp_path / "results", *args)
+    assert len(result["alone"]) == len(result["attacked"]) == 1 and result["ratio"] > 0
+    statuses = result["attack"]["statuses"]
+    assert set(statuses) == {"head", "put", "status", "start"}
+    assert all(int(code) < 500 for counts in statuses.values() for code in counts), statuses
+    assert "attacked / alone" in stdout
+
+
 def test_unequal_benchmark_runs_every_policy(tmp_path: Path) -> None:
     """bench/unequal.py --quick: every policy trains to the same budget and is evaluated."""
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "unequal.py"), "--quick", "--scenarios", "slow", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (path,) = out.glob("unequal-*.json")
-    result = json.loads(path.read_text())
+    stdout, result = run_bench("unequal", tmp_path / "results", "--quick", "--scenarios", "slow", timeout=400)
     rows = {r["policy"]: r for r in result["rows"]}
     assert set(rows) == {"barrier", "samples", "async"}
     budget = result["settings"]["budget"]
@@ -97,7 +83,27 @@ def test_unequal_benchmark_runs_every_policy(tmp_path: Path) -> None:
         assert row["bytes_up"] > 0 and row["bytes_down"] > 0
     slow = [p for p in rows["samples"]["peers"] if p["slow"]]
     assert len(slow) == 1 and all(p["steps"] > slow[0]["steps"] for p in rows["samples"]["peers"] if not p["slow"])
-    assert "| slow | samples |" in proc.stdout
+    assert "| slow | samples |" in stdout
+
+
+def test_group_benchmark_times_every_peer_shape(tmp_path: Path) -> None:
+    """bench/group.py: 1 rank, 2 ranks DDP, 2 ranks FSDP, each rank checked against the hub."""
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "group.py"),
+        "--model",
+        "tiny",
+        "--syncs",
+        "1",
+        "--results",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(next(tmp_path.glob("group-*.json")).read_text())
+    assert [(r["mode"], r["ranks"]) for r in record["rows"]] == [("plain", 1), ("ddp", 2), ("fsdp", 2)]
+    assert all(len(r["sync_s"]) == 1 and r["sync_s"][0] > 0 for r in record["rows"])
+    assert len(record["rows"][1]["broadcast_s"]) == 1
 
 
 def test_hooks_benchmark_times_hooked_and_plain_steps(tmp_path: Path) -> None:

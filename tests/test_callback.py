@@ -213,13 +213,20 @@ def test_hub_form_needs_a_run_name() -> None:
         SyncCallback("http://hub:8000", sync_every=1)
 
 
-def test_multi_process_peers_are_refused_before_any_network() -> None:
-    callback = SyncCallback("http://127.0.0.1:9", sync_every=1, run="r")
+def test_what_a_multi_process_peer_cannot_do_is_refused_before_any_network() -> None:
+    """world_size > 1 serves the torch.distributed group (tests/test_group.py); without one, with
+    overlap, or with a client that serves no group, the callback says so before any request."""
     args = SimpleNamespace(world_size=2)
     state = SimpleNamespace(is_world_process_zero=True, global_step=0)
-    with pytest.raises(ValueError, match="one training process per peer"):
-        callback.on_train_begin(args, state, None, model=tiny_model(0))  # type: ignore[arg-type]
-    callback.client.close()
+    cases = [
+        (SyncCallback("http://127.0.0.1:9", sync_every=1, run="r"), "torch.distributed is not initialised"),
+        (SyncCallback("http://127.0.0.1:9", sync_every=1, run="r", overlap=True), "one process per peer"),
+        (SyncCallback(client=SyncClient("http://127.0.0.1:9", run="r"), sync_every=1), r"group=torch\.distributed"),
+    ]
+    for callback, refusal in cases:
+        with pytest.raises(ValueError, match=refusal):
+            callback.on_train_begin(args, state, None, model=tiny_model(0))  # type: ignore[arg-type]
+        callback.client.close()
 
 
 def test_oversized_eval_metrics_shrink_to_the_losses(hub: Hub) -> None:

@@ -24,12 +24,13 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 
 from syncclient._model import ModelView
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
-from tests.harness import Peers, assert_exact_mean, round_record, version_file, wait_for
+from tests.harness import Peers, assert_exact_mean, result_file, round_record, version_file, wait_for
 
 SAMPLES = {"a": 10, "b": 30, "c": 20}
 SEEDS = {"a": 1, "b": 2, "c": 3}
@@ -80,6 +81,35 @@ def test_hub_killed_after_two_of_three_submitted(hub_factory: Callable[..., Hub]
         for name, value in ModelView(crashed.models[p]).export().items():
             np.testing.assert_array_equal(value, without_crash[name], err_msg=f"{p}: {name}")
         assert not crashed.results[p].caught_up and not calm.results[p].caught_up
+
+
+def test_a_peer_called_result_loses_nothing_in_the_window_before_a_commit(hub_factory: Callable[..., Hub]) -> None:
+    """Peer names are not the hub's file names. A peer called ``result`` *was* stored at the
+    path of its round's result, so a hub killed after the merge's rename and before the commit
+    came back with the merge where that peer's acknowledged update had been.
+
+    That window is a few milliseconds wide, so the test builds the state it leaves: the hub is
+    SIGKILLed with a and ``result`` acknowledged, and a whole merge output (a file of the run's
+    wire layout) is put where the merge writes round 0's result; then c submits."""
+    hub = hub_factory("--round-timeout", "60")
+    peers = Peers(hub.url, "named", ["a", "result", "c"], min_peers=3, retry_seconds=120)
+    peers.join()
+    samples = {"a": 10, "result": 30, "c": 20}
+    for i, p in enumerate(["a", "result"]):
+        peers.start(p, lambda p=p, i=i: peers.sync(p, samples=samples[p], seed=i + 1))
+    wait_for(lambda: (open_round(hub, "named") or {}).get("submitted") == ["a", "result"], "a and result acked", 30)
+    hub.kill()
+    merged = {k: (v * 1000).astype(np.float32) for k, v in peers.deltas["a", 0].items()}
+    safetensors.numpy.save_file(merged, str(result_file(hub, "named", 0)))  # uncommitted: the crash came first
+    hub.start()
+    state = open_round(hub, "named")
+    assert state is not None and state["version"] == 0 and state["submitted"] == ["a", "result"]
+    peers.start("c", lambda: peers.sync("c", samples=samples["c"], seed=3))
+    peers.wait(120)
+    peers.close()
+    participants = round_record(hub, "named", 0)["participants"]  # in acknowledgement order
+    assert sorted(participants[:2]) == ["a", "result"] and participants[2] == "c"
+    assert_exact_mean(hub, "named", 0, [peers.deltas[p, 0] for p in samples], list(samples.values()))
 
 
 # ---- SIGKILL at random points of a multi-round run ------------------------------------------

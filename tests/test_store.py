@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from syncserver.errors import Unavailable
-from syncserver.store import Missing, ResultKey, Store, UpdateKey, UpdateRecord, VersionKey
+from syncserver.store import Missing, ResultKey, Staged, Store, UpdateKey, UpdateRecord, VersionKey
 from syncwire import iter_chunks
 from syncwire.format import encode_header
 
@@ -72,31 +73,77 @@ def test_a_served_blob_outlives_its_pruning(store: Store) -> None:
         store.serve(VersionKey("r", 0))
 
 
+def staged(store: Store, data: bytes) -> Staged:
+    """``data`` received whole, as an upload stages it."""
+    upload = store.fresh_upload()
+    upload.open(0)
+    upload.append([data])
+    return upload.finish()
+
+
 def test_an_update_is_acknowledged_with_its_record_or_not_at_all(store: Store) -> None:
     store.create_run("r", {})
-
-    def staged(data: bytes):  # type: ignore[no-untyped-def]
-        upload = store.fresh_upload()
-        upload.open(0)
-        upload.append([data])
-        return upload.finish()
-
     data = body({"w": np.ones(3, np.float32)})
     record = UpdateRecord("a", 0, 1, "d", 5, {}, len(data), 0.0, 0.0, 0)
-    store.acknowledge(staged(data), "r", record)
+    store.acknowledge(staged(store, data), "r", record)
     assert store.exists(UpdateKey("r", 0, "a")) and [u.peer for u in store.updates("r", 0)] == ["a"]
     # the same (run, round, peer) again is refused before the stored update is touched
     with pytest.raises(ValueError, match="already has an update stored"):
-        store.acknowledge(staged(data), "r", UpdateRecord("a", 0, 2, "e", 5, {}, len(data), 0.0, 0.0, 0))
+        store.acknowledge(staged(store, data), "r", UpdateRecord("a", 0, 2, "e", 5, {}, len(data), 0.0, 0.0, 0))
     assert [u.seq for u in store.updates("r", 0)] == [1]
     with store.read(UpdateKey("r", 0, "a")) as f:
         assert f.read("w").tolist() == [1, 1, 1]
     # a database that cannot record it: a 503, and no file is left for the round's fold to find
-    late = staged(data)
+    late = staged(store, data)
     store.close()
     with pytest.raises(Unavailable):
         store.acknowledge(late, "r", UpdateRecord("b", 0, 3, "f", 5, {}, len(data), 0.0, 0.0, 0))
     assert not store.exists(UpdateKey("r", 0, "b"))
+
+
+@pytest.mark.parametrize("peer", ["result", "updates", "00000000", "result.safetensors"])
+def test_no_peer_name_is_a_file_of_the_hub(store: Store, peer: str) -> None:
+    """A peer called ``result`` *was* stored at the round's result path: the merge replaced it."""
+    store.create_run("r", {})
+    data = body({"w": np.ones(3, np.float32)})
+    store.acknowledge(staged(store, data), "r", UpdateRecord(peer, 0, 1, "d", 5, {}, len(data), 0.0, 0.0, 0))
+    write_version(store, ResultKey("r", 0), {"w": np.zeros(3, np.float32)})  # the merge of round 0
+    with store.read(UpdateKey("r", 0, peer)) as f:
+        assert f.read("w").tolist() == [1, 1, 1]
+
+
+def test_recovery_keeps_the_open_rounds_updates_and_drops_an_uncommitted_result(store: Store, tmp_path: Path) -> None:
+    """Killed between the merge's rename and the commit: the result is not committed, the
+    acknowledged updates (one of a peer called ``result``) are all there after the restart."""
+    store.create_run("r", {})
+    for seq, peer in enumerate(["a", "result"], 1):
+        data = body({"w": np.full(3, seq, np.float32)})
+        store.acknowledge(staged(store, data), "r", UpdateRecord(peer, 0, seq, "d", 5, {}, len(data), 0.0, 0.0, 0))
+    write_version(store, ResultKey("r", 0), {"w": np.zeros(3, np.float32)})
+    store.recover("r", 0)
+    assert not store.exists(ResultKey("r", 0))
+    for value, peer in enumerate(["a", "result"], 1):
+        with store.read(UpdateKey("r", 0, peer)) as f:
+            assert f.read("w").tolist() == [value] * 3
+
+
+def test_recovery_moves_updates_of_the_older_layout(store: Store, tmp_path: Path) -> None:
+    """A data dir written before updates had their own folder: the open round's acknowledged
+    updates lay beside the result (``rounds/<v>/<peer>.safetensors``); they move, and stay."""
+    store.create_run("r", {})
+    data = body({"w": np.full(3, 7, np.float32)})
+    for peer in ("a", "result"):
+        store.acknowledge(staged(store, data), "r", UpdateRecord(peer, 0, 1, "d", 5, {}, len(data), 0.0, 0.0, 0))
+    round_dir = tmp_path / "hub" / "runs" / "r" / "rounds" / f"{0:08d}"
+    for path in (round_dir / "updates").iterdir():
+        path.rename(round_dir / path.name)  # as the older layout had it
+    (round_dir / "updates").rmdir()
+    (round_dir / "zed.safetensors").write_bytes(data)  # not acknowledged: a leftover
+    store.recover("r", 0)
+    for peer in ("a", "result"):
+        with store.read(UpdateKey("r", 0, peer)) as f:
+            assert f.read("w").tolist() == [7, 7, 7]
+    assert sorted(p.name for p in round_dir.rglob("*")) == ["a.safetensors", "result.safetensors", "updates"]
 
 
 def test_a_resumable_upload_keeps_its_bytes_and_a_new_digest_supersedes_them(store: Store) -> None:
@@ -116,3 +163,19 @@ def test_a_partial_pruned_as_it_completes_is_missing(store: Store) -> None:
     store.prune("r", 1, keep=3)  # round 0 closed: its partials can never complete
     with pytest.raises(Missing):
         upload.finish()
+
+
+def test_a_database_of_an_older_hub_gets_the_new_column(tmp_path: Path) -> None:
+    """Runs created before their creator was kept (for the quotas) load with ``creator=None``."""
+    (tmp_path / "old").mkdir()
+    db = sqlite3.connect(tmp_path / "old" / "hub.sqlite3")
+    db.execute(
+        "CREATE TABLE runs (name TEXT PRIMARY KEY, config TEXT NOT NULL, schema TEXT, version INTEGER NOT NULL, "
+        "created REAL NOT NULL, sealed INTEGER NOT NULL DEFAULT 0)"
+    )
+    db.execute("INSERT INTO runs (name, config, version, created) VALUES ('r', '{}', -1, 0)")
+    db.commit()
+    db.close()
+    store = Store(tmp_path / "old")
+    store.create_run("s", {}, "token")
+    assert [(r.name, r.creator) for r in store.runs()] == [("r", None), ("s", "token")]

@@ -1,0 +1,87 @@
+"""Merging a round into finite weights, without the updates that would make them Inf.
+
+The running mean (:func:`syncserver.aggregate.fold`) is finite whenever the updates are, but
+what every peer will hold, ``version v + decode(result)``, can still overflow float32: finite
+updates near 1e38, an outer step that multiplies them, a codec that rounds the largest float32
+up to Inf. :meth:`MergeEngine.merge <syncserver.engine.MergeEngine.merge>` checks that before
+anything is written; here a round whose merge is refused goes on without the update of
+largest magnitude, re-folded from the durable files in acknowledgement order, and again, until
+the merge is finite. With every update left out the round changes nothing, which is always
+finite: the loop ends, after at most one merge per participant.
+
+Deterministic: the same acknowledged updates give the same updates left out (ties go by peer
+name) and the same bits, so a hub restarted mid-round closes it exactly as it would have.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+
+from anyio import to_thread
+
+from syncserver.engine import Accumulator, MergeEngine, NonFinite
+from syncserver.state import Run
+from syncserver.store import UpdateKey
+
+__all__ = ["merge_finite"]
+
+log = logging.getLogger(__name__)
+
+
+async def merge_finite(
+    engine: MergeEngine, run: Run, round_: int, participants: Sequence[str]
+) -> tuple[int, list[str]]:
+    """Merge ``run``'s open round ``round_`` from its accumulator (every participant folded);
+    return the result's size and the peers whose updates were left out, in that order. The
+    divisor and the outer step's share are the policy's, of the participants' samples."""
+    assert run.schema is not None
+    acc = run.accumulator()
+    left_out: list[str] = []
+    peaks: dict[str, float] = {}
+    while True:
+        samples = sum(run.acked[name].samples for name in participants if name not in left_out)
+        merge = functools.partial(
+            engine.merge,
+            run.name,
+            round_,
+            acc,
+            run.codec,
+            run.config.outer_optimizer,
+            total=run.policy.total(samples),
+            fraction=run.policy.fraction(samples),
+        )
+        try:
+            return await to_thread.run_sync(merge), left_out
+        except NonFinite as exc:
+            if not acc.folded:
+                raise  # a round that changes nothing is finite: cannot happen
+            for peer in acc.folded:
+                if peer not in peaks:
+                    key = UpdateKey(run.name, run.acked[peer].round, peer)
+                    peaks[peer] = await to_thread.run_sync(engine.peak, key, run.codec, run.schema)
+            worst = max(acc.folded, key=lambda p: (peaks[p], p))
+            log.warning(
+                "update_left_out run=%s round=%d peer=%s peak=%.4g reason=not_finite (%s)",
+                run.name,
+                round_,
+                worst,
+                peaks[worst],
+                exc,
+            )
+            left_out.append(worst)
+            acc = await _refold(engine, run, round_, [p for p in acc.folded if p != worst])
+            run.acc = acc
+
+
+async def _refold(engine: MergeEngine, run: Run, round_: int, peers: list[str]) -> Accumulator:
+    """A fresh accumulator with these peers' updates, in the order given (acknowledgement order)."""
+    assert run.schema is not None
+    acc = Accumulator(run.schema)
+    for peer in peers:
+        update = run.acked[peer]
+        key = UpdateKey(run.name, update.round, peer)
+        weight = run.policy.weight(update.samples, update.base, update.round)
+        await to_thread.run_sync(engine.fold, acc, key, weight, run.codec)
+    return acc
