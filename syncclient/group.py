@@ -30,6 +30,7 @@ use DDP. The GPUs never hold the full model.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 from collections.abc import Callable
@@ -50,7 +51,15 @@ T = TypeVar("T")
 # reference to the group, the script's end destroys the group from the Reducer's destructor, which
 # joins that thread while holding the GIL: a deadlock at exit (torch 2.13; 7 of 10 runs of a 2-rank
 # DDP script that synced, 0 of 10 with this reference). Held here, the group outlives the Reducer.
+# They are let go at exit (atexit runs while the interpreter is whole): a group destroyed later, in
+# the interpreter's finalisation, can abort the process ("terminate called without an active
+# exception") when gloo's thread asks for the GIL there.
 _KEEP: list[Any] = []
+
+
+@atexit.register
+def _release_groups() -> None:
+    _KEEP.clear()
 
 
 class GroupError(SyncError):
