@@ -52,7 +52,10 @@ table and the picture without training); ``--only a,b`` runs a subset.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
+import importlib.util
 import json
 import math
 import os
@@ -61,6 +64,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,75 +84,88 @@ class Config:
     sync_every: int = 0
     codec: str = "fp32"
     outer: str = "avg"
-    env: dict[str, str] = field(default_factory=dict)  # for the embedded hub (DiLoCo's lr and momentum)
+    env: dict[str, str] = field(default_factory=dict)  # for the embedded hub (DiLoCo's settings)
     flags: dict[str, Any] = field(default_factory=dict)  # overrides of the grid's common flags
+    scratch: bool = False  # random init (the common model config) instead of the warm start
 
     @property
     def outer_label(self) -> str:
         if self.outer != "diloco":
             return self.outer
         lr, mu = self.env.get("SYNC_OUTER_LR", "0.7"), self.env.get("SYNC_OUTER_MOMENTUM", "0.9")
-        return f"diloco (lr {lr}, mom {mu})"
+        warmup = self.env.get("SYNC_OUTER_WARMUP", "20")
+        return f"diloco (lr {lr}, mom {mu}, warm-up {warmup})"
 
 
-# Settings shared by every configuration of a grid (flags of train/finetune_gpt2.py).
+# Settings shared by every configuration of a grid (flags of train/finetune_gpt2.py); the
+# warm start (--model) is added by main from bench/pretrain.py.
 FULL_COMMON: dict[str, Any] = {
-    "model-config": "tiny",
-    "train-samples": 220,  # 3,250 blocks: 203 steps of 16, so 200 steps stay within one epoch
-    "val-samples": 20,  # 224 blocks
-    "test-samples": 20,  # 224 blocks
-    "max-steps": 200,
-    "batch-size": 16,
-    "lr": 2e-3,
-    "eval-every": 20,
-    "seed": 1234,
+    "model-config": "tiny",  # the shape bench/pretrain.py pretrains; scratch rows init it at random
+    "train-samples": 110,  # ~1,580 blocks: 49 steps of 32 an epoch, so 192 steps are ~4 epochs
+    "val-samples": 24,  # 339 blocks
+    "test-samples": 40,  # 571 blocks
+    "max-steps": 192,
+    "batch-size": 32,
+    "lr": 1e-3,
+    "eval-every": 16,
+    "seed": 1,
 }
-SANITY = "p2-s100-diloco-lr1-mom0"
-SANITY_GAP = 0.005  # DiLoCo this far (relative) above fp32 averaging: also run the lr 1, momentum 0 check
-MID = 100  # the middle interval: the report's best (1000 of ~2000 steps) scaled to 200 steps
-FULL = [
+# Intervals at the report's fractions of training: its 100 / 1000 / 2000 steps of ~4 x 1,700
+# are 1.5% / 15% / 29%; here 3 / 24 / 48 of 192 steps (64, 8 and 4 rounds; the report's 68, 7, 3.4).
+SHORT, MID, LONG = 3, 24, 48
+OLD_DILOCO = {"SYNC_OUTER_WARMUP": "0"}  # DiLoCo as published: lr 0.7, momentum 0.9 from round 1
+SEEDS = (2, 3)  # beside FULL_COMMON's: the rows the targets are judged on run with all three
+_FIRST = [
     Config("serial"),
-    Config("p2-s10-fp32", 2, 10),
-    Config("p2-s100-fp32", 2, MID),
-    Config("p2-s200-fp32", 2, 200),
-    Config("p2-s100-bf16", 2, MID, codec="bf16"),
-    Config("p2-s100-int8", 2, MID, codec="int8"),
-    Config("p2-s100-int4", 2, MID, codec="int4"),
-    Config("p2-s100-diloco", 2, MID, outer="diloco"),
-    # Run only when DiLoCo with its defaults ends > SANITY_GAP above fp32 averaging (see main).
-    Config(
-        "p2-s100-diloco-lr1-mom0",
-        2,
-        MID,
-        outer="diloco",
-        env={"SYNC_OUTER_LR": "1.0", "SYNC_OUTER_MOMENTUM": "0"},
-    ),
-    Config("p4-s100-fp32", 4, MID),
-    # DiLoCo nearer its own regime: 20 outer steps instead of 2 (its defaults assume many).
-    Config("p2-s10-diloco", 2, 10, outer="diloco"),
-    # Run-to-run noise: the serial run and the target comparison (2 peers every 100) again with
-    # other seeds (another init, data order and shards), to show how far apart equally good runs end.
-    Config("serial-seed2", flags={"seed": 2}),
-    Config("serial-seed3", flags={"seed": 3}),
-    Config("p2-s100-fp32-seed2", 2, MID, flags={"seed": 2}),
-    Config("p2-s100-fp32-seed3", 2, MID, flags={"seed": 3}),
+    Config(f"p2-s{MID}", 2, MID),
+    Config(f"p2-s{SHORT}", 2, SHORT),
+    Config(f"p2-s{LONG}", 2, LONG),
+    Config(f"p4-s{MID}", 4, MID),
+    Config(f"p2-s{MID}-int8", 2, MID, codec="int8"),
+    Config(f"p2-s{MID}-int4", 2, MID, codec="int4"),
+    Config(f"p2-s{MID}-diloco", 2, MID, outer="diloco"),
+    Config(f"p2-s{MID}-diloco-published", 2, MID, outer="diloco", env=OLD_DILOCO),
+    Config(f"p2-s{SHORT}-diloco", 2, SHORT, outer="diloco"),
+    # the users' other choice: each peer at serial's batch, half the steps (the same samples
+    # in half the wall time), 8 rounds as at the middle interval
+    Config("p2-s12-b64", 2, 12, flags={"batch-size": 64, "max-steps": 96}),
+    # many rounds from random init (64), where an outer momentum should pay: averaging vs DiLoCo
+    Config(f"scratch-p2-s{SHORT}", 2, SHORT, scratch=True),
+    Config(f"scratch-p2-s{SHORT}-diloco", 2, SHORT, outer="diloco", scratch=True),
+]
+_SEEDED = ["serial", f"p2-s{MID}", f"p2-s{SHORT}", f"p4-s{MID}", f"p2-s{MID}-int4"]
+FULL = _FIRST + [
+    Config(f"{c.name}-seed{seed}", c.peers, c.sync_every, c.codec, c.outer, c.env, c.flags | {"seed": seed}, c.scratch)
+    for seed in SEEDS
+    for c in _FIRST
+    if c.name in _SEEDED
 ]
 
 QUICK_COMMON = FULL_COMMON | {
     "train-samples": 40,
     "val-samples": 8,
     "test-samples": 8,
-    "max-steps": 30,
-    "eval-every": 10,
+    "max-steps": 48,
+    "eval-every": 12,
 }
-QUICK = [Config("serial"), Config("p2-s10-fp32", 2, 10), Config("p2-s10-int8", 2, 10, codec="int8")]
+QUICK = [
+    Config("serial"),
+    Config("p2-s12", 2, 12),
+    Config("p2-s12-int4", 2, 12, codec="int4"),
+    Config("p2-s12-diloco", 2, 12, outer="diloco"),
+]
+#: bench/pretrain.py settings of each grid (the quick one pretrains less: it checks the pipeline)
+PRETRAIN = {"full": [], "quick": ["--steps", "60", "--reviews", "500"]}
 
 
 def command(cfg: Config, common: dict[str, Any], out: Path, cores: int) -> list[str]:
     """The reference job's command line for one configuration."""
     argv = [sys.executable, str(TRAIN), "--output-dir", str(out)]
     argv += ["--dataset", str(DATA / "imdb"), "--tokenizer", str(DATA / "gpt2-tokenizer")]
-    for flag, value in (common | cfg.flags).items():
+    flags = common | cfg.flags
+    if not cfg.scratch:  # the warm start replaces the random init
+        flags = {k: v for k, v in flags.items() if k != "model-config"}
+    for flag, value in flags.items():
         argv += [f"--{flag}", str(value)]
     if cfg.peers == 0:
         return [*argv, "--no-hub", "--threads", str(cores)]
@@ -222,16 +239,22 @@ def add_ratios(rows: list[dict[str, Any]], default_seed: int) -> None:
     held-out validation and test reviews (the job shuffles the train split with it)."""
     ok = [r for r in rows if "error" not in r]
     serial = {r["seed"]: r["val_ppl"] for r in ok if r["config"]["peers"] == 0}
+
+    def like(r: dict[str, Any]) -> tuple[Any, ...]:  # the same run but for codec, outer and peers
+        c = r["config"]
+        flags = {k: v for k, v in c["flags"].items() if k != "seed"}
+        return c["scratch"], c["sync_every"], r["seed"], json.dumps(flags, sort_keys=True)
+
     ref = {
-        (r["config"]["sync_every"], r["seed"]): r["val_ppl"]
+        like(r): r["val_ppl"]
         for r in ok
         if r["config"]["peers"] == 2 and r["config"]["codec"] == "fp32" and r["config"]["outer"] == "avg"
     }
     for r in ok:
         c = r["config"]
-        base = serial.get(r["seed"])
+        base = None if c["scratch"] else serial.get(r["seed"])  # no serial run from scratch
         r["vs_serial"] = r["val_ppl"] / base if base and (c["peers"] or r["seed"] == default_seed) else None
-        fp32 = ref.get((c["sync_every"], r["seed"])) if c["peers"] else None
+        fp32 = ref.get(like(r)) if c["peers"] else None
         r["vs_fp32_sync"] = r["val_ppl"] / fp32 if fp32 else None
 
 
@@ -292,19 +315,19 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 # Panels of the picture: a title and the configurations it compares with the serial run.
 PANELS = [
-    ("sync interval (2 peers, fp32, avg)", ["p2-s10-fp32", "p2-s100-fp32", "p2-s200-fp32"]),
+    ("sync interval (2 peers, fp32, avg)", [f"p2-s{SHORT}", f"p2-s{MID}", f"p2-s{LONG}"]),
     (
-        "wire codec (2 peers, every 100): the lines overlap",
-        ["p2-s100-fp32", "p2-s100-bf16", "p2-s100-int8", "p2-s100-int4"],
+        f"wire codec (2 peers, every {MID}; int4 with its final flush)",
+        [f"p2-s{MID}", f"p2-s{MID}-int8", f"p2-s{MID}-int4"],
     ),
     (
-        "outer optimizer (2 peers, every 100 or 10)",
-        ["p2-s100-fp32", "p2-s100-diloco", "p2-s100-diloco-lr1-mom0", "p2-s10-fp32", "p2-s10-diloco"],
+        "outer optimizer (2 peers): DiLoCo with warm-up (default) and as published",
+        [f"p2-s{MID}", f"p2-s{MID}-diloco", f"p2-s{MID}-diloco-published", f"p2-s{SHORT}", f"p2-s{SHORT}-diloco"],
     ),
-    ("peers (fp32, avg, every 100)", ["p2-s100-fp32", "p4-s100-fp32"]),
+    ("peers and batch (fp32, avg)", [f"p2-s{MID}", f"p4-s{MID}", "p2-s12-b64"]),
     (
-        "seeds 1234 (black), 2 (red), 3 (green): serial vs 2 peers every 100",
-        ["p2-s100-fp32", "serial-seed2", "p2-s100-fp32-seed2", "serial-seed3", "p2-s100-fp32-seed3"],
+        f"from random init, {192 // SHORT} rounds: avg vs DiLoCo",
+        [f"scratch-p2-s{SHORT}", f"scratch-p2-s{SHORT}-diloco"],
     ),
 ]
 
@@ -363,6 +386,10 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, default_seed: int) 
             steps = sorted(curve)
             label = f"{name} ({r['val_ppl']:.0f})"
             top.plot(steps, [curve[s] for s in steps], style, color=color, lw=1.2, marker=".", ms=3, label=label)
+            every = r["config"]["sync_every"]
+            if every >= 12:  # the syncs, as ticks along the bottom (every 4 steps would be a carpet)
+                ticks = range(every, max(steps) + 1, every)
+                top.plot(ticks, [0.93 * min(finals)] * len(ticks), "|", color=color, ms=9, mew=1.5)
             ref = {} if is_serial else serial_of.get(r["seed"], {})  # serial: other validation reviews
             shared = [s for s in steps if s in ref]
             if shared:
@@ -407,9 +434,17 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="output folder (default: bench/results/quality-<date>[-quick])")
     parser.add_argument("--reuse", action="store_true", help="keep configurations that already have results")
     parser.add_argument("--png", type=Path, help="picture path (default: bench/quality.png; --quick: in --out)")
+    parser.add_argument(
+        "--lock",
+        type=Path,
+        help="hold this file's flock(2) while each configuration runs, so that timing benchmarks sharing "
+        "the machine (with flock on the same file) run between configurations, not beside them",
+    )
     args = parser.parse_args()
 
     grid, common = (QUICK, QUICK_COMMON) if args.quick else (FULL, FULL_COMMON)
+    warm = pretrained(PRETRAIN["quick" if args.quick else "full"], common)
+    common = common | {"model": str(warm)}
     if args.only:
         wanted = set(args.only.split(","))
         unknown = wanted - {c.name for c in grid}
@@ -431,10 +466,8 @@ def main() -> int:
     rows = []
     done: dict[str, dict[str, Any]] = {}
     for cfg in grid:
-        if cfg.name == SANITY and not args.only and not diloco_behind(done):
-            print(f"-- {cfg.name}: skipped (DiLoCo is within {SANITY_GAP:.1%} of fp32 averaging)", flush=True)
-            continue
-        row = done[cfg.name] = run_config(cfg, common, out / cfg.name, cores, args.reuse)
+        with held(args.lock):
+            row = done[cfg.name] = run_config(cfg, common, out / cfg.name, cores, args.reuse)
         if "error" not in row:
             print(
                 f"   val ppl {row['val_ppl']:.2f}, test ppl {row['test_ppl']:.2f}, {row['wall_seconds']:.0f} s",
@@ -477,8 +510,9 @@ def main() -> int:
     plot(
         rows,
         png,
-        f"{common['model-config']} GPT-2 from scratch on IMDB: {steps} steps of {common['batch-size']} blocks "
-        f"x 20 tokens, Adam {common['lr']:g}; validation perplexity vs the serial run",
+        f"{common['model-config']} GPT-2 pretrained offline (bench/pretrain.py), fine-tuned on IMDB: {steps} steps "
+        f"of {common['batch-size']} blocks x 20 tokens, Adam {common['lr']:g}; validation perplexity vs the serial "
+        "run; ticks: the syncs of intervals >= 12 steps",
         common["seed"],
     )
     print(f"summary {summary}, picture {png}")
@@ -489,13 +523,36 @@ def main() -> int:
     return 1 if failed or bad else 0
 
 
-def diloco_behind(done: dict[str, dict[str, Any]]) -> bool:
-    """Whether DiLoCo (defaults) ended more than SANITY_GAP above fp32 averaging at the same interval
-    (or either run failed: then the check is worth its time too)."""
-    diloco, avg = done.get("p2-s100-diloco", {}), done.get("p2-s100-fp32", {})
-    if "val_ppl" not in diloco or "val_ppl" not in avg:
-        return True
-    return bool(diloco["val_ppl"] > avg["val_ppl"] * (1 + SANITY_GAP))
+@contextlib.contextmanager
+def held(lock: Path | None) -> Iterator[None]:
+    """``flock(2)`` on ``lock`` (exclusive) for the duration; nothing without one."""
+    if lock is None:
+        yield
+        return
+    with lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def pretrained(extra: list[str], common: dict[str, Any]) -> Path:
+    """The warm start (bench/pretrain.py, cached): pretrained on reviews this grid never uses."""
+    spec = importlib.util.spec_from_file_location("pretrain", REPO / "bench" / "pretrain.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse(["--model-config", common["model-config"], *extra])
+    # its default exclusions cover every review this grid picks (a first slice of the same shuffles)
+    uses = {"train": common["train-samples"] + common["val-samples"], "test": common["test-samples"]}
+    covers = {"train": args.exclude_train + args.exclude_val, "test": args.exclude_test}
+    if any(uses[k] > covers[k] for k in uses) or not {common["seed"], *SEEDS} <= set(args.seeds):
+        raise SystemExit(
+            f"error: bench/pretrain.py's exclusions ({covers}, seeds {args.seeds}) miss the grid's reviews"
+        )
+    path: Path = module.pretrain(args)
+    return path
 
 
 def _spread(row: dict[str, Any]) -> float:

@@ -103,7 +103,7 @@ class SyncCallback(TrainerCallback):
             later, keeping the steps taken meanwhile (see the module docstring). Hides the
             sync's network time from training; off by default.
         **client_kwargs: passed to ``SyncClient(hub, ...)``: ``run`` (required), ``peer``,
-            ``token``, ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``min_peers``,
+            ``token``, ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``outer_warmup``, ``min_peers``,
             ``round_timeout``, ``timeout``, ...
 
     Attributes:
@@ -269,7 +269,9 @@ class SyncCallback(TrainerCallback):
             self._inflight = self.client.sync_async(model, samples=samples, metrics=metrics)
             self._inflight_steps = steps
             return
-        self._finish(state, self.client.sync(model, samples=samples, metrics=metrics), steps)
+        # the last step's sync, or the one at train end: the peer's last (see SyncClient.sync)
+        final = last_step or blocking
+        self._finish(state, self.client.sync(model, samples=samples, metrics=metrics, final=final), steps)
 
     def _land(self, state: TrainerState, model: Any) -> None:
         """Apply the overlapped sync in flight, if any (waiting for its result if need be)."""

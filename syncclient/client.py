@@ -191,6 +191,7 @@ class SyncClient:
         outer: str | None = None,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
+        outer_warmup: int | None = None,
         min_peers: int | None = None,
         round_timeout: float | None = None,
         norm_guard: float | None = None,
@@ -213,6 +214,7 @@ class SyncClient:
             outer=outer,
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
+            outer_warmup=outer_warmup,
             min_peers=min_peers,
             round_timeout=round_timeout,
             norm_guard=norm_guard,
@@ -300,24 +302,49 @@ class SyncClient:
             self.run, self.peer, self.rank, self.world_size, self.version, config["codec"], config["outer"], config
         )
 
-    def sync(self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None) -> SyncResult:
+    def sync(
+        self,
+        model: torch.nn.Module,
+        *,
+        samples: int,
+        metrics: Mapping[str, float] | None = None,
+        final: bool = False,
+    ) -> SyncResult:
         """Send what ``model`` learned since the last sync; return with the merged version loaded.
 
         ``samples`` (examples seen since the last sync) weighs this peer in the average. Blocks
         for the whole round: :meth:`sync_async` is the same sync with training going on meanwhile.
+
+        ``final``: the last sync of this peer's training. The hub merges a round of last updates
+        by plain averaging (a DiLoCo momentum step would overshoot with nothing trained after
+        it); with a lossy codec in a barrier run, one more round then sends what error feedback
+        held back (the residual: this sync's quantisation error), so that the final model carries
+        no more than the quantisation error of that residual.
         """
         if self._group is None:
             view = ModelView(model)
-            return self._apply(self._start(view, samples, metrics, keep_local=False), view)
+            return self._final_sync(view, samples, metrics, final)
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0 (this rank's), got {samples!r}")
         total = self._group.total(samples)  # the group's update weighs all its ranks' samples
 
         def call(view: ArrayView) -> SyncResult:
-            return self._apply(self._start(view, total, metrics, keep_local=False), view)
+            return self._final_sync(view, total, metrics, final)
 
         result = self._in_group(model, call, SyncResult)
         self.version = result.version
+        return result
+
+    def _final_sync(
+        self, view: ModelView | ArrayView, samples: int, metrics: Mapping[str, float] | None, final: bool
+    ) -> SyncResult:
+        """A blocking sync; if ``final``, the flush round after it (see :meth:`sync`)."""
+        result = self._apply(self._start(view, samples, metrics, keep_local=False, final=final), view)
+        assert self._state is not None
+        if final and not self._state.codec.lossless and self.policy == "barrier" and not result.caught_up:
+            # the model is the merged version now, so this update is the residual alone; it weighs
+            # what the update it was cut from weighed
+            result = self._apply(self._start(view, samples, None, keep_local=False, final=True), view)
         return result
 
     def sync_async(
@@ -465,7 +492,13 @@ class SyncClient:
             )
 
     def _start(
-        self, view: ModelView | ArrayView, samples: int, metrics: Mapping[str, float] | None, *, keep_local: bool
+        self,
+        view: ModelView | ArrayView,
+        samples: int,
+        metrics: Mapping[str, float] | None,
+        *,
+        keep_local: bool,
+        final: bool = False,
     ) -> PendingSync:
         """The caller's half of a sync: snapshot, encode, hand the network work to the worker."""
         if self._state is None:
@@ -485,7 +518,7 @@ class SyncClient:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
         future = self._worker.submit(
-            self._protocol.exchange, self.version, update.parts, samples, sent_metrics, self._state
+            self._protocol.exchange, self.version, update.parts, samples, sent_metrics, self._state, final
         )
         self._inflight = PendingSync(self, future, self.version, snapshot, started, time.monotonic() - started, update)
         return self._inflight

@@ -112,15 +112,16 @@ class _Sync:
         else:
             assert self.sync_every is not None
             due = since >= self.sync_every
-        if due:
-            self._sync(trainer, pl_module)
+        last_step = 0 < trainer.max_steps <= trainer.global_step
+        if due or (last_step and since > 0):
+            self._sync(trainer, pl_module, final=last_step)
 
     def on_train_end(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         if not self._active:
             return
         try:
             if trainer.global_step > self._last_sync_step:
-                self._sync(trainer, pl_module)
+                self._sync(trainer, pl_module, final=True)
         finally:
             self._leave()
 
@@ -130,11 +131,12 @@ class _Sync:
 
     # -- the work ---------------------------------------------------------------------------------
 
-    def _sync(self, trainer: Any, pl_module: torch.nn.Module) -> None:
+    def _sync(self, trainer: Any, pl_module: torch.nn.Module, *, final: bool = False) -> None:
+        """One blocking sync; ``final``: training ends here (see ``SyncClient.sync``)."""
         metrics = _metrics({"loss": self._loss, **trainer.callback_metrics})
         metrics["step"] = float(trainer.global_step)
         steps = trainer.global_step - self._last_sync_step
-        result = self.client.sync(pl_module, samples=max(1, self._samples), metrics=metrics)
+        result = self.client.sync(pl_module, samples=max(1, self._samples), metrics=metrics, final=final)
         self._last_sync_step, self._samples = trainer.global_step, 0
         self.last_result = result
         self.syncs += 1

@@ -60,6 +60,7 @@ def run_settings(
     outer: str | None,
     outer_lr: float | None,
     outer_momentum: float | None,
+    outer_warmup: int | None,
     min_peers: int | None,
     round_timeout: float | None,
     norm_guard: float | None,
@@ -92,6 +93,7 @@ def run_settings(
         "outer": outer,
         "outer_lr": outer_lr,
         "outer_momentum": outer_momentum,
+        "outer_warmup": outer_warmup,
         "min_peers": min_peers,
         "round_timeout": round_timeout,
         "norm_guard": norm_guard,
@@ -130,12 +132,15 @@ class RunProtocol:
         return state
 
     def exchange(
-        self, round_: int, parts: Parts, samples: int, metrics: dict[str, float], state: UpdateState
+        self, round_: int, parts: Parts, samples: int, metrics: dict[str, float], state: UpdateState, final: bool
     ) -> Outcome:
         """Upload an update computed from version ``round_``, bring the merged result(s) back and
-        fold them into ``state``'s base (nobody else touches it while a sync is in flight)."""
+        fold them into ``state``'s base (nobody else touches it while a sync is in flight).
+        ``final``: this peer's last update of the run (``X-Sync-Final``)."""
         started = time.monotonic()
         headers = {"X-Sync-Samples": str(samples), "X-Sync-Metrics": json.dumps(metrics)}
+        if final:
+            headers["X-Sync-Final"] = "?1"
         try:
             size, ack = self.transport.upload(
                 f"{self.path}/rounds/{round_}/updates/{self.peer}",
@@ -155,9 +160,9 @@ class RunProtocol:
             received = own.reader.received
             for earlier in range(round_, landed):
                 result = self.result(earlier, wait=False)
-                state.fold(result.reader.tensors)
+                state.fold(result.reader.tensors, result.reader.metadata.get("codec"))
                 received += result.reader.received
-            state.fold(own.reader.tensors)
+            state.fold(own.reader.tensors, own.reader.metadata.get("codec"))
         except HubError as exc:
             if exc.status != 410:
                 raise

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from syncclient.exceptions import SyncError
-from syncwire import Codec, wire_name
+from syncwire import Codec, get_codec, wire_name
 from syncwire.codecs import slices
 
 __all__ = ["EncodedUpdate", "UpdateState"]
@@ -79,18 +79,20 @@ class UpdateState:
         fp32 = sum(x.nbytes for x in local.values())
         return EncodedUpdate(parts, fp32 / max(sent, 1.0), math.sqrt(err / norm) if norm > 0 else 0.0)
 
-    def fold(self, merged: Mapping[str, np.ndarray]) -> None:
+    def fold(self, merged: Mapping[str, np.ndarray], codec: str | None = None) -> None:
         """``base += decode(U)`` from the merged update's wire tensors, a slice at a time (no
         full-size decoded copy of a big tensor; see :func:`syncwire.codecs.slices`). The hub
-        builds version ``v + 1`` with the same slices and the same float32 adds."""
+        builds version ``v + 1`` with the same slices and the same float32 adds. ``codec``: the
+        one the result names, if not the run's (a final round's result is fp32)."""
+        decoder = self.codec if codec is None or codec == self.codec.spec else get_codec(codec)
         for name, base in self.base.items():
             flat = base.reshape(-1)
-            for start, stop, where in slices(self.codec, base.shape):
+            for start, stop, where in slices(decoder, base.shape):
                 piece = {
                     suffix: merged[wire_name(name, suffix)].reshape(-1)[first : first + count]
                     for suffix, (first, count) in where.items()
                 }
-                flat[start:stop] += self.codec.decode(piece, (stop - start,))
+                flat[start:stop] += decoder.decode(piece, (stop - start,))
 
     def rebase(self, snapshot: dict[str, np.ndarray], local: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``base + (local - snapshot)``: the steps taken since ``snapshot`` on top of the base.

@@ -264,11 +264,14 @@ class Coordinator:
         metrics: dict[str, float],
         *,
         supersede: bool = False,
+        final: bool = False,
     ) -> Ticket:
         """May this update be sent? A ticket with ``acknowledged`` set: it was, answer that."""
         run = self.run(run_name)
         self.peer(run, peer_name)
-        return await self.rounds.update_ticket(run, round_, peer_name, digest, samples, metrics, supersede=supersede)
+        return await self.rounds.update_ticket(
+            run, round_, peer_name, digest, samples, metrics, supersede=supersede, final=final
+        )
 
     def uploading(self, ticket: Ticket) -> contextlib.AbstractContextManager[None]:
         """While the ticket's body streams in."""

@@ -32,7 +32,7 @@ import numpy as np
 
 from syncserver import aggregate
 from syncserver.store import MomentumKey, ResultKey, Store, UpdateKey, VersionKey
-from syncwire import Codec, FormatError, Schema, layout_bytes, wire_layout, wire_name
+from syncwire import Codec, FormatError, Schema, get_codec, layout_bytes, wire_layout, wire_name
 from syncwire.codecs import slices
 from syncwire.format import TensorFile, encode_header
 
@@ -50,6 +50,7 @@ class Outer:
     kind: str  # "avg" or "diloco"
     lr: float
     momentum: float
+    warmup: int = 0  # diloco: outer steps over which momentum ramps up (aggregate.warmup); 0: none
 
 
 class NonFinite(ArithmeticError):
@@ -123,13 +124,25 @@ class MergeEngine:
 
     # ---- per round -----------------------------------------------------------------------
     def merge(
-        self, run: str, round_: int, acc: Accumulator, codec: Codec, outer: Outer, *, total: float, fraction: float
+        self,
+        run: str,
+        round_: int,
+        acc: Accumulator,
+        codec: Codec,
+        outer: Outer,
+        *,
+        total: float,
+        fraction: float,
+        final: bool = False,
     ) -> int:
         """Write round ``round_``'s result (``outer_step(mean * weight / total)``) and DiLoCo
         momentum; return the result's size. ``fraction``: how much of a whole outer step this
-        round is (Delayed Nesterov's clock, kept in the momentum file's metadata; a barrier
-        round is a whole one, ``inf``). :class:`NonFinite` if version ``round_`` + the result,
-        or the momentum, would not be finite (nothing is written then). With nothing folded,
+        round is (Delayed Nesterov's clock, kept in the momentum file's metadata with the count
+        of whole outer steps done, which DiLoCo's warm-up reads; a barrier round is a whole
+        one, ``inf``). ``final``: every update of the round is its peer's last, so nothing
+        trains after it: the round is plain averaging and the momentum passes on unchanged.
+        :class:`NonFinite` if version ``round_`` + the result, or the momentum, would not be
+        finite (nothing is written then). With nothing folded,
         the result is zero and the momentum and its clock stay: the round changes nothing.
 
         The result is the encoded global update ``U``. Version v+1 (``version v + decode(U)``,
@@ -147,6 +160,9 @@ class MergeEngine:
         # barrier the two are the same float (the same integers summed): scale 1, the very same bits
         scale = None if means is None or acc.weight == total else np.float32(acc.weight / total)
         diloco = outer.kind == "diloco"
+        # a final round's result is lossless: the model the run ends with carries no
+        # quantisation error of it (the peers flush their own residual with a last round)
+        codec = get_codec("fp32") if final else codec
         result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
         result_head, result_at = _header(result_layout, meta)
@@ -156,9 +172,15 @@ class MergeEngine:
             base = files.enter_context(self.store.read(VersionKey(run, v)))
             # Delayed Nesterov's clock: the part of an outer step done before this round
             done = float(old_momentum.metadata.get("progress", "0")) if old_momentum is not None else 0.0
+            steps = int(old_momentum.metadata.get("steps", "0")) if old_momentum is not None else 0
             fresh, complete = done == 0.0, done + fraction >= 1.0
-            progress = done if means is None else (0.0 if complete else done + fraction)
-            momentum_meta = {"version": str(v + 1), "progress": repr(progress)}
+            kind = "avg" if final else outer.kind
+            lr, mu = aggregate.warmup(outer.lr, outer.momentum, steps, outer.warmup)
+            if means is None or final:  # the clock stands still
+                progress = done
+            else:
+                progress, steps = (0.0, steps + 1) if complete else (done + fraction, steps)
+            momentum_meta = {"version": str(v + 1), "progress": repr(progress), "steps": str(steps)}
             momentum_head, momentum_at = _header(_fp32_layout(schema), momentum_meta)
             result = files.enter_context(self.store.write(ResultKey(run, v)))
             mom = files.enter_context(self.store.write(MomentumKey(run, v + 1))) if diloco else None
@@ -181,8 +203,10 @@ class MergeEngine:
                         with np.errstate(over="ignore"):  # an overflow is refused below
                             mean = mean * scale
                     update, m_new = aggregate.outer_step(
-                        outer.kind, mean, m_old, lr=outer.lr, mu=outer.momentum, fresh=fresh, complete=complete
+                        kind, mean, m_old, lr=lr, mu=mu, fresh=fresh, complete=complete
                     )
+                    if kind != outer.kind:  # a final round of a DiLoCo run: its momentum passes on
+                        m_new = m_old
                     if m_new is not None and not (_finite(update) and _finite(m_new)):
                         raise NonFinite(f"tensor {name!r}: the outer step overflows float32")
                 encoded = codec.encode(update)
@@ -206,7 +230,8 @@ class MergeEngine:
 
     def build_versions(self, run: str, target: int, codec: Codec, schema: Schema) -> None:
         """Write every missing version file up to ``target`` from the last one stored and the
-        rounds' results: ``version j+1 = version j + decode(result j)``."""
+        rounds' results: ``version j+1 = version j + decode(result j)``, each result decoded
+        with the codec it names (a final round's is fp32, see :meth:`merge`)."""
         first = max((v for v in self.store.versions(run) if v <= target), default=0)
         for v in range(first, target):
             self._next_version(run, v, codec, schema)
@@ -216,6 +241,7 @@ class MergeEngine:
         with contextlib.ExitStack() as files:
             current = files.enter_context(self.store.read(VersionKey(run, v)))
             result = files.enter_context(self.store.read(ResultKey(run, v)))
+            codec = get_codec(result.metadata.get("codec", codec.spec))
             version = files.enter_context(self.store.write(VersionKey(run, v + 1)))
             version.write(head)
 

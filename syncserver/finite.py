@@ -51,6 +51,8 @@ async def merge_finite(
             run.config.outer_optimizer,
             total=run.policy.total(samples),
             fraction=run.policy.fraction(samples),
+            # the round's every update is its peer's last: plain averaging (see aggregate)
+            final=all(run.acked[name].final for name in participants if name not in left_out),
         )
         try:
             return await to_thread.run_sync(merge), left_out

@@ -32,6 +32,7 @@ __all__ = [
     "NormGuard",
     "OuterLR",
     "OuterMomentum",
+    "OuterWarmup",
     "RoundNumber",
     "Seconds",
     "header_int",
@@ -49,6 +50,7 @@ MAX_ROUND = 2**53
 
 OuterLR = Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)]
 OuterMomentum = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
+OuterWarmup = Annotated[int, Field(ge=0, le=1_000_000)]
 MinPeers = Annotated[int, Field(ge=1, le=MAX_PEERS)]
 Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
 NormGuard = Annotated[float, Field(gt=1, le=1e6, allow_inf_nan=False)]

@@ -63,6 +63,7 @@ class Ticket:
     check_header: Callable[[dict[str, TensorInfo]], None]
     upload: Upload | None = None
     acknowledged: UpdateAck | None = None
+    final: bool = False  # the peer's last update (X-Sync-Final)
 
 
 def _ack(update: UpdateRecord, repeat: bool = False) -> UpdateAck:
@@ -162,6 +163,7 @@ class Rounds:
         metrics: dict[str, float],
         *,
         supersede: bool = False,
+        final: bool = False,
     ) -> Ticket:
         """Check an update may be sent before its body is read; a repeat gets its old ack.
         With ``supersede`` (a PUT, not a HEAD), what the peer held of other updates for this
@@ -179,7 +181,9 @@ class Rounds:
             check_layout(infos, layout)
 
         upload = self.store.resumable_upload(run.name, round_, peer, digest, supersede=supersede)
-        return Ticket(run.name, round_, peer, digest, samples, metrics, run.shape.max_update_bytes, check, upload)
+        return Ticket(
+            run.name, round_, peer, digest, samples, metrics, run.shape.max_update_bytes, check, upload, final=final
+        )
 
     def _acknowledged(self, run: Run, round_: int, peer: str, digest: str) -> UpdateAck | None:
         """Idempotency: the same update again is harmless, a different one is a conflict. An
@@ -263,6 +267,7 @@ class Rounds:
                 time.time(),
                 received.seconds,
                 base=ticket.round,
+                final=ticket.final,
             )
             self.store.acknowledge(received.staged, run.name, update)  # the acknowledgement's commit point
         finally:

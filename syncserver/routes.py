@@ -31,6 +31,7 @@ from syncserver.limits import (
     NormGuard,
     OuterLR,
     OuterMomentum,
+    OuterWarmup,
     Seconds,
     header_int,
 )
@@ -72,6 +73,7 @@ class JoinRequest(BaseModel):
     # the same bounds as the hub's defaults (syncserver.limits): finite, and sane
     outer_lr: OuterLR | None = None
     outer_momentum: OuterMomentum | None = None
+    outer_warmup: OuterWarmup | None = None
     min_peers: MinPeers | None = None
     round_timeout: Seconds | None = None
     norm_guard: NormGuard | None = None
@@ -98,6 +100,15 @@ def parse_digest(value: str) -> str:
             if len(raw) == 32:
                 return raw.hex()
     raise BadRequest("Content-Digest must be 'sha-256=:<base64 of the 32-byte digest>:'")
+
+
+def parse_final(value: str | None) -> bool:
+    """``X-Sync-Final: ?1`` (an RFC 8941 boolean): the peer's last update of the run."""
+    if value is None or value == "?0":
+        return False
+    if value == "?1":
+        return True
+    raise BadRequest(f"X-Sync-Final must be ?1 or ?0, got {value[:40]!r}")
 
 
 def parse_metrics(value: str | None) -> dict[str, float]:
@@ -270,13 +281,27 @@ async def put_update(
     samples: Annotated[int, Header(alias="X-Sync-Samples", description="Samples since the last sync.")],
     digest: Annotated[str, Header(alias="Content-Digest", description="sha-256=:<base64>: of the body.")],
     metrics: Annotated[str | None, Header(alias="X-Sync-Metrics", description="JSON object of numbers.")] = None,
+    final: Annotated[
+        str | None,
+        Header(
+            alias="X-Sync-Final",
+            description="?1: the peer's last update; a round of last updates is plain averaging.",
+        ),
+    ] = None,
     offset: Annotated[
         int, Header(alias="Upload-Offset", ge=0, le=MAX_BYTES, description="Resume: the body starts at this byte.")
     ] = 0,
 ) -> UpdateAck:
     try:
         ticket = await hub.update_ticket(
-            run, round, peer, parse_digest(digest), samples, parse_metrics(metrics), supersede=True
+            run,
+            round,
+            peer,
+            parse_digest(digest),
+            samples,
+            parse_metrics(metrics),
+            supersede=True,
+            final=parse_final(final),
         )
     except HubError:
         await _drain(request, hub.settings.max_body_bytes)
@@ -290,7 +315,9 @@ async def put_update(
         except Incomplete:
             # the round may have closed while the body streamed: then say so (409 round_closed,
             # or the ack of this very update), so that the peer catches up
-            again = await hub.update_ticket(run, round, peer, ticket.digest, ticket.samples, ticket.metrics)
+            again = await hub.update_ticket(
+                run, round, peer, ticket.digest, ticket.samples, ticket.metrics, final=ticket.final
+            )
             if again.acknowledged is not None:
                 return again.acknowledged
             raise

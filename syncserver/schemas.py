@@ -76,6 +76,7 @@ class RunConfig(Answer):
     outer: Outer
     outer_lr: float
     outer_momentum: float
+    outer_warmup: int = Field(description="diloco: outer steps of momentum warm-up (0: none).")
     min_peers: int
     round_timeout: float = Field(description="Seconds after a round's first update before stragglers are dropped.")
     norm_guard: float | None = Field(description="Refuse an update whose norm is over this many times the median.")

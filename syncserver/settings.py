@@ -8,7 +8,17 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from syncserver.limits import MAX_BYTES, MAX_PEERS, MAX_SAMPLES, MinPeers, NormGuard, OuterLR, OuterMomentum, Seconds
+from syncserver.limits import (
+    MAX_BYTES,
+    MAX_PEERS,
+    MAX_SAMPLES,
+    MinPeers,
+    NormGuard,
+    OuterLR,
+    OuterMomentum,
+    OuterWarmup,
+    Seconds,
+)
 from syncserver.names import NAME_RULE, is_name
 from syncwire import get_codec
 
@@ -89,6 +99,11 @@ class HubSettings(BaseSettings):
     outer: Outer = Field("avg", description="Default outer optimizer of new runs.")
     outer_lr: OuterLR = Field(0.7, description="DiLoCo outer learning rate (default of new runs; at most 10).")
     outer_momentum: OuterMomentum = Field(0.9, description="DiLoCo Nesterov momentum (default).")
+    outer_warmup: OuterWarmup = Field(
+        20,
+        description="DiLoCo: outer steps over which momentum ramps from 0 to outer_momentum, with outer lr "
+        "1/(1+momentum) meanwhile (default of new runs; 0: DiLoCo as published).",
+    )
     norm_guard: NormGuard | None = Field(
         None,
         description="Default of new runs: refuse (422 poisoned_update) an update whose L2 norm is over this "

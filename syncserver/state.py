@@ -20,6 +20,7 @@ CONFIG_FIELDS = (
     "outer",
     "outer_lr",
     "outer_momentum",
+    "outer_warmup",
     "min_peers",
     "round_timeout",
     "norm_guard",
@@ -45,6 +46,7 @@ class RunConfig:
     policy: str = "barrier"  # when rounds close: barrier, samples or async (syncserver.policy)
     round_samples: int | None = None  # samples and async: the samples of a round (of an outer step)
     max_staleness: int = 32  # async: versions an update's base may lag the open version by
+    outer_warmup: int = 0  # diloco: outer steps of momentum warm-up (0 for runs made before it existed)
 
     def make_policy(self, lease_seconds: float, version: int) -> RoundPolicy:
         """This run's round policy, with round ``version`` open."""
@@ -60,7 +62,7 @@ class RunConfig:
 
     @property
     def outer_optimizer(self) -> Outer:
-        return Outer(self.outer, self.outer_lr, self.outer_momentum)
+        return Outer(self.outer, self.outer_lr, self.outer_momentum, self.outer_warmup)
 
 
 @dataclass

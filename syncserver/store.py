@@ -80,7 +80,8 @@ CREATE TABLE IF NOT EXISTS peers (
 CREATE TABLE IF NOT EXISTS updates (
     run TEXT NOT NULL, round INTEGER NOT NULL, peer TEXT NOT NULL, seq INTEGER NOT NULL,
     digest TEXT NOT NULL, samples INTEGER NOT NULL, metrics TEXT NOT NULL, nbytes INTEGER NOT NULL,
-    received REAL NOT NULL, seconds REAL NOT NULL, base INTEGER, PRIMARY KEY (run, round, peer));
+    received REAL NOT NULL, seconds REAL NOT NULL, base INTEGER, final INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (run, round, peer));
 CREATE TABLE IF NOT EXISTS rounds (
     run TEXT NOT NULL, round INTEGER NOT NULL, opened REAL NOT NULL, closed REAL NOT NULL,
     participants TEXT NOT NULL, dropped TEXT NOT NULL, samples INTEGER NOT NULL,
@@ -123,6 +124,7 @@ class UpdateRecord:
     received: float
     seconds: float
     base: int  # the version it was computed from: its round, but in async runs an older one
+    final: bool = False  # its peer's last update of the run (X-Sync-Final): nothing trains after it
 
 
 @dataclass
@@ -405,6 +407,8 @@ class Store:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(updates)")}
         if "base" not in columns:  # a data dir from before async runs: every update's base is its round
             self._db.execute("ALTER TABLE updates ADD COLUMN base INTEGER")
+        if "final" not in columns:  # a data dir from before final rounds: no update was a peer's last
+            self._db.execute("ALTER TABLE updates ADD COLUMN final INTEGER NOT NULL DEFAULT 0")
         if "group_size" not in {row[1] for row in self._db.execute("PRAGMA table_info(peers)")}:
             self._db.execute("ALTER TABLE peers ADD COLUMN group_size INTEGER NOT NULL DEFAULT 1")
 
@@ -534,7 +538,7 @@ class Store:
                 _publish(staged._path, path)
             with self._tx() as db:
                 db.execute(
-                    f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         run,
                         update.peer,
@@ -547,6 +551,7 @@ class Store:
                         update.received,
                         update.seconds,
                         update.base,
+                        int(update.final),
                     ),
                 )
         except BaseException:
@@ -604,12 +609,12 @@ class Store:
             )
 
     # ---- updates and rounds --------------------------------------------------------------
-    _UPDATE_COLUMNS = "peer, round, seq, digest, samples, metrics, nbytes, received, seconds, base"
+    _UPDATE_COLUMNS = "peer, round, seq, digest, samples, metrics, nbytes, received, seconds, base, final"
 
     @staticmethod
     def _update(row: tuple[Any, ...]) -> UpdateRecord:
-        p, r, s, d, n, m, b, t, sec, base = row
-        return UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec, r if base is None else base)
+        p, r, s, d, n, m, b, t, sec, base, final = row
+        return UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec, r if base is None else base, bool(final))
 
     @_translated
     def updates(self, run: str, round_: int) -> list[UpdateRecord]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from syncserver.aggregate import delayed_nesterov_step, diloco_step, fold, outer_step, weighted_mean
+from syncserver.aggregate import delayed_nesterov_step, diloco_step, fold, outer_step, warmup, weighted_mean
 
 
 def test_weighted_mean_by_samples() -> None:
@@ -127,3 +127,24 @@ def test_delayed_nesterov_of_a_whole_step_is_diloco_bit_for_bit() -> None:
     a = delayed_nesterov_step(mean, m, lr=0.7, mu=0.9, fresh=True, complete=True)
     b = diloco_step(mean, m, lr=0.7, mu=0.9)
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_warmup_ramps_momentum_and_keeps_each_step_at_most_the_mean() -> None:
+    """Over the warm-up, ``lr_t * (1 + mu_t) == 1``: no step moves the weights more than the
+    mean delta at once; the first is plain averaging; from ``length`` on, the run's own values."""
+    lr, mu, length = 0.7, 0.9, 20
+    assert warmup(lr, mu, 0, length) == (1.0, 0.0)
+    for t in range(length):
+        lr_t, mu_t = warmup(lr, mu, t, length)
+        assert mu_t == pytest.approx(mu * t / length) and lr_t * (1 + mu_t) == pytest.approx(1.0)
+    assert warmup(lr, mu, length, length) == (lr, mu) == warmup(lr, mu, 10**6, length)
+    assert warmup(lr, mu, 0, 0) == (lr, mu)  # no warm-up: DiLoCo as published
+    with pytest.raises(ValueError):
+        warmup(lr, mu, -1, length)
+
+
+def test_a_first_warmup_step_is_plain_averaging_bit_for_bit() -> None:
+    mean = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    lr, mu = warmup(0.7, 0.9, 0, 20)
+    update, m = diloco_step(mean, np.zeros_like(mean), lr=lr, mu=mu)
+    assert np.array_equal(update, mean) and np.array_equal(m, -mean)

@@ -601,6 +601,22 @@ def test_bad_metrics(run: Run, metrics: str) -> None:
     refused_and_unchanged(run, lambda: run.put("a", data, headers=headers), 400, "bad_request", "X-Sync-Metrics")
 
 
+@pytest.mark.parametrize("final", ["1", "true", "?2", "?10", "yes"])
+def test_bad_final_flag(run: Run, final: str) -> None:
+    data = encode(run.delta())
+    headers = update_headers(data, **{"X-Sync-Final": final})
+    refused_and_unchanged(run, lambda: run.put("a", data, headers=headers), 400, "bad_request", "X-Sync-Final")
+
+
+@pytest.mark.parametrize("warmup", [-1, 1.5, "ten", 10_000_000])
+def test_bad_outer_warmup(api: httpx.Client, warmup: object) -> None:
+    """A join that asks for an impossible DiLoCo warm-up is refused before any run exists."""
+    name = f"bad-warmup-{next(_names)}"
+    r = api.post(f"/v1/runs/{name}/peers", json={"peer": "a", "outer": "diloco", "outer_warmup": warmup})
+    assert r.status_code == 422 and "outer_warmup" in r.text, r.text
+    assert api.get(f"/v1/runs/{name}").status_code == 404
+
+
 # ---- numbers that overflow -------------------------------------------------------------------
 @pytest.mark.parametrize("codec", ["fp32", "int8", "bf16"])
 def test_updates_near_the_float32_limit_average_to_finite_weights(api: httpx.Client, hub: Hub, codec: str) -> None:

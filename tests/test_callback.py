@@ -31,14 +31,16 @@ class RecordingClient(SyncClient):
     def __init__(self, *args: Any, events: list[tuple[Any, ...]], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.events = events
+        self.finals: list[bool] = []  # the final= of each blocking sync
 
     def join(self, model: torch.nn.Module) -> Any:
         self.events.append(("join",))
         return super().join(model)
 
-    def sync(self, model: torch.nn.Module, *, samples: int, metrics: Any = None) -> Any:
+    def sync(self, model: torch.nn.Module, *, samples: int, metrics: Any = None, final: bool = False) -> Any:
         self.events.append(("sync", samples, dict(metrics or {})))
-        return super().sync(model, samples=samples, metrics=metrics)
+        self.finals.append(final)
+        return super().sync(model, samples=samples, metrics=metrics, final=final)
 
     def leave(self) -> None:
         self.events.append(("leave",))
@@ -135,6 +137,7 @@ def test_two_peers_sync_every_k_steps_and_end_identical(hub: Hub, tmp_path: Path
         ], events[i]
         syncs = [e for e in events[i] if e[0] == "sync"]
         assert [s[1] for s in syncs] == [k * BATCH, k * BATCH, 1 * BATCH]
+        assert clients[i].finals == [False, False, True]  # the last step's sync is the peer's last
         assert all("loss" in s[2] and np.isfinite(s[2]["loss"]) for s in syncs)
         assert "eval_loss" not in syncs[0][2]  # nothing evaluated before the first sync
         assert "eval_loss" in syncs[1][2] and "eval_loss" in syncs[2][2]  # attached to the next update

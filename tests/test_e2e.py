@@ -10,7 +10,8 @@ import pytest
 
 from syncclient import SchemaMismatch, SyncClient
 from syncclient._model import ModelView
-from syncserver.aggregate import diloco_step
+from syncserver.aggregate import diloco_step, warmup
+from syncwire import get_codec
 from tests.conftest import Hub, tiny_gpt2
 from tests.harness import hub_model, run_peers, train_a_little
 
@@ -71,8 +72,15 @@ def test_diloco_outer_optimizer_end_to_end(hub: Hub) -> None:
 
     def peer(i: int) -> None:
         model = tiny_gpt2(seed=i)
-        client = SyncClient(
-            hub.url, run="diloco", peer=f"p{i}", min_peers=n, outer="diloco", outer_lr=lr, outer_momentum=mu
+        client = SyncClient(  # outer_warmup=0: DiLoCo as published, from the first round
+            hub.url,
+            run="diloco",
+            peer=f"p{i}",
+            min_peers=n,
+            outer="diloco",
+            outer_lr=lr,
+            outer_momentum=mu,
+            outer_warmup=0,
         )
         info = client.join(model)
         assert info.outer == "diloco"
@@ -96,6 +104,99 @@ def test_diloco_outer_optimizer_end_to_end(hub: Hub) -> None:
             x = x + update
         np.testing.assert_allclose(finals[0][name], x, atol=1e-5, err_msg=name)
         assert np.array_equal(finals[0][name], finals[1][name])
+
+
+def test_diloco_warms_up_and_its_final_round_is_plain_averaging(hub: Hub) -> None:
+    """The default DiLoCo: momentum ramps up over ``outer_warmup`` outer steps with lr 1/(1+mu_t)
+    (the first step is averaging), and a round of last updates (``final=True``) is plain
+    averaging that passes the momentum on: nothing trains after it to undo an overshoot."""
+    n, rounds, lr, mu, warm = 2, 4, 0.5, 0.8, 2
+    deltas: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+    start: dict[str, np.ndarray] = {}
+    finals: list[dict[str, np.ndarray]] = []
+
+    def peer(i: int) -> None:
+        model = tiny_gpt2(seed=i)
+        client = SyncClient(
+            hub.url,
+            run="warm",
+            peer=f"p{i}",
+            min_peers=n,
+            outer="diloco",
+            outer_lr=lr,
+            outer_momentum=mu,
+            outer_warmup=warm,
+        )
+        info = client.join(model)
+        assert info.config["outer_warmup"] == warm
+        view = ModelView(model)
+        if i == 0:
+            start.update({k: v.astype(np.float64) for k, v in view.export().items()})
+        for r in range(rounds):
+            base = {k: v.astype(np.float64) for k, v in view.export().items()}
+            train_a_little(model, seed=10 * r + i)
+            deltas[r, i] = {k: v - base[k] for k, v in view.export().items()}
+            client.sync(model, samples=1, final=r == rounds - 1)
+        finals.append({k: v.copy() for k, v in view.export().items()})
+        client.leave()
+
+    run_peers(n, peer)
+    for name, x0 in start.items():
+        x, m = x0.copy(), np.zeros_like(x0)
+        for r in range(rounds):
+            mean = (deltas[r, 0][name] + deltas[r, 1][name]) / 2
+            if r == rounds - 1:
+                x = x + mean  # the final round: averaging
+                continue
+            lr_t, mu_t = warmup(lr, mu, r, warm)
+            assert (lr_t, mu_t) == ((1.0, 0.0) if r == 0 else (1 / 1.4, 0.4) if r == 1 else (lr, mu))
+            update, m = diloco_step(mean, m, lr=lr_t, mu=mu_t)
+            x = x + update
+        np.testing.assert_allclose(finals[0][name], x, atol=1e-5, err_msg=name)
+        assert np.array_equal(finals[0][name], finals[1][name])
+
+
+def test_a_lossy_run_flushes_its_residual_at_the_end(hub: Hub) -> None:
+    """int4 with ``final=True``: the final round's result is fp32, and one more round sends the
+    residual, so the model ends within the residual's own quantisation error of the exact mean."""
+    n = 2
+    deltas: dict[int, dict[str, np.ndarray]] = {}
+    start: dict[str, np.ndarray] = {}
+    ends: list[tuple[int, dict[str, np.ndarray]]] = []
+
+    def peer(i: int) -> None:
+        model = tiny_gpt2(seed=i)
+        client = SyncClient(hub.url, run="flush", peer=f"p{i}", min_peers=n, codec="int4")
+        client.join(model)
+        view = ModelView(model)
+        if i == 0:
+            start.update({k: v.astype(np.float64) for k, v in view.export().items()})
+        train_a_little(model, seed=7 + i)
+        deltas[i] = {k: v.astype(np.float64) - start[k] for k, v in view.export().items()}
+        result = client.sync(model, samples=3, final=True)
+        ends.append((result.version, {k: v.copy() for k, v in view.export().items()}))
+        client.leave()
+
+    run_peers(n, peer)
+    assert [v for v, _ in ends] == [2, 2], "the final round, then the residual's round"
+    final = hub_model(hub, "flush")
+    codec = get_codec("int4")
+    for name, x0 in start.items():
+        assert np.array_equal(ends[0][1][name], ends[1][1][name]) and np.array_equal(ends[0][1][name], final[name])
+        mean = (deltas[0][name] + deltas[1][name]) / 2
+        if not np.any(mean):
+            continue
+        exact = x0 + mean
+        once = (
+            sum(  # what one int4 encoding of each delta loses, as the final model would carry it
+                deltas[i][name].astype(np.float32)
+                - codec.decode(codec.encode(deltas[i][name].astype(np.float32)), mean.shape)
+                for i in range(n)
+            )
+            / n
+        )
+        error = np.linalg.norm(final[name] - exact)
+        assert error < 0.3 * np.linalg.norm(once) + 1e-6, (name, error, np.linalg.norm(once))
 
 
 def test_concurrent_joiners_elect_one_initialiser(hub: Hub) -> None:

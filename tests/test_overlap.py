@@ -153,10 +153,12 @@ class RecordingClient(SyncClient):
     def __init__(self, *args: Any, events: list[tuple[Any, ...]], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.events = events
+        self.finals: list[bool] = []  # the final= of each blocking sync
 
-    def sync(self, model: torch.nn.Module, *, samples: int, metrics: Any = None) -> SyncResult:
+    def sync(self, model: torch.nn.Module, *, samples: int, metrics: Any = None, final: bool = False) -> SyncResult:
         self.events.append(("sync", samples, dict(metrics or {})))
-        return super().sync(model, samples=samples, metrics=metrics)
+        self.finals.append(final)
+        return super().sync(model, samples=samples, metrics=metrics, final=final)
 
     def sync_async(self, model: torch.nn.Module, *, samples: int, metrics: Any = None) -> PendingSync:
         self.events.append(("sync_async", samples, dict(metrics or {})))

@@ -179,3 +179,20 @@ def test_a_database_of_an_older_hub_gets_the_new_column(tmp_path: Path) -> None:
     store = Store(tmp_path / "old")
     store.create_run("s", {}, "token")
     assert [(r.name, r.creator) for r in store.runs()] == [("r", None), ("s", "token")]
+
+
+def test_updates_of_an_older_hub_load_as_not_final(tmp_path: Path) -> None:
+    """An update table from before final rounds gets the column; its updates were nobody's last."""
+    (tmp_path / "old").mkdir()
+    db = sqlite3.connect(tmp_path / "old" / "hub.sqlite3")
+    db.execute(
+        "CREATE TABLE updates (run TEXT NOT NULL, round INTEGER NOT NULL, peer TEXT NOT NULL, seq INTEGER NOT NULL, "
+        "digest TEXT NOT NULL, samples INTEGER NOT NULL, metrics TEXT NOT NULL, nbytes INTEGER NOT NULL, "
+        "received REAL NOT NULL, seconds REAL NOT NULL, base INTEGER, PRIMARY KEY (run, round, peer))"
+    )
+    db.execute("INSERT INTO updates VALUES ('r', 0, 'a', 1, 'd', 5, '{}', 10, 0, 0, 0)")
+    db.commit()
+    db.close()
+    store = Store(tmp_path / "old")
+    [update] = store.updates("r", 0)
+    assert update.final is False and update.samples == 5

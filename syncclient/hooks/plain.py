@@ -186,7 +186,9 @@ class PlainLoop:
             if session.crashed():
                 session.note("the program failed: leaving the run without a last sync")
             elif self.steps > self.last_sync:
-                self.client.sync(self.model, samples=max(1, self.samples), metrics={"step": float(self.steps)})
+                self.client.sync(
+                    self.model, samples=max(1, self.samples), metrics={"step": float(self.steps)}, final=True
+                )
                 self.last_sync = self.steps
         except SyncError as exc:
             session.note(f"the last sync failed ({exc}): this peer's weights may differ from the others'")

@@ -258,7 +258,7 @@
       stat("throughput", rate ? `${fmtVal(rate)}` : "–", rate ? "samples/s" : ""),
       stat("sent to hub", fmtBytes(up), `received ${fmtBytes(down)}`),
       stat("codec", cfg.codec, ratios.length ? `${(ratios.reduce((a, b) => a + b) / ratios.length).toFixed(1)}× smaller` : cfg.codec === "fp32" ? "no compression" : ""),
-      stat("outer", cfg.outer, cfg.outer === "diloco" ? `lr ${cfg.outer_lr}, μ ${cfg.outer_momentum}` : "weighted mean"),
+      stat("outer", cfg.outer, cfg.outer === "diloco" ? `lr ${cfg.outer_lr}, μ ${cfg.outer_momentum}, warm-up ${cfg.outer_warmup ?? 0}` : "weighted mean"),
       stat("rounds", cfg.policy, { barrier: "every peer's N steps", samples: `close at ${fmtNum(cfg.round_samples)} samples`, async: `no barrier, staleness ≤ ${cfg.max_staleness}` }[cfg.policy] || ""),
       stat("model", run.parameters ? fmtNum(run.parameters) : "–", run.parameters ? `params, ${run.tensors} tensors` : ""),
     );
