@@ -68,11 +68,17 @@ def bench(codec: Codec, model: dict[str, np.ndarray], repeat: int) -> dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--codecs", default=",".join(["fp32", "bf16", "int8", "int4"]), help="comma-separated specs")
+    parser.add_argument(
+        "--codecs",
+        nargs="+",
+        default=["fp32", "bf16", "int8", "int4", "topk"],
+        metavar="SPEC",
+        help="codec specs (topk's parameters hold commas: topk:chunk=1024,k=48)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="runs per codec; the best one counts")
     parser.add_argument("--layers", type=int, default=12, help="transformer blocks (12 is GPT-2 small)")
     args = parser.parse_args()
-    codecs = [get_codec(spec) for spec in args.codecs.split(",")]
+    codecs = [get_codec(spec) for spec in args.codecs]
 
     rng = np.random.default_rng(0)
     model = {

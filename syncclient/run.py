@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: a round closes once the peers together trained S samples (peers of unequal speed) "
         "[WEIGHTSYNC_ROUND_SAMPLES]",
     )
-    g.add_argument("--codec", metavar="C", help="wire codec for a new run: fp32, bf16, int8, int4 [WEIGHTSYNC_CODEC]")
+    g.add_argument(
+        "--codec", metavar="C", help="wire codec for a new run: fp32, bf16, int8, int4, topk [WEIGHTSYNC_CODEC]"
+    )
     g.add_argument(
         "--no-shard",
         action="store_const",

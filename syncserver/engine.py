@@ -15,6 +15,12 @@ sum for a barrier, samples discounted by staleness over ``round_samples`` for as
     result  = encode(outer_step(mean, momentum))                            -> ResultKey(v)
     v + 1   = version v + decode(result)                                    -> VersionKey(v + 1)
 
+A codec with ``hub_feedback`` (``topk``: a result sends a quarter of the merged update) gets
+error feedback on the hub too, as peers keep it for their uploads: the result encodes
+``outer_step(...) + residual(v)`` and ``residual(v + 1)`` is what that result left out
+(``ResidualKey``, float32 on disk beside the momentum, read with ``pread``: hub memory stays
+O(1) models, and a restarted hub goes on from the committed version's residual).
+
 The hub and every peer apply the same decoded bytes, so all of them hold version v + 1 bit for bit.
 The merge checks, slice by slice, that the new momentum and version v + decode(result) are
 finite before the result is written whole; :class:`NonFinite` otherwise, and nothing is kept.
@@ -31,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from syncserver import aggregate
-from syncserver.store import MomentumKey, ResultKey, Store, UpdateKey, VersionKey
+from syncserver.store import BlobWriter, MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
 from syncwire import Codec, FormatError, Schema, get_codec, layout_bytes, wire_layout, wire_name
 from syncwire.codecs import slices
 from syncwire.format import TensorFile, encode_header
@@ -162,7 +168,7 @@ class MergeEngine:
         diloco = outer.kind == "diloco"
         # a final round's result is lossless: the model the run ends with carries no
         # quantisation error of it (the peers flush their own residual with a last round)
-        codec = get_codec("fp32") if final else codec
+        run_codec, codec = codec, get_codec("fp32") if final else codec
         result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
         result_head, result_at = _header(result_layout, meta)
@@ -187,6 +193,8 @@ class MergeEngine:
             result.write(result_head)
             if mom is not None:
                 mom.write(momentum_head)
+            # the hub's own residual (hub_feedback codecs) goes out with a final round, which leaves none
+            old_residual, residual, residual_at = self._residuals(run, v, run_codec, schema, files, keep=not final)
 
             def merge(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
                 n = stop - start
@@ -209,10 +217,19 @@ class MergeEngine:
                         m_new = m_old
                     if m_new is not None and not (_finite(update) and _finite(m_new)):
                         raise NonFinite(f"tensor {name!r}: the outer step overflows float32")
+                carried = old_residual.read(name, start, stop) if old_residual is not None else None
+                if carried is not None and means is not None:  # an empty round sends nothing, keeps all
+                    with np.errstate(over="ignore"):
+                        update = update + carried
+                    if not _finite(update):
+                        raise NonFinite(f"tensor {name!r}: the update and the hub's residual overflow float32")
                 encoded = codec.encode(update)
                 # what every peer will hold: version v + decode(result), the same bytes decoded
                 new = base.read(name, start, stop)
                 applied = update if codec.lossless else codec.decode(encoded, (n,))
+                if residual is not None:  # what this result leaves out, for the next one
+                    left = carried if means is None and carried is not None else update - applied
+                    residual.write_at(np.ascontiguousarray(left, np.float32), residual_at[name] + start * 4)
                 with np.errstate(over="ignore"):  # an overflow is refused just below
                     np.add(new, applied, out=new)
                 if not _finite(new):
@@ -227,6 +244,24 @@ class MergeEngine:
 
             self._each_slice(codec, schema, merge)
         return len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
+
+    def _residuals(
+        self, run: str, v: int, codec: Codec, schema: Schema, files: contextlib.ExitStack, *, keep: bool = True
+    ) -> tuple[TensorFile | None, BlobWriter | None, dict[str, int]]:
+        """The hub's error feedback for round ``v`` of a ``hub_feedback`` codec: the residual
+        that goes with version v (None before the first result), the writer of version v+1's
+        (its header written; none unless ``keep``: a lossless result leaves nothing out) and
+        its tensors' offsets. Nothing for other codecs."""
+        if not codec.hub_feedback:
+            return None, None, {}
+        has_old = self.store.exists(ResidualKey(run, v))
+        old = files.enter_context(self.store.read(ResidualKey(run, v))) if has_old else None
+        if not keep:
+            return old, None, {}
+        head, at = _header(_fp32_layout(schema), {"version": str(v + 1)})
+        new = files.enter_context(self.store.write(ResidualKey(run, v + 1)))
+        new.write(head)
+        return old, new, at
 
     def build_versions(self, run: str, target: int, codec: Codec, schema: Schema) -> None:
         """Write every missing version file up to ``target`` from the last one stored and the

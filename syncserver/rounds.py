@@ -244,7 +244,10 @@ class Rounds:
         try:
             if received.digest != ticket.digest:
                 raise BadRequest(f"body digest sha-256 {received.digest} does not match Content-Digest {ticket.digest}")
-            norm = await to_thread.run_sync(self._norm, run, received) if run.config.norm_guard else None
+            # a codec whose decoder can refuse well-formed, finite parts (topk's offsets) is decoded
+            # once here: a bad update is a 422 now, not a fold that fails after its acknowledgement
+            checked = run.config.norm_guard or run.codec.check_on_receipt
+            norm = await to_thread.run_sync(self._norm, run, received) if checked else None
             repeat = self._acknowledged(run, ticket.round, ticket.peer, ticket.digest)
             if repeat is not None:
                 return repeat
@@ -306,7 +309,10 @@ class Rounds:
         """Worker thread: the update's L2 norm as decoded. (NaN/Inf were refused as it streamed in.)"""
         assert run.schema is not None
         with received.staged.reader() as wire:
-            return self.engine.norm(wire, run.codec, run.schema)
+            try:
+                return self.engine.norm(wire, run.codec, run.schema)
+            except FormatError as exc:
+                raise InvalidUpdate(str(exc)) from None
 
     def _guard(self, run: Run, peer: str, norm: float | None) -> None:
         """The poisoned-update guard: refuse an update far above the usual norm, before it is

@@ -95,7 +95,7 @@ class HubSettings(BaseSettings):
         5.0, description="An idle keep-alive connection is closed after this many seconds (uvicorn's keep-alive)."
     )
     keep_versions: int = Field(3, ge=1, le=10_000, description="Model versions (and round results) kept on disk.")
-    codec: str = Field("fp32", description="Default codec of new runs: fp32, bf16, int8, int4.")
+    codec: str = Field("fp32", description="Default codec of new runs: fp32, bf16, int8, int4, topk.")
     outer: Outer = Field("avg", description="Default outer optimizer of new runs.")
     outer_lr: OuterLR = Field(0.7, description="DiLoCo outer learning rate (default of new runs; at most 10).")
     outer_momentum: OuterMomentum = Field(0.9, description="DiLoCo Nesterov momentum (default).")

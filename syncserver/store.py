@@ -18,6 +18,7 @@ Layout under ``data_dir``::
     hub.sqlite3
     runs/<run>/versions/<v>.safetensors     the model after v merges (float32)
     runs/<run>/momentum/<v>.safetensors     DiLoCo's momentum that goes with version v
+    runs/<run>/residual/<v>.safetensors     the hub's error feedback that goes with version v (topk)
     runs/<run>/rounds/<v>/updates/<peer>.safetensors  an acknowledged update for round v (wire codec)
     runs/<run>/rounds/<v>/result.safetensors round v's merged update (wire codec)
     tmp/                                    uploads in flight
@@ -57,6 +58,7 @@ __all__ = [
     "Missing",
     "MomentumKey",
     "PeerRecord",
+    "ResidualKey",
     "ResultKey",
     "RoundRecord",
     "RunRecord",
@@ -158,6 +160,14 @@ class MomentumKey:
 
 
 @dataclass(frozen=True)
+class ResidualKey:
+    """What the results up to version ``number`` left out, for codecs with ``hub_feedback``."""
+
+    run: str
+    number: int
+
+
+@dataclass(frozen=True)
 class UpdateKey:
     """``peer``'s acknowledged update for ``round`` (wire codec)."""
 
@@ -174,7 +184,7 @@ class ResultKey:
     round: int
 
 
-Key = VersionKey | MomentumKey | UpdateKey | ResultKey
+Key = VersionKey | MomentumKey | ResidualKey | UpdateKey | ResultKey
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -442,6 +452,8 @@ class Store:
             return self._run_dir(key.run) / "versions" / f"{key.number:08d}.safetensors"
         if isinstance(key, MomentumKey):
             return self._run_dir(key.run) / "momentum" / f"{key.number:08d}.safetensors"
+        if isinstance(key, ResidualKey):
+            return self._run_dir(key.run) / "residual" / f"{key.number:08d}.safetensors"
         if isinstance(key, UpdateKey):
             return self._updates_dir(key.run, key.round) / f"{key.peer}.safetensors"
         return self._round_dir(key.run, key.round) / "result.safetensors"
@@ -691,7 +703,7 @@ class Store:
     def recover(self, run: str, version: int) -> None:
         """Remove what a crash may have left past the committed state of ``run``."""
         acked = {u.peer for u in self.updates(run, version)} if version >= 0 else set()
-        for kind in ("versions", "momentum"):
+        for kind in ("versions", "momentum", "residual"):
             for path in (self._run_dir(run) / kind).glob("*.safetensors"):
                 if int(path.stem) > version:
                     path.unlink()
@@ -735,7 +747,7 @@ class Store:
         ``keep``: peers of an async run fetch the results since their base, so it keeps more);
         drop older files, and the partial uploads no open round can take (they can never complete)."""
         floor = version - keep + 1
-        for kind in ("versions", "momentum"):
+        for kind in ("versions", "momentum", "residual"):
             for path in (self._run_dir(run) / kind).glob("*.safetensors"):
                 if int(path.stem) < floor:
                     path.unlink(missing_ok=True)

@@ -6,7 +6,7 @@ Shared by the hub (:mod:`syncserver`, which must not need torch) and the SDK
 
 from __future__ import annotations
 
-from syncwire import quant  # noqa: F401  (registers the int8 and int4 codecs)
+from syncwire import quant, sparse  # noqa: F401  (register the int8, int4 and topk codecs)
 from syncwire.codecs import (
     Codec,
     Schema,

@@ -55,6 +55,15 @@ class Codec(ABC):
     spec: str
     #: True when ``decode(encode(x)) == x`` exactly; lossy codecs get error feedback.
     lossless: bool
+    #: True when the hub keeps error feedback for the results it encodes, as peers do for
+    #: their updates: a residual file per version (:meth:`syncserver.engine.MergeEngine.merge`).
+    #: For codecs that drop most of each merged update (``topk``); the quantizers' rounding is
+    #: small enough to go without the extra 4 bytes per value of disk and I/O each round.
+    hub_feedback: bool = False
+    #: True when :meth:`decode` can refuse parts that have the right layout and finite floats
+    #: (``topk``: offsets outside their chunk or repeated): the hub decodes an update once before
+    #: acknowledging it, so a bad one is refused (422) instead of failing the round's fold.
+    check_on_receipt: bool = False
 
     @abstractmethod
     def layout(self, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:

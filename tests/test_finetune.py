@@ -163,6 +163,16 @@ def test_bad_flag_combinations_fail_in_one_line(
     assert len(err) == 1 and message in err[0], err
 
 
+def test_codec_takes_any_spec_with_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = load_script().build_parser()
+    assert parser.parse_args(["--codec", "topk:chunk=16,k=2,bits=2"]).codec == "topk:chunk=16,k=2,bits=2"
+    assert parser.parse_args(["--codec", "topk:k=1,chunk=4"]).codec == "topk"  # the hub's spelling
+    assert parser.parse_args(["--codec", "int8:block=64"]).codec == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--codec", "topk:k=9"])
+    assert "k must be an integer in [1, 4]" in capsys.readouterr().err
+
+
 def test_peers_get_the_command_line_without_the_launchers_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     script = load_script()
     argv = ["--local-peers", "3", "--serial-baseline", "--model-config", "small", "--output-dir=o", "--lr", "0.001"]

@@ -140,7 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="this peer's name (default: host-pid); ranks follow sorted names [$WEIGHTSYNC_PEER]",
     )
     g.add_argument("--token", help="the run's bearer token (default: $WEIGHTSYNC_TOKEN, else $SYNC_TOKEN)")
-    g.add_argument("--codec", choices=["fp32", "bf16", "int8", "int4"], help="wire codec (default: the run's)")
+    g.add_argument(
+        "--codec",
+        type=codec_spec,
+        metavar="SPEC",
+        help="wire codec of a new run, with parameters: fp32, bf16, int8, int4, topk, e.g. int8:block=128 or "
+        "topk:chunk=16,k=2,bits=2 (default: the run's)",
+    )
     g.add_argument("--outer", choices=["avg", "diloco"], help="outer optimizer (default: the run's)")
     g.add_argument("--min-peers", type=int, help="peers per round / rendezvous size when creating the run")
 
@@ -183,6 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="also evaluate every N steps, between syncs (default: sync-every // 4; 0 = only at syncs)",
     )
     return p
+
+
+def codec_spec(spec: str) -> str:
+    """A ``--codec`` value as the hub spells it; argparse's usage error for one that does not exist."""
+    from syncwire import get_codec  # numpy only; keeps --help free of the SDK's imports
+
+    try:
+        return get_codec(spec).spec
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
