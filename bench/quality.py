@@ -127,9 +127,11 @@ _FIRST = [  # in the order they run: what the targets need first
     # per-peer learning-rate scaling: each peer's Adam steps at half the batch are noisier
     Config(f"p2-s{MID}-lr4.2e-4", 2, MID, flags={"lr": 4.2e-4}),
     Config(f"p2-s{MID}-lr2.1e-4", 2, MID, flags={"lr": 2.1e-4}),
+    # the sparse codec (0.025x the bytes of fp32 each way; issue 16)
+    Config(f"p2-s{MID}-topk", 2, MID, codec="topk"),
 ]
 _SEEDED = ["serial", f"p2-s{MID}", f"p2-s{SHORT}", f"p4-s{MID}"]
-_EXTRA = 4  # the last rows of _FIRST run after the other seeds: no target depends on them
+_EXTRA = 5  # the last rows of _FIRST run after the other seeds: no target depends on them
 _OTHER_SEEDS = [
     Config(f"{c.name}-seed{seed}", c.peers, c.sync_every, c.codec, c.outer, c.env, c.flags | {"seed": seed}, c.scratch)
     for seed in SEEDS
@@ -317,8 +319,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 PANELS = [
     ("sync interval (2 peers, fp32, avg)", [f"p2-s{SHORT}", f"p2-s{MID}", f"p2-s{LONG}"]),
     (
-        f"wire codec (2 peers, every {MID}; int4 with its final flush)",
-        [f"p2-s{MID}", f"p2-s{MID}-int8", f"p2-s{MID}-int4"],
+        f"wire codec (2 peers, every {MID}; lossy codecs with their final flush)",
+        [f"p2-s{MID}", f"p2-s{MID}-int8", f"p2-s{MID}-int4", f"p2-s{MID}-topk"],
     ),
     (
         "outer optimizer (2 peers): DiLoCo with warm-up (default) and as published",
