@@ -55,6 +55,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -365,12 +366,20 @@ def peer_main(rank: int, conn: Any, schema: dict[str, tuple[int, ...]]) -> None:
 class Peers:
     """N peer processes, commanded in parallel."""
 
-    def __init__(self, n: int, schema: dict[str, tuple[int, ...]]) -> None:
+    def __init__(
+        self,
+        n: int,
+        schema: dict[str, tuple[int, ...]],
+        target: Callable[..., None] = peer_main,
+        first_args: Callable[[int], tuple[Any, ...]] = lambda rank: (),
+    ) -> None:
+        """``target(*first_args(rank), rank, conn, schema)`` runs in each (bench/wire.py puts
+        each peer in its own network namespace that way)."""
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for rank in range(n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=peer_main, args=(rank, child, schema), daemon=True)
+            proc = ctx.Process(target=target, args=(*first_args(rank), rank, child, schema), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -391,12 +400,13 @@ class Peers:
             conn.send((command, {**kwargs, **(each(rank) if each else {})}))
         return self._collect()
 
-    def close(self) -> None:
+    def close(self, wait: float = 30) -> None:
+        """Ask every peer to exit; kill those still there after ``wait`` seconds each."""
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.send(("exit", {}))
         for proc in self.procs:
-            proc.join(30)
+            proc.join(wait)
             if proc.is_alive():
                 proc.kill()
 
@@ -405,10 +415,11 @@ class Server:
     """A server process on a port the OS picks (:class:`syncserver.process.ServerProcess`),
     with its peak RSS watched."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, prefix: Sequence[str] = ()) -> None:
+        """``prefix``: a command that runs the Python one (bench/wire.py: ``ip netns exec NS``)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(BENCH), env.get("PYTHONPATH", "")])
-        self.server = ServerProcess([sys.executable, *args], log=log, env=env, cwd=REPO)
+        self.server = ServerProcess([*prefix, sys.executable, *args], log=log, env=env, cwd=REPO)
         self.url = self.server.start()
         assert self.server.proc is not None
         self.proc = self.server.proc
@@ -456,19 +467,24 @@ def version_digest(url: str, data_dir: Path, run: str) -> tuple[int, str]:
 
     The hub writes a version's file after the round commits (peers get the result first), and
     answers a model request once it is written: a one-byte request waits for it."""
-    import struct
-
     import httpx
 
     httpx.get(f"{url}/v1/runs/{run}/model", headers={"Range": "bytes=0-0"}, timeout=120).raise_for_status()
     path = max((data_dir / "runs" / run / "versions").glob("*.safetensors"))
+    return int(path.stem), file_digest(path)
+
+
+def file_digest(path: Path) -> str:
+    """sha-256 of a version file's data section (what :func:`_digest` hashes on a peer)."""
+    import struct
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         f.seek(8 + n)
         while chunk := f.read(8 << 20):
             h.update(chunk)
-    return int(path.stem), h.hexdigest()
+    return h.hexdigest()
 
 
 def git_state() -> str:
@@ -482,6 +498,41 @@ def git_state() -> str:
         return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except OSError:
         return "unknown"
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on, and how busy it was (the load at the end)."""
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_at_end": os.getloadavg(),
+    }
+
+
+def write_result(
+    name: str, args: argparse.Namespace, started: datetime.datetime, schema: dict[str, tuple[int, ...]], **fields: Any
+) -> None:
+    """``<args.out>/<name>-<date>.json``: when, what command on what machine and code, the model
+    and the settings, then ``fields`` (rows, targets, table...)."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{name}-{started.date().isoformat()}.json"
+    result = {
+        "date": started.isoformat(timespec="seconds"),
+        "command": " ".join(["python", *sys.argv]),
+        "machine": machine(),
+        "code": git_state(),
+        "model": {
+            "kind": args.model,
+            "tensors": len(schema),
+            "fp32_bytes": sum(math.prod(s) * 4 for s in schema.values()),
+        },
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        **fields,
+    }
+    path.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {path}")
 
 
 def peer_memory(codec: str, model_bytes: int) -> float:
@@ -841,30 +892,18 @@ def main() -> None:
     targets = check_targets(rows, base)
     table = markdown(rows, base, targets)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"round-{started.date().isoformat()}.json"
-    result = {
-        "date": started.isoformat(timespec="seconds"),
-        "command": " ".join(["python", *sys.argv]),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "load_at_end": os.getloadavg(),
-        },
-        "code": git_state(),
-        "model": {"kind": args.model, "tensors": len(schema), "fp32_bytes": model_bytes},
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "rows": rows,
-        "baselines": {str(n): b for n, b in base.items()},
-        "peer_peak_rss": {str(n): v for n, v in peer_rss.items()},
-        "skipped": {str(n): why for n, why in skipped.items()},
-        "targets": targets,
-        "table": table,
-    }
-    path.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {path}")
+    write_result(
+        "round",
+        args,
+        started,
+        schema,
+        rows=rows,
+        baselines={str(n): b for n, b in base.items()},
+        peer_peak_rss={str(n): v for n, v in peer_rss.items()},
+        skipped={str(n): why for n, why in skipped.items()},
+        targets=targets,
+        table=table,
+    )
 
 
 if __name__ == "__main__":

@@ -7,12 +7,17 @@ nothing at this size); that every row, baseline and target is there, with sane b
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import REPO
+from tests.harness import wait_for
 
 
 def run_bench(script: str, out: Path, *args: str, timeout: float = 240) -> tuple[str, dict[str, Any]]:
@@ -119,3 +124,53 @@ def test_hooks_benchmark_times_hooked_and_plain_steps(tmp_path: Path) -> None:
     assert row["model"] == "null" and row["params"] == 2
     assert row["on_step_s"] > 0 and row["off_step_s"] > 0 and row["baseline_step_s"] > 0
     assert "| null |" in proc.stdout
+
+
+def _namespaces(prefix: str) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    return [name for name in listed if name.startswith(prefix + "-")]
+
+
+@pytest.fixture
+def netns_prefix() -> str:
+    """A namespace prefix of this test's own; skips where ``ip netns add`` is not permitted."""
+    prefix = f"wst{os.getpid()}"
+    probe = subprocess.run(["ip", "netns", "add", f"{prefix}-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"bench/wire.py needs `ip netns add` (root): {probe.stderr.strip()}")
+    subprocess.run(["ip", "netns", "del", f"{prefix}-probe"], check=True)
+    return prefix
+
+
+def test_wire_benchmark_shapes_links_and_leaves_no_namespace(tmp_path: Path, netns_prefix: str) -> None:
+    """bench/wire.py with a tiny model: a row per (codec, link), figures in them, namespaces gone."""
+    args = ["--model", "tiny", "--peers", "2", "--codecs", "fp32", "--slow-codecs", "int8",
+            "--links", "shared:1gbit", "peer:100mbit", "--ns-prefix", netns_prefix]  # fmt: skip
+    stdout, result = run_bench("wire", tmp_path / "results", *args)
+    rows = {(r["codec"], r["link"]): r for r in result["rows"]}
+    assert set(rows) == {("fp32", "shared:1gbit"), ("int8", "peer:100mbit")}, "fp32 stays off the slow link"
+    for row in rows.values():
+        assert row["round_s"] > 0 and row["limit_s"] > 0 and row["hub_peak_rss"] > 0
+        assert row["bytes_up"] > 0 and row["bytes_down"] > 0
+    fp32, int8 = rows["fp32", "shared:1gbit"], rows["int8", "peer:100mbit"]
+    assert fp32["limit_s"] == pytest.approx((2 * fp32["bytes_up"] + 2 * fp32["bytes_down"]) * 8 / 1e9)
+    assert int8["limit_s"] == pytest.approx((int8["bytes_up"] + int8["bytes_down"]) * 8 / 1e8)
+    assert any("shared:1gbit" in t["target"] for t in result["targets"])
+    assert result["table"] in stdout
+    assert _namespaces(netns_prefix) == []
+
+
+def test_wire_benchmark_removes_its_namespaces_when_terminated(tmp_path: Path, netns_prefix: str) -> None:
+    """SIGTERM while it sets up or runs: its ``finally`` still deletes every namespace it made."""
+    command = [sys.executable, str(REPO / "bench" / "wire.py"), "--model", "tiny", "--peers", "2", "--codecs",
+               "fp32", "--links", "peer:1gbit", "--ns-prefix", netns_prefix, "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(_namespaces(netns_prefix)) == 4 or proc.poll() is not None, "the namespaces")
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _namespaces(netns_prefix) == []
