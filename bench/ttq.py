@@ -4,8 +4,9 @@ The origin report's last table: how long a run takes to finish, and at what perp
 against 2 and 4 peers at each interval, on 100 Mbit/s and 1 Gbit/s links. Here, for the quality
 grid's model (``bench/quality.py``: the ``tiny`` GPT-2 from ``bench/pretrain.py``):
 
-- **measured**: the final validation perplexity of each configuration (the grid, mean of its
-  seeds), and the seconds of one optimizer step at each per-peer batch (timed here: forward,
+- **measured**: the final validation perplexity of each configuration (the grid's first seed)
+  and its ratio to the serial run of the same seed (mean over the configuration's seeds), and
+  the seconds of one optimizer step at each per-peer batch (timed here: forward,
   backward and AdamW on one thread, as one core per machine; median of ``--steps`` steps after 3
   warm-up steps), and the bytes each way per peer (the codec's wire layout of the model);
 - **computed**: a run's minutes = its steps x the step time at its per-peer batch + its rounds x a
@@ -109,16 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         head, _, tail = r["config"]["name"].rpartition("-seed")
         families.setdefault(head if head and tail.isdigit() else r["config"]["name"], []).append(r)
-    serial = statistics.mean(r["val_ppl"] for r in families["serial"])
+    # each seed holds out its own validation reviews: ratios to the serial run of the same seed
+    serial = {r["seed"]: r["val_ppl"] for r in families["serial"]}
     table = []
     for name, group in families.items():
         c = group[0]["config"]
         steps = int(c["flags"].get("max-steps", common["max-steps"]))
         compute = steps * timing[batch_of(group[0])]
-        ppl = statistics.mean(r["val_ppl"] for r in group)
+        ppl = group[0]["val_ppl"]  # the grid's first seed
+        ratio = statistics.mean(r["val_ppl"] / serial[r["seed"]] for r in group)
         line: dict[str, Any] = {"config": name, "peers": c["peers"] or 1, "interval": c["sync_every"] or None}
         line |= {"codec": c["codec"] if c["peers"] else "-", "outer": c["outer"] if c["peers"] else "-"}
-        line |= {"seeds": len(group), "val_ppl": ppl, "vs_serial": ppl / serial - 1, "compute_s": compute}
+        line |= {"seeds": len(group), "val_ppl": ppl, "vs_serial": ratio - 1, "compute_s": compute}
         rounds = math.ceil(steps / c["sync_every"]) if c["peers"] else 0
         # the last round's result is fp32; a lossy run adds the residual's round (fp32 result too)
         lossy = c["peers"] and c["codec"] != "fp32"
