@@ -11,6 +11,10 @@ the same headers) how many bytes of this very body (same ``Content-Digest``) it 
 sends only the rest with ``Upload-Offset``; the hub verifies the digest over the whole body at
 the end. Downloads resume with HTTP ``Range`` (and ``If-Range``, so a changed file starts over).
 
+Downloads read the socket 1 MiB at a time (:class:`_LargeReads`), not httpcore's 64 KiB: a
+500 MB result then costs the peer 0.5 s of CPU instead of 0.9-1.8 s (bench/RESULTS.md, Wire),
+CPU that a peer sharing its cores with training, or a hub with its peers, does not have.
+
 Errors are translated in one place, :meth:`Transport._errors`, as httpx translates httpcore's
 (``map_httpcore_exceptions``): httpx errors and hub error responses go in, the exceptions of
 :mod:`syncclient.exceptions` come out.
@@ -29,6 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
+import httpcore
 import httpx
 import numpy as np
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_exponential_jitter
@@ -51,6 +56,7 @@ log = logging.getLogger(__name__)
 
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 _PROGRESS_BYTES = 32 << 20  # transfers at least this big get a progress bar (at log level INFO)
+_READ_BYTES = 1 << 20  # socket reads of a plain-HTTP connection (1 MiB beat 64 KiB, 256 KiB, 2 and 4 MiB)
 
 Parts = list[tuple[str, np.ndarray, str]]  # (wire name, numpy array, safetensors dtype), see syncwire.iter_chunks
 
@@ -103,12 +109,18 @@ class Transport:
         if isinstance(verify, str):  # httpx wants a context for a CA bundle
             folder = os.path.isdir(verify)
             verify = ssl.create_default_context(capath=verify if folder else None, cafile=None if folder else verify)
+        transport = httpx.HTTPTransport(
+            verify=verify, limits=httpx.Limits(max_connections=8, max_keepalive_connections=4)
+        )
+        # httpx's transport takes no network backend: set its pool's (httpcore's public backend
+        # API, httpx's private attribute; tests/test_transport.py fails if either moves)
+        pool = transport._pool
+        pool._network_backend = _LargeReads(pool._network_backend)
         self.http = httpx.Client(
             base_url=hub,
             headers={"Authorization": f"Bearer {token}"} if token else {},
-            verify=verify,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            limits=httpx.Limits(max_connections=8, max_keepalive_connections=4),
+            transport=transport,
         )
         self.max_download: int | None = None  # data bytes a body may declare (the client sets it at join)
 
@@ -282,6 +294,47 @@ class Transport:
             for chunk in chunks:
                 yield chunk
                 bar.update(len(chunk))
+
+
+class _LargeReads(httpcore.NetworkBackend):
+    """httpcore's sync backend, reading plain-TCP sockets ``_READ_BYTES`` at a time.
+
+    httpcore asks for 64 KiB per read, and each read costs h11 and httpcore some Python: a
+    500 MB download is 7,600 of them. A TLS socket returns one record (16 KiB) per read
+    whatever is asked, so TLS streams keep httpcore's size.
+    """
+
+    def __init__(self, backend: httpcore.NetworkBackend) -> None:
+        self._backend = backend
+
+    def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        return _LargeReadStream(self._backend.connect_tcp(*args, **kwargs))
+
+    def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        return _LargeReadStream(self._backend.connect_unix_socket(*args, **kwargs))
+
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)
+
+
+class _LargeReadStream(httpcore.NetworkStream):
+    def __init__(self, stream: httpcore.NetworkStream) -> None:
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max(max_bytes, _READ_BYTES), timeout)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, timeout)
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        return self._stream.start_tls(*args, **kwargs)  # TLS: httpcore's read size (see above)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
 
 
 def body_size(parts: Parts) -> int:

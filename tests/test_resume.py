@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpcore
 import httpx
 import numpy as np
 import pytest
@@ -108,6 +109,28 @@ def test_download_cut_resumes_with_range(proxied_hub: tuple[Hub, FaultProxy]) ->
     assert [r.fault for r in results] == ["cut_response", ""]
     assert results[1].response_bytes < 0.75 * size
     np.testing.assert_array_equal(hub_model(hub, "dl")["weight"], ModelView(second).export()["weight"])
+
+
+def test_downloads_ask_the_socket_for_a_mebibyte_at_a_time(hub: Hub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpcore reads 64 KiB at a time; the SDK's plain-HTTP connections ask for 1 MiB
+    (syncclient.transport._LargeReads), which a 500 MB result costs far less CPU to receive."""
+    asked: list[int] = []
+    read = httpcore._backends.sync.SyncStream.read
+
+    def spy(self: httpcore._backends.sync.SyncStream, max_bytes: int, timeout: float | None = None) -> bytes:
+        asked.append(max_bytes)
+        return read(self, max_bytes, timeout)
+
+    monkeypatch.setattr(httpcore._backends.sync.SyncStream, "read", spy)
+    first, second = big_model(0), big_model(1)
+    initialiser = SyncClient(hub.url, run="reads", peer="a", min_peers=1, timeout=30)
+    initialiser.join(first)
+    initialiser.leave()
+    client = SyncClient(hub.url, run="reads", peer="b", timeout=30)
+    client.join(second)  # downloads version 0 (52 MB)
+    client.leave()
+    assert torch.equal(second.weight, first.weight)
+    assert asked and set(asked) == {MiB}, sorted(set(asked))
 
 
 # ---- the protocol itself, with raw HTTP -------------------------------------------------------
