@@ -102,3 +102,38 @@ def test_rebase_keeps_the_steps_taken_since_the_snapshot() -> None:
     np.testing.assert_array_equal(out["w"], f32(1.75, 0.75))  # base' + (x - x_t)
     assert out is snapshot  # computed in the snapshot's arrays
     np.testing.assert_array_equal(state.base["w"], f32(1.5, 1.0))
+
+
+@pytest.mark.parametrize("spec", ["fp32", "bf16", "int8", "int4", "topk", "int8:block=100"])
+def test_the_sliced_threaded_encode_sends_the_bytes_of_a_whole_tensor_encode(spec: str) -> None:
+    """``encode`` cuts tensors into slices (syncwire.codecs.slices) on a thread pool; the update
+    must be the very bytes, and the residual the very values, of encoding each tensor whole."""
+    codec = get_codec(spec)
+    rng = np.random.default_rng(0)
+    shapes = {"big": (3, 1_000_003), "odd": (777,), "scalar": ()}  # 3M values: several slices
+    base = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    state = UpdateState(codec, {n: b.copy() for n, b in base.items()})
+    residual = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+    for round_ in range(2):  # the second round carries the first one's residual
+        local = {n: b + rng.standard_normal(b.shape).astype(np.float32) for n, b in base.items()}
+        sent = wire(state.encode(local).parts)
+        for name, x in local.items():
+            delta = (x - base[name]) + (0 if codec.lossless else residual[name])
+            whole = codec.encode(delta)
+            for suffix, array in whole.items():
+                wname = name + (f":{suffix}" if suffix else "")
+                np.testing.assert_array_equal(sent[wname].reshape(-1), array.reshape(-1), err_msg=f"{wname} {round_}")
+            if not codec.lossless:
+                residual[name] = delta - codec.decode(whole, delta.shape)
+                np.testing.assert_array_equal(state.residual[name], residual[name])
+
+
+def test_a_refused_update_leaves_the_residual_as_it_was() -> None:
+    state = UpdateState(get_codec("int8:block=2"), {"w": f32(0.0, 0.0), "v": f32(0.0, 0.0)})
+    state.encode({"w": f32(TOP, np.float32(0.375) * STEP), "v": f32(0.0, 0.0)})
+    kept = {name: r.copy() for name, r in state.residual.items()}
+    with pytest.raises(SyncError, match=r"'v' holds NaN or Inf"):
+        state.encode({"w": f32(0.5, 0.25), "v": f32(np.inf, 0.0)})
+    assert state.residual.keys() == kept.keys()
+    for name, r in kept.items():
+        np.testing.assert_array_equal(state.residual[name], r)
