@@ -64,26 +64,34 @@ def test_three_peers_hold_the_exact_weighted_mean(hub: Hub, codec: str) -> None:
         assert np.array_equal(value, final[name]), name
 
 
-def test_diloco_outer_optimizer_end_to_end(hub: Hub) -> None:
-    n, rounds, lr, mu = 2, 2, 0.5, 0.8
-    deltas: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+Deltas = dict[tuple[int, int], dict[str, np.ndarray]]
+
+
+def diloco_run(
+    hub: Hub, run: str, *, rounds: int, lr: float, mu: float, warmup: int, final: bool
+) -> tuple[dict[str, np.ndarray], Deltas, list[dict[str, np.ndarray]]]:
+    """Two peers of a DiLoCo run each train a little and sync, ``rounds`` times (``final``: the
+    last sync is marked final). Returns the start (float64), each (round, peer)'s delta from
+    the version it trained from (float64) and each peer's weights at the end."""
+    n = 2
+    deltas: Deltas = {}
     start: dict[str, np.ndarray] = {}
     finals: list[dict[str, np.ndarray]] = []
 
     def peer(i: int) -> None:
         model = tiny_gpt2(seed=i)
-        client = SyncClient(  # outer_warmup=0: DiLoCo as published, from the first round
+        client = SyncClient(
             hub.url,
-            run="diloco",
+            run=run,
             peer=f"p{i}",
             min_peers=n,
             outer="diloco",
             outer_lr=lr,
             outer_momentum=mu,
-            outer_warmup=0,
+            outer_warmup=warmup,
         )
         info = client.join(model)
-        assert info.outer == "diloco"
+        assert info.outer == "diloco" and info.config["outer_warmup"] == warmup
         view = ModelView(model)
         if i == 0:
             start.update({k: v.astype(np.float64) for k, v in view.export().items()})
@@ -91,11 +99,18 @@ def test_diloco_outer_optimizer_end_to_end(hub: Hub) -> None:
             base = {k: v.astype(np.float64) for k, v in view.export().items()}
             train_a_little(model, seed=10 * r + i)
             deltas[r, i] = {k: v - base[k] for k, v in view.export().items()}
-            client.sync(model, samples=1)
+            client.sync(model, samples=1, final=final and r == rounds - 1)
         finals.append({k: v.copy() for k, v in view.export().items()})
         client.leave()
 
     run_peers(n, peer)
+    return start, deltas, finals
+
+
+def test_diloco_outer_optimizer_end_to_end(hub: Hub) -> None:
+    rounds, lr, mu = 2, 0.5, 0.8
+    # outer_warmup=0: DiLoCo as published, from the first round
+    start, deltas, finals = diloco_run(hub, "diloco", rounds=rounds, lr=lr, mu=mu, warmup=0, final=False)
     for name, x0 in start.items():
         x, m = x0.copy(), np.zeros_like(x0)
         for r in range(rounds):
@@ -110,37 +125,8 @@ def test_diloco_warms_up_and_its_final_round_is_plain_averaging(hub: Hub) -> Non
     """The default DiLoCo: momentum ramps up over ``outer_warmup`` outer steps with lr 1/(1+mu_t)
     (the first step is averaging), and a round of last updates (``final=True``) is plain
     averaging that passes the momentum on: nothing trains after it to undo an overshoot."""
-    n, rounds, lr, mu, warm = 2, 4, 0.5, 0.8, 2
-    deltas: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-    start: dict[str, np.ndarray] = {}
-    finals: list[dict[str, np.ndarray]] = []
-
-    def peer(i: int) -> None:
-        model = tiny_gpt2(seed=i)
-        client = SyncClient(
-            hub.url,
-            run="warm",
-            peer=f"p{i}",
-            min_peers=n,
-            outer="diloco",
-            outer_lr=lr,
-            outer_momentum=mu,
-            outer_warmup=warm,
-        )
-        info = client.join(model)
-        assert info.config["outer_warmup"] == warm
-        view = ModelView(model)
-        if i == 0:
-            start.update({k: v.astype(np.float64) for k, v in view.export().items()})
-        for r in range(rounds):
-            base = {k: v.astype(np.float64) for k, v in view.export().items()}
-            train_a_little(model, seed=10 * r + i)
-            deltas[r, i] = {k: v - base[k] for k, v in view.export().items()}
-            client.sync(model, samples=1, final=r == rounds - 1)
-        finals.append({k: v.copy() for k, v in view.export().items()})
-        client.leave()
-
-    run_peers(n, peer)
+    rounds, lr, mu, warm = 4, 0.5, 0.8, 2
+    start, deltas, finals = diloco_run(hub, "warm", rounds=rounds, lr=lr, mu=mu, warmup=warm, final=True)
     for name, x0 in start.items():
         x, m = x0.copy(), np.zeros_like(x0)
         for r in range(rounds):

@@ -165,34 +165,37 @@ def test_a_partial_pruned_as_it_completes_is_missing(store: Store) -> None:
         upload.finish()
 
 
-def test_a_database_of_an_older_hub_gets_the_new_column(tmp_path: Path) -> None:
-    """Runs created before their creator was kept (for the quotas) load with ``creator=None``."""
-    (tmp_path / "old").mkdir()
-    db = sqlite3.connect(tmp_path / "old" / "hub.sqlite3")
-    db.execute(
-        "CREATE TABLE runs (name TEXT PRIMARY KEY, config TEXT NOT NULL, schema TEXT, version INTEGER NOT NULL, "
-        "created REAL NOT NULL, sealed INTEGER NOT NULL DEFAULT 0)"
-    )
-    db.execute("INSERT INTO runs (name, config, version, created) VALUES ('r', '{}', -1, 0)")
+def older_hub(path: Path, *statements: str) -> Store:
+    """A store opened on the data dir of an older hub whose database ``statements`` made."""
+    path.mkdir()
+    db = sqlite3.connect(path / "hub.sqlite3")
+    for statement in statements:
+        db.execute(statement)
     db.commit()
     db.close()
-    store = Store(tmp_path / "old")
+    return Store(path)
+
+
+def test_a_database_of_an_older_hub_gets_the_new_column(tmp_path: Path) -> None:
+    """Runs created before their creator was kept (for the quotas) load with ``creator=None``."""
+    store = older_hub(
+        tmp_path / "old",
+        "CREATE TABLE runs (name TEXT PRIMARY KEY, config TEXT NOT NULL, schema TEXT, version INTEGER NOT NULL, "
+        "created REAL NOT NULL, sealed INTEGER NOT NULL DEFAULT 0)",
+        "INSERT INTO runs (name, config, version, created) VALUES ('r', '{}', -1, 0)",
+    )
     store.create_run("s", {}, "token")
     assert [(r.name, r.creator) for r in store.runs()] == [("r", None), ("s", "token")]
 
 
 def test_updates_of_an_older_hub_load_as_not_final(tmp_path: Path) -> None:
     """An update table from before final rounds gets the column; its updates were nobody's last."""
-    (tmp_path / "old").mkdir()
-    db = sqlite3.connect(tmp_path / "old" / "hub.sqlite3")
-    db.execute(
+    store = older_hub(
+        tmp_path / "old",
         "CREATE TABLE updates (run TEXT NOT NULL, round INTEGER NOT NULL, peer TEXT NOT NULL, seq INTEGER NOT NULL, "
         "digest TEXT NOT NULL, samples INTEGER NOT NULL, metrics TEXT NOT NULL, nbytes INTEGER NOT NULL, "
-        "received REAL NOT NULL, seconds REAL NOT NULL, base INTEGER, PRIMARY KEY (run, round, peer))"
+        "received REAL NOT NULL, seconds REAL NOT NULL, base INTEGER, PRIMARY KEY (run, round, peer))",
+        "INSERT INTO updates VALUES ('r', 0, 'a', 1, 'd', 5, '{}', 10, 0, 0, 0)",
     )
-    db.execute("INSERT INTO updates VALUES ('r', 0, 'a', 1, 'd', 5, '{}', 10, 0, 0, 0)")
-    db.commit()
-    db.close()
-    store = Store(tmp_path / "old")
     [update] = store.updates("r", 0)
     assert update.final is False and update.samples == 5
