@@ -507,6 +507,13 @@ class SyncClient:
         if not isinstance(samples, int) or samples < 1:
             raise ValueError(f"samples must be a positive int, got {samples!r}")
         started = time.monotonic()
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
+        if self._state.torn:  # the last result stopped arriving midway: no delta from this base
+            log.warning("run %s: the last result did not arrive whole; catching up to the latest version", self.run)
+            future = self._worker.submit(self._protocol.catch_up)
+            self._inflight = PendingSync(self, future, self.version, None, started, 0.0, EncodedUpdate([], 1.0, 0.0))
+            return self._inflight
         local = view.export()  # on CPU float32 these share memory with the model: copy to keep
         snapshot = {name: x.copy() for name, x in local.items()} if keep_local else None
         update = self._state.encode(snapshot or local)  # new arrays: training may go on
@@ -515,8 +522,6 @@ class SyncClient:
             sent_metrics.update(codec_ratio=update.ratio, codec_error=update.error)
         if self._progress is not None:
             self._progress.sent()  # what is counted from here on goes into the next round
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
         future = self._worker.submit(
             self._protocol.exchange, self.version, update.parts, samples, sent_metrics, self._state, final
         )

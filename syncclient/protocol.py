@@ -7,7 +7,8 @@ upload the update; the hub answers with the round it went into (the round it was
 from, or in an async run a later one, when versions were applied since its base); long-poll that
 round's merged update; then fold into the base every round's result from the update's base to
 that round, in order, as the hub built its versions, so the base ends as the hub's version bit
-for bit. A refused update (the round closed without it, or async: too stale) brings back the
+for bit. When that is the one round (always in a barrier run), its result is folded tensor by
+tensor while it downloads. A refused update (the round closed without it, or async: too stale) brings back the
 latest version to catch up to instead; a pruned result, the latest version as the new base.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,14 +156,20 @@ class RunProtocol:
         uploaded = time.monotonic()
         landed = int(ack["round"])
         try:
-            own = self.result(landed, wait=True)  # ours first: the others are out already
-            waited = time.monotonic()
-            received = own.reader.received
-            for earlier in range(round_, landed):
-                result = self.result(earlier, wait=False)
-                state.fold(result.reader.tensors, result.reader.metadata.get("codec"))
-                received += result.reader.received
-            state.fold(own.reader.tensors, own.reader.metadata.get("codec"))
+            if landed == round_:  # the usual case: fold our round's result while it downloads
+                fold = state.stream_fold()
+                own = self.result(landed, wait=True, on_tensor=fold.take)
+                fold.finish()
+                waited, received = time.monotonic(), own.reader.received
+            else:  # results of earlier rounds come first: fold in order, as the hub built them
+                own = self.result(landed, wait=True)  # ours first: the others are out already
+                waited = time.monotonic()
+                received = own.reader.received
+                for earlier in range(round_, landed):
+                    result = self.result(earlier, wait=False)
+                    state.fold(result.reader.tensors, result.reader.metadata.get("codec"))
+                    received += result.reader.received
+                state.fold(own.reader.tensors, own.reader.metadata.get("codec"))
         except HubError as exc:
             if exc.status != 410:
                 raise
@@ -174,13 +181,25 @@ class RunProtocol:
             )
         return Outcome(size, received, uploaded - started, waited - uploaded, landed + 1, own.run_samples)
 
-    def result(self, round_: int, *, wait: bool) -> Download:
-        """Round ``round_``'s merged update (with ``wait``, long-polling while the round is open)."""
+    def result(
+        self,
+        round_: int,
+        *,
+        wait: bool,
+        on_tensor: Callable[[str, np.ndarray, Mapping[str, str]], None] | None = None,
+    ) -> Download:
+        """Round ``round_``'s merged update (with ``wait``, long-polling while the round is open);
+        ``on_tensor``: see :meth:`~syncclient.transport.Transport.download`."""
         path = f"{self.path}/rounds/{round_}/result"
         while True:
-            download = self.transport.download(path, {"wait": self.poll if wait else 0, "peer": self.peer})
+            download = self.transport.download(path, {"wait": self.poll if wait else 0, "peer": self.peer}, on_tensor)
             if download is not None:  # None: the long poll ended with the round still open
                 return download
+
+    def catch_up(self) -> Outcome:
+        """No update: just the latest version, to adopt (the base cannot be trusted)."""
+        latest = self.latest()
+        return Outcome(0, latest.reader.received, 0.0, 0.0, latest=latest)
 
     def latest(self) -> Download:
         """The run's latest version, whole."""

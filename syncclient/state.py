@@ -58,6 +58,9 @@ class UpdateState:
         self.codec = codec
         self.base = base
         self.residual: dict[str, np.ndarray] = {}  # lossy codecs only: what rounding kept back
+        # a streamed fold stopped midway (its download failed for good): the base is part one
+        # version, part the next, and only adopting a whole version mends it (SyncClient does)
+        self.torn = False
 
     def encode(self, local: Mapping[str, np.ndarray]) -> EncodedUpdate:
         """Encode ``local - base`` (plus the residual) and keep the new residual.
@@ -123,15 +126,27 @@ class UpdateState:
         full-size decoded copy of a big tensor; see :func:`syncwire.codecs.slices`). The hub
         builds version ``v + 1`` with the same slices and the same float32 adds. ``codec``: the
         one the result names, if not the run's (a final round's result is fp32)."""
-        decoder = self.codec if codec is None or codec == self.codec.spec else get_codec(codec)
-        for name, base in self.base.items():
-            flat = base.reshape(-1)
-            for start, stop, where in slices(decoder, base.shape):
-                piece = {
-                    suffix: merged[wire_name(name, suffix)].reshape(-1)[first : first + count]
-                    for suffix, (first, count) in where.items()
-                }
-                flat[start:stop] += decoder.decode(piece, (stop - start,))
+        decoder = self._decoder(codec)
+        for name in self.base:
+            self._fold_tensor(decoder, name, merged)
+
+    def stream_fold(self) -> StreamFold:
+        """A fold that takes the merged update tensor by tensor while it downloads (pass its
+        :meth:`StreamFold.take` to :class:`~syncwire.StreamReader`); same bytes as :meth:`fold`."""
+        return StreamFold(self)
+
+    def _decoder(self, codec: str | None) -> Codec:
+        return self.codec if codec is None or codec == self.codec.spec else get_codec(codec)
+
+    def _fold_tensor(self, decoder: Codec, name: str, merged: Mapping[str, np.ndarray]) -> None:
+        base = self.base[name]
+        flat = base.reshape(-1)
+        for start, stop, where in slices(decoder, base.shape):
+            piece = {
+                suffix: merged[wire_name(name, suffix)].reshape(-1)[first : first + count]
+                for suffix, (first, count) in where.items()
+            }
+            flat[start:stop] += decoder.decode(piece, (stop - start,))
 
     def rebase(self, snapshot: dict[str, np.ndarray], local: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``base + (local - snapshot)``: the steps taken since ``snapshot`` on top of the base.
@@ -149,3 +164,40 @@ def _pool() -> ThreadPoolExecutor:
     """The threads that encode updates, kept for the process's life (fresh threads per sync
     would each get a fresh malloc arena, as the hub's did: syncserver.engine)."""
     return ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="weightsync-encode")
+
+
+class StreamFold:
+    """Folds a merged update into :attr:`UpdateState.base` as it downloads: each tensor the
+    moment its last wire part is in, so the fold runs behind the download instead of after it,
+    and no whole result is held. The state is :attr:`~UpdateState.torn` from the first tensor
+    folded until :meth:`finish` finds every tensor folded."""
+
+    def __init__(self, state: UpdateState) -> None:
+        self.state = state
+        self._decoder: Codec | None = None
+        self._owner: dict[str, str] = {}  # wire name -> tensor name
+        self._held: dict[str, np.ndarray] = {}  # wire parts of tensors not complete yet
+        self._left = set(state.base)
+
+    def take(self, wire: str, array: np.ndarray, metadata: Mapping[str, str]) -> None:
+        """One wire tensor of the body, complete (``metadata``: the body's, with its codec)."""
+        state = self.state
+        if self._decoder is None:
+            self._decoder = decoder = state._decoder(metadata.get("codec"))
+            for tensor, base in state.base.items():
+                self._owner |= {wire_name(tensor, suffix): tensor for suffix in decoder.layout(base.shape)}
+        name = self._owner.get(wire)
+        if name is None or name not in self._left:
+            raise SyncError(f"the merged update holds {wire!r}, which is no tensor of the run's model left to fold")
+        self._held[wire] = array
+        wires = [wire_name(name, suffix) for suffix in self._decoder.layout(state.base[name].shape)]
+        if all(w in self._held for w in wires):
+            state.torn = True
+            state._fold_tensor(self._decoder, name, {w: self._held.pop(w) for w in wires})
+            self._left.discard(name)
+
+    def finish(self) -> None:
+        """The body is complete: every tensor must have been folded."""
+        if self._left:
+            raise SyncError(f"the merged update lacks {len(self._left)} tensor(s), e.g. {min(self._left)!r}")
+        self.state.torn = False

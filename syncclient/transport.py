@@ -29,7 +29,7 @@ import hashlib
 import logging
 import os
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -47,6 +47,7 @@ from syncclient.exceptions import (
     NotFound,
     RoundClosed,
     StaleUpdate,
+    SyncError,
 )
 from syncwire import StreamReader, iter_chunks
 
@@ -201,11 +202,18 @@ class Transport:
         )
         return size, response.json()
 
-    def download(self, path: str, params: dict[str, Any]) -> Download | None:
+    def download(
+        self,
+        path: str,
+        params: dict[str, Any],
+        on_tensor: Callable[[str, np.ndarray, Mapping[str, str]], None] | None = None,
+    ) -> Download | None:
         """GET a safetensors body into arrays, resuming with Range after a cut; None on 204
         (a long poll still open). A body that declares more than ``max_download`` bytes of data
-        is refused before anything is allocated."""
-        reader = StreamReader(self.max_download)
+        is refused before anything is allocated. ``on_tensor``: each tensor goes there as it
+        arrives instead (see :class:`~syncwire.StreamReader`); what it took cannot be taken
+        back, so a body that changed under a resumed download is then an error, not a restart."""
+        reader = StreamReader(self.max_download, on_tensor)
         etag: str | None = None
         version = run_samples = -1
         bar: Any = None
@@ -222,8 +230,10 @@ class Transport:
                                 _check(r)
                             if r.status_code == 204:
                                 return None
-                            if r.status_code == 200 and reader.received:
-                                reader = StreamReader(self.max_download)  # the file changed: start over
+                            if r.status_code == 200 and reader.received:  # the file changed: start over
+                                if on_tensor is not None:
+                                    raise SyncError(f"{path} changed while it downloaded")
+                                reader = StreamReader(self.max_download)
                             etag = r.headers.get("etag")
                             version = int(r.headers.get("x-sync-version", -1))
                             run_samples = int(r.headers.get("x-sync-run-samples", -1))

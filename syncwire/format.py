@@ -18,7 +18,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +50,7 @@ _NAMES = {v: k for k, v in DTYPES.items() if k != "BF16"}
 #: Upper bound on the JSON header. GPT-2 needs ~15 kB; a 70B model with scales ~300 kB.
 MAX_HEADER_BYTES = 8 * 1024 * 1024
 CHUNK_BYTES = 1 << 20
+_DONE = np.empty(0, np.uint8)  # a StreamReader's place for a tensor handed on
 
 
 class FormatError(ValueError):
@@ -301,10 +302,18 @@ class StreamReader:
     The arrays are allocated when the header is complete, at the sizes it declares: a header
     that declares more than ``max_bytes`` of data (or more than the machine can allocate) is a
     :class:`FormatError`, before anything is allocated or read.
+
+    ``on_tensor(name, array, metadata)``, if given, takes each tensor the moment its last byte
+    is in (a peer folds a merged update while the rest downloads), and the reader keeps none.
     """
 
-    def __init__(self, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        max_bytes: int | None = None,
+        on_tensor: Callable[[str, np.ndarray, Mapping[str, str]], None] | None = None,
+    ) -> None:
         self.max_bytes = max_bytes
+        self.on_tensor = on_tensor
         self._header = HeaderReader()
         self._buffers: list[tuple[TensorInfo, np.ndarray]] = []
         self._data = bytearray()  # header bytes seen before the header is complete
@@ -353,6 +362,11 @@ class StreamReader:
             info, buf = self._buffers[self._index]
             if self._filled < len(buf):
                 return
-            self.tensors[info.name] = buf.view(info.numpy_dtype).reshape(info.shape)
+            array = buf.view(info.numpy_dtype).reshape(info.shape)
             self._index += 1
             self._filled = 0
+            if self.on_tensor is None:
+                self.tensors[info.name] = array
+            else:
+                self._buffers[self._index - 1] = (info, _DONE)  # let it go once taken
+                self.on_tensor(info.name, array, self.metadata)

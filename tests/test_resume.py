@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from syncclient import SyncClient
+from syncclient import HubUnreachable, SyncClient
 from syncclient._model import ModelView
 from syncwire import iter_chunks
 from tests.conftest import Hub, tiny_gpt2
@@ -249,3 +249,32 @@ def test_stalled_upload_is_dropped_after_the_lease_and_kept_for_resume(hub_facto
     sock.close()
     r = http.head(path, headers=headers)
     assert r.status_code == 204 and r.headers["upload-offset"] == "1000"
+
+
+def test_a_result_that_never_arrives_whole_is_caught_up_from(proxied_hub: tuple[Hub, FaultProxy]) -> None:
+    """The SDK folds a result while it downloads. If the download fails for good midway, the
+    base is part old, part new version: the sync fails, and the next one sends nothing from that
+    base but adopts the latest version whole; the one after is an ordinary sync again."""
+    hub, proxy = proxied_hub
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(500, 500) for _ in range(20)])  # 20 MB in 40 tensors
+    client = SyncClient(proxy.url, run="torn", peer="a", min_peers=1, timeout=30, retry_seconds=1)
+    client.join(model)
+    proxy.cut_response(after=MiB + MiB // 2, match="GET /v1/runs/torn/rounds/0/result", times=1000)
+    with torch.no_grad():
+        model[0].weight.add_(0.5)
+    with pytest.raises(HubUnreachable):
+        client.sync(model, samples=1)  # at most a few 1.5 MB pieces of 20 MB arrive in 1 s of retries
+    proxy.clear()
+    caught = client.sync(model, samples=1)
+    assert caught.caught_up and caught.version == 1 and caught.bytes_up == 0
+    expected = hub_model(hub, "torn")
+    for name, value in ModelView(model).export().items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+    with torch.no_grad():
+        model[1].bias.add_(0.25)
+    assert client.sync(model, samples=1).version == 2
+    expected = hub_model(hub, "torn")
+    for name, value in ModelView(model).export().items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+    client.leave()

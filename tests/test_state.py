@@ -14,7 +14,7 @@ import pytest
 import syncwire.codecs
 from syncclient.exceptions import SyncError
 from syncclient.state import UpdateState
-from syncwire import decode_tensor, encode_model, get_codec
+from syncwire import Codec, StreamReader, decode_tensor, encode_model, get_codec, iter_chunks
 
 STEP = np.float32(1 / 128)  # the int8:block=2 scale of a block whose absmax is 127/128
 TOP = np.float32(127 / 128)
@@ -137,3 +137,55 @@ def test_a_refused_update_leaves_the_residual_as_it_was() -> None:
     assert state.residual.keys() == kept.keys()
     for name, r in kept.items():
         np.testing.assert_array_equal(state.residual[name], r)
+
+
+def result_body(codec: Codec, update: dict[str, np.ndarray], spec: str | None = None) -> bytes:
+    """A merged update's body as the hub serves it (``codec`` metadata: the result's codec)."""
+    parts = [(wire_name, part, dtype) for _, wire_name, part, dtype in encode_model(codec, update)]
+    return b"".join(bytes(c) for c in iter_chunks(parts, {"codec": spec or codec.spec}))
+
+
+@pytest.mark.parametrize(("spec", "result"), [("fp32", "fp32"), ("int8", "int8"), ("int4", "int4"), ("int8", "fp32")])
+def test_a_streamed_fold_is_the_fold_of_the_whole_body(spec: str, result: str) -> None:
+    """Tensors folded as their bytes arrive (any cut of the body) give the bits of ``fold``;
+    ("int8", "fp32"): a final round's fp32 result in an int8 run."""
+    rng = np.random.default_rng(5)
+    version = {n: rng.standard_normal(s).astype(np.float32) for n, s in {"w": (300, 7001), "b": (5,), "c": ()}.items()}
+    update = {n: (rng.standard_normal(x.shape) * 1e-2).astype(np.float32) for n, x in version.items()}
+    body = result_body(get_codec(result), update)
+    whole = UpdateState(get_codec(spec), {n: x.copy() for n, x in version.items()})
+    reader = StreamReader()
+    reader.feed(body)
+    whole.fold(reader.tensors, reader.metadata["codec"])
+
+    state = UpdateState(get_codec(spec), {n: x.copy() for n, x in version.items()})
+    fold = state.stream_fold()
+    streamed = StreamReader(on_tensor=fold.take)
+    cuts = sorted(rng.integers(0, len(body), 40))
+    for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True):
+        streamed.feed(body[a:b])
+    assert streamed.tensors == {}, "the reader keeps nothing it handed on"
+    fold.finish()
+    assert not state.torn
+    for name in version:
+        np.testing.assert_array_equal(state.base[name], whole.base[name])
+
+
+def test_a_streamed_fold_that_stops_midway_leaves_the_state_torn() -> None:
+    version = {"a": f32(1.0, 2.0), "b": f32(3.0)}
+    body = result_body(get_codec("fp32"), {"a": f32(0.5, 0.5), "b": f32(0.5)})
+    state = UpdateState(get_codec("fp32"), {n: x.copy() for n, x in version.items()})
+    fold = state.stream_fold()
+    StreamReader(on_tensor=fold.take).feed(body[:-4])  # "b"'s last bytes never came
+    np.testing.assert_array_equal(state.base["a"], f32(1.5, 2.5))
+    assert state.torn
+    with pytest.raises(SyncError, match=r"lacks 1 tensor\(s\), e.g. 'b'"):
+        fold.finish()
+    assert state.torn, "only a whole version mends it"
+
+
+def test_a_streamed_fold_refuses_a_tensor_the_model_does_not_have() -> None:
+    state = UpdateState(get_codec("fp32"), {"a": f32(1.0)})
+    fold = state.stream_fold()
+    with pytest.raises(SyncError, match=r"holds 'zz'"):
+        StreamReader(on_tensor=fold.take).feed(result_body(get_codec("fp32"), {"a": f32(1.0), "zz": f32(2.0)}))
