@@ -50,6 +50,14 @@ def test_round_benchmark_runs_and_writes_every_row(tmp_path: Path) -> None:
     assert result["table"] in stdout
 
 
+def test_peer_benchmark_times_every_phase_both_ways(tmp_path: Path) -> None:
+    _, result = run_bench("peer", tmp_path / "results", "--model", "tiny", "--codecs", "fp32", "int8", "--reps", "1")
+    cases = {(r["codec"], r["case"].split(",")[0].split(":")[0]) for r in result["rows"]}
+    assert cases == {(c, p) for c in ("fp32", "int8") for p in ("encode", "digest", "download + fold")}
+    assert len(result["rows"]) == 2 * 5  # encode on 1 thread and on the pool; fold after and while
+    assert all(r["wall_best"] > 0 and r["cpu_best"] >= 0 for r in result["rows"])
+
+
 def test_pagecache_benchmark_times_every_mode(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "pagecache.py"), "--dir", str(tmp_path), "--mb", "8", "--reps", "1"],
