@@ -12,7 +12,8 @@ one peer process, on GPT-2 124M's tensors (bench/round.py's schema, random value
   and the fold after the body (as before), or with 1 MiB reads and the fold while it arrives
   (the SDK now). Wall seconds and the peer's CPU seconds (user + system, this process).
 
-Each case runs ``--reps`` times, cases interleaved; the table gives the best and the median.
+Each case runs ``--reps`` times, cases interleaved, each time after one untimed run of the same
+case (steady state: see :func:`timed`); the table gives the best and the median.
 Results: a markdown table on stdout and ``bench/results/peer-<date>.json``.
 """
 
@@ -81,7 +82,10 @@ def cpu() -> float:
 
 
 def timed(work: Callable[[], object]) -> tuple[float, float]:
-    """(wall s, CPU s of this process) of ``work()``."""
+    """(wall s, CPU s of this process) of ``work()``, run once before untimed: the first run
+    after another case pays page faults for memory the allocator gave back meanwhile (1.3 s
+    for GPT-2's 500 MB here), which would be charged to whichever case runs first."""
+    work()
     c, t = cpu(), time.perf_counter()
     work()
     return time.perf_counter() - t, cpu() - c
