@@ -8,8 +8,9 @@ from, or in an async run a later one, when versions were applied since its base)
 round's merged update; then fold into the base every round's result from the update's base to
 that round, in order, as the hub built its versions, so the base ends as the hub's version bit
 for bit. When that is the one round (always in a barrier run), its result is folded tensor by
-tensor while it downloads. A refused update (the round closed without it, or async: too stale) brings back the
-latest version to catch up to instead; a pruned result, the latest version as the new base.
+tensor while it downloads. A refused update (the round closed without it, or async: too stale)
+brings back the latest version to catch up to instead; a pruned result, the latest version as
+the new base.
 """
 
 from __future__ import annotations
@@ -156,15 +157,13 @@ class RunProtocol:
         uploaded = time.monotonic()
         landed = int(ack["round"])
         try:
-            if landed == round_:  # the usual case: fold our round's result while it downloads
-                fold = state.stream_fold()
-                own = self.result(landed, wait=True, on_tensor=fold.take)
-                fold.finish()
-                waited, received = time.monotonic(), own.reader.received
+            # the usual case (the round it was computed from): fold our result while it downloads
+            stream = state.stream_fold() if landed == round_ else None
+            own = self.result(landed, wait=True, on_tensor=stream.take if stream else None)  # ours first
+            waited, received = time.monotonic(), own.reader.received
+            if stream is not None:
+                stream.finish()
             else:  # results of earlier rounds come first: fold in order, as the hub built them
-                own = self.result(landed, wait=True)  # ours first: the others are out already
-                waited = time.monotonic()
-                received = own.reader.received
                 for earlier in range(round_, landed):
                     result = self.result(earlier, wait=False)
                     state.fold(result.reader.tensors, result.reader.metadata.get("codec"))

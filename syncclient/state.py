@@ -185,7 +185,8 @@ class StreamFold:
 
     def __init__(self, state: UpdateState) -> None:
         self.state = state
-        self._decoder: Codec | None = None
+        self._decoder: Codec | None = None  # the body's codec, known once its header is in
+        self._wires: dict[str, list[str]] = {}  # tensor name -> its wire parts' names
         self._owner: dict[str, str] = {}  # wire name -> tensor name
         self._held: dict[str, np.ndarray] = {}  # wire parts of tensors not complete yet
         self._left = set(state.base)
@@ -196,12 +197,13 @@ class StreamFold:
         if self._decoder is None:
             self._decoder = decoder = state._decoder(metadata.get("codec"))
             for tensor, base in state.base.items():
-                self._owner |= {wire_name(tensor, suffix): tensor for suffix in decoder.layout(base.shape)}
+                self._wires[tensor] = [wire_name(tensor, suffix) for suffix in decoder.layout(base.shape)]
+                self._owner |= dict.fromkeys(self._wires[tensor], tensor)
         name = self._owner.get(wire)
         if name is None or name not in self._left:
             raise SyncError(f"the merged update holds {wire!r}, which is no tensor of the run's model left to fold")
         self._held[wire] = array
-        wires = [wire_name(name, suffix) for suffix in self._decoder.layout(state.base[name].shape)]
+        wires = self._wires[name]
         if all(w in self._held for w in wires):
             state.torn = True
             state._fold_tensor(self._decoder, name, {w: self._held.pop(w) for w in wires})

@@ -114,7 +114,7 @@ class Transport:
             verify=verify, limits=httpx.Limits(max_connections=8, max_keepalive_connections=4)
         )
         # httpx's transport takes no network backend: set its pool's (httpcore's public backend
-        # API, httpx's private attribute; tests/test_transport.py fails if either moves)
+        # API, httpx's private attribute; tests/test_resume.py fails if either moves)
         pool = transport._pool
         pool._network_backend = _LargeReads(pool._network_backend)
         self.http = httpx.Client(
