@@ -75,12 +75,19 @@ class _FiniteScan:
                 return
             lo, hi = max(start, position), min(stop, end)
             if hi > lo:
-                data: bytes | memoryview = view[lo - position : hi - position]
-                if self._carry:
-                    data = self._carry + bytes(data)
-                whole = len(data) - len(data) % _FINITE_DTYPES[dtype].itemsize
+                data = view[lo - position : hi - position]
+                size = _FINITE_DTYPES[dtype].itemsize
+                if self._carry:  # complete the value split at the last chunk's end, alone:
+                    # prepending the carry to the chunk copied every chunk (a second of a
+                    # hub's CPU per GB, since bodies arrive in pieces of any length)
+                    head, data = data[: size - len(self._carry)], data[size - len(self._carry) :]
+                    self._carry += bytes(head)
+                    if len(self._carry) == size:
+                        self._check(name, dtype, self._carry)
+                        self._carry = b""
+                whole = len(data) - len(data) % size
                 self._check(name, dtype, data[:whole])
-                self._carry = bytes(data[whole:])
+                self._carry += bytes(data[whole:])
             if stop > end:
                 return
             self._index += 1

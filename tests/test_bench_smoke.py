@@ -58,6 +58,13 @@ def test_peer_benchmark_times_every_phase_both_ways(tmp_path: Path) -> None:
     assert all(r["wall_best"] > 0 and r["cpu_best"] >= 0 for r in result["rows"])
 
 
+def test_hub_benchmark_times_receive_fold_merge_and_version(tmp_path: Path) -> None:
+    _, result = run_bench("hub", tmp_path / "results", "--model", "tiny", "--codecs", "fp32", "int8", "--reps", "2")
+    assert [r["codec"] for r in result["rows"]] == ["fp32", "int8"]
+    for row in result["rows"]:
+        assert all(row[p] > 0 and row[p + "_median"] >= row[p] for p in ("receive", "fold", "merge", "version"))
+
+
 def test_pagecache_benchmark_times_every_mode(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "pagecache.py"), "--dir", str(tmp_path), "--mb", "8", "--reps", "1"],
