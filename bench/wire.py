@@ -22,6 +22,11 @@ shared: ``(sum up_k + sum down_k) * 8 / rate`` (a round's downloads start once i
 so the two directions do not overlap). Payload bytes only: TCP/IP and Ethernet framing (~4.6% at
 a 1500-byte MTU) and HTTP headers are part of what the round pays above the limit.
 
+**bare TCP** is the floor under that: after each link's rounds, while it is still shaped, the
+same bytes go over plain sockets (every peer sends its update's bytes at once, then receives
+its result's; no HTTP, no disk, nothing computed). It lands at ~1.045x the limit (the framing);
+``round / bare TCP`` is then what weightsync itself adds.
+
 **round** is from the instant every peer calls ``sync()`` (its update is not encoded yet) to the
 last peer holding the new version: what a training loop waits. ``put``: from the first upload byte
 instead, as bench/round.py counts it. Seconds are the best of ``--rounds`` rounds. After every round
@@ -57,6 +62,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from subprocess import PIPE
 from types import FrameType
 from typing import Any
 
@@ -218,6 +224,84 @@ def wait_version(data_dir: Path, run: str, version: int, timeout: float = 300) -
 
 
 # -----------------------------------------------------------------------------
+# bare TCP over the same links: what the link itself gives
+_TCP_HUB = r"""
+import socket, sys, threading
+up, down = (list(map(int, a.split(","))) for a in sys.argv[1:3])
+s = socket.create_server(("0.0.0.0", 9000), backlog=len(up))
+print("ready", flush=True)
+def serve(conn):
+    k = int(conn.recv(8))  # the peer's rank, then its update's bytes; then its result's, sent
+    buf, got = bytearray(1 << 20), 0
+    while got < up[k] and (n := conn.recv_into(buf)):
+        got += n
+    conn.sendall(b"a")
+    conn.recv(1)  # go: every upload is in
+    data = memoryview(bytes(1 << 20))
+    for i in range(0, down[k], 1 << 20):
+        conn.sendall(data[: min(1 << 20, down[k] - i)])
+    conn.close()
+conns = [s.accept()[0] for _ in up]
+threads = [threading.Thread(target=serve, args=(c,)) for c in conns]
+[t.start() for t in threads]; [t.join() for t in threads]
+"""
+_TCP_PEER = r"""
+import socket, sys, time
+rank, ip, up, down = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+conn = socket.create_connection((ip, 9000))
+print("ready", flush=True); sys.stdin.readline()  # go
+t0 = time.monotonic()
+conn.sendall(b"%8d" % rank)
+data = memoryview(bytes(1 << 20))
+for i in range(0, up, 1 << 20):
+    conn.sendall(data[: min(1 << 20, up - i)])
+conn.recv(1)
+t_up = time.monotonic()
+print(t_up - t0, flush=True); sys.stdin.readline()  # every upload is in
+t_down = time.monotonic()
+conn.sendall(b"g")
+buf, got = bytearray(1 << 20), 0
+while got < down and (n := conn.recv_into(buf)):
+    got += n
+print(time.monotonic() - t_down, flush=True)
+"""
+
+
+def bare_tcp(net: Net, up: list[int], down: list[int]) -> tuple[float, float]:
+    """Seconds for the round's bytes over plain TCP sockets on the same links: every peer
+    sends its update's bytes at once, then (once all are in) receives its result's. The floor
+    under any HTTP round (framing and TCP's own dynamics through tbf included), beside the
+    payload-only link limit."""
+    sizes = [",".join(map(str, up)), ",".join(map(str, down))]
+    command = ["ip", "netns", "exec", net.hub, sys.executable, "-c", _TCP_HUB, *sizes]
+    hub = subprocess.Popen(command, stdout=PIPE, text=True)
+    peers: list[subprocess.Popen[str]] = []
+    try:
+        assert hub.stdout is not None
+        hub.stdout.readline()  # listening
+        for k, ns in enumerate(net.peers):
+            args = [str(k), HUB_IP, str(up[k]), str(down[k])]
+            command = ["ip", "netns", "exec", ns, sys.executable, "-c", _TCP_PEER, *args]
+            peers.append(subprocess.Popen(command, stdin=PIPE, stdout=PIPE, text=True))
+        pipes = [(p.stdin, p.stdout) for p in peers if p.stdin is not None and p.stdout is not None]
+        for _, out in pipes:
+            out.readline()  # connected
+        phases = []
+        for _ in ("up", "down"):
+            for go, _ in pipes:
+                go.write("\n")
+                go.flush()
+            phases.append(max(float(out.readline()) for _, out in pipes))
+        hub.wait(60)
+        return phases[0], phases[1]
+    finally:
+        for proc in [hub, *peers]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+# -----------------------------------------------------------------------------
 # the benchmark
 def run_case(
     peers: rb.Peers,
@@ -271,9 +355,10 @@ def run_case(
                             "bytes_down": down,
                         }
                     )
+                best = min(per_round, key=lambda r: r["round_s"])
+                tcp_up, tcp_down = bare_tcp(net, best["bytes_up"], best["bytes_down"])
             finally:
                 net.unshape()
-            best = min(per_round, key=lambda r: r["round_s"])
             rows.append(
                 {
                     "peers": n,
@@ -281,6 +366,10 @@ def run_case(
                     "link": str(link),
                     **{k: best[k] for k in ("round_s", "put_s", "encode_s", "upload_s", "result_s", "limit_s")},
                     "round_x_limit": best["round_s"] / best["limit_s"],
+                    "tcp_s": tcp_up + tcp_down,
+                    "tcp_up_s": tcp_up,
+                    "tcp_down_s": tcp_down,
+                    "round_x_tcp": best["round_s"] / (tcp_up + tcp_down),
                     "put_x_limit": best["put_s"] / best["limit_s"],
                     "hub_peak_rss": max(r["hub_rss"] for r in per_round),
                     "hub_peak_rss_x_model": max(r["hub_rss"] for r in per_round) / model_bytes,
@@ -294,6 +383,7 @@ def run_case(
             print(
                 f"N={n} {codec} {link}: round {r['round_s']:.2f}s, limit {r['limit_s']:.2f}s "
                 f"({r['round_x_limit']:.2f}x; from first byte {r['put_x_limit']:.2f}x), "
+                f"bare TCP {r['tcp_s']:.2f}s ({r['tcp_s'] / r['limit_s']:.3f}x the limit), "
                 f"hub RSS {r['hub_peak_rss_x_model']:.2f}x model, load {r['load']:.2f}",
                 flush=True,
             )
@@ -323,14 +413,16 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def markdown(rows: list[dict[str, Any]], targets: list[dict[str, Any]]) -> str:
     lines = [
-        "| N | codec | link | round s | link limit s | round / limit | from first byte / limit | encode s "
-        "| all acked s | first result s | hub peak RSS x model | MB up / peer | MB down / peer | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | codec | link | round s | link limit s | round / limit | bare TCP s (x limit) | round / bare TCP "
+        "| from first byte / limit | encode s | all acked s | first result s | hub peak RSS x model "
+        "| MB up / peer | MB down / peer | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['peers']} | {r['codec']} | {r['link']} | {r['round_s']:.2f} | {r['limit_s']:.2f} | "
-            f"{r['round_x_limit']:.2f} | {r['put_x_limit']:.2f} | {r['encode_s']:.2f} | {r['upload_s']:.2f} | "
+            f"{r['round_x_limit']:.2f} | {r['tcp_s']:.2f} ({r['tcp_s'] / r['limit_s']:.3f}) | {r['round_x_tcp']:.2f} | "
+            f"{r['put_x_limit']:.2f} | {r['encode_s']:.2f} | {r['upload_s']:.2f} | "
             f"{r['result_s']:.2f} | {r['hub_peak_rss_x_model']:.2f} | {r['bytes_up'] / 1e6:.1f} | "
             f"{r['bytes_down'] / 1e6:.1f} | {r['load']:.2f} |"
         )

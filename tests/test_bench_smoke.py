@@ -167,6 +167,8 @@ def test_wire_benchmark_shapes_links_and_leaves_no_namespace(tmp_path: Path, net
     for row in rows.values():
         assert row["round_s"] > 0 and row["limit_s"] > 0 and row["hub_peak_rss"] > 0
         assert row["bytes_up"] > 0 and row["bytes_down"] > 0
+        assert row["tcp_up_s"] > 0 and row["tcp_down_s"] > 0, "the bare-TCP floor ran on the same link"
+        assert row["round_x_tcp"] == pytest.approx(row["round_s"] / (row["tcp_up_s"] + row["tcp_down_s"]))
     fp32, int8 = rows["fp32", "shared:1gbit"], rows["int8", "peer:100mbit"]
     assert fp32["limit_s"] == pytest.approx((2 * fp32["bytes_up"] + 2 * fp32["bytes_down"]) * 8 / 1e9)
     assert int8["limit_s"] == pytest.approx((int8["bytes_up"] + int8["bytes_down"]) * 8 / 1e8)
