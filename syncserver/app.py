@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from syncserver import __version__
+from syncserver.arenas import limit_arenas
 from syncserver.coordinator import Coordinator
 from syncserver.dashboard import add_dashboard
 from syncserver.docs import add_docs
@@ -117,6 +118,7 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
     """Build a hub. Its state lives in ``settings.data_dir`` and is recovered on start."""
     settings = settings or HubSettings()
     _configure_logging()
+    limit_arenas()  # before the hub's threads exist: they take arenas as they first allocate
     metrics = HubMetrics(settings.metrics_runs)  # one registry per app: tests build many apps in one process
 
     @asynccontextmanager

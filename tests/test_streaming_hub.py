@@ -13,7 +13,10 @@ import asyncio
 import hashlib
 import itertools
 import math
+import os
 import random
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -32,7 +35,7 @@ from syncserver.uploads import receive
 from syncwire import Codec, FormatError, decode_tensor, get_codec, iter_chunks, read_tensors
 from syncwire.codecs import slices
 from syncwire.format import TensorFile
-from tests.conftest import Hub
+from tests.conftest import REPO, Hub
 from tests.harness import version_file
 
 CODECS = ["fp32", "bf16", "int8", "int4", "int8:block=100", "int4:block=6"]
@@ -232,3 +235,44 @@ def test_downloads_in_big_chunks_serve_the_exact_bytes(hub: Hub) -> None:
         for start in (1, (4 << 20) - 3, (8 << 20) + 5):
             r = http.get(url, headers={"Range": f"bytes={start}-"})
             assert r.status_code == 206 and r.content == data[start:], start
+
+
+_ARENAS = r"""
+import ctypes, ctypes.util, re, sys, tempfile, threading
+sys.path.insert(0, sys.argv[1])
+if sys.argv[2] == "hub":
+    from syncserver.app import create_app
+    create_app()  # what `syncserver serve` and `uvicorn syncserver.app:app` do first
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.fopen.restype = ctypes.c_void_p
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+barrier = threading.Barrier(8)
+def work():
+    barrier.wait()  # all at once: each thread finds the arenas busy
+    for _ in range(50):
+        ctypes.create_string_buffer(1 << 16)
+threads = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in threads]; [t.join() for t in threads]
+with tempfile.NamedTemporaryFile("r") as f:
+    fp = libc.fopen(f.name.encode(), b"w")
+    libc.malloc_info(0, fp)
+    libc.fclose(fp)
+    print(len(re.findall(r"<heap nr=", f.read())))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc arenas")
+def test_the_hub_keeps_to_two_malloc_arenas(tmp_path: Path) -> None:
+    """Threads that allocate at once each get an arena of their own, which held the hub's freed
+    temporaries apart (its RSS varied from run to run); a hub caps them at two."""
+
+    def arenas(mode: str) -> int:
+        env = {**os.environ, "SYNC_DATA_DIR": str(tmp_path)}
+        env.pop("MALLOC_ARENA_MAX", None)
+        proc = subprocess.run([sys.executable, "-c", _ARENAS, str(REPO), mode], capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return int(proc.stdout.split()[-1])
+
+    assert arenas("plain") > 2, "without the cap, threads take arenas of their own (or the test shows nothing)"
+    assert arenas("hub") <= 2
