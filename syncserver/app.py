@@ -118,7 +118,6 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
     """Build a hub. Its state lives in ``settings.data_dir`` and is recovered on start."""
     settings = settings or HubSettings()
     _configure_logging()
-    limit_arenas()  # before the hub's threads exist: they take arenas as they first allocate
     metrics = HubMetrics(settings.metrics_runs)  # one registry per app: tests build many apps in one process
 
     @asynccontextmanager
@@ -200,5 +199,6 @@ def __getattr__(name: str) -> FastAPI:
     # `uvicorn syncserver.app:app` builds the hub from SYNC_* variables only when asked for,
     # so importing this module (tests, create_app users) never reads the environment.
     if name == "app":
+        limit_arenas()  # a hub's own process (not create_app: an embedding process keeps its allocator)
         return create_app()
     raise AttributeError(name)

@@ -7,6 +7,10 @@ merges) each allocate and free megabytes of temporaries, so its peak RSS went fr
 the next of the same round with how many arenas those happened to spread over: 1.6-2.7x the
 fp32 model for 2 int8 peers; with two arenas, 1.3-2.0x (bench/RESULTS.md, Wire). The big
 arrays are few and their work is numpy's: two arenas do not slow a round.
+
+The hub's own processes set it (``syncserver serve``, ``uvicorn syncserver.app:app``), before
+their threads exist; :func:`~syncserver.create_app` does not: a process that embeds a hub (a
+test, a launcher) keeps its allocator as it was.
 """
 
 from __future__ import annotations

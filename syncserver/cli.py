@@ -160,7 +160,9 @@ def serve(
     import uvicorn
 
     from syncserver.app import create_app
+    from syncserver.arenas import limit_arenas
 
+    limit_arenas()  # before the hub's threads exist: they take arenas as they first allocate
     settings = settings_or_exit(flags)
     hint = " (open it with ?token=<view or hub token>, or paste the token when asked)" if settings.auth_required else ""
 

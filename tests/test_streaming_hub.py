@@ -241,8 +241,11 @@ _ARENAS = r"""
 import ctypes, ctypes.util, re, sys, tempfile, threading
 sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "hub":
-    from syncserver.app import create_app
-    create_app()  # what `syncserver serve` and `uvicorn syncserver.app:app` do first
+    import syncserver.app
+    _ = syncserver.app.app  # what `uvicorn syncserver.app:app` builds first (`syncserver serve` does the same)
+if sys.argv[2] == "embedded":
+    from syncserver import create_app
+    create_app()  # a process that embeds a hub keeps glibc's arenas
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.fopen.restype = ctypes.c_void_p
 libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
@@ -265,7 +268,7 @@ with tempfile.NamedTemporaryFile("r") as f:
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc arenas")
 def test_the_hub_keeps_to_two_malloc_arenas(tmp_path: Path) -> None:
     """Threads that allocate at once each get an arena of their own, which held the hub's freed
-    temporaries apart (its RSS varied from run to run); a hub caps them at two."""
+    temporaries apart (its RSS varied from run to run); a hub's process caps them at two."""
 
     def arenas(mode: str) -> int:
         env = {**os.environ, "SYNC_DATA_DIR": str(tmp_path)}
@@ -276,3 +279,4 @@ def test_the_hub_keeps_to_two_malloc_arenas(tmp_path: Path) -> None:
 
     assert arenas("plain") > 2, "without the cap, threads take arenas of their own (or the test shows nothing)"
     assert arenas("hub") <= 2
+    assert arenas("embedded") > 2, "create_app leaves the embedding process's allocator alone"
