@@ -4,9 +4,9 @@ glibc gives a thread that allocates while another holds an arena an arena of its
 8 per core, and memory freed into one arena is not reused by the others. The hub's threads
 (anyio's workers, which receive uploads in batches of 8 MiB, and the slice pool that folds and
 merges) each allocate and free megabytes of temporaries, so its peak RSS went from one run to
-the next of the same round with how many arenas those happened to spread over: 1.6-2.7x the
-fp32 model for 2 int8 peers; with two arenas, 1.3-2.0x (bench/RESULTS.md, Wire). The big
-arrays are few and their work is numpy's: two arenas do not slow a round.
+the next of the same round with how many arenas those happened to spread over: 1.35-3.65x the
+fp32 model for 2 GPT-2 peers; with two arenas, 1.27-1.98x, and the rounds took as long
+(bench/RESULTS.md, Wire). The big arrays are few and their work is numpy's.
 
 The hub's own processes set it (``syncserver serve``, ``uvicorn syncserver.app:app``), before
 their threads exist; :func:`~syncserver.create_app` does not: a process that embeds a hub (a
