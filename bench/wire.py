@@ -231,7 +231,7 @@ up, down = (list(map(int, a.split(","))) for a in sys.argv[1:3])
 s = socket.create_server(("0.0.0.0", 9000), backlog=len(up))
 print("ready", flush=True)
 def serve(conn):
-    k = int(conn.recv(8))  # the peer's rank, then its update's bytes; then its result's, sent
+    k = int(conn.recv(8, socket.MSG_WAITALL))  # the peer's rank, its update's bytes; then its result's, sent
     buf, got = bytearray(1 << 20), 0
     while got < up[k] and (n := conn.recv_into(buf)):
         got += n
