@@ -92,7 +92,9 @@ def received(store: Store, data: bytes) -> None:
 
 
 def encoded(codec: Any, array: np.ndarray) -> dict[str, np.ndarray]:
-    """``array`` encoded a slice at a time, as the SDK does, joined per part."""
+    """``array`` encoded a slice at a time, as the SDK does, joined per part. Not the SDK's
+    ``UpdateState.encode``: its reused buffers and encode threads, living in this process, made
+    the timed receive 1.4-2.1 s instead of 0.9 s; the hub's process never holds a peer's state."""
     flat = array.reshape(-1)
     pieces = [codec.encode(flat[start:stop]) for start, stop, _ in slices(codec, array.shape)]
     return {s: np.concatenate([np.asarray(p[s]).reshape(-1) for p in pieces]) for s in pieces[0]}
