@@ -11,6 +11,7 @@ sum for a barrier, samples discounted by staleness over ``round_samples`` for as
 
     mean    = running weighted mean of decode(u) over acknowledged updates u,
               folded in acknowledgement order                               (float32, O(1) models)
+              (those still unfolded when the round closes are folded by the merge, slice by slice)
     mean    = mean * (sum of the weights / total)       (1 for a barrier: its total is that sum)
     result  = encode(outer_step(mean, momentum))                            -> ResultKey(v)
     v + 1   = version v + decode(result)                                    -> VersionKey(v + 1)
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -57,6 +58,10 @@ class Outer:
     lr: float
     momentum: float
     warmup: int = 0  # diloco: outer steps over which momentum ramps up (aggregate.warmup); 0: none
+
+
+class _Stopped(Exception):
+    """A first fold was told to stop (see :meth:`MergeEngine.fold`)."""
 
 
 class NonFinite(ArithmeticError):
@@ -96,24 +101,43 @@ class MergeEngine:
             for start, stop, parts in slices(codec, shape)
         )
 
-    def fold(self, acc: Accumulator, key: UpdateKey, weight: float, codec: Codec) -> None:
-        """Fold one acknowledged update, times ``weight``, into ``acc``, a slice at a time.
+    def fold(
+        self, acc: Accumulator, key: UpdateKey, weight: float, codec: Codec, *, stop: Callable[[], bool] | None = None
+    ) -> bool:
+        """Fold one acknowledged update, times ``weight``, into ``acc``, a slice at a time;
+        True once it is folded.
 
         The file is read with ``pread`` a few MB at a time and decoded slice by slice, so
         folding holds one slice of temporaries, whatever the model's size.
+
+        ``stop``, for a first fold only (nothing in ``acc`` yet), is asked before each slice:
+        once it says so the fold gives up, leaves ``acc`` empty and returns False. A round that
+        closes while its first update is being folded (its peers finished together) then folds
+        every update within its merge (:meth:`merge`'s ``unfolded``) instead of waiting: a
+        first fold also costs the accumulator's first touch, half a GB of fresh pages for
+        GPT-2, and nothing folded is lost by stopping it.
         """
+        if stop is not None and acc.folded:
+            raise ValueError("only a first fold can be stopped: a stopped fold leaves the accumulator empty")
         if acc.mean is None:
             acc.mean = {name: np.zeros(shape, np.float32) for name, shape in acc.schema.items()}
         mean, before = acc.mean, acc.weight
         with self.store.read(key) as wire:
 
-            def fold(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
-                decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))
-                aggregate.fold(mean[name].reshape(-1)[start:stop], decoded, weight, before)
+            def fold(name: str, start: int, stop_: int, parts: dict[str, tuple[int, int]]) -> None:
+                if stop is not None and stop():
+                    raise _Stopped
+                decoded = codec.decode(_read_parts(wire, name, parts), (stop_ - start,))
+                aggregate.fold(mean[name].reshape(-1)[start:stop_], decoded, weight, before)
 
-            self._each_slice(codec, acc.schema, fold)
+            try:
+                self._each_slice(codec, acc.schema, fold)
+            except _Stopped:
+                acc.mean = None  # part folded: dropped, and acc is as it was, empty
+                return False
         acc.folded.append(key.peer)
         acc.weight += weight
+        return True
 
     def peak(self, key: UpdateKey, codec: Codec, schema: Schema) -> float:
         """The largest magnitude in an update as decoded (to tell which update a non-finite
@@ -140,9 +164,17 @@ class MergeEngine:
         total: float,
         fraction: float,
         final: bool = False,
+        unfolded: Sequence[tuple[UpdateKey, float]] = (),
     ) -> int:
         """Write round ``round_``'s result (``outer_step(mean * weight / total)``) and DiLoCo
-        momentum; return the result's size. ``fraction``: how much of a whole outer step this
+        momentum; return the result's size. ``unfolded``: updates (and their weights) not in
+        ``acc`` yet, folded after it, in this order, slice by slice as the merge goes (``acc``
+        itself is left as it was). Closing a round is the one time every peer waits on the hub,
+        and the updates acknowledged just before it (every one, when the peers upload at the
+        same pace) would otherwise each be read, folded into the accumulator and read back
+        before the merge: folded here, each costs one read of its file, and a round with
+        nothing folded before its close needs no accumulator at all. The same folds in the
+        same order: the same bits as folding first. ``fraction``: how much of a whole outer step this
         round is (Delayed Nesterov's clock, kept in the momentum file's metadata with the count
         of whole outer steps done, which DiLoCo's warm-up reads; a barrier round is a whole
         one, ``inf``). ``final``: every update of the round is its peer's last, so nothing
@@ -160,11 +192,15 @@ class MergeEngine:
         wait for little more than the last slices.
         """
         schema, means, v = acc.schema, acc.mean, round_
-        if means is not None and not total > 0:
+        empty = means is None and not unfolded  # every update was left out
+        if not empty and not total > 0:
             raise ValueError(f"round {round_} of run {run!r}: total {total} must be positive")
+        weight = acc.weight
+        for _, w in unfolded:
+            weight += w  # summed as Accumulator.weight is, fold by fold
         # the running mean is sum(w u) / sum(w); the policy divides sum(w u) by ``total``. For a
         # barrier the two are the same float (the same integers summed): scale 1, the very same bits
-        scale = None if means is None or acc.weight == total else np.float32(acc.weight / total)
+        scale = None if empty or weight == total else np.float32(weight / total)
         diloco = outer.kind == "diloco"
         # a final round's result is lossless: the model the run ends with carries no
         # quantisation error of it (the peers flush their own residual with a last round)
@@ -182,7 +218,7 @@ class MergeEngine:
             fresh, complete = done == 0.0, done + fraction >= 1.0
             kind = "avg" if final else outer.kind
             lr, mu = aggregate.warmup(outer.lr, outer.momentum, steps, outer.warmup)
-            if means is None or final:  # the clock stands still
+            if empty or final:  # the clock stands still
                 progress = done
             else:
                 progress, steps = (0.0, steps + 1) if complete else (done + fraction, steps)
@@ -195,6 +231,7 @@ class MergeEngine:
                 mom.write(momentum_head)
             # the hub's own residual (hub_feedback codecs) goes out with a final round, which leaves none
             old_residual, residual, residual_at = self._residuals(run, v, run_codec, schema, files, keep=not final)
+            updates = [(files.enter_context(self.store.read(key)), w) for key, w in unfolded]
 
             def merge(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
                 n = stop - start
@@ -203,10 +240,10 @@ class MergeEngine:
                     if old_momentum is not None
                     else (np.zeros(n, np.float32) if diloco else None)
                 )
-                if means is None:  # every update was left out: this round changes nothing
+                if empty:  # every update was left out: this round changes nothing
                     update, m_new = np.zeros(n, np.float32), m_old
                 else:
-                    mean = means[name].reshape(-1)[start:stop]
+                    mean = self._mean(name, start, stop, parts, acc, updates, run_codec)
                     if scale is not None:
                         with np.errstate(over="ignore"):  # an overflow is refused below
                             mean = mean * scale
@@ -218,7 +255,7 @@ class MergeEngine:
                     if m_new is not None and not (_finite(update) and _finite(m_new)):
                         raise NonFinite(f"tensor {name!r}: the outer step overflows float32")
                 carried = old_residual.read(name, start, stop) if old_residual is not None else None
-                if carried is not None and means is not None:  # an empty round sends nothing, keeps all
+                if carried is not None and not empty:  # an empty round sends nothing, keeps all
                     with np.errstate(over="ignore"):
                         update = update + carried
                     if not _finite(update):
@@ -228,7 +265,7 @@ class MergeEngine:
                 new = base.read(name, start, stop)
                 applied = update if codec.lossless else codec.decode(encoded, (n,))
                 if residual is not None:  # what this result leaves out, for the next one
-                    left = carried if means is None and carried is not None else update - applied
+                    left = carried if empty and carried is not None else update - applied
                     residual.write_at(np.ascontiguousarray(left, np.float32), residual_at[name] + start * 4)
                 with np.errstate(over="ignore"):  # an overflow is refused just below
                     np.add(new, applied, out=new)
@@ -244,6 +281,32 @@ class MergeEngine:
 
             self._each_slice(codec, schema, merge)
         return len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
+
+    @staticmethod
+    def _mean(
+        name: str,
+        start: int,
+        stop: int,
+        parts: dict[str, tuple[int, int]],
+        acc: Accumulator,
+        updates: list[tuple[TensorFile, float]],
+        codec: Codec,
+    ) -> np.ndarray:
+        """One slice of the round's mean: ``acc``'s, with ``updates`` folded after it (into a
+        copy: ``acc`` stays as it was, for a merge that is refused and tried again)."""
+        mean = acc.mean[name].reshape(-1)[start:stop] if acc.mean is not None else None
+        before, copied = acc.weight, False
+        for wire, weight in updates:
+            decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))
+            if mean is None:  # the first fold: the mean *is* the update
+                mean, copied = np.array(decoded, np.float32), True
+            else:
+                if not copied:
+                    mean, copied = mean.copy(), True
+                aggregate.fold(mean, decoded, weight, before)
+            before += weight
+        assert mean is not None
+        return mean
 
     def _residuals(
         self, run: str, v: int, codec: Codec, schema: Schema, files: contextlib.ExitStack, *, keep: bool = True

@@ -5,8 +5,8 @@ what every peer will hold, ``version v + decode(result)``, can still overflow fl
 updates near 1e38, an outer step that multiplies them, a codec that rounds the largest float32
 up to Inf. :meth:`MergeEngine.merge <syncserver.engine.MergeEngine.merge>` checks that before
 anything is written; here a round whose merge is refused goes on without the update of
-largest magnitude, re-folded from the durable files in acknowledgement order, and again, until
-the merge is finite. With every update left out the round changes nothing, which is always
+largest magnitude, the others folded again from the durable files in acknowledgement order,
+and again, until the merge is finite. With every update left out the round changes nothing, which is always
 finite: the loop ends, after at most one merge per participant.
 
 Deterministic: the same acknowledged updates give the same updates left out (ties go by peer
@@ -33,15 +33,18 @@ log = logging.getLogger(__name__)
 async def merge_finite(
     engine: MergeEngine, run: Run, round_: int, participants: Sequence[str]
 ) -> tuple[int, list[str]]:
-    """Merge ``run``'s open round ``round_`` from its accumulator (every participant folded);
-    return the result's size and the peers whose updates were left out, in that order. The
-    divisor and the outer step's share are the policy's, of the participants' samples."""
+    """Merge ``run``'s open round ``round_``: its accumulator, with every acknowledged update
+    not folded yet folded by the merge itself (:meth:`MergeEngine.merge`); return the result's
+    size and the peers whose updates were left out, in that order. The divisor and the outer
+    step's share are the policy's, of the participants' samples."""
     assert run.schema is not None
     acc = run.accumulator()
+    order = [u.peer for u in sorted(run.acked.values(), key=lambda u: u.seq)]
     left_out: list[str] = []
     peaks: dict[str, float] = {}
     while True:
         samples = sum(run.acked[name].samples for name in participants if name not in left_out)
+        unfolded = [peer for peer in order if peer not in acc.folded and peer not in left_out]
         merge = functools.partial(
             engine.merge,
             run.name,
@@ -53,17 +56,18 @@ async def merge_finite(
             fraction=run.policy.fraction(samples),
             # the round's every update is its peer's last: plain averaging (see aggregate)
             final=all(run.acked[name].final for name in participants if name not in left_out),
+            unfolded=[(_key(run, peer), _weight(run, peer)) for peer in unfolded],
         )
         try:
             return await to_thread.run_sync(merge), left_out
         except NonFinite as exc:
-            if not acc.folded:
+            merged = [*acc.folded, *unfolded]
+            if not merged:
                 raise  # a round that changes nothing is finite: cannot happen
-            for peer in acc.folded:
+            for peer in merged:
                 if peer not in peaks:
-                    key = UpdateKey(run.name, run.acked[peer].round, peer)
-                    peaks[peer] = await to_thread.run_sync(engine.peak, key, run.codec, run.schema)
-            worst = max(acc.folded, key=lambda p: (peaks[p], p))
+                    peaks[peer] = await to_thread.run_sync(engine.peak, _key(run, peer), run.codec, run.schema)
+            worst = max(merged, key=lambda p: (peaks[p], p))
             log.warning(
                 "update_left_out run=%s round=%d peer=%s peak=%.4g reason=not_finite (%s)",
                 run.name,
@@ -73,17 +77,14 @@ async def merge_finite(
                 exc,
             )
             left_out.append(worst)
-            acc = await _refold(engine, run, round_, [p for p in acc.folded if p != worst])
-            run.acc = acc
+            if worst in acc.folded:  # the others are folded again by the next merge, in order
+                acc = run.acc = Accumulator(run.schema)
 
 
-async def _refold(engine: MergeEngine, run: Run, round_: int, peers: list[str]) -> Accumulator:
-    """A fresh accumulator with these peers' updates, in the order given (acknowledgement order)."""
-    assert run.schema is not None
-    acc = Accumulator(run.schema)
-    for peer in peers:
-        update = run.acked[peer]
-        key = UpdateKey(run.name, update.round, peer)
-        weight = run.policy.weight(update.samples, update.base, update.round)
-        await to_thread.run_sync(engine.fold, acc, key, weight, run.codec)
-    return acc
+def _key(run: Run, peer: str) -> UpdateKey:
+    return UpdateKey(run.name, run.acked[peer].round, peer)
+
+
+def _weight(run: Run, peer: str) -> float:
+    update = run.acked[peer]
+    return run.policy.weight(update.samples, update.base, update.round)

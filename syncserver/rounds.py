@@ -4,17 +4,19 @@ the close itself and the version files written after it.
 An update is acknowledged once its body is complete, verified (digest, layout, finite values;
 the norm guard when on), durable and recorded in sqlite; it is then folded into the round's
 float32 accumulator in acknowledgement order (so a hub restarted after a crash rebuilds the
-very same sums from the files). The policy (:mod:`syncserver.policy`) says when a round
-closes; the engine (:mod:`syncserver.engine`) does the tensor work; a round commits once its
-result (the encoded merged update) is durable, and the file of version v+1 is written after
-that, since it is ``version v + decode(result)``: a restarted hub rebuilds what a crash left
-unwritten, and pulls wait for it.
+very same sums from the files), or, once the round is closing, by the close's merge itself.
+The policy (:mod:`syncserver.policy`) says when a round closes; the engine
+(:mod:`syncserver.engine`) does the tensor work; a round commits once its result (the encoded
+merged update) is durable, and the file of version v+1 is written after that, since it is
+``version v + decode(result)``: a restarted hub rebuilds what a crash left unwritten, and pulls
+wait for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -297,8 +299,8 @@ class Rounds:
             received.nbytes / 1e6,
             received.seconds,
         )
-        # a close starts at once: it folds what is not folded yet (its "fold" timing: the round's
-        # last fold after its last acknowledgement), beside this request's own fold
+        # a close starts at once, and its merge folds what is not folded yet; otherwise this
+        # update is folded now, behind the uploads still under way
         self.carry_out(run, run.policy.acknowledged(ticket.peer, now(), ticket.samples))
         self.view.updated(run, update)
         await self._fold_pending(run)
@@ -344,18 +346,24 @@ class Rounds:
 
     # ---- folding and closing -------------------------------------------------------------
     async def _fold_pending(self, run: Run) -> None:
-        async with run.fold_lock:
-            await self._fold_unfolded(run)
+        """Fold every acknowledged, not yet folded update, in acknowledgement order, until the
+        round closes: from then on its merge folds the rest."""
+        def closing() -> bool:
+            return run.closing
 
-    async def _fold_unfolded(self, run: Run) -> None:
-        """Fold every acknowledged, not yet folded update, in acknowledgement order (the caller
-        holds ``run.fold_lock``)."""
-        acc = run.accumulator()
-        for update in sorted(run.acked.values(), key=lambda u: u.seq):
-            if update.peer not in acc.folded:
-                key = UpdateKey(run.name, update.round, update.peer)
-                weight = run.policy.weight(update.samples, update.base, update.round)
-                await to_thread.run_sync(self.engine.fold, acc, key, weight, run.codec)
+        async with run.fold_lock:
+            acc = run.accumulator()
+            for update in sorted(run.acked.values(), key=lambda u: u.seq):
+                if run.closing:
+                    return
+                if update.peer not in acc.folded:
+                    key = UpdateKey(run.name, update.round, update.peer)
+                    weight = run.policy.weight(update.samples, update.base, update.round)
+                    # a first fold stops when the round closes: the merge then folds every update
+                    stop = closing if not acc.folded else None
+                    fold = functools.partial(self.engine.fold, acc, key, weight, run.codec, stop=stop)
+                    if not await to_thread.run_sync(fold):
+                        return
 
     def decide(self, run: Run) -> None:
         """Ask the policy again (time passed); not while a failed close waits to retry."""
@@ -369,8 +377,7 @@ class Rounds:
     async def _close(self, run: Run, close: Close) -> None:
         started = time.monotonic()
         try:
-            async with run.fold_lock:
-                await self._fold_unfolded(run)
+            async with run.fold_lock:  # a fold under way ends (a first fold stops); the merge folds the rest
                 folded = time.monotonic()
                 if not self.store.exists(VersionKey(run.name, close.round)):
                     await self.versions.written(run)  # the merge checks version v + its result

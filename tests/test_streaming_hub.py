@@ -29,10 +29,11 @@ import torch
 import syncwire.codecs
 from syncclient import SyncClient
 from syncclient._model import ModelView
+from syncserver.engine import Accumulator, MergeEngine, Outer
 from syncserver.errors import InvalidUpdate
-from syncserver.store import Store
+from syncserver.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
 from syncserver.uploads import receive
-from syncwire import Codec, FormatError, decode_tensor, get_codec, iter_chunks, read_tensors
+from syncwire import Codec, FormatError, decode_tensor, get_codec, iter_chunks, read_tensors, wire_name
 from syncwire.codecs import slices
 from syncwire.format import TensorFile
 from tests.conftest import REPO, Hub
@@ -219,6 +220,92 @@ def test_sliced_fold_and_merge_give_the_exact_mean(hub: Hub, codec: str) -> None
         for key, value in before.items():
             decoded = decode_tensor(get_codec(codec), result, key, value.shape)
             assert np.array_equal(value + decoded, after[key]), key
+
+
+def _update_file(codec: Codec, arrays: Mapping[str, np.ndarray]) -> bytes:
+    """An update as a peer sends it: each tensor encoded a slice at a time, in the codec's parts."""
+    items = []
+    for name, array in arrays.items():
+        flat = array.reshape(-1)
+        pieces = [codec.encode(flat[start:stop]) for start, stop, _ in slices(codec, array.shape)]
+        for suffix in pieces[0]:
+            part = np.concatenate([np.asarray(p[suffix]).reshape(-1) for p in pieces])
+            items.append((wire_name(name, suffix), part, None))
+    return b"".join(bytes(chunk) for chunk in iter_chunks(items, metadata={"codec": codec.spec}))
+
+
+@pytest.mark.parametrize("outer", ["avg", "diloco"])
+@pytest.mark.parametrize("spec", ["fp32", "int8", "topk:chunk=64,k=4,block=64"])
+def test_the_merge_folds_what_is_not_folded_yet_to_the_same_bits(tmp_path: Path, spec: str, outer: str) -> None:
+    """A close folds the updates acknowledged just before it within its merge, slice by slice:
+    the result, momentum and residual are the bits of folding them first, however many were
+    folded before the close, and the accumulator is left as it was (a refused merge is retried)."""
+    codec, schema = get_codec(spec), {"w": (2_100_003,), "b": (37,)}  # "w": three slices
+    rng = np.random.default_rng(7)
+    model = {n: rng.standard_normal(s, dtype=np.float32) for n, s in schema.items()}
+    updates = [
+        _update_file(codec, {n: rng.standard_normal(s, dtype=np.float32) * 1e-2 for n, s in schema.items()})
+        for _ in range(3)
+    ]
+    weights = [3.0, 5.0, 7.0]
+    written: list[list[bytes]] = []
+    for eager in range(len(updates) + 1):
+        store = Store(tmp_path / str(eager))
+        engine = MergeEngine(store, threads=2)
+        files = [VersionKey("r", 0), *(UpdateKey("r", 0, f"p{k}") for k in range(len(updates)))]
+        for key, data in zip(files, [_update_file(get_codec("fp32"), model), *updates], strict=True):
+            with store.write(key) as f:
+                f.write(data)
+        keys = list(zip(files[1:], weights, strict=True))
+        acc = Accumulator(schema)
+        for key, weight in keys[:eager]:
+            engine.fold(acc, key, weight, codec)
+        kept = {n: a.copy() for n, a in acc.mean.items()} if acc.mean is not None else None
+        # 2 x the weights: an async round's divisor, the mean scaled by half
+        engine.merge("r", 0, acc, codec, Outer(outer, 0.7, 0.9), total=30.0, fraction=1.0, unfolded=keys[eager:])
+        assert acc.weight == sum(weights[:eager]) and acc.folded == [f"p{k}" for k in range(eager)]
+        assert (acc.mean is None) == (kept is None)
+        if acc.mean is not None and kept is not None:
+            assert all(np.array_equal(acc.mean[n], kept[n]) for n in schema)
+        outputs = [ResultKey("r", 0), MomentumKey("r", 1), ResidualKey("r", 1)]
+        written.append([_bytes(store, key) for key in outputs if store.exists(key)])
+        engine.close()
+        store.close()
+    assert len(written[0]) == 1 + (outer == "diloco") + codec.hub_feedback
+    assert all(w == written[0] for w in written[1:])
+
+
+def test_a_first_fold_stops_when_told_and_leaves_the_accumulator_empty(tmp_path: Path) -> None:
+    """A round that closes while its first update is folded stops that fold (its merge folds
+    every update): the accumulator is left empty, not part folded; a later fold is not stoppable."""
+    codec, schema = get_codec("int8"), {"w": (2_100_003,), "b": (37,)}  # four slices
+    rng = np.random.default_rng(8)
+    store = Store(tmp_path)
+    engine = MergeEngine(store, threads=2)
+    keys = [UpdateKey("r", 0, "p0"), UpdateKey("r", 0, "p1")]
+    for key in keys:
+        with store.write(key) as f:
+            f.write(_update_file(codec, {n: rng.standard_normal(s, dtype=np.float32) for n, s in schema.items()}))
+    acc = Accumulator(schema)
+    asked = itertools.count()
+    assert engine.fold(acc, keys[0], 3.0, codec, stop=lambda: next(asked) >= 2) is False  # after two slices
+    assert acc.mean is None and acc.folded == [] and acc.weight == 0.0
+    assert engine.fold(acc, keys[0], 3.0, codec, stop=lambda: False) is True
+    mean = {n: a.copy() for n, a in acc.mean.items()} if acc.mean is not None else {}
+    with pytest.raises(ValueError, match="only a first fold"):
+        engine.fold(acc, keys[1], 5.0, codec, stop=lambda: True)
+    assert acc.folded == ["p0"] and acc.weight == 3.0 and acc.mean is not None
+    assert all(np.array_equal(acc.mean[n], mean[n]) for n in schema)
+    engine.close()
+    store.close()
+
+
+def _bytes(store: Store, key: ResultKey | MomentumKey | ResidualKey) -> bytes:
+    blob = store.serve(key)
+    try:
+        return blob.read(0, blob.size)
+    finally:
+        blob.close()
 
 
 def test_downloads_in_big_chunks_serve_the_exact_bytes(hub: Hub) -> None:
