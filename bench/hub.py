@@ -4,16 +4,17 @@
     python bench/hub.py --model tiny --reps 1   # the smoke test
 
 Over shaped links (bench/wire.py) the uploads run at bare TCP's pace, and the time from the last
-acknowledgement to the first result byte is the hub's alone: every peer waits while it folds the
-last update and merges. This times the hub's code on GPT-2's tensors in a fresh store on the data
-dir's disk, phase by phase:
+acknowledgement to the first result byte is the hub's alone: every peer waits while it merges,
+folding the last update as it goes. This times the hub's code on GPT-2's tensors in a fresh store
+on the data dir's disk, phase by phase:
 
 - **receive**: one update's body through :func:`syncserver.uploads.receive` (hash, NaN/Inf scan,
   write, fsync), fed in pieces of 256 KiB - 1 byte (asyncio's socket reads are at most 256 KiB;
   the odd size splits values across pieces and batches, as a network's reads do);
-- **fold**: each of ``--peers`` updates read back (``pread``), decoded and folded into the mean;
-- **merge**: the result written and fsynced (``outer_step``, encode, the check that version v +
-  result is finite);
+- **fold**: every update but the last read back (``pread``), decoded and folded into the mean, as
+  the hub folds each update acknowledged before the round closes;
+- **merge**: the close: the last update folded slice by slice as the merge goes, the result written
+  and fsynced (``outer_step``, encode, the check that version v + result is finite);
 - **version**: version v+1 built from v and the result (after the commit: off the peers' wait).
 
 Seconds are wall time, the best (and median) of ``--reps``; ``cpu`` is the process's CPU time
@@ -131,11 +132,13 @@ def one_codec(spec: str, args: argparse.Namespace, schema: dict[str, tuple[int, 
                 write_file(store, UpdateKey(run, v, peer), data)
                 del delta, data
             acc = Accumulator(schema)
+            keys = [(UpdateKey(run, v, peer), 1000.0 + k) for k, peer in enumerate(peers)]
             with timed("fold"):
-                for k, peer in enumerate(peers):
-                    engine.fold(acc, UpdateKey(run, v, peer), 1000.0 + k, codec)
+                for key, weight in keys[:-1]:
+                    engine.fold(acc, key, weight, codec)
             with timed("merge"):
-                engine.merge(run, v, acc, codec, Outer(args.outer, 0.7, 0.9), total=acc.weight, fraction=math.inf)
+                outer, total = Outer(args.outer, 0.7, 0.9), sum(w for _, w in keys)
+                engine.merge(run, v, acc, codec, outer, total=total, fraction=math.inf, unfolded=keys[-1:])
             with timed("version"):
                 engine.build_versions(run, v + 1, codec, schema)
             store.prune(run, v + 1, keep=1)  # as the hub does: the closed round's files go
