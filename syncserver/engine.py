@@ -167,14 +167,17 @@ class MergeEngine:
         unfolded: Sequence[tuple[UpdateKey, float]] = (),
     ) -> int:
         """Write round ``round_``'s result (``outer_step(mean * weight / total)``) and DiLoCo
-        momentum; return the result's size. ``unfolded``: updates (and their weights) not in
-        ``acc`` yet, folded after it, in this order, slice by slice as the merge goes (``acc``
-        itself is left as it was). Closing a round is the one time every peer waits on the hub,
-        and the updates acknowledged just before it (every one, when the peers upload at the
-        same pace) would otherwise each be read, folded into the accumulator and read back
-        before the merge: folded here, each costs one read of its file, and a round with
-        nothing folded before its close needs no accumulator at all. The same folds in the
-        same order: the same bits as folding first. ``fraction``: how much of a whole outer step this
+        momentum; return the result's size. ``unfolded``: updates (and their weights)
+        not in ``acc`` yet, folded after it, in this order, slice by slice as the merge
+        goes (``acc`` itself is left as it was, but for a ``final`` round of a lossy
+        codec: its result is fp32, cut into other slices, so the updates are folded
+        into ``acc`` first). Closing a round is the one time every peer waits on the hub,
+        and the updates acknowledged just before it (every one, when the peers upload
+        at the same pace) would otherwise each be read, folded into the accumulator and
+        read back before the merge: folded here, each costs one read of its file, and a
+        round with nothing folded before its close needs no accumulator at all. The
+        same folds in the same order: the same bits as folding first.
+        ``fraction``: how much of a whole outer step this
         round is (Delayed Nesterov's clock, kept in the momentum file's metadata with the count
         of whole outer steps done, which DiLoCo's warm-up reads; a barrier round is a whole
         one, ``inf``). ``final``: every update of the round is its peer's last, so nothing
@@ -191,6 +194,12 @@ class MergeEngine:
         slice's writeback starts as soon as it is written, so the fsyncs before the commit
         wait for little more than the last slices.
         """
+        if unfolded and final and not codec.lossless:
+            # a final round's result is fp32, cut into slices unlike its lossy updates: they
+            # are folded into ``acc`` first (the same folds in the same order)
+            for key, w in unfolded:
+                self.fold(acc, key, w, codec)
+            unfolded = ()
         schema, means, v = acc.schema, acc.mean, round_
         empty = means is None and not unfolded  # every update was left out
         if not empty and not total > 0:

@@ -4,10 +4,10 @@ The running mean (:func:`syncserver.aggregate.fold`) is finite whenever the upda
 what every peer will hold, ``version v + decode(result)``, can still overflow float32: finite
 updates near 1e38, an outer step that multiplies them, a codec that rounds the largest float32
 up to Inf. :meth:`MergeEngine.merge <syncserver.engine.MergeEngine.merge>` checks that before
-anything is written; here a round whose merge is refused goes on without the update of
-largest magnitude, the others folded again from the durable files in acknowledgement order,
-and again, until the merge is finite. With every update left out the round changes nothing, which is always
-finite: the loop ends, after at most one merge per participant.
+anything is written; here a round whose merge is refused goes on without the update of largest
+magnitude, the others folded again from the durable files in acknowledgement order, and again,
+until the merge is finite. With every update left out the round changes nothing, which is
+always finite: the loop ends, after at most one merge per participant.
 
 Deterministic: the same acknowledged updates give the same updates left out (ties go by peer
 name) and the same bits, so a hub restarted mid-round closes it exactly as it would have.
@@ -61,7 +61,7 @@ async def merge_finite(
         try:
             return await to_thread.run_sync(merge), left_out
         except NonFinite as exc:
-            merged = [*acc.folded, *unfolded]
+            merged = list(dict.fromkeys([*acc.folded, *unfolded]))  # a final round's merge folds into acc
             if not merged:
                 raise  # a round that changes nothing is finite: cannot happen
             for peer in merged:

@@ -348,6 +348,7 @@ class Rounds:
     async def _fold_pending(self, run: Run) -> None:
         """Fold every acknowledged, not yet folded update, in acknowledgement order, until the
         round closes: from then on its merge folds the rest."""
+
         def closing() -> bool:
             return run.closing
 

@@ -234,12 +234,16 @@ def _update_file(codec: Codec, arrays: Mapping[str, np.ndarray]) -> bytes:
     return b"".join(bytes(chunk) for chunk in iter_chunks(items, metadata={"codec": codec.spec}))
 
 
+@pytest.mark.parametrize("final", [False, True])
 @pytest.mark.parametrize("outer", ["avg", "diloco"])
 @pytest.mark.parametrize("spec", ["fp32", "int8", "topk:chunk=64,k=4,block=64"])
-def test_the_merge_folds_what_is_not_folded_yet_to_the_same_bits(tmp_path: Path, spec: str, outer: str) -> None:
+def test_the_merge_folds_what_is_not_folded_yet_to_the_same_bits(
+    tmp_path: Path, spec: str, outer: str, final: bool
+) -> None:
     """A close folds the updates acknowledged just before it within its merge, slice by slice:
     the result, momentum and residual are the bits of folding them first, however many were
-    folded before the close, and the accumulator is left as it was (a refused merge is retried)."""
+    folded before the close, and the accumulator is left as it was (a refused merge is retried).
+    A final round's fp32 result is sliced unlike lossy updates: those are folded first."""
     codec, schema = get_codec(spec), {"w": (2_100_003,), "b": (37,)}  # "w": three slices
     rng = np.random.default_rng(7)
     model = {n: rng.standard_normal(s, dtype=np.float32) for n, s in schema.items()}
@@ -262,16 +266,19 @@ def test_the_merge_folds_what_is_not_folded_yet_to_the_same_bits(tmp_path: Path,
             engine.fold(acc, key, weight, codec)
         kept = {n: a.copy() for n, a in acc.mean.items()} if acc.mean is not None else None
         # 2 x the weights: an async round's divisor, the mean scaled by half
-        engine.merge("r", 0, acc, codec, Outer(outer, 0.7, 0.9), total=30.0, fraction=1.0, unfolded=keys[eager:])
-        assert acc.weight == sum(weights[:eager]) and acc.folded == [f"p{k}" for k in range(eager)]
-        assert (acc.mean is None) == (kept is None)
-        if acc.mean is not None and kept is not None:
-            assert all(np.array_equal(acc.mean[n], kept[n]) for n in schema)
+        outer_ = Outer(outer, 0.7, 0.9)
+        engine.merge("r", 0, acc, codec, outer_, total=30.0, fraction=1.0, final=final, unfolded=keys[eager:])
+        folded = len(keys) if final and not codec.lossless else eager
+        assert acc.weight == sum(weights[:folded]) and acc.folded == [f"p{k}" for k in range(folded)]
+        if folded == eager:
+            assert (acc.mean is None) == (kept is None)
+            if acc.mean is not None and kept is not None:
+                assert all(np.array_equal(acc.mean[n], kept[n]) for n in schema)
         outputs = [ResultKey("r", 0), MomentumKey("r", 1), ResidualKey("r", 1)]
         written.append([_bytes(store, key) for key in outputs if store.exists(key)])
         engine.close()
         store.close()
-    assert len(written[0]) == 1 + (outer == "diloco") + codec.hub_feedback
+    assert len(written[0]) == 1 + (outer == "diloco") + (codec.hub_feedback and not final)
     assert all(w == written[0] for w in written[1:])
 
 
