@@ -30,6 +30,7 @@ finite before the result is written whole; :class:`NonFinite` otherwise, and not
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -233,8 +234,13 @@ class MergeEngine:
                 progress, steps = (0.0, steps + 1) if complete else (done + fraction, steps)
             momentum_meta = {"version": str(v + 1), "progress": repr(progress), "steps": str(steps)}
             momentum_head, momentum_at = _header(_fp32_layout(schema), momentum_meta)
-            result = files.enter_context(self.store.write(ResultKey(run, v)))
-            mom = files.enter_context(self.store.write(MomentumKey(run, v + 1))) if diloco else None
+            result_size = len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
+            result = files.enter_context(self.store.write(ResultKey(run, v), result_size))
+            mom = (
+                files.enter_context(self.store.write(MomentumKey(run, v + 1), _fp32_size(momentum_head, schema)))
+                if diloco
+                else None
+            )
             result.write(result_head)
             if mom is not None:
                 mom.write(momentum_head)
@@ -289,7 +295,7 @@ class MergeEngine:
                     mom.write_at(np.ascontiguousarray(m_new, np.float32), momentum_at[name] + start * 4)
 
             self._each_slice(codec, schema, merge)
-        return len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
+        return result_size
 
     @staticmethod
     def _mean(
@@ -331,7 +337,7 @@ class MergeEngine:
         if not keep:
             return old, None, {}
         head, at = _header(_fp32_layout(schema), {"version": str(v + 1)})
-        new = files.enter_context(self.store.write(ResidualKey(run, v + 1)))
+        new = files.enter_context(self.store.write(ResidualKey(run, v + 1), _fp32_size(head, schema)))
         new.write(head)
         return old, new, at
 
@@ -349,7 +355,7 @@ class MergeEngine:
             current = files.enter_context(self.store.read(VersionKey(run, v)))
             result = files.enter_context(self.store.read(ResultKey(run, v)))
             codec = get_codec(result.metadata.get("codec", codec.spec))
-            version = files.enter_context(self.store.write(VersionKey(run, v + 1)))
+            version = files.enter_context(self.store.write(VersionKey(run, v + 1), _fp32_size(head, schema)))
             version.write(head)
 
             def add(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
@@ -395,6 +401,11 @@ def _read_parts(wire: TensorFile, name: str, parts: dict[str, tuple[int, int]]) 
 def _fp32_layout(schema: Schema) -> list[tuple[str, str, tuple[int, ...]]]:
     """The layout of a version (and of a DiLoCo momentum) file: every tensor in float32."""
     return [(name, "F32", shape) for name, shape in schema.items()]
+
+
+def _fp32_size(head: bytes, schema: Schema) -> int:
+    """The bytes of a float32 file of ``schema`` with header ``head`` (to pick a spare to write over)."""
+    return len(head) + 4 * sum(math.prod(shape) for shape in schema.values())
 
 
 def _header(layout: Iterable[tuple[str, str, tuple[int, ...]]], meta: dict[str, str]) -> tuple[bytes, dict[str, int]]:

@@ -22,7 +22,17 @@ Layout under ``data_dir``::
     runs/<run>/rounds/<v>/updates/<peer>.safetensors  an acknowledged update for round v (wire codec)
     runs/<run>/rounds/<v>/result.safetensors round v's merged update (wire codec)
     tmp/                                    uploads in flight
+    tmp/spares/<id>.spare                   pruned tensor files, kept to write the next ones into
     tmp/partials/<run>/<v>/<peer>/<digest>.part  an update cut mid-body, kept for its resume
+
+Pruned tensor files are not deleted but kept, a few (:data:`SPARES`), to be written over by
+the next files :meth:`Store.write` makes (:class:`Spares`): their pages are still in the page
+cache. A round writes half a GB of result and half a GB of version for GPT-2 in fp32, and
+writing into fresh page-cache pages cost 0.8-1.1 s per 500 MB on the 2-core VM of
+bench/RESULTS.md, against 0.08 s over a file whose pages are cached (a VM hands memory the
+guest frees back to its host, so every fresh page is a fault there as well). A spare is taken
+only while nothing else has it open, which the kernel says (a write lease, ``F_SETLEASE``):
+a pruned version still being served to a late peer is never written over.
 
 Peer names are chosen by peers, so they get a folder of their own: no peer name can be a file
 of the hub's (a peer called ``result`` once stored its update at the round's result path, and
@@ -34,11 +44,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import json
 import os
 import shutil
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -62,6 +74,8 @@ __all__ = [
     "ResultKey",
     "RoundRecord",
     "RunRecord",
+    "SPARES",
+    "Spares",
     "Staged",
     "Store",
     "Upload",
@@ -243,6 +257,100 @@ def _publish(tmp: Path, path: Path) -> None:
     _fsync_dir(path.parent)
 
 
+#: pruned tensor files kept to be written over (:class:`Spares`). A round writes up to four
+#: (result, version, DiLoCo momentum, topk residual) and prunes as many plus its updates.
+SPARES = 6
+
+
+def _unshared(fd: int) -> bool | None:
+    """Whether ``fd`` is the only open file of its inode, in any process (a mapping counts):
+    the kernel grants a write lease only then. None where leases do not work (not Linux, a
+    file system without them, not the file's owner): then nothing can be told."""
+    setlease = getattr(fcntl, "F_SETLEASE", None)
+    if setlease is None:
+        return None
+    try:
+        fcntl.fcntl(fd, setlease, fcntl.F_WRLCK)
+    except BlockingIOError:  # EAGAIN: someone else has it open
+        return False
+    except OSError:
+        return None
+    fcntl.fcntl(fd, setlease, fcntl.F_UNLCK)
+    return True
+
+
+class Spares:
+    """Pruned tensor files, kept to write new ones into (see the module docstring).
+
+    :meth:`retire` moves a pruned file here instead of deleting it, keeping the largest
+    ``limit``; :meth:`take` hands one out for :meth:`Store.write`: the smallest that holds the
+    bytes to write, else the largest, and only one that nothing else has open (a download of
+    a pruned version may still be reading it: that one waits for a later round). Where the
+    kernel cannot tell (no leases), nothing is kept and every file is new, as before.
+    """
+
+    def __init__(self, folder: Path, limit: int = SPARES) -> None:
+        self._folder = folder
+        self._limit = limit
+        self._files: list[tuple[int, Path]] = []  # (size, path)
+        self._lock = threading.Lock()  # prune runs on the event loop, writes in worker threads
+        self._usable = limit > 0
+
+    def retire(self, path: Path) -> None:
+        """Remove ``path``'s name: keep its file as a spare, or delete it."""
+        if not self._usable:
+            path.unlink(missing_ok=True)
+            return
+        self._folder.mkdir(parents=True, exist_ok=True)
+        spare = self._folder / f"{uuid.uuid4().hex}.spare"
+        try:
+            size = path.stat().st_size
+            os.rename(path, spare)
+        except FileNotFoundError:
+            return
+        with self._lock:
+            self._files.append((size, spare))
+            self._files.sort(key=lambda f: -f[0])
+            dropped = self._files[self._limit :]
+            del self._files[self._limit :]
+        for _, extra in dropped:
+            extra.unlink(missing_ok=True)
+
+    def take(self, size: int | None, to: Path) -> int | None:
+        """A spare renamed to ``to`` and opened for writing (its old bytes still there: write
+        over them and cut it at the end), or None."""
+        with self._lock:
+            if not self._files:
+                return None
+            fits = sorted((f for f in self._files if size is not None and f[0] >= size), key=lambda f: f[0])
+            for entry in [*fits, *(f for f in self._files if f not in fits)]:
+                try:
+                    fd = os.open(entry[1], os.O_WRONLY)
+                except FileNotFoundError:  # cleared meanwhile
+                    self._files.remove(entry)
+                    continue
+                unshared = _unshared(fd)
+                if unshared is False:  # still read: a later round may have it
+                    os.close(fd)
+                    continue
+                self._files.remove(entry)
+                if unshared is None:  # the kernel cannot say who else has it open: keep none
+                    os.close(fd)
+                    self._usable = False
+                    for _, path in [entry, *self._files]:
+                        path.unlink(missing_ok=True)
+                    self._files.clear()
+                    return None
+                os.rename(entry[1], to)
+                return fd
+        return None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._files.clear()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
 # ---- handles -------------------------------------------------------------------------------
 class BlobWriter:
     """An open file being written all or nothing (see :meth:`Store.write`): bytes at the end
@@ -250,7 +358,9 @@ class BlobWriter:
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
-        self._end = 0
+        self._end = 0  # where :meth:`write` goes on
+        self._lock = threading.Lock()
+        self.size = 0  # the end of what was written (a spare written over is cut there)
 
     def write(self, data: bytes) -> None:
         with _translating():
@@ -258,6 +368,7 @@ class BlobWriter:
             while done < len(data):
                 done += os.pwrite(self._fd, data[done:], self._end + done)
         self._end += len(data)
+        self._grow(self._end)
 
     def write_at(self, array: np.ndarray, position: int) -> None:
         """Write an array's bytes at ``position`` and start their writeback at once, so the
@@ -268,6 +379,11 @@ class BlobWriter:
             while done < len(view):
                 done += os.pwrite(self._fd, view[done:], position + done)
         start_writeback(self._fd, position, len(view))
+        self._grow(position + len(view))
+
+    def _grow(self, end: int) -> None:
+        with self._lock:
+            self.size = max(self.size, end)
 
 
 class Blob:
@@ -403,6 +519,7 @@ class Store:
         (self._root / "runs").mkdir(parents=True, exist_ok=True)
         self._tmp = self._root / "tmp"
         self._tmp.mkdir(exist_ok=True)
+        self._spares = Spares(self._tmp / "spares")
         self._db = sqlite3.connect(self._root / "hub.sqlite3", isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
@@ -484,17 +601,23 @@ class Store:
         return TensorFile(self._path(key))
 
     @contextlib.contextmanager
-    def write(self, key: Key) -> Iterator[BlobWriter]:
-        """Write ``key`` all or nothing: a crash or an error leaves the old file or none."""
+    def write(self, key: Key, size: int | None = None) -> Iterator[BlobWriter]:
+        """Write ``key`` all or nothing: a crash or an error leaves the old file or none.
+
+        ``size``, the bytes it will hold if known, picks the spare to write over (:class:`Spares`)."""
         path = self._path(key)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         with _translating():
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            spare = self._spares.take(size, tmp)
+            fd = spare if spare is not None else os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             try:
-                yield BlobWriter(fd)
+                writer = BlobWriter(fd)
+                yield writer
                 with _translating():
+                    if spare is not None:
+                        os.ftruncate(fd, writer.size)  # a larger spare's tail goes
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -735,6 +858,7 @@ class Store:
     @_translated
     def clear_tmp(self) -> None:
         """Drop uploads in flight, partials included: after a crash the peers start them again."""
+        self._spares.clear()
         for path in self._tmp.iterdir():
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
@@ -750,10 +874,12 @@ class Store:
         for kind in ("versions", "momentum", "residual"):
             for path in (self._run_dir(run) / kind).glob("*.safetensors"):
                 if int(path.stem) < floor:
-                    path.unlink(missing_ok=True)
+                    self._spares.retire(path)
         results_floor = version - max(keep, keep_results or 0) + 1
         for path in (self._run_dir(run) / "rounds").glob("*"):
             if path.is_dir() and int(path.name) < results_floor:
+                for tensors in path.rglob("*.safetensors"):  # the result and the updates
+                    self._spares.retire(tensors)
                 shutil.rmtree(path, ignore_errors=True)
         for path in self._partials(run).glob("*"):
             if int(path.name) < version - (keep_results or 0):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import httpx
 import numpy as np
@@ -13,7 +14,7 @@ from syncclient._model import ModelView
 from syncserver.aggregate import diloco_step, warmup
 from syncwire import get_codec
 from tests.conftest import Hub, tiny_gpt2
-from tests.harness import hub_model, run_peers, train_a_little
+from tests.harness import Peers, hub_model, run_peers, train_a_little
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16"])
@@ -183,6 +184,28 @@ def test_a_lossy_run_flushes_its_residual_at_the_end(hub: Hub) -> None:
         )
         error = np.linalg.norm(final[name] - exact)
         assert error < 0.3 * np.linalg.norm(once) + 1e-6, (name, error, np.linalg.norm(once))
+
+
+def test_files_written_over_pruned_ones_change_no_bit(hub_factory: Callable[..., Hub]) -> None:
+    """A hub that prunes every round writes its results, versions, DiLoCo momentum and topk
+    residual over the files it pruned (store.Spares); a hub that prunes nothing writes every
+    file new. The same peers' run ends bit for bit the same on both."""
+    rounds, ends = 6, []
+    for keep in ("1", "100"):
+        hub = hub_factory("--keep-versions", keep)
+        peers = Peers(hub.url, "spares", ["a", "b"], min_peers=2, codec="topk", outer="diloco", outer_warmup=0)
+        peers.join()
+        for _ in range(rounds):
+            peers.parallel(["a", "b"], lambda n, p=peers: p.sync(n, samples=3 if n == "a" else 5, seed=ord(n)))
+        final = hub_model(hub, "spares")
+        for model in peers.models.values():
+            got = ModelView(model).export()
+            assert all(np.array_equal(got[name], final[name]) for name in final)
+        ends.append(final)
+        # the pruned files were kept to be written over (tests/test_store.py shows they are)
+        spares = list((hub.data_dir / "tmp" / "spares").glob("*.spare"))
+        assert bool(spares) == (keep == "1"), spares
+    assert all(np.array_equal(ends[0][name], ends[1][name]) for name in ends[0])
 
 
 def test_concurrent_joiners_elect_one_initialiser(hub: Hub) -> None:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from syncserver.errors import Unavailable
-from syncserver.store import Missing, ResultKey, Staged, Store, UpdateKey, UpdateRecord, VersionKey
+from syncserver.store import SPARES, Missing, ResultKey, Staged, Store, UpdateKey, UpdateRecord, VersionKey
 from syncwire import iter_chunks
-from syncwire.format import encode_header
+from syncwire.format import encode_header, read_tensors
 
 
 def body(arrays: dict[str, np.ndarray]) -> bytes:
@@ -71,6 +71,71 @@ def test_a_served_blob_outlives_its_pruning(store: Store) -> None:
         blob.close()
     with pytest.raises(Missing):
         store.serve(VersionKey("r", 0))
+
+
+def version_path(tmp_path: Path, run: str, v: int) -> Path:
+    return tmp_path / "hub" / "runs" / run / "versions" / f"{v:08d}.safetensors"
+
+
+def spares(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "hub" / "tmp" / "spares").glob("*.spare"))
+
+
+def test_a_pruned_file_is_written_over_by_the_next_write_and_cut_to_size(store: Store, tmp_path: Path) -> None:
+    big = {"w": np.arange(64, dtype=np.float32), "b": np.ones(8, np.float32)}
+    for v in range(2):
+        write_version(store, VersionKey("r", v), big)
+    pruned = version_path(tmp_path, "r", 0).stat().st_ino
+    store.prune("r", 1, keep=1)
+    assert store.versions("r") == [1] and len(spares(tmp_path)) == 1
+
+    small = {"w": np.full(3, 7, np.float32)}  # fewer bytes than the spare holds: its tail must go
+    write_version(store, VersionKey("r", 2), small)
+    path = version_path(tmp_path, "r", 2)
+    assert path.stat().st_ino == pruned and not spares(tmp_path)  # the very file, written over
+    assert path.read_bytes() == body(small)
+    arrays, _ = read_tensors(str(path))
+    assert arrays["w"].tolist() == [7, 7, 7]
+
+
+@pytest.mark.parametrize("reader", ["served blob", "memory map"])
+def test_a_pruned_file_still_open_is_not_written_over(store: Store, tmp_path: Path, reader: str) -> None:
+    old, new = {"w": np.arange(16, dtype=np.float32)}, {"w": np.full(16, -1, np.float32)}
+    for v in range(2):
+        write_version(store, VersionKey("r", v), old)
+    pruned = version_path(tmp_path, "r", 0).stat().st_ino
+    if reader == "served blob":  # a late peer still downloading version 0
+        handle = store.serve(VersionKey("r", 0))
+        still = lambda: handle.read(0, handle.size)  # noqa: E731
+    else:  # a mapping outlives the descriptor it was made from
+        arrays, _ = read_tensors(str(version_path(tmp_path, "r", 0)))
+        still = lambda: body({"w": np.array(arrays["w"])})  # noqa: E731
+    store.prune("r", 1, keep=1)
+
+    write_version(store, VersionKey("r", 2), new)
+    assert version_path(tmp_path, "r", 2).stat().st_ino != pruned  # a new file: the spare is in use
+    assert still() == body(old)  # what is being read stays as it was
+    if reader == "served blob":
+        handle.close()
+    else:
+        del arrays, still
+    write_version(store, VersionKey("r", 3), new)  # now nothing reads it: written over
+    assert version_path(tmp_path, "r", 3).stat().st_ino == pruned
+    assert version_path(tmp_path, "r", 3).read_bytes() == body(new)
+
+
+def test_the_largest_few_pruned_files_are_kept_and_a_restart_drops_them(store: Store, tmp_path: Path) -> None:
+    sizes = list(range(1, SPARES + 4))
+    for v, n in enumerate(sizes):
+        write_version(store, VersionKey("r", v), {"w": np.zeros(100 * n, np.float32)})
+    store.prune("r", len(sizes) - 1, keep=1)
+    kept = sorted(p.stat().st_size for p in spares(tmp_path))
+    assert len(kept) == SPARES
+    assert kept == sorted(len(body({"w": np.zeros(100 * n, np.float32)})) for n in sizes[-1 - SPARES : -1])
+    store.clear_tmp()  # what a hub's start does
+    assert not spares(tmp_path)
+    write_version(store, VersionKey("r", 99), {"w": np.zeros(4, np.float32)})  # a new file, as before
+    assert store.versions("r")[-1] == 99
 
 
 def staged(store: Store, data: bytes) -> Staged:
