@@ -91,6 +91,13 @@ parser.add_argument(
 )
 parser.add_argument("--model", choices=sorted(rb.MODELS), default="gpt2", help="as bench/round.py")
 parser.add_argument("--rounds", type=int, default=1, help="timed rounds per case; seconds are the best")
+parser.add_argument(
+    "--warmup",
+    type=int,
+    default=0,
+    help="untimed rounds per codec over unshaped links first: a long run's steady state (the peers' "
+    "buffers made, the hub's pruned files kept to write over once --keep-versions rounds have passed)",
+)
 parser.add_argument("--ns-prefix", default=None, help="namespace name prefix (default: unique per run)")
 parser.add_argument("--out", type=Path, default=BENCH / "results", help="folder for the JSON")
 parser.add_argument("--data-root", type=Path, default=None, help="where the hub's data dir goes")
@@ -313,9 +320,10 @@ def run_case(
     links: list[Link],
     rounds: int,
     model_bytes: int,
+    warmup: int = 0,
 ) -> list[dict[str, Any]]:
-    """Join N peers to a run of ``codec`` over unshaped links, then time ``rounds`` rounds on
-    each link shape."""
+    """Join N peers to a run of ``codec`` over unshaped links, run ``warmup`` untimed rounds
+    there, then time ``rounds`` rounds on each link shape."""
     run = f"wire-{codec}"
     joined = peers.all("join", url=hub.url, run=run, codec=codec, world=n)
     if len({j["digest"] for j in joined}) != 1:
@@ -323,27 +331,21 @@ def run_case(
     version = joined[0]["version"]
     rows = []
     try:
+        for _ in range(warmup):
+            sync_round(peers, hub, data_dir, run, version)
+            version += 1
         for link in links:
             net.shape(link)
             per_round = []
             try:
                 for _ in range(rounds):
-                    peers.all("perturb", round_=version + 1)
-                    rss: dict[str, int] = {}
-                    with hub.watch(rss):
-                        go = rb._now() + 0.5
-                        results = peers.all("sync", go=go)
+                    results, rss, go = sync_round(peers, hub, data_dir, run, version)
                     version += 1
-                    hub_digest = rb.file_digest(wait_version(data_dir, run, version))
-                    digests = {r["digest"] for r in results}
-                    if digests != {hub_digest} or {r["version"] for r in results} != {version}:
-                        raise AssertionError(f"v{version}: peers and hub disagree: {digests} vs {hub_digest}")
-                    if any(r["caught_up"] for r in results):
-                        raise AssertionError(f"v{version}: a peer was dropped from the round")
                     up, down = [r["bytes_up"] for r in results], [r["bytes_down"] for r in results]
                     done = max(r["t_done"] for r in results)
                     per_round.append(
                         {
+                            "version": version,
                             "round_s": done - go,
                             "put_s": done - min(r["t_put"] for r in results),
                             "encode_s": max(r["t_put"] for r in results) - go,
@@ -390,6 +392,26 @@ def run_case(
     finally:
         peers.all("leave")
     return rows
+
+
+def sync_round(
+    peers: rb.Peers, hub: rb.Server, data_dir: Path, run: str, version: int
+) -> tuple[list[dict[str, Any]], dict[str, int], float]:
+    """One round from ``version``: every peer perturbs its model and calls ``sync()`` at the same
+    instant. Returns the peers' reports, the hub's peak RSS and that instant; raises unless every
+    peer and the hub's version file agree bit for bit and no peer was dropped."""
+    peers.all("perturb", round_=version + 1)
+    rss: dict[str, int] = {}
+    with hub.watch(rss):
+        go = rb._now() + 0.5
+        results = peers.all("sync", go=go)
+    hub_digest = rb.file_digest(wait_version(data_dir, run, version + 1))
+    digests = {r["digest"] for r in results}
+    if digests != {hub_digest} or {r["version"] for r in results} != {version + 1}:
+        raise AssertionError(f"v{version + 1}: peers and hub disagree: {digests} vs {hub_digest}")
+    if any(r["caught_up"] for r in results):
+        raise AssertionError(f"v{version + 1}: a peer was dropped from the round")
+    return results, rss, go
 
 
 def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -482,7 +504,9 @@ def main() -> None:
                             link for link in links if codec in (args.slow_codecs if link.bits <= slow else args.codecs)
                         ]
                         if case:
-                            rows += run_case(peers, hub, net, data_dir, n, codec, case, args.rounds, model_bytes)
+                            rows += run_case(
+                                peers, hub, net, data_dir, n, codec, case, args.rounds, model_bytes, args.warmup
+                            )
                 finally:
                     if peers is not None:
                         peers.close(wait=5)  # a peer mid-round after a signal will not answer

@@ -160,10 +160,11 @@ def netns_prefix() -> str:
 def test_wire_benchmark_shapes_links_and_leaves_no_namespace(tmp_path: Path, netns_prefix: str) -> None:
     """bench/wire.py with a tiny model: a row per (codec, link), figures in them, namespaces gone."""
     args = ["--model", "tiny", "--peers", "2", "--codecs", "fp32", "--slow-codecs", "int8",
-            "--links", "shared:1gbit", "peer:100mbit", "--ns-prefix", netns_prefix]  # fmt: skip
+            "--links", "shared:1gbit", "peer:100mbit", "--warmup", "1", "--ns-prefix", netns_prefix]  # fmt: skip
     stdout, result = run_bench("wire", tmp_path / "results", *args)
     rows = {(r["codec"], r["link"]): r for r in result["rows"]}
     assert set(rows) == {("fp32", "shared:1gbit"), ("int8", "peer:100mbit")}, "fp32 stays off the slow link"
+    assert [r["version"] for row in rows.values() for r in row["rounds"]] == [2, 2], "one untimed round first"
     for row in rows.values():
         assert row["round_s"] > 0 and row["limit_s"] > 0 and row["hub_peak_rss"] > 0
         assert row["bytes_up"] > 0 and row["bytes_down"] > 0
