@@ -129,7 +129,7 @@ _FIRST = [  # in the order they run: what the targets need first
     # the sparse codec (0.025x the bytes of fp32 each way; issue 16)
     Config(f"p2-s{MID}-topk", 2, MID, codec="topk"),
 ]
-_SEEDED = ["serial", f"p2-s{MID}", f"p2-s{SHORT}", f"p4-s{MID}"]
+_SEEDED = ["serial", f"p2-s{MID}", f"p2-s{SHORT}", f"p4-s{MID}", f"p2-s{MID}-topk"]
 _EXTRA = 4  # the last rows of _FIRST run after the other seeds: no target depends on them
 _OTHER_SEEDS = [
     Config(f"{c.name}-seed{seed}", c.peers, c.sync_every, c.codec, c.outer, c.env, c.flags | {"seed": seed}, c.scratch)
