@@ -122,7 +122,7 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = Store(settings.data_dir)
+        store = Store(settings.data_dir, spares=settings.spare_files)
         coordinator = Coordinator(settings, store)
         await coordinator.start()
         _redact_logs()

@@ -95,6 +95,13 @@ class HubSettings(BaseSettings):
         5.0, description="An idle keep-alive connection is closed after this many seconds (uvicorn's keep-alive)."
     )
     keep_versions: int = Field(3, ge=1, le=10_000, description="Model versions (and round results) kept on disk.")
+    spare_files: int = Field(
+        6,
+        ge=0,
+        le=64,
+        description="Pruned tensor files kept to write new ones over (their pages stay cached: "
+        "fresh ones cost ~1 s per 500 MB on some VMs); each costs its size on disk. 0: none.",
+    )
     codec: str = Field("fp32", description="Default codec of new runs: fp32, bf16, int8, int4, topk.")
     outer: Outer = Field("avg", description="Default outer optimizer of new runs.")
     outer_lr: OuterLR = Field(0.7, description="DiLoCo outer learning rate (default of new runs; at most 10).")

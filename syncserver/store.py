@@ -257,8 +257,9 @@ def _publish(tmp: Path, path: Path) -> None:
     _fsync_dir(path.parent)
 
 
-#: pruned tensor files kept to be written over (:class:`Spares`). A round writes up to four
-#: (result, version, DiLoCo momentum, topk residual) and prunes as many plus its updates.
+#: pruned tensor files kept to be written over (:class:`Spares`; the hub's ``SYNC_SPARE_FILES``).
+#: A round writes a result, a version, an upload per peer and, for DiLoCo and topk, a momentum
+#: and a residual, and prunes as many.
 SPARES = 6
 
 
@@ -423,10 +424,12 @@ class Upload:
     failures are translated once; the receiving logic is :mod:`syncserver.uploads`.
     """
 
-    def __init__(self, path: Path, done_path: Path | None) -> None:
+    def __init__(self, path: Path, done_path: Path | None, spares: Spares) -> None:
         self._path = path
         self._done_path = done_path  # a partial moves here once whole (out of pruning's reach)
+        self._spares = spares
         self._fd: int | None = None
+        self._end = 0  # the body's bytes in the file: a spare written over holds more until cut
 
     @property
     def resumable(self) -> bool:
@@ -445,24 +448,28 @@ class Upload:
             return 0
 
     @_translated
-    def open(self, offset: int) -> None:
-        """Open for writing from ``offset`` (0: from scratch; the caller checked :meth:`held`)."""
+    def open(self, offset: int, size: int | None = None) -> None:
+        """Open for writing from ``offset`` (0: from scratch, into a spare that holds ``size``
+        bytes if there is one; the caller checked :meth:`held`)."""
         self._path.parent.mkdir(parents=True, exist_ok=True)
         if offset:
             self._fd = os.open(self._path, os.O_RDWR)
             os.ftruncate(self._fd, offset)  # same digest, same bytes: anything past offset is re-sent
         else:
-            self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = self._spares.take(size, self._path)
+            if self._fd is None:
+                self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._end = offset
 
     @_translated
     def append(self, chunks: list[bytes]) -> None:
-        """Write ``chunks`` at the end of the file (``writev``, at most IOV_MAX at a time)."""
+        """Write ``chunks`` after the body's bytes (``pwritev``, at most IOV_MAX at a time)."""
         assert self._fd is not None
         views = [memoryview(c) for c in chunks if len(c)]
         first = 0
-        os.lseek(self._fd, 0, os.SEEK_END)
         while first < len(views):
-            written = os.writev(self._fd, views[first : first + 1024])
+            written = os.pwritev(self._fd, views[first : first + 1024], self._end)
+            self._end += written
             while first < len(views) and written >= len(views[first]):
                 written -= len(views[first])
                 first += 1
@@ -488,6 +495,7 @@ class Upload:
         closed round's partials cannot take it). :class:`FileNotFoundError` if it already did:
         its round closed as the body arrived (:class:`Missing`)."""
         assert self._fd is not None
+        os.ftruncate(self._fd, self._end)  # a spare's old tail
         os.fsync(self._fd)
         self.close()
         if self._done_path is None:
@@ -499,8 +507,14 @@ class Upload:
         return Staged(self._done_path)
 
     def close(self) -> None:
+        """Close; the file then holds the body's bytes alone (:meth:`held` is its size)."""
         if self._fd is not None:
-            os.close(self._fd)
+            try:
+                os.ftruncate(self._fd, self._end)
+            except OSError:  # held() must count the body's bytes alone: then none
+                self._path.unlink(missing_ok=True)
+            finally:
+                os.close(self._fd)
             self._fd = None
 
     def discard(self) -> None:
@@ -514,12 +528,12 @@ class Store:
     here: a handful of small rows per round); bulk tensor I/O happens in worker threads."""
 
     @_translated
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, spares: int = SPARES) -> None:
         self._root = Path(data_dir)
         (self._root / "runs").mkdir(parents=True, exist_ok=True)
         self._tmp = self._root / "tmp"
         self._tmp.mkdir(exist_ok=True)
-        self._spares = Spares(self._tmp / "spares")
+        self._spares = Spares(self._tmp / "spares", spares)
         self._db = sqlite3.connect(self._root / "hub.sqlite3", isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
@@ -637,7 +651,7 @@ class Store:
     # ---- uploads -----------------------------------------------------------------------------
     def fresh_upload(self) -> Upload:
         """Somewhere to receive a body that is not resumable (version 0)."""
-        return Upload(self._tmp / f"{uuid.uuid4().hex}.part", None)
+        return Upload(self._tmp / f"{uuid.uuid4().hex}.part", None, self._spares)
 
     @_translated
     def resumable_upload(self, run: str, round_: int, peer: str, digest: str, *, supersede: bool = False) -> Upload:
@@ -649,7 +663,7 @@ class Store:
             for stale in folder.glob("*.part"):
                 if stale != path:
                     stale.unlink(missing_ok=True)
-        return Upload(path, self._tmp / f"{uuid.uuid4().hex}.part")
+        return Upload(path, self._tmp / f"{uuid.uuid4().hex}.part", self._spares)
 
     @_translated
     def publish_initial(self, staged: Staged, run: str, schema: dict[str, tuple[int, ...]]) -> None:

@@ -152,9 +152,10 @@ async def partial_offset(upload: Upload) -> int:
 
 
 class _Sink:
-    """Upload + hash + NaN scan, fed from a worker thread. ``offset`` > 0 appends to a partial."""
+    """Upload + hash + NaN scan, fed from a worker thread. ``offset`` > 0 appends to a partial;
+    ``size``, the bytes announced, picks the file a new upload writes over (:class:`~syncserver.store.Spares`)."""
 
-    def __init__(self, upload: Upload, offset: int = 0) -> None:
+    def __init__(self, upload: Upload, offset: int = 0, size: int | None = None) -> None:
         self.hash = hashlib.sha256()
         self.scan: _FiniteScan | None = None  # set once the header is known
         if offset:
@@ -164,7 +165,7 @@ class _Sink:
                     f"the hub holds {held} bytes of this upload, not {offset}; ask again (HEAD)",
                     upload_offset=held,
                 )
-        upload.open(offset)
+        upload.open(offset, size)
         self.upload = upload
         self.position = offset  # body offset of the next byte
         self._flushed = offset  # writeback asked for up to here
@@ -257,7 +258,7 @@ async def _receive(
     batched = 0  # their bytes
     pending: asyncio.Future[None] | None = None
     interrupted = False  # the body stopped arriving (as opposed to: it was refused)
-    sink = _Sink(upload, offset)
+    sink = _Sink(upload, offset, content_length)
 
     def read_header(chunk: bytes) -> int | None:
         """Worker thread: feed the header; once whole, check it and set up the scan. O(tensors):

@@ -14,7 +14,7 @@ from syncclient._model import ModelView
 from syncserver.aggregate import diloco_step, warmup
 from syncwire import get_codec
 from tests.conftest import Hub, tiny_gpt2
-from tests.harness import Peers, hub_model, run_peers, train_a_little
+from tests.harness import Peers, hub_model, run_peers, train_a_little, wait_for
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16"])
@@ -187,12 +187,12 @@ def test_a_lossy_run_flushes_its_residual_at_the_end(hub: Hub) -> None:
 
 
 def test_files_written_over_pruned_ones_change_no_bit(hub_factory: Callable[..., Hub]) -> None:
-    """A hub that prunes every round writes its results, versions, DiLoCo momentum and topk
-    residual over the files it pruned (store.Spares); a hub that prunes nothing writes every
-    file new. The same peers' run ends bit for bit the same on both."""
+    """A hub that prunes every round writes its results, versions, uploads, DiLoCo momentum and
+    topk residual over the files it pruned (store.Spares); with ``--spare-files 0`` it writes
+    every file new. The same peers' run ends bit for bit the same on both."""
     rounds, ends = 6, []
-    for keep in ("1", "100"):
-        hub = hub_factory("--keep-versions", keep)
+    for spare_files in ("6", "0"):
+        hub = hub_factory("--keep-versions", "1", "--spare-files", spare_files)
         peers = Peers(hub.url, "spares", ["a", "b"], min_peers=2, codec="topk", outer="diloco", outer_warmup=0)
         peers.join()
         for _ in range(rounds):
@@ -202,9 +202,14 @@ def test_files_written_over_pruned_ones_change_no_bit(hub_factory: Callable[...,
             got = ModelView(model).export()
             assert all(np.array_equal(got[name], final[name]) for name in final)
         ends.append(final)
-        # the pruned files were kept to be written over (tests/test_store.py shows they are)
-        spares = list((hub.data_dir / "tmp" / "spares").glob("*.spare"))
-        assert bool(spares) == (keep == "1"), spares
+        # the pruned files were kept to be written over (tests/test_store.py shows they are); each
+        # round takes what the one before kept, and the last round's pruning, after its version
+        # file, keeps some again
+        spares = lambda h=hub: list((h.data_dir / "tmp" / "spares").glob("*.spare"))  # noqa: E731
+        if spare_files == "0":
+            assert not spares()
+        else:
+            wait_for(spares, "the last round's pruned files kept")
     assert all(np.array_equal(ends[0][name], ends[1][name]) for name in ends[0])
 
 

@@ -124,6 +124,15 @@ def test_a_pruned_file_still_open_is_not_written_over(store: Store, tmp_path: Pa
     assert version_path(tmp_path, "r", 3).read_bytes() == body(new)
 
 
+def test_a_store_told_to_keep_no_spares_deletes_what_it_prunes(tmp_path: Path) -> None:
+    store = Store(tmp_path / "hub", spares=0)
+    for v in range(3):
+        write_version(store, VersionKey("r", v), {"w": np.zeros(8, np.float32)})
+    store.prune("r", 2, keep=1)
+    assert store.versions("r") == [2] and not spares(tmp_path)
+    assert [p.name for p in (tmp_path / "hub").rglob("*.safetensors")] == ["00000002.safetensors"]
+
+
 def test_the_largest_few_pruned_files_are_kept_and_a_restart_drops_them(store: Store, tmp_path: Path) -> None:
     sizes = list(range(1, SPARES + 4))
     for v, n in enumerate(sizes):
@@ -228,6 +237,28 @@ def test_a_partial_pruned_as_it_completes_is_missing(store: Store) -> None:
     store.prune("r", 1, keep=3)  # round 0 closed: its partials can never complete
     with pytest.raises(Missing):
         upload.finish()
+
+
+def test_an_upload_cut_while_it_writes_over_a_spare_holds_its_own_bytes_alone(store: Store, tmp_path: Path) -> None:
+    """A resumable upload written over a larger pruned file: cut, it holds what arrived and
+    nothing of the old file (its retry starts there); resumed and finished, the body exactly."""
+    for v in range(2):
+        write_version(store, VersionKey("r", v), {"w": np.full(1000, 9, np.float32)})
+    store.prune("r", 1, keep=1)
+    assert len(spares(tmp_path)) == 1
+    body_ = bytes(range(256)) * 10
+    upload = store.resumable_upload("r", 1, "a", "d")
+    upload.open(0, len(body_))
+    assert not spares(tmp_path), "the upload took the spare"
+    upload.append([body_[:1000], body_[1000:1500]])
+    upload.close()  # the link died
+    again = store.resumable_upload("r", 1, "a", "d")
+    assert again.held() == 1500
+    again.open(1500)
+    again.append([body_[1500:]])
+    again.finish()
+    (done,) = [p for p in (tmp_path / "hub" / "tmp").glob("*.part")]
+    assert done.read_bytes() == body_
 
 
 def older_hub(path: Path, *statements: str) -> Store:
