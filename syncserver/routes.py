@@ -285,7 +285,8 @@ async def put_update(
         str | None,
         Header(
             alias="X-Sync-Final",
-            description="?1: the peer's last update; a round of last updates is plain averaging.",
+            description="?1: the peer's last update; a round of last updates is plain averaging. "
+            "A last update may be fp32 whatever the run's codec (the residual a peer flushes).",
         ),
     ] = None,
     offset: Annotated[
