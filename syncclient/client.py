@@ -318,9 +318,8 @@ class SyncClient:
         ``final``: the last sync of this peer's training. The hub merges a round of last updates
         by plain averaging (a DiLoCo momentum step would overshoot with nothing trained after
         it); with a lossy codec in a barrier run, one more round then sends what error feedback
-        held back (the residual: what the codec left out of every update so far), in fp32 and
-        whole, so that the final model carries every update's whole delta. It costs one fp32
-        upload at the end of training (the final rounds' results are fp32 already).
+        held back (the residual: this sync's quantisation error), so that the final model carries
+        no more than the quantisation error of that residual.
         """
         if self._group is None:
             view = ModelView(model)
@@ -343,11 +342,9 @@ class SyncClient:
         result = self._apply(self._start(view, samples, metrics, keep_local=False, final=final), view)
         assert self._state is not None
         if final and not self._state.codec.lossless and self.policy == "barrier" and not result.caught_up:
-            # the model is the merged version now, so this update is the residual alone, sent
-            # whole (fp32: topk's one round still loses 80% of what it sends); it weighs what the
-            # update it was cut from weighed
-            flush = self._start(view, samples, None, keep_local=False, final=True, lossless=True)
-            result = self._apply(flush, view)
+            # the model is the merged version now, so this update is the residual alone; it weighs
+            # what the update it was cut from weighed
+            result = self._apply(self._start(view, samples, None, keep_local=False, final=True), view)
         return result
 
     def sync_async(
@@ -502,10 +499,8 @@ class SyncClient:
         *,
         keep_local: bool,
         final: bool = False,
-        lossless: bool = False,
     ) -> PendingSync:
-        """The caller's half of a sync: snapshot, encode (in fp32 if ``lossless``), hand the
-        network work to the worker."""
+        """The caller's half of a sync: snapshot, encode, hand the network work to the worker."""
         if self._state is None:
             raise SyncError("join(model) before sync()")
         self._check_idle()
@@ -521,9 +516,9 @@ class SyncClient:
             return self._inflight
         local = view.export()  # on CPU float32 these share memory with the model: copy to keep
         snapshot = {name: x.copy() for name, x in local.items()} if keep_local else None
-        update = self._state.encode(snapshot or local, lossless=lossless)  # new arrays: training may go on
+        update = self._state.encode(snapshot or local)  # new arrays: training may go on
         sent_metrics = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(float(v))}
-        if not self._state.codec.lossless and not lossless:
+        if not self._state.codec.lossless:
             sent_metrics.update(codec_ratio=update.ratio, codec_error=update.error)
         if self._progress is not None:
             self._progress.sent()  # what is counted from here on goes into the next round

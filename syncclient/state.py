@@ -35,7 +35,6 @@ from syncwire.format import DTYPES
 __all__ = ["EncodedUpdate", "UpdateState"]
 
 _Where = dict[str, tuple[int, int]]  # a slice's values in each wire part: suffix -> (first, count)
-_FP32 = get_codec("fp32")
 
 
 @dataclass(frozen=True)
@@ -64,11 +63,8 @@ class UpdateState:
         # version, part the next, and only adopting a whole version mends it (SyncClient does)
         self.torn = False
 
-    def encode(self, local: Mapping[str, np.ndarray], *, lossless: bool = False) -> EncodedUpdate:
+    def encode(self, local: Mapping[str, np.ndarray]) -> EncodedUpdate:
         """Encode ``local - base`` (plus the residual) and keep the new residual.
-
-        ``lossless``: in fp32 whatever the run's codec, the residual included and nothing kept
-        back (a peer's last update: see :meth:`SyncClient.sync`'s ``final``).
 
         ``local`` may change (training goes on) once this returns. The parts returned are the
         state's own buffers, reused by the next encode (the client encodes again only once the
@@ -79,9 +75,9 @@ class UpdateState:
         thread or the order, so the update is the same bytes as on one thread. The residual is
         updated in place; a refused update (NaN) drops it, as it would have half of it replaced.
         """
-        codec = _FP32 if lossless else self.codec
+        codec = self.codec
         parts: list[tuple[str, np.ndarray, str]] = []
-        jobs: list[tuple[Codec, str, np.ndarray, dict[str, np.ndarray], np.ndarray | None, int, int, _Where]] = []
+        jobs: list[tuple[str, np.ndarray, dict[str, np.ndarray], np.ndarray | None, int, int, _Where]] = []
         for name, x in local.items():
             flat = np.ascontiguousarray(x, np.float32).reshape(-1)
             out = {}
@@ -93,11 +89,11 @@ class UpdateState:
                 out[suffix] = buffer
                 parts.append((wire, buffer.reshape(shape), dtype))
             residual = None
-            if not self.codec.lossless:  # a lossless update carries the residual in and leaves 0
+            if not codec.lossless:
                 if name not in self.residual or self.residual[name].shape != x.shape:
                     self.residual[name] = np.zeros(x.shape, np.float32)
                 residual = self.residual[name].reshape(-1)
-            jobs += [(codec, name, flat, out, residual, *piece) for piece in slices(codec, x.shape)]
+            jobs += [(name, flat, out, residual, *piece) for piece in slices(codec, x.shape)]
         try:
             sums = list(_pool().map(lambda job: self._encode_slice(*job), jobs))  # in order: the first failure
         except SyncError:
@@ -110,7 +106,6 @@ class UpdateState:
 
     def _encode_slice(
         self,
-        codec: Codec,
         name: str,
         x: np.ndarray,
         out: dict[str, np.ndarray],
@@ -120,8 +115,9 @@ class UpdateState:
         where: _Where,
     ) -> tuple[float, float]:
         """Values ``start:stop`` of tensor ``name`` (``x``: its local values, flat): encode them
-        with ``codec`` into ``out`` at ``where``, carry ``residual`` in and keep the new rounding
-        there; return this slice's squared error and squared norm."""
+        into ``out`` at ``where``, carry ``residual`` in and keep the new rounding there; return
+        this slice's squared error and squared norm."""
+        codec = self.codec
         delta = x[start:stop] - self.base[name].reshape(-1)[start:stop]
         if not np.isfinite(delta).all():
             raise SyncError(f"tensor {name!r} holds NaN or Inf: the update was not sent (training diverged?)")

@@ -47,7 +47,6 @@ from syncwire.format import TensorFile, encode_header
 __all__ = ["Accumulator", "MergeEngine", "NonFinite", "Outer", "SLICE_THREADS"]
 
 SLICE_THREADS = min(4, os.cpu_count() or 1)  # threads that fold and merge (see MergeEngine._each_slice)
-_FP32 = get_codec("fp32")
 
 Work = Callable[[str, int, int, dict[str, tuple[int, int]]], None]
 
@@ -97,7 +96,6 @@ class MergeEngine:
     # ---- per update ----------------------------------------------------------------------
     def norm(self, wire: TensorFile, codec: Codec, schema: Schema) -> float:
         """An update's L2 norm as decoded (for the norm guard), a slice at a time like the fold."""
-        codec = _codec_of(wire, codec, schema)
         return aggregate.global_norm(
             codec.decode(_read_parts(wire, name, parts), (stop - start,))
             for name, shape in schema.items()
@@ -126,7 +124,6 @@ class MergeEngine:
             acc.mean = {name: np.zeros(shape, np.float32) for name, shape in acc.schema.items()}
         mean, before = acc.mean, acc.weight
         with self.store.read(key) as wire:
-            codec = _codec_of(wire, codec, acc.schema)
 
             def fold(name: str, start: int, stop_: int, parts: dict[str, tuple[int, int]]) -> None:
                 if stop is not None and stop():
@@ -148,7 +145,6 @@ class MergeEngine:
         merge must go without; a rare path, so not kept from the fold)."""
         peaks: list[float] = []
         with self.store.read(key) as wire:
-            codec = _codec_of(wire, codec, schema)
 
             def peak(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
                 decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))
@@ -170,14 +166,13 @@ class MergeEngine:
         fraction: float,
         final: bool = False,
         unfolded: Sequence[tuple[UpdateKey, float]] = (),
-        lasts: bool = False,
     ) -> int:
         """Write round ``round_``'s result (``outer_step(mean * weight / total)``) and DiLoCo
         momentum; return the result's size. ``unfolded``: updates (and their weights)
         not in ``acc`` yet, folded after it, in this order, slice by slice as the merge
         goes (``acc`` itself is left as it was, but for a ``final`` round of a lossy
-        codec, whose result is fp32, cut into other slices, and for updates sent whole:
-        then the updates are folded into ``acc`` first). Closing a round is the one time every peer waits on the hub,
+        codec: its result is fp32, cut into other slices, so the updates are folded
+        into ``acc`` first). Closing a round is the one time every peer waits on the hub,
         and the updates acknowledged just before it (every one, when the peers upload
         at the same pace) would otherwise each be read, folded into the accumulator and
         read back before the merge: folded here, each costs one read of its file, and a
@@ -186,9 +181,8 @@ class MergeEngine:
         ``fraction``: how much of a whole outer step this
         round is (Delayed Nesterov's clock, kept in the momentum file's metadata with the count
         of whole outer steps done, which DiLoCo's warm-up reads; a barrier round is a whole
-        one, ``inf``). ``lasts``: some of ``unfolded`` are their peers' last updates, which
-        may come whole (fp32; rounds.py). ``final``: every update of the round is its peer's
-        last, so nothing trains after it: the round is plain averaging and the momentum passes on unchanged.
+        one, ``inf``). ``final``: every update of the round is its peer's last, so nothing
+        trains after it: the round is plain averaging and the momentum passes on unchanged.
         :class:`NonFinite` if version ``round_`` + the result, or the momentum, would not be
         finite (nothing is written then). With nothing folded,
         the result is zero and the momentum and its clock stay: the round changes nothing.
@@ -201,11 +195,9 @@ class MergeEngine:
         slice's writeback starts as soon as it is written, so the fsyncs before the commit
         wait for little more than the last slices.
         """
-        whole = lasts and any(self._whole(key, acc.schema) for key, _ in unfolded)
-        if unfolded and not codec.lossless and (final or whole):
-            # a final round's result is fp32, cut into slices unlike its lossy updates, and an
-            # update sent whole (fp32, a peer's last) is cut unlike the run's: they are folded
-            # into ``acc`` first (the same folds in the same order)
+        if unfolded and final and not codec.lossless:
+            # a final round's result is fp32, cut into slices unlike its lossy updates: they
+            # are folded into ``acc`` first (the same folds in the same order)
             for key, w in unfolded:
                 self.fold(acc, key, w, codec)
             unfolded = ()
@@ -222,7 +214,7 @@ class MergeEngine:
         diloco = outer.kind == "diloco"
         # a final round's result is lossless: the model the run ends with carries no
         # quantisation error of it (the peers flush their own residual with a last round)
-        run_codec, codec = codec, _FP32 if final else codec
+        run_codec, codec = codec, get_codec("fp32") if final else codec
         result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
         result_head, result_at = _header(result_layout, meta)
@@ -304,11 +296,6 @@ class MergeEngine:
 
             self._each_slice(codec, schema, merge)
         return result_size
-
-    def _whole(self, key: UpdateKey, schema: Schema) -> bool:
-        """Whether an update was sent whole (fp32) rather than in the run's codec."""
-        with self.store.read(key) as wire:
-            return _is_whole(wire, schema)
 
     @staticmethod
     def _mean(
@@ -398,17 +385,6 @@ class MergeEngine:
             for future in futures:
                 future.cancel()  # after a failure: the rest is moot (a cancelled round starts over)
             wait(futures)  # nothing may still write to the files the caller is about to discard
-
-
-def _is_whole(wire: TensorFile, schema: Schema) -> bool:
-    """An update sent whole: a float32 tensor for each of the schema's (what rounds.py lets a
-    peer's last update of a lossy run be; no lossy codec's layout looks like it)."""
-    return wire.infos.keys() == schema.keys() and all(i.dtype == "F32" for i in wire.infos.values())
-
-
-def _codec_of(wire: TensorFile, codec: Codec, schema: Schema) -> Codec:
-    """The codec an update file was encoded with: the run's ``codec``, or fp32 for one sent whole."""
-    return _FP32 if not codec.lossless and _is_whole(wire, schema) else codec
 
 
 def _finite(values: np.ndarray) -> bool:

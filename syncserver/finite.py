@@ -57,7 +57,6 @@ async def merge_finite(
             # the round's every update is its peer's last: plain averaging (see aggregate)
             final=all(run.acked[name].final for name in participants if name not in left_out),
             unfolded=[(_key(run, peer), _weight(run, peer)) for peer in unfolded],
-            lasts=any(run.acked[peer].final for peer in unfolded),
         )
         try:
             return await to_thread.run_sync(merge), left_out

@@ -176,22 +176,16 @@ class Rounds:
         if repeat is not None:
             return Ticket(run.name, round_, peer, digest, samples, metrics, 0, _refuse_body, acknowledged=repeat)
         await self.check_open(run, round_)
-        shape = run.shape
-        assert shape is not None  # set with the schema: O(schema) once, not per request
-        # a peer's last update may come whole (fp32) in a lossy run: the residual it flushes
-        whole = final and not run.codec.lossless
+        assert run.shape is not None  # set with the schema: O(schema) once, not per request
+        layout = run.shape.layout
 
         def check(infos: dict[str, TensorInfo]) -> None:  # in a worker thread (uploads.receive)
-            try:
-                check_layout(infos, shape.layout)
-            except FormatError:
-                if not whole or infos.keys() != shape.whole.keys():
-                    raise
-                check_layout(infos, shape.whole)
+            check_layout(infos, layout)
 
         upload = self.store.resumable_upload(run.name, round_, peer, digest, supersede=supersede)
-        limit = shape.max_whole_bytes if whole else shape.max_update_bytes
-        return Ticket(run.name, round_, peer, digest, samples, metrics, limit, check, upload, final=final)
+        return Ticket(
+            run.name, round_, peer, digest, samples, metrics, run.shape.max_update_bytes, check, upload, final=final
+        )
 
     def _acknowledged(self, run: Run, round_: int, peer: str, digest: str) -> UpdateAck | None:
         """Idempotency: the same update again is harmless, a different one is a conflict. An

@@ -285,8 +285,7 @@ async def put_update(
         str | None,
         Header(
             alias="X-Sync-Final",
-            description="?1: the peer's last update; a round of last updates is plain averaging. "
-            "A last update may be fp32 whatever the run's codec (the residual a peer flushes).",
+            description="?1: the peer's last update; a round of last updates is plain averaging.",
         ),
     ] = None,
     offset: Annotated[

@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from syncwire import Codec, Schema, TensorInfo, get_codec, layout_bytes, wire_layout
+from syncwire import Codec, Schema, TensorInfo, layout_bytes, wire_layout
 from syncwire.codecs import Layout
 from syncwire.format import MAX_HEADER_BYTES, encode_header
 
@@ -32,8 +32,6 @@ class RunShape:
     schema: Schema
     layout: Layout  # every wire tensor an update must hold (the run's codec)
     max_update_bytes: int  # the largest update body the hub reads
-    whole: Layout  # the same update in fp32 (a peer's last one may be sent whole: rounds.py)
-    max_whole_bytes: int  # the largest such body
     parameters: int
     schema_lists: dict[str, list[int]]  # tensor -> shape, as a ready answer carries it
     schema_json: bytes  # the same, as JSON
@@ -46,22 +44,16 @@ class RunShape:
 
     @classmethod
     def of(cls, schema: Schema, codec: Codec, max_body_bytes: int) -> RunShape:
-        layout, whole = wire_layout(codec, schema), wire_layout(get_codec("fp32"), schema)
-
-        def max_bytes(layout: Layout) -> int:
-            # the header may be a few times the size of the run's own (other writers pad it, add
-            # metadata), not the format's 8 MiB cap: a small run's limit stays small
-            own_header, _ = encode_header((name, dtype, shape) for name, (dtype, shape) in layout.items())
-            header_cap = min(MAX_HEADER_BYTES, 2 * len(own_header) + HEADER_SLACK)
-            return min(8 + header_cap + layout_bytes(layout), max_body_bytes)
-
+        layout = wire_layout(codec, schema)
+        # the header may be a few times the size of the run's own (other writers pad it, add
+        # metadata), not the format's 8 MiB cap: a small run's limit stays small
+        own_header, _ = encode_header((name, dtype, shape) for name, (dtype, shape) in layout.items())
+        header_cap = min(MAX_HEADER_BYTES, 2 * len(own_header) + HEADER_SLACK)
         lists = {name: list(shape) for name, shape in schema.items()}
         return cls(
             schema=schema,
             layout=layout,
-            max_update_bytes=max_bytes(layout),
-            whole=whole,
-            max_whole_bytes=max_bytes(whole),
+            max_update_bytes=min(8 + header_cap + layout_bytes(layout), max_body_bytes),
             parameters=sum(math.prod(shape) for shape in schema.values()),
             schema_lists=lists,
             schema_json=json.dumps(lists, separators=(",", ":")).encode(),

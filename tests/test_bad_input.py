@@ -435,25 +435,6 @@ def test_fp32_body_to_a_bf16_run(api: httpx.Client, hub: Hub) -> None:
     refused_and_unchanged(run, lambda: run.put("a", data), 422, "invalid_update", "the run expects BF16")
 
 
-def test_a_whole_update_is_taken_only_as_a_peers_last(api: httpx.Client, hub: Hub) -> None:
-    """An int8 run takes an update in fp32 (the residual a peer flushes at the end, sent whole)
-    only with ``X-Sync-Final``; then it is folded as fp32 beside the int8 ones."""
-    run = new_run(api, hub, codec="int8")
-    whole = encode(run.delta())
-    refused_and_unchanged(run, lambda: run.put("a", whole), 422, "invalid_update", "do not match the run's schema")
-    d_a, d_b = run.delta(), run.delta()
-    final = {"X-Sync-Final": "?1"}
-    a, b = encode(d_a), encode(d_b, run.codec)
-    assert run.put("a", a, headers=update_headers(a, 3, **final)).status_code == 200
-    assert run.put("b", b, headers=update_headers(b, 5, **final)).status_code == 200
-    result = run.http.get(f"{run.path}/rounds/{run.version}/result", params={"wait": 30})
-    assert result.status_code == 200, result.text
-    got = safetensors.numpy.load(run.http.get(f"{run.path}/model").content)
-    for name, shape in SCHEMA.items():  # a final round's result is fp32: no codec round trip
-        mean = weighted_mean([d_a[name], run.codec.decode(run.codec.encode(d_b[name]), shape)], [3, 5])
-        np.testing.assert_array_equal(got[name], run.model[name] + mean, err_msg=name)
-
-
 # ---- sizes and lies ---------------------------------------------------------------------------
 def raw_put(hub: Hub, path: str, headers: dict[str, str], data: bytes) -> tuple[int, dict[str, Any]]:
     """PUT with exactly these headers (httpx would fix a lying Content-Length); the JSON answer."""
