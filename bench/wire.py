@@ -353,6 +353,8 @@ def run_case(
                             "result_s": max(r["t_result"] for r in results) - go,
                             "limit_s": link.limit(up, down),
                             "hub_rss": rss["hwm"],
+                            "hub_anon": rss["anon"],  # sampled every 10 ms: where the peak was
+                            "hub_file": rss["file"],
                             "bytes_up": up,
                             "bytes_down": down,
                         }
