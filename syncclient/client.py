@@ -319,7 +319,9 @@ class SyncClient:
         by plain averaging (a DiLoCo momentum step would overshoot with nothing trained after
         it); with a lossy codec in a barrier run, one more round then sends what error feedback
         held back (the residual: this sync's quantisation error), so that the final model carries
-        no more than the quantisation error of that residual.
+        no more than the quantisation error of that residual. Not with ``topk``, whose residual
+        holds what rounds of error feedback delayed, partly learned again meanwhile: sending it
+        at the end made the model worse (:attr:`syncwire.Codec.flush`).
         """
         if self._group is None:
             view = ModelView(model)
@@ -341,7 +343,8 @@ class SyncClient:
         """A blocking sync; if ``final``, the flush round after it (see :meth:`sync`)."""
         result = self._apply(self._start(view, samples, metrics, keep_local=False, final=final), view)
         assert self._state is not None
-        if final and not self._state.codec.lossless and self.policy == "barrier" and not result.caught_up:
+        codec = self._state.codec
+        if final and not codec.lossless and codec.flush and self.policy == "barrier" and not result.caught_up:
             # the model is the merged version now, so this update is the residual alone; it weighs
             # what the update it was cut from weighed
             result = self._apply(self._start(view, samples, None, keep_local=False, final=True), view)

@@ -64,6 +64,12 @@ class Codec(ABC):
     #: (``topk``: offsets outside their chunk or repeated): the hub decodes an update once before
     #: acknowledging it, so a bad one is refused (422) instead of failing the round's fold.
     check_on_receipt: bool = False
+    #: True when a peer's last sync is followed by one more round that sends its residual
+    #: (``SyncClient.sync(final=True)``). Not for ``topk``: what error feedback held back for
+    #: rounds is partly learned again meanwhile, and sending it at the end overshoots (2 peers,
+    #: the warm-start grid, 3 seeds: +0.74% over fp32 sync without a flush, +1.06% with one in
+    #: topk, +1.69% with the residual sent whole; bench/RESULTS.md).
+    flush: bool = True
 
     @abstractmethod
     def layout(self, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:

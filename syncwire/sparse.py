@@ -72,6 +72,7 @@ class TopK(Codec):
     lossless = False
     hub_feedback = True
     check_on_receipt = True
+    flush = False
     defaults: ClassVar[dict[str, int]] = {"chunk": 4, "k": 1, "bits": 1, "block": 1024}
 
     def __init__(self, chunk: int = 4, k: int = 1, bits: int = 1, block: int = 1024) -> None:

@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 import safetensors.numpy
+from safetensors import safe_open
 
 from syncclient import SyncClient
 from syncclient._model import ModelView
@@ -370,6 +371,34 @@ def test_two_peers_end_bit_identical_through_a_hub_restart(hub_factory: Callable
     residual = hub.data_dir / "runs" / run / "residual" / f"{rounds:08d}.safetensors"
     assert set(safetensors.numpy.load_file(str(residual))) == set(final)
     assert httpx.get(f"{hub.url}/v1/runs/{run}", timeout=10).json()["config"]["codec"] == codec
+
+
+def test_a_last_sync_of_topk_makes_no_flush_round(hub: Hub) -> None:
+    """``sync(final=True)`` with topk: the final round (its result fp32, the hub's residual in
+    it) and no round after it for the peers' residuals (``Codec.flush``: flushing topk's made
+    the model worse); the peers end bit-identical to the hub."""
+    n, run = 2, "sparse-final"
+    ends: list[tuple[int, dict[str, np.ndarray]]] = []
+
+    def peer(i: int) -> None:
+        model = tiny_gpt2(seed=i)
+        client = SyncClient(hub.url, run=run, peer=f"p{i}", min_peers=n, codec="topk")
+        client.join(model)
+        perturb(model, seed=i, round_=0)
+        client.sync(model, samples=2)
+        perturb(model, seed=i, round_=1)
+        result = client.sync(model, samples=2, final=True)
+        ends.append((result.version, {k: v.copy() for k, v in ModelView(model).export().items()}))
+        client.leave()
+
+    run_peers(n, peer)
+    assert [v for v, _ in ends] == [2, 2], "two rounds, the last one final, and no flush round"
+    final = hub_model(hub, run)
+    for name, value in final.items():
+        assert value.tobytes() == ends[0][1][name].tobytes() == ends[1][1][name].tobytes(), name
+    result = hub.data_dir / "runs" / run / "rounds" / f"{1:08d}" / "result.safetensors"
+    with safe_open(str(result), "numpy") as f:
+        assert f.metadata()["codec"] == "fp32"
 
 
 def test_bad_offsets_are_refused_before_the_acknowledgement(hub: Hub) -> None:
