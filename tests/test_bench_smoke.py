@@ -93,7 +93,8 @@ def test_starve_benchmark_runs_and_writes_its_figures(tmp_path: Path) -> None:
 
 def test_unequal_benchmark_runs_every_policy(tmp_path: Path) -> None:
     """bench/unequal.py --quick: every policy trains to the same budget and is evaluated."""
-    stdout, result = run_bench("unequal", tmp_path / "results", "--quick", "--scenarios", "slow", timeout=400)
+    args = ["--quick", "--peers", "2", "--scenarios", "slow"]
+    stdout, result = run_bench("unequal", tmp_path / "results", *args, timeout=400)
     rows = {r["policy"]: r for r in result["rows"]}
     assert set(rows) == {"barrier", "samples", "async"}
     budget = result["settings"]["budget"]
