@@ -30,7 +30,6 @@ finite before the result is written whole; :class:`NonFinite` otherwise, and not
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -405,7 +404,7 @@ def _fp32_layout(schema: Schema) -> list[tuple[str, str, tuple[int, ...]]]:
 
 def _fp32_size(head: bytes, schema: Schema) -> int:
     """The bytes of a float32 file of ``schema`` with header ``head`` (to pick a spare to write over)."""
-    return len(head) + 4 * sum(math.prod(shape) for shape in schema.values())
+    return len(head) + layout_bytes({name: ("F32", shape) for name, shape in schema.items()})
 
 
 def _header(layout: Iterable[tuple[str, str, tuple[int, ...]]], meta: dict[str, str]) -> tuple[bytes, dict[str, int]]:
