@@ -88,7 +88,8 @@ class SyncResult:
     compression: float = 1.0  # float32 bytes / bytes sent
     codec_error: float = 0.0  # ||delta - decoded|| / ||delta|| of what was sent
     # of ``seconds``, the part spent on the caller's (training) thread: all of it for ``sync``;
-    # for ``sync_async`` the snapshot and encoding, waiting in ``apply`` and applying
+    # for ``sync_async`` the snapshot (the encode runs behind the upload), waiting in ``apply``
+    # and applying
     stall_seconds: float = 0.0
     run_samples: int = -1  # samples all peers had trained by ``version`` (a budget to stop on)
 
@@ -115,7 +116,7 @@ class PendingSync:
         self._client, self._future, self.round = client, future, round_
         self._snapshot = snapshot  # x_t (None for a blocking sync: nothing to keep)
         self._started, self._stall = started, stall
-        self._ratio, self._error = update.ratio, update.error  # not the parts: the worker frees them
+        self._update = update  # its ratio and error are known once the worker sent it
 
     def _result(self, outcome: Outcome, version: int, waiting: float) -> SyncResult:
         """What this sync did, applied now at ``version`` (and logged); ``waiting``: when
@@ -141,8 +142,8 @@ class PendingSync:
             upload_seconds=outcome.upload_seconds,
             wait_seconds=outcome.wait_seconds,
             caught_up=late,
-            compression=1.0 if late else self._ratio,
-            codec_error=0.0 if late else self._error,
+            compression=1.0 if late else self._update.ratio,
+            codec_error=0.0 if late else self._update.error,
             stall_seconds=self._stall + done - waiting,
             run_samples=outcome.latest.run_samples if outcome.latest is not None else outcome.run_samples,
         )
@@ -515,18 +516,17 @@ class SyncClient:
         if self._state.torn:  # the last result stopped arriving midway: no delta from this base
             log.warning("run %s: the last result did not arrive whole; catching up to the latest version", self.run)
             future = self._worker.submit(self._protocol.catch_up)
-            self._inflight = PendingSync(self, future, self.version, None, started, 0.0, EncodedUpdate([], 1.0, 0.0))
+            nothing = EncodedUpdate([], [], 0, lambda: None)
+            self._inflight = PendingSync(self, future, self.version, None, started, 0.0, nothing)
             return self._inflight
         local = view.export()  # on CPU float32 these share memory with the model: copy to keep
         snapshot = {name: x.copy() for name, x in local.items()} if keep_local else None
-        update = self._state.encode(snapshot or local)  # new arrays: training may go on
+        update = self._state.encode(snapshot or local)  # encodes while it uploads, on other threads
         sent_metrics = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(float(v))}
-        if not self._state.codec.lossless:
-            sent_metrics.update(codec_ratio=update.ratio, codec_error=update.error)
         if self._progress is not None:
             self._progress.sent()  # what is counted from here on goes into the next round
         future = self._worker.submit(
-            self._protocol.exchange, self.version, update.parts, samples, sent_metrics, self._state, final
+            self._protocol.exchange, self.version, update, samples, sent_metrics, self._state, final
         )
         self._inflight = PendingSync(self, future, self.version, snapshot, started, time.monotonic() - started, update)
         return self._inflight

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from syncclient.exceptions import ConflictError, HubError, RoundClosed, StaleUpdate, SyncError
-from syncclient.state import UpdateState
+from syncclient.state import EncodedUpdate, UpdateState
 from syncclient.transport import Download, Transport, body_size
 from syncwire import get_codec
 
@@ -134,26 +134,45 @@ class RunProtocol:
         return state
 
     def exchange(
-        self, round_: int, parts: Parts, samples: int, metrics: dict[str, float], state: UpdateState, final: bool
+        self,
+        round_: int,
+        update: EncodedUpdate,
+        samples: int,
+        metrics: dict[str, float],
+        state: UpdateState,
+        final: bool,
     ) -> Outcome:
-        """Upload an update computed from version ``round_``, bring the merged result(s) back and
-        fold them into ``state``'s base (nobody else touches it while a sync is in flight).
-        ``final``: this peer's last update of the run (``X-Sync-Final``)."""
+        """Upload an update computed from version ``round_`` as it encodes, bring the merged
+        result(s) back and fold them into ``state``'s base (nobody else touches it while a sync
+        is in flight). ``metrics`` go with the update, with the codec's ratio and error added
+        once it is encoded. ``final``: this peer's last update of the run (``X-Sync-Final``)."""
         started = time.monotonic()
-        headers = {"X-Sync-Samples": str(samples), "X-Sync-Metrics": json.dumps(metrics)}
+        headers = {"X-Sync-Samples": str(samples)}
         if final:
             headers["X-Sync-Final"] = "?1"
+
+        def encoded() -> dict[str, str]:  # the completing request's: the codec's figures are in by then
+            sent = dict(metrics)
+            update.wait()
+            if not state.codec.lossless:
+                sent.update(codec_ratio=update.ratio, codec_error=update.error)
+            return {"X-Sync-Metrics": json.dumps(sent)}
+
         try:
             size, ack = self.transport.upload(
                 f"{self.path}/rounds/{round_}/updates/{self.peer}",
-                parts,
+                update.parts,
                 what="upload",
                 headers=headers,
                 resumable=True,
+                ready=update.ready,
+                completing=encoded,
             )
         except (RoundClosed, StaleUpdate):
-            size = body_size(parts)  # sent, though refused
+            size = body_size(update.parts)  # sent, though refused
             return Outcome(size, 0, time.monotonic() - started, 0.0, latest=self.latest())
+        finally:
+            update.settle()
         uploaded = time.monotonic()
         landed = int(ack["round"])
         try:

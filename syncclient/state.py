@@ -18,12 +18,12 @@ and wire tensors from the hub, which is what lets the tests check the maths with
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import os
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -37,13 +37,54 @@ __all__ = ["EncodedUpdate", "UpdateState"]
 _Where = dict[str, tuple[int, int]]  # a slice's values in each wire part: suffix -> (first, count)
 
 
-@dataclass(frozen=True)
 class EncodedUpdate:
-    """One update as it goes on the wire, with what the codec did to it."""
+    """One update on its way to the wire: its parts fill as the encode threads finish.
 
-    parts: list[tuple[str, np.ndarray, str]]  # (wire name, array, safetensors dtype), in order
-    ratio: float  # float32 bytes / bytes sent
-    error: float  # ||delta - decoded|| / ||delta|| over the whole model (0 for a lossless codec)
+    The parts' arrays exist from the start (their sizes come from the codec's layout), so the
+    body's header can go out at once; :meth:`ready` waits for one part, :meth:`wait` for all,
+    after which ``ratio`` (float32 bytes / bytes sent) and ``error`` (``||delta - decoded|| /
+    ||delta||`` over the model, 0 for a lossless codec) are known. A part's encode failing
+    (NaN) raises :class:`SyncError` from both.
+    """
+
+    def __init__(
+        self,
+        parts: list[tuple[str, np.ndarray, str]],
+        pending: list[list[Future[tuple[float, float]]]],
+        fp32_bytes: int,
+        failed: Callable[[], None],
+    ) -> None:
+        self.parts = parts  # (wire name, array, safetensors dtype), in order
+        self._pending = pending  # per part: the encode jobs that write it
+        self._fp32_bytes, self._failed = fp32_bytes, failed
+        self.ratio = self.error = math.nan
+
+    def ready(self, index: int) -> None:
+        """Wait until part ``index`` is encoded."""
+        self._results(self._pending[index])
+
+    def wait(self) -> EncodedUpdate:
+        """Wait until every part is encoded; set ``ratio`` and ``error``."""
+        if math.isnan(self.ratio):
+            sums = self._results([job for jobs in self._pending for job in jobs])
+            err, norm = sum(e for e, _ in sums), sum(n for _, n in sums)
+            sent = sum(a.nbytes for _, a, _ in self.parts)
+            self.ratio = self._fp32_bytes / max(sent, 1.0)
+            self.error = math.sqrt(err / norm) if norm > 0 else 0.0
+        return self
+
+    def settle(self) -> None:
+        """Wait until no encode job runs any more, whatever became of them: a sync that
+        failed must not leave threads writing into the state the next one uses."""
+        concurrent.futures.wait([job for jobs in self._pending for job in jobs])
+
+    def _results(self, jobs: list[Future[tuple[float, float]]]) -> list[tuple[float, float]]:
+        try:
+            return [job.result() for job in jobs]  # in order: the first failure
+        except SyncError:
+            self.settle()
+            self._failed()
+            raise
 
 
 class UpdateState:
@@ -64,20 +105,23 @@ class UpdateState:
         self.torn = False
 
     def encode(self, local: Mapping[str, np.ndarray]) -> EncodedUpdate:
-        """Encode ``local - base`` (plus the residual) and keep the new residual.
+        """Start encoding ``local - base`` (plus the residual), keeping the new residual.
 
-        ``local`` may change (training goes on) once this returns. The parts returned are the
-        state's own buffers, reused by the next encode (the client encodes again only once the
-        update is sent): fresh 130-500 MB each sync cost GPT-2 up to 1.3 s of page faults here.
-        The work goes a slice at a time (:func:`syncwire.codecs.slices`, the hub's own cut) over
-        a few threads: the peer encodes before its first byte goes out, and on one thread an
-        int8 GPT-2 took as long as its upload at 1 Gbit/s. A slice's bytes do not depend on the
-        thread or the order, so the update is the same bytes as on one thread. The residual is
-        updated in place; a refused update (NaN) drops it, as it would have half of it replaced.
+        Returns at once: the encode runs on a few threads, a slice at a time
+        (:func:`syncwire.codecs.slices`, the hub's own cut), in the body's order, so that the
+        upload sends each part as soon as it is encoded (:meth:`EncodedUpdate.ready`) instead
+        of after the whole update (0.6-1.3 s before the first byte for GPT-2 on the 2-core VM
+        of bench/RESULTS.md). ``local``, ``base`` and the residual must not change until
+        :meth:`EncodedUpdate.wait` returns (the client hands the encode a snapshot when
+        training goes on). The parts are the state's own buffers, reused by the next encode
+        (the client encodes again only once the update is sent): fresh 130-500 MB each sync
+        cost GPT-2 up to 1.3 s of page faults here. A slice's bytes do not depend on the thread
+        or the order, so the update is the same bytes as on one thread. The residual is updated
+        in place; a refused update (NaN) drops it, as it would have half of it replaced.
         """
         codec = self.codec
         parts: list[tuple[str, np.ndarray, str]] = []
-        jobs: list[tuple[str, np.ndarray, dict[str, np.ndarray], np.ndarray | None, int, int, _Where]] = []
+        pending: list[list[Future[tuple[float, float]]]] = []
         for name, x in local.items():
             flat = np.ascontiguousarray(x, np.float32).reshape(-1)
             out = {}
@@ -93,16 +137,16 @@ class UpdateState:
                 if name not in self.residual or self.residual[name].shape != x.shape:
                     self.residual[name] = np.zeros(x.shape, np.float32)
                 residual = self.residual[name].reshape(-1)
-            jobs += [(name, flat, out, residual, *piece) for piece in slices(codec, x.shape)]
-        try:
-            sums = list(_pool().map(lambda job: self._encode_slice(*job), jobs))  # in order: the first failure
-        except SyncError:
+            jobs = [
+                _pool().submit(self._encode_slice, name, flat, out, residual, *piece)
+                for piece in slices(codec, x.shape)
+            ]
+            pending += [jobs] * len(out)  # each of the tensor's parts is whole once all its slices are
+
+        def failed() -> None:
             self.residual = {}
-            raise
-        err, norm = sum(e for e, _ in sums), sum(n for _, n in sums)
-        sent = sum(a.nbytes for _, a, _ in parts)
-        fp32 = sum(x.nbytes for x in local.values())
-        return EncodedUpdate(parts, fp32 / max(sent, 1.0), math.sqrt(err / norm) if norm > 0 else 0.0)
+
+        return EncodedUpdate(parts, pending, sum(x.nbytes for x in local.values()), failed)
 
     def _encode_slice(
         self,

@@ -7,9 +7,16 @@ twice. Then :class:`~syncclient.exceptions.HubUnreachable`. A TLS setup error (a
 certificate, https:// to a plain-HTTP hub) is not retried: it fails at once with what to do.
 
 Uploads resume: before retrying a resumable upload, the transport asks the hub (``HEAD`` with
-the same headers) how many bytes of this very body (same ``Content-Digest``) it holds, and
-sends only the rest with ``Upload-Offset``; the hub verifies the digest over the whole body at
-the end. Downloads resume with HTTP ``Range`` (and ``If-Range``, so a changed file starts over).
+the same headers) how many bytes of this very body it holds, and sends only the rest with
+``Upload-Offset``; the hub verifies the digest over the whole body at the end. Downloads resume
+with HTTP ``Range`` (and ``If-Range``, so a changed file starts over).
+
+A resumable upload goes out while it is being encoded, so its digest is known only after its
+last byte: the body is sent named by a random ``Upload-Key`` with ``Upload-Complete: ?0`` (the
+hub holds it whole, unacknowledged: 202), then a second ``PUT`` from its end, with an empty
+body, brings the ``Content-Digest`` (and the headers known only then) and gets the
+acknowledgement. Both requests resume as above. One round trip more, against the encode
+(0.6-1.3 s for GPT-2 on bench/RESULTS.md's VM) no longer standing before the first byte.
 
 Downloads read the socket 1 MiB at a time (:class:`_LargeReads`), not httpcore's 64 KiB: a
 500 MB result then costs the peer 0.5 s of CPU instead of 0.9-1.8 s (bench/RESULTS.md, Wire),
@@ -28,6 +35,7 @@ import functools
 import hashlib
 import logging
 import os
+import secrets
 import ssl
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -136,6 +144,7 @@ class Transport:
         retry: bool = True,
         content: Callable[[], Iterator[bytes | memoryview]] | None = None,
         resume: Callable[[], int] | None = None,
+        offset: int = 0,
         **kwargs: Any,
     ) -> httpx.Response:
         """One request, retried unless ``retry=False``; an error answer raises the SDK's exception.
@@ -144,8 +153,9 @@ class Transport:
 
         ``resume`` makes the body resumable: before each retry it says how many bytes the hub
         already holds, and only the rest is sent, with ``Upload-Offset`` (headers unchanged).
+        ``offset``: the first attempt too starts there (the hub holds the bytes before it).
         """
-        offset, headers = 0, kwargs.pop("headers", None) or {}
+        headers = kwargs.pop("headers", None) or {}
         with self._errors(path):
             for attempt in self._retrying(retry):
                 with attempt:
@@ -176,29 +186,48 @@ class Transport:
         params: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
         resumable: bool = False,
+        ready: Callable[[int], None] | None = None,
+        completing: Callable[[], dict[str, str]] | None = None,
     ) -> tuple[int, dict[str, Any]]:
         """PUT ``parts`` as one safetensors body; return its size in bytes and the hub's answer.
 
-        ``resumable`` adds a ``Content-Digest`` and, after a cut, sends only the bytes the hub
-        lacks (see the module docstring); the hub must support it for ``path``.
+        ``resumable``: the body is sent before its digest is known, then completed with it, and
+        after a cut only the bytes the hub lacks are sent (see the module docstring); the hub
+        must support it for ``path``. ``ready(i)`` waits until part ``i``'s array is filled;
+        ``completing()`` gives headers for the completing request (known once the body is).
         """
-
-        def body() -> Iterator[memoryview | bytes]:
-            return iter_chunks(parts)
-
         size = body_size(parts)
         headers = dict(headers or {})
-        resume = None
-        if resumable:
-            headers["Content-Digest"] = _digest(body())
-            resume = functools.partial(self._upload_offset, path, headers)
+        if not resumable:
+            body = functools.partial(iter_chunks, parts, ready=ready)
+            response = self.call(
+                "PUT", path, params=params, headers=headers, content=lambda: self._progress(body(), size, what)
+            )
+            return size, response.json()
+        digest = _Digest()
+
+        def hashed() -> Iterator[memoryview | bytes]:
+            return digest.watch(iter_chunks(parts, ready=ready))
+
+        held = {**headers, "Upload-Key": secrets.token_urlsafe(24), "Upload-Complete": "?0"}
+        self.call(
+            "PUT",
+            path,
+            params=params,
+            headers=held,
+            content=lambda: self._progress(hashed(), size, what),
+            resume=functools.partial(self._upload_offset, path, held),
+        )
+        done = {**held, **(completing() if completing else {}), "Content-Digest": digest.value(size)}
+        del done["Upload-Complete"]
         response = self.call(
             "PUT",
             path,
             params=params,
-            headers=headers,
-            content=lambda: self._progress(body(), size, what),
-            resume=resume,
+            headers=done,
+            content=hashed,
+            resume=functools.partial(self._upload_offset, path, done),
+            offset=size,
         )
         return size, response.json()
 
@@ -411,11 +440,27 @@ def _is_offset_mismatch(response: httpx.Response) -> bool:
         return False
 
 
-def _digest(chunks: Iterator[memoryview | bytes]) -> str:
-    h = hashlib.sha256()
-    for chunk in chunks:
-        h.update(chunk)
-    return "sha-256=:" + base64.b64encode(h.digest()).decode() + ":"
+class _Digest:
+    """The sha-256 of a body, taken as its bytes first go out: attempts after a cut see the
+    same chunks again (same parts, same cut), and only those past what was hashed are added."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        self._hashed = 0
+
+    def watch(self, chunks: Iterator[memoryview | bytes]) -> Iterator[memoryview | bytes]:
+        position = 0
+        for chunk in chunks:
+            if position == self._hashed:
+                self._hash.update(chunk)
+                self._hashed += len(chunk)
+            position += len(chunk)
+            yield chunk
+
+    def value(self, size: int) -> str:
+        """``Content-Digest`` of the body, whose ``size`` bytes must all have gone out."""
+        assert self._hashed == size, (self._hashed, size)
+        return "sha-256=:" + base64.b64encode(self._hash.digest()).decode() + ":"
 
 
 def _skip(chunks: Iterator[bytes | memoryview], n: int) -> Iterator[bytes | memoryview]:

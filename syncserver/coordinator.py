@@ -259,10 +259,11 @@ class Coordinator:
         run_name: str,
         round_: int,
         peer_name: str,
-        digest: str,
+        digest: str | None,
         samples: int,
         metrics: dict[str, float],
         *,
+        key: str | None = None,
         supersede: bool = False,
         final: bool = False,
     ) -> Ticket:
@@ -270,7 +271,7 @@ class Coordinator:
         run = self.run(run_name)
         self.peer(run, peer_name)
         return await self.rounds.update_ticket(
-            run, round_, peer_name, digest, samples, metrics, supersede=supersede, final=final
+            run, round_, peer_name, digest, samples, metrics, key=key, supersede=supersede, final=final
         )
 
     def uploading(self, ticket: Ticket) -> contextlib.AbstractContextManager[None]:

@@ -58,7 +58,7 @@ class Ticket:
     run: str
     round: int  # -1: version 0
     peer: str
-    digest: str
+    digest: str | None  # hex sha-256 of the body; None: it comes in a later request (a held body)
     samples: int
     metrics: dict[str, float]
     max_bytes: int
@@ -160,16 +160,18 @@ class Rounds:
         run: Run,
         round_: int,
         peer: str,
-        digest: str,
+        digest: str | None,
         samples: int,
         metrics: dict[str, float],
         *,
+        key: str | None = None,
         supersede: bool = False,
         final: bool = False,
     ) -> Ticket:
         """Check an update may be sent before its body is read; a repeat gets its old ack.
-        With ``supersede`` (a PUT, not a HEAD), what the peer held of other updates for this
-        round goes: it gave up on them."""
+        The body's partial is named by ``key`` (``Upload-Key``) if given, else by ``digest``;
+        one of them is. With ``supersede`` (a PUT, not a HEAD), what the peer held of other
+        updates for this round goes: it gave up on them."""
         if not 1 <= samples <= MAX_SAMPLES:
             raise InvalidUpdate(f"samples must be a count from 1 to {MAX_SAMPLES}, got {samples}")
         repeat = self._acknowledged(run, round_, peer, digest)
@@ -182,15 +184,19 @@ class Rounds:
         def check(infos: dict[str, TensorInfo]) -> None:  # in a worker thread (uploads.receive)
             check_layout(infos, layout)
 
-        upload = self.store.resumable_upload(run.name, round_, peer, digest, supersede=supersede)
+        name = f"key-{key}" if key is not None else digest
+        assert name is not None
+        upload = self.store.resumable_upload(run.name, round_, peer, name, supersede=supersede)
         return Ticket(
             run.name, round_, peer, digest, samples, metrics, run.shape.max_update_bytes, check, upload, final=final
         )
 
-    def _acknowledged(self, run: Run, round_: int, peer: str, digest: str) -> UpdateAck | None:
+    def _acknowledged(self, run: Run, round_: int, peer: str, digest: str | None) -> UpdateAck | None:
         """Idempotency: the same update again is harmless, a different one is a conflict. An
         update is named by the version it was computed from (``round_``), which is also the round
-        it is merged in but in async runs."""
+        it is merged in but in async runs. A body without its digest yet cannot tell: None."""
+        if digest is None:
+            return None
         previous = run.acked.get(peer)
         if previous is None or previous.base != round_:
             previous = self.store.update_from(run.name, peer, round_)
@@ -244,6 +250,7 @@ class Rounds:
     async def commit_update(self, run: Run, ticket: Ticket, received: Received) -> UpdateAck:
         """Acknowledge a fully received update: verify, make durable, record, fold."""
         try:
+            assert ticket.digest is not None  # the route holds a body that comes without one
             if received.digest != ticket.digest:
                 raise BadRequest(f"body digest sha-256 {received.digest} does not match Content-Digest {ticket.digest}")
             # a codec whose decoder can refuse well-formed, finite parts (topk's offsets) is decoded

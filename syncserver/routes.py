@@ -47,10 +47,11 @@ from syncserver.schemas import (
     StartReady,
     StartState,
     UpdateAck,
+    UploadHeld,
     VersionZero,
 )
 from syncserver.settings import Outer, Policy, normal_codec
-from syncserver.uploads import BodyInterrupted, Received, partial_offset, receive
+from syncserver.uploads import BodyInterrupted, Held, Received, partial_offset, receive
 
 #: ``?peer=``: who downloads (for the dashboard's download log); absent for other clients.
 Downloader = Annotated[str | None, Query(pattern=NAME_PATTERN)]
@@ -102,13 +103,31 @@ def parse_digest(value: str) -> str:
     raise BadRequest("Content-Digest must be 'sha-256=:<base64 of the 32-byte digest>:'")
 
 
-def parse_final(value: str | None) -> bool:
-    """``X-Sync-Final: ?1`` (an RFC 8941 boolean): the peer's last update of the run."""
-    if value is None or value == "?0":
-        return False
-    if value == "?1":
-        return True
-    raise BadRequest(f"X-Sync-Final must be ?1 or ?0, got {value[:40]!r}")
+def parse_flag(value: str | None, header: str, default: bool = False) -> bool:
+    """An RFC 8941 boolean header (``?1`` or ``?0``): ``X-Sync-Final``, ``Upload-Complete``."""
+    if value is None:
+        return default
+    if value in ("?0", "?1"):
+        return value == "?1"
+    raise BadRequest(f"{header} must be ?1 or ?0, got {value[:40]!r}")
+
+
+#: ``Upload-Key``: names a body whose digest comes later (a peer encoding while it uploads).
+UPLOAD_KEY_PATTERN = r"^[A-Za-z0-9_-]{16,64}$"
+
+
+def upload_name(digest: str | None, key: str | None, *, complete: bool) -> str | None:
+    """The digest (hex) of an update's headers, after checking they name its body: by its
+    ``Content-Digest``, or by an ``Upload-Key`` for a body whose digest comes later. A body is
+    acknowledged only with its digest (``complete``: this request should end the upload)."""
+    if complete and digest is None:
+        raise BadRequest(
+            "Content-Digest is required to complete an upload; a body whose digest comes later "
+            "is sent with Upload-Key and Upload-Complete: ?0, then completed from its end"
+        )
+    if digest is None and key is None:
+        raise BadRequest("an update needs its Content-Digest or an Upload-Key to name it")
+    return None if digest is None else parse_digest(digest)
 
 
 def parse_metrics(value: str | None) -> dict[str, float]:
@@ -158,8 +177,11 @@ async def _drain(request: Request, limit: int) -> None:
         pass
 
 
-async def _receive(request: Request, hub: Coordinator, ticket: Ticket, offset: int = 0) -> Received:
-    """Stream the body into the ticket's upload (a resumable one from ``offset``)."""
+async def _receive(
+    request: Request, hub: Coordinator, ticket: Ticket, offset: int = 0, *, complete: bool = True
+) -> Received | Held:
+    """Stream the body into the ticket's upload (a resumable one from ``offset``; held whole,
+    not acknowledged, unless ``complete``)."""
     assert ticket.upload is not None
     try:
         return await receive(
@@ -170,6 +192,7 @@ async def _receive(request: Request, hub: Coordinator, ticket: Ticket, offset: i
             check_header=ticket.check_header,
             offset=offset,
             idle_seconds=hub.settings.lease_seconds,
+            complete=complete,
         )
     except HubError:
         await _drain(request, ticket.max_bytes)
@@ -238,6 +261,7 @@ async def put_initial(
 ) -> VersionZero:
     ticket = hub.init_ticket(run, peer)
     received = await _receive(request, hub, ticket)
+    assert isinstance(received, Received)  # version 0 is not held
     return await hub.commit_init(ticket, received)
 
 
@@ -267,10 +291,33 @@ async def leave(run: RunName, peer: PeerName, hub: Hub) -> Left:
     return Left(left=True)
 
 
+#: ``Upload-Key``, ``Upload-Complete``: a body sent before its digest is known (the SDK encodes
+#: while it uploads), then completed by a request from its end that brings the digest.
+UploadKey = Annotated[
+    str | None,
+    Header(
+        alias="Upload-Key",
+        pattern=UPLOAD_KEY_PATTERN,
+        description="Names the body instead of its digest (16-64 of A-Z a-z 0-9 _ -), for a body sent before "
+        "its digest is known.",
+    ),
+]
+UploadComplete = Annotated[
+    str | None,
+    Header(
+        alias="Upload-Complete",
+        description="?0: hold the whole body, unacknowledged, for a PUT from its end that brings "
+        "Content-Digest (202). Default ?1.",
+    ),
+]
+
+
 @router.put(
     "/runs/{run}/rounds/{round}/updates/{peer}",
     summary="Submit the peer's update for a round (safetensors, encoded with the run's codec)",
     openapi_extra=SAFETENSORS_BODY,
+    response_model=UpdateAck,
+    responses={202: {"model": UploadHeld, "description": "Upload-Complete: ?0: the whole body is held."}},
 )
 async def put_update(
     run: RunName,
@@ -279,7 +326,9 @@ async def put_update(
     request: Request,
     hub: Hub,
     samples: Annotated[int, Header(alias="X-Sync-Samples", description="Samples since the last sync.")],
-    digest: Annotated[str, Header(alias="Content-Digest", description="sha-256=:<base64>: of the body.")],
+    digest: Annotated[str | None, Header(alias="Content-Digest", description="sha-256=:<base64>: of the body.")] = None,
+    key: UploadKey = None,
+    complete: UploadComplete = None,
     metrics: Annotated[str | None, Header(alias="X-Sync-Metrics", description="JSON object of numbers.")] = None,
     final: Annotated[
         str | None,
@@ -291,17 +340,19 @@ async def put_update(
     offset: Annotated[
         int, Header(alias="Upload-Offset", ge=0, le=MAX_BYTES, description="Resume: the body starts at this byte.")
     ] = 0,
-) -> UpdateAck:
+) -> UpdateAck | Response:
     try:
+        whole = parse_flag(complete, "Upload-Complete", default=True)
         ticket = await hub.update_ticket(
             run,
             round,
             peer,
-            parse_digest(digest),
+            upload_name(digest, key, complete=whole),
             samples,
             parse_metrics(metrics),
+            key=key,
             supersede=True,
-            final=parse_final(final),
+            final=parse_flag(final, "X-Sync-Final"),
         )
     except HubError:
         await _drain(request, hub.settings.max_body_bytes)
@@ -311,16 +362,19 @@ async def put_update(
         return ticket.acknowledged
     with hub.uploading(ticket):
         try:
-            received = await _receive(request, hub, ticket, offset)
+            received = await _receive(request, hub, ticket, offset, complete=whole)
         except Incomplete:
             # the round may have closed while the body streamed: then say so (409 round_closed,
             # or the ack of this very update), so that the peer catches up
             again = await hub.update_ticket(
-                run, round, peer, ticket.digest, ticket.samples, ticket.metrics, final=ticket.final
+                run, round, peer, ticket.digest, ticket.samples, ticket.metrics, key=key, final=ticket.final
             )
             if again.acknowledged is not None:
                 return again.acknowledged
             raise
+        if isinstance(received, Held):
+            held = UploadHeld(held=received.nbytes)
+            return Response(held.model_dump_json(), status_code=202, media_type="application/json")
         return await hub.commit_update(ticket, received)
 
 
@@ -335,14 +389,16 @@ async def update_offset(
     peer: PeerName,
     hub: Hub,
     samples: Annotated[int, Header(alias="X-Sync-Samples")],
-    digest: Annotated[str, Header(alias="Content-Digest")],
+    digest: Annotated[str | None, Header(alias="Content-Digest")] = None,
+    key: UploadKey = None,
     metrics: Annotated[str | None, Header(alias="X-Sync-Metrics")] = None,
 ) -> Response:
     """What a PUT with these headers would start from: ``Upload-Offset`` bytes are held (the
     rest is to send with ``Upload-Offset`` set); ``Upload-Complete: ?1`` when the update is
     already acknowledged (a PUT from that offset, with an empty body, gets its ack again).
     Asking supersedes an attempt still streaming on the hub: the client has given up on it."""
-    ticket = await hub.update_ticket(run, round, peer, parse_digest(digest), samples, parse_metrics(metrics))
+    name = upload_name(digest, key, complete=False)
+    ticket = await hub.update_ticket(run, round, peer, name, samples, parse_metrics(metrics), key=key)
     if ticket.acknowledged is not None:
         held, complete = ticket.acknowledged.bytes, "?1"
     else:

@@ -146,6 +146,13 @@ class UpdateAck(Answer):
     repeat: bool
 
 
+class UploadHeld(Answer):
+    """A whole update body is held, not acknowledged: a PUT from its end (``Upload-Offset``)
+    with its ``Content-Digest`` completes it."""
+
+    held: int = Field(description="Bytes held: the Upload-Offset that completes the upload.")
+
+
 class Heartbeat(Answer):
     version: int = Field(description="The run's latest version: behind it, a peer should catch up.")
     lease_seconds: float

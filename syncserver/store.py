@@ -23,7 +23,7 @@ Layout under ``data_dir``::
     runs/<run>/rounds/<v>/result.safetensors round v's merged update (wire codec)
     tmp/                                    uploads in flight
     tmp/spares/<id>.spare                   pruned tensor files, kept to write the next ones into
-    tmp/partials/<run>/<v>/<peer>/<digest>.part  an update cut mid-body, kept for its resume
+    tmp/partials/<run>/<v>/<peer>/<name>.part  an update cut mid-body or held for its digest
 
 Pruned tensor files are not deleted but kept, a few (:data:`SPARES`), to be written over by
 the next files :meth:`Store.write` makes (:class:`Spares`): their pages are still in the page
@@ -418,7 +418,7 @@ class Staged:
 
 class Upload:
     """Where one body gathers as it arrives: a fresh file, or a *partial* that keeps what
-    arrived across attempts (resumable updates), named by (run, round, peer, digest).
+    arrived across attempts (resumable updates), named by (run, round, peer, digest or key).
 
     The file ops an upload needs (append, read back, truncate, fsync) are here so that their
     failures are translated once; the receiving logic is :mod:`syncserver.uploads`.
@@ -454,7 +454,7 @@ class Upload:
         self._path.parent.mkdir(parents=True, exist_ok=True)
         if offset:
             self._fd = os.open(self._path, os.O_RDWR)
-            os.ftruncate(self._fd, offset)  # same digest, same bytes: anything past offset is re-sent
+            os.ftruncate(self._fd, offset)  # same upload, same bytes: anything past offset is re-sent
         else:
             self._fd = self._spares.take(size, self._path)
             if self._fd is None:
@@ -654,11 +654,13 @@ class Store:
         return Upload(self._tmp / f"{uuid.uuid4().hex}.part", None, self._spares)
 
     @_translated
-    def resumable_upload(self, run: str, round_: int, peer: str, digest: str, *, supersede: bool = False) -> Upload:
-        """The partial upload of one update (``digest``: hex sha-256 of the body). With
-        ``supersede``, this peer's partials of other updates for the round go: it gave up on them."""
+    def resumable_upload(self, run: str, round_: int, peer: str, name: str, *, supersede: bool = False) -> Upload:
+        """The partial upload of one update, named by the body's hex sha-256 or, for a body
+        whose digest comes later, ``key-<Upload-Key>`` (both checked by the route: no path
+        separators). With ``supersede``, this peer's partials of other updates for the round
+        go: it gave up on them."""
         folder = self._partials(run, round_, peer)
-        path = folder / f"{digest}.part"
+        path = folder / f"{name}.part"
         if supersede:
             for stale in folder.glob("*.part"):
                 if stale != path:

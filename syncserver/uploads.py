@@ -20,6 +20,13 @@ so the size limits, the header check and the final digest still cover every byte
 body (refused header, too long, digest mismatch) or a disk error removes the partial.
 One request at a time writes a partial: a newer one (the client's retry) supersedes the
 older, which may still look connected on a stalled link.
+
+Held bodies (``complete=False``, ``Upload-Complete: ?0``): a peer that encodes its update
+while it uploads knows the digest only after the last byte. Its body is received and checked
+as any other, then kept as a whole partial instead of being finished; the request that brings
+the digest resumes it at its end with an empty body. The hash state of a held body is kept in
+memory (:data:`_kept`), so that completing it does not read 500 MB back to hash them again;
+without it (a hub restarted between the two requests) the bytes are read back as for any resume.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from syncserver.store import Missing, Staged, Upload
 from syncwire import FormatError, HeaderReader, TensorInfo
 from syncwire.format import MAX_HEADER_BYTES
 
-__all__ = ["BodyInterrupted", "Received", "partial_offset", "receive"]
+__all__ = ["BodyInterrupted", "Held", "Received", "partial_offset", "receive"]
 
 _BATCH = 8 << 20
 
@@ -109,6 +116,33 @@ class Received:
     digest: str  # hex sha-256 of the whole body
     infos: dict[str, TensorInfo]
     seconds: float
+
+
+@dataclass
+class Held:
+    """A whole body kept as its partial, waiting for the request that brings its digest."""
+
+    nbytes: int
+
+
+@dataclass
+class _Kept:
+    """Where the receipt of a held body stopped: the request that completes it goes on from here."""
+
+    position: int
+    hash: hashlib._Hash
+    header: HeaderReader
+    scan: _FiniteScan | None
+
+
+_KEPT_MAX = 1024  # held bodies whose hash state is kept; past that the oldest is read back when completed
+_kept: dict[str, _Kept] = {}  # by upload ident; taken by whoever writes that upload next
+
+
+def _keep(ident: str, kept: _Kept) -> None:
+    _kept[ident] = kept
+    while len(_kept) > _KEPT_MAX:
+        del _kept[next(iter(_kept))]
 
 
 class BodyInterrupted(Exception):
@@ -218,7 +252,8 @@ async def receive(
     check_header: Callable[[dict[str, TensorInfo]], None],
     offset: int = 0,
     idle_seconds: float | None = None,
-) -> Received:
+    complete: bool = True,
+) -> Received | Held:
     """Stream a safetensors body into ``upload`` (fsynced), checking its header on the way.
 
     Raises a :class:`~syncserver.errors.HubError` on any problem, after discarding the upload.
@@ -229,14 +264,19 @@ async def receive(
     housekeeping that drops a closed round's partials (:class:`BodyInterrupted` too if that
     already took it: the round closed meanwhile). ``idle_seconds`` bounds the wait for the
     next chunk: a peer whose link died silently must not hold an upload slot open forever.
+    ``complete=False`` (resumable uploads only): a whole, checked body is kept as its partial
+    and :class:`Held` returned; a later call from its end completes it.
     """
+    assert complete or upload.resumable
     if content_length is not None and offset + content_length > max_bytes:
         raise PayloadTooLarge(f"body of {offset + content_length} bytes is over the {max_bytes}-byte limit")
     idle = math.inf if idle_seconds is None else idle_seconds
     scope = anyio.CancelScope(deadline=anyio.current_time() + idle)
     async with _writers.claim(upload.ident, scope) if upload.resumable else contextlib.nullcontext():
         with scope:
-            return await _receive(chunks, upload, scope, idle, max_bytes, content_length, check_header, offset)
+            return await _receive(
+                chunks, upload, scope, idle, max_bytes, content_length, check_header, offset, complete
+            )
         raise BodyInterrupted(f"no body bytes for {idle}s, or a newer attempt at this upload took over")
 
 
@@ -249,7 +289,8 @@ async def _receive(
     content_length: int | None,
     check_header: Callable[[dict[str, TensorInfo]], None],
     offset: int,
-) -> Received:
+    complete: bool,
+) -> Received | Held:
     started = time.monotonic()
     header = HeaderReader()
     expected: int | None = None
@@ -258,6 +299,7 @@ async def _receive(
     batched = 0  # their bytes
     pending: asyncio.Future[None] | None = None
     interrupted = False  # the body stopped arriving (as opposed to: it was refused)
+    kept = _kept.pop(upload.ident, None)  # whoever writes the upload takes it: it is stale after
     sink = _Sink(upload, offset, content_length)
 
     def read_header(chunk: bytes) -> int | None:
@@ -297,7 +339,11 @@ async def _receive(
                     )
 
     try:
-        if offset:  # a resumed body: its start is on disk already
+        if offset and kept is not None and kept.position == offset:  # a held body: hashed and checked
+            header, sink.hash, sink.scan, received = kept.header, kept.hash, kept.scan, offset
+            assert header.result is not None
+            expected = header.header_bytes + header.result[2]
+        elif offset:  # a resumed body: its start is on disk already
             head = await to_thread.run_sync(sink.replay, offset)
             received = offset - len(head)
             await take(head)
@@ -335,6 +381,10 @@ async def _receive(
         if received < expected:
             raise BadRequest(f"body is truncated: {received} of {expected} bytes arrived")
         await to_thread.run_sync(sink.write, batch)
+        if not complete:
+            upload.close()
+            _keep(upload.ident, _Kept(received, sink.hash, header, sink.scan))
+            return Held(received)
         try:
             staged = await to_thread.run_sync(upload.finish)
         except Missing as exc:

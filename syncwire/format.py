@@ -111,12 +111,18 @@ def iter_chunks(
     tensors: Iterable[tuple[str, np.ndarray, str | None]],
     metadata: Mapping[str, str] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    ready: Callable[[int], None] | None = None,
 ) -> Iterator[memoryview | bytes]:
-    """Yield a safetensors file as chunks of at most ``chunk_bytes``, copying no tensor."""
+    """Yield a safetensors file as chunks of at most ``chunk_bytes``, copying no tensor.
+
+    ``ready(i)`` is called before the bytes of the ``i``-th tensor are read: arrays still being
+    filled (an update encoded while it uploads) are waited for there, the header going first."""
     items = [(n, np.asarray(a, order="C"), d or _dtype_name(a)) for n, a, d in tensors]
     head, _ = encode_header(((n, d, a.shape) for n, a, d in items), metadata)
     yield head
-    for _, array, _ in items:
+    for index, (_, array, _) in enumerate(items):
+        if ready is not None:
+            ready(index)
         view = array.reshape(-1).view(np.uint8).data
         for i in range(0, len(view), chunk_bytes):
             yield view[i : i + chunk_bytes]

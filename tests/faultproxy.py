@@ -62,6 +62,7 @@ class _Rule:
     times: int
     after: int = 0  # cut: body bytes to forward first
     seconds: float = 0.0  # stall: how long to hold the response
+    header: str = ""  # only requests whose lower-cased head holds this
 
 
 class _Closed(Exception):
@@ -132,11 +133,11 @@ class FaultProxy:
         leave the fault armed."""
         self._add(_Rule("cut_response", match, times, after=after))
 
-    def stall(self, seconds: float, match: str = "", times: int = 1) -> None:
+    def stall(self, seconds: float, match: str = "", times: int = 1, header: str = "") -> None:
         """Let the next matching request through, hold its response ``seconds``, then drop
         the link: the hub did the work, the client never hears of it (set ``seconds`` above
-        the client's timeout)."""
-        self._add(_Rule("stall", match, times, seconds=seconds))
+        the client's timeout). ``header``: only a request whose lower-cased head holds it."""
+        self._add(_Rule("stall", match, times, seconds=seconds, header=header))
 
     def reset_on_connect(self, times: int = 1) -> None:
         """Answer the next ``times`` connections with a TCP reset."""
@@ -168,7 +169,9 @@ class FaultProxy:
     def _take(self, kind: str, request: ProxiedRequest | None, consume: bool = True) -> _Rule | None:
         with self._lock:
             for rule in self._rules:
-                if rule.kind == kind and (request is None or request.matches(rule.match)):
+                if rule.kind == kind and (
+                    request is None or (request.matches(rule.match) and rule.header in request.head)
+                ):
                     if consume:
                         self._consume(rule)
                     return rule

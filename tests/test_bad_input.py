@@ -549,7 +549,7 @@ def test_malformed_digest(run: Run, value: str) -> None:
 def test_missing_digest(run: Run) -> None:
     data = encode(run.delta())
     refused_and_unchanged(
-        run, lambda: run.put("a", data, headers={"X-Sync-Samples": "1"}), 422, "invalid_request", "content-digest"
+        run, lambda: run.put("a", data, headers={"X-Sync-Samples": "1"}), 400, "bad_request", "Content-Digest"
     )
 
 

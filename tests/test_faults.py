@@ -224,8 +224,10 @@ def test_connection_cut_mid_body(proxy_pair: tuple[Hub, FaultProxy]) -> None:
     two_rounds(hub, proxy, "cut", arm)
     for round_ in range(2):
         attempts = proxy.matching(f"PUT /v1/runs/cut/rounds/{round_}/updates/a")
-        assert [x.fault for x in attempts] == ["cut", ""] and attempts[0].body_bytes == 30_000
+        # the body (cut, then resumed), then the request that brings its digest
+        assert [x.fault for x in attempts] == ["cut", "", ""] and attempts[0].body_bytes == 30_000
         assert attempts[1].body_bytes < 88_000 - 30_000 + 65_536  # resumed, not re-sent whole
+        assert attempts[2].body_bytes == 0 and "content-digest:" in attempts[2].head
 
 
 def test_stall_longer_than_the_client_timeout(proxy_pair: tuple[Hub, FaultProxy]) -> None:
@@ -235,14 +237,16 @@ def test_stall_longer_than_the_client_timeout(proxy_pair: tuple[Hub, FaultProxy]
     hub, proxy = proxy_pair
 
     def arm(round_: int) -> None:
-        what = "PUT /v1/runs/stall/rounds/0/updates/a" if round_ == 0 else "GET /v1/runs/stall/rounds/1/result"
-        proxy.stall(seconds=3, match=what)
+        if round_ == 0:  # the request that completes the upload, and gets the acknowledgement
+            proxy.stall(seconds=3, match="PUT /v1/runs/stall/rounds/0/updates/a", header="content-digest:")
+        else:
+            proxy.stall(seconds=3, match="GET /v1/runs/stall/rounds/1/result")
 
     two_rounds(hub, proxy, "stall", arm, timeout=1.5)
     puts = proxy.matching("PUT /v1/runs/stall/rounds/0/updates/a")
-    assert [x.fault for x in puts] == ["stall", ""]
-    assert puts[0].done and puts[1].body_bytes == 0  # whole the first time; nothing re-sent
-    assert "upload-offset:" in puts[1].head
+    assert [x.fault for x in puts] == ["", "stall", ""]
+    assert puts[0].done and puts[1].body_bytes == puts[2].body_bytes == 0  # the body went once
+    assert "upload-offset:" in puts[2].head
     assert proxy.matching("GET /v1/runs/stall/rounds/1/result")[0].fault == "stall"
 
 

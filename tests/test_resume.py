@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from syncclient import HubUnreachable, SyncClient
+from syncclient import HubUnreachable, SyncClient, SyncError
 from syncclient._model import ModelView
 from syncwire import iter_chunks
 from tests.conftest import Hub, tiny_gpt2
@@ -62,12 +62,15 @@ def test_upload_cut_at_90_percent_resends_only_the_rest(proxied_hub: tuple[Hub, 
     result = client.sync(model, samples=7)
 
     attempts = proxy.matching(puts)
-    assert [a.fault for a in attempts] == ["cut", ""]
+    assert [a.fault for a in attempts] == ["cut", "", ""]
     assert attempts[0].body_bytes == cut_at
     resent = attempts[1].body_bytes
     # the hub kept what arrived (uvicorn may drop its last buffered read on a disconnect)
     assert size - cut_at <= resent <= size - cut_at + MiB, (resent, size)
     assert f"upload-offset: {size - resent}" in attempts[1].head
+    # the request that completes the upload: its digest, from the end, no body
+    assert attempts[2].body_bytes == 0 and f"upload-offset: {size}" in attempts[2].head
+    assert "content-digest:" in attempts[2].head and "content-digest:" not in attempts[1].head
     assert len(proxy.matching("HEAD /v1/runs/big/rounds/0/updates/p1")) == 1
     print(f"\n{size / 1e6:.1f} MB update cut at 90%: re-sent {resent / 1e6:.2f} MB ({resent / size:.1%})")
     # applied once, whole: the version is v0 + delta and the round counted it once
@@ -78,6 +81,27 @@ def test_upload_cut_at_90_percent_resends_only_the_rest(proxied_hub: tuple[Hub, 
     merged = hub_model(hub, "big")["weight"]
     np.testing.assert_allclose(merged, base["weight"] + delta, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(merged, ModelView(model).export()["weight"])
+    client.leave()
+
+
+def test_an_update_with_nan_stops_its_upload_and_counts_nothing(hub: Hub) -> None:
+    """The SDK uploads while it encodes, so a NaN is found after the body started: the upload
+    stops there, the sync fails with what happened, the hub counts nothing, and once the model
+    is mended the next sync is an ordinary one."""
+    model = big_model()
+    client = SyncClient(hub.url, run="nan", peer="p1", min_peers=1, timeout=30, retry_seconds=5)
+    client.join(model)
+    with torch.no_grad():
+        model.weight[-1, -1] = float("nan")  # the last slice: its encode ends last
+    with pytest.raises(SyncError, match=r"'weight' holds NaN or Inf"):
+        client.sync(model, samples=1)
+    status = client.status()
+    assert status["version"] == 0 and status["open_round"]["submitted"] == []
+    with torch.no_grad():
+        model.weight[-1, -1] = 0.0
+    assert client.sync(model, samples=2).version == 1
+    (round0,) = client.status()["rounds"]
+    assert round0["participants"] == ["p1"] and round0["samples"] == 2
     client.leave()
 
 
@@ -231,6 +255,67 @@ def test_resume_protocol(hub_factory: Callable[..., Hub]) -> None:
     assert http.post("/v1/runs/proto/peers", json={"peer": "b"}).status_code == 200
     r = http.put(b_path, headers={**b_headers, "Upload-Offset": str(half)}, content=b_body[half:])
     assert r.status_code == 409 and r.json()["error"] == "round_closed" and r.json()["current_version"] == 1
+
+
+def test_a_body_held_for_its_digest(hub_factory: Callable[..., Hub]) -> None:
+    """The SDK uploads while it encodes, so the digest follows the body: ``Upload-Key`` and
+    ``Upload-Complete: ?0`` have the hub hold the whole body unacknowledged (202); a PUT from
+    its end with the digest completes it. Nothing is counted before then, a wrong digest
+    loses nothing but that body, and every step can be asked again."""
+    hub = hub_factory("--lease-seconds", "30")
+    model = joined(hub, "held", ["a", "b"])
+    http = httpx.Client(base_url=hub.url, timeout=30)
+    path = "/v1/runs/held/rounds/0/updates/a"
+    body = update_body(model, 0.01)
+    held = {"Upload-Key": "k" * 32, "Upload-Complete": "?0", "X-Sync-Samples": "3"}
+    done = {"Upload-Key": "k" * 32, "Content-Digest": digest_header(body), "X-Sync-Samples": "3"}
+
+    def acked() -> list[str]:
+        return http.get("/v1/runs/held").json()["open_round"]["submitted"]
+
+    # completing a body the hub never got: it holds none of it
+    r = http.put(path, headers={**done, "Upload-Offset": str(len(body))}, content=b"")
+    assert r.status_code == 409 and r.json()["error"] == "upload_offset" and r.json()["upload_offset"] == 0
+
+    # the whole body, held: 202, not acknowledged, and asking again holds it again
+    for _ in range(2):
+        r = (
+            http.put(path, headers=held, content=body)
+            if _ == 0
+            else http.put(path, headers={**held, "Upload-Offset": str(len(body))}, content=b"")
+        )
+        assert r.status_code == 202 and r.json() == {"held": len(body)}
+        assert acked() == []
+    r = http.head(path, headers=held)
+    assert r.headers["upload-offset"] == str(len(body)) and r.headers["upload-complete"] == "?0"
+
+    # completed with the wrong digest: refused, the body is gone, nothing counted
+    wrong = {**done, "Content-Digest": digest_header(body + b"x"), "Upload-Offset": str(len(body))}
+    r = http.put(path, headers=wrong, content=b"")
+    assert r.status_code == 400 and "digest" in r.json()["detail"]
+    assert http.head(path, headers=held).headers["upload-offset"] == "0" and acked() == []
+
+    # cut half way, resumed from what is held, then completed with the right digest
+    sock = start_upload(hub, path, held, body[: len(body) // 2])
+    wait_for(lambda: "a" in http.get("/v1/runs/held").json()["open_round"]["uploading"], "upload start", 10)
+    sock.close()
+    wait_for(lambda: not http.get("/v1/runs/held").json()["open_round"]["uploading"], "hub to notice", 10)
+    offset = int(http.head(path, headers=held).headers["upload-offset"])
+    assert 0 < offset <= len(body) // 2
+    r = http.put(path, headers={**held, "Upload-Offset": str(offset)}, content=body[offset:])
+    assert r.status_code == 202 and r.json() == {"held": len(body)}
+    r = http.put(path, headers={**done, "Upload-Offset": str(len(body))}, content=b"")
+    assert r.status_code == 200 and r.json()["bytes"] == len(body) and r.json()["repeat"] is False
+    assert r.json()["samples"] == 3 and acked() == ["a"]
+
+    # acknowledged: asked again with the digest, the same acknowledgement
+    r = http.head(path, headers=done)
+    assert r.headers["upload-offset"] == str(len(body)) and r.headers["upload-complete"] == "?1"
+    r = http.put(path, headers={**done, "Upload-Offset": str(len(body))}, content=b"")
+    assert r.status_code == 200 and r.json()["repeat"] is True
+
+    http.post("/v1/runs/held/peers/b/leave")  # only a is waited for now: the round closes
+    wait_for(lambda: http.get("/v1/runs/held").json()["version"] == 1, "round 0 to close", 60)
 
 
 def test_stalled_upload_is_dropped_after_the_lease_and_kept_for_resume(hub_factory: Callable[..., Hub]) -> None:

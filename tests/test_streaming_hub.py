@@ -29,10 +29,11 @@ import torch
 import syncwire.codecs
 from syncclient import SyncClient
 from syncclient._model import ModelView
+from syncserver import uploads as uploads_module
 from syncserver.engine import Accumulator, MergeEngine, Outer
 from syncserver.errors import InvalidUpdate
-from syncserver.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
-from syncserver.uploads import receive
+from syncserver.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, Upload, VersionKey
+from syncserver.uploads import Held, Received, receive
 from syncwire import Codec, FormatError, decode_tensor, get_codec, iter_chunks, read_tensors, wire_name
 from syncwire.codecs import slices
 from syncwire.format import TensorFile
@@ -142,6 +143,54 @@ def test_the_scan_refuses_nan_and_inf_wherever_they_fall(tmp_path: Path, seed: i
         with pytest.raises(InvalidUpdate, match="NaN or Inf"):
             _receive(_body(poisoned), store, seed)
         assert not list((tmp_path / "tmp").iterdir()), "a refused body leaves no file"
+
+
+async def _nothing() -> AsyncIterator[bytes]:
+    return
+    yield
+
+
+@pytest.mark.parametrize("forgotten", [False, True])
+def test_a_held_body_completes_with_the_digest_of_every_byte(tmp_path: Path, forgotten: bool) -> None:
+    """A body held for its digest (``complete=False``) is completed by an empty body from its
+    end: from the hash state kept in memory, or, if that was dropped, by reading it back."""
+    rng = np.random.default_rng(5)
+    arrays = {"a": rng.standard_normal(30_001).astype(np.float32), "q": rng.integers(-9, 9, 7).astype(np.int8)}
+    data = _body(arrays)
+    store = Store(tmp_path)
+
+    def upload() -> Upload:
+        return store.resumable_upload("r", 0, "p", "key-" + "k" * 16)
+
+    def run(chunks: AsyncIterator[bytes], offset: int, complete: bool) -> Received | Held:
+        return asyncio.run(
+            receive(
+                chunks,
+                upload(),
+                max_bytes=len(data),
+                content_length=len(data) - offset,
+                check_header=lambda i: None,
+                offset=offset,
+                complete=complete,
+            )
+        )
+
+    assert run(_pieces(data, 1), 0, complete=False) == Held(len(data))
+    assert upload().held() == len(data) and upload().ident in uploads_module._kept
+    if forgotten:
+        uploads_module._kept.clear()
+    received = run(_nothing(), len(data), complete=True)
+    assert isinstance(received, Received) and upload().ident not in uploads_module._kept
+    assert received.digest == hashlib.sha256(data).hexdigest() and received.nbytes == len(data)
+    with received.staged.reader() as stored:
+        assert all(np.array_equal(stored.read(n), a.reshape(-1)) for n, a in arrays.items())
+    received.staged.discard()
+
+    # a held body is checked like any other: NaN is refused before it is held
+    arrays["a"][77] = np.nan
+    with pytest.raises(InvalidUpdate, match="NaN or Inf"):
+        run(_pieces(_body(arrays), 2), 0, complete=False)
+    assert upload().held() == 0 and upload().ident not in uploads_module._kept
 
 
 def test_tensor_file_reads_slices_like_the_memory_map(tmp_path: Path) -> None:
