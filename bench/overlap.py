@@ -14,8 +14,8 @@ every peer must hold the hub's last version bit for bit (checked by sha-256).
 Measured on each peer's training thread, per sync (mean over syncs and peers):
 
 - **stall**: wall time of the sync work on the training thread. Blocking: the whole
-  ``sync()``. Overlap: ``sync_async()`` (snapshot + encode) + ``apply()`` (the correction,
-  and any wait for a result still out when the next sync is due).
+  ``sync()``. Overlap: ``sync_async()`` (the snapshot; the encode runs beside the upload)
+  + ``apply()`` (the correction, and any wait for a result still out when the next sync is due).
 - **slowdown**: what a sync costs the steps around it: the sum, over the steps trained while
   it is in flight and the first step after it landed, of (step time - the median time of the
   other steps). Overlap: the background thread's digest, upload and decode, and the hub's
