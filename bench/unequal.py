@@ -319,7 +319,7 @@ def main() -> None:
         args.result.write_text(json.dumps(peer(args)))
         return
     if args.quick:
-        args.layers, args.width, args.vocab, args.budget, args.reviews, args.val_blocks = 1, 32, 512, 960, 400, 64
+        args.layers, args.width, args.vocab, args.budget, args.reviews, args.val_blocks = 1, 32, 512, 480, 400, 64
         args.batch, args.sync_every = 8, 3
     policies = args.policies or ["barrier", "samples", "async"]
     started = datetime.datetime.now(datetime.UTC)
