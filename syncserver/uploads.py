@@ -135,7 +135,7 @@ class _Kept:
     scan: _FiniteScan | None
 
 
-_KEPT_MAX = 1024  # held bodies whose hash state is kept; past that the oldest is read back when completed
+_KEPT_MAX = 64  # held bodies whose hash state is kept (O(tensors) each); past that the oldest is read back
 _kept: dict[str, _Kept] = {}  # by upload ident; taken by whoever writes that upload next
 
 
