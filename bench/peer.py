@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import platform
@@ -31,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from unittest import mock
@@ -92,12 +91,11 @@ def timed(work: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - t, cpu() - c
 
 
-def _sha256(chunks: Iterator[memoryview | bytes]) -> bytes:
-    """The body's digest, as the SDK takes it while the body goes out (one pass, in order)."""
-    h = hashlib.sha256()
-    for chunk in chunks:
-        h.update(chunk)
-    return h.digest()
+def _digest(parts: list, spec: str) -> str:
+    """The body's digest, taken as the SDK takes it while the body goes out."""
+    digest = transport_module._Digest()
+    size = sum(len(chunk) for chunk in digest.watch(iter_chunks(parts, {"codec": spec})))
+    return digest.value(size)
 
 
 def serve(body: bytes, folder: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -150,7 +148,7 @@ def measure(spec: str, base: dict[str, np.ndarray], local: dict[str, np.ndarray]
                 with mock.patch.object(state_module, "_pool", lambda: one_thread):
                     samples.setdefault("encode, 1 thread", []).append(timed(lambda: state.encode(local).wait()))
                 samples.setdefault(f"encode, {threads} threads", []).append(timed(lambda: state.encode(local).wait()))
-                digest = timed(lambda: _sha256(iter_chunks(parts, {"codec": codec.spec})))
+                digest = timed(lambda: _digest(parts, codec.spec))
                 samples.setdefault("digest", []).append(digest)
                 old = timed(lambda: after(plain, url))
                 samples.setdefault("download + fold: 64 KiB reads, fold after", []).append(old)

@@ -116,7 +116,7 @@ def parse_flag(value: str | None, header: str, default: bool = False) -> bool:
 UPLOAD_KEY_PATTERN = r"^[A-Za-z0-9_-]{16,64}$"
 
 
-def upload_name(digest: str | None, key: str | None, *, complete: bool) -> str | None:
+def update_digest(digest: str | None, key: str | None, *, complete: bool) -> str | None:
     """The digest (hex) of an update's headers, after checking they name its body: by its
     ``Content-Digest``, or by an ``Upload-Key`` for a body whose digest comes later. A body is
     acknowledged only with its digest (``complete``: this request should end the upload)."""
@@ -347,7 +347,7 @@ async def put_update(
             run,
             round,
             peer,
-            upload_name(digest, key, complete=whole),
+            update_digest(digest, key, complete=whole),
             samples,
             parse_metrics(metrics),
             key=key,
@@ -397,8 +397,9 @@ async def update_offset(
     rest is to send with ``Upload-Offset`` set); ``Upload-Complete: ?1`` when the update is
     already acknowledged (a PUT from that offset, with an empty body, gets its ack again).
     Asking supersedes an attempt still streaming on the hub: the client has given up on it."""
-    name = upload_name(digest, key, complete=False)
-    ticket = await hub.update_ticket(run, round, peer, name, samples, parse_metrics(metrics), key=key)
+    ticket = await hub.update_ticket(
+        run, round, peer, update_digest(digest, key, complete=False), samples, parse_metrics(metrics), key=key
+    )
     if ticket.acknowledged is not None:
         held, complete = ticket.acknowledged.bytes, "?1"
     else:

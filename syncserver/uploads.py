@@ -26,7 +26,9 @@ while it uploads knows the digest only after the last byte. Its body is received
 as any other, then kept as a whole partial instead of being finished; the request that brings
 the digest resumes it at its end with an empty body. The hash state of a held body is kept in
 memory (:data:`_kept`), so that completing it does not read 500 MB back to hash them again;
-without it (a hub restarted between the two requests) the bytes are read back as for any resume.
+without it (more held bodies than :data:`_KEPT_MAX`) the bytes are read back as for any resume.
+A hub that restarts drops every partial, held ones too: the completing request then gets
+``409 upload_offset`` and the body is sent again.
 """
 
 from __future__ import annotations
