@@ -48,6 +48,7 @@ sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 import round as rb  # noqa: E402 (model shapes, result files)
 
 from syncserver.engine import Accumulator, MergeEngine, Outer  # noqa: E402
+from syncserver.settings import default_fold_threads  # noqa: E402
 from syncserver.store import Store, UpdateKey, VersionKey  # noqa: E402
 from syncserver.uploads import receive  # noqa: E402
 from syncwire import get_codec, iter_chunks, wire_name  # noqa: E402
@@ -61,6 +62,7 @@ parser.add_argument("--reps", type=int, default=5, help="rounds timed per codec;
 parser.add_argument("--outer", choices=["avg", "diloco"], default="avg")
 parser.add_argument("--data-root", type=Path, default=None, help="where the store goes (its disk counts)")
 parser.add_argument("--out", type=Path, default=BENCH / "results", help="folder for the JSON")
+parser.add_argument("--fold-threads", type=int, default=default_fold_threads(), help="as the hub's SYNC_FOLD_THREADS")
 
 
 PIECE = (256 << 10) - 1  # odd: values split across pieces and the hub's 8 MiB batches, as reads do
@@ -106,7 +108,7 @@ def one_codec(spec: str, args: argparse.Namespace, schema: dict[str, tuple[int, 
     rng = np.random.default_rng(0)
     work = Path(tempfile.mkdtemp(prefix="bench-hub-", dir=args.data_root))
     store = Store(work)
-    engine = MergeEngine(store)
+    engine = MergeEngine(store, args.fold_threads)
     run = "close"
     model = {n: (rng.standard_normal(s, dtype=np.float32) * 0.02) for n, s in schema.items()}
     write_file(store, VersionKey(run, 0), body({n: {"": a} for n, a in model.items()}, "fp32"))

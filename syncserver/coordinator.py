@@ -63,7 +63,7 @@ class Coordinator:
         self.store = store
         self.runs: dict[str, Run] = {}
         self.view = HubView(self.runs, store, settings.lease_seconds)
-        self.engine = MergeEngine(store)
+        self.engine = MergeEngine(store, settings.fold_threads)
         self.rounds = Rounds(settings, store, self.engine, self.view)
         self._ticker: asyncio.Task[None] | None = None
 

@@ -30,7 +30,6 @@ finite before the result is written whole; :class:`NonFinite` otherwise, and not
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -43,9 +42,7 @@ from syncwire import Codec, FormatError, Schema, get_codec, layout_bytes, wire_l
 from syncwire.codecs import slices
 from syncwire.format import TensorFile, encode_header
 
-__all__ = ["Accumulator", "MergeEngine", "NonFinite", "Outer", "SLICE_THREADS"]
-
-SLICE_THREADS = min(4, os.cpu_count() or 1)  # threads that fold and merge (see MergeEngine._each_slice)
+__all__ = ["Accumulator", "MergeEngine", "NonFinite", "Outer"]
 
 Work = Callable[[str, int, int, dict[str, tuple[int, int]]], None]
 
@@ -82,7 +79,7 @@ class Accumulator:
 class MergeEngine:
     """Fold, merge and version building for every run of one hub, on one slice pool."""
 
-    def __init__(self, store: Store, threads: int = SLICE_THREADS) -> None:
+    def __init__(self, store: Store, threads: int) -> None:
         self.store = store
         self.threads = threads
         # the same few threads fold and merge every round: fresh threads each round would each

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -32,6 +33,12 @@ def normal_codec(spec: str) -> str:
     if len(spec) > 64:
         raise ValueError("a codec spec is at most 64 characters, e.g. 'int8:block=128'")
     return get_codec(spec).spec
+
+
+def default_fold_threads() -> int:
+    """The cores, at most 4: the hub is meant for a small VM, whose cores its receiving threads and
+    event loop need too; a bigger hub can ask for more (``SYNC_FOLD_THREADS``)."""
+    return min(4, os.cpu_count() or 1)
 
 
 class HubSettings(BaseSettings):
@@ -101,6 +108,13 @@ class HubSettings(BaseSettings):
         le=64,
         description="Pruned tensor files kept to write new ones over (their pages stay cached: "
         "fresh ones cost ~1 s per 500 MB on some VMs); each costs its size on disk. 0: none.",
+    )
+    fold_threads: int = Field(
+        default_factory=default_fold_threads,
+        ge=1,
+        le=256,
+        description="Threads that decode and fold updates and merge a round's result (default: the cores, at "
+        "most 4). A hub on a machine with cores to spare closes int8/int4 rounds of many peers sooner with more.",
     )
     codec: str = Field("fp32", description="Default codec of new runs: fp32, bf16, int8, int4, topk.")
     outer: Outer = Field("avg", description="Default outer optimizer of new runs.")

@@ -74,6 +74,8 @@ def test_through_the_command_a_flag_hides_a_bad_variable() -> None:
     [
         (["--keep-versions", "0"], {}, "error: --keep-versions: Input should be greater than or equal to 1"),
         ([], {"SYNC_KEEP_VERSIONS": "many"}, "error: SYNC_KEEP_VERSIONS: Input should be a valid integer"),
+        (["--fold-threads", "0"], {}, "error: --fold-threads: Input should be greater than or equal to 1"),
+        ([], {"SYNC_FOLD_THREADS": "all"}, "error: SYNC_FOLD_THREADS: Input should be a valid integer"),
         (["--outer", "sgd"], {}, "error: --outer: Input should be 'avg' or 'diloco'"),
         (["--codec", "zip"], {}, "error: --codec: unknown codec 'zip'"),
         (["--run-tokens", "{no"], {}, "error: --run-tokens: not JSON"),

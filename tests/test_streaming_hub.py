@@ -30,8 +30,10 @@ import syncwire.codecs
 from syncclient import SyncClient
 from syncclient._model import ModelView
 from syncserver import uploads as uploads_module
+from syncserver.coordinator import Coordinator
 from syncserver.engine import Accumulator, MergeEngine, Outer
 from syncserver.errors import InvalidUpdate
+from syncserver.settings import HubSettings, default_fold_threads
 from syncserver.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, Upload, VersionKey
 from syncserver.uploads import Held, Received, receive
 from syncwire import Codec, FormatError, decode_tensor, get_codec, iter_chunks, read_tensors, wire_name
@@ -291,7 +293,8 @@ def test_the_merge_folds_what_is_not_folded_yet_to_the_same_bits(
 ) -> None:
     """A close folds the updates acknowledged just before it within its merge, slice by slice:
     the result, momentum and residual are the bits of folding them first, however many were
-    folded before the close, and the accumulator is left as it was (a refused merge is retried).
+    folded before the close or by how many threads, and the accumulator is left as it was (a
+    refused merge is retried).
     A final round's fp32 result is sliced unlike lossy updates: those are folded first."""
     codec, schema = get_codec(spec), {"w": (2_100_003,), "b": (37,)}  # "w": three slices
     rng = np.random.default_rng(7)
@@ -304,7 +307,7 @@ def test_the_merge_folds_what_is_not_folded_yet_to_the_same_bits(
     written: list[list[bytes]] = []
     for eager in range(len(updates) + 1):
         store = Store(tmp_path / str(eager))
-        engine = MergeEngine(store, threads=2)
+        engine = MergeEngine(store, threads=1 + eager % 3)  # SYNC_FOLD_THREADS changes no bit either
         files = [VersionKey("r", 0), *(UpdateKey("r", 0, f"p{k}") for k in range(len(updates)))]
         for key, data in zip(files, [_update_file(get_codec("fp32"), model), *updates], strict=True):
             with store.write(key) as f:
@@ -329,6 +332,21 @@ def test_the_merge_folds_what_is_not_folded_yet_to_the_same_bits(
         store.close()
     assert len(written[0]) == 1 + (outer == "diloco") + (codec.hub_feedback and not final)
     assert all(w == written[0] for w in written[1:])
+
+
+def test_the_fold_threads_setting_sizes_the_engines_pool(tmp_path: Path) -> None:
+    """SYNC_FOLD_THREADS (--fold-threads) is the number of threads that fold and merge."""
+    for threads in (3, None):
+        settings = HubSettings(data_dir=tmp_path, **({"fold_threads": threads} if threads else {}))
+        store = Store(tmp_path)
+        coordinator = Coordinator(settings, store)
+        try:
+            expected = threads or default_fold_threads()
+            assert coordinator.engine.threads == expected == coordinator.engine._pool._max_workers
+        finally:
+            coordinator.engine.close()
+            store.close()
+    assert default_fold_threads() == min(4, os.cpu_count() or 1)
 
 
 def test_a_first_fold_stops_when_told_and_leaves_the_accumulator_empty(tmp_path: Path) -> None:
