@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 DATA ?= ../shared/data
 OUT ?= out/quickstart
 
-.PHONY: install quickstart test lint clean
+.PHONY: install quickstart test lint docs docs-serve clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,15 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The docs site (mkdocs.yml): strict, so a broken link or a reference that does not resolve fails
+# the build; the reference pages are generated from the code (docs/gen_reference.py). site/ opens
+# from disk, offline. NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, not ours.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
+
 # install-chromium.sh apt-installs Debian's chromium system-wide (~155 MB download) unless
 # `chromium` is on PATH or CHROMIUM names one; README says so. Two pytest workers (pytest-xdist):
 # most tests wait on servers, subprocesses and shaped links, and the suite took 0.81x the time on
@@ -40,4 +49,4 @@ test: install lint
 	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 clean:
-	rm -rf $(VENV) out artifacts .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) out artifacts site .pytest_cache .mypy_cache .ruff_cache

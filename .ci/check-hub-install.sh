@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# README's deploy path, end to end: build the wheel (`python -m build`), install it with the
+# docs/deploying.md's install path, end to end: build the wheel (`python -m build`), install it with the
 # `server` extra alone in a clean venv, prove torch did not come along, start the hub from the
 # installed package and ask /healthz, the dashboard page with its static files, and /docs with
 # its vendored Swagger UI (both are package data: a wheel without them serves 404s).

@@ -16,7 +16,7 @@ and K copies of COMMAND on this machine through the one launcher, :class:`syncse
 (it needs ``weightsync[server]``): each peer runs in its own folder ``OUT/peer-k`` (so relative
 paths it writes to do not collide), with its console in ``OUT/peer-k.log``; the hub keeps its
 state in ``OUT/hub`` (each launch starts a fresh run) and logs to ``OUT/hub.log``, and takes its
-settings from ``SYNC_*`` variables (README's Hub settings). Words of COMMAND that name a file or
+settings from ``SYNC_*`` variables (docs: Reference, Hub settings). Words of COMMAND that name a file or
 folder that exists where you launch (the script, a data folder) are made absolute so that they
 still name it from a peer's folder; other relative paths (outputs) land in the peer's folder.
 With ``python -m``, the folder you launch from goes on ``PYTHONPATH``, where ``-m`` looks.

@@ -50,7 +50,9 @@ class HubSettings(BaseSettings):
 
     data_dir: Path = Field(Path("./syncserver-data"), description="Where versions, updates and state live.")
     token: SecretStr | None = Field(
-        None, description="Bearer token required on every call but /healthz. Unset: an open hub."
+        None,
+        description="Bearer token required on every /v1 call and /metrics (never on /healthz, /docs, /openapi.json "
+        "or the dashboard's page, which asks for it). Unset: an open hub.",
     )
     view_token: SecretStr | None = Field(
         None,
@@ -67,7 +69,11 @@ class HubSettings(BaseSettings):
         description='Per-run bearer tokens, JSON: SYNC_RUN_TOKENS=\'{"imdb-gpt2": "..."}\'. A run token '
         "opens /v1/runs/<its run>/... only (it may create that run), nothing else.",
     )
-    min_peers: MinPeers = Field(1, description="Updates a round needs before its deadline may close it.")
+    min_peers: MinPeers = Field(
+        1,
+        description="Peers a new run waits for before it starts; updates a round needs before its deadline may "
+        "close it.",
+    )
     round_timeout: Seconds = Field(
         600.0, description="Seconds after a round's first update before stragglers are dropped."
     )
@@ -95,8 +101,9 @@ class HubSettings(BaseSettings):
     )
     header_timeout: Seconds = Field(
         10.0,
-        description="Seconds a client has to send a request's line and headers, from connecting or from the end "
-        "of the previous answer; then 408 and the connection is closed (syncserver serve; not plain uvicorn).",
+        description="Seconds a client has to send a request's line and headers (64 KiB at most), from connecting "
+        "or from the end of the previous answer; then 408 and the connection is closed (syncserver serve; not "
+        "plain uvicorn).",
     )
     idle_timeout: Seconds = Field(
         5.0, description="An idle keep-alive connection is closed after this many seconds (uvicorn's keep-alive)."
@@ -107,7 +114,8 @@ class HubSettings(BaseSettings):
         ge=0,
         le=64,
         description="Pruned tensor files kept to write new ones over (their pages stay cached: "
-        "fresh ones cost ~1 s per 500 MB on some VMs); each costs its size on disk. 0: none.",
+        "fresh ones cost ~1 s per 500 MB on some VMs); each costs its size on disk (6 GPT-2 124M files: 3 GB). "
+        "0: none.",
     )
     fold_threads: int = Field(
         default_factory=default_fold_threads,
@@ -116,7 +124,9 @@ class HubSettings(BaseSettings):
         description="Threads that decode and fold updates and merge a round's result (default: the cores, at "
         "most 4). A hub on a machine with cores to spare closes int8/int4 rounds of many peers sooner with more.",
     )
-    codec: str = Field("fp32", description="Default codec of new runs: fp32, bf16, int8, int4, topk.")
+    codec: str = Field(
+        "fp32", description="Default codec of new runs: fp32, bf16, int8, int4, topk, with parameters: int8:block=128."
+    )
     outer: Outer = Field("avg", description="Default outer optimizer of new runs.")
     outer_lr: OuterLR = Field(0.7, description="DiLoCo outer learning rate (default of new runs; at most 10).")
     outer_momentum: OuterMomentum = Field(0.9, description="DiLoCo Nesterov momentum (default).")

@@ -259,7 +259,7 @@ def train_peer(args: argparse.Namespace) -> int:
     t0 = time.time()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # One process per peer here (it shards the data by the hub's rank). SyncCallback serves a
-        # torchrun group in any other Trainer script: README, "Peers with several GPUs".
+        # torchrun group in any other Trainer script: docs/concepts/groups.md.
         raise Fail(
             "train/finetune_gpt2.py runs one process per peer, not under torchrun "
             f"(WORLD_SIZE={os.environ['WORLD_SIZE']}); use SyncCallback in your own torchrun script"

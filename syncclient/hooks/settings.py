@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 __all__ = ["DEFAULT_SYNC_EVERY", "ENV", "HookSettings", "SettingsError", "env_name", "flag_name"]
 
-DEFAULT_SYNC_EVERY = 100  # optimizer steps; README's "The interval" says how to pick it
+DEFAULT_SYNC_EVERY = 100  # optimizer steps; docs/concepts/outer.md, "The interval", says how to pick it
 
 #: field -> variable. The launcher sets the last three (its own, or ``--local-peers``'s).
 ENV = {
