@@ -229,7 +229,8 @@ def _argparse_section(parser: argparse.ArgumentParser, title: str) -> list[str]:
 
 def _finetune_parser() -> argparse.ArgumentParser:
     spec = importlib.util.spec_from_file_location("finetune_gpt2", ROOT / "train" / "finetune_gpt2.py")
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise RuntimeError("train/finetune_gpt2.py cannot be loaded")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # the standard library only at import: torch loads in main()
     parser: argparse.ArgumentParser = module.build_parser()
