@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 DATA ?= ../shared/data
 OUT ?= out/quickstart
 
-.PHONY: install quickstart test lint docs docs-serve clean
+.PHONY: install quickstart test check lint docs docs-serve clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -47,6 +47,11 @@ docs-serve: install
 test: install lint
 	bash .ci/install-chromium.sh
 	$(BIN)/python -m pytest -n 2 --dist worksteal
+
+# The edit loop: lint and the tests that start no process of their own (tests/conftest.py marks
+# the others `process`); about a minute and a half on 2 cores. `make test` and CI run everything.
+check: install lint
+	$(BIN)/python -m pytest -n 2 --dist worksteal -m "not process" -q
 
 clean:
 	rm -rf $(VENV) out artifacts site .pytest_cache .mypy_cache .ruff_cache

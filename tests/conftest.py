@@ -18,8 +18,44 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel  # imported once here: lazy imports race in threads
 
 from syncserver.process import ServerProcess
+from tests.budget import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (the time budget)
 
 REPO = Path(__file__).resolve().parents[1]
+
+PROCESS_MODULES = frozenset(
+    {
+        "test_bench_smoke",  # the benchmarks' own command lines
+        "test_ci_scripts",  # .ci scripts
+        "test_cli",
+        "test_crash",  # SIGKILLed hubs and peers
+        "test_docs",  # mkdocs build
+        "test_exports",  # what a fresh interpreter imports
+        "test_finetune",  # the reference job
+        "test_group",  # torchrun
+        "test_hooks",  # weightsync-run's hooks in programs of their own
+        "test_lightning",
+        "test_load_smoke",
+        "test_local",  # --local-peers
+        "test_schemathesis",
+        "test_status_cli",
+        "test_timeouts",
+        "test_tls",
+        "test_zero_code",  # weightsync-run
+    }
+)
+"""Modules whose tests start programs of their own (besides hubs from ``hub_factory``, which mark
+a test by themselves): ``make check`` leaves these out, ``make test`` and CI run everything."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``process`` every test that starts a process per test: ``pytest -m "not process"`` is
+    the in-process tier (``make check``)."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if "hub_factory" in item.fixturenames or module in PROCESS_MODULES:
+            item.add_marker(pytest.mark.process)
+
+
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
