@@ -21,6 +21,7 @@ from syncserver.process import ServerProcess
 from tests.budget import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (the time budget)
 
 REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
 
 PROCESS_MODULES = frozenset(
     {
@@ -54,9 +55,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
         if "hub_factory" in item.fixturenames or module in PROCESS_MODULES:
             item.add_marker(pytest.mark.process)
-
-
-SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 class Hub:
