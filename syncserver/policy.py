@@ -11,8 +11,9 @@ Three policies, chosen per run (``policy``):
 
 - :class:`BarrierPolicy` (``barrier``, the default): round v closes once every live peer that is
   waited for in v has an acknowledged update, or once the round's deadline (``round_timeout``
-  after its first acknowledgement) has passed with at least ``min_peers`` updates; the live peers
-  that did not make it are dropped (they catch up). Peers sync every N of their own steps, so
+  after its first acknowledgement) has passed with at least ``min_peers`` updates (fewer once
+  members left: :meth:`RoundPolicy.quorum`); the live peers that did not make it are dropped
+  (they catch up). Peers sync every N of their own steps, so
   each round waits for the slowest peer's N steps.
 - :class:`SamplesPolicy` (``samples``, hivemind's ``target_batch_size``): peers report the
   samples they have trained since the last round as they go; once the live peers' sum reaches
@@ -238,6 +239,14 @@ class RoundPolicy:
             m.name for m in self.members.values() if m.counted and m.name in self.live and m.active_from <= self.round
         ) - frozenset(self.refused)
 
+    def quorum(self) -> int:
+        """The updates a round needs to close: ``min_peers``, or fewer once members left (they
+        said they are done, and will send nothing more: a peer that finished its training
+        must not hold back the ones still training). A member whose lease ran out still counts:
+        it may come back."""
+        staying = sum(1 for m in self.members.values() if m.counted and not m.left)
+        return max(1, min(self.min_peers, staying))
+
     def decide(self, now: float) -> Close | None:
         raise NotImplementedError
 
@@ -293,7 +302,7 @@ class BarrierPolicy(RoundPolicy):
         if self.closing or not self.acked:
             return None
         expected = self.expected()
-        enough = len(self.acked) >= self.min_peers
+        enough = len(self.acked) >= self.quorum()
         everyone = expected <= set(self.acked)
         overdue = self.deadline is not None and now >= self.deadline
         if not (enough and (everyone or overdue)):
@@ -331,7 +340,7 @@ class SamplesPolicy(RoundPolicy):
             return None
         if self.due_since is None and self.round_total() >= self.round_samples:
             self.due_since = now
-        if not self.acked or len(self.acked) < self.min_peers:
+        if not self.acked or len(self.acked) < self.quorum():
             return None
         acked = set(self.acked)
         expected = self.expected()

@@ -80,6 +80,41 @@ def test_leaving_closes_a_round_that_only_waited_for_the_leaver() -> None:
     assert policy.state("b") is PeerState.LEFT
 
 
+def test_a_member_that_left_no_longer_counts_towards_the_quorum() -> None:
+    """min_peers 2, and b finished its training (its last update in round 0, then it left): a's
+    next rounds close with a alone, at once, instead of never."""
+    policy = started("a", "b", min_peers=2)
+    policy.acknowledged("a", 1.0)
+    close = policy.acknowledged("b", 2.0)
+    assert close == Close(0, ("a", "b"), ())
+    policy.committed(close)
+    assert policy.leave("b", 3.0) is None
+    assert policy.quorum() == 1
+    assert policy.acknowledged("a", 4.0) == Close(1, ("a",), ())
+
+
+def test_a_member_whose_lease_ran_out_still_counts_towards_the_quorum() -> None:
+    policy = started("a", "b", "c", min_peers=2)
+    policy.expire(LEASE + 1)
+    policy.seen("a", LEASE + 2)
+    policy.acknowledged("a", LEASE + 2)
+    assert policy.quorum() == 2
+    assert policy.decide(1e9) is None  # b and c may come back: no run of one
+    assert policy.leave("b", 1e9) is None
+    assert policy.leave("c", 1e9) == Close(0, ("a",), ())  # the last one that might have come back left
+    assert policy.quorum() == 1
+
+
+def test_a_samples_round_needs_no_quorum_of_members_that_left() -> None:
+    policy = SamplesPolicy(round_samples=10, min_peers=2, round_timeout=TIMEOUT, lease_seconds=LEASE)
+    for name in ("a", "b"):
+        policy.join(name, 0.0, counted=False)
+    policy.begin(0)
+    policy.seal(["a", "b"])
+    policy.leave("b", 1.0)
+    assert policy.acknowledged("a", 2.0, samples=4) == Close(0, ("a",), ())
+
+
 def test_a_refused_update_is_not_waited_for() -> None:
     policy = started("a", "b")
     policy.acknowledged("a", 1.0)
