@@ -10,6 +10,7 @@ COPY pyproject.toml README.md ./
 COPY syncwire syncwire
 COPY syncserver syncserver
 COPY syncclient syncclient
+COPY weightsync_run weightsync_run
 # the hub needs no torch: the server extra alone
 RUN pip install --no-cache-dir '.[server]' \
  && useradd --create-home --uid 10001 hub \
@@ -29,6 +30,7 @@ COPY pyproject.toml README.md ./
 COPY syncwire syncwire
 COPY syncserver syncserver
 COPY syncclient syncclient
+COPY weightsync_run weightsync_run
 COPY train train
 RUN pip install --no-cache-dir '.[train]' && useradd --create-home --uid 10001 trainer
 USER trainer

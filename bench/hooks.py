@@ -213,7 +213,7 @@ def run(args: argparse.Namespace, kind: str, hooked: bool, url: str, tmp: Path, 
         *(["--control"] if args.control else []),
     ]
     if hooked:
-        wrap = [sys.executable, "-m", "syncclient.run", "--hub", url, "--run", f"{kind}-{i}", "--sync-every"]
+        wrap = [sys.executable, "-m", "weightsync_run", "--hub", url, "--run", f"{kind}-{i}", "--sync-every"]
         cmd = [*wrap, str(10**9), "--", *cmd]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SYNC_", "WEIGHTSYNC_"))}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

@@ -263,8 +263,8 @@ def _click_section(command: Any, name: str) -> list[str]:
 def cli_page() -> str:
     import typer.main
 
-    from syncclient.run import build_parser
     from syncserver.cli import app
+    from weightsync_run.cli import build_parser
 
     lines = [
         "# Command lines",

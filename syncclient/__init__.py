@@ -8,7 +8,7 @@
 
 or, with a Hugging Face ``Trainer``, one callback: ``SyncCallback`` (with Lightning:
 ``syncclient.lightning.SyncCallback``); or no code at all: ``weightsync-run -- python train.py``
-(:mod:`syncclient.run`).
+(the ``weightsync_run`` package, beside this one: it runs a hub too).
 
 Every name here but the exceptions is loaded on first use: ``import syncclient`` imports neither
 torch nor httpx, so that ``weightsync-run``'s hooks can sit in every Python process it starts at

@@ -47,7 +47,8 @@ from syncclient._model import ArrayView, ModelView
 from syncclient.background import Heartbeat, ProgressReporter
 from syncclient.exceptions import SchemaMismatch, SyncError
 from syncclient.group import PeerGroup
-from syncclient.protocol import Outcome, RunProtocol, run_settings
+from syncclient.protocol import Outcome, RunProtocol
+from syncclient.runconfig import check_run_settings
 from syncclient.state import EncodedUpdate, UpdateState
 from syncclient.transport import Download, Transport
 from syncwire import Codec, get_codec, layout_bytes, wire_layout
@@ -166,8 +167,14 @@ class SyncClient:
     >>> client.leave()
 
     ``codec`` ... ``max_staleness`` configure the run if this peer creates it, and must match an
-    existing run's (None: accept it): see :func:`syncclient.protocol.run_settings`. In a samples
-    run report what each step trained with :meth:`progress` and send when :attr:`due` (or let
+    existing run's (None: accept it); :data:`syncclient.runconfig.RUN_SETTINGS` says what each
+    means and checks it here, so a typo fails at once and not at the hub. ``min_peers`` is also
+    the rendezvous size: the run starts once that many peers joined, and ranks follow sorted peer
+    names, not join order. ``round_samples`` alone makes a *samples* run (rounds close once the
+    peers together trained that many samples); ``policy="async"`` with ``round_samples`` an
+    asynchronous one (each sync is applied at once; ``round_samples`` is the size of a whole
+    outer step, ``max_staleness`` the most versions an update's base may lag). In a samples run
+    report what each step trained with :meth:`progress` and send when :attr:`due` (or let
     :meth:`step` do both).
 
     ``group``: a torch.distributed process group whose ranks train this peer together (DDP or
@@ -210,18 +217,20 @@ class SyncClient:
         self.run = run
         self.peer = peer or f"{socket.gethostname()}-{os.getpid()}"
         self.retry_seconds = retry_seconds
-        self._config = run_settings(
-            codec=codec,
-            outer=outer,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            outer_warmup=outer_warmup,
-            min_peers=min_peers,
-            round_timeout=round_timeout,
-            norm_guard=norm_guard,
-            policy=policy,
-            round_samples=round_samples,
-            max_staleness=max_staleness,
+        self._config = check_run_settings(
+            {
+                "codec": codec,
+                "outer": outer,
+                "outer_lr": outer_lr,
+                "outer_momentum": outer_momentum,
+                "outer_warmup": outer_warmup,
+                "min_peers": min_peers,
+                "round_timeout": round_timeout,
+                "norm_guard": norm_guard,
+                "policy": policy,
+                "round_samples": round_samples,
+                "max_staleness": max_staleness,
+            }
         )
         self._transport = Transport(
             self.hub, run=run, token=token, verify=verify, timeout=timeout, retry_seconds=retry_seconds

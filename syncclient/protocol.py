@@ -27,9 +27,8 @@ import numpy as np
 from syncclient.exceptions import ConflictError, HubError, RoundClosed, StaleUpdate, SyncError
 from syncclient.state import EncodedUpdate, UpdateState
 from syncclient.transport import Download, Transport, body_size
-from syncwire import get_codec
 
-__all__ = ["POLICIES", "Outcome", "RunProtocol", "run_settings"]
+__all__ = ["Outcome", "RunProtocol"]
 
 log = logging.getLogger(__name__)
 
@@ -51,59 +50,6 @@ class Outcome:
     run_samples: int = -1
     latest: Download | None = None
     fresh_base: Download | None = None
-
-
-POLICIES = ("barrier", "samples", "async")  # as the hub names them (syncserver.policy)
-
-
-def run_settings(
-    *,
-    codec: str | None,
-    outer: str | None,
-    outer_lr: float | None,
-    outer_momentum: float | None,
-    outer_warmup: int | None,
-    min_peers: int | None,
-    round_timeout: float | None,
-    norm_guard: float | None,
-    policy: str | None,
-    round_samples: int | None,
-    max_staleness: int | None,
-) -> dict[str, Any]:
-    """The run settings a peer asks for when it joins, checked here what can be checked here, so
-    that a typo fails at once and not at the hub.
-
-    They configure the run if this peer creates it; for an existing run each must match the run's
-    (None: accept the run's, or for a new run the hub's default). ``norm_guard``: refuse updates
-    over that many times the usual norm. ``min_peers`` is also the rendezvous size: the run starts
-    once that many peers joined, and ranks follow sorted peer names, not join order.
-    ``round_samples`` alone makes a *samples* run (rounds close once the peers together trained
-    that many samples); ``policy="async"`` with ``round_samples`` an asynchronous one (each sync
-    is applied at once, nobody waits; ``round_samples`` is the size of a whole outer step, and
-    ``max_staleness`` the most versions an update's base may lag).
-    """
-    if codec is not None:
-        get_codec(codec)
-    if policy is not None and policy not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    if round_samples is not None and (isinstance(round_samples, bool) or not isinstance(round_samples, int)):
-        raise ValueError(f"round_samples must be an int, got {round_samples!r}")
-    if round_samples is not None and round_samples < 1:
-        raise ValueError(f"round_samples must be >= 1, got {round_samples}")
-    settings = {
-        "codec": codec,
-        "outer": outer,
-        "outer_lr": outer_lr,
-        "outer_momentum": outer_momentum,
-        "outer_warmup": outer_warmup,
-        "min_peers": min_peers,
-        "round_timeout": round_timeout,
-        "norm_guard": norm_guard,
-        "policy": policy,
-        "round_samples": round_samples,
-        "max_staleness": max_staleness,
-    }
-    return {k: v for k, v in settings.items() if v is not None}
 
 
 class RunProtocol:

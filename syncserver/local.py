@@ -2,7 +2,7 @@
 
     weightsync-run --local-peers 2 --out runs/try --metric eval_loss -- python train.py --epochs 1
 
-(``syncclient/run.py``; ``train/finetune_gpt2.py --local-peers`` uses it too.) The hub runs as
+(``weightsync_run/cli.py``; ``train/finetune_gpt2.py --local-peers`` uses it too.) The hub runs as
 ``syncserver serve --port 0`` in a child process (the OS picks the port, the hub writes its URL
 to ``OUT/hub.url``), keeps its data in ``OUT/hub`` and logs to ``OUT/hub.log``. Each peer runs
 COMMAND in the caller's working directory (so relative paths in COMMAND mean what they mean at

@@ -20,13 +20,13 @@ import httpx
 import pytest
 import typer.main
 
-from syncclient.run import build_parser
 from syncserver.cli import app as syncserver_cli
 from syncserver.cli import env_name, flag_name
 from syncserver.docs import SWAGGER_UI_VERSION
 from syncserver.settings import HubSettings
 from tests.conftest import REPO, Hub
 from tests.test_dashboard import browser  # noqa: F401 (the fixture: one Chromium, skipped without one)
+from weightsync_run.cli import build_parser
 
 TOKEN = "hub-secret"
 

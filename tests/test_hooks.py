@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from syncclient import SyncClient
 from syncclient.hooks import SITE
 from syncclient.hooks.model import AmbiguousModel, find_model
 from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, HookSettings, SettingsError
 from syncclient.hooks.shard import ShardSampler
-from syncclient.run import absolute_paths, main
+from syncclient.runconfig import RUN_SETTINGS
+from weightsync_run.cli import absolute_paths, main
 
 # -- which model ------------------------------------------------------------------------------------
 
@@ -98,14 +100,43 @@ def test_shares_are_disjoint_equal_and_follow_the_inner_order(world: int) -> Non
 
 def test_settings_round_trip_through_variables() -> None:
     settings = HookSettings.resolve({"hub": "http://hub:8000/", "run": "r", "round_samples": "64", "shard": "0"}, {})
-    assert (settings.hub, settings.sync_every, settings.round_samples, settings.shard) == (
+    assert (settings.hub, settings.sync_every, settings.config, settings.shard) == (
         "http://hub:8000",
         None,
-        64,
+        {"round_samples": 64},
         False,
     )
     assert HookSettings.from_env(settings.to_env()) == settings
     assert HookSettings.resolve({"hub": "http://h:1", "run": "r"}, {}).sync_every == DEFAULT_SYNC_EVERY
+
+
+#: every run setting, given as a flag, and what SyncClient is given
+EVERY_RUN_SETTING = {
+    "min_peers": ("2", 2),
+    "policy": ("async", "async"),
+    "round_samples": ("64", 64),
+    "codec": ("int8:block=64", "int8:block=64"),
+    "outer": ("diloco", "diloco"),
+    "outer_lr": ("0.5", 0.5),
+    "outer_momentum": ("0", 0.0),
+    "outer_warmup": ("0", 0),
+    "round_timeout": ("30.5", 30.5),
+    "norm_guard": ("10", 10.0),
+    "max_staleness": ("4", 4),
+}
+
+
+def test_every_run_setting_reaches_the_client_through_a_flag_or_its_variable() -> None:
+    assert set(EVERY_RUN_SETTING) == {s.name for s in RUN_SETTINGS}
+    flags = {name: raw for name, (raw, _) in EVERY_RUN_SETTING.items()}
+    settings = HookSettings.resolve({"hub": "http://h:1", "run": "r", "peer": "gpu-1", "sync_every": "5", **flags}, {})
+    wanted = {name: value for name, (_, value) in EVERY_RUN_SETTING.items()}
+    assert settings.client_kwargs() == {"run": "r", "peer": "gpu-1", "token": None, **wanted}
+    assert settings.sync_every == 5  # an async run takes both: when to send, and the size of an outer step
+    env = settings.to_env()
+    assert env["WEIGHTSYNC_MIN_PEERS"] == "2" and env["WEIGHTSYNC_OUTER_LR"] == "0.5"
+    assert HookSettings.from_env(env) == settings
+    SyncClient("http://h:1", **settings.client_kwargs()).close()  # every keyword is one SyncClient takes
 
 
 @pytest.mark.parametrize(
@@ -117,6 +148,9 @@ def test_settings_round_trip_through_variables() -> None:
         ({"codec": "zip"}, {}, "--codec: unknown codec 'zip'"),
         ({"round_samples": "8"}, {"WEIGHTSYNC_SYNC_EVERY": "4"}, "WEIGHTSYNC_SYNC_EVERY and --round-samples exclude"),
         ({}, {"WEIGHTSYNC_RANK": "2", "WEIGHTSYNC_WORLD_SIZE": "2"}, "WEIGHTSYNC_RANK and WEIGHTSYNC_WORLD_SIZE go"),
+        ({}, {"WEIGHTSYNC_MIN_PEERS": "two"}, "WEIGHTSYNC_MIN_PEERS: expected an integer, got 'two'"),
+        ({}, {"WEIGHTSYNC_OUTER_LR": "nan"}, "WEIGHTSYNC_OUTER_LR: expected a finite number, got nan"),
+        ({"policy": "barrier"}, {"WEIGHTSYNC_ROUND_SAMPLES": "8"}, "WEIGHTSYNC_ROUND_SAMPLES goes with --policy"),
     ],
 )
 def test_a_bad_setting_names_its_source(flags: dict[str, str], env: dict[str, str], message: str) -> None:
@@ -141,16 +175,52 @@ def closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
+#: a bad value of each flag the launcher has for the run (one per run setting at least: checked),
+#: and the line it gets
+BAD_VALUES = {
+    "--run": ("a/b", "--run: expected 1-64 letters, digits, '.', '_', '-', starting with a letter or digit, got 'a/b'"),
+    "--peer": ("gpu 1", "--peer: expected 1-64 letters, digits"),
+    "--min-peers": ("0", "--min-peers: must be >= 1 and <= 8192, got 0"),
+    "--policy": ("sometimes", "--policy: expected one of barrier, samples, async, got 'sometimes'"),
+    "--round-samples": ("1.5", "--round-samples: expected an integer, got '1.5'"),
+    "--codec": ("zip", "--codec: unknown codec 'zip'"),
+    "--outer": ("adam", "--outer: expected one of avg, diloco, got 'adam'"),
+    "--outer-lr": ("11", "--outer-lr: must be > 0 and <= 10, got 11.0"),
+    "--outer-momentum": ("1", "--outer-momentum: must be >= 0 and < 1, got 1.0"),
+    "--outer-warmup": ("-1", "--outer-warmup: must be >= 0 and <= 1000000, got -1"),
+    "--round-timeout": ("inf", "--round-timeout: expected a finite number, got inf"),
+    "--norm-guard": ("1", "--norm-guard: must be > 1 and <= 1000000, got 1.0"),
+    "--max-staleness": ("soon", "--max-staleness: expected an integer, got 'soon'"),
+}
+
+
+def test_every_run_setting_has_its_bad_value_case() -> None:
+    assert {f"--{s.name.replace('_', '-')}" for s in RUN_SETTINGS} <= set(BAD_VALUES)
+
+
 @pytest.mark.parametrize(
     ("argv", "code", "line"),
     [
         (["--bogus", "--", "python", "x.py"], 2, "unrecognized arguments: --bogus (see weightsync-run --help)"),
-        (["--sync-every", "2", "--round-samples", "8", "--", "python"], 2, "argument --round-samples: not allowed"),
+        (
+            ["--hub", "http://h:1", "--run", "r", "--sync-every", "2", "--round-samples", "8", "--", "python"],
+            2,
+            "--sync-every and --round-samples exclude each other",
+        ),
+        (
+            ["--local-peers", "2", "--min-peers", "3", "--", "python", "-c", "pass"],
+            2,
+            "--min-peers: --local-peers names its peers and waits for all K",
+        ),
         (["--hub", "http://h:1", "--run", "r", "--", "python", "-u", "no_such.py"], 2, "no such script: no_such.py"),
         (["--local-peers", "2", "--", "python3.11", "-W", "ignore", "nope.py", "x.py"], 2, "no such script: nope.py"),
         (["--run", "r", "--", "python", "-c", "pass"], 2, "give the hub: --hub URL"),
         (["--hub", "http://127.0.0.1:{port}", "--run", "r", "--", "python", "-c", "pass"], 3, "no hub at http://"),
         (["--hub", "http://h:1", "--run", "r"], 2, "give the program to run after --"),
+        *(
+            (["--hub", "http://h:1", "--run", "r", flag, value, "--", "python", "-c", "pass"], 2, line)
+            for flag, (value, line) in BAD_VALUES.items()
+        ),
     ],
 )
 def test_bad_input_is_one_line(

@@ -56,7 +56,7 @@ def launch(tmp_path: Path, *args: str, peer: str, peer_args: tuple[str, ...] = (
     script = tmp_path / "peer.py"
     script.write_text(peer)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SYNC_", "WEIGHTSYNC_"))}
-    cmd = [sys.executable, "-m", "syncclient.run", "--out", str(tmp_path / "out"), *args]
+    cmd = [sys.executable, "-m", "weightsync_run", "--out", str(tmp_path / "out"), *args]
     return subprocess.Popen(
         [*cmd, "--", sys.executable, str(script), *peer_args],
         stdout=subprocess.PIPE,
@@ -128,7 +128,7 @@ def test_sigint_stops_every_child(tmp_path: Path) -> None:
 
 def test_a_command_that_does_not_exist(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
-    cmd = [sys.executable, "-m", "syncclient.run", "--local-peers", "1", "--out", str(tmp_path / "out")]
+    cmd = [sys.executable, "-m", "weightsync_run", "--local-peers", "1", "--out", str(tmp_path / "out")]
     proc = subprocess.run([*cmd, "--", "no-such-program-here"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]

@@ -12,26 +12,32 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+from syncclient.runconfig import RUN_SETTINGS, name_problem
 
 __all__ = ["DEFAULT_SYNC_EVERY", "ENV", "HookSettings", "SettingsError", "env_name", "flag_name"]
 
 DEFAULT_SYNC_EVERY = 100  # optimizer steps; docs/concepts/outer.md, "The interval", says how to pick it
 
-#: field -> variable. The launcher sets the last three (its own, or ``--local-peers``'s).
+#: field -> variable: the launcher's own settings, every run setting of the SDK
+#: (:data:`syncclient.runconfig.RUN_SETTINGS`, ``min_peers`` -> ``WEIGHTSYNC_MIN_PEERS``), and
+#: the peer's name and rank (``--local-peers`` sets those three itself).
 ENV = {
-    "hub": "WEIGHTSYNC_HUB",
-    "run": "WEIGHTSYNC_RUN",
-    "token": "WEIGHTSYNC_TOKEN",
-    "sync_every": "WEIGHTSYNC_SYNC_EVERY",
-    "round_samples": "WEIGHTSYNC_ROUND_SAMPLES",
-    "codec": "WEIGHTSYNC_CODEC",
-    "shard": "WEIGHTSYNC_SHARD",
-    "peer": "WEIGHTSYNC_PEER",
-    "rank": "WEIGHTSYNC_RANK",
-    "world_size": "WEIGHTSYNC_WORLD_SIZE",
+    name: "WEIGHTSYNC_" + name.upper()
+    for name in (
+        "hub",
+        "run",
+        "token",
+        "sync_every",
+        "shard",
+        *(s.name for s in RUN_SETTINGS),
+        "peer",
+        "rank",
+        "world_size",
+    )
 }
 
 
@@ -40,7 +46,7 @@ class SettingsError(ValueError):
 
 
 def env_name(field: str) -> str:
-    return ENV.get(field, "WEIGHTSYNC_" + field.upper())
+    return ENV[field]
 
 
 def flag_name(field: str) -> str:
@@ -49,21 +55,22 @@ def flag_name(field: str) -> str:
 
 @dataclass(frozen=True)
 class HookSettings:
-    """How a hooked program syncs. ``sync_every`` and ``round_samples`` exclude each other;
-    with neither, ``sync_every`` is :data:`DEFAULT_SYNC_EVERY`. ``rank`` and ``world_size`` (set
-    by ``--local-peers``, or by you for peers on several machines) are what the data is
-    sharded by; without them nothing is sharded."""
+    """How a hooked program syncs. ``config`` holds the run settings given (those of
+    :data:`~syncclient.runconfig.RUN_SETTINGS`, parsed and checked), which go to ``SyncClient``
+    as they are. ``sync_every`` and a samples run's ``round_samples`` exclude each other; with
+    neither, ``sync_every`` is :data:`DEFAULT_SYNC_EVERY` (an async run takes both). ``rank`` and
+    ``world_size`` (set by ``--local-peers``, or by you for peers on several machines) are what
+    the data is sharded by; without them nothing is sharded."""
 
     hub: str  # "" until a launcher gives it
     run: str
     token: str | None = None
     sync_every: int | None = DEFAULT_SYNC_EVERY
-    round_samples: int | None = None
-    codec: str | None = None
     shard: bool = True
     peer: str | None = None
     rank: int | None = None
     world_size: int | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def resolve(
@@ -92,6 +99,13 @@ class HookSettings:
                 raise SettingsError(f"{source}: must be >= {low}, got {parsed}")
             return parsed
 
+        def name(field: str) -> str | None:
+            value, source = raw(field)
+            problem = None if value is None else name_problem(value)
+            if problem is not None:
+                raise SettingsError(f"{source}: {problem}")
+            return value
+
         hub, hub_source = raw("hub")
         if hub is None and not launched:
             raise SettingsError(f"give the hub: --hub URL (or {env_name('hub')}), or run peers here: --local-peers K")
@@ -101,25 +115,31 @@ class HookSettings:
             raise SettingsError(
                 f"{hub_source}: expected an http:// or https:// URL such as http://hub:8000, not {hub!r}"
             )
-        run, _ = raw("run")
+        run = name("run")
         if run is None:
             raise SettingsError(f"give the run to join: --run NAME or {env_name('run')}")
-        sync_every, round_samples = number("sync_every"), number("round_samples")
-        if sync_every is not None and round_samples is not None:
+        config: dict[str, Any] = {}
+        for setting in RUN_SETTINGS:
+            value, source = raw(setting.name)
+            if value is not None:
+                try:
+                    config[setting.name] = setting.parse(value)
+                except ValueError as exc:
+                    raise SettingsError(f"{source}: {exc}") from None
+        if config.get("policy") == "barrier" and "round_samples" in config:
+            raise SettingsError(
+                f"{raw('round_samples')[1]} goes with {raw('policy')[1]} samples or async, not barrier "
+                "(a barrier round is N steps)"
+            )
+        sync_every = number("sync_every")
+        by_samples = "round_samples" in config and config.get("policy") != "async"
+        if sync_every is not None and by_samples:
             raise SettingsError(
                 f"{raw('sync_every')[1]} and {raw('round_samples')[1]} exclude each other: "
                 "sync every N optimizer steps, or whenever the peers together trained S samples"
             )
-        if sync_every is None and round_samples is None:
+        if sync_every is None and not by_samples:
             sync_every = DEFAULT_SYNC_EVERY
-        codec, codec_source = raw("codec")
-        if codec is not None:
-            from syncwire import get_codec  # numpy only; here so that a bad codec stops the launcher
-
-            try:
-                get_codec(codec)
-            except ValueError as exc:
-                raise SettingsError(f"{codec_source}: {exc}") from None
         shard, shard_source = raw("shard")
         if shard not in (None, "0", "1"):
             raise SettingsError(f"{shard_source}: expected 0 (off) or 1 (on), got {shard!r}")
@@ -134,12 +154,11 @@ class HookSettings:
             run=run,
             token=raw("token")[0],
             sync_every=sync_every,
-            round_samples=round_samples,
-            codec=codec,
             shard=shard != "0",
-            peer=raw("peer")[0],
+            peer=name("peer"),
             rank=rank,
             world_size=world_size,
+            config=config,
         )
 
     @classmethod
@@ -153,21 +172,17 @@ class HookSettings:
             "run": self.run,
             "token": self.token,
             "sync_every": self.sync_every,
-            "round_samples": self.round_samples,
-            "codec": self.codec,
             "shard": "1" if self.shard else "0",
             "peer": self.peer,
             "rank": self.rank,
             "world_size": self.world_size,
+            **self.config,
         }
         return {env_name(k): str(v) for k, v in values.items() if v not in (None, "")}
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keywords for ``SyncClient`` (and the callbacks, which pass them on)."""
-        kwargs: dict[str, Any] = {"run": self.run, "peer": self.peer, "token": self.token, "codec": self.codec}
-        if self.round_samples is not None:
-            kwargs["round_samples"] = self.round_samples
-        return kwargs
+        return {"run": self.run, "peer": self.peer, "token": self.token, **self.config}
 
     @property
     def shards(self) -> bool:

@@ -1,21 +1,32 @@
 """``weightsync-run``: run a training program unchanged, with the weightsync SDK hooked in.
 
-    weightsync-run --hub https://hub:8000 --run imdb --token "$T" -- python train.py --epochs 3
+On two GPU machines and a hub (each line on its own machine; ``--min-peers 2``: the run starts
+once both peers joined, so they start from the same weights and meet at every sync):
+
+    syncserver serve --host 0.0.0.0 --port 8000
+    weightsync-run --hub http://hub:8000 --run imdb --min-peers 2 -- python train.py --epochs 3
+    weightsync-run --hub http://hub:8000 --run imdb --min-peers 2 -- python train.py --epochs 3
+
+On one machine, an embedded hub and K peers:
+
     weightsync-run --local-peers 2 -- python examples/plain_loop.py
-    python -m syncclient.run --local-peers 2 --sync-every 20 -- python -m mypackage.train
+    python -m weightsync_run --local-peers 2 --sync-every 20 -- python -m mypackage.train
 
 It runs COMMAND as it is, with hooks that find what it trains (:mod:`syncclient.hooks`): a
 Hugging Face ``Trainer`` gets ``SyncCallback``, a Lightning ``Trainer`` gets
 ``syncclient.lightning``'s, a plain PyTorch loop syncs through torch's optimizer hooks. A program
 in which none of them is found runs unchanged, says so on stderr and exits with its own code.
 
-Every option is also a variable (``--sync-every`` is ``WEIGHTSYNC_SYNC_EVERY``; a flag beats its
-variable), so a job scheduler can set them. With ``--hub`` the command *becomes* COMMAND
-(``exec``): same process, signals, exit code. With ``--local-peers K`` it runs an embedded hub
-and K copies of COMMAND on this machine through the one launcher, :class:`syncserver.local.LocalRun`
-(it needs ``weightsync[server]``): each peer runs in its own folder ``OUT/peer-k`` (so relative
-paths it writes to do not collide), with its console in ``OUT/peer-k.log``; the hub keeps its
-state in ``OUT/hub`` (each launch starts a fresh run) and logs to ``OUT/hub.log``, and takes its
+The run settings (``--min-peers``, ``--policy``, ``--outer``, ...) are generated from the SDK's
+own table of them (:data:`syncclient.runconfig.RUN_SETTINGS`), so each keyword ``SyncClient``
+takes for a new run is a flag here, with the same bounds. Every option is also a variable
+(``--sync-every`` is ``WEIGHTSYNC_SYNC_EVERY``; a flag beats its variable), so a job scheduler
+can set them. With ``--hub`` the command *becomes* COMMAND (``exec``): same process, signals,
+exit code. With ``--local-peers K`` it runs an embedded hub and K copies of COMMAND on this
+machine through the one launcher, :class:`syncserver.local.LocalRun` (it needs
+``weightsync[server]``): each peer runs in its own folder ``OUT/peer-k`` (so relative paths it
+writes to do not collide), with its console in ``OUT/peer-k.log``; the hub keeps its state in
+``OUT/hub`` (each launch starts a fresh run) and logs to ``OUT/hub.log``, and takes its
 settings from ``SYNC_*`` variables (docs: Reference, Hub settings). Words of COMMAND that name a file or
 folder that exists where you launch (the script, a data folder) are made absolute so that they
 still name it from a peer's folder; other relative paths (outputs) land in the peer's folder.
@@ -36,7 +47,8 @@ from typing import NoReturn
 
 from syncclient.hooks import SITE
 from syncclient.hooks.session import MARKER
-from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, ENV, HookSettings, SettingsError
+from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, ENV, HookSettings, SettingsError, flag_name
+from syncclient.runconfig import RUN_SETTINGS
 
 __all__ = ["build_parser", "main"]
 
@@ -62,20 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hub", metavar="URL", help="the hub to join, e.g. https://hub:8000 [WEIGHTSYNC_HUB]")
     g.add_argument("--run", metavar="NAME", help=f"the run to join [WEIGHTSYNC_RUN; with --local-peers: {LOCAL_RUN}]")
     g.add_argument("--token", metavar="TOKEN", help="the run's bearer token [WEIGHTSYNC_TOKEN]")
-    every = g.add_mutually_exclusive_group()
-    every.add_argument(
-        "--sync-every",
-        metavar="N",
-        help=f"sync every N optimizer steps [WEIGHTSYNC_SYNC_EVERY; default {DEFAULT_SYNC_EVERY}]",
-    )
-    every.add_argument(
-        "--round-samples",
-        metavar="S",
-        help="instead: a round closes once the peers together trained S samples (peers of unequal speed) "
-        "[WEIGHTSYNC_ROUND_SAMPLES]",
+    g.add_argument(
+        "--peer",
+        metavar="NAME",
+        help="this peer's name, unique in the run; ranks follow sorted names [WEIGHTSYNC_PEER; host-pid]",
     )
     g.add_argument(
-        "--codec", metavar="C", help="wire codec for a new run: fp32, bf16, int8, int4, topk [WEIGHTSYNC_CODEC]"
+        "--sync-every",
+        metavar="N",
+        help=f"sync every N optimizer steps [WEIGHTSYNC_SYNC_EVERY; default {DEFAULT_SYNC_EVERY}; "
+        "not with --round-samples but in an async run]",
     )
     g.add_argument(
         "--no-shard",
@@ -84,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         dest="shard",
         help="do not shard the training data by rank (the program shards it itself) [WEIGHTSYNC_SHARD=0]",
     )
+    g = p.add_argument_group(
+        "run settings",
+        "for a new run, made by its first peer's; a peer joining a run that exists must agree with each "
+        "one it gives. Unset: the run's, or for a new run the hub's default (its SYNC_* settings)",
+    )
+    for setting in RUN_SETTINGS:
+        g.add_argument(flag_name(setting.name), metavar=setting.metavar, help=f"{setting.help} [{ENV[setting.name]}]")
     g = p.add_argument_group("on this machine")
     g.add_argument(
         "--local-peers", metavar="K", help="run an embedded hub and K peers of COMMAND [WEIGHTSYNC_LOCAL_PEERS]"
@@ -114,11 +129,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             peers = _count(env.get("WEIGHTSYNC_LOCAL_PEERS"), "WEIGHTSYNC_LOCAL_PEERS")
         if peers and args.hub:
             raise SettingsError("--local-peers runs its own hub: drop --hub")
-        flags = {field: getattr(args, field) for field in ("hub", "run", "token", "sync_every", "round_samples")}
-        flags |= {"codec": args.codec, "shard": args.shard}
-        if peers:  # the launcher gives each peer its hub, run, name and rank
+        flags = {field: getattr(args, field) for field in ("hub", "run", "token", "peer", "sync_every", "shard")}
+        flags |= {setting.name: getattr(args, setting.name) for setting in RUN_SETTINGS}
+        if peers:  # the launcher gives each peer its hub, run, name and rank, and waits for all K
+            for field in ("peer", "min_peers"):
+                if getattr(args, field) is not None:
+                    raise SettingsError(f"{flag_name(field)}: --local-peers names its peers and waits for all K")
             flags["run"] = args.run or env.get(ENV["run"]) or LOCAL_RUN
-            env = {k: v for k, v in env.items() if k not in (ENV["hub"], ENV["peer"], ENV["rank"], ENV["world_size"])}
+            mine = (ENV["hub"], ENV["peer"], ENV["rank"], ENV["world_size"], ENV["min_peers"])
+            env = {k: v for k, v in env.items() if k not in mine}
         settings = HookSettings.resolve(flags, env, launched=bool(peers))
     except SettingsError as exc:
         _fail(str(exc), 2)

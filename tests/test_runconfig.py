@@ -1,0 +1,86 @@
+"""The run settings are written once on the peer's side (``syncclient.runconfig``) and once on
+the hub's (its join request and its settings). These tests hold the two together: the same
+names, and the same values accepted and refused, probed at and around every bound; and
+``SyncClient`` takes exactly those keywords and refuses a bad value before it talks to a hub."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from syncclient import SyncClient
+from syncclient.runconfig import RUN_SETTINGS, RunSetting, check_run_settings, name_problem
+from syncserver.names import is_name
+from syncserver.routes import JoinRequest
+from syncserver.settings import HubSettings
+
+NAMES = [s.name for s in RUN_SETTINGS]
+
+#: numbers near every bound either side has (limits.py's and runconfig's), and the odd ones
+PROBES: list[float] = [-1, 0, 0.5, 0.999, 1, 1.001, 1.5, 2, 9.999, 10, 10.001, 100_000, 100_001, 1e6, 1e6 + 1]
+PROBES += [2**13, 2**13 + 1, 2**40, 2**40 + 1, 7 * 24 * 3600, 7 * 24 * 3600 + 1, math.nan, math.inf]
+WORDS = [
+    "fp32",
+    "int8:block=64",
+    "topk",
+    "zip",
+    "x" * 65,
+    "",
+    "avg",
+    "diloco",
+    "adam",
+    *("barrier", "samples", "async"),
+]
+
+
+def hub_accepts(name: str, value: Any) -> bool:
+    try:
+        JoinRequest(peer="p", **{name: value})
+    except ValidationError:
+        return False
+    return True
+
+
+def probes(setting: RunSetting) -> list[Any]:
+    if setting.kind is str:
+        return WORDS
+    numbers = [p for p in PROBES if setting.kind is float or (math.isfinite(p) and float(p).is_integer())]
+    return [setting.kind(p) for p in numbers]
+
+
+def test_the_same_settings_on_both_sides() -> None:
+    assert set(JoinRequest.model_fields) - {"peer", "group_size"} == set(NAMES)
+    assert set(NAMES) <= set(HubSettings.model_fields)  # each has the hub's default
+    keywords = set(inspect.signature(SyncClient).parameters)
+    assert keywords - {"hub", "run", "peer", "token", "verify", "timeout", "retry_seconds", "group"} == set(NAMES)
+
+
+@pytest.mark.parametrize("setting", RUN_SETTINGS, ids=NAMES)
+def test_the_same_values_accepted_on_both_sides(setting: RunSetting) -> None:
+    for value in probes(setting):
+        assert (setting.problem(value) is None) == hub_accepts(setting.name, value), (setting.name, value)
+
+
+def test_the_same_names_on_both_sides() -> None:
+    for name in ["a", "A.b_c-9", "9", "x" * 64, "x" * 65, ".hidden", "-x", "a/b", "a b", "a\n", "", "é"]:
+        assert (name_problem(name) is None) == is_name(name), name
+
+
+def test_sync_client_refuses_a_bad_setting_before_it_talks_to_a_hub() -> None:
+    with pytest.raises(ValueError, match=r"^outer_lr: must be > 0 and <= 10, got 100$"):
+        SyncClient("http://127.0.0.1:9", run="r", outer_lr=100)
+    with pytest.raises(ValueError, match=r"^min_peers: expected an integer, got True$"):
+        SyncClient("http://127.0.0.1:9", run="r", min_peers=True)
+    with pytest.raises(ValueError, match=r"^round_samples goes with policy samples or async, not barrier"):
+        SyncClient("http://127.0.0.1:9", run="r", policy="barrier", round_samples=8)
+
+
+def test_check_run_settings_keeps_what_was_given() -> None:
+    given = {"min_peers": 2, "outer": "diloco", "outer_lr": None}
+    assert check_run_settings(given) == {"min_peers": 2, "outer": "diloco"}
+    with pytest.raises(ValueError, match="no run setting 'min_peer'"):
+        check_run_settings({"min_peer": 2})
