@@ -18,13 +18,17 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+import safetensors.numpy
 import safetensors.torch
 import torch
 
+from syncwire.digest import weights_sha256
 from tests.conftest import REPO, SHARED_DATA, Hub
-from tests.harness import status
+from tests.harness import status, wait_for
 
 needs_data = pytest.mark.skipif(
     not (SHARED_DATA / "imdb" / "sample.parquet").exists(), reason=f"no offline data in {SHARED_DATA}"
@@ -41,7 +45,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def weightsync_run(*args: str, cwd: Path = REPO, timeout: float = 420, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "syncclient.run", *args],
+        [sys.executable, "-m", "weightsync_run", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
@@ -269,3 +273,123 @@ def test_round_samples_makes_a_samples_run_counted_by_the_dataloader(tmp_path: P
     samples = [r["samples"] for r in run["rounds"]]
     assert sum(samples) == 48 and all(s % 8 == 0 for s in samples), samples
     assert f"left run 'by-samples' at version {len(samples)}" in proc.stderr
+
+
+# -- two machines: a hub, then one line per GPU VM (README's recipe) ----------------------------------
+
+# The same tiny GPT-2 in both programs (one run syncs one model), trained for the same 6 steps.
+TWO_VM_MODEL = """
+import sys, torch
+from transformers import GPT2Config, GPT2LMHeadModel
+torch.manual_seed(int(sys.argv[1]))  # each VM its own init and data: the run's version 0 is the first peer's
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_layer=1, n_embd=16, n_head=2, bos_token_id=0,
+                                  eos_token_id=0))
+batches = [torch.randint(0, 64, (4, 16)) for _ in range(int(sys.argv[2]))]
+"""
+TWO_VM_PLAIN = (
+    TWO_VM_MODEL
+    + """
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for ids in batches:
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+print("trained")
+"""
+)
+# torch alone (it starts seconds sooner): a Linear model, one step per batch
+SMALL_PLAIN = """
+import sys, torch
+torch.manual_seed(int(sys.argv[1]))
+model = torch.nn.Linear(8, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(int(sys.argv[2])):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+print("trained")
+"""
+TWO_VM_TRAINER = (
+    TWO_VM_MODEL
+    + """
+from transformers import Trainer, TrainingArguments
+data = [{"input_ids": ids[i], "labels": ids[i]} for ids in batches for i in range(4)]
+args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=len(batches), save_strategy="no",
+                         report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=100)
+Trainer(model=model, args=args, train_dataset=data).train()
+print("trained")
+"""
+)
+
+
+def two_vms(tmp_path: Path, hub: Hub, first: tuple[str, int], second: tuple[str, int], *flags: str) -> list[Any]:
+    """README's recipe on this machine: ``weightsync-run --hub URL --run two-vm --min-peers 2 ...
+    -- python PROGRAM SEED STEPS`` for vm-a, then, once vm-a has joined (it waits at the
+    rendezvous), for vm-b; each peer is (program, steps). Their (peer, version, weights) at exit."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for seed, (peer, (program, steps)) in enumerate([("vm-a", first), ("vm-b", second)]):
+            if procs:
+                wait_for(lambda: joined(hub, "vm-a"), "the first VM joined the run", timeout=120)
+            script = tmp_path / f"{peer}.py"
+            script.write_text(program)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "weightsync_run", "--hub", hub.url, "--run", "two-vm", "--peer", peer,
+                 "--min-peers", "2", "--sync-every", "2", *flags, "--", sys.executable, str(script), str(seed),
+                 str(steps)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=clean_env(),
+            ))  # fmt: skip
+        return [left_at(proc) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def joined(hub: Hub, peer: str) -> bool:
+    response = httpx.get(f"{hub.url}/v1/runs/two-vm", timeout=10)
+    return response.status_code == 200 and peer in {p["peer"] for p in response.json()["peers"]}
+
+
+def left_at(proc: subprocess.Popen[str]) -> tuple[str, int, str]:
+    """The peer's exit: code 0, and the version and weights it left the run with."""
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and out.endswith("trained\n"), err[-3000:]
+    ((peer, run, version, digest),) = LEFT.findall(err)
+    assert run == "two-vm", err
+    return peer, int(version), digest
+
+
+def hub_last(hub: Hub) -> tuple[int, str]:
+    response = httpx.get(f"{hub.url}/v1/runs/two-vm/model", timeout=60)
+    response.raise_for_status()
+    return int(response.headers["X-Sync-Version"]), weights_sha256(safetensors.numpy.load(response.content))
+
+
+def test_two_machines_a_plain_loop_and_a_trainer_end_on_the_hubs_last_version(tmp_path: Path, hub: Hub) -> None:
+    """A plain loop starts first and waits at the rendezvous (``--min-peers 2``) until a Trainer
+    joins; both train 6 steps, syncing every 2, in int8 with DiLoCo. Each program's last sync is
+    marked final (the plain loop's falls due at its last step: made at exit, final, as the
+    Trainer's), so both flush the codec's residual in one more round and leave on the same
+    version, with the hub's last weights."""
+    flags = ("--codec", "int8", "--outer", "diloco", "--outer-lr", "0.5")
+    ends = two_vms(tmp_path, hub, (TWO_VM_PLAIN, 6), (TWO_VM_TRAINER, 6), *flags)
+    version, digest = hub_last(hub)
+    assert ends == [("vm-a", version, digest), ("vm-b", version, digest)]
+    run = status(hub, "two-vm")
+    assert run["config"]["min_peers"] == 2 and run["config"]["codec"] == "int8" and run["config"]["outer"] == "diloco"
+    # three rounds of both peers (steps 2, 4, 6; the last one final), then the final flush round
+    assert version == 4 and [sorted(r["participants"]) for r in run["rounds"]] == [["vm-a", "vm-b"]] * 4
+
+
+def test_a_peer_that_finishes_first_leaves_without_holding_the_other_back(tmp_path: Path, hub: Hub) -> None:
+    """``--min-peers 2``: vm-a trains 2 steps and leaves; vm-b's later rounds close without it."""
+    ends = two_vms(tmp_path, hub, (SMALL_PLAIN, 2), (SMALL_PLAIN, 6))
+    version, digest = hub_last(hub)
+    assert ends[0][:2] == ("vm-a", 1) and ends[1] == ("vm-b", version, digest) and version == 3
+    assert [sorted(r["participants"]) for r in status(hub, "two-vm")["rounds"]] == [
+        ["vm-a", "vm-b"],
+        ["vm-b"],
+        ["vm-b"],
+    ]

@@ -5,7 +5,14 @@ every optimizer in the process, whatever the loop looks like. At the first step 
 updates anything) the pre-hook finds the model the optimizer trains (:mod:`.model`), joins the
 run, which loads the run's version into it (so all peers start from the same weights), and
 removes itself. After every step the post-hook counts; every ``sync_every`` steps (or, with
-``round_samples``, when the hub says the round is due) it syncs, blocking, inside the step call.
+``round_samples``, when the hub says the round is due) a sync is due, and it is made, blocking,
+at the start of the lead's next step (a pre-hook, before that step changes the weights), or at
+exit if no step comes. So a peer's last sync is always the one at exit, marked final (as the
+callbacks mark theirs: :meth:`SyncClient.sync`), whether or not the step count is a multiple of
+N: peers of one run, whatever their kind, then agree on their last round and end on the same
+version. The cost: that next step's gradient was computed on the weights before the sync, as
+if one step were in flight (the SDK's overlap keeps more than that): negligible at N in the
+hundreds.
 
 Steps are those of one optimizer, the *lead* (the first to step): two optimizers over parts of
 one model (e.g. Muon for the matrices, AdamW for the rest) step once each per iteration, which
@@ -14,10 +21,11 @@ model it is fine (and becomes the lead when the lead is gone, e.g. re-created pe
 another model it is refused (one run syncs one model).
 
 At exit (when the program's main thread ends, before the interpreter shuts its thread pools
-down: the SDK uploads from one), unless the program died of an exception: a last blocking sync
-if the lead stepped since the previous one, then leave the run. Peers that took the same number
-of steps (sharded data makes sure of it) thus end bit-identical; what the program saved *before*
-that last sync holds its own last steps, not the merged weights.
+down: the SDK uploads from one), unless the program died of an exception: the last, final sync
+if the lead stepped since the previous one, then leave the run (the hub stops waiting for this
+peer: the others go on without it). Peers that took the same number of steps (sharded data
+makes sure of it) thus end bit-identical; what the program saved *before* that last sync holds
+its own last steps, not the merged weights.
 
 Refusals (no single model, a second model, the hub rank disagreeing with ``WEIGHTSYNC_RANK``,
 a failed sync) end the program with one line on stderr and exit code 1 (``SystemExit``), not a
@@ -65,6 +73,7 @@ class PlainLoop:
         self._lead: Any = _dead  # a weakref to the lead optimizer (a dead one returns None)
         self._others: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         self._by_samples = False
+        self._due = False  # a sync is due: made at the lead's next step, or at exit
         self._pid = os.getpid()
         self._begun = False
         self._pre: Any = None  # torch's hook handles
@@ -99,8 +108,17 @@ class PlainLoop:
         self._lead = weakref.ref(optimizer)
         self._others[optimizer] = True
 
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before the lead's step that follows a due sync: make it (the weights are still those
+        the steps so far left). The other optimizers' steps of the due iteration come first."""
+        lead = self._lead()
+        if not self._due or self.client is None or (lead is not None and lead is not optimizer):
+            return
+        self._due = False
+        self._sync()
+
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._pre is not None:  # joined: the pre-hook's work is done
+        if self._pre is not None and not self._due:  # joined, and no sync waits: no pre-hook needed
             self._pre.remove()
             self._pre = None
         if self._lead() is not optimizer and not self._adopt(optimizer):
@@ -113,8 +131,10 @@ class PlainLoop:
             due = self.client.due
         else:
             due = self.steps - self.last_sync >= self.settings.sync_every  # type: ignore[operator]
-        if due:
-            self._sync()
+        if due and not self._due:
+            self._due = True
+            if self._pre is None:
+                self._pre = register_optimizer_step_pre_hook(self._before_step)
 
     def _adopt(self, optimizer: torch.optim.Optimizer) -> bool:
         """Another optimizer stepped: is it over our model, and is it the lead now?"""
@@ -172,7 +192,7 @@ class PlainLoop:
 
     def _refuse(self, why: str) -> NoReturn:
         """Leave the run (no last sync at exit) and end the program with one line."""
-        client, self.client = self.client, None
+        client, self.client, self._due = self.client, None, False
         if client is not None:
             client.leave()
         raise SystemExit(f"weightsync: {why}")
