@@ -72,7 +72,7 @@ class HubSettings(BaseSettings):
     min_peers: MinPeers = Field(
         1,
         description="Peers a new run waits for before it starts; updates a round needs before its deadline may "
-        "close it.",
+        "close it (fewer once peers left the run).",
     )
     round_timeout: Seconds = Field(
         600.0, description="Seconds after a round's first update before stragglers are dropped."

@@ -80,3 +80,14 @@ def test_the_hub_never_imports_torch_or_the_sdk() -> None:
     for path in PACKAGE.glob("*.py"):
         found = imports(path.stem)
         assert not {n for n in found if n.split(".")[0] in {"torch", "syncclient", "transformers"}}, path.name
+
+
+def test_the_sdk_never_imports_the_hub() -> None:
+    """``pip install 'weightsync[client]'`` has no hub: only the launcher (``weightsync_run``,
+    for ``--local-peers``) may import it."""
+    sdk = PACKAGE.parent / "syncclient"
+    for path in sdk.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        found = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        found |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not {n for n in found if n.split(".")[0] == "syncserver"}, path.relative_to(sdk)
