@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sync-every",
         metavar="N",
         help=f"sync every N optimizer steps [WEIGHTSYNC_SYNC_EVERY; default {DEFAULT_SYNC_EVERY}; "
-        "not with --round-samples but in an async run]",
+        "not with --round-samples, but in an async run]",
     )
     g.add_argument(
         "--no-shard",
@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group(
         "run settings",
-        "for a new run, made by its first peer's; a peer joining a run that exists must agree with each "
-        "one it gives. Unset: the run's, or for a new run the hub's default (its SYNC_* settings)",
+        "a new run takes its first peer's; a peer joining a run that exists must agree with each one it "
+        "gives. Unset: the run's, or for a new run the hub's default (its SYNC_* settings)",
     )
     for setting in RUN_SETTINGS:
         g.add_argument(flag_name(setting.name), metavar=setting.metavar, help=f"{setting.help} [{ENV[setting.name]}]")
