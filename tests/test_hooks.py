@@ -20,7 +20,7 @@ from syncclient.hooks.model import AmbiguousModel, find_model
 from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, HookSettings, SettingsError
 from syncclient.hooks.shard import ShardSampler
 from syncclient.runconfig import RUN_SETTINGS
-from weightsync_run.cli import absolute_paths, main
+from weightsync_run.cli import absolute_paths, build_parser, main
 
 # -- which model ------------------------------------------------------------------------------------
 
@@ -196,6 +196,13 @@ BAD_VALUES = {
 
 def test_every_run_setting_has_its_bad_value_case() -> None:
     assert {f"--{s.name.replace('_', '-')}" for s in RUN_SETTINGS} <= set(BAD_VALUES)
+
+
+def test_help_groups_the_run_settings_each_with_its_variable() -> None:
+    text = build_parser().format_help()
+    group = text[text.index("run settings:") : text.index("on this machine:")]
+    for setting in RUN_SETTINGS:
+        assert f"--{setting.name.replace('_', '-')} " in group and f"[WEIGHTSYNC_{setting.name.upper()}]" in group
 
 
 @pytest.mark.parametrize(
