@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("."), help="where to write the test file")
     parser.add_argument("--mb", type=int, default=500, help="file size in MB (default 500)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each mode, interleaved")
+    parser.add_argument("--settle", type=float, default=1.0, help="seconds after each write for its writeback to drain")
     args = parser.parse_args()
     nbytes = args.mb * 1_000_000 // CHUNK * CHUNK
     modes = [(False, False), (True, False), (False, True), (True, True)]
@@ -55,7 +56,7 @@ def main() -> None:
     for _ in range(args.reps):
         for mode in modes:  # interleaved, so that a noisy neighbour hits every mode alike
             times[mode].append(write_once(args.dir / ".pagecache-bench", nbytes, *mode))
-            time.sleep(1)  # let the previous file's writeback drain
+            time.sleep(args.settle)  # let the previous file's writeback drain
     print(f"{nbytes / 1e6:.0f} MB in {CHUNK >> 20} MiB pwrites to {args.dir.resolve()}, {args.reps} reps")
     print("| writeback | fsync | pwrite s (median) | fsync s (median) | total GB/s |")
     print("|---|---|---|---|---|")

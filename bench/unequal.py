@@ -286,10 +286,16 @@ def run_one(args: argparse.Namespace, scenario: str, policy: str, tmp: Path, blo
         for p in procs:
             if p.wait() != 0:
                 raise RuntimeError(f"a {name} peer failed (exit {p.returncode})")
-        time.sleep(0.5)  # the observer's last poll
+        status = httpx.get(f"{url}/v1/runs/{name}").json()
+        # Until the observer holds the version the run ended at (it polls every 0.2 s): a fixed
+        # wait could end before its last download on a busy machine, and evaluate an older one.
+        deadline = time.monotonic() + 120
+        while not observer.versions or observer.versions[-1][0] < status["version"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: the observer did not see version {status['version']} in 120 s")
+            time.sleep(0.02)
         observer.stop.set()
         observer.join()
-        status = httpx.get(f"{url}/v1/runs/{name}").json()
     finally:
         hub.stop(timeout=30)
     peers = [json.loads((tmp / f"{name}-{i}.json").read_text()) for i in range(args.peers)]

@@ -7,7 +7,9 @@ and start it again on the same data dir and URL. ``hub`` is one such hub.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -22,6 +24,7 @@ from tests.budget import pytest_runtest_logreport, pytest_terminal_summary  # no
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+SMALL_VOCAB_MERGES = 768  # GPT-2's first 768 BPE merges: a 1,025-token vocabulary
 
 PROCESS_MODULES = frozenset(
     {
@@ -127,3 +130,29 @@ def tiny_gpt2(seed: int = 0, **overrides: int) -> GPT2LMHeadModel:
     shape = {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 32, **overrides}
     config = GPT2Config(bos_token_id=0, eos_token_id=0, **shape)
     return GPT2LMHeadModel(config)
+
+
+@pytest.fixture(scope="session")
+def small_vocab_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The offline data folder (``imdb/``, ``gpt2-tokenizer/``) with GPT-2's tokenizer cut to its
+    first SMALL_VOCAB_MERGES merges, for the runs of real scripts that train a random-init GPT-2.
+
+    With the full 50,257 tokens the output layer and its softmax are ~98% of a tiny GPT-2's compute
+    (measured: 23 of 24 CPU-s of the reference job's 12 steps); with 1,025 the same run takes
+    a few. It is still GPT-2's byte-level BPE, class and special token (its merge of rank r is token
+    256 + r, so the first merges with their tokens are a complete tokenizer): reviews come out
+    ~1.8x as many tokens, and nothing the tests check depends on the vocabulary's size.
+    """
+    source = SHARED_DATA / "gpt2-tokenizer"
+    data = tmp_path_factory.mktemp("small-vocab-data")
+    (data / "imdb").symlink_to(SHARED_DATA / "imdb")
+    tokenizer = data / "gpt2-tokenizer"
+    tokenizer.mkdir()
+    size = 256 + SMALL_VOCAB_MERGES
+    vocab = {t: i for t, i in json.loads((source / "vocab.json").read_text()).items() if i < size}
+    vocab["<|endoftext|>"] = size  # BOS, EOS and UNK, as in GPT-2
+    (tokenizer / "vocab.json").write_text(json.dumps(vocab))
+    header_and_merges = (source / "merges.txt").read_text().splitlines()[: 1 + SMALL_VOCAB_MERGES]
+    (tokenizer / "merges.txt").write_text("\n".join(header_and_merges) + "\n")
+    shutil.copy(source / "tokenizer_config.json", tokenizer)
+    return data

@@ -5,6 +5,7 @@ something would be (tests/test_zero_code.py runs the whole thing)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from syncclient import SyncClient
 from syncclient.hooks import SITE
 from syncclient.hooks.model import AmbiguousModel, find_model
 from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, HookSettings, SettingsError
+from weightsync_run import cli as launcher
 from syncclient.hooks.shard import ShardSampler
 from syncclient.runconfig import RUN_SETTINGS
 from weightsync_run.cli import absolute_paths, build_parser, main
@@ -237,6 +239,9 @@ def test_bad_input_is_one_line(
     monkeypatch.chdir(tmp_path)
     for name in [n for n in os.environ if n.startswith("WEIGHTSYNC_")]:
         monkeypatch.delenv(name)
+    # Two looks at the closed port, half a second apart, not the launcher's 5 s of them for a hub
+    # that starts slowly: a refused connection stays refused, and the line is the same.
+    monkeypatch.setattr(launcher, "hub_problem", functools.partial(launcher.hub_problem, wait=0.2))
     port = closed_port()
     with pytest.raises(SystemExit) as exited:
         main([word.format(port=port) for word in argv])

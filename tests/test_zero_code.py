@@ -59,12 +59,12 @@ def round_rows(stdout: str) -> list[list[str]]:
     return [line.split() for line in stdout.splitlines() if re.match(r"^\s+\d+\s+\d+\s+\d+\s+\d+\s", line)]
 
 
-def run_example(tmp_path: Path, script: str, sync_every: int) -> tuple[Path, int, list[list[str]]]:
-    """``examples/<script>`` as 2 local peers: rounds closed, and each peer left at the hub's last
-    version with its weights. The peers' folder, that version and the round table."""
+def run_example(tmp_path: Path, script: str, sync_every: int, *args: str) -> tuple[Path, int, list[list[str]]]:
+    """``examples/<script> args`` as 2 local peers: rounds closed, and each peer left at the hub's
+    last version with its weights. The peers' folder, that version and the round table."""
     out = tmp_path / "out"
     proc = weightsync_run("--local-peers", "2", "--sync-every", str(sync_every), "--out", str(out), "--",
-                          sys.executable, f"examples/{script}")  # fmt: skip
+                          sys.executable, f"examples/{script}", *args)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = round_rows(proc.stdout)
     assert rows and [int(r[0]) for r in rows] == list(range(len(rows)))
@@ -101,8 +101,10 @@ def test_plain_loop_example(tmp_path: Path) -> None:
 
 
 @needs_data
-def test_hugging_face_trainer_example(tmp_path: Path) -> None:
-    out, version, _ = run_example(tmp_path, "hf_trainer.py", 4)
+def test_hugging_face_trainer_example(tmp_path: Path, small_vocab_data: Path) -> None:
+    # GPT-2's tokenizer cut to 1,025 tokens (conftest), on fewer reviews: as many steps as the full
+    # one on the script's default 40 (19 a peer, was 20), a fraction of the compute (the output layer's).
+    out, version, _ = run_example(tmp_path, "hf_trainer.py", 4, "--data", str(small_vocab_data), "--reviews", "20")
     assert version == math.ceil(trained_steps(out) / 4) >= 2  # the callback's syncs, and no others
     assert_same([safetensors.torch.load_file(str(out / p / "out" / "model" / "model.safetensors")) for p in PEERS])
     for peer in PEERS:

@@ -282,12 +282,28 @@ def train_peer(args: argparse.Namespace) -> int:
     # most of it page-fault time in the kernel.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+    # -- data: the same blocks on every peer; sharded after join ---------------------------------
+    # Cheapest first, so that a wrong --dataset or --tokenizer fails in seconds: the reviews need
+    # only `datasets` (~0.8 CPU-s to import on a 2-core VM), the tokenizer `transformers` (which
+    # imports torch: ~2 more), the model and Trainer the rest (~4.5 in all).
     import datasets
-    import torch
+
+    datasets.logging.set_verbosity_error()  # keep stderr for what matters
+    datasets.disable_progress_bars()
+    train_texts, val_texts, test_texts = load_texts(args, datasets)
+
     import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
+    except Exception as exc:
+        raise Fail(unreachable("tokenizer", args.tokenizer, exc)) from None
+
+    import torch
     from transformers import (
         AutoModelForCausalLM,
-        AutoTokenizer,
         GPT2Config,
         GPT2LMHeadModel,
         PrinterCallback,
@@ -297,20 +313,9 @@ def train_peer(args: argparse.Namespace) -> int:
         default_data_collator,
     )
 
-    transformers.logging.set_verbosity_error()  # keep stderr for what matters
-    transformers.logging.disable_progress_bar()
-    datasets.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
     if args.threads:
         torch.set_num_threads(args.threads)
     transformers.set_seed(args.seed)
-
-    # -- data: the same blocks on every peer; sharded after join ---------------------------------
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    except Exception as exc:
-        raise Fail(unreachable("tokenizer", args.tokenizer, exc)) from None
-    train_texts, val_texts, test_texts = load_texts(args, datasets)
 
     def tokenize(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         return {"input_ids": tokenizer(batch["text"], return_attention_mask=False)["input_ids"]}
