@@ -19,9 +19,9 @@ from syncclient import SyncClient
 from syncclient.hooks import SITE
 from syncclient.hooks.model import AmbiguousModel, find_model
 from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, HookSettings, SettingsError
-from weightsync_run import cli as launcher
 from syncclient.hooks.shard import ShardSampler
 from syncclient.runconfig import RUN_SETTINGS
+from weightsync_run import cli as launcher
 from weightsync_run.cli import absolute_paths, build_parser, main
 
 # -- which model ------------------------------------------------------------------------------------
