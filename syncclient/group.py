@@ -31,9 +31,12 @@ use DDP. The GPUs never hold the full model.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -51,15 +54,84 @@ T = TypeVar("T")
 # reference to the group, the script's end destroys the group from the Reducer's destructor, which
 # joins that thread while holding the GIL: a deadlock at exit (torch 2.13; 7 of 10 runs of a 2-rank
 # DDP script that synced, 0 of 10 with this reference). Held here, the group outlives the Reducer.
-# They are let go at exit (atexit runs while the interpreter is whole): a group destroyed later, in
-# the interpreter's finalisation, can abort the process ("terminate called without an active
-# exception") when gloo's thread asks for the GIL there.
+# They are let go at exit (atexit runs while the interpreter is whole). The tensors of the SDK's own
+# collectives never make gloo's thread ask for the GIL: see _lent.
 _KEEP: list[Any] = []
 
 
 @atexit.register
 def _release_groups() -> None:
+    served = bool(_KEEP)
     _KEEP.clear()
+    if served:
+        _quiesce()
+
+
+QUIESCE_SECONDS = 5.0  # at exit, the longest wait for gloo's worker threads to be idle
+
+
+def _quiesce() -> None:
+    """At exit, before the interpreter finalises: wait, without the GIL, until no worker thread of
+    gloo is running. A worker still freeing a finished collective's tensors (other code's: the
+    Trainer's, FSDP's own temporaries; the SDK's own are never left to it, see _lent) may need the
+    GIL, and one that asks for it once finalisation began is ended inside a C++ destructor: SIGABRT.
+    Idle workers wait on their queue (state S); a late one is runnable (R), or waits for the GIL,
+    which it gets while this sleeps. Three calm looks in a row, or QUIESCE_SECONDS, end the wait."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():  # not Linux: nothing to look at
+        return
+    deadline, calm = time.monotonic() + QUIESCE_SECONDS, 0
+    while calm < 3 and time.monotonic() < deadline:
+        time.sleep(0.002)
+        calm = calm + 1 if all(state == "S" for state in _gloo_worker_states(tasks)) else 0
+
+
+def _gloo_worker_states(tasks: Path) -> list[str]:
+    """The scheduler state (R, S, D...) of each of gloo's worker threads in this process."""
+    states = []
+    for task in tasks.iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            if (task / "comm").read_text().strip() == "pt_gloo_runloop":
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+    return states
+
+
+#: How long gloo's worker thread may keep a collective's tensors after the collective returned
+#: (it lets go well within a millisecond; this bounds a stuck one).
+LEND_SECONDS = 10.0
+_STUCK: list[torch.Tensor] = []  # tensors a worker kept past LEND_SECONDS: never dropped by Python
+
+
+def _owners(t: torch.Tensor) -> int:
+    """References to ``t``'s TensorImpl: its Python object's, and each C++ holder's (a work's)."""
+    return int(t._use_count())  # type: ignore[attr-defined]  # torch's own, not in its stubs
+
+
+@contextlib.contextmanager
+def _lent(*tensors: torch.Tensor) -> Iterator[None]:
+    """Lend ``tensors`` to collectives; on leaving, wait until torch.distributed's worker threads
+    hold none of them, so that Python, not a worker, is their last owner.
+
+    gloo's worker lets go of a finished collective's tensors a moment *after* the collective has
+    returned (the worker notifies, then drops its work). A tensor that Python dropped meanwhile
+    is then freed by the worker, which must take the GIL to free its Python object. At a script's
+    end that is the abort: the main thread is finalising the interpreter, Python ends the worker
+    with ``pthread_exit`` inside the work's destructor, and unwinding a C++ destructor calls
+    ``std::terminate`` ("terminate called without an active exception", SIGABRT; a core showed
+    ``~AsyncBroadcastWork`` -> ``decref_pyobject`` -> ``take_gil`` -> ``PyThread_exit_thread`` on
+    the worker while the main thread ran ``Py_FinalizeEx``). The same free, taken while the main
+    thread holds the GIL in a destructor that joins the worker, is a deadlock. Measured: right
+    after a broadcast, gloo still held the tensor in 2 of 3 calls, for under a millisecond.
+    """
+    before = [_owners(t) for t in tensors]
+    yield
+    deadline = time.monotonic() + LEND_SECONDS
+    for t, count in zip(tensors, before, strict=True):
+        while _owners(t) > count:
+            if time.monotonic() > deadline:
+                _STUCK.append(t)  # then the worker never holds its last reference
+                break
+            time.sleep(0.0002)  # without the GIL: the worker may need it to finish
 
 
 class GroupError(SyncError):
@@ -90,24 +162,28 @@ class PeerGroup:
     def total(self, samples: int) -> int:
         """Every rank's ``samples``, summed (on every rank)."""
         t = torch.tensor([samples], dtype=torch.int64, device=self._device)
-        self._dist.all_reduce(t, group=self.group)
+        with _lent(t):
+            self._dist.all_reduce(t, group=self.group)
         return int(t.item())
 
     def flag(self, value: bool) -> bool:
         """The leader's ``value``, on every rank."""
         t = torch.tensor([int(value)], dtype=torch.uint8, device=self._device)
-        self._dist.broadcast(t, src=self._src, group=self.group)
+        with _lent(t):
+            self._dist.broadcast(t, src=self._src, group=self.group)
         return bool(t.item())
 
     def tell(self, message: dict[str, Any] | None) -> dict[str, Any]:
         """The leader's JSON ``message``, on every rank (the others pass None)."""
         payload = json.dumps(message).encode() if self.leader else b""
         size = torch.tensor([len(payload)], dtype=torch.int64, device=self._device)
-        self._dist.broadcast(size, src=self._src, group=self.group)
+        with _lent(size):
+            self._dist.broadcast(size, src=self._src, group=self.group)
         data = torch.zeros(int(size.item()), dtype=torch.uint8, device=self._device)
         if self.leader:
             data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        self._dist.broadcast(data, src=self._src, group=self.group)
+        with _lent(data):
+            self._dist.broadcast(data, src=self._src, group=self.group)
         told: dict[str, Any] = json.loads(bytes(data.cpu().numpy()))
         return told
 
@@ -144,14 +220,17 @@ class PeerGroup:
                 assert arrays is not None
                 view.load(arrays)
             with torch.no_grad():
-                for tensor in view.tensors.values():
-                    self._dist.broadcast(tensor.data, src=self._src, group=self.group)
+                aliases = [tensor.data for tensor in view.tensors.values()]  # each a tensor of its own
+                with _lent(*aliases):
+                    for alias in aliases:
+                        self._dist.broadcast(alias, src=self._src, group=self.group)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full: dict[str, Any] = {} if arrays is None else {n: torch.from_numpy(np.asarray(a)) for n, a in arrays.items()}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-        set_model_state_dict(module, full, options=options)  # strict=False: a tied weight travels once
+        with _lent(*full.values()):  # the leader's are broadcast as they are
+            set_model_state_dict(module, full, options=options)  # strict=False: a tied weight travels once
 
     # ---- one call of the leader's, for the whole group ---------------------------------------
     def run(self, model: torch.nn.Module, call: Callable[[dict[str, np.ndarray]], T], kind: type[T]) -> T:

@@ -25,6 +25,7 @@ from syncserver.docs import add_docs
 from syncserver.errors import HubError
 from syncserver.metrics import HubMetrics
 from syncserver.metrics import router as metrics_router
+from syncserver.protocol import guard_uvicorn
 from syncserver.routes import router, view_router
 from syncserver.schemas import ErrorBody, Health
 from syncserver.settings import HubSettings
@@ -122,6 +123,8 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # before the server listens, however it was started (what one client can hold: docs/SECURITY.md)
+        connections = guard_uvicorn(settings.header_timeout, settings.idle_timeout)
         store = Store(settings.data_dir, spares=settings.spare_files)
         coordinator = Coordinator(settings, store)
         await coordinator.start()
@@ -129,9 +132,10 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
         metrics.attach(coordinator.view)
         app.state.coordinator = coordinator
         log.info(
-            "hub ready: data in %s, %s",
+            "hub ready: data in %s, %s; connections: %s",
             store.describe(),
             "token required" if settings.auth_required else "open (no token)",
+            connections,
         )
         try:
             yield

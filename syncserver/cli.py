@@ -28,7 +28,6 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import SettingsError
 
 from syncserver.process import run_uvicorn
-from syncserver.protocol import MAX_HEADER_BYTES, http_protocol
 from syncserver.settings import HubSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="The weightsync hub.")
@@ -172,6 +171,7 @@ def serve(
         shown = "127.0.0.1" if host in ("0.0.0.0", "[::]", "::", "") else host  # what a browser here can open
         typer.echo(f"dashboard: {scheme}://{shown}:{port}/{hint}", err=True)
 
+    # the app puts the connection deadlines on this server as it starts (syncserver.protocol)
     config = uvicorn.Config(
         create_app(settings),
         host=host,
@@ -179,10 +179,6 @@ def serve(
         log_level=log_level,
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
-        # what one client can hold: docs/SECURITY.md
-        http=http_protocol(settings.header_timeout),
-        timeout_keep_alive=settings.idle_timeout,  # type: ignore[arg-type]  # a float works (call_later)
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     run_uvicorn(config, ready_file=ready_file, on_listening=listening)
 

@@ -4,14 +4,15 @@ exception handler, so every failure is ``{"error": code, "detail": reason, ...}`
     HubError
     ├── BadRequest (400)          malformed input: bad body, truncated upload, bad digest
     │   ├── InvalidUpdate (422)   well-formed but wrong: schema mismatch, NaN/Inf, bad samples
-    │   └── Incomplete (400)      the body stopped before its end (cut, stalled, superseded)
+    │   └── Incomplete (400)      the body stopped before its end (cut, stalled)
     ├── Unauthorized (401)
     ├── LimitReached (403)        a limit of the hub: runs per token, peers per run
     ├── NotFound (404)            unknown run or peer
     ├── Conflict (409)            config mismatch, a different update for an acknowledged round
     │   ├── RoundClosed (409)     the round is over: carries the current version to catch up to
     │   ├── StaleUpdate (409)     async: the update's base is more than max_staleness versions old
-    │   └── OffsetMismatch (409)  a resumed upload's Upload-Offset is past what the hub holds
+    │   ├── OffsetMismatch (409)  a resumed upload's Upload-Offset is past what the hub holds
+    │   └── Superseded (409)      a newer attempt at the same upload (a retry, a HEAD) took it over
     ├── Gone (410)                a round result that was pruned: pull the model instead
     ├── PayloadTooLarge (413)
     └── Unavailable (503)         disk full or unwritable: nothing was changed
@@ -44,8 +45,8 @@ class InvalidUpdate(BadRequest):
 
 
 class Incomplete(BadRequest):
-    """The body stopped arriving (link cut, client gone, stalled past the lease, or superseded
-    by a newer attempt); an update keeps what arrived for its resume."""
+    """The body stopped arriving (link cut, client gone, stalled past the lease); an update
+    keeps what arrived for its resume."""
 
     code = "incomplete"
 
@@ -91,6 +92,13 @@ class OffsetMismatch(Conflict):
     """Carries ``upload_offset``, what the hub holds; the client asks again (HEAD) and resumes."""
 
     code = "upload_offset"
+
+
+class Superseded(Conflict):
+    """A newer attempt at the same upload (the peer's retry, or its HEAD) took it over while
+    this one streamed; what this one wrote is kept for the newer one. One writer at a time."""
+
+    code = "superseded"
 
 
 class Gone(HubError):

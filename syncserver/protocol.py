@@ -1,9 +1,10 @@
-"""uvicorn's HTTP protocol (httptools) with a deadline and a size cap on request headers.
+"""Connection deadlines: uvicorn's HTTP protocol (httptools) with a deadline and a size cap
+on request headers, installed by the hub itself on the uvicorn server that runs it.
 
 uvicorn closes a keep-alive connection that idles after an answer (``timeout_keep_alive``),
 but one that never finishes its headers, or never sends a byte, is held forever: a few
 hundred of them took the hub's file descriptors and ``/healthz`` failed. httptools, unlike
-h11, has no cap on header bytes either. :class:`GuardedHttpTools` gives every request
+h11, has no cap on header bytes either. ``GuardedHttpTools`` gives every request
 ``header_seconds`` for its request line and headers, counted from the connection's start or
 the previous answer's end, and at most ``max_header_bytes`` of them; past either it answers
 ``408``/``431`` with the hub's JSON error shape (when any byte came) and closes the connection.
@@ -11,10 +12,14 @@ The rest of a body that the hub answered before reading it (a refusal) is not co
 headers, but it too must arrive before the deadline. Once the headers are in, the hub's own
 limits take over (body idle: a lease; long polls: ``long_poll_seconds``).
 
-Used by ``syncserver serve`` (and so ``syncserver local``) through :func:`http_protocol`.
-``uvicorn syncserver.app:app`` cannot load it (its ``--http`` takes a name); there,
-``--timeout-keep-alive`` and ``--h11-max-incomplete-event-size`` with ``--http h11`` are what
-uvicorn offers, and a reverse proxy should bound header reads (docs/SECURITY.md).
+The app installs the guard at startup (:func:`guard_uvicorn`, from its lifespan), so it holds
+whichever way the hub is started: ``syncserver serve`` (and the launcher that runs it), or
+``uvicorn syncserver.app:app``, which README shows and users type (*was*: only ``serve``
+passed the class; under plain uvicorn, 300 silent connections held 239 descriptors after 9 s
+and ``/healthz`` went unanswered). uvicorn offers no hook for it: its ``--http`` is read before
+the app exists, and nothing hands the app its server. But uvicorn runs the app's lifespan
+before it listens, from the object that holds its ``Config``, and makes each connection's
+protocol from that ``Config`` when the connection comes: the guard is put there.
 """
 
 from __future__ import annotations
@@ -22,8 +27,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
+from types import FrameType
+from typing import TYPE_CHECKING
 
-__all__ = ["MAX_HEADER_BYTES", "http_protocol"]
+if TYPE_CHECKING:
+    import uvicorn
+
+__all__ = ["MAX_HEADER_BYTES", "guard_uvicorn"]
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +46,54 @@ MAX_HEADER_BYTES = 64 * 1024
 LAST_LOOK_SECONDS = 0.1
 
 
-def http_protocol(header_seconds: float, max_header_bytes: int = MAX_HEADER_BYTES) -> type[asyncio.Protocol] | str:
-    """The protocol class for ``uvicorn.Config(http=...)``; ``"h11"`` if httptools is missing
-    (then only uvicorn's ``h11_max_incomplete_event_size`` bounds the headers)."""
+def guard_uvicorn(header_seconds: float, idle_seconds: float, max_header_bytes: int = MAX_HEADER_BYTES) -> str:
+    """Put the deadlines on the uvicorn server whose lifespan calls this (before it listens):
+    ``header_seconds`` and ``max_header_bytes`` for each request's line and headers,
+    ``idle_seconds`` for a keep-alive connection between requests (uvicorn's
+    ``--timeout-keep-alive`` is replaced: the hub's settings decide). Returns what holds now,
+    for the startup log; what cannot hold is logged as a warning."""
+    config = _running_config()
+    if config is None:
+        log.warning(
+            "not run by uvicorn: the hub cannot bound how long a connection is held (no header or idle "
+            "deadline); run it with `syncserver serve` or `uvicorn syncserver.app:app`"
+        )
+        return "no connection deadlines (not uvicorn)"
+    config.timeout_keep_alive = idle_seconds  # type: ignore[assignment]  # a float works (call_later)
+    config.h11_max_incomplete_event_size = max_header_bytes
+    protocol = config.http_protocol_class
+    httptools = sys.modules.get("uvicorn.protocols.http.httptools_impl")  # loaded if it is the one
+    if httptools is not None and protocol is httptools.HttpToolsProtocol:
+        config.http_protocol_class = _guarded(header_seconds, max_header_bytes)
+        return f"headers within {header_seconds:g} s and {max_header_bytes} bytes, idle {idle_seconds:g} s"
+    log.warning(
+        "HTTP protocol %s: no deadline on request headers, only a cap on their size and the idle deadline; "
+        "run uvicorn with httptools (its default with uvicorn[standard]; not --http h11)",
+        protocol.__name__,
+    )
+    return f"idle {idle_seconds:g} s, headers up to {max_header_bytes} bytes, no header deadline"
+
+
+def _running_config() -> uvicorn.Config | None:
+    """The ``Config`` of the uvicorn server whose lifespan is running this call, or None. Its
+    ``LifespanOn`` holds it and runs the app's lifespan (``main()`` awaits the app), so it is on
+    the chain of frames that awaits this one, whatever middleware sits between."""
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:  # uvicorn without [standard]
-        log.warning("httptools is not installed: no deadline on request headers (pip install 'uvicorn[standard]')")
-        return "h11"
+        from uvicorn.lifespan.on import LifespanOn
+    except ImportError:  # not served by uvicorn at all
+        return None
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, LifespanOn):
+            return owner.config
+        frame = frame.f_back
+    return None
+
+
+def _guarded(header_seconds: float, max_header_bytes: int) -> type[asyncio.Protocol]:
+    """uvicorn's ``HttpToolsProtocol`` with the deadline and the cap (see the module)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class GuardedHttpTools(HttpToolsProtocol):
         """httptools with a deadline and a cap on each request's headers (see the module)."""

@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from syncserver.coordinator import Coordinator
 from syncserver.deps import Caller, Hub, PeerName, Round, RunName, Wait, authenticate, authenticate_view
-from syncserver.errors import BadRequest, HubError, Incomplete
+from syncserver.errors import BadRequest, HubError, Incomplete, Superseded
 from syncserver.limits import (
     MAX_BYTES,
     MAX_ROUND,
@@ -198,6 +198,8 @@ async def _receive(
         await _drain(request, ticket.max_bytes)
         raise
     except (ClientDisconnect, BodyInterrupted) as exc:  # no draining: the body is not coming
+        if isinstance(exc, BodyInterrupted) and exc.superseded:
+            raise Superseded(str(exc)) from None
         raise Incomplete(f"the body did not arrive whole: {exc}") from None
 
 
@@ -363,9 +365,10 @@ async def put_update(
     with hub.uploading(ticket):
         try:
             received = await _receive(request, hub, ticket, offset, complete=whole)
-        except Incomplete:
+        except (Incomplete, Superseded):
             # the round may have closed while the body streamed: then say so (409 round_closed,
-            # or the ack of this very update), so that the peer catches up
+            # or the ack of this very update, which a newer attempt may have brought), so that
+            # the peer catches up
             again = await hub.update_ticket(
                 run, round, peer, ticket.digest, ticket.samples, ticket.metrics, key=key, final=ticket.final
             )

@@ -102,8 +102,8 @@ class HubSettings(BaseSettings):
     header_timeout: Seconds = Field(
         10.0,
         description="Seconds a client has to send a request's line and headers (64 KiB at most), from connecting "
-        "or from the end of the previous answer; then 408 and the connection is closed (syncserver serve; not "
-        "plain uvicorn).",
+        "or from the end of the previous answer; then 408 and the connection is closed (serve or plain "
+        "uvicorn alike).",
     )
     idle_timeout: Seconds = Field(
         5.0, description="An idle keep-alive connection is closed after this many seconds (uvicorn's keep-alive)."

@@ -79,6 +79,7 @@ __all__ = [
     "Staged",
     "Store",
     "Upload",
+    "UploadClosed",
     "UpdateKey",
     "UpdateRecord",
     "VersionKey",
@@ -204,6 +205,12 @@ Key = VersionKey | MomentumKey | ResidualKey | UpdateKey | ResultKey
 # ---- errors --------------------------------------------------------------------------------
 class Missing(LookupError):
     """What was asked for is not stored (pruned, or removed as it arrived)."""
+
+
+class UploadClosed(RuntimeError):
+    """An upload was written to after it was closed (kept, finished or discarded). Its file
+    descriptor number may be another file's by then, so nothing is written: the caller must
+    let one writer at a time hold an upload, and wait for its writes before closing it."""
 
 
 def storage_error(exc: OSError | sqlite3.Error) -> Unavailable:
@@ -461,14 +468,19 @@ class Upload:
                 self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._end = offset
 
+    def _writable(self) -> int:
+        if self._fd is None:
+            raise UploadClosed(f"upload {self._path.name} is closed: nothing more can be written to it")
+        return self._fd
+
     @_translated
     def append(self, chunks: list[bytes]) -> None:
         """Write ``chunks`` after the body's bytes (``pwritev``, at most IOV_MAX at a time)."""
-        assert self._fd is not None
+        fd = self._writable()
         views = [memoryview(c) for c in chunks if len(c)]
         first = 0
         while first < len(views):
-            written = os.pwritev(self._fd, views[first : first + 1024], self._end)
+            written = os.pwritev(fd, views[first : first + 1024], self._end)
             self._end += written
             while first < len(views) and written >= len(views[first]):
                 written -= len(views[first])
@@ -477,8 +489,7 @@ class Upload:
                 views[first] = views[first][written:]
 
     def writeback(self, offset: int, nbytes: int) -> None:
-        assert self._fd is not None
-        start_writeback(self._fd, offset, nbytes)
+        start_writeback(self._writable(), offset, nbytes)
 
     @_translated
     def read(self, offset: int, n: int) -> bytes:
@@ -494,9 +505,9 @@ class Upload:
         """fsync and close; a partial then leaves the partials folder (so that pruning a
         closed round's partials cannot take it). :class:`FileNotFoundError` if it already did:
         its round closed as the body arrived (:class:`Missing`)."""
-        assert self._fd is not None
-        os.ftruncate(self._fd, self._end)  # a spare's old tail
-        os.fsync(self._fd)
+        fd = self._writable()
+        os.ftruncate(fd, self._end)  # a spare's old tail
+        os.fsync(fd)
         self.close()
         if self._done_path is None:
             return Staged(self._path)

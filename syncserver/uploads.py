@@ -18,8 +18,11 @@ past ``idle_seconds``) the partial is kept, so the client's retry sends only the
 ``offset`` bytes are read back from the partial to parse the header and hash the whole body,
 so the size limits, the header check and the final digest still cover every byte. A bad
 body (refused header, too long, digest mismatch) or a disk error removes the partial.
-One request at a time writes a partial: a newer one (the client's retry) supersedes the
-older, which may still look connected on a stalled link.
+One request at a time writes a partial: a newer one (the client's retry, or its HEAD)
+supersedes the older, which may still look connected on a stalled link. The older one is
+cancelled, and lets go of the partial only once the write its worker thread has in flight is
+done and the file is closed: the newer one starts from what is really on disk, and the older
+one is answered ``409 superseded`` (:class:`BodyInterrupted` with ``superseded``).
 
 Held bodies (``complete=False``, ``Upload-Complete: ?0``): a peer that encodes its update
 while it uploads knows the digest only after the last byte. Its body is received and checked
@@ -39,7 +42,7 @@ import hashlib
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import numpy as np
@@ -149,32 +152,46 @@ def _keep(ident: str, kept: _Kept) -> None:
 
 class BodyInterrupted(Exception):
     """The body stopped arriving: the client went away, the link stalled for ``idle_seconds``,
-    or a newer attempt at the same upload took over. A resumable upload's partial is kept."""
+    or (``superseded``) a newer attempt at the same upload took over. A resumable upload's
+    partial is kept."""
+
+    def __init__(self, reason: str, *, superseded: bool = False) -> None:
+        super().__init__(reason)
+        self.superseded = superseded
+
+
+@dataclass
+class _Writer:
+    """The request that writes a partial upload now."""
+
+    scope: anyio.CancelScope  # cancelling it stops the request's receive
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # set once its file is closed
+    superseded: bool = False  # a newer attempt stopped it
 
 
 class _Writers:
     """Which request writes each partial upload (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._active: dict[str, tuple[anyio.CancelScope, asyncio.Event]] = {}
+        self._active: dict[str, _Writer] = {}
 
     async def settle(self, ident: str) -> None:
-        """Stop whoever writes ``ident`` and wait until its file is flushed and closed."""
-        while (entry := self._active.get(ident)) is not None:
-            entry[0].cancel()
-            await entry[1].wait()
+        """Stop whoever writes ``ident`` and wait until its writes are done and its file closed."""
+        while (writer := self._active.get(ident)) is not None:
+            writer.superseded = True
+            writer.scope.cancel()
+            await writer.done.wait()
 
     @contextlib.asynccontextmanager
-    async def claim(self, ident: str, scope: anyio.CancelScope) -> AsyncIterator[None]:
+    async def claim(self, ident: str, scope: anyio.CancelScope) -> AsyncIterator[_Writer]:
         await self.settle(ident)
-        done = asyncio.Event()
-        self._active[ident] = (scope, done)
+        writer = self._active[ident] = _Writer(scope)
         try:
-            yield
+            yield writer
         finally:
-            if self._active.get(ident, (None,))[0] is scope:
+            if self._active.get(ident) is writer:
                 del self._active[ident]
-            done.set()
+            writer.done.set()
 
 
 # keyed by the upload's absolute path, so hubs sharing a process (tests) cannot collide
@@ -274,12 +291,17 @@ async def receive(
         raise PayloadTooLarge(f"body of {offset + content_length} bytes is over the {max_bytes}-byte limit")
     idle = math.inf if idle_seconds is None else idle_seconds
     scope = anyio.CancelScope(deadline=anyio.current_time() + idle)
-    async with _writers.claim(upload.ident, scope) if upload.resumable else contextlib.nullcontext():
+    async with _writers.claim(upload.ident, scope) if upload.resumable else contextlib.nullcontext() as writer:
         with scope:
             return await _receive(
                 chunks, upload, scope, idle, max_bytes, content_length, check_header, offset, complete
             )
-        raise BodyInterrupted(f"no body bytes for {idle}s, or a newer attempt at this upload took over")
+        if writer is not None and writer.superseded:
+            raise BodyInterrupted(
+                "a newer attempt at this upload (a retry, or a HEAD) took over; what this one sent is kept for it",
+                superseded=True,
+            )
+        raise BodyInterrupted(f"no body bytes for {idle}s")
 
 
 async def _receive(
@@ -299,7 +321,7 @@ async def _receive(
     received = 0
     batch: list[bytes] = []  # chunks not yet handed to the writer thread
     batched = 0  # their bytes
-    pending: asyncio.Future[None] | None = None
+    pending: asyncio.Future[None] | None = None  # the write in the worker thread
     interrupted = False  # the body stopped arriving (as opposed to: it was refused)
     kept = _kept.pop(upload.ident, None)  # whoever writes the upload takes it: it is stale after
     sink = _Sink(upload, offset, content_length)
@@ -314,6 +336,24 @@ async def _receive(
         check_header(infos)
         sink.scan = _FiniteScan(infos, header.header_bytes)
         return header.header_bytes + data_bytes
+
+    async def written() -> None:
+        """Wait for the write in flight. Shielded: a request cancelled by a newer attempt must
+        not walk away from it. anyio shields the thread's own wait, but not this task awaiting
+        that one: cancelled, it returned while the thread went on writing, its tidy-up appended
+        the next batch at the same offset and closed the file under the thread, and the newer
+        attempt resumed from a partial with bytes out of order (4 of 8 loaded tries of eight
+        staggered retries got a 4xx and no acknowledgement at all)."""
+        if pending is not None:
+            await asyncio.shield(pending)
+
+    async def hand_off() -> None:
+        """Give the batch to the worker thread once the write before it is done: the thread
+        writes one batch while the event loop receives the next."""
+        nonlocal pending, batch, batched
+        await written()
+        data, batch, batched = batch, [], 0
+        pending = asyncio.ensure_future(to_thread.run_sync(sink.write, data))
 
     async def take(chunk: bytes) -> None:
         """Count a chunk against the limits and parse the header out of the first ones."""
@@ -370,19 +410,15 @@ async def _receive(
             batch.append(chunk)
             batched += len(chunk)
             if batched >= _BATCH:
-                if pending is not None:
-                    await pending
-                data, batch, batched = batch, [], 0
-                pending = asyncio.ensure_future(to_thread.run_sync(sink.write, data))
-        if pending is not None:
-            await pending
-            pending = None
+                await hand_off()
+        await written()
         if header.result is None:
             raise BadRequest(f"body ends after {received} bytes, inside the safetensors header")
         assert expected is not None
         if received < expected:
             raise BadRequest(f"body is truncated: {received} of {expected} bytes arrived")
-        await to_thread.run_sync(sink.write, batch)
+        await hand_off()
+        await written()
         if not complete:
             upload.close()
             _keep(upload.ident, _Kept(received, sink.hash, header, sink.scan))
@@ -392,9 +428,12 @@ async def _receive(
         except Missing as exc:
             raise BodyInterrupted(str(exc)) from None
     except BaseException as exc:
-        interrupted = interrupted or scope.cancel_called
+        # cancelled (a newer attempt, or no byte for ``idle``): keep what arrived. Not "the scope
+        # was cancelled": a cancel that came during the finish (shielded) did not stop it, and
+        # the finish closed the upload (then a 500: AssertionError, appending to a closed upload)
+        interrupted = interrupted or isinstance(exc, anyio.get_cancelled_exc_class())
         with anyio.CancelScope(shield=True):  # tidy up even when cancelled
-            if pending is not None:
+            if pending is not None:  # the write in flight ends first: one writer per file
                 await asyncio.gather(pending, return_exceptions=True)
             keep = upload.resumable and interrupted and not isinstance(exc, HubError)
             if keep:  # what did arrive stays for the retry

@@ -22,7 +22,10 @@ import pytest
 SLOW_SECONDS = 8.0
 """A test above this (setup + call + teardown) needs a line in BUDGETS."""
 
-BUDGETS: dict[str, float] = {}
+BUDGETS: dict[str, float] = {
+    # 3 rounds x 8 racing attempts at a 17 MiB update against a real hub: 8.4 s on a shared 2-core VM
+    "tests/test_resume.py::test_a_peer_racing_its_own_retries_is_acknowledged_once": 8.0,
+}
 """nodeid (without parameters) -> seconds on a quiet 2-core VM."""
 
 _seconds: defaultdict[str, float] = defaultdict(float)

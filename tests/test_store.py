@@ -9,7 +9,17 @@ import numpy as np
 import pytest
 
 from syncserver.errors import Unavailable
-from syncserver.store import SPARES, Missing, ResultKey, Staged, Store, UpdateKey, UpdateRecord, VersionKey
+from syncserver.store import (
+    SPARES,
+    Missing,
+    ResultKey,
+    Staged,
+    Store,
+    UpdateKey,
+    UpdateRecord,
+    UploadClosed,
+    VersionKey,
+)
 from syncwire import iter_chunks
 from syncwire.format import encode_header, read_tensors
 
@@ -237,6 +247,25 @@ def test_a_partial_pruned_as_it_completes_is_missing(store: Store) -> None:
     store.prune("r", 1, keep=3)  # round 0 closed: its partials can never complete
     with pytest.raises(Missing):
         upload.finish()
+
+
+def test_a_closed_upload_refuses_writes_and_keeps_its_bytes(store: Store) -> None:
+    """Kept, finished or discarded, an upload takes no more bytes: an error that says so, not
+    an assert (gone under ``python -O``), and not a write through a descriptor that another
+    file may have by then."""
+    kept = store.resumable_upload("r", 0, "a", "d")
+    kept.open(0)
+    kept.append([b"123"])
+    kept.close()
+    for use in (lambda: kept.append([b"45"]), lambda: kept.writeback(0, 3), kept.finish):
+        with pytest.raises(UploadClosed, match="closed"):
+            use()
+    assert store.resumable_upload("r", 0, "a", "d").held() == 3
+    finished = store.resumable_upload("r", 0, "b", "d")
+    finished.open(0)
+    finished.finish().discard()
+    with pytest.raises(UploadClosed):
+        finished.append([b"x"])
 
 
 def test_an_upload_cut_while_it_writes_over_a_spare_holds_its_own_bytes_alone(store: Store, tmp_path: Path) -> None:

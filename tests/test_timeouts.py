@@ -5,26 +5,99 @@ A client may hold a connection while it sends a request's line and headers for a
 most 64 KiB of them (``431``), and idle between requests for ``--idle-timeout`` seconds. The
 hub keeps answering everyone else meanwhile (*was*: such connections were held forever, and a
 few hundred of them exhausted the hub's file descriptors).
+
+The app puts these deadlines on the uvicorn server that runs it, so they hold whichever way the
+hub is started: the tests marked so run against ``syncserver serve`` and against
+``uvicorn syncserver.app:app`` with ``SYNC_*`` variables, as README shows it (*was*: only
+``serve`` had them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
+import re
 import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
+import pytest
+import uvicorn
 
+from syncserver.app import create_app
+from syncserver.protocol import MAX_HEADER_BYTES, guard_uvicorn
+from syncserver.settings import HubSettings
 from tests.conftest import Hub
 from tests.harness import wait_for
 
 PARTIAL = b"GET /healthz HTTP/1.1\r\nHost: hub\r\nX-Slow: "
 
 
-def connect(hub: Hub) -> socket.socket:
+class UvicornHub:
+    """``uvicorn syncserver.app:app`` as a user types it, its settings from ``SYNC_*`` variables,
+    on port 0 (the port is read from uvicorn's "running on" line)."""
+
+    def __init__(self, data_dir: Path, settings: dict[str, str], log_path: Path, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+        env.update({f"SYNC_{k.upper()}": v for k, v in settings.items()}, SYNC_DATA_DIR=str(data_dir))
+        command = [sys.executable, "-m", "uvicorn", "syncserver.app:app", "--host", "127.0.0.1", "--port", "0", *args]
+        self.log_path = log_path
+        with log_path.open("wb") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        listening: list[int] = []
+
+        def started() -> bool:
+            assert self.proc.poll() is None, f"uvicorn exited: {self.log()}"
+            listening[:] = [int(p) for p in re.findall(r"running on http://127\.0\.0\.1:(\d+)", self.log())]
+            return bool(listening)
+
+        wait_for(started, "uvicorn to listen", 60)
+        self.port = listening[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+Served = Hub | UvicornHub
+
+
+@pytest.fixture(params=["syncserver serve", "uvicorn syncserver.app:app"])
+def start_hub(
+    request: pytest.FixtureRequest, hub_factory: Callable[..., Hub], tmp_path: Path
+) -> Iterator[Callable[..., Served]]:
+    """``start_hub(header_timeout="1")``: a hub started one way or the other, with these settings
+    (flags of ``serve``; ``SYNC_*`` variables of plain uvicorn)."""
+    started: list[UvicornHub] = []
+
+    def start(**settings: str) -> Served:
+        if request.param == "syncserver serve":
+            return hub_factory(*[arg for k, v in settings.items() for arg in (f"--{k.replace('_', '-')}", v)])
+        started.append(UvicornHub(tmp_path / "uvicorn-data", settings, tmp_path / "uvicorn.log"))
+        return started[-1]
+
+    yield start
+    for hub in started:
+        hub.stop()
+
+
+def connect(hub: Served) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", hub.port), timeout=30)
     sock.setblocking(False)
     return sock
@@ -53,8 +126,8 @@ class Answer:
         return self.closed
 
 
-def test_connections_that_never_finish_their_headers_are_closed(hub_factory: Callable[..., Hub]) -> None:
-    hub = hub_factory("--header-timeout", "1", "--idle-timeout", "1")
+def test_connections_that_never_finish_their_headers_are_closed(start_hub: Callable[..., Served]) -> None:
+    hub = start_hub(header_timeout="1", idle_timeout="1")
     started = time.monotonic()
     silent = [connect(hub) for _ in range(20)]
     partial = [connect(hub) for _ in range(20)]
@@ -92,8 +165,8 @@ def test_a_trickle_of_header_bytes_does_not_reset_the_deadline(hub_factory: Call
     sock.close()
 
 
-def test_headers_over_64_kib_are_refused(hub_factory: Callable[..., Hub]) -> None:
-    hub = hub_factory()
+def test_headers_over_64_kib_are_refused(start_hub: Callable[..., Served]) -> None:
+    hub = start_hub()
     with socket.create_connection(("127.0.0.1", hub.port), timeout=30) as sock:
         # 66 lines of 1 KB, and no end of headers: all of it sent before the hub answers, so that
         # its close is a clean one (unread bytes would make it a reset, and lose the answer)
@@ -106,8 +179,8 @@ def test_headers_over_64_kib_are_refused(hub_factory: Callable[..., Hub]) -> Non
     assert json.loads(body)["error"] == "headers_too_large"
 
 
-def test_an_idle_keep_alive_connection_is_closed(hub_factory: Callable[..., Hub]) -> None:
-    hub = hub_factory("--idle-timeout", "1", "--header-timeout", "30")
+def test_an_idle_keep_alive_connection_is_closed(start_hub: Callable[..., Served]) -> None:
+    hub = start_hub(idle_timeout="1", header_timeout="30")
     with socket.create_connection(("127.0.0.1", hub.port), timeout=30) as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
         started = time.monotonic()
@@ -157,3 +230,26 @@ def test_headers_that_came_while_the_hub_was_stalled_get_their_408(hub_factory: 
         while chunk := sock.recv(65536):
             data += chunk
     assert data.startswith(b"HTTP/1.1 408 "), data[:200]
+
+
+def test_where_the_deadlines_cannot_hold_the_hub_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """uvicorn with h11 (``--http h11``, or no httptools) gets the idle deadline and the cap on
+    header bytes, and a warning that headers have no deadline; a server that is not uvicorn
+    gets a warning that nothing bounds a connection. Never a silent start without them."""
+    settings = HubSettings(data_dir=tmp_path, header_timeout=3, idle_timeout=2)
+    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, http="h11", log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    with caplog.at_level(logging.WARNING, logger="syncserver"):
+        thread.start()
+        try:
+            wait_for(lambda: server.started or not thread.is_alive(), "uvicorn to start", 60)
+            assert server.started
+        finally:
+            server.should_exit = True
+            thread.join(30)
+        assert config.timeout_keep_alive == 2 and config.h11_max_incomplete_event_size == MAX_HEADER_BYTES
+        assert "HTTP protocol H11Protocol: no deadline on request headers" in caplog.text
+        caplog.clear()
+        assert guard_uvicorn(3, 2) == "no connection deadlines (not uvicorn)"
+        assert "not run by uvicorn" in caplog.text
