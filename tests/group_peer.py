@@ -1,9 +1,11 @@
 """One peer that is a torch.distributed group, for tests/test_group.py (run under torchrun).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/group_peer.py \
-        --hub URL --job R --peer NAME --mode ddp|fsdp|trainer --rounds N --out DIR
+        --hub URL --job R --peer NAME --mode ddp|fsdp|trainer --rounds N --out DIR [--model bigram]
 
-Every rank trains a tiny GPT-2 on its own random tokens (ddp: DistributedDataParallel; fsdp:
+Every rank trains a tiny GPT-2 (or, ``--model bigram``, a two-layer model of plain torch: a rank
+that needs no GPT-2 shapes then skips importing transformers, ~2.5 s of CPU per rank) on its own
+random tokens (ddp: DistributedDataParallel; fsdp:
 ``fully_shard``, parameters sharded across the ranks; trainer: a Hugging Face ``Trainer`` with
 ``SyncCallback``, which runs DDP itself) and syncs every few steps through one SyncClient that
 serves the group. After every sync each rank writes the sha-256 of the weights it holds to
@@ -25,9 +27,30 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from syncclient import SyncCallback, SyncClient
-from tests.conftest import tiny_gpt2
 
 STEPS = 2  # optimizer steps per round
+
+
+class Bigram(torch.nn.Module):
+    """Next-token logits from the current token alone; called as GPT-2 is, for the same loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 32)
+        self.head = torch.nn.Linear(32, 256)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.embed(input_ids))
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def build(kind: str, seed: int) -> torch.nn.Module:
+    if kind == "bigram":
+        torch.manual_seed(seed)
+        return Bigram()
+    from tests.conftest import tiny_gpt2  # imports transformers
+
+    return tiny_gpt2(seed)
 
 
 def digest(arrays: dict[str, torch.Tensor]) -> str:
@@ -52,7 +75,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, required=True)
     p.add_argument("--min-peers", type=int, default=2)
     p.add_argument("--retry-seconds", type=float, default=60)
+    p.add_argument("--model", choices=["gpt2", "bigram"], default="gpt2", help="bigram: no transformers (ddp)")
     args = p.parse_args()
+    if args.model == "bigram" and args.mode != "ddp":
+        p.error("--model bigram goes with --mode ddp")
     out = Path(args.out)
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -60,7 +86,7 @@ def main() -> None:
     if args.mode == "trainer":
         return trainer(args, rank, out)
     dist.init_process_group("gloo")
-    model = tiny_gpt2(seed=rank)  # different on purpose: joining makes every rank the run's version 0
+    model = build(args.model, seed=rank)  # different on purpose: joining makes every rank the run's version 0
     client = SyncClient(
         args.hub,
         run=args.job,
@@ -84,7 +110,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for _ in range(STEPS):
             ids = torch.randint(0, 256, (4, 16), generator=gen)
-            wrapped(input_ids=ids, labels=ids).loss.backward()
+            wrapped(input_ids=ids, labels=ids)["loss"].backward()
             opt.step()
             opt.zero_grad()
         result = client.sync(wrapped, samples=4 * STEPS)
@@ -98,7 +124,7 @@ def trainer(args: argparse.Namespace, rank: int, out: Path) -> None:
 
     from tests.harness import Blocks
 
-    model = tiny_gpt2(seed=rank)
+    model = build("gpt2", seed=rank)
 
     def note(result: Any) -> None:  # on every rank, after each sync (the Trainer's DDP wraps `model`)
         (out / f"{args.peer}-r{rank}-v{result.version}").write_text(digest(weights(model)))

@@ -1,7 +1,12 @@
-"""Peers that are torch.distributed groups: 2 peers x 2 ranks under real torchrun, gloo on CPU.
+"""Peers that are torch.distributed groups of 2 ranks under real torchrun, gloo on CPU.
 
-After every round every rank of every peer holds bit-identical weights, equal to the hub's
-version; a rank killed mid-run makes its group leave the run, and the other peer carries on.
+After every round every rank of every peer (DDP, FSDP and Trainer groups in one run) holds
+bit-identical weights, equal to the hub's version; a rank killed mid-run makes its group leave
+the run, and the other peer carries on; a hub gone for good stops every rank.
+
+A torchrun costs ~10 s of CPU before its first step (torch in three processes, transformers in
+two) and seconds to exit: each scenario runs as few as it needs, with GPT-2 where its shapes are
+the point (FSDP's sharding, the Trainer) and a plain-torch model where any model proves it.
 """
 
 from __future__ import annotations
@@ -78,30 +83,42 @@ def finish(procs: dict[str, subprocess.Popen[bytes]], out: Path) -> None:
         assert code == 0, logs
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "trainer"])
-def test_every_rank_of_every_peer_holds_the_hubs_version(hub_factory: Any, tmp_path: Path, mode: str) -> None:
+SHAPES = {"a": "ddp", "b": "fsdp", "c": "trainer"}  # peer: how its two ranks train
+
+
+def test_every_rank_of_every_peer_holds_the_hubs_version(hub_factory: Any, tmp_path: Path) -> None:
+    """Three peers of three shapes in one run: DistributedDataParallel, FSDP (``fully_shard``:
+    each rank holds a shard) and a Hugging Face Trainer (its own DDP, synced by SyncCallback)."""
     hub = hub_factory("--keep-versions", "100")
     rounds = 3
-    procs = {name: torchrun(hub, mode, name, mode, rounds, tmp_path) for name in ("a", "b")}
+    # min_peers 3: the run seals once every shape has joined, so each round has all three
+    procs = {
+        peer: torchrun(hub, "shapes", peer, mode, rounds, tmp_path, "--min-peers", "3") for peer, mode in SHAPES.items()
+    }
     finish(procs, tmp_path)
-    state = status(hub, mode)
+    state = status(hub, "shapes")
     assert state["version"] == rounds
-    assert {p["peer"]: p["group_size"] for p in state["peers"]} == {"a": 2, "b": 2}
-    assert all(r["participants"] == ["a", "b"] or sorted(r["participants"]) == ["a", "b"] for r in state["rounds"])
-    assert all(r["samples"] == 2 * 2 * 4 * 2 for r in state["rounds"]), "each update counts both ranks' samples"
+    assert {p["peer"]: p["group_size"] for p in state["peers"]} == dict.fromkeys(SHAPES, 2)
+    assert all(sorted(r["participants"]) == sorted(SHAPES) for r in state["rounds"])
+    assert all(r["samples"] == len(SHAPES) * 2 * 4 * 2 for r in state["rounds"]), (
+        "each update counts both ranks' samples"
+    )
     for version in range(1, rounds + 1):
-        expected = hub_digest(hub, mode, version)
+        expected = hub_digest(hub, "shapes", version)
         held = {f.name: f.read_text() for f in tmp_path.glob(f"*-r*-v{version}")}
-        assert sorted(held) == sorted(f"{p}-r{r}-v{version}" for p in "ab" for r in (0, 1)), held
+        assert sorted(held) == sorted(f"{p}-r{r}-v{version}" for p in SHAPES for r in (0, 1)), held
         assert set(held.values()) == {expected}, f"version {version}: {held}"
 
 
 def test_a_killed_rank_takes_its_group_out_and_the_other_peer_carries_on(hub_factory: Any, tmp_path: Path) -> None:
     hub = hub_factory("--lease-seconds", "30", "--keep-versions", "100")
     # min_peers 1, so that a may go on alone; b first, so that a's six rounds start with b in them.
-    b = torchrun(hub, "kill", "b", "ddp", 1000, tmp_path, "--min-peers", "1")
+    # a two-layer model of plain torch: the property holds for any model, and a rank that does
+    # not import transformers starts and exits seconds sooner
+    small = ("--min-peers", "1", "--model", "bigram")
+    b = torchrun(hub, "kill", "b", "ddp", 1000, tmp_path, *small)
     wait_for(lambda: (tmp_path / "b-r1-v1").exists(), "b's ranks through a round", 240)
-    a = torchrun(hub, "kill", "a", "ddp", 6, tmp_path, "--min-peers", "1")
+    a = torchrun(hub, "kill", "a", "ddp", 6, tmp_path, *small)
     wait_for(lambda: len(list(tmp_path.glob("a-r1-v*"))) >= 2, "a's ranks through two rounds with b", 240)
     os.kill(int((tmp_path / "b-r1.pid").read_text()), signal.SIGKILL)
     try:
@@ -122,7 +139,9 @@ def test_a_hub_gone_for_good_stops_every_rank_of_the_group(hub_factory: Any, tmp
     """Rank 0 gives up on the hub after its retries; the other rank hears so and raises too,
     rather than waiting forever in the next collective."""
     hub = hub_factory()
-    peer = torchrun(hub, "gone", "a", "ddp", 1000, tmp_path, "--min-peers", "1", "--retry-seconds", "3")
+    peer = torchrun(
+        hub, "gone", "a", "ddp", 1000, tmp_path, "--min-peers", "1", "--retry-seconds", "3", "--model", "bigram"
+    )
     wait_for(lambda: (tmp_path / "a-r1-v1").exists(), "a round on both ranks", 240)
     hub.kill()
     try:
