@@ -8,8 +8,11 @@ staleness weight, and a peer's base after a sync is the hub's version bit for bi
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -24,6 +27,24 @@ from tests.harness import perturb, run_peers, status, version_file, wait_for, we
 
 Arrays = dict[str, np.ndarray]
 STEP = 20  # round_samples of the async runs: an outer step is two pushes of 10-12 samples
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    """One hub for every test here that does not kill it, each test on runs of its own: a hub
+    start (~1-2 s on a busy 2-core VM) cost the bad-input tests more than their checks. It keeps
+    every version, for the tests that check each one."""
+    tmp = tmp_path_factory.mktemp("policies")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+    shared = Hub(tmp / "hub", ["--keep-versions", "100"], env, tmp / "hub.log").start()
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture
+def run(request: pytest.FixtureRequest) -> str:
+    """A run name of this test's own (its parameters included), on the shared hub."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name.removeprefix("test_"))[:64].strip("-")
 
 
 def export(model: torch.nn.Module) -> Arrays:
@@ -49,11 +70,10 @@ class Sent:
             self.updates[peer, base] = (delta, samples)
 
 
-def test_samples_rounds_close_on_the_global_count_and_every_peer_stays_identical(hub_factory: Any) -> None:
+def test_samples_rounds_close_on_the_global_count_and_every_peer_stays_identical(hub: Hub) -> None:
     """Three peers, one four times slower, each reporting 4 samples per step; a round is 48
     samples. The fast peers send more samples per round than the slow one, every round is the
     exact weighted mean of what was sent, and all peers hold the hub's version after it."""
-    hub = hub_factory("--keep-versions", "100")  # every version stays, to check each round
     rounds, sent = 3, Sent()
     names, delays = ["fast-a", "fast-b", "slow"], [0.01, 0.01, 0.04]
     after: dict[str, dict[int, Arrays]] = {n: {} for n in names}
@@ -100,9 +120,8 @@ def test_samples_rounds_close_on_the_global_count_and_every_peer_stays_identical
     assert shares["fast-a"] > shares["slow"] and shares["fast-b"] > shares["slow"], shares
 
 
-def test_step_syncs_when_the_round_is_due(hub_factory: Any) -> None:
+def test_step_syncs_when_the_round_is_due(hub: Hub) -> None:
     """``client.step`` counts and syncs when due: one peer alone makes every round due itself."""
-    hub = hub_factory()
     model = tiny_gpt2(seed=1)
     with SyncClient(hub.url, run="step", peer="solo", round_samples=10) as client:
         client.join(model)
@@ -176,10 +195,9 @@ def assert_async_exact(hub: Hub, run: str, sent: Sent) -> None:
         assert_same(base, version_file(hub, run, version))
 
 
-def test_async_applies_every_update_once_with_its_staleness_weight(hub_factory: Any) -> None:
+def test_async_applies_every_update_once_with_its_staleness_weight(hub: Hub) -> None:
     """Three async peers push at their own pace: each update lands in exactly one version, with
     its staleness weight, and a peer's base after a sync is the hub's version."""
-    hub = hub_factory("--keep-versions", "100")  # every version stays, to check each one
     sent = Sent()
     async_peers(hub, "async", sent, pushes=4, delays=[0.0, 0.05, 0.15])
     assert_async_exact(hub, "async", sent)
@@ -202,10 +220,9 @@ def test_async_survives_sigkills_of_the_hub(hub_factory: Any) -> None:
     assert_async_exact(hub, "crash", sent)
 
 
-def test_async_refuses_an_update_older_than_max_staleness(hub_factory: Any) -> None:
+def test_async_refuses_an_update_older_than_max_staleness(hub: Hub) -> None:
     """An update whose base is more than ``max_staleness`` versions old gets 409 stale_update;
     the SDK then catches up to the latest version."""
-    hub = hub_factory()
     fast_model, slow_model = tiny_gpt2(seed=0), tiny_gpt2(seed=0)
     options: dict[str, Any] = {"policy": "async", "round_samples": 10, "max_staleness": 1, "min_peers": 2}
     fast = SyncClient(hub.url, run="stale", peer="fast", **options)
@@ -246,12 +263,12 @@ def started_run(hub: Hub, run: str, **config: Any) -> httpx.Client:
         ({"samples": 3}, "Field required"),
     ],
 )
-def test_a_bad_progress_report_is_refused(hub: Hub, body: dict[str, Any], reason: str) -> None:
-    api = started_run(hub, "bad-progress", round_samples=100)
-    before = status(hub, "bad-progress")
+def test_a_bad_progress_report_is_refused(hub: Hub, run: str, body: dict[str, Any], reason: str) -> None:
+    api = started_run(hub, run, round_samples=100)
+    before = status(hub, run)
     r = api.post("/peers/a/progress", json=body)
     assert r.status_code == 422 and reason in r.text, r.text
-    assert status(hub, "bad-progress")["open_round"] == before["open_round"]
+    assert status(hub, run)["open_round"] == before["open_round"]
 
 
 def test_a_progress_report_for_another_round_is_refused(hub: Hub) -> None:
@@ -285,10 +302,13 @@ def test_a_progress_report_for_a_closed_round_says_round_closed(hub: Hub) -> Non
         ({"max_staleness": -1}, 422, "greater than or equal to 0"),
     ],
 )
-def test_a_bad_policy_config_is_refused(hub: Hub, config: dict[str, Any], status_code: int, reason: str) -> None:
-    r = httpx.post(f"{hub.url}/v1/runs/bad-policy/peers", json={"peer": "a", **config})
+def test_a_bad_policy_config_is_refused(
+    hub: Hub, run: str, config: dict[str, Any], status_code: int, reason: str
+) -> None:
+    r = httpx.post(f"{hub.url}/v1/runs/{run}/peers", json={"peer": "a", **config})
     assert r.status_code == status_code and reason in r.text, r.text
-    assert httpx.get(f"{hub.url}/v1/runs").json() == []  # no run was created
+    assert run not in {r["run"] for r in httpx.get(f"{hub.url}/v1/runs").json()}  # no run was created
+    assert httpx.get(f"{hub.url}/v1/runs/{run}").status_code == 404
 
 
 def test_a_peer_asking_for_another_policy_is_refused(hub: Hub) -> None:
