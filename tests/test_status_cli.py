@@ -54,8 +54,14 @@ def hub_with_rounds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
         hub.stop()
 
 
-def test_run_table_lists_peers_and_rounds(hub_with_rounds: Hub) -> None:
-    out = status(hub_with_rounds.url, "--run", "cli-run", token=VIEW)  # the view token is enough
+@pytest.fixture(scope="module")
+def run_table(hub_with_rounds: Hub) -> subprocess.CompletedProcess[str]:
+    """``status URL --run cli-run`` at 200 columns, run once for the tests that read it."""
+    return status(hub_with_rounds.url, "--run", "cli-run", token=VIEW)  # the view token is enough
+
+
+def test_run_table_lists_peers_and_rounds(run_table: subprocess.CompletedProcess[str]) -> None:
+    out = run_table
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "run cli-run: version 3" in text
@@ -84,8 +90,10 @@ def assert_numbers_whole(narrow: str, wide: str) -> None:
 
 
 @pytest.mark.parametrize("columns", [80, 60])
-def test_numbers_are_never_cut_at_narrow_terminals(hub_with_rounds: Hub, columns: int) -> None:
-    wide = status(hub_with_rounds.url, "--run", "cli-run", token=VIEW)
+def test_numbers_are_never_cut_at_narrow_terminals(
+    hub_with_rounds: Hub, run_table: subprocess.CompletedProcess[str], columns: int
+) -> None:
+    wide = run_table
     narrow = status(hub_with_rounds.url, "--run", "cli-run", token=VIEW, columns=columns)
     assert narrow.returncode == 0, narrow.stderr
     assert max(len(line) for line in narrow.stdout.splitlines()) <= columns, narrow.stdout
