@@ -188,11 +188,21 @@ def test_heartbeat_keeps_a_peer_training_for_three_leases(hub_factory: Callable[
 # ---- network faults ------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def link_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    """One hub for the network-fault tests, each on a run of its own behind a proxy of its own:
+    the faults are on the link, never the hub, and a hub start is ~1-2 s on a busy VM."""
+    tmp = tmp_path_factory.mktemp("links")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+    hub = Hub(tmp / "hub", ["--round-timeout", "60", "--keep-versions", "10"], env, tmp / "hub.log").start()
+    yield hub
+    hub.stop()
+
+
 @pytest.fixture
-def proxy_pair(hub_factory: Callable[..., Hub]) -> Iterator[tuple[Hub, FaultProxy]]:
-    hub = hub_factory("--round-timeout", "60", env={"SYNC_KEEP_VERSIONS": "10"})
-    with FaultProxy(hub.port) as proxy:
-        yield hub, proxy
+def proxy_pair(link_hub: Hub) -> Iterator[tuple[Hub, FaultProxy]]:
+    with FaultProxy(link_hub.port) as proxy:
+        yield link_hub, proxy
 
 
 def two_rounds(hub: Hub, proxy: FaultProxy, run: str, arm: Callable[[int], None], **client: Any) -> Peers:
@@ -251,22 +261,22 @@ def test_stall_longer_than_the_client_timeout(proxy_pair: tuple[Hub, FaultProxy]
 
 
 def test_slow_link(proxy_pair: tuple[Hub, FaultProxy]) -> None:
-    """a's link crawls at 40 kB/s both ways (88 kB up, 88 kB down per round)."""
+    """a's link crawls at 80 kB/s both ways (88 kB up, 88 kB down per round: over a second each)."""
     hub, proxy = proxy_pair
-    proxy.throttle(40_000, match="/v1/runs/slow/rounds/")
+    proxy.throttle(80_000, match="/v1/runs/slow/rounds/")
     started = time.monotonic()
     two_rounds(hub, proxy, "slow", lambda round_: None)
-    assert time.monotonic() - started > 4 * 88_000 / 40_000 * 0.9  # the throttle did bite
+    assert time.monotonic() - started > 4 * 88_000 / 80_000 * 0.9  # the throttle did bite
 
 
 def test_long_poll_fits_in_a_short_client_timeout(proxy_pair: tuple[Hub, FaultProxy]) -> None:
-    """Regression: with a 2 s client timeout, a's wait for a round that b keeps open for 5 s is
-    a series of answered long polls, not timeouts retried as if the hub were down."""
+    """Regression: with a 2 s client timeout, a's wait for a round that b keeps open for 3 s is
+    a series of answered long polls (1 s each), not timeouts retried as if the hub were down."""
     hub, proxy = proxy_pair
     peers = Peers({"a": proxy.url, "b": hub.url}, "poll", ["a", "b"], min_peers=2, timeout=2.0)
     peers.join()
     peers.start("a", lambda: peers.sync("a", samples=1, seed=1))
-    peers.start("b", lambda: peers.sync("b", samples=1, seed=2, train_seconds=5))
+    peers.start("b", lambda: peers.sync("b", samples=1, seed=2, train_seconds=3))
     peers.wait()
     polls = proxy.matching("GET /v1/runs/poll/rounds/0/result")
     assert len(polls) >= 2 and [p.status for p in polls] == [204] * (len(polls) - 1) + [200]
