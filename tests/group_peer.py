@@ -3,12 +3,11 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/group_peer.py \
         --hub URL --job R --peer NAME --mode ddp|fsdp|trainer --rounds N --out DIR [--model bigram]
 
-Every rank trains a tiny GPT-2 (or, ``--model bigram``, a two-layer model of plain torch: a rank
-that needs no GPT-2 shapes then skips importing transformers, ~2.5 s of CPU per rank) on its own
-random tokens (ddp: DistributedDataParallel; fsdp:
-``fully_shard``, parameters sharded across the ranks; trainer: a Hugging Face ``Trainer`` with
-``SyncCallback``, which runs DDP itself) and syncs every few steps through one SyncClient that
-serves the group. After every sync each rank writes the sha-256 of the weights it holds to
+Every rank trains a tiny GPT-2 (or, ``--model bigram``, :class:`tests.models.Bigram`: a rank that
+needs no GPT-2 shapes then skips importing transformers) on its own random tokens (ddp:
+DistributedDataParallel; fsdp: ``fully_shard``, parameters sharded across the ranks; trainer: a
+Hugging Face ``Trainer`` with ``SyncCallback``, which runs DDP itself) and syncs every few steps
+through one SyncClient that serves the group. After every sync each rank writes the sha-256 of the weights it holds to
 ``DIR/<peer>-r<rank>-v<version>``, and at start its pid to ``DIR/<peer>-r<rank>.pid``.
 """
 
@@ -26,28 +25,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from syncclient import SyncCallback, SyncClient
+from syncclient import SyncClient
+from tests.models import tiny_bigram
 
 STEPS = 2  # optimizer steps per round
 
 
-class Bigram(torch.nn.Module):
-    """Next-token logits from the current token alone; called as GPT-2 is, for the same loop."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(256, 32)
-        self.head = torch.nn.Linear(32, 256)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        logits = self.head(self.embed(input_ids))
-        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
-
-
 def build(kind: str, seed: int) -> torch.nn.Module:
     if kind == "bigram":
-        torch.manual_seed(seed)
-        return Bigram()
+        return tiny_bigram(seed)
     from tests.conftest import tiny_gpt2  # imports transformers
 
     return tiny_gpt2(seed)
@@ -122,6 +108,7 @@ def main() -> None:
 def trainer(args: argparse.Namespace, rank: int, out: Path) -> None:
     from transformers import Trainer, TrainingArguments
 
+    from syncclient import SyncCallback  # imports transformers
     from tests.harness import Blocks
 
     model = build("gpt2", seed=rank)

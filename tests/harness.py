@@ -12,6 +12,8 @@ instead of a copy of its own:
   the hub holds;
 - :func:`wait_for`: poll a condition until it holds or a deadline passes (never sleep-then-assert).
 
+:func:`perturb` lives in :mod:`tests.models` (torch only), with the models of peer processes.
+
 ``tests/peer_proc.py`` is the same peer as a process of its own, for the tests that SIGKILL one.
 """
 
@@ -32,6 +34,7 @@ import torch
 from syncclient import SyncClient
 from syncclient._model import ModelView
 from tests.conftest import Hub, tiny_gpt2
+from tests.models import perturb
 
 # ---- waiting ------------------------------------------------------------------------------------
 
@@ -104,14 +107,6 @@ def round_record(hub: Hub, run: str, round_: int) -> dict[str, Any]:
 
 
 # ---- the maths the hub must match -------------------------------------------------------------------
-
-
-def perturb(model: torch.nn.Module, seed: int, round_: int, scale: float = 0.01) -> None:
-    """A peer's "training" for one round: deterministic in (seed, round) and the start weights."""
-    gen = torch.Generator().manual_seed(seed * 1000 + round_)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
 
 
 def weighted_mean64(deltas: list[dict[str, np.ndarray]], samples: list[int]) -> dict[str, np.ndarray]:

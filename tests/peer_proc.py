@@ -3,7 +3,8 @@
     python tests/peer_proc.py --hub URL --run R --peer NAME --seed S --samples N \\
         --until-version V --out DIR [--train-seconds T] [--go-files]
 
-It builds ``tiny_gpt2(0)`` (every peer the same init; the first to join uploads version 0),
+It builds ``tests.models.tiny_bigram(0)`` (torch only, so that it starts and exits seconds sooner
+than a GPT-2's process; every peer the same init; the first to join uploads version 0),
 joins, and for each round: waits for ``DIR/go_<round>`` if ``--go-files`` (so the test sets
 the pace), "trains" (a deterministic perturbation from ``seed`` and the round, then sleeps
 ``--train-seconds``), dumps its delta as ``DIR/delta_<peer>_<round>.safetensors`` (exactly the
@@ -28,8 +29,7 @@ import safetensors.numpy  # noqa: E402
 
 from syncclient import SyncClient  # noqa: E402
 from syncclient._model import ModelView  # noqa: E402
-from tests.conftest import tiny_gpt2  # noqa: E402
-from tests.harness import perturb  # noqa: E402
+from tests.models import perturb, tiny_bigram  # noqa: E402
 
 
 def events(out: Path, peer: str) -> list[dict[str, Any]]:
@@ -56,7 +56,7 @@ def main() -> None:
         with open(args.out / f"{args.peer}.jsonl", "a") as f:
             f.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
 
-    model = tiny_gpt2(0)
+    model = tiny_bigram(0)
     client = SyncClient(args.hub, run=args.run, peer=args.peer, timeout=10, retry_seconds=120)
     info = client.join(model)
     log("joined", version=info.version, rank=info.rank)

@@ -30,6 +30,7 @@ from syncwire import iter_chunks
 from tests.conftest import REPO, Hub
 from tests.faultproxy import FaultProxy
 from tests.harness import Peers, assert_exact_mean, round_record, status, version_file, wait_for
+from tests.models import tiny_bigram
 from tests.peer_proc import events
 
 # ---- peers killed --------------------------------------------------------------------------
@@ -73,9 +74,10 @@ def last_event(out: Path, peer: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_peers_killed_mid_upload_and_mid_training(hub_factory: Callable[..., Hub], tmp_path: Path) -> None:
-    """a and b (threads) with c and d (processes): c is SIGKILLed while its upload streams, d
-    while it trains. Round 0 closes at its deadline with a and b (min_peers 2) as their exact
-    weighted mean; c and d, restarted, catch up to version 1 and take part in round 1."""
+    """a and b (threads) with c and d (processes), all of :func:`tests.models.tiny_bigram` (no
+    transformers for the processes to import): c is SIGKILLed while its upload streams, d while
+    it trains. Round 0 closes at its deadline with a and b (min_peers 2) as their exact weighted
+    mean; c and d, restarted, catch up to version 1 and take part in round 1."""
     hub = hub_factory(
         "--min-peers", "2", "--round-timeout", "3", "--lease-seconds", "2", env={"SYNC_KEEP_VERSIONS": "10"}
     )
@@ -85,13 +87,13 @@ def test_peers_killed_mid_upload_and_mid_training(hub_factory: Callable[..., Hub
     c_put = f"PUT /v1/runs/{run}/rounds/0/updates/c"
     with contextlib.ExitStack() as stack:
         slow = stack.enter_context(FaultProxy(hub.port))
-        slow.throttle(20_000, match=c_put)  # c's ~88 kB update takes ~4 s
+        slow.throttle(20_000, match=c_put)  # c's 66 kB update takes ~3 s
         procs = {
             "c": launch(slow.url, run, "c", seeds["c"], samples["c"], out, until_version=2),
             "d": launch(hub.url, run, "d", seeds["d"], samples["d"], out, until_version=2, train_seconds=600),
         }
         stack.callback(lambda: [sigkill(p) for p in procs.values() if p.poll() is None])
-        peers = Peers(hub.url, run, ["a", "b"])
+        peers = Peers(hub.url, run, ["a", "b"], model=tiny_bigram)
         stack.callback(peers.close)
         peers.join()
         wait_for(lambda: all(last_event(out, p).get("event") == "joined" for p in "cd"), "c, d joined", 120)
