@@ -46,17 +46,17 @@ def open_round(hub: Hub, run: str) -> dict[str, Any] | None:
     return {"version": body["version"], **body["open_round"]}
 
 
-def two_then_one(hub: Hub, crash: bool) -> Peers:
+def two_then_one(hub: Hub, crash: bool, run: str = "crash") -> Peers:
     """a and b submit; (the hub is SIGKILLed and restarted;) c submits; round 0 closes."""
-    peers = Peers(hub.url, "crash", ["a", "b", "c"], min_peers=3, retry_seconds=120)
+    peers = Peers(hub.url, run, ["a", "b", "c"], min_peers=3, retry_seconds=120)
     peers.join()
     for p in "ab":
         peers.start(p, lambda p=p: peers.sync(p, samples=SAMPLES[p], seed=SEEDS[p]))
-    wait_for(lambda: (open_round(hub, "crash") or {}).get("submitted") == ["a", "b"], "a and b acked", 30)
+    wait_for(lambda: (open_round(hub, run) or {}).get("submitted") == ["a", "b"], "a and b acked", 30)
     if crash:
         hub.kill()
         hub.start()
-        state = open_round(hub, "crash")  # both acknowledged updates survived the crash
+        state = open_round(hub, run)  # both acknowledged updates survived the crash
         assert state is not None and state["version"] == 0 and state["submitted"] == ["a", "b"]
     peers.start("c", lambda: peers.sync("c", samples=SAMPLES["c"], seed=SEEDS["c"]))
     peers.wait(120)
@@ -65,16 +65,15 @@ def two_then_one(hub: Hub, crash: bool) -> Peers:
 
 
 def test_hub_killed_after_two_of_three_submitted(hub_factory: Callable[..., Hub]) -> None:
-    crashed_hub = hub_factory("--round-timeout", "60")
-    crashed = two_then_one(crashed_hub, crash=True)
-    calm_hub = hub_factory("--round-timeout", "60")
-    calm = two_then_one(calm_hub, crash=False)
+    hub = hub_factory("--round-timeout", "60")
+    crashed = two_then_one(hub, crash=True)
+    calm = two_then_one(hub, crash=False, run="calm")  # the same run without the crash, after it
 
-    record = round_record(crashed_hub, "crash", 0)
+    record = round_record(hub, "crash", 0)
     assert sorted(record["participants"][:2]) == ["a", "b"] and record["participants"][2] == "c"  # ack order
     assert record["samples"] == 60
-    assert_exact_mean(crashed_hub, "crash", 0, [crashed.deltas[p, 0] for p in "abc"], [10, 30, 20])
-    after_crash, without_crash = version_file(crashed_hub, "crash", 1), version_file(calm_hub, "crash", 1)
+    assert_exact_mean(hub, "crash", 0, [crashed.deltas[p, 0] for p in "abc"], [10, 30, 20])
+    after_crash, without_crash = version_file(hub, "crash", 1), version_file(hub, "calm", 1)
     for name, value in without_crash.items():
         np.testing.assert_array_equal(after_crash[name], value, err_msg=name)  # bit-identical
     for p in "abc":
@@ -124,12 +123,12 @@ def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
 
 
-def multi_round(hub: Hub, plan: list[str] | None, rng: random.Random) -> tuple[Peers, list[str]]:
+def multi_round(hub: Hub, run: str, plan: list[str] | None, rng: random.Random) -> tuple[Peers, list[str]]:
     """3 peers through a proxy, ROUNDS rounds; with a ``plan``, the hub is SIGKILLed once per
     round in the planned phase and restarted at once. Returns the peers and what was hit."""
     hit: list[str] = []
     with FaultProxy(hub.port) as proxy:
-        peers = Peers(proxy.url, "multi", list(SAMPLES), model=mlp, min_peers=3, retry_seconds=120, timeout=20)
+        peers = Peers(proxy.url, run, list(SAMPLES), model=mlp, min_peers=3, retry_seconds=120, timeout=20)
         peers.join()
 
         # round r starts only once the test is watching for its phase: rounds of 16 MB take a
@@ -147,8 +146,8 @@ def multi_round(hub: Hub, plan: list[str] | None, rng: random.Random) -> tuple[P
             for gate in gates:
                 gate.set()
         for round_, phase in enumerate(plan or []):
-            wait_for(lambda r=round_: (open_round(hub, "multi") or {}).get("version", -1) >= r, f"round {round_}", 60)
-            hit.append(kill_during(hub, proxy, round_, phase, rng, go=gates[round_].set))
+            wait_for(lambda r=round_: (open_round(hub, run) or {}).get("version", -1) >= r, f"round {round_}", 60)
+            hit.append(kill_during(hub, proxy, run, round_, phase, rng, go=gates[round_].set))
             proxy.throttle(None)
             hub.start()
         peers.wait(180)
@@ -157,20 +156,20 @@ def multi_round(hub: Hub, plan: list[str] | None, rng: random.Random) -> tuple[P
 
 
 def kill_during(
-    hub: Hub, proxy: FaultProxy, round_: int, phase: str, rng: random.Random, go: Callable[[], None]
+    hub: Hub, proxy: FaultProxy, run: str, round_: int, phase: str, rng: random.Random, go: Callable[[], None]
 ) -> str:
     """SIGKILL the hub during ``phase`` of round ``round_`` (``go`` lets its peers start it, once
     the watch is armed); say what was going on at that moment."""
-    versions = hub.data_dir / "runs" / "multi" / "versions"
-    rounds = hub.data_dir / "runs" / "multi" / "rounds"
+    versions = hub.data_dir / "runs" / run / "versions"
+    rounds = hub.data_dir / "runs" / run / "rounds"
     result = f"/rounds/{round_}/result"
     if phase in ("upload", "download"):  # the bytes crawl through the proxy: kill while they stream
         proxy.throttle(4_000_000, match="/updates/" if phase == "upload" else result)
     go()
     if phase == "upload":
-        wait_for(lambda: bool((open_round(hub, "multi") or {}).get("uploading")), "an upload", 30)
+        wait_for(lambda: bool((open_round(hub, run) or {}).get("uploading")), "an upload", 30)
         time.sleep(rng.uniform(0.0, 1.0))
-        what = f"upload ({sorted(open_round(hub, 'multi')['uploading'])} streaming)"
+        what = f"upload ({sorted(open_round(hub, run)['uploading'])} streaming)"
     elif phase == "merge":  # round v's result is being written, before the commit
         wait_for(
             lambda: any(n.startswith(".result") for r in _listdir(rounds) for n in _listdir(rounds / r)), "a merge", 60
@@ -185,7 +184,7 @@ def kill_during(
         what = "download (result streaming)"
     else:
         time.sleep(rng.uniform(0.0, 0.5))  # a round here takes about that long
-        what = f"anywhere ({open_round(hub, 'multi')})"
+        what = f"anywhere ({open_round(hub, run)})"
     hub.kill()
     return what
 
@@ -222,20 +221,19 @@ def test_a_version_lost_after_its_commit_is_rebuilt_bit_for_bit(hub_factory: Cal
 def test_hub_killed_at_random_points_of_a_multi_round_run(hub_factory: Callable[..., Hub]) -> None:
     rng = random.Random(20240611)
     plan = rng.sample(PHASES, len(PHASES))
-    crashed_hub = hub_factory("--round-timeout", "60", env={"SYNC_KEEP_VERSIONS": "10"})
-    crashed, hit = multi_round(crashed_hub, plan, rng)
+    hub = hub_factory("--round-timeout", "60", env={"SYNC_KEEP_VERSIONS": "10"})
+    crashed, hit = multi_round(hub, "multi", plan, rng)
     print("\nhub SIGKILLed during:", *hit, sep="\n  ")
     assert [h.split()[0] for h in hit] == plan
-    calm_hub = hub_factory("--round-timeout", "60", env={"SYNC_KEEP_VERSIONS": "10"})
-    multi_round(calm_hub, None, rng)
+    multi_round(hub, "calm", None, rng)  # the same run without crashes, after them
 
     for round_ in range(ROUNDS):
         # no acknowledged update lost, none counted twice, every version whole and exact
-        record = round_record(crashed_hub, "multi", round_)
+        record = round_record(hub, "multi", round_)
         assert sorted(record["participants"]) == ["a", "b", "c"] and record["samples"] == 60
         deltas = [crashed.deltas[p, round_] for p in SAMPLES]
-        assert_exact_mean(crashed_hub, "multi", round_, deltas, list(SAMPLES.values()))
-    final, reference = version_file(crashed_hub, "multi", ROUNDS), version_file(calm_hub, "multi", ROUNDS)
+        assert_exact_mean(hub, "multi", round_, deltas, list(SAMPLES.values()))
+    final, reference = version_file(hub, "multi", ROUNDS), version_file(hub, "calm", ROUNDS)
     identical = all(np.array_equal(final[n], reference[n]) for n in final)
     print(f"final weights {'bit-identical to' if identical else 'within 1e-6 of'} the run without crashes")
     for name, value in reference.items():
