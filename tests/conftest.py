@@ -34,12 +34,14 @@ PROCESS_MODULES = frozenset(
         "test_crash",  # SIGKILLed hubs and peers
         "test_docs",  # mkdocs build
         "test_exports",  # what a fresh interpreter imports
+        "test_faults",  # SIGKILLed peers; a module hub behind fault proxies
         "test_finetune",  # the reference job
         "test_group",  # torchrun
         "test_hooks",  # weightsync-run's hooks in programs of their own
         "test_lightning",
         "test_load_smoke",
         "test_local",  # --local-peers
+        "test_policies",  # a module hub
         "test_schemathesis",
         "test_status_cli",
         "test_timeouts",
@@ -48,7 +50,8 @@ PROCESS_MODULES = frozenset(
     }
 )
 """Modules whose tests start programs of their own (besides hubs from ``hub_factory``, which mark
-a test by themselves): ``make check`` leaves these out, ``make test`` and CI run everything."""
+a test by themselves; a module's own shared hub does not): ``make check`` leaves these out,
+``make test`` and CI run everything."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
