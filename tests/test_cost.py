@@ -46,6 +46,8 @@ def test_a_run_of_100k_tensors_polled_by_4_clients_starves_no_other_run(hub_fact
     statuses = results.get(timeout=10)["statuses"]
     assert set(statuses) == {"head", "put", "status", "start"}
     assert all(code in (200, 204) for kind in ("head", "status", "start") for code in statuses[kind]), statuses
-    assert set(statuses["put"]) == {400}, statuses  # an empty body is refused, not a 5xx
+    # an empty body is refused, never a 5xx: 400, or 409 superseded when another client's HEAD or
+    # PUT of the same update took it over while the hub read it (one attempt at an upload at a time)
+    assert 400 in statuses["put"] and set(statuses["put"]) <= {400, 409}, statuses
     # *was* 4-16 s a status (median 2.7 s here); now milliseconds: a wide margin for a loaded CI machine
     assert statistics.median(latencies) < 0.5 and max(latencies) < 3.0, sorted(latencies)[-5:]
