@@ -156,10 +156,13 @@ def test_a_lossy_run_flushes_its_residual_at_the_end(hub: Hub) -> None:
         client = SyncClient(hub.url, run="flush", peer=f"p{i}", min_peers=n, codec="int4")
         client.join(model)
         view = ModelView(model)
+        # every peer holds the run's version 0 after join: each takes its delta from its own copy
+        # (reading peer 0's raced it: a KeyError, then a round that waited 180 s for the other)
+        mine = {k: v.astype(np.float64) for k, v in view.export().items()}
         if i == 0:
-            start.update({k: v.astype(np.float64) for k, v in view.export().items()})
+            start.update(mine)
         train_a_little(model, seed=7 + i)
-        deltas[i] = {k: v.astype(np.float64) - start[k] for k, v in view.export().items()}
+        deltas[i] = {k: v.astype(np.float64) - mine[k] for k, v in view.export().items()}
         result = client.sync(model, samples=3, final=True)
         ends.append((result.version, {k: v.copy() for k, v in view.export().items()}))
         client.leave()
