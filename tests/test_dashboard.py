@@ -16,9 +16,9 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from syncserver.dashboard import STATIC, curves, round_trace
+from syncserver.api.dashboard import STATIC, curves, round_trace
 from syncserver.settings import HubSettings
-from syncserver.store import RoundRecord, UpdateRecord
+from syncserver.storage.store import RoundRecord, UpdateRecord
 from tests.conftest import REPO, Hub
 from tests.harness import Peers
 

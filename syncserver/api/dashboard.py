@@ -1,6 +1,6 @@
 """The live dashboard: ``GET /`` serves a static page, ``GET /v1/dashboard`` feeds it.
 
-The page (``syncserver/static/``: hand-written HTML, JS and CSS, no build step, no CDN, since
+The page (``syncserver/api/static/``: hand-written HTML, JS and CSS, no build step, no CDN, since
 a hub may have no internet) is served without a token; its data is not. The page takes the
 token from ``/?token=…`` once (then drops it from the address bar and keeps it in
 ``sessionStorage``) or asks for it, and sends it as ``Authorization: Bearer``. Give viewers
@@ -34,10 +34,10 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from syncserver import __version__
-from syncserver.deps import Hub, RunQuery, Viewer, Wait
-from syncserver.schemas import DashboardData, DashboardRun
-from syncserver.store import RoundRecord, UpdateRecord
-from syncserver.view import HubView
+from syncserver.api.deps import Hub, RunQuery, Viewer, Wait
+from syncserver.api.schemas import DashboardData, DashboardRun
+from syncserver.core.view import HubView
+from syncserver.storage.store import RoundRecord, UpdateRecord
 
 __all__ = ["add_dashboard", "curves", "round_trace"]
 

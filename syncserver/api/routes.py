@@ -1,7 +1,7 @@
 """HTTP only: parse, authenticate, call the coordinator, shape the answer.
 
 Every error is raised as a :class:`~syncserver.errors.HubError` and turned into JSON by the
-one handler in :func:`syncserver.app.create_app`.
+one handler in :func:`syncserver.api.factory.create_app`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,22 @@ from pydantic import BaseModel, Field, field_validator
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
-from syncserver.coordinator import Coordinator
-from syncserver.deps import Caller, Hub, PeerName, Round, RunName, Wait, authenticate, authenticate_view
+from syncserver.api.deps import Caller, Hub, PeerName, Round, RunName, Wait, authenticate, authenticate_view
+from syncserver.api.responses import BlobResponse, requested_range
+from syncserver.api.schemas import (
+    Heartbeat,
+    Left,
+    Progress,
+    RunStatus,
+    RunSummary,
+    StartReady,
+    StartState,
+    UpdateAck,
+    UploadHeld,
+    VersionZero,
+)
+from syncserver.core.coordinator import Coordinator
+from syncserver.core.rounds import Ticket
 from syncserver.errors import BadRequest, HubError, Incomplete, Superseded
 from syncserver.limits import (
     MAX_BYTES,
@@ -36,22 +50,8 @@ from syncserver.limits import (
     header_int,
 )
 from syncserver.names import NAME_PATTERN
-from syncserver.responses import BlobResponse, requested_range
-from syncserver.rounds import Ticket
-from syncserver.schemas import (
-    Heartbeat,
-    Left,
-    Progress,
-    RunStatus,
-    RunSummary,
-    StartReady,
-    StartState,
-    UpdateAck,
-    UploadHeld,
-    VersionZero,
-)
 from syncserver.settings import Outer, Policy, normal_codec
-from syncserver.uploads import BodyInterrupted, Held, Received, partial_offset, receive
+from syncserver.storage.uploads import BodyInterrupted, Held, Received, partial_offset, receive
 
 #: ``?peer=``: who downloads (for the dashboard's download log); absent for other clients.
 Downloader = Annotated[str | None, Query(pattern=NAME_PATTERN)]
@@ -224,7 +224,7 @@ async def run_status(run: RunName, hub: Hub) -> RunStatus:
 
 def _start_answer(state: StartState, hub: Coordinator) -> StartState | Response:
     """A ready answer carries the run's schema, 7 MB of JSON for 100,000 tensors: it is spliced
-    in from the run's own JSON (made once, :class:`~syncserver.shape.RunShape`) instead of being
+    in from the run's own JSON (made once, :class:`~syncserver.core.shape.RunShape`) instead of being
     validated and serialised again for every request, on the event loop. Same bytes as the model."""
     if not isinstance(state, StartReady):
         return state

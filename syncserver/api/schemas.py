@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from syncserver.policy import PeerState
+from syncserver.core.policy import PeerState
 from syncserver.settings import Outer, Policy
 
 __all__ = [

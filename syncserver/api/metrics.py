@@ -35,10 +35,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from syncserver.deps import authenticate_view
-from syncserver.policy import PeerState
-from syncserver.store import RoundRecord, UpdateRecord
-from syncserver.view import HubView
+from syncserver.api.deps import authenticate_view
+from syncserver.core.policy import PeerState
+from syncserver.core.view import HubView
+from syncserver.storage.store import RoundRecord, UpdateRecord
 
 __all__ = ["HubMetrics", "router"]
 

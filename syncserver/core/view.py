@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from syncserver.api.schemas import RoundSummary, RunStatus, RunSummary, UpdateSummary
+from syncserver.core.policy import PeerState
+from syncserver.core.state import Run
 from syncserver.errors import NotFound
-from syncserver.policy import PeerState
-from syncserver.schemas import RoundSummary, RunStatus, RunSummary, UpdateSummary
-from syncserver.state import Run
-from syncserver.store import RoundRecord, Store, UpdateRecord
+from syncserver.storage.store import RoundRecord, Store, UpdateRecord
 
 __all__ = ["HubView", "Listeners", "RunFacts"]
 

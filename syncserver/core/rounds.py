@@ -5,8 +5,8 @@ An update is acknowledged once its body is complete, verified (digest, layout, f
 the norm guard when on), durable and recorded in sqlite; it is then folded into the round's
 float32 accumulator in acknowledgement order (so a hub restarted after a crash rebuilds the
 very same sums from the files), or, once the round is closing, by the close's merge itself.
-The policy (:mod:`syncserver.policy`) says when a round closes; the engine
-(:mod:`syncserver.engine`) does the tensor work; a round commits once its result (the encoded
+The policy (:mod:`syncserver.core.policy`) says when a round closes; the engine
+(:mod:`syncserver.reduce.engine`) does the tensor work; a round commits once its result (the encoded
 merged update) is durable, and the file of version v+1 is written after that, since it is
 ``version v + decode(result)``: a restarted hub rebuilds what a crash left unwritten, and pulls
 wait for it.
@@ -25,19 +25,19 @@ from typing import Any
 
 from anyio import to_thread
 
-from syncserver import aggregate
-from syncserver.engine import MergeEngine
+from syncserver.api.schemas import UpdateAck, VersionZero
+from syncserver.core.finite import merge_finite
+from syncserver.core.policy import Close, Place
+from syncserver.core.shape import RunShape
+from syncserver.core.state import Run, now
+from syncserver.core.view import HubView
 from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, PoisonedUpdate, RoundClosed, StaleUpdate
-from syncserver.finite import merge_finite
 from syncserver.limits import MAX_SAMPLES
-from syncserver.policy import Close, Place
-from syncserver.schemas import UpdateAck, VersionZero
+from syncserver.reduce import aggregate
+from syncserver.reduce.engine import MergeEngine
 from syncserver.settings import HubSettings
-from syncserver.shape import RunShape
-from syncserver.state import Run, now
-from syncserver.store import RoundRecord, Store, UpdateKey, UpdateRecord, Upload, VersionKey
-from syncserver.uploads import Received
-from syncserver.view import HubView
+from syncserver.storage.store import RoundRecord, Store, UpdateKey, UpdateRecord, Upload, VersionKey
+from syncserver.storage.uploads import Received
 from syncwire import FormatError, TensorInfo, check_layout
 
 __all__ = ["Rounds", "Ticket"]

@@ -1,8 +1,8 @@
 """The runs of one hub: their life, their members, and the waits peers make on them.
 
-No HTTP here (routes translate requests into these calls), no maths (:mod:`syncserver.engine`),
-no round rule (:mod:`syncserver.policy` decides; :mod:`syncserver.rounds` receives updates
-and closes rounds), no paths (:mod:`syncserver.store`). Everything runs on the event loop
+No HTTP here (routes translate requests into these calls), no maths (:mod:`syncserver.reduce.engine`),
+no round rule (:mod:`syncserver.core.policy` decides; :mod:`syncserver.core.rounds` receives updates
+and closes rounds), no paths (:mod:`syncserver.storage.store`). Everything runs on the event loop
 thread, so state changes between two ``await`` points are atomic; tensor work goes to worker
 threads.
 
@@ -24,12 +24,7 @@ from typing import Any
 
 from anyio import to_thread
 
-from syncserver.engine import MergeEngine
-from syncserver.errors import Conflict, InvalidUpdate, NotFound
-from syncserver.policy import SamplesPolicy
-from syncserver.quotas import check_new_peer, check_new_run
-from syncserver.rounds import Rounds, Ticket
-from syncserver.schemas import (
+from syncserver.api.schemas import (
     Heartbeat,
     Progress,
     StartInitialise,
@@ -39,13 +34,18 @@ from syncserver.schemas import (
     UpdateAck,
     VersionZero,
 )
-from syncserver.schemas import RunConfig as RunConfigModel
+from syncserver.api.schemas import RunConfig as RunConfigModel
+from syncserver.core.policy import SamplesPolicy
+from syncserver.core.quotas import check_new_peer, check_new_run
+from syncserver.core.rounds import Rounds, Ticket
+from syncserver.core.shape import RunShape
+from syncserver.core.state import CONFIG_FIELDS, Peer, Run, RunConfig, now
+from syncserver.core.view import HubView
+from syncserver.errors import Conflict, InvalidUpdate, NotFound
+from syncserver.reduce.engine import MergeEngine
 from syncserver.settings import HubSettings
-from syncserver.shape import RunShape
-from syncserver.state import CONFIG_FIELDS, Peer, Run, RunConfig, now
-from syncserver.store import Blob, Missing, ResultKey, Store, VersionKey
-from syncserver.uploads import Received
-from syncserver.view import HubView
+from syncserver.storage.store import Blob, Missing, ResultKey, Store, VersionKey
+from syncserver.storage.uploads import Received
 from syncwire import get_codec
 
 __all__ = ["Coordinator"]
@@ -136,7 +136,7 @@ class Coordinator:
     ) -> StartState:
         """Register a peer (again, after a crash: same name, same rank) and say what it must do next.
         ``group_size``: the ranks of the torch.distributed group it is (shown, not used);
-        ``creator``: the kind of token that asks (:data:`syncserver.deps.Caller`), for the quotas."""
+        ``creator``: the kind of token that asks (:data:`syncserver.api.deps.Caller`), for the quotas."""
         run = self.runs.get(run_name)
         if run is None:
             check_new_run(
@@ -238,7 +238,7 @@ class Coordinator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.changed.wait(), remaining)
 
-    # ---- bodies: version 0 and updates (the work is :class:`~syncserver.rounds.Rounds`') -----
+    # ---- bodies: version 0 and updates (the work is :class:`~syncserver.core.rounds.Rounds`') -----
     def init_ticket(self, run_name: str, peer_name: str) -> Ticket:
         """May this peer upload version 0? Any float32 tensors will do: they define the schema."""
         run = self.run(run_name)
