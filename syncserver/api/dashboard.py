@@ -34,6 +34,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from syncserver import __version__
+from syncserver.api import answers
 from syncserver.api.deps import Hub, RunQuery, Viewer, Wait
 from syncserver.api.schemas import DashboardData, DashboardRun
 from syncserver.core.view import HubView
@@ -148,7 +149,7 @@ def snapshot(view: HubView, run_name: str | None, only: str | None = None) -> Da
     """All the page shows of the hub and (when given and known) one run; with ``only``, of
     that run alone (a run token's view: it must not learn of the hub's other runs)."""
     run = view.find(run_name)
-    runs = view.list_runs()
+    runs = answers.run_lines(view.list_runs())
     detail = None
     if run is not None:
         # the page gets the updates' metrics as curves, their timings as the trace

@@ -15,15 +15,14 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
-from syncserver.api.schemas import RoundSummary, RunStatus, RunSummary, UpdateSummary
 from syncserver.core.policy import PeerState
 from syncserver.core.state import Run
 from syncserver.errors import NotFound
 from syncserver.storage.store import RoundRecord, Store, UpdateRecord
 
-__all__ = ["HubView", "Listeners", "RunFacts"]
+__all__ = ["HubView", "Listeners", "OpenRoundState", "PeerLine", "RunFacts", "RunLine", "RunState"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +35,56 @@ class RunFacts:
     open_updates: int  # acknowledged in the open round
     bytes_up: int  # update bytes received
     bytes_down: int  # result and model bytes served
+
+
+@dataclass(frozen=True)
+class RunLine:
+    """One line of the run list."""
+
+    run: str
+    version: int
+    peers: int  # live
+    codec: str
+    outer: str
+
+
+class OpenRoundState(TypedDict):
+    round: int
+    submitted: list[str]
+    uploading: list[str]
+    closing: bool
+    rejected: list[str]
+    seconds_left: float | None
+    samples: int
+    due: bool
+
+
+class PeerLine(TypedDict):
+    peer: str
+    rank: int | None
+    group_size: int
+    state: PeerState
+    last_seen_seconds: float
+    active_from: int
+    samples: int
+    samples_per_second: float
+    bytes_up: int
+    bytes_down: int
+
+
+class RunState(TypedDict):
+    """What run status and the dashboard both show of a run."""
+
+    run: str
+    version: int
+    config: dict[str, Any]
+    sealed: bool
+    world_size: int
+    tensors: int
+    parameters: int
+    open_round: OpenRoundState
+    peers: list[PeerLine]
+    rounds: list[RoundRecord]  # oldest first
 
 
 @dataclass
@@ -98,17 +147,11 @@ class HubView:
     def find(self, name: str | None) -> Run | None:
         return self._runs.get(name) if name else None
 
-    def list_runs(self, limit: int | None = None, after: str | None = None) -> list[RunSummary]:
+    def list_runs(self, limit: int | None = None, after: str | None = None) -> list[RunLine]:
         """Runs by name: all of them, or ``limit`` after the run named ``after``."""
         names = sorted(name for name in self._runs if after is None or name > after)[:limit]
         return [
-            RunSummary(
-                run=r.name,
-                version=r.version,
-                peers=len(r.policy.live),
-                codec=r.config.codec,
-                outer=r.config.outer,  # type: ignore[arg-type]  # checked when the run was created
-            )
+            RunLine(r.name, r.version, len(r.policy.live), r.config.codec, r.config.outer)
             for r in (self._runs[name] for name in names)
         ]
 
@@ -131,13 +174,8 @@ class HubView:
             for run in self._runs.values()
         ]
 
-    def status(self, name: str) -> RunStatus:
-        run = self.get(name)
-        updates = [UpdateSummary.model_validate(u) for u in self.store.round_metrics(run.name)]
-        return RunStatus(**self.state(run), updates=updates)
-
-    def state(self, run: Run) -> dict[str, Any]:
-        """What run status and the dashboard both show of ``run`` (the fields of ``_RunState``)."""
+    def state(self, run: Run) -> RunState:
+        """What run status and the dashboard both show of ``run``."""
         now = time.monotonic()
         policy = run.policy
         deadline = policy.deadline
@@ -174,7 +212,7 @@ class HubView:
                 }
                 for p in sorted(run.peers.values(), key=lambda p: (p.rank is None, p.rank, p.name))
             ],
-            "rounds": [RoundSummary.model_validate(r) for r in self.store.rounds(run.name)],
+            "rounds": self.store.rounds(run.name),
         }
 
     def fingerprint(self, run: Run | None) -> str:
