@@ -80,4 +80,4 @@ def run_lines(lines: list[RunLine]) -> list[RunSummary]:
 def run_status(view: HubView, name: str) -> RunStatus:
     """A run's state and its latest updates (``GET /v1/runs/{run}``)."""
     run = view.get(name)
-    return RunStatus(**view.state(run), updates=view.store.round_metrics(run.name))
+    return RunStatus(**view.state(run), updates=view.latest_updates(run.name))

@@ -37,8 +37,7 @@ from syncserver import __version__
 from syncserver.api import answers
 from syncserver.api.deps import Hub, RunQuery, Viewer, Wait
 from syncserver.api.schemas import DashboardData, DashboardRun
-from syncserver.core.view import HubView
-from syncserver.storage.store import RoundRecord, UpdateRecord
+from syncserver.core.view import HubView, RoundFacts, UpdateFacts
 
 __all__ = ["add_dashboard", "curves", "round_trace"]
 
@@ -55,8 +54,8 @@ EPSILON = 1e-3  # seconds: shorter gaps are clock noise, not a phase
 
 
 def round_trace(
-    rounds: Iterable[RoundRecord],
-    updates: Iterable[UpdateRecord],
+    rounds: Iterable[RoundFacts],
+    updates: Iterable[UpdateFacts],
     downloads: Mapping[int, Mapping[str, tuple[float, float]]],
 ) -> list[dict[str, Any]]:
     """Each round as lanes of ``[phase, start, end]`` spans (wall seconds), one lane per participant.
@@ -65,7 +64,7 @@ def round_trace(
     the round's publication, and a peer's ``train`` span runs from the end of its previous
     download (of the round before) to the start of this upload.
     """
-    by_round: dict[int, list[UpdateRecord]] = {}
+    by_round: dict[int, list[UpdateFacts]] = {}
     for u in updates:
         by_round.setdefault(u.round, []).append(u)
     trace = []
@@ -115,7 +114,7 @@ def _first(metrics: Mapping[str, float], keys: tuple[str, ...]) -> float | None:
     return next((metrics[k] for k in keys if k in metrics), None)
 
 
-def curves(updates: Iterable[UpdateRecord]) -> dict[str, Any]:
+def curves(updates: Iterable[UpdateFacts]) -> dict[str, Any]:
     """Per peer, ``[[x, y], …]`` for loss, val_ppl, codec_ratio and codec_error.
 
     x is the ``step`` metric when every update that has metrics carries one, else the
@@ -153,13 +152,12 @@ def snapshot(view: HubView, run_name: str | None, only: str | None = None) -> Da
     detail = None
     if run is not None:
         # the page gets the updates' metrics as curves, their timings as the trace
-        store = view.store
-        rounds = store.rounds(run.name, limit=TRACE_ROUNDS)
-        updates = [u for r in rounds for u in store.updates(run.name, r.round)]
+        rounds = view.rounds(run.name, limit=TRACE_ROUNDS)
+        updates = [u for r in rounds for u in view.updates(run.name, r.round)]
         detail = DashboardRun(
             **view.state(run),
             trace=round_trace(rounds, updates, run.downloads),
-            curves=curves(store.round_metrics(run.name, limit=CURVE_UPDATES)),
+            curves=curves(view.latest_updates(run.name, limit=CURVE_UPDATES)),
             lease_seconds=view.lease_seconds,
         )
     return DashboardData(

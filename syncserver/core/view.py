@@ -3,7 +3,9 @@
 The coordinator tells the view of every change (:meth:`HubView.changed`) and of the events
 the metrics count (an acknowledged update, a closed round, a finished download); the view
 wakes whoever waits for a change (the dashboard's long poll) and calls its listeners. Readers
-never touch the coordinator, its policies or its locks.
+never touch the coordinator, its policies, its locks or the store: the view answers in its own
+plain data (:class:`RunLine`, :class:`RunState`, :class:`RoundFacts`, :class:`UpdateFacts`), which
+the HTTP layer turns into response models.
 """
 
 from __future__ import annotations
@@ -22,7 +24,17 @@ from syncserver.core.state import Run
 from syncserver.errors import NotFound
 from syncserver.storage.store import RoundRecord, Store, UpdateRecord
 
-__all__ = ["HubView", "Listeners", "OpenRoundState", "PeerLine", "RunFacts", "RunLine", "RunState"]
+__all__ = [
+    "HubView",
+    "Listeners",
+    "OpenRoundState",
+    "PeerLine",
+    "RoundFacts",
+    "RunFacts",
+    "RunLine",
+    "RunState",
+    "UpdateFacts",
+]
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,47 @@ class RunLine:
     peers: int  # live
     codec: str
     outer: str
+
+
+@dataclass(frozen=True)
+class RoundFacts:
+    """A closed round, as readers see it (the store keeps it as a ``RoundRecord``)."""
+
+    round: int
+    opened: float
+    closed: float
+    participants: list[str]
+    dropped: list[str]
+    samples: int
+    bytes_in: int
+    result_bytes: int
+    timings: dict[str, float]  # seconds per phase of the hub (fold, merge, ...)
+
+    @classmethod
+    def of(cls, r: RoundRecord) -> RoundFacts:
+        return cls(
+            r.round, r.opened, r.closed, r.participants, r.dropped, r.samples, r.bytes_in, r.result_bytes, r.timings
+        )
+
+
+@dataclass(frozen=True)
+class UpdateFacts:
+    """An acknowledged update, as readers see it (the store keeps it as an ``UpdateRecord``)."""
+
+    peer: str
+    round: int  # the round it went into
+    seq: int
+    digest: str
+    samples: int
+    metrics: dict[str, float]
+    nbytes: int
+    received: float
+    seconds: float  # upload time
+    base: int  # the version it was computed from
+
+    @classmethod
+    def of(cls, u: UpdateRecord) -> UpdateFacts:
+        return cls(u.peer, u.round, u.seq, u.digest, u.samples, u.metrics, u.nbytes, u.received, u.seconds, u.base)
 
 
 class OpenRoundState(TypedDict):
@@ -84,15 +137,15 @@ class RunState(TypedDict):
     parameters: int
     open_round: OpenRoundState
     peers: list[PeerLine]
-    rounds: list[RoundRecord]  # oldest first
+    rounds: list[RoundFacts]  # oldest first
 
 
 @dataclass
 class Listeners:
     """Observers called on the event loop; they must be cheap."""
 
-    update: list[Callable[[str, UpdateRecord], None]] = field(default_factory=list)  # after an ack
-    round: list[Callable[[str, RoundRecord], None]] = field(default_factory=list)  # after a commit
+    update: list[Callable[[str, UpdateFacts], None]] = field(default_factory=list)  # after an ack
+    round: list[Callable[[str, RoundFacts], None]] = field(default_factory=list)  # after a commit
     download: list[Callable[[str, int, str, float], None]] = field(default_factory=list)  # (run, round, peer, s)
 
 
@@ -101,7 +154,7 @@ class HubView:
 
     def __init__(self, runs: dict[str, Run], store: Store, lease_seconds: float) -> None:
         self._runs = runs
-        self.store = store
+        self._store = store
         self.lease_seconds = lease_seconds
         self.listeners = Listeners()
         self._changed = asyncio.Event()
@@ -115,13 +168,17 @@ class HubView:
         self._changed = asyncio.Event()
 
     def updated(self, run: Run, update: UpdateRecord) -> None:
-        for listener in self.listeners.update:
-            listener(run.name, update)
+        if self.listeners.update:
+            facts = UpdateFacts.of(update)
+            for listener in self.listeners.update:
+                listener(run.name, facts)
         self.changed(run)
 
     def closed(self, run: Run, record: RoundRecord) -> None:
-        for listener in self.listeners.round:
-            listener(run.name, record)
+        if self.listeners.round:
+            facts = RoundFacts.of(record)
+            for listener in self.listeners.round:
+                listener(run.name, facts)
         self.changed(run)
 
     def downloaded(self, run: Run, round_: int, peer: str, seconds: float) -> None:
@@ -154,6 +211,18 @@ class HubView:
             RunLine(r.name, r.version, len(r.policy.live), r.config.codec, r.config.outer)
             for r in (self._runs[name] for name in names)
         ]
+
+    def rounds(self, run: str, limit: int = 50) -> list[RoundFacts]:
+        """The latest ``limit`` closed rounds of ``run``, oldest first."""
+        return [RoundFacts.of(r) for r in self._store.rounds(run, limit=limit)]
+
+    def updates(self, run: str, round_: int) -> list[UpdateFacts]:
+        """The updates that went into round ``round_``, in order of acknowledgement."""
+        return [UpdateFacts.of(u) for u in self._store.updates(run, round_)]
+
+    def latest_updates(self, run: str, limit: int = 500) -> list[UpdateFacts]:
+        """The latest ``limit`` updates of ``run``, oldest first (their metrics: status, the curves)."""
+        return [UpdateFacts.of(u) for u in self._store.round_metrics(run, limit=limit)]
 
     def peer_states(self, run: Run) -> dict[PeerState, int]:
         states = {state: 0 for state in PeerState}
@@ -212,7 +281,7 @@ class HubView:
                 }
                 for p in sorted(run.peers.values(), key=lambda p: (p.rank is None, p.rank, p.name))
             ],
-            "rounds": self.store.rounds(run.name),
+            "rounds": self.rounds(run.name),
         }
 
     def fingerprint(self, run: Run | None) -> str:
