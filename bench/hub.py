@@ -8,7 +8,7 @@ acknowledgement to the first result byte is the hub's alone: every peer waits wh
 folding the last update as it goes. This times the hub's code on GPT-2's tensors in a fresh store
 on the data dir's disk, phase by phase:
 
-- **receive**: one update's body through :func:`syncserver.uploads.receive` (hash, NaN/Inf scan,
+- **receive**: one update's body through :func:`syncserver.storage.uploads.receive` (hash, NaN/Inf scan,
   write, fsync), fed in pieces of 256 KiB - 1 byte (asyncio's socket reads are at most 256 KiB;
   the odd size splits values across pieces and batches, as a network's reads do);
 - **fold**: every update but the last read back (``pread``), decoded and folded into the mean, as
@@ -47,10 +47,10 @@ sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
 import round as rb  # noqa: E402 (model shapes, result files)
 
-from syncserver.engine import Accumulator, MergeEngine, Outer  # noqa: E402
+from syncserver.reduce.engine import Accumulator, MergeEngine, Outer  # noqa: E402
 from syncserver.settings import default_fold_threads  # noqa: E402
-from syncserver.store import Store, UpdateKey, VersionKey  # noqa: E402
-from syncserver.uploads import receive  # noqa: E402
+from syncserver.storage.store import Store, UpdateKey, VersionKey  # noqa: E402
+from syncserver.storage.uploads import receive  # noqa: E402
 from syncwire import get_codec, iter_chunks, wire_name  # noqa: E402
 from syncwire.codecs import slices  # noqa: E402
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from syncserver.writeback import start_writeback
+from syncserver.storage.writeback import start_writeback
 
 CHUNK = 4 << 20
 

@@ -144,8 +144,8 @@ def _default(name: str, field: Any) -> str:
 
 
 def settings_page() -> str:
+    from syncserver.api.routes import JoinRequest
     from syncserver.cli import env_name, flag_name
-    from syncserver.routes import JoinRequest
     from syncserver.settings import HubSettings
 
     per_run = set(JoinRequest.model_fields)
@@ -292,7 +292,7 @@ def cli_page() -> str:
 def openapi_schema() -> dict[str, Any]:
     """The hub's OpenAPI schema, from an app built with default settings (no state is opened:
     that happens at the app's start)."""
-    from syncserver.app import create_app
+    from syncserver import create_app
     from syncserver.settings import HubSettings
 
     with tempfile.TemporaryDirectory() as data, _clean_env():

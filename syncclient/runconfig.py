@@ -26,7 +26,7 @@ from typing import Any
 
 __all__ = ["NAME_RULE", "POLICIES", "RUN_SETTINGS", "RunSetting", "check_run_settings", "name_problem"]
 
-POLICIES = ("barrier", "samples", "async")  # as the hub names them (syncserver.policy)
+POLICIES = ("barrier", "samples", "async")  # as the hub names them (syncserver.core.policy)
 OUTERS = ("avg", "diloco")
 
 # A run or peer name, as the hub allows it (syncserver.names; a test holds them together): names

@@ -217,7 +217,7 @@ class UpdateState:
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
     """The threads that encode updates, kept for the process's life (fresh threads per sync
-    would each get a fresh malloc arena, as the hub's did: syncserver.engine)."""
+    would each get a fresh malloc arena, as the hub's did: syncserver.reduce.engine)."""
     return ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="weightsync-encode")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from syncserver.app import create_app
+from syncserver.api.factory import create_app
 from syncserver.settings import HubSettings
 
 __all__ = ["HubSettings", "__version__", "create_app"]

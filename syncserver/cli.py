@@ -158,7 +158,7 @@ def serve(
     """Run a hub. Flags override the matching SYNC_* environment variables."""
     import uvicorn
 
-    from syncserver.app import create_app
+    from syncserver.api.factory import create_app
     from syncserver.arenas import limit_arenas
 
     limit_arenas()  # before the hub's threads exist: they take arenas as they first allocate
@@ -171,7 +171,7 @@ def serve(
         shown = "127.0.0.1" if host in ("0.0.0.0", "[::]", "::", "") else host  # what a browser here can open
         typer.echo(f"dashboard: {scheme}://{shown}:{port}/{hint}", err=True)
 
-    # the app puts the connection deadlines on this server as it starts (syncserver.protocol)
+    # the app puts the connection deadlines on this server as it starts (syncserver.api.protocol)
     config = uvicorn.Config(
         create_app(settings),
         host=host,

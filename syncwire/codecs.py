@@ -56,7 +56,7 @@ class Codec(ABC):
     #: True when ``decode(encode(x)) == x`` exactly; lossy codecs get error feedback.
     lossless: bool
     #: True when the hub keeps error feedback for the results it encodes, as peers do for
-    #: their updates: a residual file per version (:meth:`syncserver.engine.MergeEngine.merge`).
+    #: their updates: a residual file per version (:meth:`syncserver.reduce.engine.MergeEngine.merge`).
     #: For codecs that drop most of each merged update (``topk``); the quantizers' rounding is
     #: small enough to go without the extra 4 bytes per value of disk and I/O each round.
     hub_feedback: bool = False

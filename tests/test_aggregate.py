@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from syncserver.aggregate import delayed_nesterov_step, diloco_step, fold, outer_step, warmup, weighted_mean
+from syncserver.reduce.aggregate import delayed_nesterov_step, diloco_step, fold, outer_step, warmup, weighted_mean
 
 
 def test_weighted_mean_by_samples() -> None:

@@ -22,7 +22,7 @@ import torch
 
 from syncclient import SyncClient
 from syncclient.exceptions import AuthError
-from syncserver.app import redact
+from syncserver.api.factory import redact
 from tests.conftest import Hub, tiny_gpt2
 
 # distinctive values, so that a grep of the log finds any of them

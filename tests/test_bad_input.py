@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from syncserver.aggregate import weighted_mean
+from syncserver.reduce.aggregate import weighted_mean
 from syncwire import Codec, encode_model, get_codec, iter_chunks
 from syncwire.format import MAX_HEADER_BYTES
 from tests.conftest import Hub

@@ -20,9 +20,9 @@ import httpx
 import pytest
 import typer.main
 
+from syncserver.api.docs import SWAGGER_UI_VERSION
 from syncserver.cli import app as syncserver_cli
 from syncserver.cli import env_name, flag_name
-from syncserver.docs import SWAGGER_UI_VERSION
 from syncserver.settings import HubSettings
 from tests.conftest import REPO, Hub
 from tests.test_dashboard import browser  # noqa: F401 (the fixture: one Chromium, skipped without one)
@@ -173,7 +173,7 @@ def test_every_public_name_is_in_the_python_reference(site: Path) -> None:
 
 
 def test_every_http_operation_is_in_the_reference(site: Path, tmp_path: Path) -> None:
-    from syncserver.app import create_app
+    from syncserver import create_app
 
     page = _text(site / "reference" / "http.html")
     schema = create_app(HubSettings(data_dir=tmp_path)).openapi()

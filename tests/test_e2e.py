@@ -11,7 +11,7 @@ import pytest
 
 from syncclient import SchemaMismatch, SyncClient
 from syncclient._model import ModelView
-from syncserver.aggregate import diloco_step, warmup
+from syncserver.reduce.aggregate import diloco_step, warmup
 from syncwire import get_codec
 from tests.conftest import Hub, tiny_gpt2
 from tests.harness import Peers, hub_model, run_peers, train_a_little, wait_for

@@ -421,7 +421,7 @@ def test_storage_fault_gives_503_and_never_a_half_written_version(
             time.sleep(5)  # it keeps failing: the hub backs off (1, 2, 4 s) and logs one traceback
             log = hub.log()  # (*was* a try and a traceback every 0.5 s tick)
             assert log.count("round_close_failed run=disk") <= 4, log[-3000:]
-            assert log.count("ERROR syncserver.rounds: round_close_failed") == 1, log[-3000:]  # the traceback
+            assert log.count("ERROR syncserver.core.rounds: round_close_failed") == 1, log[-3000:]  # the traceback
             assert status(hub, "disk")["version"] == 0
             assert version_files(hub, "disk") == [f"{0:08d}.safetensors"]  # no v1, no leftovers
             assert not (data / "runs" / "disk" / "rounds" / f"{0:08d}" / "result.safetensors").exists()

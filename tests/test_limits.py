@@ -8,8 +8,8 @@ import math
 import pytest
 from pydantic import ValidationError
 
+from syncserver.api.routes import JoinRequest
 from syncserver.limits import MAX_PEERS
-from syncserver.routes import JoinRequest
 from syncserver.settings import HubSettings
 
 EDGES: list[object] = [

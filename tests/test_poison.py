@@ -23,7 +23,7 @@ import torch
 
 from syncclient import SyncClient
 from syncclient.exceptions import HubError
-from syncserver.aggregate import global_norm, norm_outlier
+from syncserver.reduce.aggregate import global_norm, norm_outlier
 from syncwire import encode_model, get_codec, iter_chunks
 from tests.conftest import Hub, tiny_gpt2
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from syncserver.policy import Admit, AsyncPolicy, BarrierPolicy, Close, PeerState, Place, SamplesPolicy, make_policy
+from syncserver.core.policy import (
+    Admit,
+    AsyncPolicy,
+    BarrierPolicy,
+    Close,
+    PeerState,
+    Place,
+    SamplesPolicy,
+    make_policy,
+)
 
 LEASE = 60.0
 TIMEOUT = 10.0

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 
 from syncclient import SyncClient
 from syncclient.runconfig import RUN_SETTINGS, RunSetting, check_run_settings, name_problem
+from syncserver.api.routes import JoinRequest
 from syncserver.names import is_name
-from syncserver.routes import JoinRequest
 from syncserver.settings import HubSettings
 
 NAMES = [s.name for s in RUN_SETTINGS]

@@ -1,7 +1,7 @@
 """The ``topk`` codec: what it sends, its edge cases, its error feedback on both sides.
 
 The codec's own properties are checked on arrays; the hub's error feedback (its residual file)
-on a real :class:`~syncserver.store.Store` and :class:`~syncserver.engine.MergeEngine`, across a
+on a real :class:`~syncserver.storage.store.Store` and :class:`~syncserver.reduce.engine.MergeEngine`, across a
 restart; and two peers on a real hub, SIGKILLed between rounds, end bit-identical.
 """
 
@@ -22,8 +22,8 @@ from safetensors import safe_open
 
 from syncclient import SyncClient
 from syncclient._model import ModelView
-from syncserver.engine import Accumulator, MergeEngine, Outer
-from syncserver.store import ResidualKey, ResultKey, Store, VersionKey
+from syncserver.reduce.engine import Accumulator, MergeEngine, Outer
+from syncserver.storage.store import ResidualKey, ResultKey, Store, VersionKey
 from syncwire import Codec, FormatError, encode_model, get_codec, iter_chunks, layout_bytes, wire_layout
 from syncwire.codecs import slices
 from syncwire.sparse import TopK

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from syncserver.errors import Unavailable
-from syncserver.store import (
+from syncserver.storage.store import (
     SPARES,
     Missing,
     ResultKey,

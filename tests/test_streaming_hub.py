@@ -29,13 +29,13 @@ import torch
 import syncwire.codecs
 from syncclient import SyncClient
 from syncclient._model import ModelView
-from syncserver import uploads as uploads_module
-from syncserver.coordinator import Coordinator
-from syncserver.engine import Accumulator, MergeEngine, Outer
+from syncserver.core.coordinator import Coordinator
 from syncserver.errors import InvalidUpdate
+from syncserver.reduce.engine import Accumulator, MergeEngine, Outer
 from syncserver.settings import HubSettings, default_fold_threads
-from syncserver.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, Upload, VersionKey
-from syncserver.uploads import Held, Received, receive
+from syncserver.storage import uploads as uploads_module
+from syncserver.storage.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, Upload, VersionKey
+from syncserver.storage.uploads import Held, Received, receive
 from syncwire import Codec, FormatError, decode_tensor, get_codec, iter_chunks, read_tensors, wire_name
 from syncwire.codecs import slices
 from syncwire.format import TensorFile

@@ -32,8 +32,8 @@ import httpx
 import pytest
 import uvicorn
 
-from syncserver.app import create_app
-from syncserver.protocol import MAX_HEADER_BYTES, guard_uvicorn
+from syncserver import create_app
+from syncserver.api.protocol import MAX_HEADER_BYTES, guard_uvicorn
 from syncserver.settings import HubSettings
 from tests.conftest import Hub
 from tests.harness import wait_for

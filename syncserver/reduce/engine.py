@@ -3,8 +3,8 @@
 Everything here runs in worker threads and works a slice at a time
 (:func:`syncwire.codecs.slices`): reads are ``pread`` of a few MB, temporaries stay a few MB,
 and the slices of a step are spread over one small thread pool, since numpy, ``pread`` and
-``pwrite`` release the GIL. Nothing here decides *when* (that is :mod:`syncserver.policy`)
-or touches HTTP; files are reached through :class:`~syncserver.store.Store` keys.
+``pwrite`` release the GIL. Nothing here decides *when* (that is :mod:`syncserver.core.policy`)
+or touches HTTP; files are reached through :class:`~syncserver.storage.store.Store` keys.
 
 A round's arithmetic (the weights and the divisor are the round policy's: samples and their
 sum for a barrier, samples discounted by staleness over ``round_samples`` for async)::
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from syncserver import aggregate
-from syncserver.store import BlobWriter, MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
+from syncserver.reduce import aggregate
+from syncserver.storage.store import BlobWriter, MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
 from syncwire import Codec, FormatError, Schema, get_codec, layout_bytes, wire_layout, wire_name
 from syncwire.codecs import slices
 from syncwire.format import TensorFile, encode_header
@@ -68,7 +68,7 @@ class NonFinite(ArithmeticError):
 @dataclass
 class Accumulator:
     """The open round's running weighted mean of ``decode(update)`` over folded updates
-    (:func:`syncserver.aggregate.fold`), and the sum of the weights it holds."""
+    (:func:`syncserver.reduce.aggregate.fold`), and the sum of the weights it holds."""
 
     schema: Schema
     mean: dict[str, np.ndarray] | None = None  # allocated at the first fold

@@ -1,6 +1,6 @@
 """Serving a stored blob (a round's result, a model version) with HTTP ranges.
 
-The store hands out an open file (:class:`~syncserver.store.Blob`), not a path: a blob opened
+The store hands out an open file (:class:`~syncserver.storage.store.Blob`), not a path: a blob opened
 for a download stays readable even if pruning removes its name meanwhile. This response
 streams it 4 MiB per worker-thread hop, and answers a single ``Range: bytes=a-b`` (the SDK's
 resume: ``bytes=<received>-`` with ``If-Range: <etag>``) with 206; what it cannot honour (a
@@ -17,7 +17,7 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from syncserver.store import Blob
+from syncserver.storage.store import Blob
 
 __all__ = ["BlobResponse", "requested_range"]
 

@@ -1,7 +1,7 @@
 """HTTP only: parse, authenticate, call the coordinator, shape the answer.
 
 Every error is raised as a :class:`~syncserver.errors.HubError` and turned into JSON by the
-one handler in :func:`syncserver.app.create_app`.
+one handler in :func:`syncserver.api.factory.create_app`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,22 @@ from pydantic import BaseModel, Field, field_validator
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
-from syncserver.coordinator import Coordinator
-from syncserver.deps import Caller, Hub, PeerName, Round, RunName, Wait, authenticate, authenticate_view
+from syncserver.api import answers
+from syncserver.api.deps import Caller, Hub, PeerName, Round, RunName, Wait, authenticate, authenticate_view
+from syncserver.api.responses import BlobResponse, requested_range
+from syncserver.api.schemas import (
+    Heartbeat,
+    Left,
+    Progress,
+    RunStatus,
+    RunSummary,
+    StartState,
+    UpdateAck,
+    UploadHeld,
+    VersionZero,
+)
+from syncserver.core.coordinator import Coordinator, Start
+from syncserver.core.rounds import Ticket
 from syncserver.errors import BadRequest, HubError, Incomplete, Superseded
 from syncserver.limits import (
     MAX_BYTES,
@@ -36,22 +50,8 @@ from syncserver.limits import (
     header_int,
 )
 from syncserver.names import NAME_PATTERN
-from syncserver.responses import BlobResponse, requested_range
-from syncserver.rounds import Ticket
-from syncserver.schemas import (
-    Heartbeat,
-    Left,
-    Progress,
-    RunStatus,
-    RunSummary,
-    StartReady,
-    StartState,
-    UpdateAck,
-    UploadHeld,
-    VersionZero,
-)
 from syncserver.settings import Outer, Policy, normal_codec
-from syncserver.uploads import BodyInterrupted, Held, Received, partial_offset, receive
+from syncserver.storage.uploads import BodyInterrupted, Held, Received, partial_offset, receive
 
 #: ``?peer=``: who downloads (for the dashboard's download log); absent for other clients.
 Downloader = Annotated[str | None, Query(pattern=NAME_PATTERN)]
@@ -214,24 +214,24 @@ async def list_runs(
     if len(page) > limit:  # there is more: say where (RFC 8288), the body stays a plain list
         page = page[:limit]
         response.headers["Link"] = f'</v1/runs?limit={limit}&after={page[-1].run}>; rel="next"'
-    return page
+    return answers.run_lines(page)
 
 
 @view_router.get("/runs/{run}", summary="A run's state: config, version, peers, open round, recent rounds")
 async def run_status(run: RunName, hub: Hub) -> RunStatus:
-    return hub.view.status(run)
+    return answers.run_status(hub.view, run)
 
 
-def _start_answer(state: StartState, hub: Coordinator) -> StartState | Response:
+def _start_answer(start: Start) -> StartState | Response:
     """A ready answer carries the run's schema, 7 MB of JSON for 100,000 tensors: it is spliced
-    in from the run's own JSON (made once, :class:`~syncserver.shape.RunShape`) instead of being
+    in from the run's own JSON (made once, :class:`~syncserver.core.shape.RunShape`) instead of being
     validated and serialised again for every request, on the event loop. Same bytes as the model."""
-    if not isinstance(state, StartReady):
-        return state
-    shape = hub.run(state.run).shape
-    assert shape is not None and state.tensor_schema is shape.schema_lists
-    head = state.model_dump_json(by_alias=True, exclude={"tensor_schema"}).encode()
-    return Response(head[:-1] + b',"schema":' + shape.schema_json + b"}", media_type="application/json")
+    answer = answers.start(start)
+    if start.state != "ready":
+        return answer
+    assert start.shape is not None
+    head = answer.model_dump_json(by_alias=True, exclude={"tensor_schema"}).encode()
+    return Response(head[:-1] + b',"schema":' + start.shape.schema_json + b"}", media_type="application/json")
 
 
 @router.post(
@@ -241,7 +241,7 @@ def _start_answer(state: StartState, hub: Coordinator) -> StartState | Response:
 )
 async def join(run: RunName, body: JoinRequest, hub: Hub, caller: Caller) -> StartState | Response:
     requested = body.model_dump(exclude={"peer", "group_size"})
-    return _start_answer(hub.join(run, body.peer, requested, group_size=body.group_size, creator=caller), hub)
+    return _start_answer(hub.join(run, body.peer, requested, group_size=body.group_size, creator=caller))
 
 
 @router.get(
@@ -250,7 +250,7 @@ async def join(run: RunName, body: JoinRequest, hub: Hub, caller: Caller) -> Sta
     response_model=StartState,
 )
 async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) -> StartState | Response:
-    return _start_answer(await hub.wait_start(run, peer, wait), hub)
+    return _start_answer(await hub.wait_start(run, peer, wait))
 
 
 @router.put(
@@ -264,12 +264,12 @@ async def put_initial(
     ticket = hub.init_ticket(run, peer)
     received = await _receive(request, hub, ticket)
     assert isinstance(received, Received)  # version 0 is not held
-    return await hub.commit_init(ticket, received)
+    return answers.initial_version(await hub.commit_init(ticket, received))
 
 
 @router.post("/runs/{run}/peers/{peer}/heartbeat", summary="Renew the peer's lease")
 async def heartbeat(run: RunName, peer: PeerName, hub: Hub) -> Heartbeat:
-    return hub.heartbeat(run, peer)
+    return answers.heartbeat(hub.heartbeat(run, peer), hub.settings.lease_seconds)
 
 
 class ProgressReport(BaseModel):
@@ -284,7 +284,7 @@ class ProgressReport(BaseModel):
     summary="Report training progress (renews the lease); in samples runs, long poll until the round is due",
 )
 async def progress(run: RunName, peer: PeerName, body: ProgressReport, hub: Hub, wait: Wait = 0.0) -> Progress:
-    return await hub.progress(run, peer, body.round, body.samples, wait)
+    return answers.progress(await hub.progress(run, peer, body.round, body.samples, wait))
 
 
 @router.post("/runs/{run}/peers/{peer}/leave", summary="Leave the run: no longer waited for")
@@ -361,7 +361,7 @@ async def put_update(
         raise
     if ticket.acknowledged is not None:  # the same update again: answer as the first time
         await _drain(request, hub.settings.max_body_bytes)
-        return ticket.acknowledged
+        return answers.update_ack(ticket.acknowledged)
     with hub.uploading(ticket):
         try:
             received = await _receive(request, hub, ticket, offset, complete=whole)
@@ -373,12 +373,12 @@ async def put_update(
                 run, round, peer, ticket.digest, ticket.samples, ticket.metrics, key=key, final=ticket.final
             )
             if again.acknowledged is not None:
-                return again.acknowledged
+                return answers.update_ack(again.acknowledged)
             raise
         if isinstance(received, Held):
             held = UploadHeld(held=received.nbytes)
             return Response(held.model_dump_json(), status_code=202, media_type="application/json")
-        return await hub.commit_update(ticket, received)
+        return answers.update_ack(await hub.commit_update(ticket, received))
 
 
 @router.head(
@@ -404,7 +404,7 @@ async def update_offset(
         run, round, peer, update_digest(digest, key, complete=False), samples, parse_metrics(metrics), key=key
     )
     if ticket.acknowledged is not None:
-        held, complete = ticket.acknowledged.bytes, "?1"
+        held, complete = ticket.acknowledged.nbytes, "?1"
     else:
         assert ticket.upload is not None
         held, complete = await partial_offset(ticket.upload), "?0"

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from syncserver.core.state import Run
 from syncserver.errors import InvalidUpdate, LimitReached
 from syncserver.settings import HubSettings
-from syncserver.state import Run
 
 __all__ = ["check_new_peer", "check_new_run"]
 
 
 def check_new_run(runs: Iterable[Run], creator: str, min_peers: int, settings: HubSettings) -> None:
-    """May ``creator`` (a kind of token, :data:`syncserver.deps.Caller`) create one more run?"""
+    """May ``creator`` (a kind of token, :data:`syncserver.api.deps.Caller`) create one more run?"""
     if min_peers > settings.max_peers_per_run:
         raise InvalidUpdate(
             f"min_peers {min_peers} is over this hub's SYNC_MAX_PEERS_PER_RUN ({settings.max_peers_per_run}): "

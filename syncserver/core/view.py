@@ -3,7 +3,9 @@
 The coordinator tells the view of every change (:meth:`HubView.changed`) and of the events
 the metrics count (an acknowledged update, a closed round, a finished download); the view
 wakes whoever waits for a change (the dashboard's long poll) and calls its listeners. Readers
-never touch the coordinator, its policies or its locks.
+never touch the coordinator, its policies, its locks or the store: the view answers in its own
+plain data (:class:`RunLine`, :class:`RunState`, :class:`RoundFacts`, :class:`UpdateFacts`), which
+the HTTP layer turns into response models.
 """
 
 from __future__ import annotations
@@ -15,15 +17,24 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
+from syncserver.core.policy import PeerState
+from syncserver.core.state import Run
 from syncserver.errors import NotFound
-from syncserver.policy import PeerState
-from syncserver.schemas import RoundSummary, RunStatus, RunSummary, UpdateSummary
-from syncserver.state import Run
-from syncserver.store import RoundRecord, Store, UpdateRecord
+from syncserver.storage.store import RoundRecord, Store, UpdateRecord
 
-__all__ = ["HubView", "Listeners", "RunFacts"]
+__all__ = [
+    "HubView",
+    "Listeners",
+    "OpenRoundState",
+    "PeerLine",
+    "RoundFacts",
+    "RunFacts",
+    "RunLine",
+    "RunState",
+    "UpdateFacts",
+]
 
 
 @dataclass(frozen=True)
@@ -38,12 +49,103 @@ class RunFacts:
     bytes_down: int  # result and model bytes served
 
 
+@dataclass(frozen=True)
+class RunLine:
+    """One line of the run list."""
+
+    run: str
+    version: int
+    peers: int  # live
+    codec: str
+    outer: str
+
+
+@dataclass(frozen=True)
+class RoundFacts:
+    """A closed round, as readers see it (the store keeps it as a ``RoundRecord``)."""
+
+    round: int
+    opened: float
+    closed: float
+    participants: list[str]
+    dropped: list[str]
+    samples: int
+    bytes_in: int
+    result_bytes: int
+    timings: dict[str, float]  # seconds per phase of the hub (fold, merge, ...)
+
+    @classmethod
+    def of(cls, r: RoundRecord) -> RoundFacts:
+        return cls(
+            r.round, r.opened, r.closed, r.participants, r.dropped, r.samples, r.bytes_in, r.result_bytes, r.timings
+        )
+
+
+@dataclass(frozen=True)
+class UpdateFacts:
+    """An acknowledged update, as readers see it (the store keeps it as an ``UpdateRecord``)."""
+
+    peer: str
+    round: int  # the round it went into
+    seq: int
+    digest: str
+    samples: int
+    metrics: dict[str, float]
+    nbytes: int
+    received: float
+    seconds: float  # upload time
+    base: int  # the version it was computed from
+
+    @classmethod
+    def of(cls, u: UpdateRecord) -> UpdateFacts:
+        return cls(u.peer, u.round, u.seq, u.digest, u.samples, u.metrics, u.nbytes, u.received, u.seconds, u.base)
+
+
+class OpenRoundState(TypedDict):
+    round: int
+    submitted: list[str]
+    uploading: list[str]
+    closing: bool
+    rejected: list[str]
+    seconds_left: float | None
+    samples: int
+    due: bool
+
+
+class PeerLine(TypedDict):
+    peer: str
+    rank: int | None
+    group_size: int
+    state: PeerState
+    last_seen_seconds: float
+    active_from: int
+    samples: int
+    samples_per_second: float
+    bytes_up: int
+    bytes_down: int
+
+
+class RunState(TypedDict):
+    """What run status and the dashboard both show of a run."""
+
+    run: str
+    version: int
+    config: dict[str, Any]
+    sealed: bool
+    world_size: int
+    tensors: int
+    parameters: int
+    open_round: OpenRoundState
+    peers: list[PeerLine]
+    rounds: list[RoundFacts]  # oldest first
+
+
 @dataclass
 class Listeners:
     """Observers called on the event loop; they must be cheap."""
 
-    update: list[Callable[[str, UpdateRecord], None]] = field(default_factory=list)  # after an ack
-    round: list[Callable[[str, RoundRecord], None]] = field(default_factory=list)  # after a commit
+    update: list[Callable[[str, UpdateFacts], None]] = field(default_factory=list)  # after an ack
+    round: list[Callable[[str, RoundFacts], None]] = field(default_factory=list)  # after a commit
     download: list[Callable[[str, int, str, float], None]] = field(default_factory=list)  # (run, round, peer, s)
 
 
@@ -52,7 +154,7 @@ class HubView:
 
     def __init__(self, runs: dict[str, Run], store: Store, lease_seconds: float) -> None:
         self._runs = runs
-        self.store = store
+        self._store = store
         self.lease_seconds = lease_seconds
         self.listeners = Listeners()
         self._changed = asyncio.Event()
@@ -66,13 +168,17 @@ class HubView:
         self._changed = asyncio.Event()
 
     def updated(self, run: Run, update: UpdateRecord) -> None:
-        for listener in self.listeners.update:
-            listener(run.name, update)
+        if self.listeners.update:
+            facts = UpdateFacts.of(update)
+            for listener in self.listeners.update:
+                listener(run.name, facts)
         self.changed(run)
 
     def closed(self, run: Run, record: RoundRecord) -> None:
-        for listener in self.listeners.round:
-            listener(run.name, record)
+        if self.listeners.round:
+            facts = RoundFacts.of(record)
+            for listener in self.listeners.round:
+                listener(run.name, facts)
         self.changed(run)
 
     def downloaded(self, run: Run, round_: int, peer: str, seconds: float) -> None:
@@ -98,19 +204,25 @@ class HubView:
     def find(self, name: str | None) -> Run | None:
         return self._runs.get(name) if name else None
 
-    def list_runs(self, limit: int | None = None, after: str | None = None) -> list[RunSummary]:
+    def list_runs(self, limit: int | None = None, after: str | None = None) -> list[RunLine]:
         """Runs by name: all of them, or ``limit`` after the run named ``after``."""
         names = sorted(name for name in self._runs if after is None or name > after)[:limit]
         return [
-            RunSummary(
-                run=r.name,
-                version=r.version,
-                peers=len(r.policy.live),
-                codec=r.config.codec,
-                outer=r.config.outer,  # type: ignore[arg-type]  # checked when the run was created
-            )
+            RunLine(r.name, r.version, len(r.policy.live), r.config.codec, r.config.outer)
             for r in (self._runs[name] for name in names)
         ]
+
+    def rounds(self, run: str, limit: int = 50) -> list[RoundFacts]:
+        """The latest ``limit`` closed rounds of ``run``, oldest first."""
+        return [RoundFacts.of(r) for r in self._store.rounds(run, limit=limit)]
+
+    def updates(self, run: str, round_: int) -> list[UpdateFacts]:
+        """The updates that went into round ``round_``, in order of acknowledgement."""
+        return [UpdateFacts.of(u) for u in self._store.updates(run, round_)]
+
+    def latest_updates(self, run: str, limit: int = 500) -> list[UpdateFacts]:
+        """The latest ``limit`` updates of ``run``, oldest first (their metrics: status, the curves)."""
+        return [UpdateFacts.of(u) for u in self._store.round_metrics(run, limit=limit)]
 
     def peer_states(self, run: Run) -> dict[PeerState, int]:
         states = {state: 0 for state in PeerState}
@@ -131,13 +243,8 @@ class HubView:
             for run in self._runs.values()
         ]
 
-    def status(self, name: str) -> RunStatus:
-        run = self.get(name)
-        updates = [UpdateSummary.model_validate(u) for u in self.store.round_metrics(run.name)]
-        return RunStatus(**self.state(run), updates=updates)
-
-    def state(self, run: Run) -> dict[str, Any]:
-        """What run status and the dashboard both show of ``run`` (the fields of ``_RunState``)."""
+    def state(self, run: Run) -> RunState:
+        """What run status and the dashboard both show of ``run``."""
         now = time.monotonic()
         policy = run.policy
         deadline = policy.deadline
@@ -174,7 +281,7 @@ class HubView:
                 }
                 for p in sorted(run.peers.values(), key=lambda p: (p.rank is None, p.rank, p.name))
             ],
-            "rounds": [RoundSummary.model_validate(r) for r in self.store.rounds(run.name)],
+            "rounds": self.rounds(run.name),
         }
 
     def fingerprint(self, run: Run | None) -> str:

@@ -1,5 +1,5 @@
 """What the hub holds in memory of a run. Plain data: the coordinator changes it on the
-event loop thread, the run view (:mod:`syncserver.view`) reads it."""
+event loop thread, the run view (:mod:`syncserver.core.view`) reads it."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from syncserver.engine import Accumulator, Outer
-from syncserver.policy import RoundPolicy, make_policy
-from syncserver.shape import RunShape
-from syncserver.store import PeerRecord, UpdateRecord
+from syncserver.core.policy import RoundPolicy, make_policy
+from syncserver.core.shape import RunShape
+from syncserver.reduce.engine import Accumulator, Outer
+from syncserver.storage.store import PeerRecord, UpdateRecord
 from syncwire import Codec, Schema
 
 __all__ = ["CONFIG_FIELDS", "Peer", "Run", "RunConfig"]
@@ -43,7 +43,7 @@ class RunConfig:
     # refuse an update whose norm is over norm_guard x the median of accepted ones; None: off
     # (defaults from here on, so that runs created before these existed load as they were)
     norm_guard: float | None = None
-    policy: str = "barrier"  # when rounds close: barrier, samples or async (syncserver.policy)
+    policy: str = "barrier"  # when rounds close: barrier, samples or async (syncserver.core.policy)
     round_samples: int | None = None  # samples and async: the samples of a round (of an outer step)
     max_staleness: int = 32  # async: versions an update's base may lag the open version by
     outer_warmup: int = 0  # diloco: outer steps of momentum warm-up (0 for runs made before it existed)
@@ -67,7 +67,8 @@ class RunConfig:
 
 @dataclass
 class Peer:
-    """A peer's identity and traffic; its standing in rounds is the policy's (:class:`~syncserver.policy.Member`)."""
+    """A peer's identity and traffic; its standing in rounds is the policy's
+    (:class:`~syncserver.core.policy.Member`)."""
 
     name: str
     rank: int | None

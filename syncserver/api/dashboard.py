@@ -1,6 +1,6 @@
 """The live dashboard: ``GET /`` serves a static page, ``GET /v1/dashboard`` feeds it.
 
-The page (``syncserver/static/``: hand-written HTML, JS and CSS, no build step, no CDN, since
+The page (``syncserver/api/static/``: hand-written HTML, JS and CSS, no build step, no CDN, since
 a hub may have no internet) is served without a token; its data is not. The page takes the
 token from ``/?token=…`` once (then drops it from the address bar and keeps it in
 ``sessionStorage``) or asks for it, and sends it as ``Authorization: Bearer``. Give viewers
@@ -34,10 +34,10 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from syncserver import __version__
-from syncserver.deps import Hub, RunQuery, Viewer, Wait
-from syncserver.schemas import DashboardData, DashboardRun
-from syncserver.store import RoundRecord, UpdateRecord
-from syncserver.view import HubView
+from syncserver.api import answers
+from syncserver.api.deps import Hub, RunQuery, Viewer, Wait
+from syncserver.api.schemas import DashboardData, DashboardRun
+from syncserver.core.view import HubView, RoundFacts, UpdateFacts
 
 __all__ = ["add_dashboard", "curves", "round_trace"]
 
@@ -54,8 +54,8 @@ EPSILON = 1e-3  # seconds: shorter gaps are clock noise, not a phase
 
 
 def round_trace(
-    rounds: Iterable[RoundRecord],
-    updates: Iterable[UpdateRecord],
+    rounds: Iterable[RoundFacts],
+    updates: Iterable[UpdateFacts],
     downloads: Mapping[int, Mapping[str, tuple[float, float]]],
 ) -> list[dict[str, Any]]:
     """Each round as lanes of ``[phase, start, end]`` spans (wall seconds), one lane per participant.
@@ -64,7 +64,7 @@ def round_trace(
     the round's publication, and a peer's ``train`` span runs from the end of its previous
     download (of the round before) to the start of this upload.
     """
-    by_round: dict[int, list[UpdateRecord]] = {}
+    by_round: dict[int, list[UpdateFacts]] = {}
     for u in updates:
         by_round.setdefault(u.round, []).append(u)
     trace = []
@@ -114,7 +114,7 @@ def _first(metrics: Mapping[str, float], keys: tuple[str, ...]) -> float | None:
     return next((metrics[k] for k in keys if k in metrics), None)
 
 
-def curves(updates: Iterable[UpdateRecord]) -> dict[str, Any]:
+def curves(updates: Iterable[UpdateFacts]) -> dict[str, Any]:
     """Per peer, ``[[x, y], …]`` for loss, val_ppl, codec_ratio and codec_error.
 
     x is the ``step`` metric when every update that has metrics carries one, else the
@@ -148,17 +148,16 @@ def snapshot(view: HubView, run_name: str | None, only: str | None = None) -> Da
     """All the page shows of the hub and (when given and known) one run; with ``only``, of
     that run alone (a run token's view: it must not learn of the hub's other runs)."""
     run = view.find(run_name)
-    runs = view.list_runs()
+    runs = answers.run_lines(view.list_runs())
     detail = None
     if run is not None:
         # the page gets the updates' metrics as curves, their timings as the trace
-        store = view.store
-        rounds = store.rounds(run.name, limit=TRACE_ROUNDS)
-        updates = [u for r in rounds for u in store.updates(run.name, r.round)]
+        rounds = view.rounds(run.name, limit=TRACE_ROUNDS)
+        updates = [u for r in rounds for u in view.updates(run.name, r.round)]
         detail = DashboardRun(
             **view.state(run),
             trace=round_trace(rounds, updates, run.downloads),
-            curves=curves(store.round_metrics(run.name, limit=CURVE_UPDATES)),
+            curves=curves(view.latest_updates(run.name, limit=CURVE_UPDATES)),
             lease_seconds=view.lease_seconds,
         )
     return DashboardData(

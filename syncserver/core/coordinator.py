@@ -1,8 +1,8 @@
 """The runs of one hub: their life, their members, and the waits peers make on them.
 
-No HTTP here (routes translate requests into these calls), no maths (:mod:`syncserver.engine`),
-no round rule (:mod:`syncserver.policy` decides; :mod:`syncserver.rounds` receives updates
-and closes rounds), no paths (:mod:`syncserver.store`). Everything runs on the event loop
+No HTTP here (routes translate requests into these calls), no maths (:mod:`syncserver.reduce.engine`),
+no round rule (:mod:`syncserver.core.policy` decides; :mod:`syncserver.core.rounds` receives updates
+and closes rounds), no paths (:mod:`syncserver.storage.store`). Everything runs on the event loop
 thread, so state changes between two ``await`` points are atomic; tensor work goes to worker
 threads.
 
@@ -20,39 +20,57 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from anyio import to_thread
 
-from syncserver.engine import MergeEngine
+from syncserver.core.policy import SamplesPolicy
+from syncserver.core.quotas import check_new_peer, check_new_run
+from syncserver.core.rounds import Acknowledgement, InitialVersion, Rounds, Ticket
+from syncserver.core.shape import RunShape
+from syncserver.core.state import CONFIG_FIELDS, Peer, Run, RunConfig, now
+from syncserver.core.view import HubView
 from syncserver.errors import Conflict, InvalidUpdate, NotFound
-from syncserver.policy import SamplesPolicy
-from syncserver.quotas import check_new_peer, check_new_run
-from syncserver.rounds import Rounds, Ticket
-from syncserver.schemas import (
-    Heartbeat,
-    Progress,
-    StartInitialise,
-    StartReady,
-    StartState,
-    StartWaiting,
-    UpdateAck,
-    VersionZero,
-)
-from syncserver.schemas import RunConfig as RunConfigModel
+from syncserver.reduce.engine import MergeEngine
 from syncserver.settings import HubSettings
-from syncserver.shape import RunShape
-from syncserver.state import CONFIG_FIELDS, Peer, Run, RunConfig, now
-from syncserver.store import Blob, Missing, ResultKey, Store, VersionKey
-from syncserver.uploads import Received
-from syncserver.view import HubView
+from syncserver.storage.store import Blob, Missing, ResultKey, Store, VersionKey
+from syncserver.storage.uploads import Received
 from syncwire import get_codec
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "RoundProgress", "Start"]
 
 log = logging.getLogger(__name__)
 
 DOWNLOADS_KEPT = 64  # rounds whose result download spans are remembered (the dashboard's timeline)
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a peer must do next: ``initialise`` (upload version 0), ``waiting`` (ask again;
+    ``detail`` says for what) or ``ready`` (train from ``version``, as rank ``rank``)."""
+
+    state: Literal["initialise", "waiting", "ready"]
+    run: str
+    peer: str
+    lease_seconds: float
+    config: RunConfig | None = None  # initialise and ready
+    detail: str = ""  # waiting
+    rank: int | None = None  # ready (None: left before the run started and came back after)
+    world_size: int = 0  # ready
+    version: int = -1  # ready
+    shape: RunShape | None = None  # ready: the run's schema, made once
+
+
+@dataclass(frozen=True)
+class RoundProgress:
+    """Where the open round stands after a progress report (``due``: send your update now)."""
+
+    round: int
+    version: int  # the run's latest (above round: that round closed)
+    due: bool
+    samples: int  # of the open round so far
+    target: int | None  # round_samples in a samples run
 
 
 class Coordinator:
@@ -133,10 +151,10 @@ class Coordinator:
     # ---- joining -------------------------------------------------------------------------
     def join(
         self, run_name: str, peer_name: str, requested: dict[str, Any], *, group_size: int = 1, creator: str = "token"
-    ) -> StartState:
+    ) -> Start:
         """Register a peer (again, after a crash: same name, same rank) and say what it must do next.
         ``group_size``: the ranks of the torch.distributed group it is (shown, not used);
-        ``creator``: the kind of token that asks (:data:`syncserver.deps.Caller`), for the quotas."""
+        ``creator``: the kind of token that asks (:data:`syncserver.api.deps.Caller`), for the quotas."""
         run = self.runs.get(run_name)
         if run is None:
             check_new_run(
@@ -203,30 +221,33 @@ class Coordinator:
         log.info("run_started run=%s peers=%d members=%s", run.name, len(members), ",".join(members))
         self.view.changed(run)
 
-    def _start_state(self, run: Run, peer: Peer) -> StartInitialise | StartWaiting | StartReady:
-        base: dict[str, Any] = {"run": run.name, "peer": peer.name, "lease_seconds": self.settings.lease_seconds}
+    def _start_state(self, run: Run, peer: Peer) -> Start:
+        lease = self.settings.lease_seconds
         if run.version < 0:
             if run.init_claim is None or run.init_claim not in run.policy.live:
                 run.init_claim = peer.name
             if run.init_claim == peer.name:
-                return StartInitialise(**base, state="initialise", config=RunConfigModel(**run.config.__dict__))
-            return StartWaiting(**base, state="waiting", detail=f"waiting for {run.init_claim} to upload version 0")
+                return Start("initialise", run.name, peer.name, lease, config=run.config)
+            detail = f"waiting for {run.init_claim} to upload version 0"
+            return Start("waiting", run.name, peer.name, lease, detail=detail)
         if not run.sealed:
             joined = sum(not m.left for m in run.policy.members.values())
-            return StartWaiting(**base, state="waiting", detail=f"{joined} of {run.config.min_peers} peers have joined")
+            detail = f"{joined} of {run.config.min_peers} peers have joined"
+            return Start("waiting", run.name, peer.name, lease, detail=detail)
         assert run.shape is not None
-        # not validated again: the schema (100,000 tensors: 0.2 s) is the hub's own, made once
-        return StartReady.model_construct(
-            **base,
-            state="ready",
+        return Start(
+            "ready",
+            run.name,
+            peer.name,
+            lease,
+            config=run.config,
             rank=peer.rank,
             world_size=run.world_size(),
             version=run.version,
-            config=RunConfigModel(**run.config.__dict__),
-            tensor_schema=run.shape.schema_lists,
+            shape=run.shape,
         )
 
-    async def wait_start(self, run_name: str, peer_name: str, wait: float) -> StartState:
+    async def wait_start(self, run_name: str, peer_name: str, wait: float) -> Start:
         """Long poll until the peer may start (or must initialise); at most ``wait`` seconds."""
         run = self.run(run_name)
         deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
@@ -238,14 +259,14 @@ class Coordinator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.changed.wait(), remaining)
 
-    # ---- bodies: version 0 and updates (the work is :class:`~syncserver.rounds.Rounds`') -----
+    # ---- bodies: version 0 and updates (the work is :class:`~syncserver.core.rounds.Rounds`') -----
     def init_ticket(self, run_name: str, peer_name: str) -> Ticket:
         """May this peer upload version 0? Any float32 tensors will do: they define the schema."""
         run = self.run(run_name)
         self.peer(run, peer_name)
         return self.rounds.init_ticket(run, peer_name)
 
-    async def commit_init(self, ticket: Ticket, received: Received) -> VersionZero:
+    async def commit_init(self, ticket: Ticket, received: Received) -> InitialVersion:
         run = self.run(ticket.run)
         # O(schema): in a worker thread, so that a run of 100,000 tensors stalls no other run
         shape = await to_thread.run_sync(RunShape.of_infos, received.infos, run.codec, self.settings.max_body_bytes)
@@ -278,12 +299,12 @@ class Coordinator:
         """While the ticket's body streams in."""
         return self.rounds.uploading(self.run(ticket.run), ticket.peer)
 
-    async def commit_update(self, ticket: Ticket, received: Received) -> UpdateAck:
+    async def commit_update(self, ticket: Ticket, received: Received) -> Acknowledgement:
         """Acknowledge a fully received update: verify, make durable, record, fold."""
         return await self.rounds.commit_update(self.run(ticket.run), ticket, received)
 
     # ---- progress --------------------------------------------------------------------------
-    async def progress(self, run_name: str, peer_name: str, round_: int, samples: int, wait: float) -> Progress:
+    async def progress(self, run_name: str, peer_name: str, round_: int, samples: int, wait: float) -> RoundProgress:
         """A peer has trained ``samples`` samples since its update to round ``round_`` began.
 
         Renews its lease like a heartbeat. In a samples run the report may make the round due,
@@ -307,7 +328,7 @@ class Coordinator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.changed.wait(), remaining)
         closed = run.version > round_ and run.config.policy != "async"
-        return Progress(
+        return RoundProgress(
             round=round_,
             version=run.version,
             due=run.policy.due or closed,
@@ -316,10 +337,11 @@ class Coordinator:
         )
 
     # ---- liveness ------------------------------------------------------------------------
-    def heartbeat(self, run_name: str, peer_name: str) -> Heartbeat:
+    def heartbeat(self, run_name: str, peer_name: str) -> int:
+        """Renew the peer's lease; the run's latest version (behind it, the peer should catch up)."""
         run = self.run(run_name)
         self.peer(run, peer_name)
-        return Heartbeat(version=run.version, lease_seconds=self.settings.lease_seconds)
+        return run.version
 
     def leave(self, run_name: str, peer_name: str) -> None:
         run = self.run(run_name)

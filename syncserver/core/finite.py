@@ -1,9 +1,9 @@
 """Merging a round into finite weights, without the updates that would make them Inf.
 
-The running mean (:func:`syncserver.aggregate.fold`) is finite whenever the updates are, but
+The running mean (:func:`syncserver.reduce.aggregate.fold`) is finite whenever the updates are, but
 what every peer will hold, ``version v + decode(result)``, can still overflow float32: finite
 updates near 1e38, an outer step that multiplies them, a codec that rounds the largest float32
-up to Inf. :meth:`MergeEngine.merge <syncserver.engine.MergeEngine.merge>` checks that before
+up to Inf. :meth:`MergeEngine.merge <syncserver.reduce.engine.MergeEngine.merge>` checks that before
 anything is written; here a round whose merge is refused goes on without the update of largest
 magnitude, the others folded again from the durable files in acknowledgement order, and again,
 until the merge is finite. With every update left out the round changes nothing, which is
@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 from anyio import to_thread
 
-from syncserver.engine import Accumulator, MergeEngine, NonFinite
-from syncserver.state import Run
-from syncserver.store import UpdateKey
+from syncserver.core.state import Run
+from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite
+from syncserver.storage.store import UpdateKey
 
 __all__ = ["merge_finite"]
 

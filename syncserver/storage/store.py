@@ -61,7 +61,7 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from syncserver.errors import Unavailable
-from syncserver.writeback import start_writeback
+from syncserver.storage.writeback import start_writeback
 from syncwire.format import TensorFile
 
 __all__ = [
@@ -428,7 +428,7 @@ class Upload:
     arrived across attempts (resumable updates), named by (run, round, peer, digest or key).
 
     The file ops an upload needs (append, read back, truncate, fsync) are here so that their
-    failures are translated once; the receiving logic is :mod:`syncserver.uploads`.
+    failures are translated once; the receiving logic is :mod:`syncserver.storage.uploads`.
     """
 
     def __init__(self, path: Path, done_path: Path | None, spares: Spares) -> None:

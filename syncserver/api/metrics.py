@@ -35,10 +35,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from syncserver.deps import authenticate_view
-from syncserver.policy import PeerState
-from syncserver.store import RoundRecord, UpdateRecord
-from syncserver.view import HubView
+from syncserver.api.deps import authenticate_view
+from syncserver.core.policy import PeerState
+from syncserver.core.view import HubView, RoundFacts, UpdateFacts
 
 __all__ = ["HubMetrics", "router"]
 
@@ -166,13 +165,13 @@ class HubMetrics:
             counter.labels(self.label(run))
 
     # ---- observers (event loop thread; cheap) --------------------------------------------
-    def _updated(self, run: str, update: UpdateRecord) -> None:
+    def _updated(self, run: str, update: UpdateFacts) -> None:
         label = self.label(run)
         self.accepted.labels(label).inc()
         self.samples.labels(label).inc(update.samples)
         self.phases.labels(label, "upload").observe(update.seconds)
 
-    def _closed(self, run: str, record: RoundRecord) -> None:
+    def _closed(self, run: str, record: RoundFacts) -> None:
         self._touch(run)
         label = self.label(run)
         self.rounds.labels(label).inc()
@@ -183,7 +182,7 @@ class HubMetrics:
         self.phases.labels(label, "round").observe(max(0.0, record.closed - record.opened))
         aggregation_began = record.closed - fold - merge
         assert self.view is not None
-        for update in self.view.store.updates(run, record.round):
+        for update in self.view.updates(run, record.round):
             self.phases.labels(label, "wait").observe(max(0.0, aggregation_began - update.received))
 
     def _downloaded(self, run: str, round_: int, peer: str, seconds: float) -> None:

@@ -2,7 +2,7 @@
 
 FastAPI's own ``/docs`` loads Swagger UI's script and CSS from a CDN (and its favicon from
 fastapi.tiangolo.com), so a hub without internet, the usual case on a private network, shows a
-blank page. The few files it needs are vendored in ``syncserver/swagger_ui/`` (from the npm
+blank page. The few files it needs are vendored in ``syncserver/api/swagger_ui/`` (from the npm
 package ``swagger-ui-dist`` 5.35.0, Apache-2.0: its LICENSE, NOTICE and the bundle's third-party
 licences sit beside them) and served under ``/docs/assets``, apart from the dashboard's files. To
 update: ``npm pack swagger-ui-dist``, copy ``swagger-ui-bundle.js``,

@@ -5,9 +5,9 @@ These are public shapes, apart from the coordinator's internal state (as in
 full-stack-fastapi-template's ``models.py``): field names and types are the wire format, and
 changing one is a protocol change. Models of what the hub says are strict (``extra="forbid"``):
 a field the schema does not name is a bug, refused where the answer is built rather than sent
-unannounced. They also read attributes (``from_attributes``), so that the store's records
-(``RoundRecord``, ``UpdateRecord``) and the coordinator's ``RunConfig`` convert as they are:
-``RoundSummary.model_validate(record)``.
+unannounced. They also read attributes (``from_attributes``), so that the core's plain data
+(the run view's ``RoundFacts``, ``UpdateFacts``, ``RunLine``) converts as it is:
+``RoundSummary.model_validate(facts)``; :mod:`syncserver.api.answers` does the converting.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from syncserver.policy import PeerState
+from syncserver.core.policy import PeerState
 from syncserver.settings import Outer, Policy
 
 __all__ = [

@@ -7,7 +7,7 @@ so a body with the wrong tensors is refused after a few kB, not after 500 MB.
 
 In the worker thread each byte is touched once, while it is still hot: hashed, scanned for
 NaN/Inf (float parts, by the layout the header gave) and written; and the kernel is told
-to start writing it back to disk at once (:mod:`syncserver.writeback`), so the fsync that
+to start writing it back to disk at once (:mod:`syncserver.storage.writeback`), so the fsync that
 acknowledges an update waits for the last few MiB, not for 500 MB. The ``bytes`` chunks the
 server hands us go to the thread as they are: no copy in Python.
 
@@ -49,7 +49,7 @@ import numpy as np
 from anyio import to_thread
 
 from syncserver.errors import BadRequest, HubError, InvalidUpdate, OffsetMismatch, PayloadTooLarge
-from syncserver.store import Missing, Staged, Upload
+from syncserver.storage.store import Missing, Staged, Upload
 from syncwire import FormatError, HeaderReader, TensorInfo
 from syncwire.format import MAX_HEADER_BYTES
 
@@ -206,7 +206,8 @@ async def partial_offset(upload: Upload) -> int:
 
 class _Sink:
     """Upload + hash + NaN scan, fed from a worker thread. ``offset`` > 0 appends to a partial;
-    ``size``, the bytes announced, picks the file a new upload writes over (:class:`~syncserver.store.Spares`)."""
+    ``size``, the bytes announced, picks the file a new upload writes over
+    (:class:`~syncserver.storage.store.Spares`)."""
 
     def __init__(self, upload: Upload, offset: int = 0, size: int | None = None) -> None:
         self.hash = hashlib.sha256()

@@ -5,8 +5,8 @@ An update is acknowledged once its body is complete, verified (digest, layout, f
 the norm guard when on), durable and recorded in sqlite; it is then folded into the round's
 float32 accumulator in acknowledgement order (so a hub restarted after a crash rebuilds the
 very same sums from the files), or, once the round is closing, by the close's merge itself.
-The policy (:mod:`syncserver.policy`) says when a round closes; the engine
-(:mod:`syncserver.engine`) does the tensor work; a round commits once its result (the encoded
+The policy (:mod:`syncserver.core.policy`) says when a round closes; the engine
+(:mod:`syncserver.reduce.engine`) does the tensor work; a round commits once its result (the encoded
 merged update) is durable, and the file of version v+1 is written after that, since it is
 ``version v + decode(result)``: a restarted hub rebuilds what a crash left unwritten, and pulls
 wait for it.
@@ -25,22 +25,21 @@ from typing import Any
 
 from anyio import to_thread
 
-from syncserver import aggregate
-from syncserver.engine import MergeEngine
+from syncserver.core.finite import merge_finite
+from syncserver.core.policy import Close, Place
+from syncserver.core.shape import RunShape
+from syncserver.core.state import Run, now
+from syncserver.core.view import HubView
 from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, PoisonedUpdate, RoundClosed, StaleUpdate
-from syncserver.finite import merge_finite
 from syncserver.limits import MAX_SAMPLES
-from syncserver.policy import Close, Place
-from syncserver.schemas import UpdateAck, VersionZero
+from syncserver.reduce import aggregate
+from syncserver.reduce.engine import MergeEngine
 from syncserver.settings import HubSettings
-from syncserver.shape import RunShape
-from syncserver.state import Run, now
-from syncserver.store import RoundRecord, Store, UpdateKey, UpdateRecord, Upload, VersionKey
-from syncserver.uploads import Received
-from syncserver.view import HubView
+from syncserver.storage.store import RoundRecord, Store, UpdateKey, UpdateRecord, Upload, VersionKey
+from syncserver.storage.uploads import Received
 from syncwire import FormatError, TensorInfo, check_layout
 
-__all__ = ["Rounds", "Ticket"]
+__all__ = ["Acknowledgement", "InitialVersion", "Rounds", "Ticket"]
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +63,33 @@ class Ticket:
     max_bytes: int
     check_header: Callable[[dict[str, TensorInfo]], None]
     upload: Upload | None = None
-    acknowledged: UpdateAck | None = None
+    acknowledged: Acknowledgement | None = None
     final: bool = False  # the peer's last update (X-Sync-Final)
 
 
-def _ack(update: UpdateRecord, repeat: bool = False) -> UpdateAck:
-    return UpdateAck(
-        round=update.round,
-        peer=update.peer,
-        seq=update.seq,
-        samples=update.samples,
-        bytes=update.nbytes,
-        repeat=repeat,
-    )
+@dataclass(frozen=True)
+class Acknowledgement:
+    """An update is durable and counted in round ``round`` (``repeat``: it was already, this is
+    its first acknowledgement again)."""
+
+    round: int
+    peer: str
+    seq: int  # order of acknowledgement within the run
+    samples: int
+    nbytes: int
+    repeat: bool = False
+
+    @classmethod
+    def of(cls, update: UpdateRecord, repeat: bool = False) -> Acknowledgement:
+        return cls(update.round, update.peer, update.seq, update.samples, update.nbytes, repeat)
+
+
+@dataclass(frozen=True)
+class InitialVersion:
+    """Version 0 is stored: the run's schema is its ``tensors`` tensors."""
+
+    tensors: int
+    nbytes: int
 
 
 def _check_initial(infos: dict[str, TensorInfo]) -> None:
@@ -139,7 +152,7 @@ class Rounds:
             run.name, -1, peer, "", 0, {}, self.settings.max_body_bytes, _check_initial, self.store.fresh_upload()
         )
 
-    def commit_init(self, run: Run, ticket: Ticket, received: Received, shape: RunShape) -> VersionZero:
+    def commit_init(self, run: Run, ticket: Ticket, received: Received, shape: RunShape) -> InitialVersion:
         """Version 0 is ``received``; ``shape`` is its schema's (:meth:`RunShape.of_infos`)."""
         if run.version >= 0 or run.init_claim != ticket.peer:
             received.staged.discard()
@@ -152,7 +165,7 @@ class Rounds:
         run.schema, run.shape, run.version, run.init_claim = schema, shape, 0, None
         run.policy.begin(0)
         log.info("version0 run=%s peer=%s tensors=%d bytes=%d", run.name, ticket.peer, len(schema), received.nbytes)
-        return VersionZero(version=0, tensors=len(schema), bytes=received.nbytes)
+        return InitialVersion(len(schema), received.nbytes)
 
     # ---- updates -------------------------------------------------------------------------
     async def update_ticket(
@@ -191,7 +204,7 @@ class Rounds:
             run.name, round_, peer, digest, samples, metrics, run.shape.max_update_bytes, check, upload, final=final
         )
 
-    def _acknowledged(self, run: Run, round_: int, peer: str, digest: str | None) -> UpdateAck | None:
+    def _acknowledged(self, run: Run, round_: int, peer: str, digest: str | None) -> Acknowledgement | None:
         """Idempotency: the same update again is harmless, a different one is a conflict. An
         update is named by the version it was computed from (``round_``), which is also the round
         it is merged in but in async runs. A body without its digest yet cannot tell: None."""
@@ -207,7 +220,7 @@ class Rounds:
                 f"peer {peer!r} already has a different update acknowledged for round {round_}",
                 current_version=run.version,
             )
-        return _ack(previous, repeat=True)
+        return Acknowledgement.of(previous, repeat=True)
 
     async def check_open(self, run: Run, round_: int) -> None:
         """Raise unless the open round takes an update computed from version ``round_``."""
@@ -247,7 +260,7 @@ class Rounds:
             run.uploading.discard(peer)
             self.view.changed(run)
 
-    async def commit_update(self, run: Run, ticket: Ticket, received: Received) -> UpdateAck:
+    async def commit_update(self, run: Run, ticket: Ticket, received: Received) -> Acknowledgement:
         """Acknowledge a fully received update: verify, make durable, record, fold."""
         try:
             assert ticket.digest is not None  # the route holds a body that comes without one
@@ -312,7 +325,7 @@ class Rounds:
         self.view.updated(run, update)
         await self._fold_pending(run)
         self.decide(run)  # the fold took time: a deadline may have passed meanwhile
-        return _ack(update)
+        return Acknowledgement.of(update)
 
     def _norm(self, run: Run, received: Received) -> float:
         """Worker thread: the update's L2 norm as decoded. (NaN/Inf were refused as it streamed in.)"""

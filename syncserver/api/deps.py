@@ -20,7 +20,7 @@ from typing import Annotated
 from fastapi import Depends, Header, Path, Query, Request
 from pydantic import SecretStr
 
-from syncserver.coordinator import Coordinator
+from syncserver.core.coordinator import Coordinator
 from syncserver.errors import Unauthorized
 from syncserver.limits import MAX_ROUND
 from syncserver.names import NAME_PATTERN, NAME_RULE
@@ -103,7 +103,7 @@ def _dashboard_viewer(request: Request, run: RunQuery = None, authorization: Aut
 def _caller(request: Request, authorization: Authorization = None) -> str:
     """Which kind of credential made an authenticated request: ``open`` (no token set),
     ``admin``, ``token`` (the hub's) or ``run`` (a run's own). Never the token itself: this
-    is kept with each run it creates, for its quota (:mod:`syncserver.quotas`)."""
+    is kept with each run it creates, for its quota (:mod:`syncserver.core.quotas`)."""
     settings = request.app.state.settings
     if not settings.auth_required:
         return "open"

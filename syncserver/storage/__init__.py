@@ -1,0 +1,1 @@
+"""Where the hub keeps its bytes and records: keys, handles, durability (local disk today)."""
