@@ -12,12 +12,14 @@ Per candidate: import time and resident memory added by importing it and buildin
 UploadPart URL where the library can sign one); a 128 MB object PUT in one request and in 8 MB
 parts, one at a time; GET of it whole; ranged GETs of 1 MiB at random offsets (ms each, what a
 reducer pays per slice of an update). MB = 10^6 bytes; best of ``--repeat``. ``--quick``:
-32 MB, one repeat, a smoke test.
+16 MB, one repeat, a smoke test. ``--bucket B``: a store that is running already (the
+``AWS_*`` variables name it), instead of a SeaweedFS of its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -48,12 +50,12 @@ def best(seconds: list[float], size: int) -> float:
 
 
 # ---- the child: one candidate, in a fresh interpreter ---------------------------------------------
-def child(name: str, size: int, repeat: int) -> dict[str, Any]:
+def child(name: str, size: int, repeat: int, seconds: float) -> dict[str, Any]:
     import random
 
     import httpx
 
-    import syncserver  # the baseline is the hub itself: FastAPI, uvicorn, httpx... imported
+    import syncserver  # noqa: F401  (the baseline is the hub itself: FastAPI, uvicorn, httpx... imported)
 
     env = os.environ
     bucket, endpoint = env["BENCH_BUCKET"], env["AWS_ENDPOINT_URL"]
@@ -86,9 +88,9 @@ def child(name: str, size: int, repeat: int) -> dict[str, Any]:
     key = "object"
     full = f"bench-{name}/{key}"
 
-    # presigned URLs per second, for one second
+    # presigned URLs per second, for ``seconds``
     n, began = 0, time.perf_counter()
-    while time.perf_counter() - began < 1.0:
+    while time.perf_counter() - began < seconds:
         if name == "ours":
             client.presign_part(key, "upload-id", 3, expires=600)
         elif name == "boto3":
@@ -167,7 +169,8 @@ def child(name: str, size: int, repeat: int) -> dict[str, Any]:
                 if name == "ours":
                     got = client.read(key, lo, lo + RANGE)
                 elif name == "boto3":
-                    got = client.get_object(Bucket=bucket, Key=full, Range=f"bytes={lo}-{lo + RANGE - 1}")["Body"].read()
+                    span = f"bytes={lo}-{lo + RANGE - 1}"
+                    got = client.get_object(Bucket=bucket, Key=full, Range=span)["Body"].read()
                 else:
                     import obstore
 
@@ -182,26 +185,37 @@ def child(name: str, size: int, repeat: int) -> dict[str, Any]:
 # ---- the parent --------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="32 MB, one try: a smoke test")
+    parser.add_argument("--quick", action="store_true", help="16 MB, one try: a smoke test")
     parser.add_argument("--python", default=sys.executable, help="the interpreter the candidates run in")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--bucket", help="use this bucket of the store the AWS_* variables name, instead of starting SeaweedFS"
+    )
     parser.add_argument("--child", choices=CANDIDATES, help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, default=128_000_000, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    size, repeat = (32_000_000, 1) if args.quick else (args.size, args.repeat)
+    size, repeat = (16_000_000, 1) if args.quick else (args.size, args.repeat)
     if args.child:
-        print(json.dumps(child(args.child, args.size, args.repeat)))
+        print(json.dumps(child(args.child, args.size, args.repeat, 0.2 if args.quick else 1.0)))
         return
 
-    sys.path.insert(0, str(REPO))
-    from tests.s3server import SeaweedFS
-
     rows: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as folder, SeaweedFS(Path(folder)).start() as s3:
-        env = {**os.environ, **s3.env(), "BENCH_BUCKET": s3.bucket, "PYTHONPATH": str(REPO)}
-        print(f"SeaweedFS up in {s3.started_in:.1f} s; {size / 1e6:.0f} MB objects, best of {repeat}", flush=True)
+    with contextlib.ExitStack() as stack:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        if args.bucket:
+            env["BENCH_BUCKET"] = args.bucket
+        else:
+            sys.path.insert(0, str(REPO))
+            from tests.s3server import SeaweedFS
+
+            folder = stack.enter_context(tempfile.TemporaryDirectory())
+            s3 = stack.enter_context(SeaweedFS(Path(folder), volumes=200).start())
+            env |= {**s3.env(), "BENCH_BUCKET": s3.bucket}
+            print(f"SeaweedFS up in {s3.started_in:.1f} s", flush=True)
+        print(f"{size / 1e6:.0f} MB objects, best of {repeat}", flush=True)
         for name in CANDIDATES:
             command = [args.python, __file__, "--child", name, "--size", str(size), "--repeat", str(repeat)]
+            command += ["--quick"] if args.quick else []
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 missing = "ModuleNotFoundError" in done.stderr

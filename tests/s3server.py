@@ -17,12 +17,11 @@ volume grown for the bucket (else the first write grows volumes itself and waits
 small volumes (``-master.volumeSizeLimitMB``, ``-volume.max``), nothing but the four servers
 (no Iceberg/Lance ports, no telemetry). Stopped with SIGKILL (its data is a temporary folder;
 weed's graceful stop took over 5 s), and it dies with the process that started it
-(``PR_SET_PDEATHSIG``): a killed pytest leaves no server behind.
+(``setpriv --pdeathsig KILL``, util-linux): a killed pytest leaves no server behind.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import secrets
 import shutil
@@ -44,14 +43,15 @@ from syncserver.storage.sigv4 import Credentials, presign
 __all__ = ["SeaweedFS", "seaweedfs"]
 
 START_SECONDS = 90.0  # measured 3.4-3.9 s (raft election, then filer, then S3); a loaded 2-core VM gets the margin
-_PR_SET_PDEATHSIG = 1
 
 
 class SeaweedFS:
     """``weed server -s3`` on 127.0.0.1 with one bucket and one identity that may do anything."""
 
-    def __init__(self, folder: Path, *, bucket: str = "weightsync-test") -> None:
-        self.folder, self.bucket = Path(folder), bucket
+    def __init__(self, folder: Path, *, bucket: str = "weightsync-test", volumes: int = 16) -> None:
+        """``volumes``: of 64 MB each, its capacity (written over or deleted bytes count until
+        weed's vacuum reclaims them; the disk holds only what is written)."""
+        self.folder, self.bucket, self.volumes = Path(folder), bucket, volumes
         self.access_key = "AK" + secrets.token_hex(8).upper()
         self.secret_key = secrets.token_urlsafe(30)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -95,7 +95,11 @@ class SeaweedFS:
             data.mkdir()
             ports = _free_ports(8)
             master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = ports
+            # util-linux's setpriv execs weed with PR_SET_PDEATHSIG set: it dies with this process
+            # (a preexec_fn would do it in Python between fork and exec: unsafe beside threads)
+            setpriv = shutil.which("setpriv")
             command = [
+                *([setpriv, "--pdeathsig", "KILL"] if setpriv else []),
                 weed,
                 "server",
                 "-ip=127.0.0.1",
@@ -107,7 +111,7 @@ class SeaweedFS:
                 "-master.telemetry=false",
                 f"-volume.port={volume}",
                 f"-volume.port.grpc={volume_grpc}",
-                "-volume.max=16",
+                f"-volume.max={self.volumes}",
                 "-filer",
                 f"-filer.port={filer}",
                 f"-filer.port.grpc={filer_grpc}",
@@ -122,9 +126,7 @@ class SeaweedFS:
             ]
             self.log = data / "weed.log"
             with self.log.open("wb") as out:
-                self.proc = subprocess.Popen(
-                    command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
-                )
+                self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             self.endpoint, self._master = f"http://127.0.0.1:{s3}", f"http://127.0.0.1:{master}"
             if self._wait_ready(began + timeout):
                 self.started_in = time.monotonic() - began
@@ -182,12 +184,6 @@ def _free_ports(n: int) -> list[int]:
         for s in sockets:
             s.bind(("127.0.0.1", 0))
         return [s.getsockname()[1] for s in sockets]
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the parent dies (Linux), so nothing outlives pytest."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,11 @@ import contextlib
 import datetime
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 import httpx
@@ -29,6 +32,8 @@ from syncserver.storage.sigv4 import Credentials, presign
 from syncwire import iter_chunks
 from tests.faultproxy import FaultProxy
 from tests.s3server import SeaweedFS
+
+REPO = Path(__file__).resolve().parents[1]
 
 MiB = 1 << 20
 
@@ -359,3 +364,19 @@ def test_seaweedfs_starts_once_and_cheaply(seaweedfs: SeaweedFS) -> None:
     """The harness's own cost: one start per session (measured 3.4-3.9 s on the 2-core VM)."""
     assert 0 < seaweedfs.started_in < 60
     assert os.path.exists(seaweedfs.log)
+
+
+def test_store_benchmark_runs(seaweedfs: SeaweedFS) -> None:
+    """bench/store.py --quick on this session's SeaweedFS: every figure of the candidates installed
+    here (ours; boto3 and obstore are not in the dev extra and say so)."""
+    env = {**os.environ, **seaweedfs.env()}
+    command = [sys.executable, str(REPO / "bench" / "store.py"), "--quick", "--bucket", seaweedfs.bucket]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in done.stdout.splitlines()
+        if line.count("|") >= 3
+    }
+    for label in ("presigned URLs / s", "PUT 8 MB parts (MB/s)", "GET whole (MB/s)", "ranged GET 1 MiB (ms)"):
+        assert float(table[label].replace(",", "")) > 0, (label, done.stdout)
