@@ -54,6 +54,8 @@ class SeaweedFS:
         self.folder, self.bucket, self.volumes = Path(folder), bucket, volumes
         self.access_key = "AK" + secrets.token_hex(8).upper()
         self.secret_key = secrets.token_urlsafe(30)
+        self.reader_key = "AKR" + secrets.token_hex(8).upper()  # may read and list, not write
+        self.reader_secret = secrets.token_urlsafe(30)
         self.proc: subprocess.Popen[bytes] | None = None
         self.endpoint = ""
         self.started_in = 0.0  # seconds from spawn to ready, for the harness's own cost
@@ -62,18 +64,18 @@ class SeaweedFS:
     def credentials(self) -> Credentials:
         return Credentials(self.access_key, self.secret_key)
 
-    def env(self) -> dict[str, str]:
-        """The AWS variables a hub would be given for this store."""
+    def env(self, *, reader: bool = False) -> dict[str, str]:
+        """The AWS variables a hub would be given for this store (``reader``: a read-only key's)."""
         return {
             "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_ACCESS_KEY_ID": self.reader_key if reader else self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.reader_secret if reader else self.secret_key,
             "AWS_REGION": "us-east-1",
         }
 
-    def store(self, prefix: str = "", **kwargs: object) -> ObjectStore:
-        """An :class:`ObjectStore` on this server's bucket (``url_seconds``, ``timeout`` as ObjectStore's)."""
-        return ObjectStore.from_url(f"s3://{self.bucket}/{prefix}", self.env(), **kwargs)
+    def store(self, prefix: str = "") -> ObjectStore:
+        """An :class:`ObjectStore` on this server's bucket, under ``prefix``."""
+        return ObjectStore.from_url(f"s3://{self.bucket}/{prefix}", self.env())
 
     def start(self, timeout: float = START_SECONDS) -> SeaweedFS:
         weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
@@ -88,7 +90,12 @@ class SeaweedFS:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }
         self.folder.mkdir(parents=True, exist_ok=True)
-        config.write_text(json.dumps({"identities": [identity]}))
+        reader = {
+            "name": "reader",
+            "credentials": [{"accessKey": self.reader_key, "secretKey": self.reader_secret}],
+            "actions": ["Read", "List"],
+        }
+        config.write_text(json.dumps({"identities": [identity, reader]}))
         began = time.monotonic()
         for attempt in range(3):
             data = self.folder / f"data{attempt}"

@@ -282,6 +282,9 @@ def test_check_names_the_trouble_in_one_line(seaweedfs: SeaweedFS) -> None:
             assert time.monotonic() - began < 10  # bounded: three tries, 1.25 s of backoff
     assert str(why.value).startswith(f"object store {down} unreachable: ConnectError")
     assert "\n" not in str(why.value) and "\n" not in why.value.reason
+    reader = ObjectStore.from_url(f"s3://{seaweedfs.bucket}/x", seaweedfs.env(reader=True))
+    with reader, pytest.raises(StoreUnavailable, match=r"denied access \(AccessDenied\): no such bucket, or the key"):
+        reader.check()  # it may list: the write that check() tries is refused
 
 
 def test_delete_prefix_removes_a_round_and_its_open_uploads(store: ObjectStore) -> None:

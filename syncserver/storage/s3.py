@@ -69,6 +69,7 @@ _KEY_BYTES = 1024  # S3's longest key
 _READ_BYTES = 1 << 20
 _TRIES = 3  # attempts of an idempotent request on transport trouble or a 5xx, 0.25 s then 1 s apart
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
+_PROBE = ".weightsync-check"  # what check() writes and deletes
 
 
 class StoreError(Exception):
@@ -163,10 +164,18 @@ class ObjectStore:
         )
 
     @classmethod
-    def from_url(cls, url: str, env: Mapping[str, str] | None = None, **kwargs: object) -> ObjectStore:
+    def from_url(
+        cls,
+        url: str,
+        env: Mapping[str, str] | None = None,
+        *,
+        timeout: float = 30.0,
+        url_seconds: int = URL_SECONDS,
+    ) -> ObjectStore:
         """The store ``s3://bucket[/prefix]`` names, with endpoint, credentials and region from
         the AWS variables in ``env`` (default: this process's environment). ValueError for a
-        malformed URL or missing credentials (a setup mistake, said before anything starts)."""
+        malformed URL or missing credentials (a setup mistake, said before anything starts).
+        ``timeout`` and ``url_seconds`` as for the class."""
         env = os.environ if env is None else env
         parts = urlsplit(url)
         if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
@@ -180,7 +189,8 @@ class ObjectStore:
             prefix=parts.path,
             endpoint=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
-            **kwargs,  # type: ignore[arg-type]
+            timeout=timeout,
+            url_seconds=url_seconds,
         )
 
     @property
@@ -368,10 +378,16 @@ class ObjectStore:
         return len(names)
 
     def check(self) -> None:
-        """Can the hub work with this store? One listing of the prefix; :class:`StoreUnavailable`
-        with one line that names the trouble: endpoint down, bucket missing, credentials refused,
-        clock skew. The hub calls it at start (a CLI error) and after trouble mid-run."""
+        """Can the hub work with this store? :class:`StoreUnavailable` with one line that names
+        the trouble: endpoint down, bucket missing, credentials refused, a key that may read but
+        not write, clock skew. The hub calls it at start (a CLI error) and after trouble mid-run.
+
+        A listing of the prefix, then a small object written and deleted under it: the hub needs
+        all three (peers' URLs carry its rights), and a read-only key would otherwise pass here
+        and fail at the first peer's upload, with a 403 the peer cannot explain."""
         self._request("GET", "", {"list-type": "2", "max-keys": "1", "prefix": self.prefix})
+        self.put(_PROBE, b"weightsync: the hub checks that it may write here\n")
+        self.delete(_PROBE)
 
     # ---- internals --------------------------------------------------------------------------
     def _prefix(self, prefix: str) -> str:
@@ -380,9 +396,20 @@ class ObjectStore:
             return self.prefix
         return self.key(stripped) + ("/" if prefix.endswith("/") else "")
 
-    def _sign(self, method: str, key: str, query: Mapping[str, str] | None = None, **kw: object) -> str:
+    def _sign(
+        self,
+        method: str,
+        key: str,
+        query: Mapping[str, str] | None = None,
+        *,
+        expires: int,
+        headers: Mapping[str, str] | None = None,
+    ) -> str:
+        """A presigned URL for ``key`` (the bucket itself when empty)."""
         url = f"{self._base}/{key}" if key else f"{self._base}/"
-        return presign(method, url, credentials=self.credentials, region=self.region, query=query, **kw)  # type: ignore[arg-type]
+        return presign(
+            method, url, credentials=self.credentials, region=self.region, expires=expires, query=query, headers=headers
+        )
 
     def _request(
         self,
@@ -463,7 +490,8 @@ def _raise(store: ObjectStore, response: httpx.Response, root: ET.Element | None
         )
     if status in (401, 403):
         raise StoreUnavailable(
-            f"{where} denied access ({code or status}): the key needs read, write, list and delete there"
+            f"{where} denied access ({code or status}): no such bucket, or the key may not read, write, list and"
+            " delete there"
         )
     if status >= 500 or status < 400:
         raise StoreUnavailable(f"{where} answered {status} {code}".rstrip())
