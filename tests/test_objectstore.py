@@ -287,6 +287,27 @@ def test_check_names_the_trouble_in_one_line(seaweedfs: SeaweedFS) -> None:
         reader.check()  # it may list: the write that check() tries is refused
 
 
+def test_the_hubs_own_requests_retry_idempotent_ones_in_bounded_time(seaweedfs: SeaweedFS) -> None:
+    """A store that holds its answers past the timeout: a GET is tried again (the third try
+    gets through), a POST is not (a second CreateMultipartUpload would be another upload), and
+    each fails in time bounded by the timeout, never hanging."""
+    with FaultProxy(int(urlsplit(seaweedfs.endpoint).port or 0)) as proxy:
+        env = {**seaweedfs.env(), "AWS_ENDPOINT_URL": proxy.url}
+        with ObjectStore.from_url(f"s3://{seaweedfs.bucket}/t/retries", env, timeout=0.5) as store:
+            store.put("x", b"abc")
+            proxy.stall(seconds=5, match="GET /weightsync-test/t/retries/x", times=2)
+            began = time.monotonic()
+            assert store.read("x") == b"abc"
+            assert 1.0 < time.monotonic() - began < 10  # two timeouts, 1.25 s of backoff
+            assert len(proxy.matching("GET /weightsync-test/t/retries/x")) == 3
+            proxy.stall(seconds=5, match="POST /weightsync-test/t/retries/y?")
+            with pytest.raises(StoreUnavailable, match="unreachable: ReadTimeout"):
+                store.create_multipart("y")
+            assert len(proxy.matching("POST /")) == 1
+            assert store.delete_prefix("y") == 0 and store.uploads() == []  # the one it made, aborted
+            store.delete("x")
+
+
 def test_delete_prefix_removes_a_round_and_its_open_uploads(store: ObjectStore) -> None:
     for name in ("rounds/3/a", "rounds/3/b", "rounds/30/a", "rounds/4/a"):
         store.put(name, b"x")
@@ -369,6 +390,7 @@ def test_seaweedfs_starts_once_and_cheaply(seaweedfs: SeaweedFS) -> None:
     assert os.path.exists(seaweedfs.log)
 
 
+@pytest.mark.process  # a program of its own (make check leaves it out; the rest share one SeaweedFS)
 def test_store_benchmark_runs(seaweedfs: SeaweedFS) -> None:
     """bench/store.py --quick on this session's SeaweedFS: every figure of the candidates installed
     here (ours; boto3 and obstore are not in the dev extra and say so)."""
