@@ -129,6 +129,7 @@ class SeaweedFS:
                 f"-s3.localSocket={data}/s3.sock",
                 "-s3.port.iceberg=0",
                 "-s3.port.lance=0",
+                "-s3.iam=false",  # no IAM API (users are the -s3.config file)
                 f"-s3.config={config}",
             ]
             self.log = data / "weed.log"
