@@ -152,4 +152,5 @@ def _window(chunks: Iterator[bytes | memoryview], start: int, end: int) -> Itera
         if following >= end:
             return
         position = following
-    raise ValueError(f"the body ended at byte {position}, before its part's end {end}: not the size declared")
+    if position < end:
+        raise ValueError(f"the body ended at byte {position}, before its part's end {end}: not the size declared")

@@ -343,6 +343,20 @@ def test_sdk_upload_resumes_only_the_parts_not_acknowledged(store: ObjectStore) 
     assert store.read("resumed") == data
 
 
+def test_sdk_upload_of_an_empty_body_and_of_a_body_shorter_than_declared(store: ObjectStore) -> None:
+    """One part whose URL is a plain presigned PUT: the same code as parts. A body that ends
+    before the size the upload declared is a ValueError (a bug of the caller), not a retry."""
+    empty = PartedUpload(0, 5 * MiB, {1: store.presign_put("empty")})
+    with transport() as t:
+        assert list(upload_parts(t, empty, lambda: iter([]))) == [1]
+        short = PartedUpload(10, 5 * MiB, {1: store.presign_put("short")})
+        with pytest.raises(ValueError, match="ended at byte 4"):
+            upload_parts(t, short, lambda: iter([b"abcd"]))
+    info = store.head("empty")
+    assert info is not None and info.size == 0
+    assert store.head("short") is None
+
+
 def test_sdk_upload_refused_by_an_expired_part_url(store: ObjectStore) -> None:
     """403 is no transport trouble: no retries, the store's reason, and the ETags kept so far."""
     upload_id = store.create_multipart("late")
