@@ -362,12 +362,15 @@ class ObjectStore:
         """Remove ``name`` (S3 answers the same whether it was there or not)."""
         self._request("DELETE", self.key(name))
 
-    def delete_prefix(self, prefix: str) -> int:
-        """Remove every object under ``prefix`` (a round's leftovers after a crash), 1,000 per
-        request, and abort the multipart uploads open there; return how many objects went."""
-        if not prefix.strip("/"):
-            raise KeyRefused("delete_prefix needs a prefix: it does not empty the whole store")
-        names = [info.name for info in self.list(prefix)]
+    def delete_prefix(self, folder: str) -> int:
+        """Remove every object under ``folder/`` (a round's leftovers after a crash), 1,000 per
+        request, and abort the multipart uploads open there; return how many objects went.
+
+        A folder, not a string prefix: ``rounds/3`` never takes ``rounds/30`` with it."""
+        if not folder.strip("/"):
+            raise KeyRefused("delete_prefix needs a folder: it does not empty the whole store")
+        folder = folder.strip("/") + "/"
+        names = [info.name for info in self.list(folder)]
         for i in range(0, len(names), 1000):
             body = "<Delete><Quiet>true</Quiet>"
             body += "".join(f"<Object><Key>{self.key(n)}</Key></Object>" for n in names[i : i + 1000])
@@ -379,7 +382,7 @@ class ObjectStore:
                 raise StoreRefused(
                     _text(failed[0], "Code"), f"{_text(failed[0], 'Key')}: {_text(failed[0], 'Message')}"
                 )
-        for upload in self.uploads(prefix):
+        for upload in self.uploads(folder):
             self.abort_multipart(upload.name, upload.upload_id)
         return len(names)
 
