@@ -100,6 +100,9 @@ def test_presign_matches_aws_published_example() -> None:
         ("http://127.0.0.1:9000", "path", "get_object", {"Key": "runs/a/v~1.safetensors"}),
         ("https://r2.example.com", "path", "upload_part", {"Key": "x/y", "UploadId": "a/b+c=", "PartNumber": 7}),
         (None, "virtual", "get_object", {"Key": "runs/b/versions/12.safetensors"}),
+        # the hub's own requests: a query without a value, and a listing's parameters
+        ("http://127.0.0.1:9000", "path", "create_multipart_upload", {"Key": "r/u"}),
+        ("http://127.0.0.1:9000", "path", "list_objects_v2", {"Prefix": "runs/a/", "ContinuationToken": "x/y=="}),
     ],
 )
 def test_presign_matches_botocore(endpoint: str | None, style: str, operation: str, params: dict[str, object]) -> None:
@@ -119,7 +122,7 @@ def test_presign_matches_botocore(endpoint: str | None, style: str, operation: s
     parts = urlsplit(theirs)
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
     ours = presign(
-        {"put_object": "PUT", "upload_part": "PUT", "get_object": "GET"}[operation],
+        {"put_object": "PUT", "upload_part": "PUT", "create_multipart_upload": "POST"}.get(operation, "GET"),
         f"{parts.scheme}://{parts.netloc}{httpx.URL(theirs).path}",
         credentials=Credentials("AKIDEXAMPLE", secret, query.get("X-Amz-Security-Token")),
         region="eu-west-3",
