@@ -58,6 +58,7 @@ class SeaweedFS:
         self.reader_secret = secrets.token_urlsafe(30)
         self.proc: subprocess.Popen[bytes] | None = None
         self.endpoint = ""
+        self.log: Path | None = None  # weed's output, of the latest start
         self.started_in = 0.0  # seconds from spawn to ready, for the harness's own cost
 
     @property
@@ -174,8 +175,8 @@ class SeaweedFS:
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
-            return self.log.read_text(errors="replace")[-chars:]
-        except (AttributeError, FileNotFoundError):
+            return self.log.read_text(errors="replace")[-chars:] if self.log else ""
+        except FileNotFoundError:
             return ""
 
     def __enter__(self) -> SeaweedFS:
