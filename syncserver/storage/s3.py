@@ -14,13 +14,13 @@ prefix, named by a relative *name* (``runs/imdb/rounds/3/peer-a.safetensors``); 
 not a plain relative path (``..``, ``//``, a leading ``/``, a character outside letters, digits
 and ``._-``) is refused before any request (:class:`KeyRefused`).
 
-Blocking, as :mod:`syncserver.store` is: the ``presign_*`` methods do no I/O (tens of
+Blocking, as :mod:`syncserver.storage.store` is: the ``presign_*`` methods do no I/O (tens of
 microseconds: fine on the event loop), every other method makes requests and belongs in a
 worker thread. One instance is safe to share between threads (httpx's client is). The hub's
 own requests wait at most ``timeout`` seconds for any one connect, read or write, and an
 idempotent one (not POST) is tried three times on transport trouble or a 5xx.
 
-Errors, translated here once (as :mod:`syncserver.store` does for the disk):
+Errors, translated here once (as :mod:`syncserver.storage.store` does for the disk):
 
     StoreError
     ├── StoreUnavailable   the store cannot serve us: down, slow past the timeouts, 5xx, the
