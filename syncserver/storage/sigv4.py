@@ -1,0 +1,113 @@
+"""AWS Signature Version 4 for S3, query-string form (presigned URLs): the standard library only.
+
+Why our own, not botocore's: the hub needs one operation from an S3 SDK, signing a request, and
+presigned URLs serve both sides. A peer PUTs or GETs through one; the hub itself makes every
+request it sends the store with one too (signed the moment before it is sent, for seconds), so
+there is one signing path to get right, and httpx, which the hub has already, sends them.
+boto3 would add 0.3-0.6 s of import and ~40 MB of resident memory to a hub that holds no
+tensors (bench/RESULTS.md, "Object store client"), and obstore cannot presign an UploadPart
+(it signs a method and a path, not the ``partNumber``/``uploadId`` query).
+
+The algorithm is AWS's "Authenticating Requests: Using Query Parameters"; tests/test_objectstore.py
+checks it against AWS's published example and against botocore's presigner on the same inputs,
+and SeaweedFS accepts what it signs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from urllib.parse import quote, urlsplit
+
+__all__ = ["MAX_EXPIRES", "Credentials", "presign"]
+
+MAX_EXPIRES = 7 * 24 * 3600  # S3 refuses a presigned URL valid for longer than 7 days
+_ALGORITHM = "AWS4-HMAC-SHA256"
+_UNSIGNED = "UNSIGNED-PAYLOAD"  # the body is not part of the signature: a peer streams it
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """An access key pair (and the session token of temporary credentials). ``repr`` hides the secret."""
+
+    access_key: str
+    secret_key: str = field(repr=False)
+    session_token: str | None = field(default=None, repr=False)
+
+
+def presign(
+    method: str,
+    url: str,
+    *,
+    credentials: Credentials,
+    region: str,
+    expires: int,
+    query: Mapping[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
+    now: datetime.datetime | None = None,
+) -> str:
+    """``url`` (scheme, host[:port], path: not yet percent-encoded) signed for ``method`` for ``expires`` seconds.
+
+    ``query``: the operation's parameters (``uploadId``, ``partNumber``...), signed with it: a
+    URL for part 3 of one upload is no URL for part 4, or for another key. ``headers``: headers
+    the request will carry that the signature must cover (``content-md5``); ``host`` always is.
+    """
+    if not 1 <= expires <= MAX_EXPIRES:
+        raise ValueError(f"expires must be 1..{MAX_EXPIRES} seconds, not {expires}")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+        raise ValueError(f"presign needs http(s)://host/path without a query, not {url!r}")
+    when = (now or datetime.datetime.now(datetime.timezone.utc)).astimezone(datetime.timezone.utc)
+    stamp, day = when.strftime("%Y%m%dT%H%M%SZ"), when.strftime("%Y%m%d")
+    scope = f"{day}/{region}/s3/aws4_request"
+    signed = {"host": _host(parts.scheme, parts.netloc)}
+    signed.update({k.lower(): " ".join(v.strip().split()) for k, v in (headers or {}).items()})
+    names = ";".join(sorted(signed))
+    params = {
+        **(query or {}),
+        "X-Amz-Algorithm": _ALGORITHM,
+        "X-Amz-Credential": f"{credentials.access_key}/{scope}",
+        "X-Amz-Date": stamp,
+        "X-Amz-Expires": str(expires),
+        "X-Amz-SignedHeaders": names,
+    }
+    if credentials.session_token:
+        params["X-Amz-Security-Token"] = credentials.session_token
+    path = quote(parts.path or "/", safe="/~")  # S3: each segment encoded once, never normalised
+    canonical_query = "&".join(f"{_q(k)}={_q(v)}" for k, v in sorted(params.items()))
+    canonical = "\n".join(
+        [
+            method.upper(),
+            path,
+            canonical_query,
+            "".join(f"{k}:{signed[k]}\n" for k in sorted(signed)),
+            names,
+            _UNSIGNED,
+        ]
+    )
+    to_sign = "\n".join([_ALGORITHM, stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+    key = _signing_key(credentials.secret_key, day, region)
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    return f"{parts.scheme}://{parts.netloc}{path}?{canonical_query}&X-Amz-Signature={signature}"
+
+
+def _q(value: str) -> str:
+    """RFC 3986 encoding, as SigV4 wants it in a query: only A-Z a-z 0-9 - _ . ~ stay."""
+    return quote(value, safe="~")
+
+
+def _host(scheme: str, netloc: str) -> str:
+    """The Host header an HTTP client sends: the port only when it is not the scheme's default."""
+    host = netloc.rsplit("@", 1)[-1].lower()
+    default = {"http": ":80", "https": ":443"}[scheme]
+    return host[: -len(default)] if host.endswith(default) else host
+
+
+def _signing_key(secret: str, day: str, region: str) -> bytes:
+    key = ("AWS4" + secret).encode()
+    for part in (day, region, "s3", "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    return key
