@@ -316,6 +316,20 @@ class ObjectStore:
         )
         return ObjectInfo(name, len(view), response.headers.get("etag", "").strip('"'))
 
+    def put_from(self, name: str, size: int, read: Callable[[int, int], bytes]) -> ObjectInfo:
+        """Write ``size`` bytes at ``name`` in one request, taken 1 MiB at a time from
+        ``read(offset, n)`` (a file the hub publishes: a result, a version), never all in memory."""
+
+        def chunks() -> Iterator[bytes]:
+            for offset in range(0, size, _READ_BYTES):
+                chunk = read(offset, min(_READ_BYTES, size - offset))
+                if not chunk:
+                    raise StoreUnavailable(f"{self.url}{name}: the source ended at {offset} of {size} bytes")
+                yield chunk
+
+        response = self._request("PUT", self.key(name), content=chunks, headers={"Content-Length": str(size)})
+        return ObjectInfo(name, size, response.headers.get("etag", "").strip('"'))
+
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytearray:
         """Bytes ``[start, end)`` of ``name`` (to its end when ``end`` is None): a ranged GET, so
         a reducer reads only its slice of each update. :class:`StoreRefused` (``InvalidRange``)
