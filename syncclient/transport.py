@@ -275,7 +275,7 @@ class Transport:
         then comes from the store (:meth:`_store_client`, which never carries the hub's token),
         resumed there with Range after a cut. A URL that has expired by then (403) sends the
         download back to the hub for a fresh one, at the byte it had reached; a store that
-        cannot be reached or fails (connect error, 5xx, a fresh URL refused) makes it ask the
+        gives nothing (cannot be reached, resets, 5xx, a fresh URL refused) makes it ask the
         hub with ``direct=1``, which serves its own copy from there on."""
         reader = StreamReader(self.max_download, on_tensor)
         got = _Source()
@@ -286,7 +286,7 @@ class Transport:
                     with attempt:
                         got.fresh = False  # a URL from an earlier attempt may have expired since
                         while True:
-                            to_store = got.url is not None
+                            to_store, before = got.url is not None, reader.received
                             try:
                                 if to_store:
                                     assert got.url is not None
@@ -321,8 +321,11 @@ class Transport:
                                             got.redirected(r.headers["location"])
                                             continue
                                     reader, bar = self._take(r, reader, bar, on_tensor, path)
-                            except (httpx.ConnectError, httpx.ConnectTimeout, _StoreFailed) as exc:
-                                if not to_store:
+                            except (httpx.TransportError, _StoreFailed) as exc:
+                                # a cut after some bytes is resumed there (a retry); a store that
+                                # gives nothing (down, refusing) is left for the hub's own copy
+                                cut = isinstance(exc, httpx.TransportError) and reader.received > before
+                                if not to_store or cut:
                                     raise
                                 log.warning(
                                     "run %s: the object store failed (%s: %s); downloading from the hub",

@@ -8,7 +8,12 @@ bearer token may reach it), and cuts, stalls or stops the store's link on demand
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -17,14 +22,16 @@ import httpx
 import numpy as np
 import pytest
 import safetensors.numpy
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from syncclient import SyncClient
+from syncclient.transport import Transport
 from syncserver.storage.bucket import object_name
-from syncserver.storage.store import VersionKey
+from syncserver.storage.store import ResultKey, VersionKey
 from tests.conftest import Hub, tiny_gpt2
 from tests.faultproxy import FaultProxy
-from tests.harness import Peers
+from tests.harness import Peers, wait_for
 from tests.s3server import SeaweedFS
 
 TOKEN = "hub-secret"
@@ -149,3 +156,141 @@ def model_of_after(hub: Hub, run: str) -> str:
     peers = train(hub.url, run, 3)
     peers.close()
     return digest(model_of(hub, run))
+
+
+def one_peer_run(hub: Hub, run: str, model: torch.nn.Module) -> SyncClient:
+    """A run of one peer that has initialised it (version 0 is in, the run started)."""
+    client = SyncClient(hub.url, run=run, peer="p", token=TOKEN, min_peers=1)
+    client.join(model)
+    return client
+
+
+def test_cut_download_resumes_against_the_bucket_and_an_expired_url_asks_the_hub_again(
+    hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS, s3: FaultProxy
+) -> None:
+    """A model download cut at 1.2 MB resumes from the bucket with Range; by then its URL (1 s)
+    has expired (the store's link is slowed to 1 MB/s): the SDK asks the hub for a fresh one
+    and goes on from the byte it had, without the hub's token ever reaching the store."""
+    hub = store_hub(hub_factory, seaweedfs, s3, "resume", "--store-url-seconds", "1")
+    model = tiny_gpt2(1, n_embd=128, vocab_size=4096)  # ~2.3 MB: the SDK reads 1 MiB at a time
+    one_peer_run(hub, "r", model).close()
+    expected = model_of(hub, "r")
+    where = f"GET /{seaweedfs.bucket}/resume/runs/r/versions/"
+    before = len(s3.matching(where))
+    s3.throttle(1_000_000, match=where)
+    s3.cut_response(after=1_200_000, match=where)
+    with contextlib.closing(Transport(hub.url, run="r", token=TOKEN, verify=True, timeout=30, retry_seconds=60)) as t:
+        got = t.download("/v1/runs/r/model", {"peer": "p"})
+    assert got is not None and got.version == 0 and got.store_seconds is not None
+    for name, array in expected.items():
+        np.testing.assert_array_equal(got.reader.tensors[name], array)
+    gets = s3.matching(where)[before:]
+    assert [g.status for g in gets] == [200, 403, 206], [(g.status, g.fault) for g in gets]
+    assert gets[0].fault and "range: bytes=" in gets[2].head and "range: bytes=0-" not in gets[2].head
+    assert gets[1].target != gets[2].target  # a fresh URL from the hub
+    assert all("authorization" not in g.head for g in gets)
+
+
+def test_serve_with_a_store_that_cannot_work_is_one_line_and_exit_2(seaweedfs: SeaweedFS, tmp_path: Path) -> None:
+    """A missing bucket, a store that is down: one line on stderr, exit 2, before anything listens."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    down = f"http://127.0.0.1:{held.getsockname()[1]}"
+    cases = {
+        "s3://no-such-bucket/x": ({}, "error: --store: s3://no-such-bucket/x/: bucket 'no-such-bucket' does not exist"),
+        f"s3://{seaweedfs.bucket}/x": ({"AWS_ENDPOINT_URL": down}, "unreachable: ConnectError"),
+    }
+    with held:
+        for url, (env, said) in cases.items():
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "syncserver",
+                    "serve",
+                    "--port",
+                    "0",
+                    "--data-dir",
+                    str(tmp_path),
+                    "--store",
+                    url,
+                ],
+                env={**os.environ, **seaweedfs.env(), **env},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert done.returncode == 2, done.stderr
+            lines = done.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: --store: ") and said in lines[0], done.stderr
+            assert seaweedfs.secret_key not in done.stderr
+    # plain uvicorn: the hub does not start, and says why
+    done = subprocess.run(
+        [sys.executable, "-m", "uvicorn", "syncserver.app:app", "--port", "0"],
+        env={**os.environ, **seaweedfs.env(), "SYNC_STORE": "s3://no-such-bucket", "SYNC_DATA_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "Application startup failed" in done.stderr
+    # the hub's log line, and uvicorn's report of the startup failure, end with the reason
+    said = [line for line in done.stderr.splitlines() if "ERROR" in line or line.startswith("RuntimeError")]
+    assert any("SYNC_STORE: s3://no-such-bucket/: bucket 'no-such-bucket' does not exist" in line for line in said)
+    assert seaweedfs.secret_key not in done.stderr
+
+
+def test_store_down_mid_run_peers_finish_from_the_hubs_disk(
+    hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS, s3: FaultProxy
+) -> None:
+    """The store's link dies after round 0: a peer sent to it for round 0's result falls back
+    to the hub (direct=1), the next rounds' uploads fail and their results are served from the
+    hub's disk, a late joiner gets the model from the hub; one warning, no 500, same bits."""
+    plain = hub_factory(env={"SYNC_TOKEN": TOKEN})
+    reference = model_of_after(plain, "r")
+    hub = store_hub(hub_factory, seaweedfs, s3, "down")
+    peers = train(hub.url, "r", 1)
+    s3.reset_on_connect(times=1_000_000)  # every new connection to the store is reset
+    s3.drop_connections()
+    with contextlib.closing(Transport(hub.url, run="r", token=TOKEN, verify=True, timeout=30, retry_seconds=30)) as t:
+        again = t.download("/v1/runs/r/rounds/0/result", {"peer": "a"})
+    assert again is not None and again.store_seconds is not None  # it was sent to the store first
+    for r in (1, 2):
+        peers.parallel(["a", "b"], lambda n, r=r: peers.sync(n, samples=4 + (n == "b"), seed=10 * r + (n == "b")))
+    peers.close()
+    assert digest(model_of(hub, "r")) == reference
+    late = SyncClient(hub.url, run="r", peer="late", token=TOKEN)
+    late.join(tiny_gpt2(5))
+    assert late.version == 3
+    late.close()
+    samples = scrape(hub)
+    assert metric(samples, "weightsync_download_bytes_total", run="r", via="hub") > 0
+    log = hub.log()
+    assert log.count("object_store_down run=r") == 1, log
+    assert " 500 " not in log and "Traceback" not in log
+
+
+def test_restart_deletes_objects_no_committed_record_names(
+    hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS, s3: FaultProxy
+) -> None:
+    """What a crash leaves in the bucket (an upload whose record never committed: a result of
+    a round that did not close, a version past the last) is deleted at start; committed
+    copies stay and are still served."""
+    hub = store_hub(hub_factory, seaweedfs, s3, "gc")
+    peers = train(hub.url, "r", 1)
+    peers.close()
+    bucket = seaweedfs.store("gc")
+    kept = object_name(ResultKey("r", 0))
+    assert bucket.head(kept) is not None
+    orphans = [object_name(ResultKey("r", 1)), object_name(VersionKey("r", 2)), object_name(ResultKey("r", 7))]
+    hub.kill()  # as a crash between an upload and its record
+    for name in orphans:
+        bucket.put(name, b"an upload whose record never committed")
+    upload_id = bucket.create_multipart(object_name(ResultKey("r", 1)))
+    hub.start()
+    wait_for(lambda: all(bucket.head(name) is None for name in orphans), "the orphans deleted")
+    assert bucket.head(kept) is not None and bucket.uploads("runs/r/") == []
+    assert upload_id
+    with contextlib.closing(Transport(hub.url, run="r", token=TOKEN, verify=True, timeout=30, retry_seconds=30)) as t:
+        got = t.download("/v1/runs/r/rounds/0/result", {})
+    assert got is not None and got.store_seconds is not None and got.version == 1
+    bucket.close()
