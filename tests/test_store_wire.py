@@ -150,6 +150,16 @@ def test_two_peers_three_rounds_through_the_store(
     assert page["store"] == state["store"]
     lanes = {(rnd["round"], lane["peer"]): lane["spans"] for rnd in page["trace"] for lane in rnd["lanes"]}
     assert all(any(span[0] == "download" for span in lanes[r, p]) for r in range(3) for p in ("a", "b"))
+    shown = subprocess.run(
+        [sys.executable, "-m", "syncserver", "status", stored.url, "--run", "r", "--token", TOKEN],
+        env={**os.environ, "COLUMNS": "240"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    said = " ".join(shown.stdout.split())  # the title wraps at the tables' width
+    assert f"downloads from s3://{seaweedfs.bucket}/two-peers/" in said, shown.stdout + shown.stderr
+    assert seaweedfs.secret_key not in shown.stdout and seaweedfs.access_key not in shown.stdout
 
 
 def model_of_after(hub: Hub, run: str) -> str:
