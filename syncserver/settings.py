@@ -112,7 +112,7 @@ class HubSettings(BaseSettings):
     store: str = Field(
         "",
         description="An S3-API bucket that carries round results and model versions to peers (presigned GETs), "
-        "s3://bucket[/prefix]; endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+        "s3://bucket/prefix (the prefix optional); endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
         "AWS_SECRET_ACCESS_KEY, AWS_REGION. Checked at start. Empty: local disk only.",
         max_length=1024,
     )

@@ -34,6 +34,7 @@ from tests.faultproxy import FaultProxy
 from tests.harness import Peers, wait_for
 from tests.s3server import SeaweedFS
 
+REPO = Path(__file__).resolve().parents[1]
 TOKEN = "hub-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -304,3 +305,18 @@ def test_restart_deletes_objects_no_committed_record_names(
         got = t.download("/v1/runs/r/rounds/0/result", {})
     assert got is not None and got.store_seconds is not None and got.version == 1
     bucket.close()
+
+
+def test_store_bytes_benchmark_runs(seaweedfs: SeaweedFS, tmp_path: Path) -> None:
+    """bench/storebytes.py's smoke test, on this session's SeaweedFS: with a store the hub's link
+    carries one result per round (x model 1.00 in fp32), without it one per peer."""
+    command = [sys.executable, "bench/storebytes.py", "--peers", "2", "--codecs", "fp32", "--rounds", "1"]
+    command += ["--params", "20000", "--bucket", seaweedfs.bucket, "--out", str(tmp_path)]
+    done = subprocess.run(
+        command, cwd=REPO, env={**os.environ, **seaweedfs.env()}, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("| fp32 | 2 |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4] == "1.00" and cells[6] == "2.00", done.stdout
+    assert len(list(tmp_path.glob("storebytes-*.json"))) == 1
