@@ -333,8 +333,8 @@ class Transport:
                                     type(exc).__name__,
                                     exc,
                                 )
-                                got.url, params = None, {**params, "direct": 1}
-                                continue
+                                got.url, got.since, params = None, None, {**params, "direct": 1}
+                                continue  # (the hub then sees the download end itself: no report)
                             break
                         if not reader.done:
                             raise httpx.RemoteProtocolError("body ended early")

@@ -262,9 +262,11 @@ def test_store_down_mid_run_peers_finish_from_the_hubs_disk(
     peers = train(hub.url, "r", 1)
     s3.reset_on_connect(times=1_000_000)  # every new connection to the store is reset
     s3.drop_connections()
+    tried = s3.connections
     with contextlib.closing(Transport(hub.url, run="r", token=TOKEN, verify=True, timeout=30, retry_seconds=30)) as t:
         again = t.download("/v1/runs/r/rounds/0/result", {"peer": "a"})
-    assert again is not None and again.store_seconds is not None  # it was sent to the store first
+    assert again is not None and again.version == 1
+    assert s3.connections > tried and again.store_seconds is None  # sent to the store first, served by the hub
     for r in (1, 2):
         peers.parallel(["a", "b"], lambda n, r=r: peers.sync(n, samples=4 + (n == "b"), seed=10 * r + (n == "b")))
     peers.close()
