@@ -54,6 +54,7 @@ BUDGETS: dict[str, float] = {
     # a download slowed to 1 MB/s so that its 1 s URL expires before the resume
     "tests/test_store_wire.py::test_two_peers_three_rounds_through_the_store": 10,
     "tests/test_store_wire.py::test_cut_download_resumes_against_the_bucket_and_an_expired_url_asks_the_hub_again": 9,
+    "tests/test_store_wire.py::test_hub_killed_between_a_results_upload_and_its_commit": 11,  # two hubs, a restart
     "tests/test_store_wire.py::test_store_bytes_benchmark_runs": 14,  # bench/storebytes.py: two hubs, two peers
     # attacks and fuzzing, bounded: 4 clients on a 100k-tensor run; ~1000 generated requests
     "tests/test_cost.py::test_a_run_of_100k_tensors_polled_by_4_clients_starves_no_other_run": 14,

@@ -163,8 +163,8 @@ def test_two_peers_three_rounds_through_the_store(
     assert seaweedfs.secret_key not in shown.stdout and seaweedfs.access_key not in shown.stdout
 
 
-def model_of_after(hub: Hub, run: str) -> str:
-    peers = train(hub.url, run, 3)
+def model_of_after(hub: Hub, run: str, rounds: int = 3) -> str:
+    peers = train(hub.url, run, rounds)
     peers.close()
     return digest(model_of(hub, run))
 
@@ -322,3 +322,34 @@ def test_store_bytes_benchmark_runs(seaweedfs: SeaweedFS, tmp_path: Path) -> Non
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[4] == "1.00" and cells[6] == "2.00", done.stdout
     assert len(list(tmp_path.glob("storebytes-*.json"))) == 1
+
+
+def test_hub_killed_between_a_results_upload_and_its_commit(
+    hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS, s3: FaultProxy
+) -> None:
+    """SIGKILL once round 0's result is in the bucket but its commit is not (the store's answer
+    to the hub's upload is held): the restart deletes the orphan, closes the round again from
+    the two acknowledged updates, and the peers, riding through on their retries, end on the
+    same bits as a hub that never crashed."""
+    plain = hub_factory(env={"SYNC_TOKEN": TOKEN})
+    reference = model_of_after(plain, "r", rounds=2)
+    hub = store_hub(hub_factory, seaweedfs, s3, "crash")
+    bucket = seaweedfs.store("crash")
+    result = object_name(ResultKey("r", 0))
+    s3.stall(seconds=60, match=f"PUT /{seaweedfs.bucket}/crash/{result}")
+    peers = Peers(hub.url, "r", ["a", "b"], token=TOKEN, min_peers=2)
+    peers.join()
+    for name in ("a", "b"):
+        peers.start(name, lambda n=name: peers.sync(n, samples=4 + (n == "b"), seed=n == "b"))
+    wait_for(lambda: bucket.head(result) is not None, "round 0's result in the bucket")
+    assert httpx.get(f"{hub.url}/v1/runs/r", headers=AUTH).json()["version"] == 0  # not committed
+    hub.kill()
+    s3.clear()
+    hub.start()
+    peers.wait()
+    peers.parallel(["a", "b"], lambda n: peers.sync(n, samples=4 + (n == "b"), seed=10 + (n == "b")))
+    peers.close()
+    assert digest(model_of(hub, "r")) == reference
+    assert "object_store_orphans_deleted run=r objects=1" in hub.log()
+    assert bucket.head(result) is not None  # the round's own copy, uploaded again and committed
+    bucket.close()

@@ -155,8 +155,8 @@ class Bucket:
         except StoreError as exc:
             self.failed(run, f"cleaning up after a restart: {exc}")
             return 0
-        if deleted:
-            log.info("object_store_orphans_deleted run=%s objects=%d", run, deleted)
+        if deleted:  # a crash cut uploads before their records: worth a line in the log
+            log.warning("object_store_orphans_deleted run=%s objects=%d", run, deleted)
         return deleted
 
     def prune(self, run: str, version_floor: int, result_floor: int) -> list[Published]:
