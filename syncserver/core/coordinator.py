@@ -454,9 +454,7 @@ class Coordinator:
         if run and peer_name in run.peers:
             run.peers[peer_name].bytes_down += nbytes
 
-    def record_download(
-        self, run_name: str, round_: int, peer_name: str | None, began: float, ended: float | None = None
-    ) -> None:
+    def record_download(self, run_name: str, round_: int, peer_name: str | None, began: float) -> None:
         """A peer has received round ``round_``'s whole result (called once the hub's response is
         sent, or when the peer reports a download from the object store): the last phase of its
         round, for the dashboard's timeline and the metrics."""
@@ -464,7 +462,7 @@ class Coordinator:
         if run is None or peer_name not in run.peers:
             return
         assert peer_name is not None
-        ended = time.time() if ended is None else ended
+        ended = time.time()
         run.downloads.setdefault(round_, {})[peer_name] = (began, ended)
         while len(run.downloads) > DOWNLOADS_KEPT:
             del run.downloads[min(run.downloads)]
@@ -477,8 +475,7 @@ class Coordinator:
         self.peer(run, peer_name)
         if not 0 <= round_ < run.version:
             raise Conflict(f"round {round_} has no result yet; the run is at version {run.version}")
-        ended = time.time()
-        self.record_download(run_name, round_, peer_name, ended - seconds, ended)
+        self.record_download(run_name, round_, peer_name, time.time() - seconds)
 
 
 def _configured(run: Run, key: str) -> Any:
