@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from syncclient import SyncClient
 from syncclient.transport import Transport
@@ -33,6 +32,7 @@ from tests.conftest import Hub, tiny_gpt2
 from tests.faultproxy import FaultProxy
 from tests.harness import Peers, wait_for
 from tests.s3server import SeaweedFS
+from tests.test_metrics import scrape
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "hub-secret"
@@ -83,16 +83,6 @@ def _synced(peers: Peers) -> set[str]:
     return set(client._state.base) if client._state else set()  # the tensors the run syncs
 
 
-def scrape(hub: Hub) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    r = httpx.get(f"{hub.url}/metrics", headers=AUTH)
-    r.raise_for_status()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(r.text)
-        for s in family.samples
-    }
-
-
 def metric(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
@@ -116,7 +106,7 @@ def test_two_peers_three_rounds_through_the_store(
     stored = store_hub(hub_factory, seaweedfs, s3, "two-peers")
     reference = model_of_after(plain, "r")
     peers = train(stored.url, "r", 3)
-    samples = scrape(stored)
+    samples = scrape(stored, TOKEN)
     final = model_of(stored, "r")
     assert digest(final) == reference  # the same bits as the local-disk hub's
     for name in ("a", "b"):
@@ -275,7 +265,7 @@ def test_store_down_mid_run_peers_finish_from_the_hubs_disk(
     late.join(tiny_gpt2(5))
     assert late.version == 3
     late.close()
-    samples = scrape(hub)
+    samples = scrape(hub, TOKEN)
     assert metric(samples, "weightsync_download_bytes_total", run="r", via="hub") > 0
     log = hub.log()
     assert log.count("object_store_down run=r") == 1, log
