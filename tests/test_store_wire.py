@@ -141,6 +141,21 @@ def test_two_peers_three_rounds_through_the_store(
     assert page["store"] == state["store"]
     lanes = {(rnd["round"], lane["peer"]): lane["spans"] for rnd in page["trace"] for lane in rnd["lanes"]}
     assert all(any(span[0] == "download" for span in lanes[r, p]) for r in range(3) for p in ("a", "b"))
+    # bad download reports: a JSON reason each, nothing recorded
+    report = f"{stored.url}/v1/runs/r/peers/a/downloaded"
+    for body, status in [
+        ({"round": 3, "seconds": 0.1}, 409),  # no result yet
+        ({"round": 0, "seconds": -1}, 422),
+        ({"round": 0, "seconds": 1e9}, 422),
+        ({"round": 0}, 422),
+    ]:
+        r = httpx.post(report, json=body, headers=AUTH)
+        assert r.status_code == status and r.json()["error"], (body, r.text)
+    r = httpx.post(f"{stored.url}/v1/runs/r/peers/nobody/downloaded", json={"round": 0, "seconds": 1}, headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"] == "not_found"
+    assert httpx.post(report, json={"round": 0, "seconds": 1}).status_code == 401
+    r = httpx.get(f"{stored.url}/v1/runs/r/model", params={"direct": "maybe"}, headers=AUTH)
+    assert r.status_code == 422 and "direct" in r.json()["detail"]
     shown = subprocess.run(
         [sys.executable, "-m", "syncserver", "status", stored.url, "--run", "r", "--token", TOKEN],
         env={**os.environ, "COLUMNS": "240"},
