@@ -184,16 +184,18 @@ def one_peer_run(hub: Hub, run: str, model: torch.nn.Module) -> SyncClient:
 def test_cut_download_resumes_against_the_bucket_and_an_expired_url_asks_the_hub_again(
     hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS, s3: FaultProxy
 ) -> None:
-    """A model download cut at 1.2 MB resumes from the bucket with Range; by then its URL (1 s)
-    has expired (the store's link is slowed to 1 MB/s): the SDK asks the hub for a fresh one
-    and goes on from the byte it had, without the hub's token ever reaching the store."""
-    hub = store_hub(hub_factory, seaweedfs, s3, "resume", "--store-url-seconds", "1")
+    """A model download cut at 1.2 MB resumes from the bucket with Range; by then its URL has
+    expired: the SDK asks the hub for a fresh one and goes on from the byte it had, without the
+    hub's token ever reaching the store. The URL lives 2 s (SigV4 dates are whole seconds: it
+    expires 1-2 s after it is signed, so its first request has a second at least on a loaded
+    machine), and the store's link is slowed to 500 kB/s, so the cut comes after 2.4 s."""
+    hub = store_hub(hub_factory, seaweedfs, s3, "resume", "--store-url-seconds", "2")
     model = tiny_gpt2(1, n_embd=128, vocab_size=4096)  # ~2.3 MB: the SDK reads 1 MiB at a time
     one_peer_run(hub, "r", model).close()
     expected = model_of(hub, "r")
     where = f"GET /{seaweedfs.bucket}/resume/runs/r/versions/"
     before = len(s3.matching(where))
-    s3.throttle(1_000_000, match=where)
+    s3.throttle(500_000, match=where)
     s3.cut_response(after=1_200_000, match=where)
     with contextlib.closing(Transport(hub.url, run="r", token=TOKEN, verify=True, timeout=30, retry_seconds=60)) as t:
         got = t.download("/v1/runs/r/model", {"peer": "p"})
