@@ -16,6 +16,7 @@ single-request upload: the same code.
 
 Downloads are the SDK's own (:meth:`~syncclient.transport.Transport.download`: safetensors
 into arrays, a cut transfer resumed with ``Range``), given the presigned URL by :func:`download`.
+A hub's ``307`` to its object store is followed there too, by its own token-free client.
 
 The transport must carry no bearer token: the hub's token must never reach a bucket (and S3
 refuses a request signed twice): ``Transport("", run=..., token=None, verify=..., timeout=...,

@@ -158,7 +158,24 @@ class RunProtocol:
         while True:
             download = self.transport.download(path, {"wait": self.poll if wait else 0, "peer": self.peer}, on_tensor)
             if download is not None:  # None: the long poll ended with the round still open
+                if download.store_seconds is not None:
+                    self._downloaded(round_, download.store_seconds)
                 return download
+
+    def _downloaded(self, round_: int, seconds: float) -> None:
+        """Tell the hub a result came from its object store, and how long that took: it sees
+        that download begin (its 307) but not end, and the end is the peer's download phase on
+        the dashboard. One small request, one try: a lost report loses a timeline span only."""
+        try:
+            self.transport.call(
+                "POST",
+                f"{self.path}/peers/{self.peer}/downloaded",
+                json={"round": round_, "seconds": round(seconds, 4)},
+                retry=False,
+                timeout=10,
+            )
+        except SyncError as exc:
+            log.debug("run %s: the download report for round %d was lost (%s)", self.run, round_, exc)
 
     def catch_up(self) -> Outcome:
         """No update: just the latest version, to adopt (the base cannot be trusted)."""

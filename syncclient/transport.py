@@ -37,6 +37,7 @@ import logging
 import os
 import secrets
 import ssl
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -77,6 +78,29 @@ class Download:
     reader: StreamReader
     version: int  # X-Sync-Version: the model version the body is (or leads to)
     run_samples: int = -1  # X-Sync-Run-Samples: samples the run had trained by that version
+    store_seconds: float | None = None  # from the hub's 307 to the last byte, when it came from the object store
+
+
+@dataclass
+class _Source:
+    """Where a download stands: the hub's headers, and the object store's URL if it sent us there."""
+
+    version: int = -1
+    run_samples: int = -1
+    hub_etag: str | None = None
+    url: str | None = None  # the presigned GET of the hub's 307
+    store_etag: str | None = None
+    fresh: bool = False  # the URL came in this attempt: a 403 is no expiry
+    since: float | None = None  # the first 307 (monotonic)
+
+    def redirected(self, url: str) -> None:
+        self.url, self.fresh = url, True
+        if self.since is None:
+            self.since = time.monotonic()
+
+
+class _StoreFailed(Exception):
+    """The object store answered a presigned GET with an error that asking again cannot fix."""
 
 
 class _Retry(Exception):
@@ -125,6 +149,8 @@ class Transport:
         # API, httpx's private attribute; tests/test_resume.py fails if either moves)
         pool = transport._pool
         pool._network_backend = _LargeReads(pool._network_backend)
+        self._verify = verify
+        self._store_http: httpx.Client | None = None  # presigned URLs of the hub's object store
         self.http = httpx.Client(
             base_url=hub,
             headers={"Authorization": f"Bearer {token}"} if token else {},
@@ -135,6 +161,8 @@ class Transport:
 
     def close(self) -> None:
         self.http.close()
+        if self._store_http is not None:
+            self._store_http.close()
 
     def call(
         self,
@@ -241,44 +269,117 @@ class Transport:
         (a long poll still open). A body that declares more than ``max_download`` bytes of data
         is refused before anything is allocated. ``on_tensor``: each tensor goes there as it
         arrives instead (see :class:`~syncwire.StreamReader`); what it took cannot be taken
-        back, so a body that changed under a resumed download is then an error, not a restart."""
+        back, so a body that changed under a resumed download is then an error, not a restart.
+
+        A hub with an object store answers ``307`` with a presigned GET of its copy: the body
+        then comes from the store (:meth:`_store_client`, which never carries the hub's token),
+        resumed there with Range after a cut. A URL that has expired by then (403) sends the
+        download back to the hub for a fresh one, at the byte it had reached; a store that
+        gives nothing (cannot be reached, resets, 5xx, a fresh URL refused) makes it ask the
+        hub with ``direct=1``, which serves its own copy from there on."""
         reader = StreamReader(self.max_download, on_tensor)
-        etag: str | None = None
-        version = run_samples = -1
+        got = _Source()
         bar: Any = None
         try:
             with self._errors(path):
                 for attempt in self._retrying():
                     with attempt:
-                        headers = (
-                            {"Range": f"bytes={reader.received}-", "If-Range": etag} if reader.received and etag else {}
-                        )
-                        with self.http.stream("GET", path, params=params, headers=headers) as r:
-                            if r.status_code >= 400:
-                                r.read()
-                                _check(r)
-                            if r.status_code == 204:
-                                return None
-                            if r.status_code == 200 and reader.received:  # the file changed: start over
-                                if on_tensor is not None:
-                                    raise SyncError(f"{path} changed while it downloaded")
-                                reader = StreamReader(self.max_download)
-                            etag = r.headers.get("etag")
-                            version = int(r.headers.get("x-sync-version", -1))
-                            run_samples = int(r.headers.get("x-sync-run-samples", -1))
-                            total = reader.received + int(r.headers.get("content-length", 0))
-                            if bar is None and total >= _PROGRESS_BYTES and log.isEnabledFor(logging.INFO):
-                                bar = tqdm(total=total, unit="B", unit_scale=True, desc="download", leave=False)
-                            for chunk in r.iter_bytes(1 << 20):
-                                reader.feed(chunk)
-                                if bar is not None:
-                                    bar.update(len(chunk))
+                        got.fresh = False  # a URL from an earlier attempt may have expired since
+                        while True:
+                            to_store, before = got.url is not None, reader.received
+                            try:
+                                if to_store:
+                                    assert got.url is not None
+                                    # the URL whole: httpx would replace its query with params=
+                                    stream = self._store_client().stream(
+                                        "GET", got.url, headers=_resume(reader, got.store_etag)
+                                    )
+                                else:
+                                    stream = self.http.stream(
+                                        "GET", path, params=params, headers=_resume(reader, got.hub_etag)
+                                    )
+                                with stream as r:
+                                    if to_store:
+                                        if r.status_code == 403 and not got.fresh:  # expired: ask the hub again
+                                            r.read()
+                                            got.url = None
+                                            continue
+                                        if r.status_code not in (200, 206):
+                                            r.read()
+                                            raise _StoreFailed(f"{r.status_code} {_s3_code(r.text)}".rstrip())
+                                        got.store_etag = r.headers.get("etag")
+                                    else:
+                                        if r.status_code >= 400:
+                                            r.read()
+                                            _check(r)
+                                        if r.status_code == 204:
+                                            return None
+                                        got.version = int(r.headers.get("x-sync-version", -1))
+                                        got.run_samples = int(r.headers.get("x-sync-run-samples", -1))
+                                        got.hub_etag = r.headers.get("etag")
+                                        if r.status_code == 307 and r.headers.get("location"):
+                                            got.redirected(r.headers["location"])
+                                            continue
+                                    reader, bar = self._take(r, reader, bar, on_tensor, path)
+                            except (httpx.TransportError, _StoreFailed) as exc:
+                                # a cut after some bytes is resumed there (a retry); a store that
+                                # gives nothing (down, refusing) is left for the hub's own copy
+                                cut = isinstance(exc, httpx.TransportError) and reader.received > before
+                                if not to_store or cut:
+                                    raise
+                                log.warning(
+                                    "run %s: the object store failed (%s: %s); downloading from the hub",
+                                    self.run,
+                                    type(exc).__name__,
+                                    exc,
+                                )
+                                got.url, got.since, params = None, None, {**params, "direct": 1}
+                                continue  # (the hub then sees the download end itself: no report)
+                            break
                         if not reader.done:
                             raise httpx.RemoteProtocolError("body ended early")
         finally:
             if bar is not None:
                 bar.close()
-        return Download(reader, version, run_samples)
+        seconds = time.monotonic() - got.since if got.since is not None else None
+        return Download(reader, got.version, got.run_samples, seconds)
+
+    def _take(
+        self,
+        r: httpx.Response,
+        reader: StreamReader,
+        bar: Any,
+        on_tensor: Callable[[str, np.ndarray, Mapping[str, str]], None] | None,
+        path: str,
+    ) -> tuple[StreamReader, Any]:
+        """Feed a 200/206 answer's body to ``reader`` (a fresh one if a resume got the whole body)."""
+        if r.status_code == 200 and reader.received:  # the file changed: start over
+            if on_tensor is not None:
+                raise SyncError(f"{path} changed while it downloaded")
+            reader = StreamReader(self.max_download)
+        total = reader.received + int(r.headers.get("content-length", 0))
+        if bar is None and total >= _PROGRESS_BYTES and log.isEnabledFor(logging.INFO):
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="download", leave=False)
+        for chunk in r.iter_bytes(1 << 20):
+            reader.feed(chunk)
+            if bar is not None:
+                bar.update(len(chunk))
+        return reader, bar
+
+    def _store_client(self) -> httpx.Client:
+        """The client for presigned URLs: the hub's TLS settings and timeouts, no token (a bucket
+        must never see the hub's bearer token, and S3 refuses a request signed twice), no
+        redirects followed."""
+        if self._store_http is None:
+            transport = httpx.HTTPTransport(
+                verify=self._verify, limits=httpx.Limits(max_connections=8, max_keepalive_connections=4)
+            )
+            pool = transport._pool
+            pool._network_backend = _LargeReads(pool._network_backend)
+            self._store_http = httpx.Client(
+                timeout=self.http.timeout, transport=transport, headers={"Accept-Encoding": "identity"}
+            )
+        return self._store_http
 
     # ---- internals -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -374,6 +475,20 @@ class _LargeReadStream(httpcore.NetworkStream):
 
     def get_extra_info(self, info: str) -> Any:
         return self._stream.get_extra_info(info)
+
+
+def _resume(reader: StreamReader, etag: str | None) -> dict[str, str]:
+    """The headers that ask for the rest of a body after ``reader.received`` bytes (none at 0).
+    ``If-Range`` when the source's ETag is known: objects of the store never change under a
+    key, so its first ranged GET after the hub's part may go without one."""
+    if not reader.received:
+        return {}
+    return {"Range": f"bytes={reader.received}-", **({"If-Range": etag} if etag else {})}
+
+
+def _s3_code(text: str) -> str:
+    start = text.find("<Code>")
+    return text[start + 6 : text.find("</Code>", start)][:60] if start >= 0 else ""
 
 
 def body_size(parts: Parts) -> int:

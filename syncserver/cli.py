@@ -163,6 +163,15 @@ def serve(
 
     limit_arenas()  # before the hub's threads exist: they take arenas as they first allocate
     settings = settings_or_exit(flags)
+    if settings.store:  # before anything listens: a store that cannot work is one line, not a traceback
+        from syncserver.storage.bucket import open_store
+        from syncserver.storage.s3 import StoreUnavailable
+
+        try:
+            open_store(settings.store).close()
+        except StoreUnavailable as exc:
+            typer.echo(f"error: --store: {exc.reason}", err=True)
+            raise typer.Exit(2) from None
     hint = " (open it with ?token=<view or hub token>, or paste the token when asked)" if settings.auth_required else ""
 
     def listening(url: str) -> None:

@@ -109,6 +109,20 @@ class HubSettings(BaseSettings):
         5.0, description="An idle keep-alive connection is closed after this many seconds (uvicorn's keep-alive)."
     )
     keep_versions: int = Field(3, ge=1, le=10_000, description="Model versions (and round results) kept on disk.")
+    store: str = Field(
+        "",
+        description="An S3-API bucket that carries round results and model versions to peers (presigned GETs), "
+        "s3://bucket/prefix (the prefix optional); endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_REGION. Checked at start. Empty: local disk only.",
+        max_length=1024,
+    )
+    store_url_seconds: int = Field(
+        600,
+        ge=1,
+        le=604_800,
+        description="Life of the presigned GETs peers are redirected to (S3 checks it when a request starts; "
+        "a peer whose URL expired asks the hub again).",
+    )
     spare_files: int = Field(
         6,
         ge=0,
@@ -171,6 +185,13 @@ class HubSettings(BaseSettings):
                 raise ValueError(f"SYNC_RUN_TOKENS: {run!r} is not a run name ({NAME_RULE})")
             if not token.get_secret_value():
                 raise ValueError(f"SYNC_RUN_TOKENS: the token of run {run!r} is empty")
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _store_url(cls, value: str) -> str:
+        if value and not value.startswith("s3://"):
+            raise ValueError(f"an object store is named s3://bucket[/prefix], not {value[:80]!r}")
         return value
 
     @property

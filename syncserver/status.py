@@ -165,6 +165,7 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
     title = (
         f"run {s['run']}: version {s['version']}, {live}/{len(s['peers'])} peers live, "
         f"codec {cfg['codec']}, outer {cfg['outer']}, min_peers {cfg['min_peers']}, rounds {cfg['policy']}"
+        + (f", downloads from {s['store']}" if s.get("store") else "")
     )
     curves = s["curves"]["peers"]
     peer_rows: list[list[Cell]] = []

@@ -50,6 +50,12 @@ BUDGETS: dict[str, float] = {
     "tests/test_faults.py::test_storage_fault_gives_503_and_never_a_half_written_version": 12,
     # 3 rounds x 8 racing attempts at a 17 MiB update against a real hub: 8.4 s on a shared 2-core VM
     "tests/test_resume.py::test_a_peer_racing_its_own_retries_is_acknowledged_once": 8,
+    # the object store (SYNC_STORE): two hubs (with and without a store) and `syncserver status`;
+    # a download slowed to 500 kB/s so that its 2 s URL expires before the resume
+    "tests/test_store_wire.py::test_two_peers_three_rounds_through_the_store": 10,
+    "tests/test_store_wire.py::test_cut_download_resumes_against_the_bucket_and_an_expired_url_asks_the_hub_again": 12,
+    "tests/test_store_wire.py::test_hub_killed_between_a_results_upload_and_its_commit": 11,  # two hubs, a restart
+    "tests/test_store_wire.py::test_store_bytes_benchmark_runs": 14,  # bench/storebytes.py: two hubs, two peers
     # attacks and fuzzing, bounded: 4 clients on a 100k-tensor run; ~1000 generated requests
     "tests/test_cost.py::test_a_run_of_100k_tensors_polled_by_4_clients_starves_no_other_run": 14,
     "tests/test_schemathesis.py::test_api_fuzz_no_server_error_and_schema_conformance": 28,

@@ -45,6 +45,7 @@ PROCESS_MODULES = frozenset(
         "test_policies",  # a module hub
         "test_schemathesis",
         "test_status_cli",
+        "test_store_wire",  # hubs with --store, `syncserver serve` refusing a store, bench/storebytes.py
         "test_timeouts",
         "test_tls",
         "test_zero_code",  # weightsync-run

@@ -214,6 +214,33 @@ def test_multipart_through_the_sdk_completed_by_the_store_read_by_ranges(store: 
     assert store.uploads("round/") == []
 
 
+def test_the_hubs_own_upload_from_a_file_in_one_request_or_in_parts(store: ObjectStore) -> None:
+    """put_from: a small body in one PUT; one over ``single_max`` in parts (5 MiB, 5 MiB, the rest),
+    completed, read back whole; a source that ends short aborts the parts (none left behind)."""
+    data = body(11 * MiB + 3, seed=2)
+    reads: list[tuple[int, int]] = []
+
+    def read(offset: int, n: int) -> bytes:
+        reads.append((offset, n))
+        return data[offset : offset + n]
+
+    small = store.put_from("small", 3 * MiB, read)
+    assert small.size == 3 * MiB and store.read("small") == data[: 3 * MiB]
+    assert max(n for _, n in reads) == MiB  # 1 MiB at a time, never the whole body
+    big = store.put_from("big", len(data), read, single_max=5 * MiB)
+    info = store.head("big")
+    assert big.size == len(data) and info is not None and info.etag.endswith("-3")  # three parts
+    assert store.read("big") == data
+    with pytest.raises(StoreUnavailable, match="the source ended"):
+        store.put_from(
+            "short",
+            len(data),
+            lambda offset, n: data[offset : offset + n] if offset < 6 * MiB else b"",
+            single_max=5 * MiB,
+        )
+    assert store.head("short") is None and store.uploads() == []
+
+
 def test_complete_with_a_part_never_uploaded_changes_nothing(store: ObjectStore) -> None:
     """A peer that lies about its parts: the store refuses to complete, no object appears."""
     upload_id = store.create_multipart("lie")

@@ -12,7 +12,9 @@ from syncserver.errors import Unavailable
 from syncserver.storage.store import (
     SPARES,
     Missing,
+    ObjectRecord,
     ResultKey,
+    RoundRecord,
     Staged,
     Store,
     UpdateKey,
@@ -209,6 +211,28 @@ def test_recovery_keeps_the_open_rounds_updates_and_drops_an_uncommitted_result(
     for value, peer in enumerate(["a", "result"], 1):
         with store.read(UpdateKey("r", 0, peer)) as f:
             assert f.read("w").tolist() == [value] * 3
+
+
+def test_a_copy_in_the_object_store_counts_from_its_record_and_the_round_commits_with_it(
+    store: Store, tmp_path: Path
+) -> None:
+    """A result's copy is recorded in the round's own commit, a version's after its upload; a
+    record survives a restart, is forgotten on demand, and a failed commit records nothing."""
+    store.create_run("r", {})
+    record = RoundRecord(0, 0.0, 1.0, ["a"], [], 4, 10, 10, {})
+    copy = ObjectRecord(ResultKey("r", 0), 10, "etag0")
+    store.commit_round("r", record, copy)
+    with pytest.raises(Unavailable):  # the same round again: the commit fails, and so does its copy
+        store.commit_round("r", record, ObjectRecord(ResultKey("r", 0), 99, "other"))
+    store.record_object(ObjectRecord(VersionKey("r", 1), 12, "etag1"))
+    store.close()
+    again = Store(tmp_path / "hub")
+    assert again.stored_object(ResultKey("r", 0)) == copy
+    assert again.stored_object(ResultKey("r", 1)) is None
+    assert again.stored_objects("r") == [copy, ObjectRecord(VersionKey("r", 1), 12, "etag1")]
+    again.forget_objects([ResultKey("r", 0)])
+    assert [r.key for r in again.stored_objects("r")] == [VersionKey("r", 1)]
+    assert again.runs()[0].version == 1
 
 
 def test_recovery_moves_updates_of_the_older_layout(store: Store, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import unquote_plus
 
+from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -29,6 +30,8 @@ from syncserver.api.schemas import ErrorBody, Health
 from syncserver.core.coordinator import Coordinator
 from syncserver.errors import HubError
 from syncserver.settings import HubSettings
+from syncserver.storage.bucket import Bucket, open_store
+from syncserver.storage.s3 import StoreUnavailable
 from syncserver.storage.store import Store, storage_error
 
 log = logging.getLogger(__name__)
@@ -125,15 +128,25 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # before the server listens, however it was started (what one client can hold: docs/SECURITY.md)
         connections = guard_uvicorn(settings.header_timeout, settings.idle_timeout)
+        bucket = None
+        if settings.store:
+            try:  # `syncserver serve` checked it already (one line, exit 2); plain uvicorn lands here
+                objects = await to_thread.run_sync(open_store, settings.store, settings.store_url_seconds)
+            except StoreUnavailable as exc:
+                log.error("SYNC_STORE: %s", exc.reason)
+                raise RuntimeError(f"SYNC_STORE: {exc.reason}") from None
         store = Store(settings.data_dir, spares=settings.spare_files)
-        coordinator = Coordinator(settings, store)
+        if settings.store:
+            bucket = Bucket(objects, store)
+        coordinator = Coordinator(settings, store, bucket)
         await coordinator.start()
         _redact_logs()
         metrics.attach(coordinator.view)
         app.state.coordinator = coordinator
         log.info(
-            "hub ready: data in %s, %s; connections: %s",
+            "hub ready: data in %s%s, %s; connections: %s",
             store.describe(),
+            f", results and versions through {bucket.url}" if bucket else "",
             "token required" if settings.auth_required else "open (no token)",
             connections,
         )
@@ -142,6 +155,8 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
         finally:
             await coordinator.stop()
             store.close()
+            if bucket is not None:
+                bucket.close()
 
     app = FastAPI(
         title="weightsync hub",

@@ -141,6 +141,19 @@ class HubMetrics:
             ["run"],
             registry=r,
         )
+        self.download_bytes = Counter(
+            "weightsync_download_bytes",
+            "Result and model bytes peers downloaded, by where from: via=hub (the hub's link) or via=store "
+            "(redirected to the object store, SYNC_STORE).",
+            ["run", "via"],
+            registry=r,
+        )
+        self.store_bytes = Counter(
+            "weightsync_store_upload_bytes",
+            "Result and version bytes the hub uploaded to the object store (once per object).",
+            ["run"],
+            registry=r,
+        )
         r.register(_StateCollector(self))
 
     def attach(self, view: HubView) -> None:
@@ -149,6 +162,7 @@ class HubMetrics:
         view.listeners.update.append(self._updated)
         view.listeners.round.append(self._closed)
         view.listeners.download.append(self._downloaded)
+        view.listeners.stored.append(self._stored)
         for run in view.names():  # show every known run at 0 from the start
             self._touch(run)
 
@@ -187,6 +201,13 @@ class HubMetrics:
 
     def _downloaded(self, run: str, round_: int, peer: str, seconds: float) -> None:
         self.phases.labels(self.label(run), "download").observe(seconds)
+
+    def _stored(self, run: str, nbytes: int) -> None:
+        self.store_bytes.labels(self.label(run)).inc(nbytes)
+
+    def served(self, run: str, via: str, nbytes: int) -> None:
+        """A download answered: ``nbytes`` through the hub's link, or redirected to the store."""
+        self.download_bytes.labels(self.label(run), via).inc(nbytes)
 
     def rejected_upload(self, request: Request, reason: str) -> None:
         """Count a refused upload (called by the app's error handlers for every error answer)."""

@@ -12,7 +12,7 @@ import binascii
 import json
 import math
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse
@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from syncserver.api import answers
 from syncserver.api.deps import Caller, Hub, PeerName, Round, RunName, Wait, authenticate, authenticate_view
+from syncserver.api.metrics import HubMetrics
 from syncserver.api.responses import BlobResponse, requested_range
 from syncserver.api.schemas import (
     Heartbeat,
@@ -34,7 +35,7 @@ from syncserver.api.schemas import (
     UploadHeld,
     VersionZero,
 )
-from syncserver.core.coordinator import Coordinator, Start
+from syncserver.core.coordinator import Coordinator, Redirect, Start
 from syncserver.core.rounds import Ticket
 from syncserver.errors import BadRequest, HubError, Incomplete, Superseded
 from syncserver.limits import (
@@ -51,6 +52,7 @@ from syncserver.limits import (
 )
 from syncserver.names import NAME_PATTERN
 from syncserver.settings import Outer, Policy, normal_codec
+from syncserver.storage.store import Blob
 from syncserver.storage.uploads import BodyInterrupted, Held, Received, partial_offset, receive
 
 #: ``?peer=``: who downloads (for the dashboard's download log); absent for other clients.
@@ -411,13 +413,49 @@ async def update_offset(
     return Response(status_code=204, headers={"Upload-Offset": str(held), "Upload-Complete": complete})
 
 
+#: ``?direct=1``: the peer was redirected to the object store and could not fetch from there.
+Direct = Annotated[
+    bool,
+    Query(description="Serve from the hub's disk: the object store it redirected to failed for this peer."),
+]
+#: 307: what a download answers when its object is in the object store (SYNC_STORE).
+REDIRECT: dict[int | str, dict[str, Any]] = {
+    307: {
+        "description": "The object is in the hub's object store: `Location` is a presigned GET of it (short-lived; "
+        "ask the hub again when it has expired), with this answer's `ETag` and `X-Sync-*` headers."
+    }
+}
+
+
+def _answer(
+    request: Request,
+    hub: Coordinator,
+    run: str,
+    peer: str | None,
+    found: Blob | Redirect,
+    headers: dict[str, str],
+    background: BackgroundTask | None = None,
+) -> Response:
+    """A download: the hub's copy (ranges), or a 307 to the object store's. Counted either way."""
+    metrics: HubMetrics = request.app.state.metrics
+    size = found.size
+    nbytes = _served_bytes(request, size)
+    hub.count_download(run, peer, nbytes)
+    if isinstance(found, Redirect):
+        metrics.served(run, "store", nbytes)
+        return Response(status_code=307, headers={**headers, "Location": found.url, "Cache-Control": "no-store"})
+    metrics.served(run, "hub", nbytes)
+    return BlobResponse(found, headers=headers, background=background)
+
+
 @router.get(
     "/runs/{run}/rounds/{round}/result",
-    summary="Long poll for a round's merged update (204 while open; supports Range)",
+    summary="Long poll for a round's merged update (204 while open; supports Range; 307 to the object store)",
     response_class=FileResponse,
     responses={
         200: {"description": "The round's merged update, in the run's codec.", "content": SAFETENSORS},
         204: {"description": "Still open after `wait` seconds: ask again."},
+        **REDIRECT,
     },
 )
 async def get_result(
@@ -427,39 +465,55 @@ async def get_result(
     request: Request,
     wait: Wait = 20.0,
     peer: Downloader = None,
+    direct: Direct = False,
 ) -> Response:
-    blob = await hub.wait_result(run, round, peer, wait)
-    if blob is None:
+    found = await hub.wait_result(run, round, peer, wait, direct=direct)
+    if found is None:
         return Response(status_code=204)
-    response = BlobResponse(
-        blob,
-        headers={
-            "ETag": f'"{run}-r{round}"',
-            "X-Sync-Version": str(round + 1),
-            "X-Sync-Run-Samples": str(hub.samples_through(run, round)),
-        },
-        # runs once the whole body is sent: the end of the peer's download phase
-        background=BackgroundTask(_downloaded, hub, run, round, peer, time.time()),
-    )
-    hub.count_download(run, peer, _served_bytes(request, blob.size))
-    return response
+    headers = {
+        "ETag": f'"{run}-r{round}"',
+        "X-Sync-Version": str(round + 1),
+        "X-Sync-Run-Samples": str(hub.samples_through(run, round)),
+    }
+    # runs once the whole body is sent: the end of the peer's download phase (from the store,
+    # the peer reports it: POST .../downloaded)
+    background = BackgroundTask(_downloaded, hub, run, round, peer, time.time())
+    return _answer(request, hub, run, peer, found, headers, background)
 
 
 @router.get(
     "/runs/{run}/model",
-    summary="The latest model version as float32 safetensors (ETag, Range)",
+    summary="The latest model version as float32 safetensors (ETag, Range; 307 to the object store)",
     response_class=FileResponse,
-    responses={200: {"description": "Version `X-Sync-Version` of the model.", "content": SAFETENSORS}},
+    responses={200: {"description": "Version `X-Sync-Version` of the model.", "content": SAFETENSORS}, **REDIRECT},
 )
-async def get_model(run: RunName, hub: Hub, request: Request, peer: Downloader = None) -> Response:
-    version, blob = await hub.model(run)
-    hub.count_download(run, peer, _served_bytes(request, blob.size))
+async def get_model(
+    run: RunName, hub: Hub, request: Request, peer: Downloader = None, direct: Direct = False
+) -> Response:
+    version, found = await hub.model(run, direct=direct, peer_name=peer)
     headers = {
         "ETag": f'"{run}-v{version}"',
         "X-Sync-Version": str(version),
         "X-Sync-Run-Samples": str(hub.samples_through(run, version - 1)),
     }
-    return BlobResponse(blob, headers=headers)
+    return _answer(request, hub, run, peer, found, headers)
+
+
+class DownloadReport(BaseModel):
+    """A result fetched from the object store: the hub sees no end of that download, so the peer says it."""
+
+    round: int = Field(ge=0, le=MAX_ROUND, description="The round whose result the peer fetched.")
+    seconds: float = Field(ge=0, le=86_400, allow_inf_nan=False, description="From the hub's 307 to the last byte.")
+
+
+@router.post(
+    "/runs/{run}/peers/{peer}/downloaded",
+    summary="Report a result downloaded from the object store (the end of the peer's download phase)",
+    status_code=204,
+)
+async def downloaded(run: RunName, peer: PeerName, body: DownloadReport, hub: Hub) -> Response:
+    hub.downloaded(run, peer, body.round, body.seconds)
+    return Response(status_code=204)
 
 
 async def _downloaded(hub: Coordinator, run: str, round_: int, peer: str | None, began: float) -> None:

@@ -249,6 +249,9 @@ class _RunState(Answer):
     open_round: OpenRound
     peers: list[PeerStatus]
     rounds: list[RoundSummary] = Field(description="Latest first.")
+    store: str | None = Field(
+        None, description="The object store peers download results and versions from (SYNC_STORE); null: the hub."
+    )
 
 
 class RunStatus(_RunState):

@@ -34,11 +34,12 @@ from syncserver.core.view import HubView
 from syncserver.errors import Conflict, InvalidUpdate, NotFound
 from syncserver.reduce.engine import MergeEngine
 from syncserver.settings import HubSettings
-from syncserver.storage.store import Blob, Missing, ResultKey, Store, VersionKey
+from syncserver.storage.bucket import Bucket
+from syncserver.storage.store import Blob, Missing, Published, ResultKey, Store, VersionKey
 from syncserver.storage.uploads import Received
 from syncwire import get_codec
 
-__all__ = ["Coordinator", "RoundProgress", "Start"]
+__all__ = ["Coordinator", "Redirect", "RoundProgress", "Start"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,14 @@ class Start:
 
 
 @dataclass(frozen=True)
+class Redirect:
+    """A download to send to the object store: a presigned GET of the copy, and its size."""
+
+    url: str
+    size: int
+
+
+@dataclass(frozen=True)
 class RoundProgress:
     """Where the open round stands after a progress report (``due``: send your update now)."""
 
@@ -76,13 +85,15 @@ class RoundProgress:
 class Coordinator:
     """All runs of one hub."""
 
-    def __init__(self, settings: HubSettings, store: Store) -> None:
+    def __init__(self, settings: HubSettings, store: Store, bucket: Bucket | None = None) -> None:
         self.settings = settings
         self.store = store
+        self.bucket = bucket  # SYNC_STORE: results and versions also go out through it
         self.runs: dict[str, Run] = {}
-        self.view = HubView(self.runs, store, settings.lease_seconds)
+        self.view = HubView(self.runs, store, settings.lease_seconds, bucket.url if bucket else None)
         self.engine = MergeEngine(store, settings.fold_threads)
-        self.rounds = Rounds(settings, store, self.engine, self.view)
+        self.rounds = Rounds(settings, store, self.engine, self.view, bucket)
+        self._copies: dict[Published, asyncio.Task[None]] = {}  # versions being copied to the bucket
         self._ticker: asyncio.Task[None] | None = None
 
     # ---- life ----------------------------------------------------------------------------
@@ -97,6 +108,9 @@ class Coordinator:
             if run.schema is not None:
                 run.shape = await to_thread.run_sync(RunShape.of, run.schema, run.codec, self.settings.max_body_bytes)
             self.store.recover(run.name, run.version)
+            if self.bucket is not None:  # what a crash left in the bucket past the commit
+                named = self.bucket.recover(run.name, run.version)
+                await to_thread.run_sync(self.bucket.delete_unnamed, run.name, named)
             for p in self.store.peers(run.name):
                 # every peer gets a fresh lease: they ride through the restart on retries
                 run.peers[p.name] = Peer(p.name, p.rank, p.joined, p.group_size)
@@ -353,16 +367,24 @@ class Coordinator:
         self.rounds.carry_out(run, close)
 
     # ---- results and models --------------------------------------------------------------
-    async def wait_result(self, run_name: str, round_: int, peer_name: str | None, wait: float) -> Blob | None:
-        """Long poll for round ``round_``'s merged update; None if it is still open after ``wait``."""
+    async def wait_result(
+        self, run_name: str, round_: int, peer_name: str | None, wait: float, *, direct: bool = False
+    ) -> Blob | Redirect | None:
+        """Long poll for round ``round_``'s merged update; None if it is still open after ``wait``.
+        Its copy in the object store if there is one (``direct``: the peer could not reach the
+        store, serve it from disk)."""
         run = self.run(run_name)
         deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
         while True:
             if peer_name is not None:
                 self.peer(run, peer_name)
             if round_ < run.version:
+                key = ResultKey(run.name, round_)
+                copy = self._redirect(run, key, direct, peer_name)
+                if copy is not None:
+                    return copy
                 try:
-                    return self.store.serve(ResultKey(run.name, round_))
+                    return self.store.serve(key)
                 except Missing:
                     raise self.rounds.gone(run, round_) from None
             if round_ > run.version or run.version < 0:
@@ -375,16 +397,53 @@ class Coordinator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.changed.wait(), remaining)
 
-    async def model(self, run_name: str) -> tuple[int, Blob]:
-        """The run's current version and its file, once that file is written."""
+    async def model(
+        self, run_name: str, *, direct: bool = False, peer_name: str | None = None
+    ) -> tuple[int, Blob | Redirect]:
+        """The run's current version and its file, once that file is written; with an object
+        store, its copy there (made on the first ask: a version nobody asks for is never sent)."""
         run = self.run(run_name)
         if run.version < 0:
             raise Conflict(f"run {run_name!r} has no version 0 yet", current_version=-1)
         while True:
             version = run.version
+            key = VersionKey(run.name, version)
+            if self.bucket is not None and not direct and self.bucket.up and self.store.exists(key):
+                await self._copy(run, key)
+            copy = self._redirect(run, key, direct, peer_name)
+            if copy is not None:
+                return version, copy
             with contextlib.suppress(Missing):
-                return version, self.store.serve(VersionKey(run.name, version))
+                return version, self.store.serve(key)
             await self.rounds.versions.written(run)
+
+    def _redirect(self, run: Run, key: Published, direct: bool, peer_name: str | None) -> Redirect | None:
+        if self.bucket is None:
+            return None
+        if direct:  # the peer was sent to the store and could not fetch from it
+            self.bucket.failed(run.name, f"peer {peer_name or '?'} could not download from it")
+            return None
+        found = self.bucket.presign(key)
+        return None if found is None else Redirect(found[0], found[1].size)
+
+    async def _copy(self, run: Run, key: VersionKey) -> None:
+        """Copy a version to the bucket once (every concurrent ask waits for the same upload)."""
+        assert self.bucket is not None
+        if self.store.stored_object(key) is not None:
+            return
+        task = self._copies.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._upload(run, key))
+            self._copies[key] = task
+            task.add_done_callback(lambda _: self._copies.pop(key, None))
+        await asyncio.shield(task)
+
+    async def _upload(self, run: Run, key: VersionKey) -> None:
+        assert self.bucket is not None
+        record = await to_thread.run_sync(self.bucket.upload, key)
+        if record is not None:
+            self.store.record_object(record)  # the copy counts from here on
+            self.view.stored(run, record.size)
 
     def samples_through(self, run_name: str, round_: int) -> int:
         """Samples the run had trained by the end of round ``round_``: a peer stops on a budget."""
@@ -396,8 +455,9 @@ class Coordinator:
             run.peers[peer_name].bytes_down += nbytes
 
     def record_download(self, run_name: str, round_: int, peer_name: str | None, began: float) -> None:
-        """A peer has received round ``round_``'s whole result (called once the response is sent):
-        the last phase of its round, for the dashboard's timeline and the metrics."""
+        """A peer has received round ``round_``'s whole result (called once the hub's response is
+        sent, or when the peer reports a download from the object store): the last phase of its
+        round, for the dashboard's timeline and the metrics."""
         run = self.runs.get(run_name)
         if run is None or peer_name not in run.peers:
             return
@@ -407,6 +467,15 @@ class Coordinator:
         while len(run.downloads) > DOWNLOADS_KEPT:
             del run.downloads[min(run.downloads)]
         self.view.downloaded(run, round_, peer_name, ended - began)
+
+    def downloaded(self, run_name: str, peer_name: str, round_: int, seconds: float) -> None:
+        """A peer reports that it fetched round ``round_``'s result from the object store in
+        ``seconds`` (the hub does not see that download end; the report is its end)."""
+        run = self.run(run_name)
+        self.peer(run, peer_name)
+        if not 0 <= round_ < run.version:
+            raise Conflict(f"round {round_} has no result yet; the run is at version {run.version}")
+        self.record_download(run_name, round_, peer_name, time.time() - seconds)
 
 
 def _configured(run: Run, key: str) -> Any:

@@ -35,7 +35,8 @@ from syncserver.limits import MAX_SAMPLES
 from syncserver.reduce import aggregate
 from syncserver.reduce.engine import MergeEngine
 from syncserver.settings import HubSettings
-from syncserver.storage.store import RoundRecord, Store, UpdateKey, UpdateRecord, Upload, VersionKey
+from syncserver.storage.bucket import Bucket
+from syncserver.storage.store import ResultKey, RoundRecord, Store, UpdateKey, UpdateRecord, Upload, VersionKey
 from syncserver.storage.uploads import Received
 from syncwire import FormatError, TensorInfo, check_layout
 
@@ -110,13 +111,16 @@ def _refuse_body(infos: dict[str, TensorInfo]) -> None:
 class Rounds:
     """The open round of every run: tickets, acknowledgements, folds, closes, version files."""
 
-    def __init__(self, settings: HubSettings, store: Store, engine: MergeEngine, view: HubView) -> None:
+    def __init__(
+        self, settings: HubSettings, store: Store, engine: MergeEngine, view: HubView, bucket: Bucket | None = None
+    ) -> None:
         self.settings = settings
         self.store = store
         self.engine = engine
         self.view = view
+        self.bucket = bucket
         self._tasks: set[asyncio.Task[None]] = set()
-        self.versions = VersionFiles(settings, store, engine, self._spawn)
+        self.versions = VersionFiles(settings, store, engine, self._spawn, bucket)
 
     def recover(self, run: Run) -> None:
         """Reload the open round's acknowledged updates (a restart) and rebuild missing versions."""
@@ -403,6 +407,12 @@ class Rounds:
                 if not self.store.exists(VersionKey(run.name, close.round)):
                     await self.versions.written(run)  # the merge checks version v + its result
                 result_bytes, left_out = await merge_finite(self.engine, run, close.round, close.participants)
+            merged = time.monotonic()
+            # the copy peers will fetch goes up before the commit announces the result; if the
+            # store fails, the round closes all the same and peers get the hub's copy
+            copy = None
+            if self.bucket is not None:
+                copy = await to_thread.run_sync(self.bucket.upload, ResultKey(run.name, close.round))
             participants = [name for name in close.participants if name not in left_out]
             updates = [run.acked[name] for name in participants]
             assert run.opened is not None
@@ -415,9 +425,13 @@ class Rounds:
                 samples=sum(u.samples for u in updates),
                 bytes_in=sum(u.nbytes for u in updates),
                 result_bytes=result_bytes,
-                timings={"fold": folded - started, "merge": time.monotonic() - folded},
+                timings={
+                    "fold": folded - started,
+                    "merge": merged - folded,
+                    **({"publish": time.monotonic() - merged} if self.bucket is not None else {}),
+                },
             )
-            self.store.commit_round(run.name, record)
+            self.store.commit_round(run.name, record, copy)
         except Exception as exc:
             self._close_failed(run, close, exc)
             return
@@ -448,6 +462,8 @@ class Rounds:
             record.timings["merge"],
             record.closed - record.opened,
         )
+        if copy is not None:
+            self.view.stored(run, copy.size)
         self.versions.start(run)
         self.view.closed(run, record)
 
@@ -480,11 +496,14 @@ class VersionFiles:
     """Writes the file of each committed version after its commit (``version v + decode(result
     v)``), then prunes; pulls of a version wait for its file."""
 
-    def __init__(self, settings: HubSettings, store: Store, engine: MergeEngine, spawn: Spawn) -> None:
+    def __init__(
+        self, settings: HubSettings, store: Store, engine: MergeEngine, spawn: Spawn, bucket: Bucket | None = None
+    ) -> None:
         self.settings = settings
         self.store = store
         self.engine = engine
         self._spawn = spawn
+        self.bucket = bucket
 
     def start(self, run: Run) -> None:
         """Start writing the files of the committed versions that have none (after a commit,
@@ -500,6 +519,12 @@ class VersionFiles:
             await to_thread.run_sync(self.engine.build_versions, run.name, target, run.codec, run.schema)
             with contextlib.suppress(Exception):  # housekeeping: a failure here loses nothing
                 self.store.prune(run.name, target, self.settings.keep_versions, run.keep_results)
+                if self.bucket is not None:  # the bucket keeps what the disk keeps
+                    keep = self.settings.keep_versions
+                    floor = target - keep + 1
+                    gone = self.bucket.prune(run.name, floor, target - max(keep, run.keep_results or 0) + 1)
+                    if gone:
+                        await to_thread.run_sync(self.bucket.delete, run.name, gone)
             if run.version == target:  # else rounds closed meanwhile
                 return
 

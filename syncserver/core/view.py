@@ -138,6 +138,7 @@ class RunState(TypedDict):
     open_round: OpenRoundState
     peers: list[PeerLine]
     rounds: list[RoundFacts]  # oldest first
+    store: str | None  # the object store results and versions go out through (SYNC_STORE), no credential
 
 
 @dataclass
@@ -147,14 +148,16 @@ class Listeners:
     update: list[Callable[[str, UpdateFacts], None]] = field(default_factory=list)  # after an ack
     round: list[Callable[[str, RoundFacts], None]] = field(default_factory=list)  # after a commit
     download: list[Callable[[str, int, str, float], None]] = field(default_factory=list)  # (run, round, peer, s)
+    stored: list[Callable[[str, int], None]] = field(default_factory=list)  # (run, bytes uploaded to the store)
 
 
 class HubView:
     """Read the runs of one hub; be told when they change."""
 
-    def __init__(self, runs: dict[str, Run], store: Store, lease_seconds: float) -> None:
+    def __init__(self, runs: dict[str, Run], store: Store, lease_seconds: float, store_url: str | None = None) -> None:
         self._runs = runs
         self._store = store
+        self.store_url = store_url  # SYNC_STORE, as ObjectStore.url says it: no credential
         self.lease_seconds = lease_seconds
         self.listeners = Listeners()
         self._changed = asyncio.Event()
@@ -185,6 +188,11 @@ class HubView:
         for listener in self.listeners.download:
             listener(run.name, round_, peer, seconds)
         self.changed(run)
+
+    def stored(self, run: Run, nbytes: int) -> None:
+        """The hub uploaded ``nbytes`` of ``run``'s result or version to the object store."""
+        for listener in self.listeners.stored:
+            listener(run.name, nbytes)
 
     async def wait(self, timeout: float) -> None:
         """Until the next change, or ``timeout`` seconds."""
@@ -282,6 +290,7 @@ class HubView:
                 for p in sorted(run.peers.values(), key=lambda p: (p.rank is None, p.rank, p.name))
             ],
             "rounds": self.rounds(run.name),
+            "store": self.store_url,
         }
 
     def fingerprint(self, run: Run | None) -> str:

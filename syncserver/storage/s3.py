@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -73,6 +74,7 @@ _PART_MIN, _PART_MAX, _PARTS_MAX = 5 << 20, 5 << 30, 10_000  # S3's multipart li
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 _KEY_BYTES = 1024  # S3's longest key
 _READ_BYTES = 1 << 20
+_SINGLE_MAX = 64 << 20  # put_from: bigger bodies go up in parts of this size (or more: part_size)
 _TRIES = 3  # attempts of an idempotent request on transport trouble or a 5xx, 0.25 s then 1 s apart
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _PROBE = ".weightsync-check"  # what check() writes and deletes
@@ -315,6 +317,46 @@ class ObjectStore:
             headers={"Content-Length": str(len(view))},
         )
         return ObjectInfo(name, len(view), response.headers.get("etag", "").strip('"'))
+
+    def put_from(
+        self, name: str, size: int, read: Callable[[int, int], bytes], *, single_max: int = _SINGLE_MAX
+    ) -> ObjectInfo:
+        """Write ``size`` bytes at ``name``, taken 1 MiB at a time from ``read(offset, n)`` (a file
+        the hub publishes: a result, a version), never all in memory. Up to ``single_max`` bytes
+        in one request; a bigger body as a multipart upload of :meth:`part_size` parts, each
+        retried alone (a transfer cut at 90% of a 28 GB version re-sends one part, not 25 GB,
+        and one PUT takes at most 5 GB), aborted if it fails (no parts left behind)."""
+
+        def chunks(start: int, end: int) -> Iterator[bytes]:
+            for offset in range(start, end, _READ_BYTES):
+                chunk = read(offset, min(_READ_BYTES, end - offset))
+                if not chunk:
+                    raise StoreUnavailable(f"{self.url}{name}: the source ended at {offset} of {size} bytes")
+                yield chunk
+
+        key = self.key(name)
+        if size <= single_max:
+            response = self._request("PUT", key, content=lambda: chunks(0, size), headers={"Content-Length": str(size)})
+            return ObjectInfo(name, size, response.headers.get("etag", "").strip('"'))
+        upload_id = self.create_multipart(name)
+        try:
+            step = self.part_size(size, single_max)
+            etags: dict[int, str] = {}
+            for number, start in enumerate(range(0, size, step), 1):
+                end = min(start + step, size)
+                response = self._request(
+                    "PUT",
+                    key,
+                    {"partNumber": str(number), "uploadId": upload_id},
+                    content=functools.partial(chunks, start, end),
+                    headers={"Content-Length": str(end - start)},
+                )
+                etags[number] = response.headers.get("etag", "")
+            return self.complete_multipart(name, upload_id, etags)
+        except BaseException:
+            with contextlib.suppress(StoreError):
+                self.abort_multipart(name, upload_id)
+            raise
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytearray:
         """Bytes ``[start, end)`` of ``name`` (to its end when ``end`` is None): a ranged GET, so

@@ -69,6 +69,8 @@ __all__ = [
     "BlobWriter",
     "Missing",
     "MomentumKey",
+    "ObjectRecord",
+    "Published",
     "PeerRecord",
     "ResidualKey",
     "ResultKey",
@@ -104,6 +106,9 @@ CREATE TABLE IF NOT EXISTS rounds (
     participants TEXT NOT NULL, dropped TEXT NOT NULL, samples INTEGER NOT NULL,
     bytes_in INTEGER NOT NULL, result_bytes INTEGER NOT NULL, timings TEXT NOT NULL,
     PRIMARY KEY (run, round));
+CREATE TABLE IF NOT EXISTS objects (
+    run TEXT NOT NULL, kind TEXT NOT NULL, number INTEGER NOT NULL, size INTEGER NOT NULL, etag TEXT NOT NULL,
+    PRIMARY KEY (run, kind, number));
 """
 
 
@@ -200,6 +205,21 @@ class ResultKey:
 
 
 Key = VersionKey | MomentumKey | ResidualKey | UpdateKey | ResultKey
+Published = VersionKey | ResultKey  # what peers download: it may have a copy in an object store
+
+
+@dataclass(frozen=True)
+class ObjectRecord:
+    """A copy of a result or version in the object store: its size and the store's ETag. It
+    exists only once uploaded whole (the record is written after the upload)."""
+
+    key: Published
+    size: int
+    etag: str
+
+
+def _kind(key: Published) -> tuple[str, int]:
+    return ("result", key.round) if isinstance(key, ResultKey) else ("version", key.number)
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -800,9 +820,12 @@ class Store:
         (seq,) = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM updates WHERE run = ?", (run,)).fetchone()
         return int(seq)
 
-    def commit_round(self, run: str, record: RoundRecord) -> None:
-        """The commit point of a round: version ``round + 1`` exists from here on."""
+    def commit_round(self, run: str, record: RoundRecord, result: ObjectRecord | None = None) -> None:
+        """The commit point of a round: version ``round + 1`` exists from here on. ``result``:
+        the round's result was uploaded to the object store; its record commits with the round."""
         with self._tx() as db:
+            if result is not None:
+                self._insert_object(db, run, result)
             db.execute(
                 "INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (
@@ -819,6 +842,46 @@ class Store:
                 ),
             )
             db.execute("UPDATE runs SET version = ? WHERE name = ?", (record.round + 1, run))
+
+    # ---- copies in the object store ------------------------------------------------------
+    @staticmethod
+    def _insert_object(db: sqlite3.Connection, run: str, record: ObjectRecord) -> None:
+        kind, number = _kind(record.key)
+        db.execute(
+            "INSERT OR REPLACE INTO objects (run, kind, number, size, etag) VALUES (?,?,?,?,?)",
+            (run, kind, number, record.size, record.etag),
+        )
+
+    def record_object(self, record: ObjectRecord) -> None:
+        """``record.key`` has a whole copy in the object store (written after its upload)."""
+        with self._tx() as db:
+            self._insert_object(db, record.key.run, record)
+
+    @_translated
+    def stored_object(self, key: Published) -> ObjectRecord | None:
+        kind, number = _kind(key)
+        row = self._db.execute(
+            "SELECT size, etag FROM objects WHERE run = ? AND kind = ? AND number = ?", (key.run, kind, number)
+        ).fetchone()
+        return None if row is None else ObjectRecord(key, row[0], row[1])
+
+    @_translated
+    def stored_objects(self, run: str) -> list[ObjectRecord]:
+        rows = self._db.execute(
+            "SELECT kind, number, size, etag FROM objects WHERE run = ? ORDER BY kind, number", (run,)
+        ).fetchall()
+        return [
+            ObjectRecord(ResultKey(run, n) if kind == "result" else VersionKey(run, n), size, etag)
+            for kind, n, size, etag in rows
+        ]
+
+    def forget_objects(self, keys: list[Published]) -> None:
+        """Drop the records of copies about to be deleted from the store (pruned, or past a crash)."""
+        with self._tx() as db:
+            db.executemany(
+                "DELETE FROM objects WHERE run = ? AND kind = ? AND number = ?",
+                [(key.run, *_kind(key)) for key in keys],
+            )
 
     @_translated
     def rounds(self, run: str, limit: int = 50) -> list[RoundRecord]:

@@ -261,6 +261,7 @@
       stat("outer", cfg.outer, cfg.outer === "diloco" ? `lr ${cfg.outer_lr}, μ ${cfg.outer_momentum}, warm-up ${cfg.outer_warmup ?? 0}` : "weighted mean"),
       stat("rounds", cfg.policy, { barrier: "every peer's N steps", samples: `close at ${fmtNum(cfg.round_samples)} samples`, async: `no barrier, staleness ≤ ${cfg.max_staleness}` }[cfg.policy] || ""),
       stat("model", run.parameters ? fmtNum(run.parameters) : "–", run.parameters ? `params, ${run.tensors} tensors` : ""),
+      stat("downloads", run.store ? "object store" : "hub", run.store || "results and versions from the hub's disk"),
     );
   }
 
