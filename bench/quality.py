@@ -131,13 +131,55 @@ _FIRST = [  # in the order they run: what the targets need first
 ]
 _SEEDED = ["serial", f"p2-s{MID}", f"p2-s{SHORT}", f"p4-s{MID}", f"p2-s{MID}-topk"]
 _EXTRA = 4  # the last rows of _FIRST run after the other seeds: no target depends on them
-_OTHER_SEEDS = [
-    Config(f"{c.name}-seed{seed}", c.peers, c.sync_every, c.codec, c.outer, c.env, c.flags | {"seed": seed}, c.scratch)
-    for seed in SEEDS
-    for c in _FIRST
-    if c.name in _SEEDED
+
+
+def seeded(c: Config, seed: int) -> Config:
+    """The same configuration with another seed (which also picks other held-out reviews)."""
+    return Config(
+        f"{c.name}-seed{seed}", c.peers, c.sync_every, c.codec, c.outer, c.env, c.flags | {"seed": seed}, c.scratch
+    )
+
+
+_OTHER_SEEDS = [seeded(c, seed) for seed in SEEDS for c in _FIRST if c.name in _SEEDED]
+# Issue 27, a fair baseline: serial at the learning rates the peers get (0.5x, sqrt 2 x, 2x), so
+# that every gap is taken against serial at its best rate as well as at the same rate.
+LR = FULL_COMMON["lr"]
+_FAIR = [
+    Config("serial-lr0.5x", flags={"lr": LR / 2}),
+    Config("serial-lr1.41x", flags={"lr": LR * math.sqrt(2)}),
+    Config("serial-lr2x", flags={"lr": LR * 2}),
 ]
-FULL = _FIRST[:-_EXTRA] + _OTHER_SEEDS + _FIRST[-_EXTRA:]
+# Issue 27, the screen (seed 1, 2 peers every 30 steps): each peer's learning rate from N, Adam's
+# moments across syncs, an outer step > 1 on the averaged delta (no warm-up: the hub's momentum
+# warm-up pins the outer lr to 1 / (1 + momentum) over its first 20 rounds, i.e. all 6 here).
+_NO_WARMUP = {"SYNC_OUTER_WARMUP": "0"}
+_SCREEN = [
+    Config(f"p2-s{MID}-sqrt", 2, MID, flags={"lr-scaling": "sqrt"}),
+    Config(f"p2-s{MID}-sqrt-w{MID}", 2, MID, flags={"lr-scaling": "sqrt", "lr-scaling-warmup": MID}),
+    Config(f"p2-s{MID}-linear", 2, MID, flags={"lr-scaling": "linear"}),
+    Config(f"p2-s{MID}-linear-w{MID}", 2, MID, flags={"lr-scaling": "linear", "lr-scaling-warmup": MID}),
+    Config(f"p2-s{MID}-adam-reset", 2, MID, flags={"adam-sync": "reset"}),
+    Config(f"p2-s{MID}-adam-avg-m", 2, MID, flags={"adam-sync": "avg-m"}),
+    Config(f"p2-s{MID}-adam-avg-mv3", 2, MID, flags={"adam-sync": "avg-mv", "adam-v-every": 3}),
+    Config(
+        f"p2-s{MID}-outer1.4",
+        2,
+        MID,
+        outer="diloco",
+        env=_NO_WARMUP | {"SYNC_OUTER_LR": "1.4", "SYNC_OUTER_MOMENTUM": "0"},
+    ),
+    Config(
+        f"p2-s{MID}-outer2",
+        2,
+        MID,
+        outer="diloco",
+        env=_NO_WARMUP | {"SYNC_OUTER_LR": "2.0", "SYNC_OUTER_MOMENTUM": "0"},
+    ),
+    Config(f"p2-s{MID}-outer1.4-mom0.9", 2, MID, outer="diloco", env=_NO_WARMUP | {"SYNC_OUTER_LR": "1.4"}),
+    Config(f"p2-s{MID}-outer2-mom0.9", 2, MID, outer="diloco", env=_NO_WARMUP | {"SYNC_OUTER_LR": "2.0"}),
+]
+ISSUE27 = _FAIR + [seeded(c, seed) for seed in SEEDS for c in _FAIR] + _SCREEN
+FULL = _FIRST[:-_EXTRA] + _OTHER_SEEDS + _FIRST[-_EXTRA:] + ISSUE27
 
 QUICK_COMMON = FULL_COMMON | {
     "train-samples": 20,
@@ -283,6 +325,61 @@ def seed_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def fair_table(rows: list[dict[str, Any]], lr: float) -> str:
+    """Issue 27's comparison: each family of multi-peer runs (its seeds) against serial at its best
+    learning rate and against serial at the same ``--lr``. Serial's best rate is the one whose
+    runs average the lowest ratio to serial at ``lr`` over the seeds that every serial rate ran
+    with; ratios are taken per seed (each seed holds out its own reviews), then averaged."""
+    ok = [r for r in rows if "error" not in r and not r["config"]["scratch"]]
+
+    def rate(r: dict[str, Any]) -> float:
+        return float(r["config"]["flags"].get("lr", lr))
+
+    serial: dict[float, dict[int, float]] = {}
+    for r in ok:
+        if r["config"]["peers"] == 0:
+            serial.setdefault(rate(r), {})[r["seed"]] = r["val_ppl"]
+    if lr not in serial or len(serial) < 2:
+        return ""
+    seeds = set.intersection(*(set(by_seed) for by_seed in serial.values()))
+    if not seeds:
+        return ""
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs)
+
+    rel = {x: mean([serial[x][s] / serial[lr][s] for s in seeds]) for x in serial}
+    best = min(rel, key=lambda x: rel[x])
+    lines = [
+        f"Serial at each learning rate, mean over seeds {sorted(seeds)} of the ratio to serial at {lr:g}: "
+        + ", ".join(f"{x:.3g}: {(rel[x] - 1) * 100:+.2f}%" for x in sorted(rel))
+        + f"; best {best:.3g}.",
+        "",
+        "| config | peers | seeds | val ppl per seed | vs serial at its best lr, per seed | mean "
+        "| vs serial at the same lr, mean |",
+        "|---|---:|---|---|---|---:|---:|",
+    ]
+    families: dict[str, list[dict[str, Any]]] = {}
+    for r in ok:
+        if r["config"]["peers"]:
+            families.setdefault(family(r["config"]["name"]), []).append(r)
+    for name, group in families.items():
+        group = [r for r in group if r["seed"] in serial[best]]
+        if not group:
+            continue
+        vs_best = [r["val_ppl"] / serial[best][r["seed"]] for r in group]
+        same = [r["val_ppl"] / serial[rate(r)][r["seed"]] for r in group if r["seed"] in serial.get(rate(r), {})]
+        seeds_run = ", ".join(str(r["seed"]) for r in group)
+        vals = ", ".join(f"{r['val_ppl']:.2f}" for r in group)
+        each = ", ".join(f"{(x - 1) * 100:+.2f}%" for x in vs_best)
+        at_lr = f"{(mean(same) - 1) * 100:+.2f}%" if same else "-"
+        lines.append(
+            f"| {name} | {group[0]['config']['peers']} | {seeds_run} | {vals} | {each} "
+            f"| **{(mean(vs_best) - 1) * 100:+.2f}%** | {at_lr} |"
+        )
+    return "\n".join(lines)
+
+
 def family(name: str) -> str:
     """A configuration's name without its ``-seedN`` suffix."""
     head, _, tail = name.rpartition("-seed")
@@ -362,6 +459,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, default_seed: int) 
     if rest := [n for n in by_name if n not in shown]:
         panels.append(("other configurations", rest))
     # Small multiples, 3 to a row; each panel is the curves (tall) above their ratio to serial.
+    if not panels:  # the serial run alone: nothing to compare it with
+        return
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig = plt.figure(figsize=(5.4 * ncols, 6.0 * nrows + 0.6), dpi=100, layout="constrained")
@@ -481,12 +580,13 @@ def main() -> int:
     total = time.perf_counter() - t0
     add_ratios(rows, common["seed"])
 
-    md, seeds_md = table(rows), seed_table(rows)
+    md, seeds_md, fair_md = table(rows), seed_table(rows), fair_table(rows, common["lr"])
     print()
     print(md)
-    if seeds_md:
-        print()
-        print(seeds_md)
+    for extra in (seeds_md, fair_md):
+        if extra:
+            print()
+            print(extra)
     configs_wall = sum(r["wall_seconds"] for r in rows)
     print(
         f"\nwall time: this invocation {total:.0f} s, "
@@ -505,6 +605,7 @@ def main() -> int:
                 "rows": rows,
                 "table": md,
                 "seed_table": seeds_md,
+                "fair_table": fair_md,
             },
             indent=1,
         )
