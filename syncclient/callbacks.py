@@ -75,6 +75,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from syncclient._callback import callback_client, join_at_train_begin
 from syncclient.client import PendingSync, SyncClient, SyncResult
+from syncclient.peerlr import LRScaler, PeerLR
 
 __all__ = ["SyncCallback"]
 
@@ -121,6 +122,8 @@ class SyncCallback(TrainerCallback):
         client: SyncClient | None = None,
         on_sync: Callable[[SyncResult], None] | None = None,
         overlap: bool = False,
+        lr_scaling: str = "none",
+        lr_warmup: int = 0,
         **client_kwargs: Any,
     ) -> None:
         if on_sync is not None and not callable(on_sync):
@@ -133,6 +136,9 @@ class SyncCallback(TrainerCallback):
         self.sync_every = sync_every
         self.on_sync = on_sync
         self.overlap = overlap
+        self.peer_lr = PeerLR(lr_scaling, lr_warmup)
+        self._scaler = LRScaler()
+        self._peers = 1  # the run's world size, known once joined
         self.join_info: Any = None
         self.last_result: SyncResult | None = None
         self.syncs = 0
@@ -153,6 +159,7 @@ class SyncCallback(TrainerCallback):
         if args.world_size > 1:
             self._serve_the_group(args)
         self.join_info = join_at_train_begin(self.client, _model(kwargs), self.sync_every) or self.join_info
+        self._peers = self.client.world_size or 1
         self._active = True
         self._last_sync_step = state.global_step
         self._pending = False
@@ -164,6 +171,17 @@ class SyncCallback(TrainerCallback):
     ) -> None:
         if self._active and self._pending:  # the Trainer did not log after the due step
             self._sync(args, state, _model(kwargs))
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._active and kwargs.get("optimizer") is not None:
+            self._scaler.before(kwargs["optimizer"], self.peer_lr.factor(self._peers, state.global_step))
+
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._scaler.after()  # the scheduler steps next, from the rate it set
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

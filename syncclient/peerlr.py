@@ -1,0 +1,85 @@
+"""Each peer's learning rate, from the number of peers: ``lr x sqrt(N)`` or ``lr x N``.
+
+With N peers each peer trains on 1/N of the global batch, and a round's update is the average
+of N peers' optimizer steps. Adam scales each step to about ``lr`` whatever the batch, so a
+peer's step from a noisier 1/N batch carries less signal than serial's step of the same size,
+and averaging N of them cancels part of the noise but does not restore the signal: the merged
+step is shorter than serial's (bench/RESULTS.md, issue 27). Stepping each peer further makes up
+for it. ``sqrt`` is the rule for Adam-type optimizers (the noise of a mean of N falls as
+``1/sqrt(N)``), ``linear`` the rule of large-batch SGD (Goyal et al., 2017).
+
+The factor ramps in linearly over the first ``warmup`` optimizer steps (from 1x at step 0 to the
+full factor at step ``warmup``), as Goyal et al. ramp theirs: serial's rate is where the run
+starts, the scaled one where it trains.
+
+The scaling never touches the program's learning-rate scheduler: :class:`LRScaler` multiplies
+the optimizer's ``lr`` just before each step and puts the scheduler's value back right after
+it, so any scheduler (and its checkpoint) sees exactly the rates it set, and a log of
+``param_groups[i]["lr"]`` between steps shows the serial rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LR_SCALINGS", "LRScaler", "PeerLR"]
+
+#: ``none``: every peer at the given rate; ``sqrt``: x sqrt(N); ``linear``: x N.
+LR_SCALINGS = ("none", "sqrt", "linear")
+
+
+@dataclass(frozen=True)
+class PeerLR:
+    """How a peer's learning rate follows the number of peers ``N`` of its run.
+
+    Args:
+        scaling: one of :data:`LR_SCALINGS`.
+        warmup: optimizer steps over which the factor ramps from 1 to its full value (0: from
+            the first step).
+    """
+
+    scaling: str = "none"
+    warmup: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scaling not in LR_SCALINGS:
+            raise ValueError(f"lr_scaling must be one of {', '.join(LR_SCALINGS)}, got {self.scaling!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"lr_warmup must be an int >= 0 (optimizer steps), got {self.warmup!r}")
+
+    def factor(self, peers: int, step: int) -> float:
+        """The multiplier of the given learning rate at optimizer step ``step`` (0: the first)."""
+        if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
+            raise ValueError(f"peers must be an int >= 1, got {peers!r}")
+        full = {"none": 1.0, "sqrt": math.sqrt(peers), "linear": float(peers)}[self.scaling]
+        if step >= self.warmup:
+            return full
+        return 1.0 + (full - 1.0) * max(step, 0) / self.warmup
+
+
+class LRScaler:
+    """Multiplies an optimizer's learning rates for one step, then restores them.
+
+    ``before(optimizer, factor)`` just before ``optimizer.step()``, ``after()`` right after it
+    (before the scheduler steps). A factor of 1 changes nothing.
+    """
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[dict[str, Any], Any]] = []
+
+    def before(self, optimizer: Any, factor: float) -> None:
+        self.after()  # a step that never got its after(): restore first, never compound
+        if factor == 1.0:
+            return
+        for group in optimizer.param_groups:
+            lr = group.get("lr")
+            if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+                self._saved.append((group, lr))
+                group["lr"] = lr * factor
+
+    def after(self) -> None:
+        for group, lr in self._saved:
+            group["lr"] = lr
+        self._saved = []
