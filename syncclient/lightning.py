@@ -55,6 +55,7 @@ import torch
 
 from syncclient._callback import callback_client, join_at_train_begin
 from syncclient.client import SyncClient, SyncResult
+from syncclient.peerlr import PeerLR, scale_each_step
 
 __all__ = ["SyncCallback", "callback_class"]
 
@@ -72,8 +73,11 @@ class _Sync:
         *,
         sync_every: int | None = None,
         client: SyncClient | None = None,
+        lr_scaling: str = "none",
+        lr_warmup: int = 0,
         **client_kwargs: Any,
     ) -> None:
+        self.peer_lr = PeerLR(lr_scaling, lr_warmup)
         self.client = callback_client(hub, sync_every=sync_every, client=client, client_kwargs=client_kwargs)
         self.sync_every = sync_every
         self.join_info: Any = None
@@ -83,6 +87,7 @@ class _Sync:
         self._last_sync_step = 0
         self._samples = 0  # since the last sync
         self._loss: Any = None  # the last batch's, as training_step returned it
+        self._unhook: list[Any] = []  # removes the learning-rate scaling of each optimizer
 
     # -- hooks ------------------------------------------------------------------------------------
 
@@ -93,6 +98,10 @@ class _Sync:
                 "processes: run one peer per process (DDP peers are not supported yet)"
             )
         self.join_info = join_at_train_begin(self.client, pl_module, self.sync_every) or self.join_info
+        peers = self.client.world_size or 1
+        self._unhook = [
+            scale_each_step(opt, self.peer_lr, peers, lambda: trainer.global_step) for opt in trainer.optimizers
+        ]
         self._active = True
         self._last_sync_step = trainer.global_step
         self._samples = 0
@@ -151,6 +160,9 @@ class _Sync:
 
     def _leave(self) -> None:
         self._active = False
+        for unhook in self._unhook:
+            unhook()
+        self._unhook = []
         self.client.leave()  # leave() also closes the client; a client passed in is left too
 
 

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LR_SCALINGS", "LRScaler", "PeerLR"]
+__all__ = ["DEFAULT_PEER_LR", "LR_SCALINGS", "LRScaler", "PeerLR", "scale_each_step"]
 
 #: ``none``: every peer at the given rate; ``sqrt``: x sqrt(N); ``linear``: x N.
 LR_SCALINGS = ("none", "sqrt", "linear")
@@ -59,6 +59,11 @@ class PeerLR:
         return 1.0 + (full - 1.0) * max(step, 0) / self.warmup
 
 
+#: What a peer gets without asking: SyncCallback's, the Lightning callback's, weightsync-run's and
+#: the reference job's default (bench/RESULTS.md, issue 27).
+DEFAULT_PEER_LR = PeerLR("none", 0)
+
+
 class LRScaler:
     """Multiplies an optimizer's learning rates for one step, then restores them.
 
@@ -83,3 +88,22 @@ class LRScaler:
         for group, lr in self._saved:
             group["lr"] = lr
         self._saved = []
+
+
+def scale_each_step(optimizer: Any, peer_lr: PeerLR, peers: int, step: Any) -> Any:
+    """Scale ``optimizer``'s rate for each of its steps through torch's per-optimizer hooks (for
+    loops whose events the SDK does not see: Lightning's, a plain one). ``step()`` gives the
+    optimizer steps taken so far. Returns a function that removes the hooks; with a factor of 1
+    at every step (``none``, or one peer) nothing is hooked."""
+    if peer_lr.factor(peers, peer_lr.warmup) == 1.0:
+        return lambda: None
+    scaler = LRScaler()
+    pre = optimizer.register_step_pre_hook(lambda opt, args, kwargs: scaler.before(opt, peer_lr.factor(peers, step())))
+    post = optimizer.register_step_post_hook(lambda opt, args, kwargs: scaler.after())
+
+    def remove() -> None:
+        pre.remove()
+        post.remove()
+        scaler.after()
+
+    return remove

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from syncclient.peerlr import LRScaler, PeerLR
+from syncclient.peerlr import LRScaler, PeerLR, scale_each_step
 
 
 @pytest.mark.parametrize(
@@ -40,3 +40,28 @@ def test_the_scaler_multiplies_for_one_step_and_restores_without_compounding() -
     scaler.before(opt, 1.0)
     scaler.after()
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2]
+
+
+def test_each_step_of_a_hooked_optimizer_is_scaled_and_its_scheduler_keeps_its_own_rates() -> None:
+    """What the Lightning callback and the plain-loop hooks use: torch's per-optimizer hooks."""
+    weight = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([weight], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    steps = [0]
+    remove = scale_each_step(opt, PeerLR("linear", warmup=2), 4, lambda: steps[0])
+    moved = []
+    for _ in range(4):
+        before = weight.item()
+        weight.grad = torch.ones(1)
+        opt.step()  # plain SGD: the weight moves by exactly the rate the step used
+        moved.append(before - weight.item())
+        sched.step()
+        steps[0] += 1
+    # factor 1, 2.5, 4, 4 (linear from 1 to N=4 over 2 steps) times the scheduler's 0.1 / (1 + s)
+    assert moved == pytest.approx([0.1 * f / (1 + s) for s, f in enumerate([1.0, 2.5, 4.0, 4.0])])
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 / 5) == sched.get_last_lr()[0]
+    remove()
+    before = weight.item()
+    opt.step()
+    assert before - weight.item() == pytest.approx(0.1 / 5)  # unhooked: the scheduler's rate alone
+    assert scale_each_step(opt, PeerLR("sqrt"), 1, lambda: 0) is not None  # one peer: nothing to hook
