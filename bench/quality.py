@@ -186,7 +186,25 @@ _SCREEN = [
     Config(f"p2-s{MID}-outer1.4-mom0.9", 2, MID, outer="diloco", env=_NO_WARMUP | {"SYNC_OUTER_LR": "1.4"}),
     Config(f"p2-s{MID}-outer2-mom0.9", 2, MID, outer="diloco", env=_NO_WARMUP | {"SYNC_OUTER_LR": "2.0"}),
 ]
-ISSUE27 = _FAIR + [seeded(c, seed) for seed in SEEDS for c in _FAIR] + _SCREEN
+# Issue 27, at serial's best learning rate (BEST x the grid's): what a user who tuned serial's
+# --lr gets with 2 and 4 peers, plain and with each peer's rate scaled for the peers.
+BEST = 8
+_AT_BEST = [
+    Config(f"p{n}-s{MID}-lr{BEST}x{tag}", n, MID, flags={"lr": LR * BEST} | extra)
+    for n in (2, 4)
+    for tag, extra in (
+        ("", {}),
+        (f"-sqrt-w{MID}", {"lr-scaling": "sqrt", "lr-scaling-warmup": MID}),
+        (f"-linear-w{MID}", {"lr-scaling": "linear", "lr-scaling-warmup": MID}),
+    )
+]
+ISSUE27 = (
+    _FAIR
+    + [seeded(c, seed) for seed in SEEDS for c in _FAIR]
+    + _SCREEN
+    + _AT_BEST
+    + [seeded(c, seed) for seed in SEEDS for c in _AT_BEST]
+)
 FULL = _FIRST[:-_EXTRA] + _OTHER_SEEDS + _FIRST[-_EXTRA:] + ISSUE27
 
 QUICK_COMMON = FULL_COMMON | {

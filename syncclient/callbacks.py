@@ -123,7 +123,7 @@ class SyncCallback(TrainerCallback):
         on_sync: Callable[[SyncResult], None] | None = None,
         overlap: bool = False,
         lr_scaling: str = "none",
-        lr_warmup: int = 0,
+        lr_scaling_warmup: int = 0,
         **client_kwargs: Any,
     ) -> None:
         if on_sync is not None and not callable(on_sync):
@@ -136,7 +136,7 @@ class SyncCallback(TrainerCallback):
         self.sync_every = sync_every
         self.on_sync = on_sync
         self.overlap = overlap
-        self.peer_lr = PeerLR(lr_scaling, lr_warmup)
+        self.peer_lr = PeerLR(lr_scaling, lr_scaling_warmup)
         self._scaler = LRScaler()
         self._peers = 1  # the run's world size, known once joined
         self.join_info: Any = None

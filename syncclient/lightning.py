@@ -74,10 +74,10 @@ class _Sync:
         sync_every: int | None = None,
         client: SyncClient | None = None,
         lr_scaling: str = "none",
-        lr_warmup: int = 0,
+        lr_scaling_warmup: int = 0,
         **client_kwargs: Any,
     ) -> None:
-        self.peer_lr = PeerLR(lr_scaling, lr_warmup)
+        self.peer_lr = PeerLR(lr_scaling, lr_scaling_warmup)
         self.client = callback_client(hub, sync_every=sync_every, client=client, client_kwargs=client_kwargs)
         self.sync_every = sync_every
         self.join_info: Any = None

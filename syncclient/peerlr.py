@@ -47,7 +47,7 @@ class PeerLR:
         if self.scaling not in LR_SCALINGS:
             raise ValueError(f"lr_scaling must be one of {', '.join(LR_SCALINGS)}, got {self.scaling!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"lr_warmup must be an int >= 0 (optimizer steps), got {self.warmup!r}")
+            raise ValueError(f"lr_scaling_warmup must be an int >= 0 (optimizer steps), got {self.warmup!r}")
 
     def factor(self, peers: int, step: int) -> float:
         """The multiplier of the given learning rate at optimizer step ``step`` (0: the first)."""

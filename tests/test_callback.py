@@ -277,7 +277,7 @@ def test_each_peer_steps_at_the_lr_scaled_for_the_peers_and_the_scheduler_keeps_
     recorders = [LRRecorder(), LRRecorder()]
     callbacks = [
         SyncCallback(
-            hub.url, sync_every=3, run="peer-lr", peer=f"p{i}", min_peers=2, lr_scaling="sqrt", lr_warmup=warmup
+            hub.url, sync_every=3, run="peer-lr", peer=f"p{i}", min_peers=2, lr_scaling="sqrt", lr_scaling_warmup=warmup
         )
         for i in range(2)
     ]
@@ -311,9 +311,9 @@ def test_each_peer_steps_at_the_lr_scaled_for_the_peers_and_the_scheduler_keeps_
     [
         ({"lr_scaling": "cube"}, "lr_scaling must be one of none, sqrt, linear"),
         ({"lr_scaling": None}, "lr_scaling must be one of"),
-        ({"lr_warmup": -1}, "lr_warmup must be an int >= 0"),
-        ({"lr_warmup": 2.5}, "lr_warmup must be an int >= 0"),
-        ({"lr_warmup": True}, "lr_warmup must be an int >= 0"),
+        ({"lr_scaling_warmup": -1}, "lr_scaling_warmup must be an int >= 0"),
+        ({"lr_scaling_warmup": 2.5}, "lr_scaling_warmup must be an int >= 0"),
+        ({"lr_scaling_warmup": True}, "lr_scaling_warmup must be an int >= 0"),
     ],
 )
 def test_a_bad_lr_scaling_is_refused_when_the_callback_is_made(kwargs: dict[str, Any], match: str) -> None:

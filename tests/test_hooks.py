@@ -112,11 +112,13 @@ def test_settings_round_trip_through_variables() -> None:
     assert HookSettings.from_env(settings.to_env()) == settings
     assert HookSettings.resolve({"hub": "http://h:1", "run": "r"}, {}).sync_every == DEFAULT_SYNC_EVERY
     scaled = HookSettings.resolve({"hub": "http://h:1", "run": "r"}, {"WEIGHTSYNC_LR_SCALING": "linear"})
-    assert (scaled.lr_scaling, scaled.lr_warmup) == ("linear", DEFAULT_PEER_LR.warmup)
-    scaled = HookSettings.resolve({"hub": "http://h:1", "run": "r", "lr_warmup": "7"}, {"WEIGHTSYNC_LR_WARMUP": "3"})
+    assert (scaled.lr_scaling, scaled.lr_scaling_warmup) == ("linear", DEFAULT_PEER_LR.warmup)
+    scaled = HookSettings.resolve(
+        {"hub": "http://h:1", "run": "r", "lr_scaling_warmup": "7"}, {"WEIGHTSYNC_LR_SCALING_WARMUP": "3"}
+    )
     assert scaled.peer_lr == PeerLR(DEFAULT_PEER_LR.scaling, 7)  # the flag beats its variable
     assert HookSettings.from_env(scaled.to_env()) == scaled
-    assert scaled.callback_kwargs()["lr_warmup"] == 7
+    assert scaled.callback_kwargs()["lr_scaling_warmup"] == 7
 
 
 #: every run setting, given as a flag, and what SyncClient is given
@@ -201,7 +203,7 @@ BAD_VALUES = {
     "--norm-guard": ("1", "--norm-guard: must be > 1 and <= 1000000, got 1.0"),
     "--max-staleness": ("soon", "--max-staleness: expected an integer, got 'soon'"),
     "--lr-scaling": ("cube", "--lr-scaling: lr_scaling must be one of none, sqrt, linear, got 'cube'"),
-    "--lr-warmup": ("-1", "--lr-warmup: must be >= 0, got -1"),
+    "--lr-scaling-warmup": ("-1", "--lr-scaling-warmup: must be >= 0, got -1"),
 }
 
 

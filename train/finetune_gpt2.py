@@ -495,7 +495,7 @@ def train_peer(args: argparse.Namespace) -> int:
                 sync_every=args.sync_every or None,
                 on_sync=on_sync,
                 lr_scaling=args.lr_scaling,
-                lr_warmup=args.lr_scaling_warmup,
+                lr_scaling_warmup=args.lr_scaling_warmup,
             )
             callbacks[1:1] = [callback, stop]
         trainer = Trainer(

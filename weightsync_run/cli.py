@@ -93,10 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
         f"[WEIGHTSYNC_LR_SCALING; default {DEFAULT_PEER_LR.scaling}]",
     )
     g.add_argument(
-        "--lr-warmup",
+        "--lr-scaling-warmup",
         metavar="STEPS",
         help="optimizer steps over which that factor ramps in from 1 "
-        f"[WEIGHTSYNC_LR_WARMUP; default {DEFAULT_PEER_LR.warmup}]",
+        f"[WEIGHTSYNC_LR_SCALING_WARMUP; default {DEFAULT_PEER_LR.warmup}]",
     )
     g.add_argument(
         "--no-shard",
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             peers = _count(env.get("WEIGHTSYNC_LOCAL_PEERS"), "WEIGHTSYNC_LOCAL_PEERS")
         if peers and args.hub:
             raise SettingsError("--local-peers runs its own hub: drop --hub")
-        fields = ("hub", "run", "token", "peer", "sync_every", "shard", "lr_scaling", "lr_warmup")
+        fields = ("hub", "run", "token", "peer", "sync_every", "shard", "lr_scaling", "lr_scaling_warmup")
         flags = {field: getattr(args, field) for field in fields}
         flags |= {setting.name: getattr(args, setting.name) for setting in RUN_SETTINGS}
         if peers:  # the launcher gives each peer its hub, run, name and rank, and waits for all K

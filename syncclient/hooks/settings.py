@@ -35,7 +35,7 @@ ENV = {
         "sync_every",
         "shard",
         "lr_scaling",
-        "lr_warmup",
+        "lr_scaling_warmup",
         *(s.name for s in RUN_SETTINGS),
         "peer",
         "rank",
@@ -75,7 +75,7 @@ class HookSettings:
     world_size: int | None = None
     config: Mapping[str, Any] = field(default_factory=dict)
     lr_scaling: str = DEFAULT_PEER_LR.scaling  # each peer's learning rate from the peers (syncclient.peerlr)
-    lr_warmup: int = DEFAULT_PEER_LR.warmup
+    lr_scaling_warmup: int = DEFAULT_PEER_LR.warmup
 
     @classmethod
     def resolve(
@@ -145,10 +145,11 @@ class HookSettings:
         if sync_every is None and not by_samples:
             sync_every = DEFAULT_SYNC_EVERY
         lr_scaling, lr_source = raw("lr_scaling")
-        lr_warmup = number("lr_warmup", low=0)
+        lr_scaling_warmup = number("lr_scaling_warmup", low=0)
         try:
             peer_lr = PeerLR(
-                lr_scaling or DEFAULT_PEER_LR.scaling, DEFAULT_PEER_LR.warmup if lr_warmup is None else lr_warmup
+                lr_scaling or DEFAULT_PEER_LR.scaling,
+                DEFAULT_PEER_LR.warmup if lr_scaling_warmup is None else lr_scaling_warmup,
             )
         except ValueError as exc:  # only the scaling can be wrong here: the warm-up is a number >= 0
             raise SettingsError(f"{lr_source}: {exc}") from None
@@ -172,7 +173,7 @@ class HookSettings:
             world_size=world_size,
             config=config,
             lr_scaling=peer_lr.scaling,
-            lr_warmup=peer_lr.warmup,
+            lr_scaling_warmup=peer_lr.warmup,
         )
 
     @classmethod
@@ -191,7 +192,7 @@ class HookSettings:
             "rank": self.rank,
             "world_size": self.world_size,
             "lr_scaling": self.lr_scaling,
-            "lr_warmup": self.lr_warmup,
+            "lr_scaling_warmup": self.lr_scaling_warmup,
             **self.config,
         }
         return {env_name(k): str(v) for k, v in values.items() if v not in (None, "")}
@@ -199,11 +200,11 @@ class HookSettings:
     @property
     def peer_lr(self) -> PeerLR:
         """How each peer's learning rate follows the number of peers."""
-        return PeerLR(self.lr_scaling, self.lr_warmup)
+        return PeerLR(self.lr_scaling, self.lr_scaling_warmup)
 
     def callback_kwargs(self) -> dict[str, Any]:
         """Keywords for the callbacks: the client's, and the learning-rate scaling."""
-        return {"lr_scaling": self.lr_scaling, "lr_warmup": self.lr_warmup, **self.client_kwargs()}
+        return {"lr_scaling": self.lr_scaling, "lr_scaling_warmup": self.lr_scaling_warmup, **self.client_kwargs()}
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keywords for ``SyncClient`` (and the callbacks, which pass them on)."""
