@@ -75,7 +75,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from syncclient._callback import callback_client, join_at_train_begin
 from syncclient.client import PendingSync, SyncClient, SyncResult
-from syncclient.peerlr import LRScaler, PeerLR
+from syncclient.peerlr import DEFAULT_PEER_LR, LRScaler, PeerLR
 
 __all__ = ["SyncCallback"]
 
@@ -122,8 +122,8 @@ class SyncCallback(TrainerCallback):
         client: SyncClient | None = None,
         on_sync: Callable[[SyncResult], None] | None = None,
         overlap: bool = False,
-        lr_scaling: str = "none",
-        lr_scaling_warmup: int = 0,
+        lr_scaling: str = DEFAULT_PEER_LR.scaling,
+        lr_scaling_warmup: int | None = DEFAULT_PEER_LR.warmup,
         **client_kwargs: Any,
     ) -> None:
         if on_sync is not None and not callable(on_sync):
@@ -136,7 +136,7 @@ class SyncCallback(TrainerCallback):
         self.sync_every = sync_every
         self.on_sync = on_sync
         self.overlap = overlap
-        self.peer_lr = PeerLR(lr_scaling, lr_scaling_warmup)
+        self.peer_lr = PeerLR(lr_scaling, lr_scaling_warmup).for_rounds(sync_every)
         self._scaler = LRScaler()
         self._peers = 1  # the run's world size, known once joined
         self.join_info: Any = None

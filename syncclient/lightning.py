@@ -55,7 +55,7 @@ import torch
 
 from syncclient._callback import callback_client, join_at_train_begin
 from syncclient.client import SyncClient, SyncResult
-from syncclient.peerlr import PeerLR, scale_each_step
+from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR, scale_each_step
 
 __all__ = ["SyncCallback", "callback_class"]
 
@@ -73,11 +73,11 @@ class _Sync:
         *,
         sync_every: int | None = None,
         client: SyncClient | None = None,
-        lr_scaling: str = "none",
-        lr_scaling_warmup: int = 0,
+        lr_scaling: str = DEFAULT_PEER_LR.scaling,
+        lr_scaling_warmup: int | None = DEFAULT_PEER_LR.warmup,
         **client_kwargs: Any,
     ) -> None:
-        self.peer_lr = PeerLR(lr_scaling, lr_scaling_warmup)
+        self.peer_lr = PeerLR(lr_scaling, lr_scaling_warmup).for_rounds(sync_every)
         self.client = callback_client(hub, sync_every=sync_every, client=client, client_kwargs=client_kwargs)
         self.sync_every = sync_every
         self.join_info: Any = None

@@ -37,31 +37,40 @@ class PeerLR:
     Args:
         scaling: one of :data:`LR_SCALINGS`.
         warmup: optimizer steps over which the factor ramps from 1 to its full value (0: from
-            the first step).
+            the first step); None: one round, ``sync_every`` steps (:meth:`for_rounds`).
     """
 
-    scaling: str = "none"
-    warmup: int = 0
+    scaling: str = "sqrt"
+    warmup: int | None = None
 
     def __post_init__(self) -> None:
         if self.scaling not in LR_SCALINGS:
             raise ValueError(f"lr_scaling must be one of {', '.join(LR_SCALINGS)}, got {self.scaling!r}")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"lr_scaling_warmup must be an int >= 0 (optimizer steps), got {self.warmup!r}")
+        bad = isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0
+        if self.warmup is not None and bad:
+            raise ValueError(f"lr_scaling_warmup must be an int >= 0 (optimizer steps) or None, got {self.warmup!r}")
+
+    def for_rounds(self, sync_every: int | None) -> PeerLR:
+        """This scaling with its warm-up in steps: None becomes one round (``sync_every`` steps;
+        0 in a samples run, whose rounds are no fixed number of steps)."""
+        return self if self.warmup is not None else PeerLR(self.scaling, sync_every or 0)
 
     def factor(self, peers: int, step: int) -> float:
         """The multiplier of the given learning rate at optimizer step ``step`` (0: the first)."""
         if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
             raise ValueError(f"peers must be an int >= 1, got {peers!r}")
         full = {"none": 1.0, "sqrt": math.sqrt(peers), "linear": float(peers)}[self.scaling]
-        if step >= self.warmup:
+        warmup = self.warmup or 0
+        if step >= warmup:
             return full
-        return 1.0 + (full - 1.0) * max(step, 0) / self.warmup
+        return 1.0 + (full - 1.0) * max(step, 0) / warmup
 
 
 #: What a peer gets without asking: SyncCallback's, the Lightning callback's, weightsync-run's and
-#: the reference job's default (bench/RESULTS.md, issue 27).
-DEFAULT_PEER_LR = PeerLR("none", 0)
+#: the reference job's default: x sqrt(N), ramped in over the first round. ``linear`` did better
+#: at 2 peers and at the grid's low rate, and worse than no scaling at all with 4 peers at serial's
+#: best rate (bench/RESULTS.md, issue 27); sqrt(N) was better than none everywhere it ran.
+DEFAULT_PEER_LR = PeerLR("sqrt", None)
 
 
 class LRScaler:
@@ -95,7 +104,7 @@ def scale_each_step(optimizer: Any, peer_lr: PeerLR, peers: int, step: Any) -> A
     loops whose events the SDK does not see: Lightning's, a plain one). ``step()`` gives the
     optimizer steps taken so far. Returns a function that removes the hooks; with a factor of 1
     at every step (``none``, or one peer) nothing is hooked."""
-    if peer_lr.factor(peers, peer_lr.warmup) == 1.0:
+    if peer_lr.factor(peers, peer_lr.warmup or 0) == 1.0:
         return lambda: None
     scaler = LRScaler()
     pre = optimizer.register_step_pre_hook(lambda opt, args, kwargs: scaler.before(opt, peer_lr.factor(peers, step())))

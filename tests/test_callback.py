@@ -13,6 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 from syncclient import SyncClient
 from syncclient.callbacks import SyncCallback
+from syncclient.peerlr import PeerLR
 from tests.conftest import Hub
 from tests.harness import Blocks, hub_model, run_peers
 
@@ -312,6 +313,7 @@ def test_each_peer_steps_at_the_lr_scaled_for_the_peers_and_the_scheduler_keeps_
         ({"lr_scaling": "cube"}, "lr_scaling must be one of none, sqrt, linear"),
         ({"lr_scaling": None}, "lr_scaling must be one of"),
         ({"lr_scaling_warmup": -1}, "lr_scaling_warmup must be an int >= 0"),
+        ({"lr_scaling_warmup": "30"}, "lr_scaling_warmup must be an int >= 0"),
         ({"lr_scaling_warmup": 2.5}, "lr_scaling_warmup must be an int >= 0"),
         ({"lr_scaling_warmup": True}, "lr_scaling_warmup must be an int >= 0"),
     ],
@@ -319,3 +321,9 @@ def test_each_peer_steps_at_the_lr_scaled_for_the_peers_and_the_scheduler_keeps_
 def test_a_bad_lr_scaling_is_refused_when_the_callback_is_made(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SyncCallback("http://hub:8000", sync_every=1, run="r", **kwargs)
+
+
+def test_by_default_each_peer_steps_at_sqrt_n_times_the_rate_after_a_first_round_of_warm_up() -> None:
+    callback = SyncCallback("http://hub:8000", sync_every=10, run="r")
+    assert callback.peer_lr == PeerLR("sqrt", 10)
+    assert SyncCallback("http://hub:8000", sync_every=10, run="r", lr_scaling="none").peer_lr.factor(4, 50) == 1.0

@@ -111,8 +111,11 @@ def test_settings_round_trip_through_variables() -> None:
     )
     assert HookSettings.from_env(settings.to_env()) == settings
     assert HookSettings.resolve({"hub": "http://h:1", "run": "r"}, {}).sync_every == DEFAULT_SYNC_EVERY
+    default = HookSettings.resolve({"hub": "http://h:1", "run": "r"}, {})
+    assert default.peer_lr == PeerLR(DEFAULT_PEER_LR.scaling, DEFAULT_SYNC_EVERY)  # warm-up: one round
     scaled = HookSettings.resolve({"hub": "http://h:1", "run": "r"}, {"WEIGHTSYNC_LR_SCALING": "linear"})
-    assert (scaled.lr_scaling, scaled.lr_scaling_warmup) == ("linear", DEFAULT_PEER_LR.warmup)
+    assert (scaled.lr_scaling, scaled.lr_scaling_warmup) == ("linear", None)
+    assert HookSettings.from_env(scaled.to_env()) == scaled
     scaled = HookSettings.resolve(
         {"hub": "http://h:1", "run": "r", "lr_scaling_warmup": "7"}, {"WEIGHTSYNC_LR_SCALING_WARMUP": "3"}
     )

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from syncclient.peerlr import LRScaler, PeerLR, scale_each_step
+from syncclient.peerlr import DEFAULT_PEER_LR, LRScaler, PeerLR, scale_each_step
 
 
 @pytest.mark.parametrize(
@@ -65,3 +65,17 @@ def test_each_step_of_a_hooked_optimizer_is_scaled_and_its_scheduler_keeps_its_o
     opt.step()
     assert before - weight.item() == pytest.approx(0.1 / 5)  # unhooked: the scheduler's rate alone
     assert scale_each_step(opt, PeerLR("sqrt"), 1, lambda: 0) is not None  # one peer: nothing to hook
+
+
+def test_the_default_is_x_sqrt_n_ramped_in_over_the_first_round() -> None:
+    assert DEFAULT_PEER_LR == PeerLR("sqrt", None) == PeerLR()
+    assert DEFAULT_PEER_LR.for_rounds(30) == PeerLR("sqrt", 30)
+    assert DEFAULT_PEER_LR.for_rounds(None) == PeerLR("sqrt", 0)  # a samples run: no fixed round length
+    assert PeerLR("linear", 5).for_rounds(30) == PeerLR("linear", 5)  # a warm-up given stays
+    assert [DEFAULT_PEER_LR.for_rounds(4).factor(4, s) for s in (0, 2, 4, 100)] == [1.0, 1.5, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("warmup", [-1, 2.5, True, "3"])
+def test_a_bad_warmup_is_refused(warmup: object) -> None:
+    with pytest.raises(ValueError, match="lr_scaling_warmup must be an int >= 0"):
+        PeerLR("linear", warmup)  # type: ignore[arg-type]

@@ -86,6 +86,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from syncclient.peerlr import DEFAULT_PEER_LR, LR_SCALINGS  # the standard library only
+
 OFFLINE_HINT = (
     "use local files instead, e.g. --dataset ../shared/data/imdb --tokenizer ../shared/data/gpt2-tokenizer "
     "--model-config small"
@@ -178,21 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234, help="shared by all peers: data order, shards, init")
     g.add_argument(
         "--lr-scaling",
-        choices=["none", "sqrt", "linear"],
-        default="none",
-        help="each peer's learning rate: --lr x 1, sqrt(N) or N with N peers (syncclient.peerlr)",
+        choices=LR_SCALINGS,
+        default=DEFAULT_PEER_LR.scaling,
+        help="each peer's learning rate with N peers: --lr x 1, x sqrt(N) or x N (--lr stays serial's at the global "
+        "batch; syncclient.peerlr, bench/RESULTS.md issue 27)",
     )
     g.add_argument(
-        "--lr-scaling-warmup", type=int, default=0, help="optimizer steps over which that factor ramps in from 1"
+        "--lr-scaling-warmup",
+        type=int,
+        help="optimizer steps over which that factor ramps in from 1 (default: one round, --sync-every steps)",
     )
-    g.add_argument(
-        "--adam-sync",
-        choices=["keep", "reset", "avg-m", "avg-mv"],
-        default="keep",
-        help="EXPERIMENT (issue 27): at each sync keep each peer's Adam moments, reset them, or average the "
-        "first moment (and the second every --adam-v-every syncs) across the local peers",
-    )
-    g.add_argument("--adam-v-every", type=int, default=3, help="EXPERIMENT: avg-mv averages v every K syncs")
 
     g = p.add_argument_group("output")
     g.add_argument(
@@ -248,10 +245,8 @@ def check_args(args: argparse.Namespace) -> None:
             args.sync_every = 1000
     args.sync_every = args.sync_every or 0
     args.hub_mode = args.policy is not None
-    if args.local_peers < 0 or args.sync_every < 0 or (args.eval_every or 0) < 0 or args.lr_scaling_warmup < 0:
+    if args.local_peers < 0 or args.sync_every < 0 or (args.eval_every or 0) < 0 or (args.lr_scaling_warmup or 0) < 0:
         raise Fail("--local-peers, --sync-every, --eval-every and --lr-scaling-warmup must be >= 0")
-    if args.adam_v_every < 1:
-        raise Fail("--adam-v-every must be >= 1")
     if args.local_peers and args.hub:
         raise Fail("--local-peers runs its own hub: drop --hub")
     if args.local_peers and not args.hub_mode:
@@ -482,11 +477,8 @@ def train_peer(args: argparse.Namespace) -> int:
 
             # The client has joined already, so the callback does not join again; it syncs every N
             # steps, or when the round is due.
-            adam = AdamAcrossSyncs(args.adam_sync, args.adam_v_every, out.parent / "adam-exchange", rank, world_size)
-
             def on_sync(result: Any) -> None:
                 record.on_sync(result, round_participants(client, result.version - 1))
-                adam.after_sync(trainer.optimizer)
                 if budget is not None and result.run_samples >= budget:
                     stop.reached = True
 
@@ -609,48 +601,6 @@ def budget_callback() -> Any:
             return control
 
     return Budget()
-
-
-class AdamAcrossSyncs:
-    """EXPERIMENT (issue 27): what happens to each peer's Adam moments at a sync. ``keep``: nothing
-    (local SGD / DiLoCo); ``reset``: forget them (bias correction restarts); ``avg-m``: average
-    the first moment across the peers at every sync; ``avg-mv``: also the second moment every
-    ``v_every`` syncs (DES-LOC, arXiv 2505.22549). The moments travel through files in a folder
-    the local peers share (``--local-peers`` only): a measurement, not a protocol."""
-
-    def __init__(self, mode: str, v_every: int, folder: Path, rank: int, world: int) -> None:
-        self.mode, self.v_every, self.folder, self.rank, self.world = mode, v_every, folder, rank, world
-        self.syncs = 0
-
-    def after_sync(self, optimizer: Any) -> None:
-        import numpy as np
-        import torch
-
-        self.syncs += 1
-        if self.mode == "keep" or optimizer is None:
-            return
-        if self.mode == "reset":
-            optimizer.state.clear()
-            return
-        keys = ["exp_avg"] + (["exp_avg_sq"] if self.mode == "avg-mv" and self.syncs % self.v_every == 0 else [])
-        params = [p for g in optimizer.param_groups for p in g["params"] if p in optimizer.state]
-        mine = {f"{k}.{i}": optimizer.state[p][k].detach().cpu().numpy() for i, p in enumerate(params) for k in keys}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        name = self.folder / f"sync{self.syncs}-rank{self.rank}.npz"
-        np.savez(str(name) + ".tmp.npz", **mine)
-        os.replace(str(name) + ".tmp.npz", name)
-        (self.folder / f"sync{self.syncs - 1}-rank{self.rank}.npz").unlink(missing_ok=True)  # all read it
-        files = [self.folder / f"sync{self.syncs}-rank{r}.npz" for r in range(self.world)]
-        deadline = time.time() + 900
-        while not all(f.is_file() for f in files):
-            if time.time() > deadline:
-                raise Fail(f"adam exchange: peers' moments of sync {self.syncs} missing")
-            time.sleep(0.05)
-        loaded = [np.load(f) for f in files]
-        for key in mine:
-            mean = sum(d[key].astype(np.float64) for d in loaded) / self.world
-            kind, i = key.rsplit(".", 1)
-            optimizer.state[params[int(i)]][kind].copy_(torch.from_numpy(mean.astype(np.float32)))
 
 
 class RoundLog:

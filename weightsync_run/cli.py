@@ -89,14 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--lr-scaling",
         metavar="|".join(LR_SCALINGS),
-        help="each peer's learning rate: the program's x 1, x sqrt(N) or x N with N peers "
+        help="each peer's learning rate: the program's (serial's, at the global batch) x 1, x sqrt(N) or x N "
+        "with N peers "
         f"[WEIGHTSYNC_LR_SCALING; default {DEFAULT_PEER_LR.scaling}]",
     )
     g.add_argument(
         "--lr-scaling-warmup",
         metavar="STEPS",
         help="optimizer steps over which that factor ramps in from 1 "
-        f"[WEIGHTSYNC_LR_SCALING_WARMUP; default {DEFAULT_PEER_LR.warmup}]",
+        "[WEIGHTSYNC_LR_SCALING_WARMUP; default: one round, --sync-every steps]",
     )
     g.add_argument(
         "--no-shard",

@@ -75,7 +75,7 @@ class HookSettings:
     world_size: int | None = None
     config: Mapping[str, Any] = field(default_factory=dict)
     lr_scaling: str = DEFAULT_PEER_LR.scaling  # each peer's learning rate from the peers (syncclient.peerlr)
-    lr_scaling_warmup: int = DEFAULT_PEER_LR.warmup
+    lr_scaling_warmup: int | None = DEFAULT_PEER_LR.warmup  # None: one round (sync_every steps)
 
     @classmethod
     def resolve(
@@ -199,8 +199,8 @@ class HookSettings:
 
     @property
     def peer_lr(self) -> PeerLR:
-        """How each peer's learning rate follows the number of peers."""
-        return PeerLR(self.lr_scaling, self.lr_scaling_warmup)
+        """How each peer's learning rate follows the number of peers (the warm-up in steps)."""
+        return PeerLR(self.lr_scaling, self.lr_scaling_warmup).for_rounds(self.sync_every)
 
     def callback_kwargs(self) -> dict[str, Any]:
         """Keywords for the callbacks: the client's, and the learning-rate scaling."""
