@@ -100,8 +100,8 @@ FULL_COMMON: dict[str, Any] = {
     "lr": 3e-4,
     "eval-every": 30,
     "seed": 1,
-    # every peer at --lr, as before issue 27 made x N (train/finetune_gpt2.py's default) the
-    # default: the rows below measure plain averaging unless their flags say otherwise
+    # every peer at --lr (the default; said here so that the rows measure plain averaging
+    # whatever the default becomes) unless a row's flags say otherwise
     "lr-scaling": "none",
 }
 # Intervals at the report's fractions of training: its 100 / 1000 / 2000 steps of ~4 x 1,700

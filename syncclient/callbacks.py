@@ -48,8 +48,16 @@ weights become the latest version and its local steps, in-flight ones included, 
 The Trainer's optimizer state (Adam's moments, the learning-rate schedule) is kept across
 syncs on purpose. After a sync the weights jump to the merged version while the moments still
 describe this peer's recent gradients; that is what local SGD and DiLoCo do (the inner
-optimizer is local, only weights are averaged). Resetting Adam at every sync would restart
-its bias correction and cost a warm-up per round, for no gain in agreement between peers.
+optimizer is local, only weights are averaged). Resetting Adam at every sync restarts its bias
+correction and measured worse; averaging the first moment at each sync helped a little, for
+twice the bytes, and less than scaling the learning rate (bench/RESULTS.md, issue 27).
+
+**Each peer's learning rate** is the Trainer's, or with ``lr_scaling`` that times ``sqrt(N)`` or
+``N`` with N peers, ramped in over the first round: a peer trains on 1/N of the global batch,
+Adam steps each peer about as far as serial steps on the whole batch, and the average of N such
+noisier steps is shorter than serial's. It is off by default: at serial's best rate it did not
+win (bench/RESULTS.md, issue 27). The factor is applied for each optimizer step and undone right
+after it, so the scheduler (and a checkpoint of it) keeps the rates it set (:mod:`syncclient.peerlr`).
 
 **A peer with several GPUs** (``torchrun --nproc-per-node P``, DDP or FSDP, ``args.world_size >
 1``): every rank runs the callback; the client serves the process group
@@ -103,6 +111,11 @@ class SyncCallback(TrainerCallback):
         overlap: send each update in the background and apply the merged result a step or more
             later, keeping the steps taken meanwhile (see the module docstring). Hides the
             sync's network time from training; off by default.
+        lr_scaling: each peer's learning rate with N peers: the Trainer's ``learning_rate`` (serial's,
+            at the global batch) x 1 (``"none"``, default), x ``sqrt(N)`` (``"sqrt"``) or x ``N``
+            (``"linear"``); the scheduler keeps its own rates (:mod:`syncclient.peerlr`).
+        lr_scaling_warmup: optimizer steps over which that factor ramps in from 1 (default:
+            one round, ``sync_every`` steps).
         **client_kwargs: passed to ``SyncClient(hub, ...)``: ``run`` (required), ``peer``,
             ``token``, ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``outer_warmup``, ``min_peers``,
             ``round_timeout``, ``timeout``, ...

@@ -25,7 +25,8 @@ What it does (as :class:`syncclient.SyncCallback` does for Hugging Face):
 A batch's samples are the length of its first tensor (the batch dimension). One process per
 peer: it raises at fit start when the Trainer runs on several devices (DDP peers are not
 supported yet), as the Hugging Face callback does. The optimizers' state is kept across syncs
-(local SGD / DiLoCo's inner optimizer).
+(local SGD / DiLoCo's inner optimizer); with ``lr_scaling`` each optimizer step runs at
+``sqrt(N)`` or ``N`` times its own rate with N peers, as with the Hugging Face callback.
 
 Works with ``lightning`` (``import lightning as L``) and, if that is not installed, with the
 older ``pytorch_lightning`` package; :func:`callback_class` gives the class for the other one.
@@ -175,6 +176,11 @@ class SyncCallback(_Sync, Callback):  # type: ignore[misc]  # Callback: Any when
         hub: the hub's base URL (``http://`` or ``https://``). Give ``hub`` or ``client``.
         sync_every: optimizer steps between syncs (an int >= 1): barrier and async runs.
         client: a :class:`SyncClient` you built yourself; joined already or not.
+        lr_scaling: each peer's learning rate with N peers: the optimizers' own (serial's, at the
+            global batch) x 1 (``"none"``, default), x ``sqrt(N)`` (``"sqrt"``) or x ``N`` (``"linear"``),
+            applied to each step through torch's optimizer hooks (:mod:`syncclient.peerlr`).
+        lr_scaling_warmup: optimizer steps over which that factor ramps in from 1 (default:
+            one round, ``sync_every`` steps).
         **client_kwargs: passed to ``SyncClient(hub, ...)``: ``run`` (required), ``peer``,
             ``token``, ``codec``, ``round_samples``, ...
     """

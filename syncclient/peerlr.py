@@ -6,7 +6,11 @@ peer's step from a noisier 1/N batch carries less signal than serial's step of t
 and averaging N of them cancels part of the noise but does not restore the signal: the merged
 step is shorter than serial's (bench/RESULTS.md, issue 27). Stepping each peer further makes up
 for it. ``sqrt`` is the rule for Adam-type optimizers (the noise of a mean of N falls as
-``1/sqrt(N)``), ``linear`` the rule of large-batch SGD (Goyal et al., 2017).
+``1/sqrt(N)``), ``linear`` the rule of large-batch SGD (Goyal et al., 2017). Measured, it is
+no free lunch: at the quality grid's low rate both helped (x N most: 4 peers from +2.9% to +1.0%
+over serial at the same rate, 3 seeds), but at serial's best rate x sqrt(N) did not beat plain
+averaging and x N with 4 peers was worse than it, so the default is ``none``
+(bench/RESULTS.md, issue 27). Try ``linear`` with 2 peers, or when --lr is below serial's best.
 
 The factor ramps in linearly over the first ``warmup`` optimizer steps (from 1x at step 0 to the
 full factor at step ``warmup``), as Goyal et al. ramp theirs: serial's rate is where the run
@@ -40,7 +44,7 @@ class PeerLR:
             the first step); None: one round, ``sync_every`` steps (:meth:`for_rounds`).
     """
 
-    scaling: str = "sqrt"
+    scaling: str = "none"
     warmup: int | None = None
 
     def __post_init__(self) -> None:
@@ -67,10 +71,10 @@ class PeerLR:
 
 
 #: What a peer gets without asking: SyncCallback's, the Lightning callback's, weightsync-run's and
-#: the reference job's default: x sqrt(N), ramped in over the first round. ``linear`` did better
-#: at 2 peers and at the grid's low rate, and worse than no scaling at all with 4 peers at serial's
-#: best rate (bench/RESULTS.md, issue 27); sqrt(N) was better than none everywhere it ran.
-DEFAULT_PEER_LR = PeerLR("sqrt", None)
+#: the reference job's default: every peer at the rate it is given. At serial's best learning
+#: rate neither scaling won over 3 seeds (x sqrt(N) within noise of none, worse on one seed; x N
+#: better with 2 peers, worse with 4), so none is the default (bench/RESULTS.md, issue 27).
+DEFAULT_PEER_LR = PeerLR("none", None)
 
 
 class LRScaler:

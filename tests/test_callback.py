@@ -323,7 +323,6 @@ def test_a_bad_lr_scaling_is_refused_when_the_callback_is_made(kwargs: dict[str,
         SyncCallback("http://hub:8000", sync_every=1, run="r", **kwargs)
 
 
-def test_by_default_each_peer_steps_at_sqrt_n_times_the_rate_after_a_first_round_of_warm_up() -> None:
-    callback = SyncCallback("http://hub:8000", sync_every=10, run="r")
-    assert callback.peer_lr == PeerLR("sqrt", 10)
-    assert SyncCallback("http://hub:8000", sync_every=10, run="r", lr_scaling="none").peer_lr.factor(4, 50) == 1.0
+def test_by_default_every_peer_steps_at_the_given_rate_and_a_scaling_ramps_in_over_a_round() -> None:
+    assert SyncCallback("http://hub:8000", sync_every=10, run="r").peer_lr.factor(4, 50) == 1.0
+    assert SyncCallback("http://hub:8000", sync_every=10, run="r", lr_scaling="sqrt").peer_lr == PeerLR("sqrt", 10)

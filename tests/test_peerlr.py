@@ -67,12 +67,14 @@ def test_each_step_of_a_hooked_optimizer_is_scaled_and_its_scheduler_keeps_its_o
     assert scale_each_step(opt, PeerLR("sqrt"), 1, lambda: 0) is not None  # one peer: nothing to hook
 
 
-def test_the_default_is_x_sqrt_n_ramped_in_over_the_first_round() -> None:
-    assert DEFAULT_PEER_LR == PeerLR("sqrt", None) == PeerLR()
-    assert DEFAULT_PEER_LR.for_rounds(30) == PeerLR("sqrt", 30)
-    assert DEFAULT_PEER_LR.for_rounds(None) == PeerLR("sqrt", 0)  # a samples run: no fixed round length
+def test_the_default_keeps_every_peer_at_the_given_rate_and_a_scaling_ramps_in_over_a_round() -> None:
+    assert DEFAULT_PEER_LR == PeerLR("none", None) == PeerLR()
+    assert [DEFAULT_PEER_LR.for_rounds(4).factor(4, s) for s in (0, 2, 100)] == [1.0, 1.0, 1.0]
+    sqrt = PeerLR("sqrt")
+    assert sqrt.for_rounds(30) == PeerLR("sqrt", 30)
+    assert sqrt.for_rounds(None) == PeerLR("sqrt", 0)  # a samples run: no fixed round length
     assert PeerLR("linear", 5).for_rounds(30) == PeerLR("linear", 5)  # a warm-up given stays
-    assert [DEFAULT_PEER_LR.for_rounds(4).factor(4, s) for s in (0, 2, 4, 100)] == [1.0, 1.5, 2.0, 2.0]
+    assert [sqrt.for_rounds(4).factor(4, s) for s in (0, 2, 4, 100)] == [1.0, 1.5, 2.0, 2.0]
 
 
 @pytest.mark.parametrize("warmup", [-1, 2.5, True, "3"])
