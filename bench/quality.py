@@ -160,8 +160,9 @@ _FAIR = [
     Config("serial-lr11.3x", flags={"lr": LR * 8 * math.sqrt(2)}),
     Config("serial-lr16x", flags={"lr": LR * 16}),
 ]
-# Issue 27, the screen (seed 1, 2 peers every 30 steps): each peer's learning rate from N, Adam's
-# moments across syncs, an outer step > 1 on the averaged delta (no warm-up: the hub's momentum
+# Issue 27, the screen (seed 1, 2 peers every 30 steps): each peer's learning rate from N, an outer
+# step > 1 on the averaged delta (Adam's moments across syncs ran at 174c042, whose --adam-sync is
+# gone: bench/RESULTS.md has its figures) (no warm-up: the hub's momentum
 # warm-up pins the outer lr to 1 / (1 + momentum) over its first 20 rounds, i.e. all 6 here).
 _NO_WARMUP = {"SYNC_OUTER_WARMUP": "0"}
 _SCREEN = [
@@ -169,9 +170,6 @@ _SCREEN = [
     Config(f"p2-s{MID}-sqrt-w{MID}", 2, MID, flags={"lr-scaling": "sqrt", "lr-scaling-warmup": MID}),
     Config(f"p2-s{MID}-linear", 2, MID, flags={"lr-scaling": "linear"}),
     Config(f"p2-s{MID}-linear-w{MID}", 2, MID, flags={"lr-scaling": "linear", "lr-scaling-warmup": MID}),
-    Config(f"p2-s{MID}-adam-reset", 2, MID, flags={"adam-sync": "reset"}),
-    Config(f"p2-s{MID}-adam-avg-m", 2, MID, flags={"adam-sync": "avg-m"}),
-    Config(f"p2-s{MID}-adam-avg-mv3", 2, MID, flags={"adam-sync": "avg-mv", "adam-v-every": 3}),
     Config(
         f"p2-s{MID}-outer1.4",
         2,
