@@ -34,6 +34,13 @@ seed family, writes ``bench/results/quality.json`` and draws ``bench/quality.png
 perplexity vs step against serial, syncs ticked). DiLoCo's settings are hub defaults for new runs,
 so its rows set ``SYNC_OUTER_*`` in the launcher's environment, which its embedded hub inherits.
 
+Issue 27's rows (after those): serial at 0.5x to 16x the grid's learning rate (``serial-lr*``:
+serial's best rate, against which ``fair_table`` takes every gap, beside serial at the same
+``--lr``), the screen of what might close the gap (each peer's rate x sqrt N or x N,
+``--lr-scaling``; an outer step > 1 with and without Nesterov momentum), and those at 4 peers
+and at serial's best rate (``*-lr8x*``), with their other seeds. Every row measures plain
+averaging unless its flags say otherwise (``"lr-scaling": "none"`` in ``FULL_COMMON``).
+
 ``--quick`` runs four small configurations (serial, 2 peers fp32, int4 and DiLoCo; 24 steps, from
 a 60-step pretraining) in a few minutes, to check the whole pipeline. ``--reuse`` keeps
 configurations that already have a ``results.json`` (resume a grid, or redraw without training);
