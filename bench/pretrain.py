@@ -65,6 +65,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exclude-test", type=int, default=40, help="the fine-tune's --test-samples")
     p.add_argument("--out", type=Path, help="output folder (default: a cache folder named by the settings)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: bit-for-bit repeatable)")
+    p.add_argument(
+        "--device", default="cpu", help="cpu, or cuda[:i]: the model in float32 there, its steps under bf16 autocast"
+    )
     args = p.parse_args(argv)
     for name in ("reviews", "steps", "batch_size", "block_size", "threads"):
         if getattr(args, name) < 1:
@@ -116,6 +119,8 @@ def pretrain(args: argparse.Namespace) -> Path:
 
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "seeds")}
     settings.pop("dataset"), settings.pop("tokenizer")
+    if settings["device"] == "cpu":  # the key of every CPU cache folder made before --device existed
+        settings.pop("device")
     key = hashlib.sha256(
         json.dumps(settings, sort_keys=True).encode() + hashlib.sha256("\n".join(sorted(used)).encode()).digest()
     ).hexdigest()[:12]
@@ -136,7 +141,10 @@ def pretrain(args: argparse.Namespace) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         **job.MODEL_CONFIGS[args.model_config],
     )
-    model = GPT2LMHeadModel(config)
+    device = torch.device(args.device)
+    model = GPT2LMHeadModel(config).to(device)
+    blocks = blocks.to(device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warm = max(1, args.steps // 20)
 
@@ -153,9 +161,10 @@ def pretrain(args: argparse.Namespace) -> Path:
     for step in range(args.steps):
         if at + args.batch_size > n:
             order, at = torch.randperm(n, generator=gen), 0
-        batch = blocks[order[at : at + args.batch_size]]
+        batch = blocks[order[at : at + args.batch_size].to(device)]
         at += args.batch_size
-        loss = model(input_ids=batch, labels=batch).loss
+        with autocast:
+            loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -34,6 +34,13 @@ seed family, writes ``bench/results/quality.json`` and draws ``bench/quality.png
 perplexity vs step against serial, syncs ticked). DiLoCo's settings are hub defaults for new runs,
 so its rows set ``SYNC_OUTER_*`` in the launcher's environment, which its embedded hub inherits.
 
+Issue 27's rows (after those): serial at 0.5x to 16x the grid's learning rate (``serial-lr*``:
+serial's best rate, against which ``fair_table`` takes every gap, beside serial at the same
+``--lr``), the screen of what might close the gap (each peer's rate x sqrt N or x N,
+``--lr-scaling``; an outer step > 1 with and without Nesterov momentum), and those at 4 peers
+and at serial's best rate (``*-lr8x*``), with their other seeds. Every row measures plain
+averaging unless its flags say otherwise (``"lr-scaling": "none"`` in ``FULL_COMMON``).
+
 ``--quick`` runs four small configurations (serial, 2 peers fp32, int4 and DiLoCo; 24 steps, from
 a 60-step pretraining) in a few minutes, to check the whole pipeline. ``--reuse`` keeps
 configurations that already have a ``results.json`` (resume a grid, or redraw without training);
@@ -100,6 +107,9 @@ FULL_COMMON: dict[str, Any] = {
     "lr": 3e-4,
     "eval-every": 30,
     "seed": 1,
+    # every peer at --lr (the default; said here so that the rows measure plain averaging
+    # whatever the default becomes) unless a row's flags say otherwise
+    "lr-scaling": "none",
 }
 # Intervals at the report's fractions of training: its 100 / 1000 / 2000 steps of ~4 x 1,700
 # are 1.5% / 15% / 29%; here 3 / 30 / 60 of 180 steps (60, 6 and 3 rounds; the report's 68, 7, 3.4).
@@ -131,13 +141,89 @@ _FIRST = [  # in the order they run: what the targets need first
 ]
 _SEEDED = ["serial", f"p2-s{MID}", f"p2-s{SHORT}", f"p4-s{MID}", f"p2-s{MID}-topk"]
 _EXTRA = 4  # the last rows of _FIRST run after the other seeds: no target depends on them
-_OTHER_SEEDS = [
-    Config(f"{c.name}-seed{seed}", c.peers, c.sync_every, c.codec, c.outer, c.env, c.flags | {"seed": seed}, c.scratch)
-    for seed in SEEDS
-    for c in _FIRST
-    if c.name in _SEEDED
+
+
+def seeded(c: Config, seed: int) -> Config:
+    """The same configuration with another seed (which also picks other held-out reviews)."""
+    return Config(
+        f"{c.name}-seed{seed}", c.peers, c.sync_every, c.codec, c.outer, c.env, c.flags | {"seed": seed}, c.scratch
+    )
+
+
+_OTHER_SEEDS = [seeded(c, seed) for seed in SEEDS for c in _FIRST if c.name in _SEEDED]
+# Issue 27, a fair baseline: serial at the learning rates the peers get (0.5x, sqrt 2 x, 2x), so
+# that every gap is taken against serial at its best rate as well as at the same rate.
+LR = FULL_COMMON["lr"]
+_FAIR = [
+    Config("serial-lr0.5x", flags={"lr": LR / 2}),
+    Config("serial-lr1.41x", flags={"lr": LR * math.sqrt(2)}),
+    Config("serial-lr2x", flags={"lr": LR * 2}),
+    # 2x was still the best and serial still fell 1.2% in its last 30 steps there: the grid goes on
+    # until serial gets worse
+    Config("serial-lr2.83x", flags={"lr": LR * 2 * math.sqrt(2)}),
+    Config("serial-lr4x", flags={"lr": LR * 4}),
+    Config("serial-lr5.66x", flags={"lr": LR * 4 * math.sqrt(2)}),
+    Config("serial-lr8x", flags={"lr": LR * 8}),
+    Config("serial-lr11.3x", flags={"lr": LR * 8 * math.sqrt(2)}),
+    Config("serial-lr16x", flags={"lr": LR * 16}),
 ]
-FULL = _FIRST[:-_EXTRA] + _OTHER_SEEDS + _FIRST[-_EXTRA:]
+# Issue 27, the screen (seed 1, 2 peers every 30 steps): each peer's learning rate from N, an outer
+# step > 1 on the averaged delta (Adam's moments across syncs ran at 174c042, whose --adam-sync is
+# gone: bench/RESULTS.md has its figures) (no warm-up: the hub's momentum
+# warm-up pins the outer lr to 1 / (1 + momentum) over its first 20 rounds, i.e. all 6 here).
+_NO_WARMUP = {"SYNC_OUTER_WARMUP": "0"}
+_SCREEN = [
+    Config(f"p2-s{MID}-sqrt", 2, MID, flags={"lr-scaling": "sqrt"}),
+    Config(f"p2-s{MID}-sqrt-w{MID}", 2, MID, flags={"lr-scaling": "sqrt", "lr-scaling-warmup": MID}),
+    Config(f"p2-s{MID}-linear", 2, MID, flags={"lr-scaling": "linear"}),
+    Config(f"p2-s{MID}-linear-w{MID}", 2, MID, flags={"lr-scaling": "linear", "lr-scaling-warmup": MID}),
+    Config(
+        f"p2-s{MID}-outer1.4",
+        2,
+        MID,
+        outer="diloco",
+        env=_NO_WARMUP | {"SYNC_OUTER_LR": "1.4", "SYNC_OUTER_MOMENTUM": "0"},
+    ),
+    Config(
+        f"p2-s{MID}-outer2",
+        2,
+        MID,
+        outer="diloco",
+        env=_NO_WARMUP | {"SYNC_OUTER_LR": "2.0", "SYNC_OUTER_MOMENTUM": "0"},
+    ),
+    Config(f"p2-s{MID}-outer1.4-mom0.9", 2, MID, outer="diloco", env=_NO_WARMUP | {"SYNC_OUTER_LR": "1.4"}),
+    Config(f"p2-s{MID}-outer2-mom0.9", 2, MID, outer="diloco", env=_NO_WARMUP | {"SYNC_OUTER_LR": "2.0"}),
+]
+# Issue 27, at serial's best learning rate (BEST x the grid's): what a user who tuned serial's
+# --lr gets with 2 and 4 peers, plain and with each peer's rate scaled for the peers.
+BEST = 8
+_AT_BEST = [
+    Config(f"p{n}-s{MID}-lr{BEST}x{tag}", n, MID, flags={"lr": LR * BEST} | extra)
+    for n in (2, 4)
+    for tag, extra in (
+        ("", {}),
+        (f"-sqrt-w{MID}", {"lr-scaling": "sqrt", "lr-scaling-warmup": MID}),
+        (f"-linear-w{MID}", {"lr-scaling": "linear", "lr-scaling-warmup": MID}),
+    )
+]
+# The screen's best at the grid's rate (x N), on every seed and at 4 peers too; x sqrt(N) at 4 peers
+_LINEAR = {"lr-scaling": "linear", "lr-scaling-warmup": MID}
+_SQRT = {"lr-scaling": "sqrt", "lr-scaling-warmup": MID}
+_WINNER = [_SCREEN[3], Config(f"p4-s{MID}-linear-w{MID}", 4, MID, flags=_LINEAR)]
+_P4_SQRT = Config(f"p4-s{MID}-sqrt-w{MID}", 4, MID, flags=_SQRT)
+# int8 against fp32 sync with the new default (its target holds for what users get)
+_INT8 = Config(f"p2-s{MID}-sqrt-w{MID}-int8", 2, MID, codec="int8", flags=_SQRT)
+ISSUE27 = (
+    _FAIR
+    + [seeded(c, seed) for seed in SEEDS for c in _FAIR]
+    + _SCREEN
+    + _WINNER[1:]
+    + [_P4_SQRT, _INT8]
+    + [seeded(c, seed) for seed in SEEDS for c in _WINNER]
+    + _AT_BEST
+    + [seeded(c, seed) for seed in SEEDS for c in _AT_BEST]
+)
+FULL = _FIRST[:-_EXTRA] + _OTHER_SEEDS + _FIRST[-_EXTRA:] + ISSUE27
 
 QUICK_COMMON = FULL_COMMON | {
     "train-samples": 20,
@@ -239,7 +325,8 @@ def add_ratios(rows: list[dict[str, Any]], default_seed: int) -> None:
     averaging at its interval and seed. Only runs of one seed compare: the seed also picks the
     held-out validation and test reviews (the job shuffles the train split with it)."""
     ok = [r for r in rows if "error" not in r]
-    serial = {r["seed"]: r["val_ppl"] for r in ok if r["config"]["peers"] == 0}
+    # serial at the grid's own learning rate (the serial-lr* rows are fair_table's)
+    serial = {r["seed"]: r["val_ppl"] for r in ok if r["config"]["peers"] == 0 and "lr" not in r["config"]["flags"]}
 
     def like(r: dict[str, Any]) -> tuple[Any, ...]:  # the same run but for codec, outer and peers
         c = r["config"]
@@ -281,6 +368,61 @@ def seed_table(rows: list[dict[str, Any]]) -> str:
         mean = f"{(sum(ratios) / len(ratios) - 1) * 100:+.1f}%" if ratios else "-"
         lines.append(f"| {name} | {seeds} | {vals} | {each} | {mean} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def fair_table(rows: list[dict[str, Any]], lr: float) -> str:
+    """Issue 27's comparison: each family of multi-peer runs (its seeds) against serial at its best
+    learning rate and against serial at the same ``--lr``. Serial's best rate is the one whose
+    runs average the lowest ratio to serial at ``lr`` over the seeds that every serial rate ran
+    with; ratios are taken per seed (each seed holds out its own reviews), then averaged."""
+    ok = [r for r in rows if "error" not in r and not r["config"]["scratch"]]
+
+    def rate(r: dict[str, Any]) -> float:
+        return float(r["config"]["flags"].get("lr", lr))
+
+    serial: dict[float, dict[int, float]] = {}
+    for r in ok:
+        if r["config"]["peers"] == 0:
+            serial.setdefault(rate(r), {})[r["seed"]] = r["val_ppl"]
+    if lr not in serial or len(serial) < 2:
+        return ""
+    seeds = set(serial[lr])  # a rate competes for "best" when it ran every seed serial at lr ran
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs)
+
+    rel = {x: mean([serial[x][s] / serial[lr][s] for s in seeds & set(serial[x])]) for x in serial}
+    complete = [x for x in serial if seeds <= set(serial[x])]
+    best = min(complete, key=lambda x: rel[x])
+    lines = [
+        "Serial at each learning rate, the mean over seeds of the ratio to serial at "
+        f"{lr:g} of the same seed (seeds {sorted(seeds)}; * = fewer seeds, not a candidate): "
+        + ", ".join(f"{x:.3g}{'' if x in complete else '*'}: {(rel[x] - 1) * 100:+.2f}%" for x in sorted(rel))
+        + f"; best {best:.3g}.",
+        "",
+        "| config | peers | seeds | val ppl per seed | vs serial at its best lr, per seed | mean "
+        "| vs serial at the same lr, mean |",
+        "|---|---:|---|---|---|---:|---:|",
+    ]
+    families: dict[str, list[dict[str, Any]]] = {}
+    for r in ok:
+        if r["config"]["peers"]:
+            families.setdefault(family(r["config"]["name"]), []).append(r)
+    for name, group in families.items():
+        group = [r for r in group if r["seed"] in serial[best]]
+        if not group:
+            continue
+        vs_best = [r["val_ppl"] / serial[best][r["seed"]] for r in group]
+        same = [r["val_ppl"] / serial[rate(r)][r["seed"]] for r in group if r["seed"] in serial.get(rate(r), {})]
+        seeds_run = ", ".join(str(r["seed"]) for r in group)
+        vals = ", ".join(f"{r['val_ppl']:.2f}" for r in group)
+        each = ", ".join(f"{(x - 1) * 100:+.2f}%" for x in vs_best)
+        at_lr = f"{(mean(same) - 1) * 100:+.2f}%" if same else "-"
+        lines.append(
+            f"| {name} | {group[0]['config']['peers']} | {seeds_run} | {vals} | {each} "
+            f"| **{(mean(vs_best) - 1) * 100:+.2f}%** | {at_lr} |"
+        )
+    return "\n".join(lines)
 
 
 def family(name: str) -> str:
@@ -362,6 +504,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, default_seed: int) 
     if rest := [n for n in by_name if n not in shown]:
         panels.append(("other configurations", rest))
     # Small multiples, 3 to a row; each panel is the curves (tall) above their ratio to serial.
+    if not panels:  # the serial run alone: nothing to compare it with
+        return
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig = plt.figure(figsize=(5.4 * ncols, 6.0 * nrows + 0.6), dpi=100, layout="constrained")
@@ -481,12 +625,13 @@ def main() -> int:
     total = time.perf_counter() - t0
     add_ratios(rows, common["seed"])
 
-    md, seeds_md = table(rows), seed_table(rows)
+    md, seeds_md, fair_md = table(rows), seed_table(rows), fair_table(rows, common["lr"])
     print()
     print(md)
-    if seeds_md:
-        print()
-        print(seeds_md)
+    for extra in (seeds_md, fair_md):
+        if extra:
+            print()
+            print(extra)
     configs_wall = sum(r["wall_seconds"] for r in rows)
     print(
         f"\nwall time: this invocation {total:.0f} s, "
@@ -505,6 +650,7 @@ def main() -> int:
                 "rows": rows,
                 "table": md,
                 "seed_table": seeds_md,
+                "fair_table": fair_md,
             },
             indent=1,
         )

@@ -48,8 +48,16 @@ weights become the latest version and its local steps, in-flight ones included, 
 The Trainer's optimizer state (Adam's moments, the learning-rate schedule) is kept across
 syncs on purpose. After a sync the weights jump to the merged version while the moments still
 describe this peer's recent gradients; that is what local SGD and DiLoCo do (the inner
-optimizer is local, only weights are averaged). Resetting Adam at every sync would restart
-its bias correction and cost a warm-up per round, for no gain in agreement between peers.
+optimizer is local, only weights are averaged). Resetting Adam at every sync restarts its bias
+correction and measured worse; averaging the first moment at each sync helped a little, for
+twice the bytes, and less than scaling the learning rate (bench/RESULTS.md, issue 27).
+
+**Each peer's learning rate** is the Trainer's, or with ``lr_scaling`` that times ``sqrt(N)`` or
+``N`` with N peers, ramped in over the first round: a peer trains on 1/N of the global batch,
+Adam steps each peer about as far as serial steps on the whole batch, and the average of N such
+noisier steps is shorter than serial's. It is off by default: at serial's best rate it did not
+win (bench/RESULTS.md, issue 27). The factor is applied for each optimizer step and undone right
+after it, so the scheduler (and a checkpoint of it) keeps the rates it set (:mod:`syncclient.peerlr`).
 
 **A peer with several GPUs** (``torchrun --nproc-per-node P``, DDP or FSDP, ``args.world_size >
 1``): every rank runs the callback; the client serves the process group
@@ -75,6 +83,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from syncclient._callback import callback_client, join_at_train_begin
 from syncclient.client import PendingSync, SyncClient, SyncResult
+from syncclient.peerlr import DEFAULT_PEER_LR, LRScaler, PeerLR
 
 __all__ = ["SyncCallback"]
 
@@ -102,6 +111,11 @@ class SyncCallback(TrainerCallback):
         overlap: send each update in the background and apply the merged result a step or more
             later, keeping the steps taken meanwhile (see the module docstring). Hides the
             sync's network time from training; off by default.
+        lr_scaling: each peer's learning rate with N peers: the Trainer's ``learning_rate`` (serial's,
+            at the global batch) x 1 (``"none"``, default), x ``sqrt(N)`` (``"sqrt"``) or x ``N``
+            (``"linear"``); the scheduler keeps its own rates (:mod:`syncclient.peerlr`).
+        lr_scaling_warmup: optimizer steps over which that factor ramps in from 1 (default:
+            one round, ``sync_every`` steps).
         **client_kwargs: passed to ``SyncClient(hub, ...)``: ``run`` (required), ``peer``,
             ``token``, ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``outer_warmup``, ``min_peers``,
             ``round_timeout``, ``timeout``, ...
@@ -121,6 +135,8 @@ class SyncCallback(TrainerCallback):
         client: SyncClient | None = None,
         on_sync: Callable[[SyncResult], None] | None = None,
         overlap: bool = False,
+        lr_scaling: str = DEFAULT_PEER_LR.scaling,
+        lr_scaling_warmup: int | None = DEFAULT_PEER_LR.warmup,
         **client_kwargs: Any,
     ) -> None:
         if on_sync is not None and not callable(on_sync):
@@ -133,6 +149,9 @@ class SyncCallback(TrainerCallback):
         self.sync_every = sync_every
         self.on_sync = on_sync
         self.overlap = overlap
+        self.peer_lr = PeerLR(lr_scaling, lr_scaling_warmup).for_rounds(sync_every)
+        self._scaler = LRScaler()
+        self._peers = 1  # the run's world size, known once joined
         self.join_info: Any = None
         self.last_result: SyncResult | None = None
         self.syncs = 0
@@ -153,6 +172,7 @@ class SyncCallback(TrainerCallback):
         if args.world_size > 1:
             self._serve_the_group(args)
         self.join_info = join_at_train_begin(self.client, _model(kwargs), self.sync_every) or self.join_info
+        self._peers = self.client.world_size or 1
         self._active = True
         self._last_sync_step = state.global_step
         self._pending = False
@@ -164,6 +184,17 @@ class SyncCallback(TrainerCallback):
     ) -> None:
         if self._active and self._pending:  # the Trainer did not log after the due step
             self._sync(args, state, _model(kwargs))
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._active and kwargs.get("optimizer") is not None:
+            self._scaler.before(kwargs["optimizer"], self.peer_lr.factor(self._peers, state.global_step))
+
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._scaler.after()  # the scheduler steps next, from the rate it set
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

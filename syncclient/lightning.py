@@ -25,7 +25,8 @@ What it does (as :class:`syncclient.SyncCallback` does for Hugging Face):
 A batch's samples are the length of its first tensor (the batch dimension). One process per
 peer: it raises at fit start when the Trainer runs on several devices (DDP peers are not
 supported yet), as the Hugging Face callback does. The optimizers' state is kept across syncs
-(local SGD / DiLoCo's inner optimizer).
+(local SGD / DiLoCo's inner optimizer); with ``lr_scaling`` each optimizer step runs at
+``sqrt(N)`` or ``N`` times its own rate with N peers, as with the Hugging Face callback.
 
 Works with ``lightning`` (``import lightning as L``) and, if that is not installed, with the
 older ``pytorch_lightning`` package; :func:`callback_class` gives the class for the other one.
@@ -55,6 +56,7 @@ import torch
 
 from syncclient._callback import callback_client, join_at_train_begin
 from syncclient.client import SyncClient, SyncResult
+from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR, scale_each_step
 
 __all__ = ["SyncCallback", "callback_class"]
 
@@ -72,8 +74,11 @@ class _Sync:
         *,
         sync_every: int | None = None,
         client: SyncClient | None = None,
+        lr_scaling: str = DEFAULT_PEER_LR.scaling,
+        lr_scaling_warmup: int | None = DEFAULT_PEER_LR.warmup,
         **client_kwargs: Any,
     ) -> None:
+        self.peer_lr = PeerLR(lr_scaling, lr_scaling_warmup).for_rounds(sync_every)
         self.client = callback_client(hub, sync_every=sync_every, client=client, client_kwargs=client_kwargs)
         self.sync_every = sync_every
         self.join_info: Any = None
@@ -83,6 +88,7 @@ class _Sync:
         self._last_sync_step = 0
         self._samples = 0  # since the last sync
         self._loss: Any = None  # the last batch's, as training_step returned it
+        self._unhook: list[Any] = []  # removes the learning-rate scaling of each optimizer
 
     # -- hooks ------------------------------------------------------------------------------------
 
@@ -93,6 +99,10 @@ class _Sync:
                 "processes: run one peer per process (DDP peers are not supported yet)"
             )
         self.join_info = join_at_train_begin(self.client, pl_module, self.sync_every) or self.join_info
+        peers = self.client.world_size or 1
+        self._unhook = [
+            scale_each_step(opt, self.peer_lr, peers, lambda: trainer.global_step) for opt in trainer.optimizers
+        ]
         self._active = True
         self._last_sync_step = trainer.global_step
         self._samples = 0
@@ -151,6 +161,9 @@ class _Sync:
 
     def _leave(self) -> None:
         self._active = False
+        for unhook in self._unhook:
+            unhook()
+        self._unhook = []
         self.client.leave()  # leave() also closes the client; a client passed in is left too
 
 
@@ -163,6 +176,11 @@ class SyncCallback(_Sync, Callback):  # type: ignore[misc]  # Callback: Any when
         hub: the hub's base URL (``http://`` or ``https://``). Give ``hub`` or ``client``.
         sync_every: optimizer steps between syncs (an int >= 1): barrier and async runs.
         client: a :class:`SyncClient` you built yourself; joined already or not.
+        lr_scaling: each peer's learning rate with N peers: the optimizers' own (serial's, at the
+            global batch) x 1 (``"none"``, default), x ``sqrt(N)`` (``"sqrt"``) or x ``N`` (``"linear"``),
+            applied to each step through torch's optimizer hooks (:mod:`syncclient.peerlr`).
+        lr_scaling_warmup: optimizer steps over which that factor ramps in from 1 (default:
+            one round, ``sync_every`` steps).
         **client_kwargs: passed to ``SyncClient(hub, ...)``: ``run`` (required), ``peer``,
             ``token``, ``codec``, ``round_samples``, ...
     """

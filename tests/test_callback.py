@@ -13,6 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 from syncclient import SyncClient
 from syncclient.callbacks import SyncCallback
+from syncclient.peerlr import PeerLR
 from tests.conftest import Hub
 from tests.harness import Blocks, hub_model, run_peers
 
@@ -254,3 +255,74 @@ def test_oversized_eval_metrics_shrink_to_the_losses(hub: Hub) -> None:
     assert callback.last_result is not None and callback.last_result.version == 1
     callback.on_train_end(args, state, control, model=model)  # type: ignore[arg-type]
     assert events[-1] == ("leave",) and len(events) == 3  # nothing left to sync
+
+
+class LRRecorder(TrainerCallback):
+    """The learning rate each optimizer step used, and what the optimizer holds right after it."""
+
+    def __init__(self) -> None:
+        self.used: list[tuple[int, float]] = []
+        self.after: list[float] = []
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any) -> None:
+        self.used.append((state.global_step, optimizer.param_groups[0]["lr"]))
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any) -> None:
+        self.after.append(optimizer.param_groups[0]["lr"])
+
+
+def test_each_peer_steps_at_the_lr_scaled_for_the_peers_and_the_scheduler_keeps_its_own(
+    hub: Hub, tmp_path: Path
+) -> None:
+    steps, lr, warmup = 6, 1e-3, 2
+    recorders = [LRRecorder(), LRRecorder()]
+    callbacks = [
+        SyncCallback(
+            hub.url, sync_every=3, run="peer-lr", peer=f"p{i}", min_peers=2, lr_scaling="sqrt", lr_scaling_warmup=warmup
+        )
+        for i in range(2)
+    ]
+    args = [training_args(tmp_path / f"p{i}", steps=steps) for i in range(2)]
+    for a in args:
+        a.lr_scheduler_type = "linear"  # the scaling composes with any scheduler: lr(s) = lr x (6 - s) / 6
+    trainers = [
+        Trainer(
+            model=tiny_model(seed=i),
+            args=args[i],
+            train_dataset=Blocks(64, seed=i, vocab=1000),
+            callbacks=[callbacks[i], recorders[i]],
+        )
+        for i in range(2)
+    ]
+    run_peers(2, lambda i: trainers[i].train())
+
+    factor = [1.0, 1.0 + (2**0.5 - 1) / 2] + [2**0.5] * 4  # ramps over the first 2 steps, then sqrt(2)
+    for recorder, trainer in zip(recorders, trainers, strict=True):
+        assert [s for s, _ in recorder.used] == list(range(steps))
+        np.testing.assert_allclose(
+            [u for _, u in recorder.used], [lr * (steps - s) / steps * factor[s] for s in range(steps)]
+        )
+        # right after each step the optimizer holds the scheduler's own rate again: it steps from there
+        np.testing.assert_allclose(recorder.after, [lr * (steps - s) / steps for s in range(steps)])
+        assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(trainer.lr_scheduler.get_last_lr()[0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr_scaling": "cube"}, "lr_scaling must be one of none, sqrt, linear"),
+        ({"lr_scaling": None}, "lr_scaling must be one of"),
+        ({"lr_scaling_warmup": -1}, "lr_scaling_warmup must be an int >= 0"),
+        ({"lr_scaling_warmup": "30"}, "lr_scaling_warmup must be an int >= 0"),
+        ({"lr_scaling_warmup": 2.5}, "lr_scaling_warmup must be an int >= 0"),
+        ({"lr_scaling_warmup": True}, "lr_scaling_warmup must be an int >= 0"),
+    ],
+)
+def test_a_bad_lr_scaling_is_refused_when_the_callback_is_made(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SyncCallback("http://hub:8000", sync_every=1, run="r", **kwargs)
+
+
+def test_by_default_every_peer_steps_at_the_given_rate_and_a_scaling_ramps_in_over_a_round() -> None:
+    assert SyncCallback("http://hub:8000", sync_every=10, run="r").peer_lr.factor(4, 50) == 1.0
+    assert SyncCallback("http://hub:8000", sync_every=10, run="r", lr_scaling="sqrt").peer_lr == PeerLR("sqrt", 10)

@@ -158,6 +158,7 @@ def test_unreachable_hub_id_fails_in_one_line(flags: list[str], tmp_path: Path) 
         (["--local-peers", "2", "--policy", "async"], "needs --round-samples"),
         (["--local-peers", "2", "--policy", "barrier", "--round-samples", "8"], "goes with --policy samples"),
         (["--local-peers", "2", "--round-samples", "-1"], "must be >= 0"),
+        (["--no-hub", "--lr-scaling-warmup", "-1"], "--lr-scaling-warmup must be >= 0"),
     ],
 )
 def test_bad_flag_combinations_fail_in_one_line(

@@ -20,6 +20,7 @@ from syncclient.hooks import SITE
 from syncclient.hooks.model import AmbiguousModel, find_model
 from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, HookSettings, SettingsError
 from syncclient.hooks.shard import ShardSampler
+from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR
 from syncclient.runconfig import RUN_SETTINGS
 from weightsync_run import cli as launcher
 from weightsync_run.cli import absolute_paths, build_parser, main
@@ -110,6 +111,17 @@ def test_settings_round_trip_through_variables() -> None:
     )
     assert HookSettings.from_env(settings.to_env()) == settings
     assert HookSettings.resolve({"hub": "http://h:1", "run": "r"}, {}).sync_every == DEFAULT_SYNC_EVERY
+    default = HookSettings.resolve({"hub": "http://h:1", "run": "r"}, {})
+    assert default.peer_lr == PeerLR(DEFAULT_PEER_LR.scaling, DEFAULT_SYNC_EVERY)  # warm-up: one round
+    scaled = HookSettings.resolve({"hub": "http://h:1", "run": "r"}, {"WEIGHTSYNC_LR_SCALING": "linear"})
+    assert (scaled.lr_scaling, scaled.lr_scaling_warmup) == ("linear", None)
+    assert HookSettings.from_env(scaled.to_env()) == scaled
+    scaled = HookSettings.resolve(
+        {"hub": "http://h:1", "run": "r", "lr_scaling_warmup": "7"}, {"WEIGHTSYNC_LR_SCALING_WARMUP": "3"}
+    )
+    assert scaled.peer_lr == PeerLR(DEFAULT_PEER_LR.scaling, 7)  # the flag beats its variable
+    assert HookSettings.from_env(scaled.to_env()) == scaled
+    assert scaled.callback_kwargs()["lr_scaling_warmup"] == 7
 
 
 #: every run setting, given as a flag, and what SyncClient is given
@@ -193,6 +205,8 @@ BAD_VALUES = {
     "--round-timeout": ("inf", "--round-timeout: expected a finite number, got inf"),
     "--norm-guard": ("1", "--norm-guard: must be > 1 and <= 1000000, got 1.0"),
     "--max-staleness": ("soon", "--max-staleness: expected an integer, got 'soon'"),
+    "--lr-scaling": ("cube", "--lr-scaling: lr_scaling must be one of none, sqrt, linear, got 'cube'"),
+    "--lr-scaling-warmup": ("-1", "--lr-scaling-warmup: must be >= 0, got -1"),
 }
 
 

@@ -94,3 +94,49 @@ def test_bad_arguments_raise() -> None:
         SyncCallback("http://hub:8000", run="r")
     with pytest.raises(ValueError, match="hub must be an http:// or https:// URL"):
         SyncCallback("hub:8000", sync_every=2, run="r")
+
+
+class Probe(L.LightningModule):
+    """A gradient of 1 under plain SGD: each step moves the weight by exactly the rate it used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.moves: list[float] = []
+        self._before = 0.0
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self._before = self.w.item()
+        return self.w.sum() + 0 * batch.sum()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.moves.append(round(self._before - self.w.item(), 6))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_each_step_runs_at_the_rate_scaled_for_the_peers(hub_factory: Any) -> None:
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    hub = hub_factory("--min-peers", "2")
+
+    def peer(i: int) -> tuple[Probe, Any]:
+        module = Probe()
+        callback = SyncCallback(
+            hub.url, sync_every=10, run="pl-lr", peer=f"p{i}", lr_scaling="linear", lr_scaling_warmup=2
+        )
+        trainer = L.Trainer(
+            max_steps=4,
+            accelerator="cpu",
+            callbacks=[callback],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, torch.utils.data.DataLoader(torch.zeros(8, 1), batch_size=2))
+        return module, trainer.optimizers[0]
+
+    for module, optimizer in run_peers(2, peer):
+        assert module.moves == pytest.approx([0.1, 0.15, 0.2, 0.2])  # x 2 peers, ramped over 2 steps
+        assert optimizer.param_groups[0]["lr"] == 0.1  # the optimizer keeps its own rate

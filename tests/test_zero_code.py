@@ -395,3 +395,32 @@ def test_a_peer_that_finishes_first_leaves_without_holding_the_other_back(tmp_pa
         ["vm-b"],
         ["vm-b"],
     ]
+
+
+LR_PROBE = """
+import torch
+
+model = torch.nn.Linear(1, 1, bias=False)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+moves = []
+for step in range(4):
+    model.weight.grad = torch.ones_like(model.weight)
+    before = model.weight.item()  # at step 1 this predates the join, which loads the run's weights
+    optimizer.step()
+    moves.append(round(before - model.weight.item(), 6))
+print("moves", moves, "lr", optimizer.param_groups[0]["lr"], flush=True)
+"""
+
+
+def test_a_plain_loop_steps_at_the_scaled_rate_and_keeps_its_own(tmp_path: Path) -> None:
+    """--lr-scaling linear over 2 peers, ramped over 2 steps: plain SGD moves by the rate it used."""
+    script = tmp_path / "probe.py"
+    script.write_text(LR_PROBE)
+    out = tmp_path / "out"
+    args = ("--local-peers", "2", "--sync-every", "10", "--lr-scaling", "linear", "--lr-scaling-warmup", "2")
+    proc = weightsync_run(*args, "--out", str(out), "--", sys.executable, str(script))
+    assert proc.returncode == 0, proc.stderr
+    for peer in PEERS:
+        log = (out / f"{peer}.log").read_text()
+        # steps 2-4 at 1.5x, 2x, 2x the rate; step 1 moved from weights the join then replaced
+        assert "lr 0.1" in log and "0.15, 0.2, 0.2]" in log, log

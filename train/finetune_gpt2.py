@@ -86,6 +86,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from syncclient.peerlr import DEFAULT_PEER_LR, LR_SCALINGS  # the standard library only
+
 OFFLINE_HINT = (
     "use local files instead, e.g. --dataset ../shared/data/imdb --tokenizer ../shared/data/gpt2-tokenizer "
     "--model-config small"
@@ -176,6 +178,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-steps", type=int, default=0, help="optimizer steps per peer; >0 overrides --epochs")
     g.add_argument("--batch-size", type=int, default=256, help="global batch in blocks, split across peers")
     g.add_argument("--seed", type=int, default=1234, help="shared by all peers: data order, shards, init")
+    g.add_argument(
+        "--lr-scaling",
+        choices=LR_SCALINGS,
+        default=DEFAULT_PEER_LR.scaling,
+        help="each peer's learning rate with N peers: --lr x 1, x sqrt(N) or x N (--lr stays serial's at the global "
+        "batch; syncclient.peerlr, bench/RESULTS.md issue 27)",
+    )
+    g.add_argument(
+        "--lr-scaling-warmup",
+        type=int,
+        help="optimizer steps over which that factor ramps in from 1 (default: one round, --sync-every steps)",
+    )
 
     g = p.add_argument_group("output")
     g.add_argument(
@@ -231,8 +245,8 @@ def check_args(args: argparse.Namespace) -> None:
             args.sync_every = 1000
     args.sync_every = args.sync_every or 0
     args.hub_mode = args.policy is not None
-    if args.local_peers < 0 or args.sync_every < 0 or (args.eval_every or 0) < 0:
-        raise Fail("--local-peers, --sync-every and --eval-every must be >= 0")
+    if args.local_peers < 0 or args.sync_every < 0 or (args.eval_every or 0) < 0 or (args.lr_scaling_warmup or 0) < 0:
+        raise Fail("--local-peers, --sync-every, --eval-every and --lr-scaling-warmup must be >= 0")
     if args.local_peers and args.hub:
         raise Fail("--local-peers runs its own hub: drop --hub")
     if args.local_peers and not args.hub_mode:
@@ -468,7 +482,13 @@ def train_peer(args: argparse.Namespace) -> int:
                 if budget is not None and result.run_samples >= budget:
                     stop.reached = True
 
-            callback = SyncCallback(client=client, sync_every=args.sync_every or None, on_sync=on_sync)
+            callback = SyncCallback(
+                client=client,
+                sync_every=args.sync_every or None,
+                on_sync=on_sync,
+                lr_scaling=args.lr_scaling,
+                lr_scaling_warmup=args.lr_scaling_warmup,
+            )
             callbacks[1:1] = [callback, stop]
         trainer = Trainer(
             model=model,

@@ -48,6 +48,7 @@ from typing import NoReturn
 from syncclient.hooks import SITE
 from syncclient.hooks.session import MARKER
 from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, ENV, HookSettings, SettingsError, flag_name
+from syncclient.peerlr import DEFAULT_PEER_LR, LR_SCALINGS
 from syncclient.runconfig import RUN_SETTINGS
 
 __all__ = ["build_parser", "main"]
@@ -84,6 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"sync every N optimizer steps [WEIGHTSYNC_SYNC_EVERY; default {DEFAULT_SYNC_EVERY}; "
         "not with --round-samples, but in an async run]",
+    )
+    g.add_argument(
+        "--lr-scaling",
+        metavar="|".join(LR_SCALINGS),
+        help="each peer's learning rate: the program's (serial's, at the global batch) x 1, x sqrt(N) or x N "
+        "with N peers "
+        f"[WEIGHTSYNC_LR_SCALING; default {DEFAULT_PEER_LR.scaling}]",
+    )
+    g.add_argument(
+        "--lr-scaling-warmup",
+        metavar="STEPS",
+        help="optimizer steps over which that factor ramps in from 1 "
+        "[WEIGHTSYNC_LR_SCALING_WARMUP; default: one round, --sync-every steps]",
     )
     g.add_argument(
         "--no-shard",
@@ -129,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             peers = _count(env.get("WEIGHTSYNC_LOCAL_PEERS"), "WEIGHTSYNC_LOCAL_PEERS")
         if peers and args.hub:
             raise SettingsError("--local-peers runs its own hub: drop --hub")
-        flags = {field: getattr(args, field) for field in ("hub", "run", "token", "peer", "sync_every", "shard")}
+        fields = ("hub", "run", "token", "peer", "sync_every", "shard", "lr_scaling", "lr_scaling_warmup")
+        flags = {field: getattr(args, field) for field in fields}
         flags |= {setting.name: getattr(args, setting.name) for setting in RUN_SETTINGS}
         if peers:  # the launcher gives each peer its hub, run, name and rank, and waits for all K
             for field in ("peer", "min_peers"):

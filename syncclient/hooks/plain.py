@@ -78,6 +78,7 @@ class PlainLoop:
         self._begun = False
         self._pre: Any = None  # torch's hook handles
         self._post: Any = None
+        self._unscale: Any = lambda: None  # removes the learning-rate scaling of the lead's steps
 
     def start(self) -> None:
         self._pre = register_optimizer_step_pre_hook(self._first_step)
@@ -107,6 +108,7 @@ class PlainLoop:
         self._join(_model_of(optimizer))
         self._lead = weakref.ref(optimizer)
         self._others[optimizer] = True
+        self._scale(optimizer)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Before the lead's step that follows a due sync: make it (the weights are still those
@@ -152,8 +154,18 @@ class PlainLoop:
             self._others[optimizer] = True
         if self._lead() is None:  # the lead was dropped (e.g. a new optimizer per epoch): this one leads
             self._lead = weakref.ref(optimizer)
+            self._scale(optimizer)  # from its next step: this one has been taken
             return True
         return False
+
+    def _scale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Each of the lead's steps at the learning rate scaled for the run's peers (syncclient.peerlr)."""
+        from syncclient.peerlr import scale_each_step
+
+        self._unscale()
+        self._unscale = scale_each_step(
+            optimizer, self.settings.peer_lr, self.client.world_size or 1, lambda: self.steps
+        )
 
     # -- the run ----------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR
 from syncclient.runconfig import RUN_SETTINGS, name_problem
 
 __all__ = ["DEFAULT_SYNC_EVERY", "ENV", "HookSettings", "SettingsError", "env_name", "flag_name"]
@@ -33,6 +34,8 @@ ENV = {
         "token",
         "sync_every",
         "shard",
+        "lr_scaling",
+        "lr_scaling_warmup",
         *(s.name for s in RUN_SETTINGS),
         "peer",
         "rank",
@@ -71,6 +74,8 @@ class HookSettings:
     rank: int | None = None
     world_size: int | None = None
     config: Mapping[str, Any] = field(default_factory=dict)
+    lr_scaling: str = DEFAULT_PEER_LR.scaling  # each peer's learning rate from the peers (syncclient.peerlr)
+    lr_scaling_warmup: int | None = DEFAULT_PEER_LR.warmup  # None: one round (sync_every steps)
 
     @classmethod
     def resolve(
@@ -86,7 +91,7 @@ class HookSettings:
                 return given, flag_name(field)
             return env.get(env_name(field)) or None, env_name(field)
 
-        def number(field: str) -> int | None:
+        def number(field: str, low: int = 1) -> int | None:
             value, source = raw(field)
             if value is None:
                 return None
@@ -94,7 +99,6 @@ class HookSettings:
                 parsed = int(value)
             except ValueError:
                 raise SettingsError(f"{source}: expected an integer, got {value!r}") from None
-            low = 0 if field == "rank" else 1
             if parsed < low:
                 raise SettingsError(f"{source}: must be >= {low}, got {parsed}")
             return parsed
@@ -140,10 +144,19 @@ class HookSettings:
             )
         if sync_every is None and not by_samples:
             sync_every = DEFAULT_SYNC_EVERY
+        lr_scaling, lr_source = raw("lr_scaling")
+        lr_scaling_warmup = number("lr_scaling_warmup", low=0)
+        try:
+            peer_lr = PeerLR(
+                lr_scaling or DEFAULT_PEER_LR.scaling,
+                DEFAULT_PEER_LR.warmup if lr_scaling_warmup is None else lr_scaling_warmup,
+            )
+        except ValueError as exc:  # only the scaling can be wrong here: the warm-up is a number >= 0
+            raise SettingsError(f"{lr_source}: {exc}") from None
         shard, shard_source = raw("shard")
         if shard not in (None, "0", "1"):
             raise SettingsError(f"{shard_source}: expected 0 (off) or 1 (on), got {shard!r}")
-        rank, world_size = number("rank"), number("world_size")
+        rank, world_size = number("rank", low=0), number("world_size")
         if (rank is None) != (world_size is None) or (rank or 0) >= (world_size or 1):
             raise SettingsError(
                 f"{env_name('rank')} and {env_name('world_size')} go together, with 0 <= rank < world size; "
@@ -159,6 +172,8 @@ class HookSettings:
             rank=rank,
             world_size=world_size,
             config=config,
+            lr_scaling=peer_lr.scaling,
+            lr_scaling_warmup=peer_lr.warmup,
         )
 
     @classmethod
@@ -176,9 +191,20 @@ class HookSettings:
             "peer": self.peer,
             "rank": self.rank,
             "world_size": self.world_size,
+            "lr_scaling": self.lr_scaling,
+            "lr_scaling_warmup": self.lr_scaling_warmup,
             **self.config,
         }
         return {env_name(k): str(v) for k, v in values.items() if v not in (None, "")}
+
+    @property
+    def peer_lr(self) -> PeerLR:
+        """How each peer's learning rate follows the number of peers (the warm-up in steps)."""
+        return PeerLR(self.lr_scaling, self.lr_scaling_warmup).for_rounds(self.sync_every)
+
+    def callback_kwargs(self) -> dict[str, Any]:
+        """Keywords for the callbacks: the client's, and the learning-rate scaling."""
+        return {"lr_scaling": self.lr_scaling, "lr_scaling_warmup": self.lr_scaling_warmup, **self.client_kwargs()}
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keywords for ``SyncClient`` (and the callbacks, which pass them on)."""
