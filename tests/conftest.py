@@ -25,6 +25,10 @@ from tests.s3server import seaweedfs  # noqa: F401  (a real S3 server, started o
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+#: for tests that read the offline IMDB parquet or tokenizer (../shared/data): a checkout without it skips them
+needs_data = pytest.mark.skipif(
+    not (SHARED_DATA / "imdb" / "train.parquet").exists(), reason=f"no offline data in {SHARED_DATA}"
+)
 SMALL_VOCAB_MERGES = 768  # GPT-2's first 768 BPE merges: a 1,025-token vocabulary
 
 PROCESS_MODULES = frozenset(

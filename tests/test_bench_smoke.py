@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, needs_data
 from tests.harness import wait_for
 
 
@@ -93,6 +93,7 @@ def test_starve_benchmark_runs_and_writes_its_figures(tmp_path: Path) -> None:
     assert "attacked / alone" in stdout
 
 
+@needs_data
 def test_unequal_benchmark_runs_every_policy(tmp_path: Path) -> None:
     """bench/unequal.py --quick: every policy trains to the same budget and is evaluated."""
     args = ["--quick", "--peers", "2", "--scenarios", "slow"]

@@ -17,10 +17,11 @@ from types import ModuleType
 
 import pytest
 
+from tests.conftest import SHARED_DATA, needs_data
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "train" / "finetune_gpt2.py"
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-needs_data = pytest.mark.skipif(not (DATA / "imdb" / "train.parquet").exists(), reason=f"no offline data in {DATA}")
+DATA = SHARED_DATA
 
 
 def small(data: Path) -> list[str]:
@@ -136,6 +137,7 @@ def test_serial_baseline(tmp_path: Path, small_vocab_data: Path) -> None:
     ],
     ids=["tokenizer", "dataset"],
 )
+@needs_data
 def test_unreachable_hub_id_fails_in_one_line(flags: list[str], tmp_path: Path) -> None:
     """Before the model and the Trainer are imported: the reviews load first, then the tokenizer."""
     proc = run_script("--no-hub", "--output-dir", str(tmp_path), *flags, env={"HF_HUB_OFFLINE": "1"})

@@ -27,12 +27,9 @@ import safetensors.torch
 import torch
 
 from syncwire.digest import weights_sha256
-from tests.conftest import REPO, SHARED_DATA, Hub
+from tests.conftest import REPO, Hub, needs_data
 from tests.harness import status, wait_for
 
-needs_data = pytest.mark.skipif(
-    not (SHARED_DATA / "imdb" / "sample.parquet").exists(), reason=f"no offline data in {SHARED_DATA}"
-)
 LEFT = re.compile(r"^weightsync: (\S+) left run '(\S+)' at version (\d+); weights sha256 ([0-9a-f]{64})$", re.M)
 PEERS = ("peer-0", "peer-1")
 HUB = re.compile(r"^hub: run '(\S+)' ended at version (\d+); weights sha256 ([0-9a-f]{64})$", re.M)
