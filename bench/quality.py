@@ -210,6 +210,8 @@ _AT_BEST = [
 # plain averaging there, so the gap is taken best rate against best rate
 BEST2 = 8 * math.sqrt(2)
 _AT_BEST2 = [Config(f"p{n}-s{MID}-lr11.3x", n, MID, flags={"lr": LR * BEST2}) for n in (2, 4)]
+# does syncing 10x as often close the gap at the best rate? (at 1x the interval did not matter)
+_AT_BEST_SHORT = [Config(f"p{n}-s{SHORT}-lr{BEST}x", n, SHORT, flags={"lr": LR * BEST}) for n in (2, 4)]
 # The screen's best at the grid's rate (x N), on every seed and at 4 peers too; x sqrt(N) at 4 peers
 _LINEAR = {"lr-scaling": "linear", "lr-scaling-warmup": MID}
 _SQRT = {"lr-scaling": "sqrt", "lr-scaling-warmup": MID}
@@ -228,6 +230,8 @@ ISSUE27 = (
     + [seeded(c, seed) for seed in SEEDS for c in _AT_BEST]
     + _AT_BEST2
     + [seeded(c, seed) for seed in SEEDS for c in _AT_BEST2]
+    + _AT_BEST_SHORT
+    + [seeded(c, seed) for seed in SEEDS for c in _AT_BEST_SHORT]
 )
 FULL = _FIRST[:-_EXTRA] + _OTHER_SEEDS + _FIRST[-_EXTRA:] + ISSUE27
 
