@@ -17,7 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from syncserver.api.dashboard import STATIC, curves, round_trace
-from syncserver.core.view import RoundFacts, UpdateFacts
+from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.settings import HubSettings
 from tests.conftest import REPO, Hub
 from tests.harness import Peers
@@ -36,12 +36,12 @@ CHROMIUM_ARGS = [
 ]
 
 
-def update(peer: str, round_: int, received: float, seconds: float, seq: int, **metrics: float) -> UpdateFacts:
-    return UpdateFacts(peer, round_, seq, "d" * 64, 8, metrics, 1000, received, seconds, round_)
+def update(peer: str, round_: int, received: float, seconds: float, seq: int, **metrics: float) -> UpdateRecord:
+    return UpdateRecord(peer, round_, seq, "d" * 64, 8, metrics, 1000, received, seconds, round_)
 
 
-def closed_round(round_: int, opened: float, closed: float, fold: float, merge: float, **kw: Any) -> RoundFacts:
-    return RoundFacts(
+def closed_round(round_: int, opened: float, closed: float, fold: float, merge: float, **kw: Any) -> RoundRecord:
+    return RoundRecord(
         round=round_,
         opened=opened,
         closed=closed,

@@ -24,7 +24,7 @@ LAYERS = {
     "api": {"storage", "reduce", "core"},
 }
 #: top-level modules every layer may import: they import no layer themselves
-SHARED = {"settings", "errors", "limits", "names"}
+SHARED = {"settings", "errors", "limits", "names", "records"}
 #: top-level process machinery: imports no layer either (the launcher and the CLI start a hub
 #: through ``syncserver.app`` or a subprocess)
 PROCESS = {"arenas", "process", "status"}

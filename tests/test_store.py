@@ -9,16 +9,15 @@ import numpy as np
 import pytest
 
 from syncserver.errors import Unavailable
+from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.storage.store import (
     SPARES,
     Missing,
     ObjectRecord,
     ResultKey,
-    RoundRecord,
     Staged,
     Store,
     UpdateKey,
-    UpdateRecord,
     UploadClosed,
     VersionKey,
 )

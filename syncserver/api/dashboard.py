@@ -37,7 +37,8 @@ from syncserver import __version__
 from syncserver.api import answers
 from syncserver.api.deps import Hub, RunQuery, Viewer, Wait
 from syncserver.api.schemas import DashboardData, DashboardRun
-from syncserver.core.view import HubView, RoundFacts, UpdateFacts
+from syncserver.core.view import HubView
+from syncserver.records import RoundRecord, UpdateRecord
 
 __all__ = ["add_dashboard", "curves", "round_trace"]
 
@@ -54,8 +55,8 @@ EPSILON = 1e-3  # seconds: shorter gaps are clock noise, not a phase
 
 
 def round_trace(
-    rounds: Iterable[RoundFacts],
-    updates: Iterable[UpdateFacts],
+    rounds: Iterable[RoundRecord],
+    updates: Iterable[UpdateRecord],
     downloads: Mapping[int, Mapping[str, tuple[float, float]]],
 ) -> list[dict[str, Any]]:
     """Each round as lanes of ``[phase, start, end]`` spans (wall seconds), one lane per participant.
@@ -64,7 +65,7 @@ def round_trace(
     the round's publication, and a peer's ``train`` span runs from the end of its previous
     download (of the round before) to the start of this upload.
     """
-    by_round: dict[int, list[UpdateFacts]] = {}
+    by_round: dict[int, list[UpdateRecord]] = {}
     for u in updates:
         by_round.setdefault(u.round, []).append(u)
     trace = []
@@ -114,7 +115,7 @@ def _first(metrics: Mapping[str, float], keys: tuple[str, ...]) -> float | None:
     return next((metrics[k] for k in keys if k in metrics), None)
 
 
-def curves(updates: Iterable[UpdateFacts]) -> dict[str, Any]:
+def curves(updates: Iterable[UpdateRecord]) -> dict[str, Any]:
     """Per peer, ``[[x, y], …]`` for loss, val_ppl, codec_ratio and codec_error.
 
     x is the ``step`` metric when every update that has metrics carries one, else the

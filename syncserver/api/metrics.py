@@ -37,7 +37,8 @@ from prometheus_client.registry import Collector
 
 from syncserver.api.deps import authenticate_view
 from syncserver.core.policy import PeerState
-from syncserver.core.view import HubView, RoundFacts, UpdateFacts
+from syncserver.core.view import HubView
+from syncserver.records import RoundRecord, UpdateRecord
 
 __all__ = ["HubMetrics", "router"]
 
@@ -179,13 +180,13 @@ class HubMetrics:
             counter.labels(self.label(run))
 
     # ---- observers (event loop thread; cheap) --------------------------------------------
-    def _updated(self, run: str, update: UpdateFacts) -> None:
+    def _updated(self, run: str, update: UpdateRecord) -> None:
         label = self.label(run)
         self.accepted.labels(label).inc()
         self.samples.labels(label).inc(update.samples)
         self.phases.labels(label, "upload").observe(update.seconds)
 
-    def _closed(self, run: str, record: RoundFacts) -> None:
+    def _closed(self, run: str, record: RoundRecord) -> None:
         self._touch(run)
         label = self.label(run)
         self.rounds.labels(label).inc()

@@ -6,7 +6,7 @@ full-stack-fastapi-template's ``models.py``): field names and types are the wire
 changing one is a protocol change. Models of what the hub says are strict (``extra="forbid"``):
 a field the schema does not name is a bug, refused where the answer is built rather than sent
 unannounced. They also read attributes (``from_attributes``), so that the core's plain data
-(the run view's ``RoundFacts``, ``UpdateFacts``, ``RunLine``) converts as it is:
+(the run view's ``RunLine`` and the records of ``syncserver.records``) converts as it is:
 ``RoundSummary.model_validate(facts)``; :mod:`syncserver.api.answers` does the converting.
 """
 
@@ -208,7 +208,7 @@ class PeerStatus(Answer):
 
 
 class RoundSummary(Answer):
-    """A closed round (``store.RoundRecord``)."""
+    """A closed round (``records.RoundRecord``)."""
 
     round: int
     opened: float
@@ -222,7 +222,7 @@ class RoundSummary(Answer):
 
 
 class UpdateSummary(Answer):
-    """An acknowledged update (``store.UpdateRecord``)."""
+    """An acknowledged update (``records.UpdateRecord``)."""
 
     peer: str
     round: int

@@ -32,11 +32,12 @@ from syncserver.core.state import Run, now
 from syncserver.core.view import HubView
 from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, PoisonedUpdate, RoundClosed, StaleUpdate
 from syncserver.limits import MAX_SAMPLES
+from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.reduce import aggregate
 from syncserver.reduce.engine import MergeEngine
 from syncserver.settings import HubSettings
 from syncserver.storage.bucket import Bucket
-from syncserver.storage.store import ResultKey, RoundRecord, Store, UpdateKey, UpdateRecord, Upload, VersionKey
+from syncserver.storage.store import ResultKey, Store, UpdateKey, Upload, VersionKey
 from syncserver.storage.uploads import Received
 from syncwire import FormatError, TensorInfo, check_layout
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 from syncserver.core.policy import RoundPolicy, make_policy
 from syncserver.core.shape import RunShape
+from syncserver.records import UpdateRecord
 from syncserver.reduce.engine import Accumulator, Outer
-from syncserver.storage.store import PeerRecord, UpdateRecord
+from syncserver.storage.store import PeerRecord
 from syncwire import Codec, Schema
 
 __all__ = ["CONFIG_FIELDS", "Peer", "Run", "RunConfig"]

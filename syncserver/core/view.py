@@ -4,7 +4,7 @@ The coordinator tells the view of every change (:meth:`HubView.changed`) and of 
 the metrics count (an acknowledged update, a closed round, a finished download); the view
 wakes whoever waits for a change (the dashboard's long poll) and calls its listeners. Readers
 never touch the coordinator, its policies, its locks or the store: the view answers in its own
-plain data (:class:`RunLine`, :class:`RunState`, :class:`RoundFacts`, :class:`UpdateFacts`), which
+plain data (:class:`RunLine`, :class:`RunState`, and the records of :mod:`syncserver.records`), which
 the HTTP layer turns into response models.
 """
 
@@ -22,18 +22,17 @@ from typing import Any, TypedDict
 from syncserver.core.policy import PeerState
 from syncserver.core.state import Run
 from syncserver.errors import NotFound
-from syncserver.storage.store import RoundRecord, Store, UpdateRecord
+from syncserver.records import RoundRecord, UpdateRecord
+from syncserver.storage.store import Store
 
 __all__ = [
     "HubView",
     "Listeners",
     "OpenRoundState",
     "PeerLine",
-    "RoundFacts",
     "RunFacts",
     "RunLine",
     "RunState",
-    "UpdateFacts",
 ]
 
 
@@ -58,47 +57,6 @@ class RunLine:
     peers: int  # live
     codec: str
     outer: str
-
-
-@dataclass(frozen=True)
-class RoundFacts:
-    """A closed round, as readers see it (the store keeps it as a ``RoundRecord``)."""
-
-    round: int
-    opened: float
-    closed: float
-    participants: list[str]
-    dropped: list[str]
-    samples: int
-    bytes_in: int
-    result_bytes: int
-    timings: dict[str, float]  # seconds per phase of the hub (fold, merge, ...)
-
-    @classmethod
-    def of(cls, r: RoundRecord) -> RoundFacts:
-        return cls(
-            r.round, r.opened, r.closed, r.participants, r.dropped, r.samples, r.bytes_in, r.result_bytes, r.timings
-        )
-
-
-@dataclass(frozen=True)
-class UpdateFacts:
-    """An acknowledged update, as readers see it (the store keeps it as an ``UpdateRecord``)."""
-
-    peer: str
-    round: int  # the round it went into
-    seq: int
-    digest: str
-    samples: int
-    metrics: dict[str, float]
-    nbytes: int
-    received: float
-    seconds: float  # upload time
-    base: int  # the version it was computed from
-
-    @classmethod
-    def of(cls, u: UpdateRecord) -> UpdateFacts:
-        return cls(u.peer, u.round, u.seq, u.digest, u.samples, u.metrics, u.nbytes, u.received, u.seconds, u.base)
 
 
 class OpenRoundState(TypedDict):
@@ -137,7 +95,7 @@ class RunState(TypedDict):
     parameters: int
     open_round: OpenRoundState
     peers: list[PeerLine]
-    rounds: list[RoundFacts]  # oldest first
+    rounds: list[RoundRecord]  # oldest first
     store: str | None  # the object store results and versions go out through (SYNC_STORE), no credential
 
 
@@ -145,8 +103,8 @@ class RunState(TypedDict):
 class Listeners:
     """Observers called on the event loop; they must be cheap."""
 
-    update: list[Callable[[str, UpdateFacts], None]] = field(default_factory=list)  # after an ack
-    round: list[Callable[[str, RoundFacts], None]] = field(default_factory=list)  # after a commit
+    update: list[Callable[[str, UpdateRecord], None]] = field(default_factory=list)  # after an ack
+    round: list[Callable[[str, RoundRecord], None]] = field(default_factory=list)  # after a commit
     download: list[Callable[[str, int, str, float], None]] = field(default_factory=list)  # (run, round, peer, s)
     stored: list[Callable[[str, int], None]] = field(default_factory=list)  # (run, bytes uploaded to the store)
 
@@ -172,14 +130,14 @@ class HubView:
 
     def updated(self, run: Run, update: UpdateRecord) -> None:
         if self.listeners.update:
-            facts = UpdateFacts.of(update)
+            facts = update
             for listener in self.listeners.update:
                 listener(run.name, facts)
         self.changed(run)
 
     def closed(self, run: Run, record: RoundRecord) -> None:
         if self.listeners.round:
-            facts = RoundFacts.of(record)
+            facts = record
             for listener in self.listeners.round:
                 listener(run.name, facts)
         self.changed(run)
@@ -220,17 +178,17 @@ class HubView:
             for r in (self._runs[name] for name in names)
         ]
 
-    def rounds(self, run: str, limit: int = 50) -> list[RoundFacts]:
+    def rounds(self, run: str, limit: int = 50) -> list[RoundRecord]:
         """The latest ``limit`` closed rounds of ``run``, oldest first."""
-        return [RoundFacts.of(r) for r in self._store.rounds(run, limit=limit)]
+        return self._store.rounds(run, limit=limit)
 
-    def updates(self, run: str, round_: int) -> list[UpdateFacts]:
+    def updates(self, run: str, round_: int) -> list[UpdateRecord]:
         """The updates that went into round ``round_``, in order of acknowledgement."""
-        return [UpdateFacts.of(u) for u in self._store.updates(run, round_)]
+        return self._store.updates(run, round_)
 
-    def latest_updates(self, run: str, limit: int = 500) -> list[UpdateFacts]:
+    def latest_updates(self, run: str, limit: int = 500) -> list[UpdateRecord]:
         """The latest ``limit`` updates of ``run``, oldest first (their metrics: status, the curves)."""
-        return [UpdateFacts.of(u) for u in self._store.round_metrics(run, limit=limit)]
+        return self._store.round_metrics(run, limit=limit)
 
     def peer_states(self, run: Run) -> dict[PeerState, int]:
         states = {state: 0 for state in PeerState}

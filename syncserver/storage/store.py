@@ -61,6 +61,7 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from syncserver.errors import Unavailable
+from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.storage.writeback import start_writeback
 from syncwire.format import TensorFile
 
@@ -132,34 +133,6 @@ class PeerRecord:
     joined: float
     left: bool
     group_size: int = 1  # ranks of a torch.distributed group that train as this one peer
-
-
-@dataclass
-class UpdateRecord:
-    peer: str
-    round: int  # the round it is merged in
-    seq: int
-    digest: str
-    samples: int
-    metrics: dict[str, float]
-    nbytes: int
-    received: float
-    seconds: float
-    base: int  # the version it was computed from: its round, but in async runs an older one
-    final: bool = False  # its peer's last update of the run (X-Sync-Final): nothing trains after it
-
-
-@dataclass
-class RoundRecord:
-    round: int
-    opened: float
-    closed: float
-    participants: list[str]
-    dropped: list[str]
-    samples: int
-    bytes_in: int
-    result_bytes: int
-    timings: dict[str, float]
 
 
 # ---- keys ------------------------------------------------------------------------------------

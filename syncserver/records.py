@@ -1,0 +1,40 @@
+"""What the hub records of a run's updates and rounds: plain data that every layer reads.
+
+The store writes and reads them (sqlite), the rounds make them, and the run view hands them as
+they are to the dashboard and /metrics: one definition, so a field added to what is kept
+reaches every reader without a copy per layer to keep in step. They import nothing of the hub.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RoundRecord", "UpdateRecord"]
+
+
+@dataclass
+class UpdateRecord:
+    peer: str
+    round: int  # the round it is merged in
+    seq: int
+    digest: str
+    samples: int
+    metrics: dict[str, float]
+    nbytes: int
+    received: float
+    seconds: float
+    base: int  # the version it was computed from: its round, but in async runs an older one
+    final: bool = False  # its peer's last update of the run (X-Sync-Final): nothing trains after it
+
+
+@dataclass
+class RoundRecord:
+    round: int
+    opened: float
+    closed: float
+    participants: list[str]
+    dropped: list[str]
+    samples: int
+    bytes_in: int
+    result_bytes: int
+    timings: dict[str, float]
