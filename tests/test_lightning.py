@@ -43,18 +43,23 @@ def data(seed: int) -> torch.utils.data.DataLoader[Any]:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
 
 
-def fit(hub: Hub, i: int, sync_every: int) -> tuple[Regression, SyncCallback]:
-    module = Regression(seed=i)
-    callback = SyncCallback(hub.url, sync_every=sync_every, run="pl", peer=f"peer-{i}")
-    trainer = L.Trainer(
-        max_epochs=1,
+def quiet_trainer(callback: SyncCallback, **limits: int) -> L.Trainer:
+    """A CPU Trainer with the callback and nothing else that writes (logs, checkpoints, bars)."""
+    return L.Trainer(
         accelerator="cpu",
         callbacks=[callback],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **limits,
     )
+
+
+def fit(hub: Hub, i: int, sync_every: int) -> tuple[Regression, SyncCallback]:
+    module = Regression(seed=i)
+    callback = SyncCallback(hub.url, sync_every=sync_every, run="pl", peer=f"peer-{i}")
+    trainer = quiet_trainer(callback, max_epochs=1)
     trainer.fit(module, data(seed=10 + i))
     assert trainer.global_step == STEPS
     return module, callback
@@ -125,15 +130,7 @@ def test_each_step_runs_at_the_rate_scaled_for_the_peers(hub_factory: Any) -> No
         callback = SyncCallback(
             hub.url, sync_every=10, run="pl-lr", peer=f"p{i}", lr_scaling="linear", lr_scaling_warmup=2
         )
-        trainer = L.Trainer(
-            max_steps=4,
-            accelerator="cpu",
-            callbacks=[callback],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = quiet_trainer(callback, max_steps=4)
         trainer.fit(module, torch.utils.data.DataLoader(torch.zeros(8, 1), batch_size=2))
         return module, trainer.optimizers[0]
 
