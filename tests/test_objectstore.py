@@ -27,9 +27,11 @@ from botocore.session import get_session
 from syncclient.exceptions import HubError, HubUnreachable
 from syncclient.objects import PartedUpload, download, upload_parts
 from syncclient.transport import Transport
+from syncserver.storage.objectfile import ObjectTensorFile
 from syncserver.storage.s3 import KeyRefused, ObjectStore, StoreRefused, StoreUnavailable
 from syncserver.storage.sigv4 import Credentials, presign
-from syncwire import iter_chunks
+from syncwire import FormatError, iter_chunks
+from syncwire.format import TensorFile
 from tests.faultproxy import FaultProxy
 from tests.s3server import SeaweedFS
 
@@ -212,6 +214,31 @@ def test_multipart_through_the_sdk_completed_by_the_store_read_by_ranges(store: 
     with pytest.raises(StoreRefused, match="InvalidRange"):
         store.read("round/update", len(data) + 10)
     assert store.uploads("round/") == []
+
+
+def test_a_safetensors_object_read_a_slice_at_a_time_as_a_file_is(store: ObjectStore, tmp_path: Path) -> None:
+    """ObjectTensorFile: TensorFile's interface over ranged GETs, the same values; a truncated
+    object or one whose header claims other bytes refused as a FormatError."""
+    rng = np.random.default_rng(3)
+    arrays = {"a": rng.standard_normal((300, 7)).astype(np.float32), "b": rng.integers(-9, 9, 1001).astype(np.int8)}
+    data = b"".join(bytes(c) for c in iter_chunks(((k, v, None) for k, v in arrays.items()), {"round": "4"}))
+    store.put("u", data)
+    (tmp_path / "u").write_bytes(data)
+    with ObjectTensorFile(store, "u") as remote, TensorFile(tmp_path / "u") as local:
+        assert remote.infos == local.infos and remote.metadata == local.metadata == {"round": "4"}
+        for name, start, stop in [("a", 0, None), ("a", 17, 1201), ("b", 999, 1001), ("b", 5, 5)]:
+            got = remote.read(name, start, stop)
+            assert got.flags.writeable and np.array_equal(got, local.read(name, start, stop))
+        with pytest.raises(IndexError):
+            remote.read("a", 0, 2101)
+    store.put("short", data[:-3])
+    with pytest.raises(FormatError, match="data bytes"):
+        ObjectTensorFile(store, "short")
+    store.put("tiny", b"1234")
+    with pytest.raises(FormatError, match="8-byte"):
+        ObjectTensorFile(store, "tiny")
+    with pytest.raises(FileNotFoundError):
+        ObjectTensorFile(store, "nothing-here")
 
 
 def test_the_hubs_own_upload_from_a_file_in_one_request_or_in_parts(store: ObjectStore) -> None:
