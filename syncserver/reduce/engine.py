@@ -30,9 +30,11 @@ finite before the result is written whole; :class:`NonFinite` otherwise, and not
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -42,7 +44,7 @@ from syncwire import Codec, FormatError, Schema, get_codec, layout_bytes, wire_l
 from syncwire.codecs import slices
 from syncwire.format import TensorFile, encode_header
 
-__all__ = ["Accumulator", "MergeEngine", "NonFinite", "Outer"]
+__all__ = ["Accumulator", "Merge", "MergeEngine", "NonFinite", "Outer", "Sink", "Step", "fold_slice", "merge_slice"]
 
 Work = Callable[[str, int, int, dict[str, tuple[int, int]]], None]
 
@@ -197,6 +199,33 @@ class MergeEngine:
             for key, w in unfolded:
                 self.fold(acc, key, w, codec)
             unfolded = ()
+        with contextlib.ExitStack() as files:
+            merge = self.open_merge(
+                files, run, round_, acc, codec, outer, total=total, fraction=fraction, final=final, unfolded=unfolded
+            )
+            self._each_slice(get_codec(merge.step.codec), acc.schema, functools.partial(merge_slice, merge, acc))
+        return merge.result_size
+
+    def open_merge(
+        self,
+        files: contextlib.ExitStack,
+        run: str,
+        round_: int,
+        acc: Accumulator,
+        codec: Codec,
+        outer: Outer,
+        *,
+        total: float,
+        fraction: float,
+        final: bool = False,
+        unfolded: Sequence[tuple[UpdateKey, float]] = (),
+    ) -> Merge:
+        """Everything round ``round_``'s merge needs but its slices (:meth:`merge`'s arguments):
+        the step fixed once for the whole round (scale, DiLoCo's clock and warm-up), the files
+        it reads, and the outputs it writes with their headers written, all entered on
+        ``files`` (leaving it publishes the outputs; an error discards them). The in-process
+        merge and the reducers' leases (:mod:`syncserver.reduce.leases`) both work from it,
+        slice by slice with :func:`merge_slice`: the same step, the same files, the same bits."""
         schema, means, v = acc.schema, acc.mean, round_
         empty = means is None and not unfolded  # every update was left out
         if not empty and not total > 0:
@@ -206,7 +235,7 @@ class MergeEngine:
             weight += w  # summed as Accumulator.weight is, fold by fold
         # the running mean is sum(w u) / sum(w); the policy divides sum(w u) by ``total``. For a
         # barrier the two are the same float (the same integers summed): scale 1, the very same bits
-        scale = None if empty or weight == total else np.float32(weight / total)
+        scale = None if empty or weight == total else float(np.float32(weight / total))
         diloco = outer.kind == "diloco"
         # a final round's result is lossless: the model the run ends with carries no
         # quantisation error of it (the peers flush their own residual with a last round)
@@ -214,110 +243,59 @@ class MergeEngine:
         result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
         result_head, result_at = _header(result_layout, meta)
-        with contextlib.ExitStack() as files:
-            has_old = diloco and self.store.exists(MomentumKey(run, v))
-            old_momentum = files.enter_context(self.store.read(MomentumKey(run, v))) if has_old else None
-            base = files.enter_context(self.store.read(VersionKey(run, v)))
-            # Delayed Nesterov's clock: the part of an outer step done before this round
-            done = float(old_momentum.metadata.get("progress", "0")) if old_momentum is not None else 0.0
-            steps = int(old_momentum.metadata.get("steps", "0")) if old_momentum is not None else 0
-            fresh, complete = done == 0.0, done + fraction >= 1.0
-            kind = "avg" if final else outer.kind
-            lr, mu = aggregate.warmup(outer.lr, outer.momentum, steps, outer.warmup)
-            if empty or final:  # the clock stands still
-                progress = done
-            else:
-                progress, steps = (0.0, steps + 1) if complete else (done + fraction, steps)
-            momentum_meta = {"version": str(v + 1), "progress": repr(progress), "steps": str(steps)}
-            momentum_head, momentum_at = _header(_fp32_layout(schema), momentum_meta)
-            result_size = len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
-            result = files.enter_context(self.store.write(ResultKey(run, v), result_size))
-            mom = (
-                files.enter_context(self.store.write(MomentumKey(run, v + 1), _fp32_size(momentum_head, schema)))
-                if diloco
-                else None
-            )
-            result.write(result_head)
-            if mom is not None:
-                mom.write(momentum_head)
-            # the hub's own residual (hub_feedback codecs) goes out with a final round, which leaves none
-            old_residual, residual, residual_at = self._residuals(run, v, run_codec, schema, files, keep=not final)
-            updates = [(files.enter_context(self.store.read(key)), w) for key, w in unfolded]
-
-            def merge(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
-                n = stop - start
-                m_old = (
-                    old_momentum.read(name, start, stop)
-                    if old_momentum is not None
-                    else (np.zeros(n, np.float32) if diloco else None)
-                )
-                if empty:  # every update was left out: this round changes nothing
-                    update, m_new = np.zeros(n, np.float32), m_old
-                else:
-                    mean = self._mean(name, start, stop, parts, acc, updates, run_codec)
-                    if scale is not None:
-                        with np.errstate(over="ignore"):  # an overflow is refused below
-                            mean = mean * scale
-                    update, m_new = aggregate.outer_step(
-                        kind, mean, m_old, lr=lr, mu=mu, fresh=fresh, complete=complete
-                    )
-                    if kind != outer.kind:  # a final round of a DiLoCo run: its momentum passes on
-                        m_new = m_old
-                    if m_new is not None and not (_finite(update) and _finite(m_new)):
-                        raise NonFinite(f"tensor {name!r}: the outer step overflows float32")
-                carried = old_residual.read(name, start, stop) if old_residual is not None else None
-                if carried is not None and not empty:  # an empty round sends nothing, keeps all
-                    with np.errstate(over="ignore"):
-                        update = update + carried
-                    if not _finite(update):
-                        raise NonFinite(f"tensor {name!r}: the update and the hub's residual overflow float32")
-                encoded = codec.encode(update)
-                # what every peer will hold: version v + decode(result), the same bytes decoded
-                new = base.read(name, start, stop)
-                applied = update if codec.lossless else codec.decode(encoded, (n,))
-                if residual is not None:  # what this result leaves out, for the next one
-                    left = carried if empty and carried is not None else update - applied
-                    residual.write_at(np.ascontiguousarray(left, np.float32), residual_at[name] + start * 4)
-                with np.errstate(over="ignore"):  # an overflow is refused just below
-                    np.add(new, applied, out=new)
-                if not _finite(new):
-                    raise NonFinite(f"tensor {name!r}: version {v} + this round's update overflows float32")
-                for suffix, (first, count) in parts.items():
-                    part = np.ascontiguousarray(encoded[suffix]).reshape(-1)
-                    if part.size != count:
-                        raise FormatError(f"codec {codec.spec}: a slice's part {suffix!r} has {part.size} values")
-                    result.write_at(part, result_at[wire_name(name, suffix)] + first * part.itemsize)
-                if mom is not None and m_new is not None:
-                    mom.write_at(np.ascontiguousarray(m_new, np.float32), momentum_at[name] + start * 4)
-
-            self._each_slice(codec, schema, merge)
-        return result_size
-
-    @staticmethod
-    def _mean(
-        name: str,
-        start: int,
-        stop: int,
-        parts: dict[str, tuple[int, int]],
-        acc: Accumulator,
-        updates: list[tuple[TensorFile, float]],
-        codec: Codec,
-    ) -> np.ndarray:
-        """One slice of the round's mean: ``acc``'s, with ``updates`` folded after it (into a
-        copy: ``acc`` stays as it was, for a merge that is refused and tried again)."""
-        mean = acc.mean[name].reshape(-1)[start:stop] if acc.mean is not None else None
-        before, copied = acc.weight, False
-        for wire, weight in updates:
-            decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))
-            if mean is None:  # the first fold: the mean *is* the update
-                mean, copied = np.array(decoded, np.float32), True
-            else:
-                if not copied:
-                    mean, copied = mean.copy(), True
-                aggregate.fold(mean, decoded, weight, before)
-            before += weight
-        assert mean is not None
-        return mean
+        has_old = diloco and self.store.exists(MomentumKey(run, v))
+        old_momentum = files.enter_context(self.store.read(MomentumKey(run, v))) if has_old else None
+        base = files.enter_context(self.store.read(VersionKey(run, v)))
+        # Delayed Nesterov's clock: the part of an outer step done before this round
+        done = float(old_momentum.metadata.get("progress", "0")) if old_momentum is not None else 0.0
+        steps = int(old_momentum.metadata.get("steps", "0")) if old_momentum is not None else 0
+        fresh, complete = done == 0.0, done + fraction >= 1.0
+        lr, mu = aggregate.warmup(outer.lr, outer.momentum, steps, outer.warmup)
+        if empty or final:  # the clock stands still
+            progress = done
+        else:
+            progress, steps = (0.0, steps + 1) if complete else (done + fraction, steps)
+        momentum_meta = {"version": str(v + 1), "progress": repr(progress), "steps": str(steps)}
+        momentum_head, momentum_at = _header(_fp32_layout(schema), momentum_meta)
+        result_size = len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
+        result = files.enter_context(self.store.write(ResultKey(run, v), result_size))
+        mom = (
+            files.enter_context(self.store.write(MomentumKey(run, v + 1), _fp32_size(momentum_head, schema)))
+            if diloco
+            else None
+        )
+        result.write(result_head)
+        if mom is not None:
+            mom.write(momentum_head)
+        # the hub's own residual (hub_feedback codecs) goes out with a final round, which leaves none
+        old_residual, residual, residual_at = self._residuals(run, v, run_codec, schema, files, keep=not final)
+        step = Step(
+            round=v,
+            outer=outer.kind,
+            kind="avg" if final else outer.kind,
+            lr=lr,
+            mu=mu,
+            fresh=fresh,
+            complete=complete,
+            scale=scale,
+            empty=empty,
+            codec=codec.spec,
+            run_codec=run_codec.spec,
+        )
+        return Merge(
+            step=step,
+            base=base,
+            updates=[(files.enter_context(self.store.read(key)), w) for key, w in unfolded],
+            momentum=old_momentum,
+            residual=old_residual,
+            result=result,
+            result_at=result_at,
+            next_momentum=mom,
+            momentum_at=momentum_at if mom is not None else {},
+            next_residual=residual,
+            residual_at=residual_at,
+            result_size=result_size,
+        )
 
     def _residuals(
         self, run: str, v: int, codec: Codec, schema: Schema, files: contextlib.ExitStack, *, keep: bool = True
@@ -381,6 +359,142 @@ class MergeEngine:
             for future in futures:
                 future.cancel()  # after a failure: the rest is moot (a cancelled round starts over)
             wait(futures)  # nothing may still write to the files the caller is about to discard
+
+
+class Sink(Protocol):
+    """Where a merge writes an output's values: a :class:`~syncserver.storage.store.BlobWriter`
+    in the hub, the same over a reducer's own descriptor of the hub's staged file."""
+
+    def write_at(self, array: np.ndarray, position: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a round's merge does to every slice, fixed once for the round by the hub (and sent,
+    as it is, in each reducer's lease): every slice of a round folds and steps alike."""
+
+    round: int  # the version merged from
+    outer: str  # the run's outer optimizer ("avg" or "diloco")
+    kind: str  # the step applied: "avg" for a final round, else ``outer``
+    lr: float  # after DiLoCo's warm-up
+    mu: float
+    fresh: bool  # Delayed Nesterov's clock (see aggregate.outer_step)
+    complete: bool
+    scale: float | None  # a float32 value: the weights' sum over the policy's total; None: 1
+    empty: bool  # every update was left out: the round changes nothing
+    codec: str  # the result's codec (fp32 for a final round)
+    run_codec: str  # the updates' codec
+
+
+@dataclass
+class Merge:
+    """One round's merge, open: its step, what it reads, what it writes (see
+    :meth:`MergeEngine.open_merge`); ``*_at``: each wire tensor's byte offset in its output."""
+
+    step: Step
+    base: TensorFile  # version v
+    updates: list[tuple[TensorFile, float]]  # folded in this order, with these weights
+    momentum: TensorFile | None  # DiLoCo's, that goes with version v
+    residual: TensorFile | None  # the hub's error feedback (topk), that goes with version v
+    result: Sink
+    result_at: dict[str, int]
+    next_momentum: Sink | None
+    momentum_at: dict[str, int]
+    next_residual: Sink | None
+    residual_at: dict[str, int]
+    result_size: int = 0
+
+
+def merge_slice(
+    merge: Merge,
+    acc: Accumulator | None,
+    name: str,
+    start: int,
+    stop: int,
+    parts: dict[str, tuple[int, int]],
+    out_parts: dict[str, tuple[int, int]] | None = None,
+) -> None:
+    """Merge one slice of tensor ``name`` (values ``[start, stop)``): fold the updates into the
+    mean (after ``acc``'s, if any), apply the outer step, add the hub's residual, encode, and
+    write the slice's result parts, next momentum and next residual; check that version v +
+    decode(result) is finite. ``parts``: where the slice lies in the updates' wire parts;
+    ``out_parts``: in the result's (the same but for a final round of a lossy codec read by a
+    reducer, whose fp32 result is written at the values' own places). The one body of every
+    merge, in the hub's threads and in reducers alike: the same inputs give the same bits.
+    :class:`NonFinite` if the round would make a value that is not finite."""
+    step, n = merge.step, stop - start
+    codec, run_codec = get_codec(step.codec), get_codec(step.run_codec)
+    diloco = step.outer == "diloco"
+    m_old = (
+        merge.momentum.read(name, start, stop)
+        if merge.momentum is not None
+        else (np.zeros(n, np.float32) if diloco else None)
+    )
+    if step.empty:  # every update was left out: this round changes nothing
+        update, m_new = np.zeros(n, np.float32), m_old
+    else:
+        mean = fold_slice(name, start, stop, parts, acc, merge.updates, run_codec)
+        if step.scale is not None:
+            with np.errstate(over="ignore"):  # an overflow is refused below
+                mean = mean * np.float32(step.scale)
+        update, m_new = aggregate.outer_step(
+            step.kind, mean, m_old, lr=step.lr, mu=step.mu, fresh=step.fresh, complete=step.complete
+        )
+        if step.kind != step.outer:  # a final round of a DiLoCo run: its momentum passes on
+            m_new = m_old
+        if m_new is not None and not (_finite(update) and _finite(m_new)):
+            raise NonFinite(f"tensor {name!r}: the outer step overflows float32")
+    carried = merge.residual.read(name, start, stop) if merge.residual is not None else None
+    if carried is not None and not step.empty:  # an empty round sends nothing, keeps all
+        with np.errstate(over="ignore"):
+            update = update + carried
+        if not _finite(update):
+            raise NonFinite(f"tensor {name!r}: the update and the hub's residual overflow float32")
+    encoded = codec.encode(update)
+    # what every peer will hold: version v + decode(result), the same bytes decoded
+    new = merge.base.read(name, start, stop)
+    applied = update if codec.lossless else codec.decode(encoded, (n,))
+    if merge.next_residual is not None:  # what this result leaves out, for the next one
+        left = carried if step.empty and carried is not None else update - applied
+        merge.next_residual.write_at(np.ascontiguousarray(left, np.float32), merge.residual_at[name] + start * 4)
+    with np.errstate(over="ignore"):  # an overflow is refused just below
+        np.add(new, applied, out=new)
+    if not _finite(new):
+        raise NonFinite(f"tensor {name!r}: version {step.round} + this round's update overflows float32")
+    for suffix, (first, count) in (parts if out_parts is None else out_parts).items():
+        part = np.ascontiguousarray(encoded[suffix]).reshape(-1)
+        if part.size != count:
+            raise FormatError(f"codec {codec.spec}: a slice's part {suffix!r} has {part.size} values")
+        merge.result.write_at(part, merge.result_at[wire_name(name, suffix)] + first * part.itemsize)
+    if merge.next_momentum is not None and m_new is not None:
+        merge.next_momentum.write_at(np.ascontiguousarray(m_new, np.float32), merge.momentum_at[name] + start * 4)
+
+
+def fold_slice(
+    name: str,
+    start: int,
+    stop: int,
+    parts: dict[str, tuple[int, int]],
+    acc: Accumulator | None,
+    updates: Sequence[tuple[TensorFile, float]],
+    codec: Codec,
+) -> np.ndarray:
+    """One slice of the round's mean: ``acc``'s (if any), with ``updates`` folded after it (into
+    a copy: ``acc`` stays as it was, for a merge that is refused and tried again)."""
+    mean = acc.mean[name].reshape(-1)[start:stop] if acc is not None and acc.mean is not None else None
+    before, copied = (acc.weight if acc is not None else 0.0), False
+    for wire, weight in updates:
+        decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))
+        if mean is None:  # the first fold: the mean *is* the update
+            mean, copied = np.array(decoded, np.float32), True
+        else:
+            if not copied:
+                mean, copied = mean.copy(), True
+            aggregate.fold(mean, decoded, weight, before)
+        before += weight
+    if mean is None:
+        raise ValueError(f"tensor {name!r}: a merge with no update to fold is an empty one")
+    return mean
 
 
 def _finite(values: np.ndarray) -> bool:
