@@ -2,6 +2,7 @@
 
 syncserver serve --host 0.0.0.0 --port 8000 --data-dir /srv/weightsync --min-peers 3
 syncserver status http://hub:8000 --run imdb-gpt2 [--watch]
+syncserver reduce --hub http://hub:8000 [--token T]     (a reducer; serve --reducers K starts K)
 
 (A hub and K peers on this machine: ``weightsync-run --local-peers K -- COMMAND``, which runs
 :mod:`syncserver.local`'s launcher.)
@@ -174,11 +175,21 @@ def serve(
             raise typer.Exit(2) from None
     hint = " (open it with ?token=<view or hub token>, or paste the token when asked)" if settings.auth_required else ""
 
+    reducers = None
+    local = settings.reducers if settings.local_reducers is None else settings.local_reducers
+    if settings.reducers and local:
+        from syncserver.reduce.children import LocalReducers
+
+        secret = settings.admin_token or settings.token
+        reducers = LocalReducers(local, secret.get_secret_value() if secret else None)
+
     def listening(url: str) -> None:
         scheme, _, rest = url.partition("://")
         host, _, port = rest.rpartition(":")
         shown = "127.0.0.1" if host in ("0.0.0.0", "[::]", "::", "") else host  # what a browser here can open
         typer.echo(f"dashboard: {scheme}://{shown}:{port}/{hint}", err=True)
+        if reducers is not None:
+            reducers.start(f"{scheme}://{shown}:{port}")
 
     # the app puts the connection deadlines on this server as it starts (syncserver.api.protocol)
     config = uvicorn.Config(
@@ -189,7 +200,35 @@ def serve(
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
     )
-    run_uvicorn(config, ready_file=ready_file, on_listening=listening)
+    try:
+        run_uvicorn(config, ready_file=ready_file, on_listening=listening)
+    finally:
+        if reducers is not None:
+            reducers.stop()
+
+
+@app.command()
+def reduce(
+    hub: Annotated[str, typer.Option(help="The hub whose merges to share, e.g. http://127.0.0.1:8000")],
+    token: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(envvar="SYNC_REDUCE_TOKEN", help="The hub's admin token (or its token if it has no admin one)."),
+    ] = None,
+) -> None:
+    """Work a hub's merge leases until killed (on the hub's machine: it reads and writes the hub's files)."""
+    import logging
+
+    from syncserver.reduce.worker import ReducerError, main
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per long poll otherwise
+    try:
+        main(hub, token)
+    except ReducerError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
 
 
 @app.command()

@@ -12,7 +12,8 @@ exception handler, so every failure is ``{"error": code, "detail": reason, ...}`
     │   ├── RoundClosed (409)     the round is over: carries the current version to catch up to
     │   ├── StaleUpdate (409)     async: the update's base is more than max_staleness versions old
     │   ├── OffsetMismatch (409)  a resumed upload's Upload-Offset is past what the hub holds
-    │   └── Superseded (409)      a newer attempt at the same upload (a retry, a HEAD) took it over
+    │   ├── Superseded (409)      a newer attempt at the same upload (a retry, a HEAD) took it over
+    │   └── LeaseLost (409)       a reducer's lease expired (or its round ended): its work is not used
     ├── Gone (410)                a round result that was pruned: pull the model instead
     ├── PayloadTooLarge (413)
     └── Unavailable (503)         disk full or unwritable: nothing was changed
@@ -99,6 +100,13 @@ class Superseded(Conflict):
     this one streamed; what this one wrote is kept for the newer one. One writer at a time."""
 
     code = "superseded"
+
+
+class LeaseLost(Conflict):
+    """409: a reducer renews or reports a merge lease that is no longer its own (it expired and
+    was offered again, or its round's merge ended): what it did is not used."""
+
+    code = "lease_lost"
 
 
 class Gone(HubError):

@@ -138,6 +138,26 @@ class HubSettings(BaseSettings):
         description="Threads that decode and fold updates and merge a round's result (default: the cores, at "
         "most 4). A hub on a machine with cores to spare closes int8/int4 rounds of many peers sooner with more.",
     )
+    reducers: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Reducer processes that share each round's merge: syncserver serve starts this many on "
+        "this machine (they die with the hub; more may join with syncserver reduce --hub URL). The round's "
+        "slices are cut into as many byte-balanced leases. 0: the hub merges in its own threads.",
+    )
+    local_reducers: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="Of those, how many syncserver serve starts on this machine (default: all of them; 0: every "
+        "reducer is started apart, with syncserver reduce).",
+    )
+    reduce_lease_seconds: Seconds = Field(
+        30.0,
+        description="A reducer that has not renewed its merge lease for this long has lost it: it is offered "
+        "to another reducer, and its late report is refused.",
+    )
     codec: str = Field(
         "fp32", description="Default codec of new runs: fp32, bf16, int8, int4, topk, with parameters: int8:block=128."
     )
@@ -203,6 +223,12 @@ class HubSettings(BaseSettings):
     def _view_token_needs_token(self) -> HubSettings:
         if self.view_token is not None and not self.auth_required:
             raise ValueError("SYNC_VIEW_TOKEN is set but SYNC_TOKEN is not: an open hub needs no view token")
+        return self
+
+    @model_validator(mode="after")
+    def _local_reducers_are_reducers(self) -> HubSettings:
+        if self.local_reducers is not None and self.local_reducers > self.reducers:
+            raise ValueError(f"local_reducers {self.local_reducers} is over reducers {self.reducers}")
         return self
 
     @model_validator(mode="after")

@@ -127,6 +127,30 @@ def _runs_table(data: dict[str, Any], base: str, width: int) -> RenderableType:
     return _fit(f"runs at {base}", columns, rows, width, empty="")
 
 
+def _reducers_table(reducers: list[dict[str, Any]], width: int) -> RenderableType:
+    """The reducers that share the hub's merges (SYNC_REDUCERS), with their leases' timings."""
+    columns = [
+        Col("reducer", 5, numeric=False),
+        Col("leases", 4),
+        Col("busy", 3, numeric=False),
+        Col("last lease", 2),
+        Col("lease s total", 1),
+        Col("expired", 1),
+    ]
+    rows = [
+        [
+            r["name"],
+            str(r["leases"]),
+            "yes" if r["busy"] else "",
+            _s(r["last_seconds"]),
+            _s(r["seconds"]),
+            str(r["expired"]),
+        ]
+        for r in reducers
+    ]
+    return _fit("reducers", columns, rows, width, empty="")
+
+
 def _phase_seconds(lane: dict[str, Any], phase: str) -> float | None:
     spans = [b - a for name, a, b in lane["spans"] if name == phase]
     return sum(spans) if spans else None
@@ -243,6 +267,8 @@ class _View:
             yield _runs_table(self.data, self.base, options.max_width)
         else:
             yield from _run_tables(self.data["run"], options.max_width)
+        if self.data.get("reducers"):
+            yield _reducers_table(self.data["reducers"], options.max_width)
 
 
 def render(data: dict[str, Any], base: str) -> RenderableType:

@@ -13,6 +13,7 @@ from typing import Any
 from syncserver.api.schemas import (
     Heartbeat,
     Progress,
+    Reducer,
     RunConfig,
     RunStatus,
     RunSummary,
@@ -23,11 +24,12 @@ from syncserver.api.schemas import (
     VersionZero,
 )
 from syncserver.core.coordinator import RoundProgress, Start
+from syncserver.core.leases import ReducerStats
 from syncserver.core.rounds import Acknowledgement, InitialVersion
 from syncserver.core.state import RunConfig as RunSettings
 from syncserver.core.view import HubView, RunLine
 
-__all__ = ["heartbeat", "initial_version", "progress", "run_lines", "run_status", "start", "update_ack"]
+__all__ = ["heartbeat", "initial_version", "progress", "reducers", "run_lines", "run_status", "start", "update_ack"]
 
 
 def run_config(config: RunSettings | None) -> RunConfig:
@@ -81,3 +83,20 @@ def run_status(view: HubView, name: str) -> RunStatus:
     """A run's state and its latest updates (``GET /v1/runs/{run}``)."""
     run = view.get(name)
     return RunStatus(**view.state(run), updates=view.latest_updates(run.name))
+
+
+def reducers(known: list[ReducerStats]) -> list[Reducer]:
+    """The reducers the board knows, as /v1/reduce/reducers and the dashboard show them."""
+    return [
+        Reducer(
+            name=r.name,
+            last_seen=r.last_seen,
+            leases=r.leases,
+            expired=r.expired,
+            seconds=r.seconds,
+            last_seconds=r.last_seconds,
+            bytes=r.bytes,
+            busy=r.holding is not None,
+        )
+        for r in known
+    ]

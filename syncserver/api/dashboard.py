@@ -166,6 +166,7 @@ def snapshot(view: HubView, run_name: str | None, only: str | None = None) -> Da
         now=time.time(),
         runs=runs if only is None else [r for r in runs if r.run == only],
         run=detail,
+        reducers=answers.reducers(view.reducers()) if only is None else [],
     )
 
 

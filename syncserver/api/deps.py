@@ -35,6 +35,7 @@ __all__ = [
     "Viewer",
     "Wait",
     "authenticate",
+    "authenticate_admin",
     "authenticate_view",
 ]
 
@@ -119,3 +120,15 @@ Caller = Annotated[str, Depends(_caller)]
 
 #: Whom the dashboard shows: None for every run, else the name of the one run it may show.
 Viewer = Annotated[str | None, Depends(_dashboard_viewer)]
+
+
+def authenticate_admin(request: Request, authorization: Authorization = None) -> None:
+    """Reducers' endpoints: the admin token if the hub has one, else the hub token (an open
+    hub lets everyone in). A run token or the view token never opens them: a lease names
+    files of every run."""
+    settings = request.app.state.settings
+    if not settings.auth_required:
+        return
+    secret = settings.admin_token if settings.admin_token is not None else settings.token
+    if not _bearer_is(authorization, secret):
+        raise Unauthorized("missing or wrong bearer token (reducers need the admin token, or the hub's)")

@@ -25,6 +25,8 @@ from syncserver.api.docs import add_docs
 from syncserver.api.metrics import HubMetrics
 from syncserver.api.metrics import router as metrics_router
 from syncserver.api.protocol import guard_uvicorn
+from syncserver.api.reduce import router as reduce_router
+from syncserver.api.reduce import view_router as reduce_view_router
 from syncserver.api.routes import router, view_router
 from syncserver.api.schemas import ErrorBody, Health
 from syncserver.core.coordinator import Coordinator
@@ -208,6 +210,8 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
 
     app.include_router(view_router)
     app.include_router(router)
+    app.include_router(reduce_view_router)
+    app.include_router(reduce_router)
     app.include_router(metrics_router)
     add_dashboard(app)
     add_docs(app)

@@ -104,6 +104,36 @@ class _StateCollector(Collector):
             bytes_out.add_metric([label], total["out"])
         runs.add_metric([], len(facts))
         yield from (runs, version, live, peers, pending, bytes_in, bytes_out)
+        yield from _reducer_metrics(view)
+
+
+def _reducer_metrics(view: HubView | None) -> Iterator[Metric]:
+    """Per-reducer lease timings (SYNC_REDUCERS), for the reducers heard from lately: a
+    restarted reducer is a new name, and the old one leaves the list (and the series)."""
+    known = view.reducers() if view is not None else []
+    count = GaugeMetricFamily("weightsync_reducers", "Reducers heard from lately (SYNC_REDUCERS).")
+    count.add_metric([], len(known))
+    leases = CounterMetricFamily("weightsync_reducer_leases", "Merge leases the reducer did.", labels=["reducer"])
+    seconds = CounterMetricFamily(
+        "weightsync_reducer_lease_seconds", "Seconds of work in the reducer's leases, summed.", labels=["reducer"]
+    )
+    last = GaugeMetricFamily(
+        "weightsync_reducer_last_lease_seconds", "Seconds the reducer's last lease took.", labels=["reducer"]
+    )
+    expired = CounterMetricFamily(
+        "weightsync_reducer_leases_expired", "Leases the reducer took and lost (not renewed).", labels=["reducer"]
+    )
+    nbytes = CounterMetricFamily(
+        "weightsync_reducer_bytes", "Bytes the reducer's leases read and wrote.", labels=["reducer"]
+    )
+    for r in known:
+        leases.add_metric([r.name], r.leases)
+        seconds.add_metric([r.name], r.seconds)
+        if r.last_seconds is not None:
+            last.add_metric([r.name], r.last_seconds)
+        expired.add_metric([r.name], r.expired)
+        nbytes.add_metric([r.name], r.bytes)
+    yield from (count, leases, seconds, last, expired, nbytes)
 
 
 class HubMetrics:

@@ -33,6 +33,8 @@ __all__ = [
     "PeerCurves",
     "PeerStatus",
     "Progress",
+    "Reducer",
+    "Renewed",
     "RoundSummary",
     "RunConfig",
     "RunStatus",
@@ -304,8 +306,30 @@ class DashboardRun(_RunState):
     lease_seconds: float
 
 
+class Reducer(Answer):
+    """A reducer the hub heard from lately, with its leases' timings."""
+
+    name: str
+    last_seen: float = Field(description="Unix time of its last request.")
+    leases: int = Field(description="Leases it did that were used.")
+    expired: int = Field(description="Leases it took and lost (not renewed in time).")
+    seconds: float = Field(description="Its used leases' work, summed.")
+    last_seconds: float | None = Field(description="Its last used lease's.")
+    bytes: int = Field(description="Bytes its used leases read and wrote.")
+    busy: bool = Field(description="It holds a lease now.")
+
+
+class Renewed(Answer):
+    """A reducer's lease, renewed."""
+
+    seconds: float = Field(description="The lease is the reducer's for this many more seconds.")
+
+
 class DashboardData(Answer):
     fingerprint: str = Field(description="Changes with anything the page shows: pass it back as ?since=.")
     now: float = Field(description="The hub's wall clock.")
     runs: list[RunSummary]
     run: DashboardRun | None = Field(description="The run asked for with ?run=, when it exists.")
+    reducers: list[Reducer] = Field(
+        default_factory=list, description="The reducers heard from lately (SYNC_REDUCERS); none for a run token."
+    )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any, Literal
 
 from anyio import to_thread
 
+from syncserver.core.leases import Board, merge_leased
 from syncserver.core.policy import SamplesPolicy
 from syncserver.core.quotas import check_new_peer, check_new_run
 from syncserver.core.rounds import Acknowledgement, InitialVersion, Rounds, Ticket
@@ -92,7 +94,15 @@ class Coordinator:
         self.runs: dict[str, Run] = {}
         self.view = HubView(self.runs, store, settings.lease_seconds, bucket.url if bucket else None)
         self.engine = MergeEngine(store, settings.fold_threads)
-        self.rounds = Rounds(settings, store, self.engine, self.view, bucket)
+        # SYNC_REDUCERS: each round's merge is cut into leases that reducer processes work
+        self.board = Board(settings.reduce_lease_seconds) if settings.reducers else None
+        leased = (
+            functools.partial(merge_leased, self.board, settings.reducers, self.engine)
+            if self.board is not None
+            else None
+        )
+        self.view.board = self.board
+        self.rounds = Rounds(settings, store, self.engine, self.view, bucket, leased)
         self._copies: dict[Published, asyncio.Task[None]] = {}  # versions being copied to the bucket
         self._ticker: asyncio.Task[None] | None = None
 

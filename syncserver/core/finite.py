@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from anyio import to_thread
 
@@ -25,18 +26,22 @@ from syncserver.core.state import Run
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite
 from syncserver.storage.store import UpdateKey
 
-__all__ = ["merge_finite"]
+__all__ = ["Leased", "merge_finite"]
+
+#: A merge with :meth:`MergeEngine.merge`'s arguments, awaited (the reducers' leases)
+Leased = Callable[..., Awaitable[int]]
 
 log = logging.getLogger(__name__)
 
 
 async def merge_finite(
-    engine: MergeEngine, run: Run, round_: int, participants: Sequence[str]
+    engine: MergeEngine, run: Run, round_: int, participants: Sequence[str], leased: Leased | None = None
 ) -> tuple[int, list[str]]:
     """Merge ``run``'s open round ``round_``: its accumulator, with every acknowledged update
-    not folded yet folded by the merge itself (:meth:`MergeEngine.merge`); return the result's
-    size and the peers whose updates were left out, in that order. The divisor and the outer
-    step's share are the policy's, of the participants' samples."""
+    not folded yet folded by the merge itself (:meth:`MergeEngine.merge`, or the reducers'
+    leases: ``leased``, :func:`syncserver.core.leases.merge_leased` bound to the board);
+    return the result's size and the peers whose updates were left out, in that order. The
+    divisor and the outer step's share are the policy's, of the participants' samples."""
     assert run.schema is not None
     acc = run.accumulator()
     order = [u.peer for u in sorted(run.acked.values(), key=lambda u: u.seq)]
@@ -46,7 +51,7 @@ async def merge_finite(
         samples = sum(run.acked[name].samples for name in participants if name not in left_out)
         unfolded = [peer for peer in order if peer not in acc.folded and peer not in left_out]
         merge = functools.partial(
-            engine.merge,
+            leased or _threaded(engine),
             run.name,
             round_,
             acc,
@@ -59,7 +64,7 @@ async def merge_finite(
             unfolded=[(_key(run, peer), _weight(run, peer)) for peer in unfolded],
         )
         try:
-            return await to_thread.run_sync(merge), left_out
+            return await merge(), left_out
         except NonFinite as exc:
             merged = list(dict.fromkeys([*acc.folded, *unfolded]))  # a final round's merge folds into acc
             if not merged:
@@ -79,6 +84,15 @@ async def merge_finite(
             left_out.append(worst)
             if worst in acc.folded:  # the others are folded again by the next merge, in order
                 acc = run.acc = Accumulator(run.schema)
+
+
+def _threaded(engine: MergeEngine) -> Leased:
+    """The in-process merge, in a worker thread, with a leased merge's signature."""
+
+    async def merge(*args: Any, **kwargs: Any) -> int:
+        return await to_thread.run_sync(functools.partial(engine.merge, *args, **kwargs))
+
+    return merge
 
 
 def _key(run: Run, peer: str) -> UpdateKey:

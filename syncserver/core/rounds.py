@@ -25,7 +25,7 @@ from typing import Any
 
 from anyio import to_thread
 
-from syncserver.core.finite import merge_finite
+from syncserver.core.finite import Leased, merge_finite
 from syncserver.core.policy import Close, Place
 from syncserver.core.shape import RunShape
 from syncserver.core.state import Run, now
@@ -113,13 +113,20 @@ class Rounds:
     """The open round of every run: tickets, acknowledgements, folds, closes, version files."""
 
     def __init__(
-        self, settings: HubSettings, store: Store, engine: MergeEngine, view: HubView, bucket: Bucket | None = None
+        self,
+        settings: HubSettings,
+        store: Store,
+        engine: MergeEngine,
+        view: HubView,
+        bucket: Bucket | None = None,
+        leased: Leased | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.engine = engine
         self.view = view
         self.bucket = bucket
+        self.leased = leased  # SYNC_REDUCERS: reducers share each merge (syncserver.core.leases)
         self._tasks: set[asyncio.Task[None]] = set()
         self.versions = VersionFiles(settings, store, engine, self._spawn, bucket)
 
@@ -374,6 +381,9 @@ class Rounds:
         """Fold every acknowledged, not yet folded update, in acknowledgement order, until the
         round closes: from then on its merge folds the rest."""
 
+        if self.leased is not None:
+            return  # the reducers fold every update, in this order, within the merge's leases
+
         def closing() -> bool:
             return run.closing
 
@@ -407,7 +417,9 @@ class Rounds:
                 folded = time.monotonic()
                 if not self.store.exists(VersionKey(run.name, close.round)):
                     await self.versions.written(run)  # the merge checks version v + its result
-                result_bytes, left_out = await merge_finite(self.engine, run, close.round, close.participants)
+                result_bytes, left_out = await merge_finite(
+                    self.engine, run, close.round, close.participants, self.leased
+                )
             merged = time.monotonic()
             # the copy peers will fetch goes up before the commit announces the result; if the
             # store fails, the round closes all the same and peers get the hub's copy

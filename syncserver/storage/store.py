@@ -357,8 +357,9 @@ class BlobWriter:
     """An open file being written all or nothing (see :meth:`Store.write`): bytes at the end
     (:meth:`write`) or arrays at an offset (:meth:`write_at`, safe from several threads)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, path: Path | None = None) -> None:
         self._fd = fd
+        self.path = path  # the file being written: local reducers write their ranges into it
         self._end = 0  # where :meth:`write` goes on
         self._lock = threading.Lock()
         self.size = 0  # the end of what was written (a spare written over is cut there)
@@ -381,6 +382,13 @@ class BlobWriter:
                 done += os.pwrite(self._fd, view[done:], position + done)
         start_writeback(self._fd, position, len(view))
         self._grow(position + len(view))
+
+    def reserve(self, size: int) -> None:
+        """Make the file ``size`` bytes long now, for writers in other processes (local
+        reducers, ``pwrite`` into :attr:`path`) whose writes this one does not see."""
+        with _translating():
+            os.ftruncate(self._fd, size)
+        self._grow(size)
 
     def _grow(self, end: int) -> None:
         with self._lock:
@@ -631,7 +639,7 @@ class Store:
             fd = spare if spare is not None else os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             try:
-                writer = BlobWriter(fd)
+                writer = BlobWriter(fd, tmp)
                 yield writer
                 with _translating():
                     if spare is not None:

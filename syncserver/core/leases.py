@@ -1,0 +1,287 @@
+"""Reducers share the merge: the hub's board of merge leases (no HTTP here; the routes in
+:mod:`syncserver.api.reduce` only translate).
+
+With ``SYNC_REDUCERS`` set, a round's close opens its merge once (:meth:`MergeEngine.open_merge
+<syncserver.reduce.engine.MergeEngine.open_merge>`), cuts its slices into at most K spans
+(:func:`syncserver.reduce.lease.jobs`) and puts one lease per span on the board. Reducers
+long-poll for a lease (:meth:`Board.take`), renew it while they work (:meth:`Board.renew`) and
+report it (:meth:`Board.done`). A lease not renewed within ``SYNC_REDUCE_LEASE_SECONDS`` is
+offered again under a new id, so a reducer that died mid-slice costs one lease length and
+its slices are redone, to the same bits, by another; the old id's report is refused
+(:class:`~syncserver.errors.LeaseLost`, 409) and changes nothing. Once every lease of the
+round is done, the hub fsyncs and publishes the staged outputs and commits the round exactly
+as an in-process merge does (record last). A lease that reports the round not finite fails the
+merge with :class:`~syncserver.reduce.engine.NonFinite`, which the close handles as it
+always does (:mod:`syncserver.core.finite`); any other failure fails the close, which is
+tried again after its backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from anyio import to_thread
+
+from syncserver.errors import LeaseLost, NotFound
+from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer
+from syncserver.reduce.lease import Done, Job, jobs
+from syncserver.storage.store import UpdateKey
+from syncwire import Codec
+
+__all__ = ["Board", "LeaseFailed", "ReducerStats", "merge_leased"]
+
+log = logging.getLogger(__name__)
+
+#: ids of leases gone (expired, or their round's merge ended) that are remembered, to answer a
+#: late report with 409 rather than 404
+GONE_KEPT = 4096
+
+
+class LeaseFailed(RuntimeError):
+    """A reducer could not do its lease (an I/O error, say): the close fails and is retried."""
+
+
+@dataclass
+class ReducerStats:
+    """What the hub knows of one reducer, by the name it gives (for /metrics, status)."""
+
+    name: str
+    first_seen: float
+    last_seen: float
+    leases: int = 0  # done and used
+    expired: int = 0  # taken, then not renewed in time
+    seconds: float = 0.0  # the done leases' work, summed
+    last_seconds: float | None = None  # the last done lease's
+    bytes: int = 0
+    holding: str | None = None  # the lease it works on
+
+
+@dataclass
+class _Lease:
+    job: Job
+    merge: _Merge
+    holder: str | None = None
+    deadline: float = 0.0
+    taken: float = 0.0
+    done: bool = False
+
+
+@dataclass
+class _Merge:
+    """One round's leases being worked."""
+
+    run: str
+    round: int
+    leases: list[_Lease] = field(default_factory=list)
+    failure: BaseException | None = None
+
+
+class Board:
+    """Every merge lease of one hub: offered, held, done."""
+
+    def __init__(self, lease_seconds: float) -> None:
+        self.lease_seconds = lease_seconds
+        self._pending: deque[_Lease] = deque()
+        self._held: dict[str, _Lease] = {}  # by lease id
+        self._gone: dict[str, None] = {}  # ids no longer valid (insertion-ordered, bounded)
+        self._offered = asyncio.Condition()
+        self._changed = asyncio.Event()  # a lease was done or failed: the merges look again
+        self.reducers: dict[str, ReducerStats] = {}
+
+    # ---- the reducers' side --------------------------------------------------------------
+    def _seen(self, reducer: str) -> ReducerStats:
+        t = time.time()
+        stats = self.reducers.get(reducer)
+        if stats is None:
+            stats = self.reducers[reducer] = ReducerStats(reducer, t, t)
+            log.info("reducer_seen reducer=%s", reducer)
+        stats.last_seen = t
+        return stats
+
+    async def take(self, reducer: str, wait: float) -> Job | None:
+        """The next lease offered, held by ``reducer`` from now; None after ``wait`` seconds."""
+        self._seen(reducer)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + wait
+        async with self._offered:
+            while not self._pending:
+                left = until - loop.time()
+                if left <= 0:
+                    return None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._offered.wait(), left)
+            lease = self._pending.popleft()
+        stats = self._seen(reducer)
+        lease.job = lease.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
+        lease.holder, lease.taken = reducer, time.monotonic()
+        lease.deadline = lease.taken + self.lease_seconds
+        self._held[lease.job.lease] = lease
+        stats.holding = lease.job.lease
+        self._changed.set()  # the merge waits on the new deadline
+        log.info(
+            "lease_taken run=%s round=%d lease=%s reducer=%s slices=%d mb=%.1f",
+            lease.merge.run,
+            lease.merge.round,
+            lease.job.lease,
+            reducer,
+            len(lease.job.slices),
+            lease.job.reads * len(lease.job.updates) / 1e6,
+        )
+        return lease.job
+
+    def _holding(self, lease_id: str, reducer: str) -> _Lease:
+        lease = self._held.get(lease_id)
+        if lease is None or lease.holder != reducer or time.monotonic() > lease.deadline:
+            if lease is None and lease_id not in self._gone:
+                raise NotFound(f"no lease {lease_id!r}")
+            raise LeaseLost(f"lease {lease_id!r} is not {reducer!r}'s any more (expired, or its round moved on)")
+        return lease
+
+    def renew(self, lease_id: str, reducer: str) -> float:
+        """Extend ``reducer``'s lease; the seconds it now has. :class:`LeaseLost` once lost."""
+        self._seen(reducer)
+        lease = self._holding(lease_id, reducer)
+        lease.deadline = time.monotonic() + self.lease_seconds
+        return self.lease_seconds
+
+    def done(self, lease_id: str, report: Done) -> None:
+        """``report.reducer`` finished its lease (or found the round not finite, or failed)."""
+        stats = self._seen(report.reducer)
+        lease = self._holding(lease_id, report.reducer)
+        del self._held[lease_id]
+        self._forget(lease_id)
+        stats.holding = None
+        merge = lease.merge
+        if report.error is None:
+            lease.done = True
+            stats.leases += 1
+            stats.seconds += report.seconds
+            stats.last_seconds = report.seconds
+            stats.bytes += report.bytes
+        elif merge.failure is None:
+            failure = NonFinite if report.error == "non_finite" else LeaseFailed
+            merge.failure = failure(f"reducer {report.reducer}: {report.detail}")
+        self._changed.set()
+
+    def _forget(self, lease_id: str) -> None:
+        self._gone[lease_id] = None
+        while len(self._gone) > GONE_KEPT:
+            del self._gone[next(iter(self._gone))]
+
+    # ---- the merge's side ----------------------------------------------------------------
+    async def run(self, run: str, round_: int, work: Sequence[Job]) -> None:
+        """Offer ``work`` and wait until every lease of it is done; an expired lease is offered
+        again (first in line). Raises what a lease reported (:class:`NonFinite`, :class:`LeaseFailed`);
+        either way, or cancelled, nothing of this merge stays on the board."""
+        merge = _Merge(run, round_)
+        merge.leases = [_Lease(job.model_copy(update={"run": run}), merge) for job in work]
+        await self._offer(merge.leases)
+        try:
+            while merge.failure is None and not all(lease.done for lease in merge.leases):
+                self._changed.clear()
+                now = time.monotonic()
+                expired = [x for x in self._held.values() if x.merge is merge and x.deadline < now]
+                for lease in expired:
+                    self._expire(lease)
+                if expired:
+                    await self._offer(expired, first=True)
+                deadlines = [x.deadline for x in self._held.values() if x.merge is merge]
+                timeout = max(0.01, min(deadlines) - now) if deadlines else None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout)
+            if merge.failure is not None:
+                raise merge.failure
+        finally:
+            self._withdraw(merge)
+
+    async def _offer(self, leases: list[_Lease], *, first: bool = False) -> None:
+        async with self._offered:
+            if first:
+                self._pending.extendleft(reversed(leases))
+            else:
+                self._pending.extend(leases)
+            self._offered.notify_all()
+
+    def _expire(self, lease: _Lease) -> None:
+        del self._held[lease.job.lease]
+        self._forget(lease.job.lease)
+        stats = self.reducers.get(lease.holder or "")
+        if stats is not None:
+            stats.expired += 1
+            stats.holding = None
+        log.warning(
+            "lease_expired run=%s round=%d lease=%s reducer=%s (offered again)",
+            lease.merge.run,
+            lease.merge.round,
+            lease.job.lease,
+            lease.holder,
+        )
+        lease.holder = None
+
+    def _withdraw(self, merge: _Merge) -> None:
+        self._pending = deque(x for x in self._pending if x.merge is not merge)
+        for lease_id in [i for i, x in self._held.items() if x.merge is merge]:
+            del self._held[lease_id]
+            self._forget(lease_id)
+        for stats in self.reducers.values():
+            if stats.holding is not None and stats.holding in self._gone:
+                stats.holding = None
+
+    def live(self, within: float) -> list[ReducerStats]:
+        """Reducers heard from in the last ``within`` seconds, by name."""
+        t = time.time()
+        return sorted((r for r in self.reducers.values() if t - r.last_seen <= within), key=lambda r: r.name)
+
+
+async def merge_leased(
+    board: Board,
+    reducers: int,
+    engine: MergeEngine,
+    run: str,
+    round_: int,
+    acc: Accumulator,
+    codec: Codec,
+    outer: Outer,
+    *,
+    total: float,
+    fraction: float,
+    final: bool = False,
+    unfolded: Sequence[tuple[UpdateKey, float]] = (),
+) -> int:
+    """:meth:`MergeEngine.merge`'s work, shared by the reducers: open the merge, hand out its
+    leases, wait for them, publish the outputs (fsync + rename); the result's size. The hub
+    folds nothing before a leased merge (``acc`` is empty): the reducers fold every update in
+    acknowledgement order, which gives the same bits as folding some first."""
+    if acc.mean is not None:
+        raise ValueError("a leased merge folds every update itself: the accumulator must be empty")
+    files = contextlib.ExitStack()
+    try:
+        opened = functools.partial(
+            engine.open_merge,
+            files,
+            run,
+            round_,
+            acc,
+            codec,
+            outer,
+            total=total,
+            fraction=fraction,
+            final=final,
+            unfolded=unfolded,
+        )
+        merge = await to_thread.run_sync(opened)
+        work = await to_thread.run_sync(jobs, merge, acc.schema, reducers)
+        await board.run(run, round_, work)
+    except BaseException as exc:
+        await to_thread.run_sync(files.__exit__, type(exc), exc, exc.__traceback__)
+        raise
+    await to_thread.run_sync(files.close)
+    return merge.result_size

@@ -1,0 +1,151 @@
+"""``syncserver reduce --hub URL``: a reducer, one process that works merge leases until stopped.
+
+    syncserver reduce --hub http://127.0.0.1:8000 --token "$SYNC_ADMIN_TOKEN"
+
+It long-polls the hub for a lease (``POST /v1/reduce/lease``), works it
+(:func:`syncserver.reduce.lease.work`: ``pread`` of its slices of every update and of version v,
+``pwrite`` of its byte ranges of the hub's staged outputs, so it runs on the hub's machine),
+renews it from a thread while working, and reports it done. One lease at a time, one thread:
+K reducers are K processes, so a slow or killed one costs its own lease only. A hub that
+cannot be reached or refuses the token at the start is a one-line error (exit 2); later, a
+hub that went away is waited for (it may be restarting), a lease found lost is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import httpx
+from pydantic import ValidationError
+
+from syncserver.reduce.lease import Done, Job, LeaseStopped, work
+
+__all__ = ["ReducerError", "Reducer"]
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 20.0  # the long poll for a lease
+RETRY_SECONDS = 1.0  # between tries at a hub that does not answer
+
+
+class ReducerError(Exception):
+    """The hub cannot be used (unreachable at the start, wrong token, not a reducer's hub)."""
+
+
+class Reducer:
+    """One reducer's loop against one hub."""
+
+    def __init__(self, hub: str, token: str | None = None, name: str | None = None) -> None:
+        self.hub = hub.rstrip("/")
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.hub, headers=headers, timeout=httpx.Timeout(10.0, read=90.0))
+        self._stop = threading.Event()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def check(self) -> Job | None:
+        """One lease request without waiting: :class:`ReducerError` unless the hub takes us;
+        the lease it gave, if one was waiting (to be worked first)."""
+        try:
+            return self._take(wait=0.0, strict=True)
+        except httpx.HTTPError as exc:
+            raise ReducerError(f"cannot reach the hub at {self.hub}: {exc}") from None
+
+    def run_forever(self) -> None:
+        """Take, work and report leases until :meth:`stop`."""
+        log.info("reducer %s working for %s", self.name, self.hub)
+        while not self._stop.is_set():
+            try:
+                job = self._take(wait=POLL_SECONDS)
+            except httpx.HTTPError as exc:  # the hub restarts, say: wait for it
+                log.warning("reducer %s: hub unreachable (%s), retrying", self.name, exc)
+                self._stop.wait(RETRY_SECONDS)
+                continue
+            if job is not None:
+                self.do(job)
+
+    def do(self, job: Job) -> None:
+        """Work one lease, renewing it meanwhile, and report it."""
+        lost = threading.Event()
+        renewer = threading.Thread(target=self._renew, args=(job, lost), daemon=True, name="reducer-renew")
+        renewer.start()
+        try:
+            try:
+                done = work(job, self.name, stop=lost.is_set)
+            except LeaseStopped:
+                log.warning("reducer %s: lease %s lost mid-work, dropped", self.name, job.lease)
+                return
+            except Exception as exc:  # the hub fails the close, and tries it again later
+                log.exception("reducer %s: lease %s failed", self.name, job.lease)
+                done = Done(reducer=self.name, seconds=0.0, bytes=0, error="failed", detail=repr(exc)[:2000])
+        finally:
+            lost.set()  # stops the renewer
+            renewer.join()
+        try:
+            answer = self._http.post(f"/v1/reduce/leases/{job.lease}/done", json=done.model_dump(mode="json"))
+        except httpx.HTTPError as exc:
+            log.warning("reducer %s: could not report lease %s (%s): it will expire", self.name, job.lease, exc)
+            return
+        if answer.status_code == 409:
+            log.warning("reducer %s: lease %s was lost before its report", self.name, job.lease)
+        elif answer.status_code != 204:
+            log.warning("reducer %s: report of lease %s refused: %s", self.name, job.lease, answer.text[:300])
+        else:
+            log.info("reducer %s: lease %s done in %.3f s", self.name, job.lease, done.seconds)
+
+    def _renew(self, job: Job, lost: threading.Event) -> None:
+        every = max(0.05, job.seconds / 3)
+        while not lost.wait(every):
+            try:
+                answer = self._http.post(f"/v1/reduce/leases/{job.lease}/renew", json={"reducer": self.name})
+            except httpx.HTTPError:
+                continue  # the lease may still hold: try again
+            if answer.status_code in (404, 409):
+                lost.set()
+
+    def _take(self, wait: float, strict: bool = False) -> Job | None:
+        answer = self._http.post("/v1/reduce/lease", json={"reducer": self.name, "wait": wait})
+        if answer.status_code == 204:
+            return None
+        if answer.status_code != 200:
+            reason = _reason(answer)
+            if strict or answer.status_code in (401, 403, 404, 409):
+                raise ReducerError(f"the hub at {self.hub} refused a reducer: {reason}")
+            log.warning("reducer %s: lease request refused (%s), retrying", self.name, reason)
+            self._stop.wait(RETRY_SECONDS)
+            return None
+        try:
+            return Job.model_validate_json(answer.content)
+        except ValidationError as exc:
+            raise ReducerError(f"the hub at {self.hub} answered a lease request with no lease: {exc}") from None
+
+
+def _reason(answer: httpx.Response) -> str:
+    try:
+        body = answer.json()
+        return f"{answer.status_code} {body.get('error')}: {body.get('detail')}"
+    except ValueError:
+        return f"{answer.status_code} {answer.text[:200]!r}"
+
+
+def main(hub: str, token: str | None) -> None:
+    """The ``syncserver reduce`` command's body: check the hub, then work until killed."""
+    reducer = Reducer(hub, token)
+    try:
+        first = reducer.check()
+        if first is not None:
+            reducer.do(first)
+        started = time.monotonic()
+        reducer.run_forever()
+        log.info("reducer %s stopped after %.0f s", reducer.name, time.monotonic() - started)
+    finally:
+        reducer.close()

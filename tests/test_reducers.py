@@ -1,0 +1,420 @@
+"""Reducers share the merge (issue 24): leases give the bits of the in-process merge for any K,
+the board re-offers an expired lease and refuses a late report, and real ``syncserver reduce``
+processes against a real hub give the bits of a hub that merges alone."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+import syncwire.codecs
+from syncserver.core.leases import Board, LeaseFailed
+from syncserver.errors import LeaseLost, NotFound
+from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer
+from syncserver.reduce.lease import Done, jobs, work
+from syncserver.storage.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
+from syncwire import get_codec
+from tests.conftest import Hub
+from tests.faultproxy import FaultProxy
+from tests.harness import Peers, wait_for
+from tests.models import perturb
+from tests.test_metrics import scrape
+from tests.test_streaming_hub import _bytes, _update_file
+
+SCHEMA = {"w": (20_003,), "b": (37,), "e": (30, 64)}  # "w": five slices of 4096 values
+
+
+@pytest.fixture(autouse=True)
+def small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slices of 4096 values: a tiny model cut as GPT-2 is, in a few milliseconds."""
+    monkeypatch.setattr(syncwire.codecs, "SLICE_VALUES", 4096)
+
+
+def _stores(tmp_path: Path, spec: str, n: int, seed: int = 7) -> list[tuple[Store, list[tuple[UpdateKey, float]]]]:
+    """``n`` stores holding the same version 0 and three updates of round 0 and of round 1."""
+    codec = get_codec(spec)
+    rng = np.random.default_rng(seed)
+    model = {name: rng.standard_normal(s, dtype=np.float32) for name, s in SCHEMA.items()}
+    rounds = [
+        [
+            _update_file(codec, {k: rng.standard_normal(s, dtype=np.float32) * 1e-2 for k, s in SCHEMA.items()})
+            for _ in range(3)
+        ]
+        for _ in range(2)
+    ]
+    out = []
+    for i in range(n):
+        store = Store(tmp_path / str(i))
+        with store.write(VersionKey("r", 0)) as f:
+            f.write(_update_file(get_codec("fp32"), model))
+        for v, updates in enumerate(rounds):
+            for k, data in enumerate(updates):
+                with store.write(UpdateKey("r", v, f"p{k}")) as f:
+                    f.write(data)
+        out.append((store, [(UpdateKey("r", 0, f"p{k}"), 3.0 + 2 * k) for k in range(3)]))
+    return out
+
+
+def _outputs(store: Store, v: int) -> list[bytes]:
+    """Round ``v``'s result, the next momentum and residual if any, and version v + 1."""
+    keys = (ResultKey("r", v), MomentumKey("r", v + 1), ResidualKey("r", v + 1))
+    blob = store.serve(VersionKey("r", v + 1))
+    try:
+        version = blob.read(0, blob.size)
+    finally:
+        blob.close()
+    return [*(_bytes(store, key) for key in keys if store.exists(key)), version]
+
+
+@pytest.mark.parametrize("final", [False, True])
+@pytest.mark.parametrize("outer", ["avg", "diloco"])
+@pytest.mark.parametrize("spec", ["fp32", "int8", "topk:chunk=64,k=4,block=64"])
+def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
+    tmp_path: Path, spec: str, outer: str, final: bool
+) -> None:
+    """K = 1, 2, 3 leases, worked last first, one of them twice (an expired lease redone), give
+    the in-process merge's result, momentum and residual, over two rounds (the second reads
+    the first's momentum and residual); the in-process one folded one update before its close."""
+    codec, outer_ = get_codec(spec), Outer(outer, 0.7, 0.9)
+    stores = _stores(tmp_path, spec, 4)
+    written: list[list[bytes]] = []
+    for i, (store, keys0) in enumerate(stores):
+        engine = MergeEngine(store, threads=2)
+        for v in range(2):
+            keys = [(UpdateKey("r", v, key.peer), w) for key, w in keys0]
+            acc = Accumulator(SCHEMA)
+            last = final and v == 1
+            if i == 0:  # the hub alone, one update folded before the close
+                engine.fold(acc, *keys[0], codec)
+                engine.merge("r", v, acc, codec, outer_, total=30.0, fraction=1.0, final=last, unfolded=keys[1:])
+            else:
+                with contextlib.ExitStack() as files:
+                    merge = engine.open_merge(
+                        files, "r", v, acc, codec, outer_, total=30.0, fraction=1.0, final=last, unfolded=keys
+                    )
+                    leases = jobs(merge, SCHEMA, i)
+                    # an int8/topk result is cut at tensors only: "w" is one lease whatever K
+                    assert len(leases) == (i if get_codec(merge.step.codec).lossless else min(i, 2))
+                    for job in [*reversed(leases), leases[0]]:
+                        assert work(job, "t").error is None
+            engine.build_versions("r", v + 1, codec, SCHEMA)
+            written.append(_outputs(store, v))
+        engine.close()
+        store.close()
+    reference = written[:2]
+    for i in range(1, 4):
+        assert written[2 * i : 2 * i + 2] == reference, f"K={i}"
+    assert len(reference[0]) == 2 + (outer == "diloco") + codec.hub_feedback
+
+
+def test_a_lease_that_would_not_be_finite_says_so(tmp_path: Path) -> None:
+    """A slice whose version v + update overflows float32 reports non_finite (the hub then
+    leaves an update out, as it does merging alone), and nothing is left half-published."""
+    codec = get_codec("fp32")
+    store = Store(tmp_path)
+    with store.write(VersionKey("r", 0)) as f:
+        f.write(_update_file(codec, {n: np.full(s, 3e38, np.float32) for n, s in SCHEMA.items()}))
+    with store.write(UpdateKey("r", 0, "p")) as f:
+        f.write(_update_file(codec, {n: np.full(s, 3e38, np.float32) for n, s in SCHEMA.items()}))
+    engine = MergeEngine(store, threads=1)
+    acc, key = Accumulator(SCHEMA), UpdateKey("r", 0, "p")
+    with pytest.raises(NonFinite), contextlib.ExitStack() as files:
+        outer = Outer("avg", 1, 0)
+        merge = engine.open_merge(files, "r", 0, acc, codec, outer, total=1.0, fraction=math.inf, unfolded=[(key, 1.0)])
+        reports = [work(job, "t") for job in jobs(merge, SCHEMA, 2)]
+        assert {r.error for r in reports} == {"non_finite"}
+        raise NonFinite(reports[0].detail)
+    assert not store.exists(ResultKey("r", 0))
+    engine.close()
+    store.close()
+
+
+# ---- the board ------------------------------------------------------------------------------------
+
+
+def _fake_jobs(tmp_path: Path, n: int) -> list:  # type: ignore[type-arg]
+    store = _stores(tmp_path, "fp32", 1)[0][0]
+    engine = MergeEngine(store, threads=1)
+    files = contextlib.ExitStack()
+    keys = [(UpdateKey("r", 0, "p0"), 1.0)]
+    merge = engine.open_merge(
+        files,
+        "r",
+        0,
+        Accumulator(SCHEMA),
+        get_codec("fp32"),
+        Outer("avg", 1, 0),
+        total=1.0,
+        fraction=1.0,
+        unfolded=keys,
+    )
+    out = jobs(merge, SCHEMA, n)
+    files.close()
+    engine.close()
+    store.close()
+    return out
+
+
+def test_the_board_offers_again_what_expired_and_refuses_the_late_report(tmp_path: Path) -> None:
+    work_ = _fake_jobs(tmp_path, 2)
+
+    async def scenario() -> None:
+        board = Board(lease_seconds=0.3)
+        merge = asyncio.create_task(board.run("r", 0, work_))
+        first = await board.take("a", wait=5)
+        second = await board.take("b", wait=5)
+        assert first is not None and second is not None and first.run == "r"
+        assert board.renew(second.lease, "b") == 0.3
+        with pytest.raises(LeaseLost):
+            board.renew(second.lease, "a")  # not a's
+        board.done(second.lease, Done(reducer="b", seconds=0.01, bytes=10))
+        with pytest.raises(LeaseLost):  # reported twice
+            board.done(second.lease, Done(reducer="b", seconds=0.01, bytes=10))
+        again = await board.take("b", wait=5)  # "a" went silent: its lease comes back, under a new id
+        assert again is not None and again.lease != first.lease and again.slices == first.slices
+        with pytest.raises(LeaseLost):
+            board.done(first.lease, Done(reducer="a", seconds=0.01, bytes=10))
+        with pytest.raises(NotFound):
+            board.renew("0" * 32, "a")
+        assert not merge.done()
+        board.done(again.lease, Done(reducer="b", seconds=0.02, bytes=10))
+        await asyncio.wait_for(merge, 5)
+        stats = {r.name: r for r in board.live(60)}
+        assert stats["a"].expired == 1 and stats["a"].leases == 0
+        assert stats["b"].leases == 2 and stats["b"].seconds == pytest.approx(0.03) and stats["b"].holding is None
+        assert await board.take("a", wait=0.05) is None  # nothing left on the board
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("error", "raised"), [("non_finite", NonFinite), ("failed", LeaseFailed)])
+def test_a_lease_that_fails_fails_the_merge_and_leaves_nothing_on_the_board(
+    tmp_path: Path, error: str, raised: type[Exception]
+) -> None:
+    work_ = _fake_jobs(tmp_path, 3)
+
+    async def scenario() -> None:
+        board = Board(lease_seconds=5)
+        merge = asyncio.create_task(board.run("r", 0, work_))
+        job = await board.take("a", wait=5)
+        held = await board.take("b", wait=5)
+        assert job is not None and held is not None
+        board.done(job.lease, Done(reducer="a", seconds=0, bytes=0, error=error, detail="tensor 'w'"))
+        with pytest.raises(raised, match="reducer a: tensor 'w'"):
+            await asyncio.wait_for(merge, 5)
+        with pytest.raises(LeaseLost):  # the round moved on without it
+            board.done(held.lease, Done(reducer="b", seconds=0, bytes=0))
+        assert await board.take("c", wait=0.05) is None
+
+    asyncio.run(scenario())
+
+
+# ---- real reducer processes against a real hub ----------------------------------------------------
+
+ADMIN, TOKEN = "admin-secret", "hub-secret"
+RUNS = {  # run -> (SyncClient options, sequential syncs)
+    "barrier": ({"codec": "int8", "outer": "diloco"}, False),
+    "samples": ({"codec": "topk", "outer": "avg", "policy": "samples", "round_samples": 9}, False),
+    "async": ({"codec": "fp32", "outer": "diloco", "policy": "async", "round_samples": 9}, True),
+}
+
+
+def _train(url: str, run: str, rounds: int = 3) -> dict[str, str]:
+    """Two peers, ``rounds`` syncs of seeded perturbations, the last one final; the sha-256 of
+    every round's result file and of the latest model, as the hub serves them."""
+    options, sequential = RUNS[run]
+    peers = Peers(url, run, ["a", "b"], token=TOKEN, min_peers=2, **options)
+    peers.join()
+
+    def sync(name: str, r: int) -> None:
+        client, model = peers.clients[name], peers.models[name]
+        perturb(model, 10 * r + (name == "b"), client.version)
+        client.sync(model, samples=4 + (name == "b"), final=r == rounds - 1)
+
+    for r in range(rounds):
+        if sequential:
+            for name in ("a", "b"):
+                sync(name, r)
+        else:
+            peers.parallel(["a", "b"], lambda n, r=r: sync(n, r))
+    peers.close()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    model = httpx.get(f"{url}/v1/runs/{run}/model", headers=auth, timeout=60)
+    model.raise_for_status()
+    version = httpx.get(f"{url}/v1/runs/{run}", headers=auth).json()["version"]
+    results = {}
+    for v in range(version):
+        r = httpx.get(f"{url}/v1/runs/{run}/rounds/{v}/result", headers=auth, timeout=60)
+        results[f"result {v}"] = hashlib.sha256(r.content).hexdigest() if r.status_code == 200 else str(r.status_code)
+    return {"model": hashlib.sha256(model.content).hexdigest(), "version": str(version), **results}
+
+
+def _reducer(url: str, token: str | None, log: Path) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+    if token:
+        env["SYNC_REDUCE_TOKEN"] = token
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "syncserver", "reduce", "--hub", url], env=env, stdout=out, stderr=out
+        )
+
+
+def _reducers(hub: Hub) -> dict[str, dict[str, object]]:
+    r = httpx.get(f"{hub.url}/v1/reduce/reducers", headers={"Authorization": f"Bearer {TOKEN}"})
+    r.raise_for_status()
+    return {x["name"]: x for x in r.json()}
+
+
+def test_reducer_processes_give_the_bits_of_the_hub_alone(hub_factory: Callable[..., Hub]) -> None:
+    """`serve --reducers 3` (three child processes, leases cut three ways) closes barrier,
+    samples and async rounds of int8/DiLoCo, topk and fp32 runs, final rounds included, to the
+    bits of a hub that merges alone: every result and the model; /metrics, /v1/reduce/reducers
+    and `syncserver status` show the reducers and their leases; they die with the hub."""
+    env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
+    alone = hub_factory(env=env)
+    shared = hub_factory("--reducers", "3", env=env)
+    for run in RUNS:
+        expected = _train(alone.url, run)
+        assert _train(shared.url, run) == expected, run
+        assert int(expected["version"]) >= 3
+    assert "lease_taken" in shared.log() and "lease_taken" not in alone.log()
+    known = _reducers(shared)
+    assert len(known) == 3 and sum(int(r["leases"]) for r in known.values()) >= 9  # type: ignore[call-overload]
+    samples = scrape(shared, TOKEN)
+    assert samples["weightsync_reducers", ()] == 3
+    for name, r in known.items():
+        assert samples["weightsync_reducer_leases_total", (("reducer", name),)] == r["leases"]
+        assert samples["weightsync_reducer_lease_seconds_total", (("reducer", name),)] == pytest.approx(r["seconds"])
+    shown = subprocess.run(
+        [sys.executable, "-m", "syncserver", "status", shared.url, "--token", TOKEN],
+        env={**os.environ, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "reducers" in shown.stdout and all(name in shown.stdout for name in known), shown.stdout + shown.stderr
+    pids = [int(name.rsplit("-", 1)[1]) for name in known]
+    shared.kill()  # SIGKILL: the kernel takes the reducers with it
+    wait_for(lambda: not any(_alive(pid) for pid in pids), "the reducers to die with their hub")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it(
+    hub_factory: Callable[..., Hub], tmp_path: Path
+) -> None:
+    """A reducer whose report never arrives, then SIGKILLed, holds its lease no more once
+    it expires: another reducer redoes it, to the same bits; the lease's late report is
+    refused (409) and changes nothing."""
+    env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
+    alone = hub_factory(env=env)
+    expected = _train(alone.url, "barrier", rounds=2)
+    hub = hub_factory("--reducers", "2", "--local-reducers", "0", "--reduce-lease-seconds", "1.5", env=env)
+    with FaultProxy(hub.port) as proxy:
+        proxy.cut(after=0, match="/done")  # its first report dies on the way: the hub never hears it
+        doomed = _reducer(proxy.url, ADMIN, tmp_path / "doomed.log")
+        wait_for(lambda: len(_reducers(hub)) == 1, "the first reducer to ask for a lease")
+        peers = threading.Thread(target=lambda: results.append(_train(hub.url, "barrier", rounds=2)))
+        results: list[dict[str, str]] = []
+        peers.start()
+        wait_for(lambda: any(r.fault == "cut" for r in proxy.matching("/done")), "a lease's report to be cut")
+        doomed.kill()
+        doomed.wait()
+        late = next(r for r in proxy.matching("/done") if r.fault == "cut")
+        rescuer = _reducer(hub.url, ADMIN, tmp_path / "rescuer.log")
+        try:
+            peers.join(120)
+            assert results == [expected]
+        finally:
+            rescuer.kill()
+            rescuer.wait()
+    known = _reducers(hub)
+    assert int(known[f"{_host()}-{doomed.pid}"]["expired"]) >= 1  # type: ignore[call-overload]
+    assert int(known[f"{_host()}-{rescuer.pid}"]["leases"]) >= 1  # type: ignore[call-overload]
+    assert "lease_expired" in hub.log()
+    report = {"reducer": f"{_host()}-{doomed.pid}", "seconds": 0.1, "bytes": 1}
+    r = httpx.post(f"{hub.url}{late.target}", json=report, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 409 and r.json()["error"] == "lease_lost", r.text
+    assert _train_digest(hub) == expected["model"]  # nothing changed
+
+
+def _host() -> str:
+    return socket.gethostname()
+
+
+def _train_digest(hub: Hub) -> str:
+    r = httpx.get(f"{hub.url}/v1/runs/barrier/model", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    return hashlib.sha256(r.content).hexdigest()
+
+
+def test_bad_reducer_requests_get_a_json_reason_and_bad_hubs_a_one_line_error(
+    hub_factory: Callable[..., Hub], tmp_path: Path
+) -> None:
+    env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
+    hub = hub_factory("--reducers", "1", "--local-reducers", "0", env=env)
+    alone = hub_factory(env={"SYNC_TOKEN": TOKEN})
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    lease = f"{hub.url}/v1/reduce/lease"
+    some = "0" * 32
+    done, ok = f"{hub.url}/v1/reduce/leases/{some}/done", {"reducer": "r", "seconds": 1, "bytes": 1}
+    for url, body, headers, status, code in [
+        (lease, {"reducer": "r"}, {}, 401, "unauthorized"),
+        (lease, {"reducer": "r"}, {"Authorization": f"Bearer {TOKEN}"}, 401, "unauthorized"),  # admin only
+        (lease, {"reducer": "r", "wait": -1}, admin, 422, "invalid_request"),
+        (lease, {"reducer": "no spaces"}, admin, 422, "invalid_request"),
+        (lease, {"wait": 0}, admin, 422, "invalid_request"),
+        (f"{hub.url}/v1/reduce/leases/{some}/renew", {"reducer": "r"}, admin, 404, "not_found"),
+        (f"{hub.url}/v1/reduce/leases/xyz/renew", {"reducer": "r"}, admin, 422, "invalid_request"),
+        (done, ok, admin, 404, "not_found"),
+        (done, {**ok, "seconds": -1}, admin, 422, None),
+        (done, {**ok, "error": "oops"}, admin, 422, None),
+        (done, {**ok, "extra": 1}, admin, 422, None),
+        (f"{alone.url}/v1/reduce/lease", {"reducer": "r"}, {"Authorization": f"Bearer {TOKEN}"}, 409, "conflict"),
+    ]:
+        r = httpx.post(url, json=body, headers=headers)
+        assert r.status_code == status, (url, body, r.text)
+        assert r.json()["error"] == (code or "invalid_request") and r.json()["detail"], r.text
+    r = httpx.post(lease, json={"reducer": "r", "wait": 0}, headers=admin)
+    assert r.status_code == 204  # nothing to merge yet
+    env_ = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+    clis = [
+        (
+            said,
+            subprocess.Popen(
+                [sys.executable, "-m", "syncserver", "reduce", "--hub", url, "--token", token],
+                env=env_,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+        )
+        for url, token, said in [
+            ("http://127.0.0.1:9", ADMIN, "cannot reach the hub"),
+            (hub.url, "wrong", "401"),
+            (alone.url, TOKEN, "merges in its own threads"),
+        ]
+    ]
+    for said, proc in clis:  # at once: each is a Python start-up
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2, (said, out, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and said in lines[0], err
