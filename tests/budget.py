@@ -26,6 +26,7 @@ BUDGETS: dict[str, float] = {
     # the programs users run, each a process (or several) that imports torch and often transformers
     "tests/test_bench_smoke.py::test_group_benchmark_times_every_peer_shape": 25,  # torchrun
     "tests/test_bench_smoke.py::test_hooks_benchmark_times_hooked_and_plain_steps": 9,
+    "tests/test_bench_smoke.py::test_reducers_benchmark_closes_every_k_to_the_same_bits": 12,  # 2 hubs, 2 reducers
     "tests/test_bench_smoke.py::test_round_benchmark_runs_and_writes_every_row": 12,
     "tests/test_bench_smoke.py::test_unequal_benchmark_runs_every_policy": 35,  # 3 policies, 6 peers
     "tests/test_finetune.py::test_a_samples_run_trains_until_the_run_has_seen_its_epochs": 33,

@@ -65,6 +65,16 @@ def test_hub_benchmark_times_receive_fold_merge_and_version(tmp_path: Path) -> N
         assert all(row[p] > 0 and row[p + "_median"] >= row[p] for p in ("receive", "fold", "merge", "version"))
 
 
+def test_reducers_benchmark_closes_every_k_to_the_same_bits(tmp_path: Path) -> None:
+    args = ["--model", "tiny", "--codecs", "int8", "--reducers", "0", "2", "--rounds", "2"]
+    stdout, result = run_bench("reducers", tmp_path / "results", *args)
+    rows = {r["reducers"]: r for r in result["rows"]}
+    assert set(rows) == {0, 2} and all(r["close"] > 0 and len(r["closes"]) == 2 for r in rows.values())
+    assert rows[0]["model_sha256"] == rows[2]["model_sha256"] and not rows[0]["leases"]
+    assert sum(r["leases"] for r in rows[2]["leases"].values()) >= 2
+    assert "same bits as K=0" in stdout
+
+
 def test_pagecache_benchmark_times_every_mode(tmp_path: Path) -> None:
     # --settle 0: no wait for writeback between modes (4 of the run's 5 s); the rates mean nothing here.
     proc = subprocess.run(
