@@ -293,6 +293,8 @@ def test_reducer_processes_give_the_bits_of_the_hub_alone(hub_factory: Callable[
     assert "lease_taken" in shared.log() and "lease_taken" not in alone.log()
     known = _reducers(shared)
     assert len(known) == 3 and sum(int(r["leases"]) for r in known.values()) >= 9  # type: ignore[call-overload]
+    page = httpx.get(f"{shared.url}/v1/dashboard", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert {r["name"] for r in page["reducers"]} == set(known)
     samples = scrape(shared, TOKEN)
     assert samples["weightsync_reducers", ()] == 3
     for name, r in known.items():

@@ -179,6 +179,7 @@
     $("login").hidden = true;
     $("run").hidden = false;
     renderRun(data.run);
+    renderReducers(data.reducers || [], data.now);
     document.title = `${data.run.run} · v${data.run.version} · weightsync`;
   }
 
@@ -601,6 +602,26 @@
       h("thead", {}, h("tr", {}, head.map((c) => h("th", { scope: "col", class: left.has(c) ? "l" : null }, c)))),
       h("tbody", {}, rows),
     )), h("p", { class: "note" }, "Upload and download: the slowest peer; wait: the longest any peer waited for stragglers; total: from the round's first update to its publication."));
+  }
+
+  function renderReducers(reducers, now) {
+    $("reducers-card").hidden = !reducers.length;
+    if (!reducers.length) return;
+    const head = ["reducer", "leases", "busy", "last lease", "lease time, total", "expired", "read + written", "last seen"];
+    const rows = reducers.map((r) => h("tr", {},
+      h("td", { class: "l" }, r.name),
+      h("td", {}, fmtNum(r.leases)),
+      h("td", {}, r.busy ? "yes" : "–"),
+      h("td", {}, fmtSecs(r.last_seconds)),
+      h("td", {}, fmtSecs(r.seconds)),
+      h("td", { class: r.expired ? "dropped" : null, title: "leases it took and lost (not renewed in time): redone by another" }, fmtNum(r.expired)),
+      h("td", {}, fmtBytes(r.bytes)),
+      h("td", { "data-age": Math.max(0, now - r.last_seen) }, fmtAgo(Math.max(0, now - r.last_seen))),
+    ));
+    fill($("reducers"), h("div", { class: "scroll" }, h("table", {},
+      h("thead", {}, h("tr", {}, head.map((c) => h("th", { scope: "col", class: c === "reducer" ? "l" : null }, c)))),
+      h("tbody", {}, rows),
+    )));
   }
 
   function tick() {
