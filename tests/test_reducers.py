@@ -420,3 +420,29 @@ def test_bad_reducer_requests_get_a_json_reason_and_bad_hubs_a_one_line_error(
         assert proc.returncode == 2, (said, out, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and said in lines[0], err
+
+
+def test_a_hub_killed_while_its_leases_wait_closes_the_round_again_after_a_restart(
+    hub_factory: Callable[..., Hub], tmp_path: Path
+) -> None:
+    """No reducer connected: the round's leases wait on the board with its outputs staged; the
+    hub is SIGKILLed then restarted, a reducer comes, and the round closes from the acknowledged
+    updates to the bits of a hub merging alone (the staged files of the killed hub are gone)."""
+    env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
+    expected = _train(hub_factory(env=env).url, "barrier", rounds=2)
+    hub = hub_factory("--reducers", "2", "--local-reducers", "0", env=env)
+    results: list[dict[str, str]] = []
+    peers = threading.Thread(target=lambda: results.append(_train(hub.url, "barrier", rounds=2)))
+    peers.start()
+    staged = hub.data_dir / "runs" / "barrier" / "rounds" / "00000000"
+    wait_for(lambda: list(staged.glob(".result.safetensors.*.tmp")), "round 0's result to be staged for leases")
+    hub.kill()
+    hub.start()
+    reducer = _reducer(hub.url, ADMIN, tmp_path / "reducer.log")
+    try:
+        peers.join(120)
+        assert results == [expected]
+    finally:
+        reducer.kill()
+        reducer.wait()
+    assert not list(staged.glob("*.tmp"))
