@@ -181,7 +181,9 @@ def serve(
         from syncserver.reduce.children import LocalReducers
 
         secret = settings.admin_token or settings.token
-        reducers = LocalReducers(local, secret.get_secret_value() if secret else None)
+        # the merge's threads, shared out: K local reducers on the cores the hub's pool would use
+        threads = max(1, settings.fold_threads // local)
+        reducers = LocalReducers(local, secret.get_secret_value() if secret else None, threads)
 
     def listening(url: str) -> None:
         scheme, _, rest = url.partition("://")
@@ -214,6 +216,7 @@ def reduce(
         Optional[str],  # noqa: UP045
         typer.Option(envvar="SYNC_REDUCE_TOKEN", help="The hub's admin token (or its token if it has no admin one)."),
     ] = None,
+    threads: Annotated[int, typer.Option(min=1, max=256, help="Threads that work a lease's slices.")] = 1,
 ) -> None:
     """Work a hub's merge leases until killed (on the hub's machine: it reads and writes the hub's files)."""
     import logging
@@ -223,7 +226,7 @@ def reduce(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per long poll otherwise
     try:
-        main(hub, token)
+        main(hub, token, threads)
     except ReducerError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -79,9 +80,15 @@ def _outputs(store: Store, v: int) -> list[bytes]:
     return [*(_bytes(store, key) for key in keys if store.exists(key)), version]
 
 
-@pytest.mark.parametrize("final", [False, True])
-@pytest.mark.parametrize("outer", ["avg", "diloco"])
-@pytest.mark.parametrize("spec", ["fp32", "int8", "topk:chunk=64,k=4,block=64"])
+CASES = [
+    (spec, outer, final)
+    for spec in ("fp32", "int8", "topk:chunk=64,k=4,block=64")
+    for outer in ("avg", "diloco")
+    for final in (False, True)
+] + [("int4", "diloco", False), ("int4", "avg", True)]
+
+
+@pytest.mark.parametrize(("spec", "outer", "final"), CASES)
 def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
     tmp_path: Path, spec: str, outer: str, final: bool
 ) -> None:
@@ -108,8 +115,9 @@ def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
                     leases = jobs(merge, SCHEMA, i)
                     # an int8/topk result is cut at tensors only: "w" is one lease whatever K
                     assert len(leases) == (i if get_codec(merge.step.codec).lossless else min(i, 2))
-                    for job in [*reversed(leases), leases[0]]:
-                        assert work(job, "t").error is None
+                    with ThreadPoolExecutor(2) as pool:  # a reducer's --threads 2
+                        for job in [*reversed(leases), leases[0]]:
+                            assert work(job, "t", pool=pool if i == 2 else None).error is None
             engine.build_versions("r", v + 1, codec, SCHEMA)
             written.append(_outputs(store, v))
         engine.close()

@@ -30,9 +30,10 @@ def _die_with_parent() -> None:  # in the child, between fork and exec
 class LocalReducers:
     """K ``syncserver reduce`` children of this process, kept running until :meth:`stop`."""
 
-    def __init__(self, count: int, token: str | None) -> None:
+    def __init__(self, count: int, token: str | None, threads: int = 1) -> None:
         self.count = count
         self.token = token
+        self.threads = threads  # each reducer's slice threads
         self.procs: list[subprocess.Popen[bytes]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -49,7 +50,7 @@ class LocalReducers:
         if self.token:
             env["SYNC_REDUCE_TOKEN"] = self.token  # not on the command line, which `ps` shows
         return subprocess.Popen(
-            [sys.executable, "-m", "syncserver", "reduce", "--hub", hub],
+            [sys.executable, "-m", "syncserver", "reduce", "--hub", hub, "--threads", str(self.threads)],
             env=env,
             preexec_fn=_die_with_parent,  # a prctl call only: safe between fork and exec
         )

@@ -34,7 +34,7 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -44,7 +44,18 @@ from syncwire import Codec, FormatError, Schema, get_codec, layout_bytes, wire_l
 from syncwire.codecs import slices
 from syncwire.format import TensorFile, encode_header
 
-__all__ = ["Accumulator", "Merge", "MergeEngine", "NonFinite", "Outer", "Sink", "Step", "fold_slice", "merge_slice"]
+__all__ = [
+    "Accumulator",
+    "Merge",
+    "MergeEngine",
+    "NonFinite",
+    "Outer",
+    "Sink",
+    "Step",
+    "fold_slice",
+    "merge_slice",
+    "run_slices",
+]
 
 Work = Callable[[str, int, int, dict[str, tuple[int, int]]], None]
 
@@ -347,18 +358,24 @@ class MergeEngine:
         and file offsets), so the threads give the same bytes as one thread, in any order.
         """
         jobs = [(name, *piece) for name, shape in schema.items() for piece in slices(codec, shape)]
-        if self.threads == 1 or len(jobs) == 1:
-            for job in jobs:
-                work(*job)
-            return
-        futures = [self._pool.submit(work, *job) for job in jobs]
-        try:
-            for future in futures:
-                future.result()  # re-raises the first failure
-        finally:
-            for future in futures:
-                future.cancel()  # after a failure: the rest is moot (a cancelled round starts over)
-            wait(futures)  # nothing may still write to the files the caller is about to discard
+        run_slices(self._pool if self.threads > 1 else None, jobs, work)
+
+
+def run_slices(pool: ThreadPoolExecutor | None, jobs: Sequence[tuple[Any, ...]], work: Callable[..., None]) -> None:
+    """``work(*job)`` for every job, on ``pool`` (None: here, in order); the first failure is
+    raised once nothing runs any more (a failed merge's files are discarded right after)."""
+    if pool is None or len(jobs) == 1:
+        for job in jobs:
+            work(*job)
+        return
+    futures = [pool.submit(work, *job) for job in jobs]
+    try:
+        for future in futures:
+            future.result()  # re-raises the first failure
+    finally:
+        for future in futures:
+            future.cancel()  # after a failure: the rest is moot (a cancelled round starts over)
+        wait(futures)  # nothing may still write to the files the caller is about to discard
 
 
 class Sink(Protocol):

@@ -18,11 +18,12 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from syncserver.reduce.engine import Merge, NonFinite, Step, merge_slice
+from syncserver.reduce.engine import Merge, NonFinite, Step, merge_slice, run_slices
 from syncserver.reduce.plan import Piece, Span, multi_part, pieces, plan
 from syncserver.storage.store import BlobWriter
 from syncwire import Schema, get_codec, wire_name
@@ -166,8 +167,11 @@ def _job(merge: Merge, items: list[Piece], span: Span) -> Job:
     )
 
 
-def work(job: Job, reducer: str, stop: Callable[[], bool] = lambda: False) -> Done:
-    """Do a lease's slices as ``reducer`` (``stop`` is asked before each: :class:`LeaseStopped` once it says
+def work(
+    job: Job, reducer: str, stop: Callable[[], bool] = lambda: False, pool: ThreadPoolExecutor | None = None
+) -> Done:
+    """Do a lease's slices as ``reducer``, on ``pool`` if given, as the hub's own threads do
+    (``stop`` is asked before each: :class:`LeaseStopped` once it says
     so) and say how it went: ``error="non_finite"`` if the round would not be finite (the hub
     then leaves an update out, as it does merging in-process); any other failure raises."""
     started = time.monotonic()
@@ -198,11 +202,14 @@ def work(job: Job, reducer: str, stop: Callable[[], bool] = lambda: False) -> Do
             next_residual=sink(job.next_residual),
             residual_at=job.next_residual.at if job.next_residual is not None else {},
         )
+
+        def one(s: SliceJob) -> None:
+            if stop():
+                raise LeaseStopped(f"lease {job.lease} was lost")
+            merge_slice(merge, None, s.name, s.start, s.stop, s.parts, s.out_parts)
+
         try:
-            for s in job.slices:
-                if stop():
-                    raise LeaseStopped(f"lease {job.lease} was lost")
-                merge_slice(merge, None, s.name, s.start, s.stop, s.parts, s.out_parts)
+            run_slices(pool, [(s,) for s in job.slices], one)
         except NonFinite as exc:
             return Done(
                 reducer=reducer,

@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from pydantic import ValidationError
@@ -39,8 +40,11 @@ class ReducerError(Exception):
 class Reducer:
     """One reducer's loop against one hub."""
 
-    def __init__(self, hub: str, token: str | None = None, name: str | None = None) -> None:
+    def __init__(self, hub: str, token: str | None = None, name: str | None = None, threads: int = 1) -> None:
         self.hub = hub.rstrip("/")
+        # a lease's slices on a few threads, as the hub's own merge runs them (numpy, pread and
+        # pwrite release the GIL): one reducer can use the cores it is given
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="reducer-slices") if threads > 1 else None
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.hub, headers=headers, timeout=httpx.Timeout(10.0, read=90.0))
@@ -48,6 +52,8 @@ class Reducer:
 
     def close(self) -> None:
         self._http.close()
+        if self._pool is not None:
+            self._pool.shutdown()
 
     def stop(self) -> None:
         self._stop.set()
@@ -80,7 +86,7 @@ class Reducer:
         renewer.start()
         try:
             try:
-                done = work(job, self.name, stop=lost.is_set)
+                done = work(job, self.name, stop=lost.is_set, pool=self._pool)
             except LeaseStopped:
                 log.warning("reducer %s: lease %s lost mid-work, dropped", self.name, job.lease)
                 return
@@ -137,9 +143,9 @@ def _reason(answer: httpx.Response) -> str:
         return f"{answer.status_code} {answer.text[:200]!r}"
 
 
-def main(hub: str, token: str | None) -> None:
+def main(hub: str, token: str | None, threads: int = 1) -> None:
     """The ``syncserver reduce`` command's body: check the hub, then work until killed."""
-    reducer = Reducer(hub, token)
+    reducer = Reducer(hub, token, threads=threads)
     try:
         first = reducer.check()
         if first is not None:
