@@ -7,7 +7,9 @@
 For each codec and K: a real hub (``python -m syncserver serve --reducers K``, K = 0: today's
 in-process merge on ``SYNC_FOLD_THREADS`` threads) and N SDK peers in threads of this process,
 each on a lean module with GPT-2's parameter names and shapes (bench/round.py's): no training,
-each round a seeded perturbation, so every K gets the same updates. The peers sync together;
+each round a seeded perturbation, so every K gets the same updates. The peers sync one after
+the other (each starts once the one before is acknowledged: racing peers are acknowledged in
+an order that differs between hubs, and float32 sums in another order differ in their last bits);
 **close** is the hub's own time from the close's start (right at the last acknowledgement) to
 the round's commit, as the round record has it (``fold`` + ``merge``: the wait for a fold under
 way, then the merge; with reducers, the leases' work, their HTTP and the outputs' fsync).
@@ -27,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,8 @@ import round as rb  # noqa: E402 (model shapes, the lean model, the result file)
 
 from syncclient import SyncClient  # noqa: E402
 from syncserver.process import ServerProcess  # noqa: E402
+from syncserver.reduce.plan import PART_MIN, imbalance, multi_part, pieces, plan  # noqa: E402
+from syncwire import get_codec  # noqa: E402
 
 parser = argparse.ArgumentParser(description="A round's close with K reducers against the hub alone.")
 parser.add_argument("--model", choices=sorted(rb.MODELS), default="gpt2")
@@ -71,16 +76,26 @@ def one_hub(codec: str, k: int, args: argparse.Namespace, schema: dict[str, tupl
     models = {n: rb._lean_model(schema, seed=0) for n in names}
     errors: list[BaseException] = []
 
-    def each(fn: Any) -> None:
+    def each(fn: Any, one_by_one: bool = False) -> None:
+        """``fn(name)`` for every peer in threads; ``one_by_one``: each next peer starts once the
+        hub has acknowledged the one before (a fixed acknowledgement order, so that every K folds
+        the same updates in the same order: racing peers would make the bits differ by order)."""
+
         def target(n: str) -> None:
             try:
                 fn(n)
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=target, args=(n,)) for n in names]
-        for t in threads:
-            t.start()
+        threads = []
+        for i, n in enumerate(names):
+            threads.append(threading.Thread(target=target, args=(n,)))
+            threads[-1].start()
+            while one_by_one and i < len(names) - 1 and not errors:
+                submitted = httpx.get(f"{url}/v1/runs/bench", timeout=60).json()["open_round"]["submitted"]
+                if n in submitted:
+                    break
+                time.sleep(0.02)
         for t in threads:
             t.join()
         if errors:
@@ -94,7 +109,7 @@ def one_hub(codec: str, k: int, args: argparse.Namespace, schema: dict[str, tupl
                 perturb(models[n], 1000 * r + names.index(n))
                 clients[n].sync(models[n], samples=8 + names.index(n))
 
-            each(sync)
+            each(sync, one_by_one=True)
         state = httpx.get(f"{url}/v1/runs/bench", timeout=60).json()
         model = httpx.get(f"{url}/v1/runs/bench/model", timeout=600)
         model.raise_for_status()
@@ -122,10 +137,43 @@ def one_hub(codec: str, k: int, args: argparse.Namespace, schema: dict[str, tupl
     return row
 
 
+def plans(schema: dict[str, tuple[int, ...]], codecs: list[str]) -> list[dict[str, Any]]:
+    """How evenly the leases cut the model (from its shapes alone): the largest lease's update
+    bytes over a K-th of them (1.00: even), for K = 2, 4, 8; on local disk (the hub's plan) and
+    with S3's 5 MiB part floor (a bucket's, whose small leases join a neighbour)."""
+    out = []
+    for spec in codecs:
+        codec = get_codec(spec)
+        items = pieces(codec, codec, schema)
+        for k in (2, 4, 8):
+            local = plan(items, k, whole_tensors=multi_part(codec))
+            s3 = plan(items, k, whole_tensors=multi_part(codec), min_writes=PART_MIN)
+            out.append(
+                {
+                    "codec": spec,
+                    "k": k,
+                    "leases": len(local),
+                    "imbalance": imbalance(local, k),
+                    "leases_s3": len(s3),
+                    "imbalance_s3": imbalance(s3, k),
+                }
+            )
+    return out
+
+
 def main() -> None:
     args = parser.parse_args()
     started = datetime.datetime.now(datetime.timezone.utc)
     schema = rb.model_schema(args.model)
+    cuts = plans(schema, args.codecs)
+    print("| codec | K | leases | largest / (all / K) | with 5 MiB parts: leases | largest / (all / K) |")
+    print("|---|---|---|---|---|---|")
+    for c in cuts:
+        print(
+            f"| {c['codec']} | {c['k']} | {c['leases']} | {c['imbalance']:.3f} | {c['leases_s3']} | "
+            f"{c['imbalance_s3']:.3f} |",
+            flush=True,
+        )
     rows = [one_hub(codec, k, args, schema) for codec in args.codecs for k in args.reducers]
     lines = ["| codec | K | close (s), best | median | vs K=0 | same bits as K=0 |", "|---|---|---|---|---|---|"]
     for row in rows:
@@ -138,7 +186,7 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print("\n" + table)
-    rb.write_result("reducers", args, started, schema, rows=rows, table=table)
+    rb.write_result("reducers", args, started, schema, rows=rows, table=table, plans=cuts)
     if any("NO" in line for line in lines):
         raise SystemExit("a K ended on other bits than the hub alone")
 
