@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from syncserver.api import answers
 from syncserver.api.deps import Hub, authenticate_admin, authenticate_view
 from syncserver.api.schemas import Reducer, Renewed
-from syncserver.core.leases import Board
+from syncserver.core.leases import LEASE_POLL_MAX, Board
 from syncserver.errors import Conflict
 from syncserver.reduce.lease import Done, Job
 
@@ -28,7 +28,7 @@ ReducerName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Z
 class TakeLease(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reducer: ReducerName = Field(description="The reducer's name (host-pid): /metrics and status show it.")
-    wait: float = Field(20.0, ge=0, le=60, description="Seconds to wait for a lease (long poll).")
+    wait: float = Field(20.0, ge=0, le=LEASE_POLL_MAX, description="Seconds to wait for a lease (long poll).")
 
 
 class RenewLease(BaseModel):
@@ -49,7 +49,7 @@ def _board(hub: Hub) -> Board:
     responses={204: {"description": "No lease within the wait: ask again."}},
 )
 async def take_lease(body: TakeLease, hub: Hub) -> Job | Response:
-    job = await _board(hub).take(body.reducer, min(body.wait, hub.settings.long_poll_seconds * 3))
+    job = await _board(hub).take(body.reducer, body.wait)
     return job if job is not None else Response(status_code=204)
 
 

@@ -36,13 +36,15 @@ from syncserver.reduce.lease import Done, Job, jobs
 from syncserver.storage.store import UpdateKey
 from syncwire import Codec
 
-__all__ = ["Board", "LeaseFailed", "ReducerStats", "merge_leased"]
+__all__ = ["LEASE_POLL_MAX", "Board", "LeaseFailed", "ReducerStats", "merge_leased"]
 
 log = logging.getLogger(__name__)
 
 #: ids of leases gone (expired, or their round's merge ended) that are remembered, to answer a
 #: late report with 409 rather than 404
 GONE_KEPT = 4096
+#: the longest a reducer's request for a lease is held (its long poll), in seconds
+LEASE_POLL_MAX = 60.0
 
 
 class LeaseFailed(RuntimeError):
@@ -115,6 +117,7 @@ class Board:
             while not self._pending:
                 left = until - loop.time()
                 if left <= 0:
+                    self._seen(reducer)  # it was there all along
                     return None
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._offered.wait(), left)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from syncserver.core.leases import Board, ReducerStats
+from syncserver.core.leases import LEASE_POLL_MAX, Board, ReducerStats
 from syncserver.core.policy import PeerState
 from syncserver.core.state import Run
 from syncserver.errors import NotFound
@@ -123,9 +123,9 @@ class HubView:
         self.board: Board | None = None  # SYNC_REDUCERS: the merge leases (the coordinator's)
 
     def reducers(self) -> list[ReducerStats]:
-        """The reducers heard from in the last three lease lengths, by name (none without
-        SYNC_REDUCERS)."""
-        return self.board.live(3 * self.board.lease_seconds) if self.board is not None else []
+        """The reducers heard from in the last three lease lengths and a long poll, by name
+        (none without SYNC_REDUCERS)."""
+        return self.board.live(3 * self.board.lease_seconds + LEASE_POLL_MAX) if self.board is not None else []
 
     # ---- events (from the coordinator) -------------------------------------------------
     def changed(self, run: Run | None = None) -> None:
