@@ -347,10 +347,11 @@ def test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it(
         results: list[dict[str, str]] = []
         peers.start()
         wait_for(lambda: any(r.fault == "cut" for r in proxy.matching("/done")), "a lease's report to be cut")
+        rescuer = _reducer(hub.url, ADMIN, tmp_path / "rescuer.log")
+        wait_for(lambda: f"{_host()}-{rescuer.pid}" in _reducers(hub), "the second reducer to ask for a lease")
         doomed.kill()
         doomed.wait()
         late = next(r for r in proxy.matching("/done") if r.fault == "cut")
-        rescuer = _reducer(hub.url, ADMIN, tmp_path / "rescuer.log")
         try:
             peers.join(120)
             assert results == [expected]
@@ -365,6 +366,17 @@ def test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it(
     r = httpx.post(f"{hub.url}{late.target}", json=report, headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 409 and r.json()["error"] == "lease_lost", r.text
     assert _train_digest(hub) == expected["model"]  # nothing changed
+
+
+def test_with_no_reducer_left_the_hub_works_the_leases_itself(hub_factory: Callable[..., Hub]) -> None:
+    """`--local-reducers 0` and no `syncserver reduce`: after a lease length with nobody asking,
+    the hub works each lease itself (the same function, the same files): same bits."""
+    env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
+    expected = _train(hub_factory(env=env).url, "barrier", rounds=2)
+    hub = hub_factory("--reducers", "2", "--local-reducers", "0", "--reduce-lease-seconds", "0.5", env=env)
+    assert _train(hub.url, "barrier", rounds=2) == expected
+    assert "lease_worked_by_hub" in hub.log()
+    assert int(_reducers(hub)["hub"]["leases"]) >= 2  # type: ignore[call-overload]
 
 
 def _host() -> str:

@@ -5,7 +5,9 @@ With ``SYNC_REDUCERS`` set, a round's close opens its merge once (:meth:`MergeEn
 <syncserver.reduce.engine.MergeEngine.open_merge>`), cuts its slices into at most K spans
 (:func:`syncserver.reduce.lease.jobs`) and puts one lease per span on the board. Reducers
 long-poll for a lease (:meth:`Board.take`), renew it while they work (:meth:`Board.renew`) and
-report it (:meth:`Board.done`). A lease not renewed within ``SYNC_REDUCE_LEASE_SECONDS`` is
+report it (:meth:`Board.done`). With no reducer at all for a lease length (none asking, none
+holding a lease: all dead, or ``--local-reducers 0`` and none started), the hub works the
+leases on offer itself, through the same function. A lease not renewed within ``SYNC_REDUCE_LEASE_SECONDS`` is
 offered again under a new id, so a reducer that died mid-slice costs one lease length and
 its slices are redone, to the same bits, by another; the old id's report is refused
 (:class:`~syncserver.errors.LeaseLost`, 409) and changes nothing. Once every lease of the
@@ -32,7 +34,7 @@ from anyio import to_thread
 
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer
-from syncserver.reduce.lease import Done, Job, jobs
+from syncserver.reduce.lease import Done, Job, jobs, work
 from syncserver.storage.store import UpdateKey
 from syncwire import Codec
 
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 #: ids of leases gone (expired, or their round's merge ended) that are remembered, to answer a
 #: late report with 409 rather than 404
 GONE_KEPT = 4096
+#: the name under which the hub works a lease itself (no reducer for a lease length)
+HUB = "hub"
 #: the longest a reducer's request for a lease is held (its long poll), in seconds
 LEASE_POLL_MAX = 60.0
 
@@ -83,6 +87,7 @@ class _Merge:
     run: str
     round: int
     leases: list[_Lease] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
     failure: BaseException | None = None
 
 
@@ -96,11 +101,14 @@ class Board:
         self._gone: dict[str, None] = {}  # ids no longer valid (insertion-ordered, bounded)
         self._offered = asyncio.Condition()
         self._changed = asyncio.Event()  # a lease was done or failed: the merges look again
+        self._polling = 0  # reducers waiting for a lease right now
+        self._active = time.monotonic()  # when a reducer last asked, renewed or reported
         self.reducers: dict[str, ReducerStats] = {}
 
     # ---- the reducers' side --------------------------------------------------------------
     def _seen(self, reducer: str) -> ReducerStats:
         t = time.time()
+        self._active = time.monotonic()
         stats = self.reducers.get(reducer)
         if stats is None:
             stats = self.reducers[reducer] = ReducerStats(reducer, t, t)
@@ -113,15 +121,19 @@ class Board:
         self._seen(reducer)
         loop = asyncio.get_running_loop()
         until = loop.time() + wait
-        async with self._offered:
-            while not self._pending:
-                left = until - loop.time()
-                if left <= 0:
-                    self._seen(reducer)  # it was there all along
-                    return None
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._offered.wait(), left)
-            lease = self._pending.popleft()
+        self._polling += 1
+        try:
+            async with self._offered:
+                while not self._pending:
+                    left = until - loop.time()
+                    if left <= 0:
+                        self._seen(reducer)  # it was there all along
+                        return None
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._offered.wait(), left)
+                lease = self._pending.popleft()
+        finally:
+            self._polling -= 1
         stats = self._seen(reducer)
         lease.job = lease.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
         lease.holder, lease.taken = reducer, time.monotonic()
@@ -180,12 +192,12 @@ class Board:
             del self._gone[next(iter(self._gone))]
 
     # ---- the merge's side ----------------------------------------------------------------
-    async def run(self, run: str, round_: int, work: Sequence[Job]) -> None:
-        """Offer ``work`` and wait until every lease of it is done; an expired lease is offered
+    async def run(self, run: str, round_: int, offered: Sequence[Job]) -> None:
+        """Offer these leases and wait until every lease of it is done; an expired lease is offered
         again (first in line). Raises what a lease reported (:class:`NonFinite`, :class:`LeaseFailed`);
         either way, or cancelled, nothing of this merge stays on the board."""
         merge = _Merge(run, round_)
-        merge.leases = [_Lease(job.model_copy(update={"run": run}), merge) for job in work]
+        merge.leases = [_Lease(job.model_copy(update={"run": run}), merge) for job in offered]
         await self._offer(merge.leases)
         try:
             while merge.failure is None and not all(lease.done for lease in merge.leases):
@@ -196,7 +208,12 @@ class Board:
                     self._expire(lease)
                 if expired:
                     await self._offer(expired, first=True)
+                if self._deserted(merge, now):
+                    await self._work_here(merge)
+                    continue
                 deadlines = [x.deadline for x in self._held.values() if x.merge is merge]
+                if any(x.merge is merge for x in self._pending):  # when to give up on the reducers
+                    deadlines.append(max(self._active, merge.started) + self.lease_seconds)
                 timeout = max(0.01, min(deadlines) - now) if deadlines else None
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), timeout)
@@ -204,6 +221,45 @@ class Board:
                 raise merge.failure
         finally:
             self._withdraw(merge)
+
+    def _deserted(self, merge: _Merge, now: float) -> bool:
+        """No reducer for a lease length (none waiting, none holding a lease, none heard from)
+        while this merge has leases on offer: the hub works them itself."""
+        return (
+            any(x.merge is merge for x in self._pending)
+            and not self._polling
+            and not self._held
+            and now - max(self._active, merge.started) > self.lease_seconds
+        )
+
+    async def _work_here(self, merge: _Merge) -> None:
+        """Work the merge's next lease on offer in the hub, as a reducer would (the same function,
+        the same files): rounds go on when every reducer is dead or none was started."""
+        lease = next(x for x in self._pending if x.merge is merge)
+        self._pending.remove(lease)
+        job = lease.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
+        log.warning(
+            "lease_worked_by_hub run=%s round=%d slices=%d (no reducer for %.0f s)",
+            merge.run,
+            merge.round,
+            len(job.slices),
+            self.lease_seconds,
+        )
+        try:
+            report = await to_thread.run_sync(work, job, HUB)
+        except Exception as exc:
+            report = Done(reducer=HUB, seconds=0, bytes=0, error="failed", detail=repr(exc)[:2000])
+        stats = self.reducers.setdefault(HUB, ReducerStats(HUB, time.time(), time.time()))
+        stats.last_seen = time.time()
+        if report.error is None:
+            lease.done = True
+            stats.leases += 1
+            stats.seconds += report.seconds
+            stats.last_seconds = report.seconds
+            stats.bytes += report.bytes
+        elif merge.failure is None:
+            failure = NonFinite if report.error == "non_finite" else LeaseFailed
+            merge.failure = failure(f"{HUB}: {report.detail}")
 
     async def _offer(self, leases: list[_Lease], *, first: bool = False) -> None:
         async with self._offered:
@@ -281,8 +337,8 @@ async def merge_leased(
             unfolded=unfolded,
         )
         merge = await to_thread.run_sync(opened)
-        work = await to_thread.run_sync(jobs, merge, acc.schema, reducers)
-        await board.run(run, round_, work)
+        leases = await to_thread.run_sync(jobs, merge, acc.schema, reducers)
+        await board.run(run, round_, leases)
     except BaseException as exc:
         await to_thread.run_sync(files.__exit__, type(exc), exc, exc.__traceback__)
         raise
