@@ -29,7 +29,7 @@ __all__ = ["ReducerError", "Reducer"]
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 20.0  # the long poll for a lease
+POLL_SECONDS = 5.0  # the long poll for a lease: a hub stopping cleanly waits for it (uvicorn ends requests first)
 RETRY_SECONDS = 1.0  # between tries at a hub that does not answer
 
 
