@@ -16,9 +16,9 @@ import numpy as np
 
 from syncserver.storage.s3 import ObjectStore
 from syncwire import FormatError
-from syncwire.format import MAX_HEADER_BYTES, TensorInfo, parse_header
+from syncwire.format import MAX_HEADER_BYTES, TensorFile, TensorInfo, parse_header
 
-__all__ = ["ObjectTensorFile"]
+__all__ = ["ObjectTensorFile", "TensorReader"]
 
 _FIRST_READ = 64 << 10  # one GET takes the header of any model with up to ~500 tensors
 
@@ -75,3 +75,7 @@ class ObjectTensorFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: A safetensors file read a slice at a time: on the hub's disk, or an object of the store.
+TensorReader = TensorFile | ObjectTensorFile
