@@ -577,6 +577,15 @@ class _Digest:
         assert self._hashed == size, (self._hashed, size)
         return "sha-256=:" + base64.b64encode(self._hash.digest()).decode() + ":"
 
+    def hexdigest(self, content: Callable[[], Iterator[memoryview | bytes]], size: int) -> str:
+        """The sha-256 of the body ``content()`` gives, in hex: what went out was hashed on the
+        way, the rest (parts a resumed upload skipped) is read now."""
+        if self._hashed < size:
+            for _ in self.watch(content()):
+                pass
+        assert self._hashed == size, (self._hashed, size)
+        return self._hash.hexdigest()
+
 
 def _skip(chunks: Iterator[bytes | memoryview], n: int) -> Iterator[bytes | memoryview]:
     """The body from byte ``n`` on (views, no copies)."""
