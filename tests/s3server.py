@@ -33,12 +33,14 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from syncserver.storage.s3 import ObjectStore, StoreUnavailable
 from syncserver.storage.sigv4 import Credentials, presign
+from tests.faultproxy import FaultProxy
 
 __all__ = ["SeaweedFS", "seaweedfs"]
 
@@ -200,3 +202,11 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
     """One SeaweedFS per pytest process, started when a test first asks for it."""
     with SeaweedFS(tmp_path_factory.mktemp("seaweedfs")).start() as server:
         yield server
+
+
+@pytest.fixture
+def s3(seaweedfs: SeaweedFS) -> Iterator[FaultProxy]:
+    """The session's SeaweedFS behind a FaultProxy of this test's own (tests/faultproxy.py): it
+    records what the store was asked, and cuts, stalls or stops the store's link on demand."""
+    with FaultProxy(int(urlsplit(seaweedfs.endpoint).port or 0)) as proxy:
+        yield proxy
