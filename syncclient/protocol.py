@@ -204,7 +204,7 @@ class RunProtocol:
             except HubUnreachable as exc:
                 raise _StoreTrouble(f"no upload plan: {exc}") from exc
             except HubError as exc:
-                if exc.code == "store_unavailable":
+                if exc.code in ("store_unavailable", "no_store"):  # down; or a hub restarted without it
                     raise _StoreTrouble(exc.detail) from exc
                 raise
             got = plan.json()

@@ -13,7 +13,8 @@ exception handler, so every failure is ``{"error": code, "detail": reason, ...}`
     │   ├── StaleUpdate (409)     async: the update's base is more than max_staleness versions old
     │   ├── OffsetMismatch (409)  a resumed upload's Upload-Offset is past what the hub holds
     │   ├── Superseded (409)      a newer attempt at the same upload (a retry, a HEAD) took it over
-    │   └── UploadUnknown (409)   no upload into the object store is open under that key: presign again
+    │   ├── UploadUnknown (409)   no upload into the object store is open under that key: presign again
+    │   └── NoStore (409)         this hub has no object store: PUT the update
     ├── Gone (410)                a round result that was pruned: pull the model instead
     ├── PayloadTooLarge (413)
     └── Unavailable (503)         disk full or unwritable: nothing was changed
@@ -108,6 +109,12 @@ class UploadUnknown(Conflict):
     it): the peer asks ``/presign`` again and uploads afresh."""
 
     code = "upload_unknown"
+
+
+class NoStore(Conflict):
+    """An update offered to an object store that this hub does not have (``SYNC_STORE`` unset)."""
+
+    code = "no_store"
 
 
 class Gone(HubError):

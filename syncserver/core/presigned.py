@@ -33,6 +33,7 @@ Everything runs on the event loop; the store's requests and the check run in wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -47,7 +48,7 @@ from anyio import to_thread
 from syncserver.core.rounds import Acknowledgement, Rounds, Ticket
 from syncserver.core.state import Run
 from syncserver.errors import BadRequest, PayloadTooLarge, StoreDown, UploadUnknown
-from syncserver.reduce.check import UpdateRules, check_update
+from syncserver.reduce.check import Checked, UpdateRules, check_update
 from syncserver.storage.bucket import Bucket, update_name
 from syncserver.storage.s3 import ObjectMissing, StoreError, StoreRefused
 from syncwire import FormatError, TensorInfo
@@ -207,7 +208,12 @@ class PresignedUploads:
             run.shape.max_update_bytes,
             bool(run.config.norm_guard or run.codec.check_on_receipt),
         )
-        checked = await self._store(run, lambda: check_update(objects.stream(opened.name), rules, spool=self.scratch))
+
+        def check() -> Checked:  # one GET, closed as soon as the check stops reading
+            with contextlib.closing(objects.stream(opened.name)) as chunks:
+                return check_update(chunks, rules, spool=self.scratch)
+
+        checked = await self._store(run, check)
         if checked.digest != digest:
             raise BadRequest(f"body digest sha-256 {checked.digest} does not match the declared {digest}")
         ticket = Ticket(

@@ -44,7 +44,7 @@ import re
 import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 from urllib.parse import urlsplit
@@ -407,7 +407,7 @@ class ObjectStore:
         finally:
             response.close()
 
-    def stream(self, name: str) -> Iterator[bytes]:
+    def stream(self, name: str) -> Generator[bytes, None, None]:
         """The whole of ``name``, 1 MiB at a time, from one GET (a check reads an update once, in
         order, and keeps none of it). Nothing is requested before the first ``next``; closing the
         iterator early closes the answer. A body shorter than the store announced, or a link
