@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -315,7 +316,8 @@ def test_restart_deletes_objects_no_committed_record_names(
 
 def test_store_bytes_benchmark_runs(seaweedfs: SeaweedFS, tmp_path: Path) -> None:
     """bench/storebytes.py's smoke test, on this session's SeaweedFS: with a store the hub's link
-    carries one result per round (x model 1.00 in fp32), without it one per peer."""
+    carries one result per round out (x model 1.00 in fp32), without it one per peer; the updates
+    go to the bucket, and the hub reads them back (check and merge)."""
     command = [sys.executable, "bench/storebytes.py", "--peers", "2", "--codecs", "fp32", "--rounds", "1"]
     command += ["--params", "20000", "--bucket", seaweedfs.bucket, "--out", str(tmp_path)]
     done = subprocess.run(
@@ -325,7 +327,12 @@ def test_store_bytes_benchmark_runs(seaweedfs: SeaweedFS, tmp_path: Path) -> Non
     (row,) = [line for line in done.stdout.splitlines() if line.startswith("| fp32 | 2 |")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[4] == "1.00" and cells[6] == "2.00", done.stdout
-    assert len(list(tmp_path.glob("storebytes-*.json"))) == 1
+    # bytes in: the two updates through the hub without a store; with one, the peers put them in
+    # the bucket and the hub read each back twice (its check, then its merge)
+    (saved,) = tmp_path.glob("storebytes-*.json")
+    (got,) = json.loads(saved.read_text())["rows"]
+    assert got["peers_to_store_mb"] == got["hub_in_mb_no_store"] > 0, got
+    assert got["hub_in_mb_store"] >= 2 * got["peers_to_store_mb"], got
 
 
 def test_hub_killed_between_a_results_upload_and_its_commit(
