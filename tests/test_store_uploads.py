@@ -98,7 +98,9 @@ def test_each_lie_is_refused_with_its_reason_and_nothing_recorded(
     hub = store_hub(hub_factory, seaweedfs, s3, "lies")
     bucket = seaweedfs.store("lies")
     good = body()
-    with one_peer(hub):
+    peers = Peers(hub.url, "r", ["p", "q"], model=linear, token=TOKEN, min_peers=2)  # q keeps round 0 open
+    peers.join()
+    with contextlib.closing(peers):
         refusals = [
             (presign(hub, "k" * 16, 10**9), 413, "payload_too_large"),
             (presign(hub, "k" * 16, len(good), round_=3), 409, "conflict"),  # not the open round
@@ -143,12 +145,17 @@ def test_each_lie_is_refused_with_its_reason_and_nothing_recorded(
         assert ack.status_code == 200 and ack.json()["bytes"] == len(good) and not ack.json()["repeat"], ack.text
         repeat = uploaded(hub, "the-true-update1", good, etags)  # a retry whose answer was lost
         assert repeat.status_code == 200 and repeat.json()["repeat"] and repeat.json()["seq"] == ack.json()["seq"]
+        # once acknowledged, its object is never handed out again (checked bytes stay checked)
+        again = presign(hub, "the-true-update1", len(good))
+        assert again.status_code == 409 and "already has an update acknowledged" in again.json()["detail"], again.text
+        assert presign(hub, "another-key-xxxx", len(good)).status_code == 409
         assert bucket.head(plan["object"]) is not None
         samples = scrape(hub, TOKEN)
         assert metric(samples, "weightsync_upload_bytes_total", run="r", via="store") == len(good)
         assert metric(samples, "weightsync_upload_bytes_total", run="r", via="hub") == 0
         rejected = {k[1]: v for k, v in samples.items() if k[0] == "weightsync_updates_rejected_total"}
-        assert sum(rejected.values()) >= len(lies) + len(refusals)
+        assert sum(rejected.values()) >= len(lies) + len(refusals) + 2
+        peers.clients["q"].leave()  # round 0 closes with p's update alone
         wait_for(lambda: httpx.get(f"{hub.url}/v1/runs/r", headers=AUTH).json()["version"] == 1, "round 0 closed")
     # the round merged the object (the hub's own file of it does not exist): v1 = v0 + the update
     start = {k: v.detach().numpy() for k, v in linear().state_dict().items()}

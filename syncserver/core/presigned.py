@@ -3,9 +3,11 @@ part URLs the hub hands out for exactly one key.
 
 The flow (routes: ``POST .../updates/{peer}/presign`` and ``.../uploaded``)::
 
-    presign(key, size)  -> the round takes it? the size under the run's limit? then a multipart
-                           upload of one object, a presigned PUT per part (asked again for the
-                           same key: the same upload, URLs for the parts the store lacks)
+    presign(key, size)  -> the round takes it? no update of this peer's acknowledged for it
+                           (its object is never written again)? the size under the run's
+                           limit? then a multipart upload of one object, a presigned PUT per
+                           part (asked again for the same key: the same upload, URLs for the
+                           parts the store lacks)
     the peer PUTs the parts to the store (the hub sees none of those bytes)
     uploaded(key, size, digest, etags)
                         -> the store holds every part with the ETag the peer says; complete
@@ -47,7 +49,7 @@ from anyio import to_thread
 
 from syncserver.core.rounds import Acknowledgement, Rounds, Ticket
 from syncserver.core.state import Run
-from syncserver.errors import BadRequest, PayloadTooLarge, StoreDown, UploadUnknown
+from syncserver.errors import BadRequest, Conflict, PayloadTooLarge, StoreDown, UploadUnknown
 from syncserver.reduce.check import Checked, UpdateRules, check_update
 from syncserver.storage.bucket import Bucket, update_name
 from syncserver.storage.s3 import ObjectMissing, StoreError, StoreRefused
@@ -127,6 +129,12 @@ class PresignedUploads:
         """URLs to upload an update of ``size`` bytes computed from version ``round_`` (named by
         the peer's ``key``). Every refusal comes before any URL is made."""
         await self.rounds.check_open(run, round_)
+        if self.rounds.store.update_from(run.name, peer, round_) is not None:
+            # its object must never be written again: a second upload under a name a record
+            # holds would replace checked bytes with unchecked ones before any check could refuse
+            raise Conflict(
+                f"peer {peer!r} already has an update acknowledged for round {round_}", current_version=run.version
+            )
         assert run.shape is not None
         if size > run.shape.max_update_bytes:
             raise PayloadTooLarge(f"body of {size} bytes is over the {run.shape.max_update_bytes}-byte limit")
@@ -185,6 +193,7 @@ class PresignedUploads:
     async def _settle(self, run: Run, opened: _Open, peer: str, report: UploadReport) -> Acknowledgement:
         objects = self.bucket.objects
         size, digest, etags = report.size, report.digest, report.etags
+        seconds = time.monotonic() - opened.began  # the upload phase: from the plan to the report
         if size != opened.size:
             raise BadRequest(f"the upload was presigned for {opened.size} bytes, not {size}")
         if sorted(etags) != list(range(1, opened.parts + 1)):
@@ -219,7 +228,6 @@ class PresignedUploads:
         ticket = Ticket(
             run.name, opened.round, peer, digest, report.samples, report.metrics, size, _no_body, final=report.final
         )
-        seconds = time.monotonic() - opened.began
         return await self.rounds.commit_object(run, ticket, opened.name, checked.nbytes, seconds, checked.norm)
 
     async def _drop(self, run: Run, opened: _Open) -> None:
