@@ -21,8 +21,7 @@ into arrays, a cut transfer resumed with ``Range``), given the presigned URL by 
 A hub's ``307`` to its object store is followed there too, by its own token-free client.
 
 The transport must carry no bearer token: the hub's token must never reach a bucket (and S3
-refuses a request signed twice): ``Transport("", run=..., token=None, verify=..., timeout=...,
-retry_seconds=...)``, with the hub transport's settings.
+refuses a request signed twice): ``hub_transport.without_token(retry_seconds)``.
 """
 
 from __future__ import annotations

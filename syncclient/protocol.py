@@ -243,15 +243,7 @@ class RunProtocol:
     def _store_transport(self) -> Transport:
         """The SDK's retries and errors for presigned URLs, without the hub's token."""
         if self._store is None:
-            t = self.transport
-            self._store = Transport(
-                "",
-                run=self.run,
-                token=None,
-                verify=t._verify,
-                timeout=t.http.timeout.read or 60.0,
-                retry_seconds=min(t.retry_seconds, STORE_RETRY_SECONDS),
-            )
+            self._store = self.transport.without_token(min(self.transport.retry_seconds, STORE_RETRY_SECONDS))
         return self._store
 
     def result(

@@ -164,6 +164,12 @@ class Transport:
         if self._store_http is not None:
             self._store_http.close()
 
+    def without_token(self, retry_seconds: float) -> Transport:
+        """A transport with this one's TLS settings and timeout and no token, for presigned
+        URLs (:mod:`syncclient.objects`): a bucket must never see the hub's token."""
+        read = self.http.timeout.read or 60.0
+        return Transport("", run=self.run, token=None, verify=self._verify, timeout=read, retry_seconds=retry_seconds)
+
     def call(
         self,
         method: str,
