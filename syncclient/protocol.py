@@ -39,8 +39,9 @@ Parts = list[tuple[str, np.ndarray, str]]  # (wire name, array, safetensors dtyp
 
 
 #: How long a part's PUT is retried before the round's update goes to the hub instead: a store
-#: that is down should cost a round half a minute, not the hub's whole retry budget.
-STORE_RETRY_SECONDS = 30.0
+#: that is down (or an endpoint only the hub reaches) should cost a round seconds, not the hub's
+#: whole retry budget; a download from the store falls back at once.
+STORE_RETRY_SECONDS = 10.0
 
 
 class _StoreTrouble(Exception):
