@@ -392,19 +392,24 @@ class Peers:
         self._collect()
 
     def _collect(self) -> list[Any]:
-        results = []
-        for rank, conn in enumerate(self.conns):
-            status, value = conn.recv()
-            if status != "ok":
-                raise RuntimeError(f"peer {rank} failed:\n{value}")
-            results.append(value)
-        return results
+        return [self._answer(rank) for rank in range(len(self.conns))]
+
+    def _answer(self, rank: int) -> Any:
+        status, value = self.conns[rank].recv()
+        if status != "ok":
+            raise RuntimeError(f"peer {rank} failed:\n{value}")
+        return value
 
     def all(self, command: str, each: Any = None, **kwargs: Any) -> list[Any]:
         """Run ``command`` on every peer at once; ``each(rank)`` adds per-peer arguments."""
         for rank, conn in enumerate(self.conns):
             conn.send((command, {**kwargs, **(each(rank) if each else {})}))
         return self._collect()
+
+    def one(self, rank: int, command: str, **kwargs: Any) -> Any:
+        """Run ``command`` on peer ``rank`` alone."""
+        self.conns[rank].send((command, kwargs))
+        return self._answer(rank)
 
     def close(self, wait: float = 30) -> None:
         """Ask every peer to exit; kill those still there after ``wait`` seconds each."""

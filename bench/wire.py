@@ -56,7 +56,10 @@ then complete), then all GET one object of the result's size through a presigned
 (``syncclient.objects.download``): the store alone on the same links, with the byte counts of the
 local-disk hub's best round of the same case (its headers may differ by a few bytes). Per row:
 **hub link** bytes per round (the hub namespace's ``eth0`` counters, both ways, round by round) as
-a share of the fp32 model, and the hub's ``Cpus_allowed_list``. ``--reducers K`` starts K
+a share of the fp32 model, and the hub's ``Cpus_allowed_list``. The bit-for-bit check compares the
+peers with the version a store hub *serves* (peer 0 fetches it after the round, its 307 to the
+bucket followed, after the counters are read): with a store, the version need not be a file of
+the hub's. ``--reducers K`` starts K
 ``syncserver reduce --hub URL`` workers for the store hub in a namespace of their own on a
 ``--reducer-link`` link, with the store's variables; where the installed ``syncserver`` has no
 ``reduce`` command (issue 24 part R not merged) it says so, records the reason and runs without.
@@ -77,6 +80,7 @@ import argparse
 import contextlib
 import ctypes
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -311,6 +315,28 @@ class StorePeer(rb.Peer):
     """bench/round.py's peer, which can also time the object store alone (:func:`store_ceiling`):
     the harness's keys open and complete a multipart upload, as the hub does for a peer; the
     bytes go as a peer's do, through presigned URLs and the SDK's own functions, no credential."""
+
+    def hub_version(self, url: str, run: str) -> tuple[int, str]:
+        """The hub's latest version of ``run`` as it serves it, its 307 to the object store
+        followed: its number and the sha-256 of its data section (what the peers' digests hash).
+        A store hub's version need not be a file of the hub's (reducers write it to the bucket)."""
+        import httpx
+
+        h, length, start, position = hashlib.sha256(), bytearray(), None, 0
+        with (
+            httpx.Client(timeout=600, follow_redirects=True) as http,
+            http.stream("GET", f"{url}/v1/runs/{run}/model") as r,
+        ):
+            r.raise_for_status()
+            version = int((r.history[0] if r.history else r).headers["x-sync-version"])
+            for chunk in r.iter_bytes(1 << 20):
+                if start is None:  # the header's 8-byte length, then the header, then the data
+                    length += chunk[: 8 - len(length)]
+                    start = 8 + int.from_bytes(length, "little") if len(length) == 8 else None
+                if start is not None and position + len(chunk) > start:
+                    h.update(chunk[max(0, start - position) :])
+                position += len(chunk)
+        return version, h.hexdigest()
 
     def ceiling_setup(self, store: str, env: dict[str, str], up: int, down: int) -> None:
         """Ready an upload of ``up`` bytes (rank 0 also puts the ``down``-byte object all will GET)."""
@@ -725,10 +751,13 @@ def sync_round(
     with hub.server.watch(rss):
         go = rb._now() + 0.5
         results = peers.all("sync", go=go)
-    hub_digest = rb.file_digest(wait_version(hub.data_dir, run, version + 1))
-    after = net.hub_bytes()
+    after = net.hub_bytes()  # before a check that may read through the hub's link
+    if hub.kind == "disk":
+        hub_version, hub_digest = version + 1, rb.file_digest(wait_version(hub.data_dir, run, version + 1))
+    else:
+        hub_version, hub_digest = peers.one(0, "hub_version", url=hub.server.url, run=run)
     digests = {r["digest"] for r in results}
-    if digests != {hub_digest} or {r["version"] for r in results} != {version + 1}:
+    if digests != {hub_digest} or {r["version"] for r in results} | {hub_version} != {version + 1}:
         raise AssertionError(f"v{version + 1}: peers and hub disagree: {digests} vs {hub_digest}")
     if any(r["caught_up"] for r in results):
         raise AssertionError(f"v{version + 1}: a peer was dropped from the round")
