@@ -214,7 +214,7 @@ def cpu_list(spec: str) -> set[int]:
     for part in spec.split(","):
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
         if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
-            raise SystemExit(f"CPU list {spec!r}: want e.g. 0-1 or 2,4-7")
+            raise ValueError(f"CPU list {spec!r}: want e.g. 0-1 or 2,4-7")
         cpus.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
     return cpus
 
@@ -933,11 +933,16 @@ def main() -> None:
     links = [Link.parse(spec) for spec in args.links]
     if (args.reducers or args.store_link != "10gbit") and not args.store:
         parser.error("--reducers and --store-link go with --store")
-    for rate in (args.store_link, args.reducer_link):
-        rate_bits(rate)
-    for spec in (args.hub_cpus, args.rest_cpus):
-        if spec is not None:
-            cpu_list(spec)
+    if args.reducers < 0:
+        parser.error(f"--reducers {args.reducers}: want 0 or more")
+    try:
+        for rate in (args.store_link, args.reducer_link):
+            rate_bits(rate)
+        for spec in (args.hub_cpus, args.rest_cpus):
+            if spec is not None:
+                cpu_list(spec)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        parser.error(str(exc))
     started = datetime.datetime.now(datetime.timezone.utc)
     schema = rb.model_schema(args.model)
     model_bytes = sum(math.prod(s) * 4 for s in schema.values())

@@ -201,6 +201,23 @@ def test_wire_benchmark_shapes_links_and_leaves_no_namespace(tmp_path: Path, net
     assert _namespaces(netns_prefix) == []
 
 
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["--reducers", "2"], "--reducers and --store-link go with --store"),
+        (["--store", "--reducers", "-1"], "--reducers -1: want 0 or more"),
+        (["--store", "--store-link", "fast"], "rate 'fast': want e.g. 100mbit or 1gbit"),
+        (["--hub-cpus", "1-0"], "CPU list '1-0': want e.g. 0-1 or 2,4-7"),
+    ],
+)
+def test_wire_benchmark_refuses_bad_settings_in_one_line(args: list[str], reason: str) -> None:
+    """A setting it cannot use: exit 2 with the reason, before any namespace (no root needed)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "wire.py"), *args], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(reason), proc.stderr
+
+
 def test_wire_benchmark_removes_its_namespaces_when_terminated(tmp_path: Path, netns_prefix: str) -> None:
     """SIGTERM while it sets up or runs: its ``finally`` still deletes every namespace it made."""
     command = [sys.executable, str(REPO / "bench" / "wire.py"), "--model", "tiny", "--peers", "2", "--codecs",
