@@ -219,19 +219,9 @@ def cpu_list(spec: str) -> set[int]:
     return cpus
 
 
-def in_ns(ns: str, cpus: str | None, *command: str, env: dict[str, str] | None = None) -> list[str]:
-    """``command`` in namespace ``ns``, on ``cpus`` (``taskset -c``; None: anywhere), with ``env``
-    added to the environment."""
-    pairs = [f"{key}={value}" for key, value in (env or {}).items()]
-    return [
-        "ip",
-        "netns",
-        "exec",
-        ns,
-        *(["env", *pairs] if pairs else []),
-        *(["taskset", "-c", cpus] if cpus else []),
-        *command,
-    ]
+def in_ns(ns: str, cpus: str | None, *command: str) -> list[str]:
+    """``command`` in namespace ``ns``, on ``cpus`` (``taskset -c``; None: anywhere)."""
+    return ["ip", "netns", "exec", ns, *(["taskset", "-c", cpus] if cpus else []), *command]
 
 
 class Net:
@@ -591,9 +581,13 @@ def start_reducers(
     assert net.reducers is not None
     procs = []
     for i in range(k):
-        command = in_ns(net.reducers, cpus, sys.executable, "-m", "syncserver", "reduce", "--hub", url, env=env)
+        command = in_ns(net.reducers, cpus, sys.executable, "-m", "syncserver", "reduce", "--hub", url)
         with (work / f"reducer-{i}.log").open("wb") as log:
-            procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=BENCH.parent))
+            procs.append(
+                subprocess.Popen(
+                    command, stdout=log, stderr=subprocess.STDOUT, cwd=BENCH.parent, env={**os.environ, **env}
+                )
+            )
     return procs
 
 
@@ -643,7 +637,7 @@ def run_case(
     """Join N peers to a run of ``case.codec`` on ``hub`` over unshaped links, run the warmup
     rounds there, then time the rounds on each link shape. A store hub's ceiling is measured
     on each link before its rounds, for the byte counts ``sizes[str(link)]`` (the disk hub's
-    rows of the same case), or of its own first round where there are none."""
+    rows of the same case), or where there are none after them, for its own fastest round's."""
     net, codec, model_bytes = case.net, case.codec, case.model_bytes
     run = f"wire-{codec}"
     joined = peers.all("join", url=hub.server.url, run=run, codec=codec, world=case.n)
