@@ -28,6 +28,8 @@ BUDGETS: dict[str, float] = {
     "tests/test_bench_smoke.py::test_hooks_benchmark_times_hooked_and_plain_steps": 9,
     "tests/test_bench_smoke.py::test_round_benchmark_runs_and_writes_every_row": 12,
     "tests/test_bench_smoke.py::test_unequal_benchmark_runs_every_policy": 35,  # 3 policies, 6 peers
+    # root only: namespaces, 2 peers, today's hub and a --store hub, SeaweedFS in its namespace (~4 s)
+    "tests/test_bench_smoke.py::test_wire_benchmark_shapes_links_and_leaves_no_namespace": 16,
     "tests/test_finetune.py::test_a_samples_run_trains_until_the_run_has_seen_its_epochs": 33,
     "tests/test_finetune.py::test_serial_baseline": 11,
     "tests/test_finetune.py::test_two_local_peers_end_identical_and_learn": 16,
