@@ -47,6 +47,9 @@ class ObjectTensorFile:
             raise FormatError(f"{name}: {size} bytes, the header alone claims {8 + n}")
         if len(head) < 8 + n:
             head += bytes(objects.read(name, len(head), 8 + n))
+        # what the first GET brought stays: a small object (a tiny model's update) is then read
+        # by one request instead of one per slice, whose headers outweighed its bytes
+        self._held = head
         self.infos: dict[str, TensorInfo]
         self.infos, self.metadata, data = parse_header(head[: 8 + n])
         self._base = 8 + n
@@ -62,7 +65,10 @@ class ObjectTensorFile:
             raise IndexError(f"{name}: values [{start}, {stop}) of {count}")
         dtype = np.dtype(info.numpy_dtype)
         first = self._base + info.start + start * dtype.itemsize
-        raw = self.objects.read(self.name, first, first + (stop - start) * dtype.itemsize)
+        end = first + (stop - start) * dtype.itemsize
+        if end <= len(self._held):
+            return np.frombuffer(bytearray(self._held[first:end]), dtype)
+        raw = self.objects.read(self.name, first, end)
         if len(raw) != (stop - start) * dtype.itemsize:
             raise FormatError(f"{self.name}: ends inside tensor {name!r}")
         return np.frombuffer(raw, dtype)  # a bytearray: the array is writable
