@@ -55,7 +55,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -210,14 +210,19 @@ class Peer:
         return {"version": info.version, "rank": info.rank, "digest": _digest(self.view)}
 
     def _on_request(self, request: Any) -> None:
-        if request.method == "PUT" and "/updates/" in request.url.path:
+        # an update goes up by PUT to the hub, or (a hub with an object store) to presigned URLs
+        # the hub hands out at .../presign: either request to the hub starts the upload
+        path = request.url.path
+        if "/updates/" in path and (request.method == "PUT" or path.endswith("/presign")):
             self.marks.setdefault("put", _now())
 
     def _on_response(self, response: Any) -> None:
-        path = response.request.url.path
-        if response.request.method == "PUT" and "/updates/" in path:
+        # acknowledged: the PUT's answer, or the answer to .../uploaded (the object is checked);
+        # the result: the hub's 200 with its body, or its 307 to the object store's copy
+        path, method = response.request.url.path, response.request.method
+        if "/updates/" in path and (method == "PUT" or path.endswith("/uploaded")):
             self.marks["ack"] = _now()
-        elif path.endswith("/result") and response.status_code == 200:
+        elif path.endswith("/result") and response.status_code in (200, 307):
             self.marks.setdefault("result", _now())
 
     def perturb(self, round_: int) -> None:
@@ -337,8 +342,9 @@ class Peer:
         return {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def peer_main(rank: int, conn: Any, schema: dict[str, tuple[int, ...]]) -> None:
-    """A peer process: build the model, then run the benchmark's commands until told to stop."""
+def peer_main(rank: int, conn: Any, schema: dict[str, tuple[int, ...]], kind: type[Peer] = Peer) -> None:
+    """A peer process: build the model, then run the benchmark's commands until told to stop
+    (``kind``: a :class:`Peer` with more commands, bench/wire.py's)."""
     import logging
 
     import torch
@@ -346,7 +352,7 @@ def peer_main(rank: int, conn: Any, schema: dict[str, tuple[int, ...]]) -> None:
     torch.set_num_threads(1)  # N peers share 2 cores: one thread each, no oversubscription
     logging.basicConfig(level=logging.WARNING)
     try:
-        peer = Peer(rank, schema)
+        peer = kind(rank, schema)
         conn.send(("ok", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -386,19 +392,24 @@ class Peers:
         self._collect()
 
     def _collect(self) -> list[Any]:
-        results = []
-        for rank, conn in enumerate(self.conns):
-            status, value = conn.recv()
-            if status != "ok":
-                raise RuntimeError(f"peer {rank} failed:\n{value}")
-            results.append(value)
-        return results
+        return [self._answer(rank) for rank in range(len(self.conns))]
+
+    def _answer(self, rank: int) -> Any:
+        status, value = self.conns[rank].recv()
+        if status != "ok":
+            raise RuntimeError(f"peer {rank} failed:\n{value}")
+        return value
 
     def all(self, command: str, each: Any = None, **kwargs: Any) -> list[Any]:
         """Run ``command`` on every peer at once; ``each(rank)`` adds per-peer arguments."""
         for rank, conn in enumerate(self.conns):
             conn.send((command, {**kwargs, **(each(rank) if each else {})}))
         return self._collect()
+
+    def one(self, rank: int, command: str, **kwargs: Any) -> Any:
+        """Run ``command`` on peer ``rank`` alone."""
+        self.conns[rank].send((command, kwargs))
+        return self._answer(rank)
 
     def close(self, wait: float = 30) -> None:
         """Ask every peer to exit; kill those still there after ``wait`` seconds each."""
@@ -415,9 +426,12 @@ class Server:
     """A server process on a port the OS picks (:class:`syncserver.process.ServerProcess`),
     with its peak RSS watched."""
 
-    def __init__(self, args: list[str], log: Path, prefix: Sequence[str] = ()) -> None:
-        """``prefix``: a command that runs the Python one (bench/wire.py: ``ip netns exec NS``)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+    def __init__(
+        self, args: list[str], log: Path, prefix: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> None:
+        """``prefix``: a command that runs the Python one (bench/wire.py: ``ip netns exec NS``);
+        ``env``: variables added to this process's, less its ``SYNC_*`` (the store's ``AWS_*``)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")} | dict(env or {})
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(BENCH), env.get("PYTHONPATH", "")])
         self.server = ServerProcess([*prefix, sys.executable, *args], log=log, env=env, cwd=REPO)
         self.url = self.server.start()

@@ -1,4 +1,4 @@
-"""Bytes out of the hub per round, with and without an object store: ``python bench/storebytes.py``.
+"""Bytes out of and into the hub per round, with and without an object store: ``python bench/storebytes.py``.
 
     python bench/storebytes.py                          # 2 and 4 peers, fp32 and int8, 3 rounds
     python bench/storebytes.py --peers 2 --codecs fp32 --rounds 1 --params 20000   # the smoke test
@@ -9,8 +9,12 @@ variables name), then for every case a hub without a store and a hub with
 model (a stack of float32 matrices, ``--params`` parameters), and ``--rounds`` barrier rounds of
 seeded perturbations. The hub's own bytes out are read from its ``/metrics``: result and model
 bytes it served itself (``weightsync_download_bytes_total{via="hub"}``) plus what it uploaded to
-the bucket (``weightsync_store_upload_bytes_total``); per round is the difference between after
-the join and after the rounds, divided by the rounds (version 0 at the join is not counted).
+the bucket (``weightsync_store_upload_bytes_total``); its bytes in: the updates peers PUT to it
+(``weightsync_upload_bytes_total{via="hub"}``) plus what it read from the bucket
+(``weightsync_store_read_bytes_total``: with a store, each update once to check it and again to
+merge it), against the updates peers put in the bucket (``...{via="store"}``). Per round is the
+difference between after the join and after the rounds, divided by the rounds (version 0 at the
+join is not counted).
 These are counts, not times: the machine's load does not change them. Every peer must end on
 the hub's last version (sha-256), and with 2 peers the two hubs on the same bits.
 
@@ -66,15 +70,19 @@ def digest(m: torch.nn.Module) -> str:
 
 def scrape(url: str, run: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=30).raise_for_status().text
-    found = {"hub": 0.0, "store": 0.0, "uploaded": 0.0}
+    found = {"hub": 0.0, "store": 0.0, "uploaded": 0.0, "in_hub": 0.0, "in_store": 0.0, "read": 0.0}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            if s.name == "weightsync_store_read_bytes_total":  # the hub's, not a run's: one case at a time
+                found["read"] += s.value
             if s.labels.get("run") != run:
                 continue
             if s.name == "weightsync_download_bytes_total":
                 found[s.labels["via"]] += s.value
             elif s.name == "weightsync_store_upload_bytes_total":
                 found["uploaded"] += s.value
+            elif s.name == "weightsync_upload_bytes_total":
+                found[f"in_{s.labels['via']}"] += s.value
     return found
 
 
@@ -121,6 +129,8 @@ def one_case(url: str, n: int, codec: str, rounds: int, params: int) -> dict[str
         "hub_out": out["hub"] + out["uploaded"],
         "peers_from_store": out["store"],
         "peers_from_hub": out["hub"],
+        "hub_in": out["in_hub"] + out["read"],
+        "peers_to_store": out["in_store"],
         "model_bytes": 4 * sum(p.numel() for p in models[0].parameters()),
     }
 
@@ -175,6 +185,9 @@ def main() -> None:
                     "peers_from_store_mb": got["store"]["peers_from_store"] / 1e6,
                     "peers_from_hub_mb_with_store": got["store"]["peers_from_hub"] / 1e6,
                     "ratio": got["hub"]["hub_out"] / got["store"]["hub_out"],
+                    "hub_in_mb_no_store": got["hub"]["hub_in"] / 1e6,
+                    "hub_in_mb_store": got["store"]["hub_in"] / 1e6,
+                    "peers_to_store_mb": got["store"]["peers_to_store"] / 1e6,
                     "same_bits": same,
                     "max_abs_diff": max(
                         float(abs(got["hub"]["weights"][k] - got["store"]["weights"][k]).max())
@@ -184,12 +197,16 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(f"\nper round, {args.rounds} rounds, a {rows[0]['model_mb']:.2f} MB fp32 model\n")
-    print("| codec | peers | hub out, no store (MB) | hub out, store (MB) | x model | peers from store (MB) | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| codec | peers | hub out, no store (MB) | hub out, store (MB) | x model | peers from store (MB) | ratio "
+        "| hub in, no store (MB) | hub in, store (MB) | peers to store (MB) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['codec']} | {r['peers']} | {r['hub_out_mb_no_store']:.2f} | {r['hub_out_mb_store']:.2f} | "
-            f"{r['hub_out_mb_store'] / r['model_mb']:.2f} | {r['peers_from_store_mb']:.2f} | {r['ratio']:.2f} |"
+            f"{r['hub_out_mb_store'] / r['model_mb']:.2f} | {r['peers_from_store_mb']:.2f} | {r['ratio']:.2f} | "
+            f"{r['hub_in_mb_no_store']:.2f} | {r['hub_in_mb_store']:.2f} | {r['peers_to_store_mb']:.2f} |"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")

@@ -469,6 +469,7 @@ class SyncClient:
             self._progress = None
         atexit.unregister(self._exit)
         self._transport.close()
+        self._protocol.close()
 
     def __enter__(self) -> SyncClient:
         return self

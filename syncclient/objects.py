@@ -1,8 +1,10 @@
 """Uploads straight to an object store, through the presigned URLs a hub hands out.
 
-In progress: no hub hands these out yet (docs/object-store.md). A presigned URL is plain HTTPS
-that carries its own short-lived signature for one key (and, for a multipart upload, one part
-number of one upload), so a peer needs no S3 library and holds no bucket credential.
+A hub with an object store (``SYNC_STORE``) says ``uploads: store`` when a peer starts, and
+the SDK then sends its updates there (:class:`~syncclient.protocol.RunProtocol`). A presigned
+URL is plain HTTPS that carries its own short-lived signature for one key (and, for a multipart
+upload, one part number of one upload), so a peer needs no S3 library and holds no bucket
+credential.
 
 A body goes up in parts (:class:`PartedUpload`: part ``n`` is bytes ``[(n-1)*part_size,
 n*part_size)``), each PUT with its ``Content-Length`` (S3 takes no chunked body) and retried as
@@ -19,8 +21,7 @@ into arrays, a cut transfer resumed with ``Range``), given the presigned URL by 
 A hub's ``307`` to its object store is followed there too, by its own token-free client.
 
 The transport must carry no bearer token: the hub's token must never reach a bucket (and S3
-refuses a request signed twice): ``Transport("", run=..., token=None, verify=..., timeout=...,
-retry_seconds=...)``, with the hub transport's settings.
+refuses a request signed twice): ``hub_transport.without_token(retry_seconds)``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class PartedUpload:
 
     ``urls``: part number (1-based) -> the presigned URL the hub gave for it (renewed ones
     replace expired ones). ``etags``: part number -> the ETag the store answered, for the parts
-    it acknowledged: what the hub completes the upload with, and what a resume skips.
+    it acknowledged: what the hub completes the upload with, and what a resume skips (a part
+    with its ETag needs no URL).
     """
 
     size: int
@@ -60,7 +62,7 @@ class PartedUpload:
         if self.size < 0 or self.part_size <= 0:
             raise ValueError(f"bad sizes: size {self.size}, part_size {self.part_size}")
         expected = list(range(1, self.count + 1))
-        if sorted(self.urls) != expected:
+        if sorted(set(self.urls) | set(self.etags)) != expected:
             raise ValueError(
                 f"a body of {self.size} bytes in parts of {self.part_size} needs URLs for parts {expected}"
             )

@@ -17,22 +17,35 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from syncclient.exceptions import ConflictError, HubError, RoundClosed, StaleUpdate, SyncError
+from syncclient.exceptions import ConflictError, HubError, HubUnreachable, RoundClosed, StaleUpdate, SyncError
+from syncclient.objects import PartedUpload, upload_parts
 from syncclient.state import EncodedUpdate, UpdateState
-from syncclient.transport import Download, Transport, body_size
+from syncclient.transport import Download, Transport, _Digest, body_size
+from syncwire import iter_chunks
 
 __all__ = ["Outcome", "RunProtocol"]
 
 log = logging.getLogger(__name__)
 
 Parts = list[tuple[str, np.ndarray, str]]  # (wire name, array, safetensors dtype), in order
+
+
+#: How long a part's PUT is retried before the round's update goes to the hub instead: a store
+#: that is down (or an endpoint only the hub reaches) should cost a round seconds, not the hub's
+#: whole retry budget; a download from the store falls back at once.
+STORE_RETRY_SECONDS = 10.0
+
+
+class _StoreTrouble(Exception):
+    """The object store path failed: the update goes to the hub by PUT instead."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,8 @@ class RunProtocol:
     def __init__(self, transport: Transport, *, run: str, peer: str, poll: float) -> None:
         self.transport, self.run, self.peer, self.poll = transport, run, peer, poll
         self.path = f"/v1/runs/{run}"
+        self.uploads = "hub"  # where updates go, as the hub's ready answer says (hub or store)
+        self._store: Transport | None = None  # presigned URLs: no token (see syncclient.objects)
 
     def join(
         self, settings: dict[str, Any], *, version0: Callable[[], Parts], joined: Callable[[float], None]
@@ -77,7 +92,12 @@ class RunProtocol:
                 log.info("run %s: %s", self.run, said)
             start = f"{self.path}/peers/{self.peer}/start"
             state = self.transport.call("GET", start, params={"wait": self.poll}).json()
+        self.uploads = state.get("uploads", "hub")
         return state
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
 
     def exchange(
         self,
@@ -97,23 +117,36 @@ class RunProtocol:
         if final:
             headers["X-Sync-Final"] = "?1"
 
-        def encoded() -> dict[str, str]:  # the completing request's: the codec's figures are in by then
+        def encoded() -> dict[str, float]:  # sent last: the codec's figures are in by then
             sent = dict(metrics)
             update.wait()
             if not state.codec.lossless:
                 sent.update(codec_ratio=update.ratio, codec_error=update.error)
-            return {"X-Sync-Metrics": json.dumps(sent)}
+            return sent
 
+        path = f"{self.path}/rounds/{round_}/updates/{self.peer}"
         try:
-            size, ack = self.transport.upload(
-                f"{self.path}/rounds/{round_}/updates/{self.peer}",
-                update.parts,
-                what="upload",
-                headers=headers,
-                resumable=True,
-                ready=update.ready,
-                completing=encoded,
-            )
+            ack: dict[str, Any] | None = None
+            if self.uploads == "store":
+                try:
+                    size, ack = self._to_store(path, update, samples, final, encoded)
+                except _StoreTrouble as exc:
+                    log.warning(
+                        "run %s: the object store failed for round %d's update (%s); sending it to the hub",
+                        self.run,
+                        round_,
+                        exc,
+                    )
+            if ack is None:
+                size, ack = self.transport.upload(
+                    path,
+                    update.parts,
+                    what="upload",
+                    headers=headers,
+                    resumable=True,
+                    ready=update.ready,
+                    completing=lambda: {"X-Sync-Metrics": json.dumps(encoded())},
+                )
         except (RoundClosed, StaleUpdate):
             size = body_size(update.parts)  # sent, though refused
             return Outcome(size, 0, time.monotonic() - started, 0.0, latest=self.latest())
@@ -144,6 +177,75 @@ class RunProtocol:
                 size, latest.reader.received, elapsed, 0.0, latest.version, latest.run_samples, fresh_base=latest
             )
         return Outcome(size, received, uploaded - started, waited - uploaded, landed + 1, own.run_samples)
+
+    def _to_store(
+        self,
+        path: str,
+        update: EncodedUpdate,
+        samples: int,
+        final: bool,
+        metrics: Callable[[], dict[str, float]],
+    ) -> tuple[int, dict[str, Any]]:
+        """Upload an update straight to the hub's object store, as it encodes: a plan of
+        presigned part URLs from the hub, the parts to the store, then the hub checks what
+        arrived and acknowledges it (its answer, as a PUT's). A URL that expired, or an upload
+        the hub no longer knows (it restarted), gets a fresh plan once. :class:`_StoreTrouble`
+        when the store path fails; the hub's refusals (round closed, bad update) raise as ever."""
+        size = body_size(update.parts)
+        key = secrets.token_urlsafe(24)
+        digest = _Digest()
+
+        def content() -> Iterator[bytes | memoryview]:
+            return digest.watch(iter_chunks(update.parts, ready=update.ready))
+
+        for attempt in (1, 2):
+            try:
+                # one try: a hub that cannot hand out URLs now (store down, restarting) gets the PUT
+                plan = self.transport.call("POST", f"{path}/presign", json={"key": key, "size": size}, retry=False)
+            except HubUnreachable as exc:
+                raise _StoreTrouble(f"no upload plan: {exc}") from exc
+            except HubError as exc:
+                if exc.code in ("store_unavailable", "no_store"):  # down; or a hub restarted without it
+                    raise _StoreTrouble(exc.detail) from exc
+                raise
+            got = plan.json()
+            done = {int(n): etag for n, etag in got["done"].items()}
+            upload = PartedUpload(size, got["part_size"], {int(n): u for n, u in got["urls"].items()}, done)
+            try:
+                etags = upload_parts(self._store_transport(), upload, content)
+            except HubUnreachable as exc:
+                raise _StoreTrouble(f"uploading the parts: {exc}") from exc
+            except HubError as exc:  # 403: an expired URL; 404: an upload the hub aborted
+                if attempt == 1 and exc.status in (403, 404):
+                    continue
+                raise _StoreTrouble(f"uploading the parts: {exc}") from exc
+            report = {
+                "key": key,
+                "size": size,
+                "digest": digest.hexdigest(content, size),
+                "etags": etags,
+                "samples": samples,
+                "metrics": metrics(),
+                "final": final,
+            }
+            try:
+                answer: dict[str, Any] = self.transport.call("POST", f"{path}/uploaded", json=report).json()
+            except HubUnreachable as exc:
+                raise _StoreTrouble(f"reporting the upload: {exc}") from exc
+            except HubError as exc:
+                if exc.code == "upload_unknown" and attempt == 1:
+                    continue  # the hub restarted: a fresh upload, every part again
+                if exc.code in ("store_unavailable", "upload_unknown"):
+                    raise _StoreTrouble(exc.detail) from exc
+                raise
+            return size, answer
+        raise _StoreTrouble("the object store refused the parts twice")
+
+    def _store_transport(self) -> Transport:
+        """The SDK's retries and errors for presigned URLs, without the hub's token."""
+        if self._store is None:
+            self._store = self.transport.without_token(min(self.transport.retry_seconds, STORE_RETRY_SECONDS))
+        return self._store
 
     def result(
         self,

@@ -164,6 +164,12 @@ class Transport:
         if self._store_http is not None:
             self._store_http.close()
 
+    def without_token(self, retry_seconds: float) -> Transport:
+        """A transport with this one's TLS settings and timeout and no token, for presigned
+        URLs (:mod:`syncclient.objects`): a bucket must never see the hub's token."""
+        read = self.http.timeout.read or 60.0
+        return Transport("", run=self.run, token=None, verify=self._verify, timeout=read, retry_seconds=retry_seconds)
+
     def call(
         self,
         method: str,
@@ -576,6 +582,15 @@ class _Digest:
         """``Content-Digest`` of the body, whose ``size`` bytes must all have gone out."""
         assert self._hashed == size, (self._hashed, size)
         return "sha-256=:" + base64.b64encode(self._hash.digest()).decode() + ":"
+
+    def hexdigest(self, content: Callable[[], Iterator[memoryview | bytes]], size: int) -> str:
+        """The sha-256 of the body ``content()`` gives, in hex: what went out was hashed on the
+        way, the rest (parts a resumed upload skipped) is read now."""
+        if self._hashed < size:
+            for _ in self.watch(content()):
+                pass
+        assert self._hashed == size, (self._hashed, size)
+        return self._hash.hexdigest()
 
 
 def _skip(chunks: Iterator[bytes | memoryview], n: int) -> Iterator[bytes | memoryview]:

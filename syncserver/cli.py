@@ -183,7 +183,7 @@ def serve(
         secret = settings.admin_token or settings.token
         # the merge's threads, shared out: K local reducers on the cores the hub's pool would use
         threads = max(1, settings.fold_threads // local)
-        reducers = LocalReducers(local, secret.get_secret_value() if secret else None, threads)
+        reducers = LocalReducers(local, secret.get_secret_value() if secret else None, threads, settings.store)
 
     def listening(url: str) -> None:
         scheme, _, rest = url.partition("://")

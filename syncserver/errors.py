@@ -13,10 +13,13 @@ exception handler, so every failure is ``{"error": code, "detail": reason, ...}`
     │   ├── StaleUpdate (409)     async: the update's base is more than max_staleness versions old
     │   ├── OffsetMismatch (409)  a resumed upload's Upload-Offset is past what the hub holds
     │   ├── Superseded (409)      a newer attempt at the same upload (a retry, a HEAD) took it over
+    │   ├── UploadUnknown (409)   no upload into the object store is open under that key: presign again
+    │   ├── NoStore (409)         this hub has no object store: PUT the update
     │   └── LeaseLost (409)       a reducer's lease expired (or its round ended): its work is not used
     ├── Gone (410)                a round result that was pruned: pull the model instead
     ├── PayloadTooLarge (413)
     └── Unavailable (503)         disk full or unwritable: nothing was changed
+        └── StoreDown (503)       the object store failed: PUT the update to the hub instead
 """
 
 from __future__ import annotations
@@ -109,6 +112,19 @@ class LeaseLost(Conflict):
     code = "lease_lost"
 
 
+class UploadUnknown(Conflict):
+    """``/uploaded`` names no upload the hub handed out (it restarted, or another one replaced
+    it): the peer asks ``/presign`` again and uploads afresh."""
+
+    code = "upload_unknown"
+
+
+class NoStore(Conflict):
+    """An update offered to an object store that this hub does not have (``SYNC_STORE`` unset)."""
+
+    code = "no_store"
+
+
 class Gone(HubError):
     status, code = 410, "gone"
 
@@ -119,3 +135,10 @@ class PayloadTooLarge(HubError):
 
 class Unavailable(HubError):
     status, code = 503, "unavailable"
+
+
+class StoreDown(Unavailable):
+    """The object store failed (down, refusing the hub's credentials...) while an update went
+    there: nothing was recorded; the peer sends its update to the hub by PUT instead."""
+
+    code = "store_unavailable"

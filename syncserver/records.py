@@ -25,6 +25,7 @@ class UpdateRecord:
     seconds: float
     base: int  # the version it was computed from: its round, but in async runs an older one
     final: bool = False  # its peer's last update of the run (X-Sync-Final): nothing trains after it
+    object: str | None = None  # its name in the object store when it went there (no file on the hub's disk)
 
 
 @dataclass

@@ -29,6 +29,8 @@ BUDGETS: dict[str, float] = {
     "tests/test_bench_smoke.py::test_reducers_benchmark_closes_every_k_to_the_same_bits": 12,  # 2 hubs, 2 reducers
     "tests/test_bench_smoke.py::test_round_benchmark_runs_and_writes_every_row": 12,
     "tests/test_bench_smoke.py::test_unequal_benchmark_runs_every_policy": 35,  # 3 policies, 6 peers
+    # root only: namespaces, 2 peers, today's hub and a --store hub, SeaweedFS in its namespace (~4 s)
+    "tests/test_bench_smoke.py::test_wire_benchmark_shapes_links_and_leaves_no_namespace": 16,
     "tests/test_finetune.py::test_a_samples_run_trains_until_the_run_has_seen_its_epochs": 33,
     "tests/test_finetune.py::test_serial_baseline": 11,
     "tests/test_finetune.py::test_two_local_peers_end_identical_and_learn": 16,
@@ -61,6 +63,13 @@ BUDGETS: dict[str, float] = {
     "tests/test_store_wire.py::test_cut_download_resumes_against_the_bucket_and_an_expired_url_asks_the_hub_again": 12,
     "tests/test_store_wire.py::test_hub_killed_between_a_results_upload_and_its_commit": 11,  # two hubs, a restart
     "tests/test_store_wire.py::test_store_bytes_benchmark_runs": 14,  # bench/storebytes.py: two hubs, two peers
+    # updates through the store: 8 lies, each a presign, a part and a report; a URL left to
+    # expire (3 s); a hub killed twice; part PUTs cut for the SDK's 2 s of retries; two hubs
+    "tests/test_store_uploads.py::test_each_lie_is_refused_with_its_reason_and_nothing_recorded": 12,
+    "tests/test_store_uploads.py::test_a_url_for_another_key_or_expired_is_refused": 9,
+    "tests/test_store_uploads.py::test_hub_killed_between_upload_and_record_deletes_the_orphan": 14,
+    "tests/test_store_uploads.py::test_store_failing_mid_upload_falls_back_to_the_hub": 9,
+    "tests/test_store_uploads.py::test_int8_with_the_norm_guard_through_the_store_is_bit_identical": 9,
     # attacks and fuzzing, bounded: 4 clients on a 100k-tensor run; ~1000 generated requests
     "tests/test_cost.py::test_a_run_of_100k_tensors_polled_by_4_clients_starves_no_other_run": 14,
     "tests/test_schemathesis.py::test_api_fuzz_no_server_error_and_schema_conformance": 28,

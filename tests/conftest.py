@@ -21,7 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # imported once here: lazy
 
 from syncserver.process import ServerProcess
 from tests.budget import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (the time budget)
-from tests.s3server import seaweedfs  # noqa: F401  (a real S3 server, started on first use)
+from tests.s3server import s3, seaweedfs  # noqa: F401  (a real S3 server, started on first use; a proxy to it)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

@@ -33,12 +33,14 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from syncserver.storage.s3 import ObjectStore, StoreUnavailable
 from syncserver.storage.sigv4 import Credentials, presign
+from tests.faultproxy import FaultProxy
 
 __all__ = ["SeaweedFS", "seaweedfs"]
 
@@ -46,12 +48,15 @@ START_SECONDS = 90.0  # measured 3.4-3.9 s (raft election, then filer, then S3);
 
 
 class SeaweedFS:
-    """``weed server -s3`` on 127.0.0.1 with one bucket and one identity that may do anything."""
+    """``weed server -s3`` on 127.0.0.1 (or ``host``) with one bucket and one identity that may do anything."""
 
-    def __init__(self, folder: Path, *, bucket: str = "weightsync-test", volumes: int = 16) -> None:
+    def __init__(
+        self, folder: Path, *, bucket: str = "weightsync-test", volumes: int = 16, host: str = "127.0.0.1"
+    ) -> None:
         """``volumes``: of 64 MB each, its capacity (written over or deleted bytes count until
-        weed's vacuum reclaims them; the disk holds only what is written)."""
-        self.folder, self.bucket, self.volumes = Path(folder), bucket, volumes
+        weed's vacuum reclaims them; the disk holds only what is written). ``host``: the address
+        every server of it binds and is reached at (bench/wire.py: its own network namespace's)."""
+        self.folder, self.bucket, self.volumes, self.host = Path(folder), bucket, volumes, host
         self.access_key = "AK" + secrets.token_hex(8).upper()
         self.secret_key = secrets.token_urlsafe(30)
         self.reader_key = "AKR" + secrets.token_hex(8).upper()  # may read and list, not write
@@ -101,7 +106,7 @@ class SeaweedFS:
         for attempt in range(3):
             data = self.folder / f"data{attempt}"
             data.mkdir()
-            ports = _free_ports(8)
+            ports = _free_ports(8, self.host)
             master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = ports
             # util-linux's setpriv execs weed with PR_SET_PDEATHSIG set: it dies with this process
             # (a preexec_fn would do it in Python between fork and exec: unsafe beside threads)
@@ -110,8 +115,8 @@ class SeaweedFS:
                 *([setpriv, "--pdeathsig", "KILL"] if setpriv else []),
                 weed,
                 "server",
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
+                f"-ip={self.host}",
+                f"-ip.bind={self.host}",
                 f"-dir={data}",
                 f"-master.port={master}",
                 f"-master.port.grpc={master_grpc}",
@@ -136,7 +141,7 @@ class SeaweedFS:
             self.log = data / "weed.log"
             with self.log.open("wb") as out:
                 self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            self.endpoint, self._master = f"http://127.0.0.1:{s3}", f"http://127.0.0.1:{master}"
+            self.endpoint, self._master = f"http://{self.host}:{s3}", f"http://{self.host}:{master}"
             if self._wait_ready(began + timeout):
                 self.started_in = time.monotonic() - began
                 return self
@@ -186,12 +191,12 @@ class SeaweedFS:
         self.stop()
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports the OS calls free now (all held until all are picked)."""
+def _free_ports(n: int, host: str) -> list[int]:
+    """``n`` distinct ports the OS calls free on ``host`` now (all held until all are picked)."""
     with ExitStack() as stack:
         sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
         for s in sockets:
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
         return [s.getsockname()[1] for s in sockets]
 
 
@@ -200,3 +205,11 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
     """One SeaweedFS per pytest process, started when a test first asks for it."""
     with SeaweedFS(tmp_path_factory.mktemp("seaweedfs")).start() as server:
         yield server
+
+
+@pytest.fixture
+def s3(seaweedfs: SeaweedFS) -> Iterator[FaultProxy]:
+    """The session's SeaweedFS behind a FaultProxy of this test's own (tests/faultproxy.py): it
+    records what the store was asked, and cuts, stalls or stops the store's link on demand."""
+    with FaultProxy(int(urlsplit(seaweedfs.endpoint).port or 0)) as proxy:
+        yield proxy

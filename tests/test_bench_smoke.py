@@ -173,24 +173,59 @@ def netns_prefix() -> str:
 
 
 def test_wire_benchmark_shapes_links_and_leaves_no_namespace(tmp_path: Path, netns_prefix: str) -> None:
-    """bench/wire.py with a tiny model: a row per (codec, link), figures in them, namespaces gone."""
+    """bench/wire.py with a tiny model, today's hub and a hub with SeaweedFS in a namespace of
+    its own (``--store``): a row per (codec, link, hub), figures in them, namespaces gone."""
     args = ["--model", "tiny", "--peers", "2", "--codecs", "fp32", "--slow-codecs", "int8",
-            "--links", "shared:1gbit", "peer:100mbit", "--warmup", "1", "--ns-prefix", netns_prefix]  # fmt: skip
+            "--links", "shared:1gbit", "peer:100mbit", "--warmup", "1", "--ns-prefix", netns_prefix,
+            "--store", "--reducers", "1", "--hub-cpus", "0"]  # fmt: skip
     stdout, result = run_bench("wire", tmp_path / "results", *args)
-    rows = {(r["codec"], r["link"]): r for r in result["rows"]}
-    assert set(rows) == {("fp32", "shared:1gbit"), ("int8", "peer:100mbit")}, "fp32 stays off the slow link"
-    assert [r["version"] for row in rows.values() for r in row["rounds"]] == [2, 2], "one untimed round first"
+    rows = {(r["codec"], r["link"], r["hub"]): r for r in result["rows"]}
+    cases = {("fp32", "shared:1gbit"), ("int8", "peer:100mbit")}
+    assert set(rows) == {(*case, hub) for case in cases for hub in ("disk", "store")}, "fp32 stays off the slow link"
+    assert [r["version"] for row in rows.values() for r in row["rounds"]] == [2, 2, 2, 2], "one untimed round first"
     for row in rows.values():
         assert row["round_s"] > 0 and row["limit_s"] > 0 and row["hub_peak_rss"] > 0
         assert row["bytes_up"] > 0 and row["bytes_down"] > 0
         assert row["tcp_up_s"] > 0 and row["tcp_down_s"] > 0, "the bare-TCP floor ran on the same link"
         assert row["round_x_tcp"] == pytest.approx(row["round_s"] / (row["tcp_up_s"] + row["tcp_down_s"]))
-    fp32, int8 = rows["fp32", "shared:1gbit"], rows["int8", "peer:100mbit"]
+        assert row["hub_cpus"] == "0", "--hub-cpus pinned the hub"
+        assert row["hub_rx"] > 2 * row["bytes_up"], "both updates came in through the hub's link"
+    fp32, int8 = rows["fp32", "shared:1gbit", "disk"], rows["int8", "peer:100mbit", "disk"]
     assert fp32["limit_s"] == pytest.approx((2 * fp32["bytes_up"] + 2 * fp32["bytes_down"]) * 8 / 1e9)
     assert int8["limit_s"] == pytest.approx((int8["bytes_up"] + int8["bytes_down"]) * 8 / 1e8)
-    assert any("shared:1gbit" in t["target"] for t in result["targets"])
+    for case in cases:
+        disk, store = rows[(*case, "disk")], rows[(*case, "store")]
+        assert disk["ceiling_s"] is None and store["ceiling_s"] > 0 and store["ceiling_up_s"] > 0
+        assert store["round_x_ceiling"] == pytest.approx(store["round_s"] / store["ceiling_s"])
+        # out of the hub: a result to each peer without the store, one upload to the bucket with it
+        assert disk["hub_tx"] > 2 * disk["bytes_down"] > store["hub_tx"] > store["bytes_down"]
+    if "reducers" in result["skipped"]:  # the checkout has no `syncserver reduce` (issue 24 part R)
+        assert "no `reduce` command" in result["skipped"]["reducers"] and "skipped" in stdout
+    else:
+        assert {r["reducers"] for r in result["rows"] if r["hub"] == "store"} == {1}
+    targets = {t["target"] for t in result["targets"]}
+    assert any("shared:1gbit" in t for t in targets)
+    assert any(t.startswith("fp32, 2 peers, shared:1gbit, store: bytes through the hub's link") for t in targets)
+    assert any(t.endswith("round / today's local-disk hub's <= 1.1") for t in targets)
     assert result["table"] in stdout
     assert _namespaces(netns_prefix) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["--reducers", "2"], "--reducers and --store-link go with --store"),
+        (["--store", "--reducers", "-1"], "--reducers -1: want 0 or more"),
+        (["--store", "--store-link", "fast"], "rate 'fast': want e.g. 100mbit or 1gbit"),
+        (["--hub-cpus", "1-0"], "CPU list '1-0': want e.g. 0-1 or 2,4-7"),
+    ],
+)
+def test_wire_benchmark_refuses_bad_settings_in_one_line(args: list[str], reason: str) -> None:
+    """A setting it cannot use: exit 2 with the reason, before any namespace (no root needed)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "wire.py"), *args], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(reason), proc.stderr
 
 
 def test_wire_benchmark_removes_its_namespaces_when_terminated(tmp_path: Path, netns_prefix: str) -> None:

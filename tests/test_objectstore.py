@@ -217,16 +217,22 @@ def test_multipart_through_the_sdk_completed_by_the_store_read_by_ranges(store: 
 
 
 def test_a_safetensors_object_read_a_slice_at_a_time_as_a_file_is(store: ObjectStore, tmp_path: Path) -> None:
-    """ObjectTensorFile: TensorFile's interface over ranged GETs, the same values; a truncated
-    object or one whose header claims other bytes refused as a FormatError."""
+    """ObjectTensorFile: TensorFile's interface over ranged GETs, the same values (from what its
+    first GET brought, or from a GET of their own past it); a truncated object or one whose
+    header claims other bytes refused as a FormatError."""
     rng = np.random.default_rng(3)
-    arrays = {"a": rng.standard_normal((300, 7)).astype(np.float32), "b": rng.integers(-9, 9, 1001).astype(np.int8)}
+    arrays = {
+        "a": rng.standard_normal((300, 7)).astype(np.float32),
+        "b": rng.integers(-9, 9, 1001).astype(np.int8),
+        "c": rng.standard_normal(30_000).astype(np.float32),  # past the first GET's 64 KiB: ranged reads
+    }
     data = b"".join(bytes(c) for c in iter_chunks(((k, v, None) for k, v in arrays.items()), {"round": "4"}))
     store.put("u", data)
     (tmp_path / "u").write_bytes(data)
     with ObjectTensorFile(store, "u") as remote, TensorFile(tmp_path / "u") as local:
         assert remote.infos == local.infos and remote.metadata == local.metadata == {"round": "4"}
-        for name, start, stop in [("a", 0, None), ("a", 17, 1201), ("b", 999, 1001), ("b", 5, 5)]:
+        cases = [("a", 0, None), ("a", 17, 1201), ("b", 999, 1001), ("b", 5, 5), ("c", 0, None), ("c", 29_000, 29_999)]
+        for name, start, stop in cases:
             got = remote.read(name, start, stop)
             assert got.flags.writeable and np.array_equal(got, local.read(name, start, stop))
         with pytest.raises(IndexError):

@@ -64,5 +64,6 @@ def test_openapi_describes_every_answer(hub: Hub) -> None:
                         closed(body["schema"], components, where)
                         described += 1
     # healthz, runs, status, join, start, version 0, progress, heartbeat, leave, update (200 and
-    # 202: held for its digest), dashboard; a reducer's lease, its renewal, the reducers
-    assert described == 15
+    # 202: held for its digest), an update through the object store (presign, uploaded), dashboard;
+    # a reducer's lease, its renewal, the reducers
+    assert described == 17

@@ -347,3 +347,22 @@ def test_updates_of_an_older_hub_load_as_not_final(tmp_path: Path) -> None:
     )
     [update] = store.updates("r", 0)
     assert update.final is False and update.samples == 5
+    assert update.object is None  # and on the hub's disk: no object store held updates then
+    assert store.update_objects("r") == set()
+
+
+def test_an_update_in_the_object_store_is_recorded_named_and_pruned_by_name(tmp_path: Path) -> None:
+    """record_update stores the object's name (no file); update_objects names it until its round
+    is pruned (forget_update_objects hands the names over once); a second record is refused."""
+    store = Store(tmp_path / "hub")
+    name = "runs/r/updates/00000000/a/some-key-xxxxxxxx.safetensors"
+    update = UpdateRecord("a", 0, 1, "d" * 64, 5, {}, 10, 0.0, 0.1, base=0, object=name)
+    store.record_update("r", update)
+    assert store.updates("r", 0) == [update] and store.update_objects("r") == {name}
+    assert UpdateKey.of("r", update) == UpdateKey("r", 0, "a", name, 10)
+    with pytest.raises(ValueError, match="already has an update"):
+        store.record_update("r", update)
+    assert store.forget_update_objects("r", below=0) == []
+    assert store.forget_update_objects("r", below=1) == [name]
+    assert store.update_objects("r") == set() and store.updates("r", 0)[0].object is None
+    assert store.forget_update_objects("r", below=1) == []

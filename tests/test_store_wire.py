@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
-import pytest
 import safetensors.numpy
 import torch
 
@@ -37,13 +36,6 @@ from tests.test_metrics import scrape
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "hub-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture
-def s3(seaweedfs: SeaweedFS) -> Iterator[FaultProxy]:
-    """SeaweedFS behind a proxy of this test's own."""
-    with FaultProxy(int(urlsplit(seaweedfs.endpoint).port or 0)) as proxy:
-        yield proxy
 
 
 def store_hub(
@@ -99,9 +91,10 @@ def train(url: str, run: str, rounds: int) -> Peers:
 def test_two_peers_three_rounds_through_the_store(
     hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS, s3: FaultProxy
 ) -> None:
-    """Every result and version reaches the peers from the bucket, bit-identical to a hub
-    without a store; the hub's own bytes out per round are one result (its upload), not one
-    per peer; the bucket never sees the hub's token; a late joiner gets the model from there."""
+    """Every update goes to the bucket and every result and version reaches the peers from
+    there, bit-identical to a hub without a store; the hub's own bytes out per round are one
+    result (its upload), not one per peer; the bucket never sees the hub's token; a late joiner
+    gets the model from there."""
     plain = hub_factory(env={"SYNC_TOKEN": TOKEN})
     stored = store_hub(hub_factory, seaweedfs, s3, "two-peers")
     reference = model_of_after(plain, "r")
@@ -125,7 +118,12 @@ def test_two_peers_three_rounds_through_the_store(
     assert abs(version0 - result) < 1024  # a model's worth (fp32 results are full-size)
     gets = s3.matching("GET /")
     assert gets and all("authorization: bearer" not in g.head for g in gets)
-    assert {g.status for g in gets} == {200}
+    assert {g.status for g in gets} <= {200, 206}  # 206: the hub's merge reads slices of the updates
+    # the updates went to the bucket too, in parts, without the hub's token; none through the hub
+    parts = s3.matching(f"PUT /{seaweedfs.bucket}/two-peers/runs/r/updates/")
+    assert len(parts) == 6 and all("authorization" not in p.head and p.status == 200 for p in parts)
+    assert metric(samples, "weightsync_upload_bytes_total", run="r", via="hub") == 0
+    assert metric(samples, "weightsync_upload_bytes_total", run="r", via="store") == sum(p.body_bytes for p in parts)
 
     # a late joiner: the latest version, fetched (and copied once) from the bucket
     late = SyncClient(stored.url, run="r", peer="late", token=TOKEN)
@@ -318,7 +316,8 @@ def test_restart_deletes_objects_no_committed_record_names(
 
 def test_store_bytes_benchmark_runs(seaweedfs: SeaweedFS, tmp_path: Path) -> None:
     """bench/storebytes.py's smoke test, on this session's SeaweedFS: with a store the hub's link
-    carries one result per round (x model 1.00 in fp32), without it one per peer."""
+    carries one result per round out (x model 1.00 in fp32), without it one per peer; the updates
+    go to the bucket, and the hub reads them back (check and merge)."""
     command = [sys.executable, "bench/storebytes.py", "--peers", "2", "--codecs", "fp32", "--rounds", "1"]
     command += ["--params", "20000", "--bucket", seaweedfs.bucket, "--out", str(tmp_path)]
     done = subprocess.run(
@@ -328,7 +327,12 @@ def test_store_bytes_benchmark_runs(seaweedfs: SeaweedFS, tmp_path: Path) -> Non
     (row,) = [line for line in done.stdout.splitlines() if line.startswith("| fp32 | 2 |")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[4] == "1.00" and cells[6] == "2.00", done.stdout
-    assert len(list(tmp_path.glob("storebytes-*.json"))) == 1
+    # bytes in: the two updates through the hub without a store; with one, the peers put them in
+    # the bucket and the hub read each back twice (its check, then its merge)
+    (saved,) = tmp_path.glob("storebytes-*.json")
+    (got,) = json.loads(saved.read_text())["rows"]
+    assert got["peers_to_store_mb"] == got["hub_in_mb_no_store"] > 0, got
+    assert got["hub_in_mb_store"] >= 2 * got["peers_to_store_mb"], got
 
 
 def test_hub_killed_between_a_results_upload_and_its_commit(

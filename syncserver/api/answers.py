@@ -21,15 +21,27 @@ from syncserver.api.schemas import (
     StartReady,
     StartWaiting,
     UpdateAck,
+    UploadPlan,
     VersionZero,
 )
 from syncserver.core.coordinator import RoundProgress, Start
 from syncserver.core.leases import ReducerStats
+from syncserver.core.presigned import Plan
 from syncserver.core.rounds import Acknowledgement, InitialVersion
 from syncserver.core.state import RunConfig as RunSettings
 from syncserver.core.view import HubView, RunLine
 
-__all__ = ["heartbeat", "initial_version", "progress", "reducers", "run_lines", "run_status", "start", "update_ack"]
+__all__ = [
+    "heartbeat",
+    "initial_version",
+    "progress",
+    "reducers",
+    "run_lines",
+    "run_status",
+    "start",
+    "update_ack",
+    "upload_plan",
+]
 
 
 def run_config(config: RunSettings | None) -> RunConfig:
@@ -53,6 +65,7 @@ def start(start: Start) -> StartInitialise | StartWaiting | StartReady:
         world_size=start.world_size,
         version=start.version,
         config=run_config(start.config),
+        uploads=start.uploads,
         tensor_schema=start.shape.schema_lists,
     )
 
@@ -65,6 +78,10 @@ def update_ack(ack: Acknowledgement) -> UpdateAck:
     return UpdateAck(
         round=ack.round, peer=ack.peer, seq=ack.seq, samples=ack.samples, bytes=ack.nbytes, repeat=ack.repeat
     )
+
+
+def upload_plan(plan: Plan) -> UploadPlan:
+    return UploadPlan.model_validate(plan)
 
 
 def progress(state: RoundProgress) -> Progress:

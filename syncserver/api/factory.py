@@ -148,7 +148,7 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
         log.info(
             "hub ready: data in %s%s, %s; connections: %s",
             store.describe(),
-            f", results and versions through {bucket.url}" if bucket else "",
+            f", updates, results and versions through {bucket.url}" if bucket else "",
             "token required" if settings.auth_required else "open (no token)",
             connections,
         )

@@ -50,7 +50,12 @@ SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 
 OTHER = "_other"
 
 # The routes that carry an update (or version 0): refusals there count as rejected updates.
-_UPLOAD_ROUTES = ("/v1/runs/{run}/rounds/{round}/updates/{peer}", "/v1/runs/{run}/versions/0")
+_UPLOAD_ROUTES = {
+    ("PUT", "/v1/runs/{run}/rounds/{round}/updates/{peer}"),
+    ("PUT", "/v1/runs/{run}/versions/0"),
+    ("POST", "/v1/runs/{run}/rounds/{round}/updates/{peer}/presign"),  # SYNC_STORE: the size caps
+    ("POST", "/v1/runs/{run}/rounds/{round}/updates/{peer}/uploaded"),  # SYNC_STORE: the checks
+}
 
 
 class _StateCollector(Collector):
@@ -104,6 +109,13 @@ class _StateCollector(Collector):
             bytes_out.add_metric([label], total["out"])
         runs.add_metric([], len(facts))
         yield from (runs, version, live, peers, pending, bytes_in, bytes_out)
+        if view is not None and view.store_reads is not None:
+            read = CounterMetricFamily(
+                "weightsync_store_read_bytes",
+                "Bytes the hub read from the object store: the updates it checks (one GET each) and merges.",
+            )
+            read.add_metric([], view.store_reads())
+            yield read
         yield from _reducer_metrics(view)
 
 
@@ -179,6 +191,13 @@ class HubMetrics:
             ["run", "via"],
             registry=r,
         )
+        self.upload_bytes = Counter(
+            "weightsync_upload_bytes",
+            "Bytes of acknowledged updates, by the way they came: via=hub (a PUT to the hub, through its link) or "
+            "via=store (uploaded to the object store through presigned URLs, SYNC_STORE).",
+            ["run", "via"],
+            registry=r,
+        )
         self.store_bytes = Counter(
             "weightsync_store_upload_bytes",
             "Result and version bytes the hub uploaded to the object store (once per object).",
@@ -215,6 +234,7 @@ class HubMetrics:
         self.accepted.labels(label).inc()
         self.samples.labels(label).inc(update.samples)
         self.phases.labels(label, "upload").observe(update.seconds)
+        self.upload_bytes.labels(label, "hub" if update.object is None else "store").inc(update.nbytes)
 
     def _closed(self, run: str, record: RoundRecord) -> None:
         self._touch(run)
@@ -243,7 +263,7 @@ class HubMetrics:
     def rejected_upload(self, request: Request, reason: str) -> None:
         """Count a refused upload (called by the app's error handlers for every error answer)."""
         route = request.scope.get("route")
-        if request.method != "PUT" or getattr(route, "path", None) not in _UPLOAD_ROUTES:
+        if (request.method, getattr(route, "path", None)) not in _UPLOAD_ROUTES:
             return
         run = request.path_params.get("run", "")
         # only known runs become label values: a stranger cannot grow the label set

@@ -33,9 +33,11 @@ from syncserver.api.schemas import (
     StartState,
     UpdateAck,
     UploadHeld,
+    UploadPlan,
     VersionZero,
 )
 from syncserver.core.coordinator import Coordinator, Redirect, Start
+from syncserver.core.presigned import UploadReport
 from syncserver.core.rounds import Ticket
 from syncserver.errors import BadRequest, HubError, Incomplete, Superseded
 from syncserver.limits import (
@@ -411,6 +413,51 @@ async def update_offset(
         assert ticket.upload is not None
         held, complete = await partial_offset(ticket.upload), "?0"
     return Response(status_code=204, headers={"Upload-Offset": str(held), "Upload-Complete": complete})
+
+
+class PresignRequest(BaseModel):
+    """An update about to go to the object store (the hub says ``uploads: store`` when a peer
+    starts): its size, and the key that names this upload (the PUT's ``Upload-Key`` rule)."""
+
+    key: str = Field(pattern=UPLOAD_KEY_PATTERN, description="Names this upload; asking again with it resumes.")
+    size: int = Field(ge=8, le=MAX_BYTES, strict=True, description="The body's bytes.")
+
+
+@router.post(
+    "/runs/{run}/rounds/{round}/updates/{peer}/presign",
+    summary="Presigned part URLs to upload the peer's update straight to the object store (hubs with SYNC_STORE)",
+)
+async def presign_update(run: RunName, round: Round, peer: PeerName, body: PresignRequest, hub: Hub) -> UploadPlan:
+    return answers.upload_plan(await hub.presign(run, round, peer, body.key, body.size))
+
+
+#: sha-256 in hex, as the object store's update is named by nothing else once uploaded
+DIGEST_PATTERN = r"^[0-9a-f]{64}$"
+
+
+class UploadedReport(BaseModel):
+    """An update is in the object store: what the peer says it uploaded (all of it is checked)
+    and what a PUT carries in its headers (``X-Sync-Samples``, ``-Metrics``, ``-Final``)."""
+
+    key: str = Field(pattern=UPLOAD_KEY_PATTERN)
+    size: int = Field(ge=8, le=MAX_BYTES, strict=True)
+    digest: str = Field(pattern=DIGEST_PATTERN, description="sha-256 of the body, hex.")
+    etags: dict[int, Annotated[str, Field(max_length=130)]] = Field(
+        max_length=10_000, description="Part number -> the ETag the store answered its PUT with."
+    )
+    samples: int = Field(ge=1, le=MAX_SAMPLES, strict=True, description="Samples since the last sync.")
+    metrics: dict[str, Any] = Field(default_factory=dict, description="JSON object of numbers.")
+    final: bool = Field(False, description="The peer's last update; a round of last updates is plain averaging.")
+
+
+@router.post(
+    "/runs/{run}/rounds/{round}/updates/{peer}/uploaded",
+    summary="The peer's update is in the object store: the hub checks it and acknowledges it as a PUT",
+)
+async def update_uploaded(run: RunName, round: Round, peer: PeerName, body: UploadedReport, hub: Hub) -> UpdateAck:
+    metrics = parse_metrics(json.dumps(body.metrics))
+    report = UploadReport(body.key, body.size, body.digest, body.etags, body.samples, metrics, body.final)
+    return answers.update_ack(await hub.uploaded(run, round, peer, report))
 
 
 #: ``?direct=1``: the peer was redirected to the object store and could not fetch from there.

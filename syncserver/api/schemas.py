@@ -46,6 +46,7 @@ __all__ = [
     "TraceRound",
     "UpdateAck",
     "UpdateSummary",
+    "UploadPlan",
     "VersionZero",
 ]
 
@@ -119,6 +120,11 @@ class StartReady(_Start):
     world_size: int
     version: int
     config: RunConfig
+    uploads: Literal["hub", "store"] = Field(
+        "hub",
+        description="Where updates go: hub (PUT .../updates/{peer}) or store (POST .../presign, PUT the parts to "
+        "the object store, POST .../uploaded; the PUT to the hub stays the fallback).",
+    )
     # "schema" would shadow BaseModel.schema(): the attribute has another name, the wire the same
     tensor_schema: dict[str, list[int]] = Field(alias="schema", description="Tensor name -> shape, in file order.")
 
@@ -146,6 +152,19 @@ class UpdateAck(Answer):
     samples: int
     bytes: int
     repeat: bool
+
+
+class UploadPlan(Answer):
+    """Where to upload an update in the object store: a multipart upload of one object, parts
+    of ``part_size`` bytes (the last one shorter), a presigned PUT for each part the store lacks."""
+
+    object: str = Field(description="The object's name in the store (under the hub's prefix).")
+    upload_id: str
+    size: int
+    part_size: int
+    urls: dict[int, str] = Field(description="Part number (from 1) -> presigned PUT URL, for the parts to send.")
+    done: dict[int, str] = Field(description="Part number -> ETag, for the parts the store holds already.")
+    expires: float = Field(description="When the URLs expire (unix time): ask /presign again after.")
 
 
 class UploadHeld(Answer):

@@ -28,6 +28,7 @@ from anyio import to_thread
 
 from syncserver.core.leases import Board, merge_leased
 from syncserver.core.policy import SamplesPolicy
+from syncserver.core.presigned import Plan, PresignedUploads, UploadReport
 from syncserver.core.quotas import check_new_peer, check_new_run
 from syncserver.core.rounds import Acknowledgement, InitialVersion, Rounds, Ticket
 from syncserver.core.shape import RunShape
@@ -63,6 +64,7 @@ class Start:
     world_size: int = 0  # ready
     version: int = -1  # ready
     shape: RunShape | None = None  # ready: the run's schema, made once
+    uploads: Literal["hub", "store"] = "hub"  # ready: where updates go (store: presign, then PUT the parts there)
 
 
 @dataclass(frozen=True)
@@ -92,10 +94,12 @@ class Coordinator:
         self.store = store
         self.bucket = bucket  # SYNC_STORE: results and versions also go out through it
         self.runs: dict[str, Run] = {}
-        self.view = HubView(self.runs, store, settings.lease_seconds, bucket.url if bucket else None)
-        self.engine = MergeEngine(store, settings.fold_threads)
+        reads = (lambda: bucket.objects.bytes_read) if bucket else None
+        self.view = HubView(self.runs, store, settings.lease_seconds, bucket.url if bucket else None, reads)
+        self.engine = MergeEngine(store, settings.fold_threads, bucket.objects if bucket else None)
         # SYNC_REDUCERS: each round's merge is cut into leases that reducer processes work
-        self.board = Board(settings.reduce_lease_seconds) if settings.reducers else None
+        objects = (lambda: bucket.objects) if bucket else None
+        self.board = Board(settings.reduce_lease_seconds, objects) if settings.reducers else None
         leased = (
             functools.partial(merge_leased, self.board, settings.reducers, self.engine)
             if self.board is not None
@@ -103,6 +107,8 @@ class Coordinator:
         )
         self.view.board = self.board
         self.rounds = Rounds(settings, store, self.engine, self.view, bucket, leased)
+        # SYNC_STORE: peers upload their updates there too
+        self.presigned = PresignedUploads(self.rounds, bucket, settings.data_dir / "tmp") if bucket else None
         self._copies: dict[Published, asyncio.Task[None]] = {}  # versions being copied to the bucket
         self._ticker: asyncio.Task[None] | None = None
 
@@ -269,6 +275,7 @@ class Coordinator:
             world_size=run.world_size(),
             version=run.version,
             shape=run.shape,
+            uploads="store" if self.presigned is not None else "hub",
         )
 
     async def wait_start(self, run_name: str, peer_name: str, wait: float) -> Start:
@@ -326,6 +333,24 @@ class Coordinator:
     async def commit_update(self, ticket: Ticket, received: Received) -> Acknowledgement:
         """Acknowledge a fully received update: verify, make durable, record, fold."""
         return await self.rounds.commit_update(self.run(ticket.run), ticket, received)
+
+    # ---- updates through the object store (:mod:`syncserver.core.presigned`) ------------------
+    async def presign(self, run_name: str, round_: int, peer_name: str, key: str, size: int) -> Plan:
+        """Presigned URLs to upload an update straight to the object store."""
+        run = self.run(run_name)
+        self.peer(run, peer_name)
+        return await self._presigned(run).presign(run, round_, peer_name, key, size)
+
+    async def uploaded(self, run_name: str, round_: int, peer_name: str, report: UploadReport) -> Acknowledgement:
+        """A peer uploaded its update to the object store: check it, acknowledge it."""
+        run = self.run(run_name)
+        self.peer(run, peer_name)
+        return await self._presigned(run).uploaded(run, round_, peer_name, report)
+
+    def _presigned(self, run: Run) -> PresignedUploads:
+        if self.presigned is None:
+            raise Conflict("this hub has no object store: PUT the update to the hub", current_version=run.version)
+        return self.presigned
 
     # ---- progress --------------------------------------------------------------------------
     async def progress(self, run_name: str, peer_name: str, round_: int, samples: int, wait: float) -> RoundProgress:

@@ -96,7 +96,7 @@ def _threaded(engine: MergeEngine) -> Leased:
 
 
 def _key(run: Run, peer: str) -> UpdateKey:
-    return UpdateKey(run.name, run.acked[peer].round, peer)
+    return UpdateKey.of(run.name, run.acked[peer])
 
 
 def _weight(run: Run, peer: str) -> float:

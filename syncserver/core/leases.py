@@ -27,7 +27,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from anyio import to_thread
@@ -35,6 +35,7 @@ from anyio import to_thread
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer
 from syncserver.reduce.lease import Done, Job, jobs, work
+from syncserver.storage.s3 import ObjectStore
 from syncserver.storage.store import UpdateKey
 from syncwire import Codec
 
@@ -94,8 +95,9 @@ class _Merge:
 class Board:
     """Every merge lease of one hub: offered, held, done."""
 
-    def __init__(self, lease_seconds: float) -> None:
+    def __init__(self, lease_seconds: float, objects: Callable[[], ObjectStore] | None = None) -> None:
         self.lease_seconds = lease_seconds
+        self.objects = objects  # SYNC_STORE: where the hub reads updates in the bucket, working a lease itself
         self._pending: deque[_Lease] = deque()
         self._held: dict[str, _Lease] = {}  # by lease id
         self._gone: dict[str, None] = {}  # ids no longer valid (insertion-ordered, bounded)
@@ -246,7 +248,7 @@ class Board:
             self.lease_seconds,
         )
         try:
-            report = await to_thread.run_sync(work, job, HUB)
+            report = await to_thread.run_sync(functools.partial(work, job, HUB, objects=self.objects))
         except Exception as exc:
             report = Done(reducer=HUB, seconds=0, bytes=0, error="failed", detail=repr(exc)[:2000])
         stats = self.reducers.setdefault(HUB, ReducerStats(HUB, time.time(), time.time()))

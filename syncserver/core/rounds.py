@@ -234,6 +234,10 @@ class Rounds:
             )
         return Acknowledgement.of(previous, repeat=True)
 
+    def acknowledged_before(self, run: Run, round_: int, peer: str, digest: str) -> Acknowledgement | None:
+        """The acknowledgement of this very update if it was acknowledged before (a retry)."""
+        return self._acknowledged(run, round_, peer, digest)
+
     async def check_open(self, run: Run, round_: int) -> None:
         """Raise unless the open round takes an update computed from version ``round_``."""
         if run.version < 0 or not run.sealed:
@@ -282,33 +286,61 @@ class Rounds:
             # once here: a bad update is a 422 now, not a fold that fails after its acknowledgement
             checked = run.config.norm_guard or run.codec.check_on_receipt
             norm = await to_thread.run_sync(self._norm, run, received) if checked else None
-            repeat = self._acknowledged(run, ticket.round, ticket.peer, ticket.digest)
-            if repeat is not None:
-                return repeat
-            await self.check_open(run, ticket.round)
-            if ticket.peer in run.acked:  # async: its previous update waits for a close that failed
-                raise Conflict(
-                    f"peer {ticket.peer!r} has an update waiting to be applied in round {run.version}; "
-                    "send this one once that round has closed",
-                    current_version=run.version,
-                )
-            self._guard(run, ticket.peer, norm)
-            update = UpdateRecord(
-                ticket.peer,
-                run.version,
-                self.store.next_seq(run.name),
-                ticket.digest,
-                ticket.samples,
-                ticket.metrics,
-                received.nbytes,
-                time.time(),
-                received.seconds,
-                base=ticket.round,
-                final=ticket.final,
-            )
+            update = await self._admit(run, ticket, received.nbytes, received.seconds, norm)
+            if isinstance(update, Acknowledgement):
+                return update
             self.store.acknowledge(received.staged, run.name, update)  # the acknowledgement's commit point
         finally:
             received.staged.discard()
+        return await self._counted(run, ticket, update, norm)
+
+    async def commit_object(
+        self, run: Run, ticket: Ticket, name: str, nbytes: int, seconds: float, norm: float | None
+    ) -> Acknowledgement:
+        """Acknowledge an update a peer uploaded to the object store as ``name``, its body checked
+        already (:func:`syncserver.reduce.check.check_update`: ``nbytes``, ``norm``): the same
+        admission and record as a body PUT to the hub, the record naming the object. A ``repeat``
+        acknowledgement: the same update was acknowledged before, and ``name`` is not recorded."""
+        update = await self._admit(run, ticket, nbytes, seconds, norm, name)
+        if isinstance(update, Acknowledgement):
+            return update
+        self.store.record_update(run.name, update)  # the acknowledgement's commit point
+        return await self._counted(run, ticket, update, norm)
+
+    async def _admit(
+        self, run: Run, ticket: Ticket, nbytes: int, seconds: float, norm: float | None, name: str | None = None
+    ) -> UpdateRecord | Acknowledgement:
+        """The checks a checked body passes before it counts (the round still takes it, the norm
+        guard): its record to store, or the acknowledgement of the same update stored before."""
+        assert ticket.digest is not None
+        repeat = self._acknowledged(run, ticket.round, ticket.peer, ticket.digest)
+        if repeat is not None:
+            return repeat
+        await self.check_open(run, ticket.round)
+        if ticket.peer in run.acked:  # async: its previous update waits for a close that failed
+            raise Conflict(
+                f"peer {ticket.peer!r} has an update waiting to be applied in round {run.version}; "
+                "send this one once that round has closed",
+                current_version=run.version,
+            )
+        self._guard(run, ticket.peer, norm)
+        return UpdateRecord(
+            ticket.peer,
+            run.version,
+            self.store.next_seq(run.name),
+            ticket.digest,
+            ticket.samples,
+            ticket.metrics,
+            nbytes,
+            time.time(),
+            seconds,
+            base=ticket.round,
+            final=ticket.final,
+            object=name,
+        )
+
+    async def _counted(self, run: Run, ticket: Ticket, update: UpdateRecord, norm: float | None) -> Acknowledgement:
+        """A recorded update counts: in the open round, the peer's figures, the policy, the fold."""
         run.acked[ticket.peer] = update
         if norm is not None:
             run.norms[ticket.peer] = norm
@@ -320,16 +352,17 @@ class Rounds:
             peer.rate = ticket.samples / (update.received - peer.last_update_at)
         peer.last_update_at = update.received
         peer.samples += ticket.samples
-        peer.bytes_up += received.nbytes
+        peer.bytes_up += update.nbytes
         log.info(
-            "update_acked run=%s round=%d base=%d peer=%s samples=%d mb=%.3f upload_s=%.3f",
+            "update_acked run=%s round=%d base=%d peer=%s samples=%d mb=%.3f upload_s=%.3f via=%s",
             run.name,
             update.round,
             update.base,
             ticket.peer,
             ticket.samples,
-            received.nbytes / 1e6,
-            received.seconds,
+            update.nbytes / 1e6,
+            update.seconds,
+            "hub" if update.object is None else "store",
         )
         # a close starts at once, and its merge folds what is not folded yet; otherwise this
         # update is folded now, behind the uploads still under way
@@ -393,7 +426,7 @@ class Rounds:
                 if run.closing:
                     return
                 if update.peer not in acc.folded:
-                    key = UpdateKey(run.name, update.round, update.peer)
+                    key = UpdateKey.of(run.name, update)
                     weight = run.policy.weight(update.samples, update.base, update.round)
                     # a first fold stops when the round closes: the merge then folds every update
                     stop = closing if not acc.folded else None

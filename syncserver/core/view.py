@@ -113,10 +113,18 @@ class Listeners:
 class HubView:
     """Read the runs of one hub; be told when they change."""
 
-    def __init__(self, runs: dict[str, Run], store: Store, lease_seconds: float, store_url: str | None = None) -> None:
+    def __init__(
+        self,
+        runs: dict[str, Run],
+        store: Store,
+        lease_seconds: float,
+        store_url: str | None = None,
+        store_reads: Callable[[], int] | None = None,
+    ) -> None:
         self._runs = runs
         self._store = store
         self.store_url = store_url  # SYNC_STORE, as ObjectStore.url says it: no credential
+        self.store_reads = store_reads  # SYNC_STORE: bytes the hub has read from it (checks, merges)
         self.lease_seconds = lease_seconds
         self.listeners = Listeners()
         self._changed = asyncio.Event()

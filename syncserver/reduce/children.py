@@ -30,9 +30,10 @@ def _die_with_parent() -> None:  # in the child, between fork and exec
 class LocalReducers:
     """K ``syncserver reduce`` children of this process, kept running until :meth:`stop`."""
 
-    def __init__(self, count: int, token: str | None, threads: int = 1) -> None:
+    def __init__(self, count: int, token: str | None, threads: int = 1, store: str = "") -> None:
         self.count = count
         self.token = token
+        self.store = store  # SYNC_STORE, which --store may have given: updates in the bucket are read there
         self.threads = threads  # each reducer's slice threads
         self.procs: list[subprocess.Popen[bytes]] = []
         self._stop = threading.Event()
@@ -47,6 +48,7 @@ class LocalReducers:
     def _spawn(self, hub: str) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
         env.pop("SYNC_REDUCE_TOKEN", None)
+        env["SYNC_STORE"] = self.store  # the AWS_* variables are the hub's own, inherited
         if self.token:
             env["SYNC_REDUCE_TOKEN"] = self.token  # not on the command line, which `ps` shows
         return subprocess.Popen(

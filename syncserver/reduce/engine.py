@@ -39,7 +39,18 @@ from typing import Any, Protocol
 import numpy as np
 
 from syncserver.reduce import aggregate
-from syncserver.storage.store import BlobWriter, MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
+from syncserver.storage.objectfile import ObjectTensorFile, TensorReader
+from syncserver.storage.s3 import ObjectStore
+from syncserver.storage.store import (
+    BlobWriter,
+    Missing,
+    MomentumKey,
+    ResidualKey,
+    ResultKey,
+    Store,
+    UpdateKey,
+    VersionKey,
+)
 from syncwire import Codec, FormatError, Schema, get_codec, layout_bytes, wire_layout, wire_name
 from syncwire.codecs import slices
 from syncwire.format import TensorFile, encode_header
@@ -92,9 +103,10 @@ class Accumulator:
 class MergeEngine:
     """Fold, merge and version building for every run of one hub, on one slice pool."""
 
-    def __init__(self, store: Store, threads: int) -> None:
+    def __init__(self, store: Store, threads: int, objects: ObjectStore | None = None) -> None:
         self.store = store
         self.threads = threads
+        self.objects = objects  # SYNC_STORE: where the updates peers uploaded there are read
         # the same few threads fold and merge every round: fresh threads each round would each
         # get a fresh malloc arena, and the hub's memory crept up round after round
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="syncserver-slices")
@@ -103,8 +115,25 @@ class MergeEngine:
         self._pool.shutdown()
 
     # ---- per update ----------------------------------------------------------------------
-    def norm(self, wire: TensorFile, codec: Codec, schema: Schema) -> float:
-        """An update's L2 norm as decoded (for the norm guard), a slice at a time like the fold."""
+    def open_update(self, key: UpdateKey) -> TensorReader:
+        """An acknowledged update, wherever it lives: its file on the hub's disk, or its object
+        in the store (``key.object``), read with ranged GETs a slice at a time. Close it."""
+        if key.object is None:
+            return self.store.read(key)
+        if self.objects is None:
+            raise Missing(f"update {key.peer!r} of round {key.round} is in an object store: start the hub with it")
+        return ObjectTensorFile(self.objects, key.object, key.size)
+
+    def _opened(self, files: contextlib.ExitStack, key: UpdateKey) -> TensorReader:
+        """:meth:`open_update`, closed with ``files``."""
+        wire = self.open_update(key)
+        files.callback(wire.close)
+        return wire
+
+    @staticmethod
+    def norm(wire: TensorReader, codec: Codec, schema: Schema) -> float:
+        """An update's L2 norm as decoded (for the norm guard), a slice at a time like the fold.
+        Static: a check that runs off the hub (:mod:`syncserver.reduce.check`) takes it too."""
         return aggregate.global_norm(
             codec.decode(_read_parts(wire, name, parts), (stop - start,))
             for name, shape in schema.items()
@@ -132,7 +161,7 @@ class MergeEngine:
         if acc.mean is None:
             acc.mean = {name: np.zeros(shape, np.float32) for name, shape in acc.schema.items()}
         mean, before = acc.mean, acc.weight
-        with self.store.read(key) as wire:
+        with self.open_update(key) as wire:
 
             def fold(name: str, start: int, stop_: int, parts: dict[str, tuple[int, int]]) -> None:
                 if stop is not None and stop():
@@ -153,7 +182,7 @@ class MergeEngine:
         """The largest magnitude in an update as decoded (to tell which update a non-finite
         merge must go without; a rare path, so not kept from the fold)."""
         peaks: list[float] = []
-        with self.store.read(key) as wire:
+        with self.open_update(key) as wire:
 
             def peak(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
                 decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))
@@ -296,7 +325,7 @@ class MergeEngine:
         return Merge(
             step=step,
             base=base,
-            updates=[(files.enter_context(self.store.read(key)), w) for key, w in unfolded],
+            updates=[(self._opened(files, key), w) for key, w in unfolded],
             momentum=old_momentum,
             residual=old_residual,
             result=result,
@@ -410,7 +439,7 @@ class Merge:
 
     step: Step
     base: TensorFile  # version v
-    updates: list[tuple[TensorFile, float]]  # folded in this order, with these weights
+    updates: list[tuple[TensorReader, float]]  # folded in this order, with these weights
     momentum: TensorFile | None  # DiLoCo's, that goes with version v
     residual: TensorFile | None  # the hub's error feedback (topk), that goes with version v
     result: Sink
@@ -493,7 +522,7 @@ def fold_slice(
     stop: int,
     parts: dict[str, tuple[int, int]],
     acc: Accumulator | None,
-    updates: Sequence[tuple[TensorFile, float]],
+    updates: Sequence[tuple[TensorReader, float]],
     codec: Codec,
 ) -> np.ndarray:
     """One slice of the round's mean: ``acc``'s (if any), with ``updates`` folded after it (into
@@ -518,7 +547,7 @@ def _finite(values: np.ndarray) -> bool:
     return bool(np.isfinite(values).all())
 
 
-def _read_parts(wire: TensorFile, name: str, parts: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
+def _read_parts(wire: TensorReader, name: str, parts: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
     """One slice of tensor ``name``'s wire parts (``parts``: suffix -> (first value, count))."""
     return {
         suffix: wire.read(wire_name(name, suffix), first, first + count) for suffix, (first, count) in parts.items()

@@ -4,10 +4,11 @@ it to a reducer, and the reducer's work on it. No HTTP here and no hub state.
 The hub opens the round's merge once (:meth:`MergeEngine.open_merge
 <syncserver.reduce.engine.MergeEngine.open_merge>`: the step, the files it reads, the outputs
 staged and pre-sized, their headers written) and describes each span as a :class:`Job`: the
-step, where every input lies, and where each output tensor starts in its staged file. A local
-reducer (the local-disk store: same machine, same files) ``pread``\\ s its slices of every
-update, of version v, of the momentum and residual, and ``pwrite``\\ s its byte ranges of each
-output, through :func:`~syncserver.reduce.engine.merge_slice`, the one body the hub's own
+step, where every input lies, and where each output tensor starts in its staged file. A
+reducer (on the hub's machine: the same files) ``pread``\\ s its slices of every update (or
+reads them with ranged GETs from the bucket, for updates peers uploaded there), of version v,
+of the momentum and residual, and ``pwrite``\\ s its byte ranges of each output,
+through :func:`~syncserver.reduce.engine.merge_slice`, the one body the hub's own
 threads run: the same step and the same inputs give the same bits whoever runs a slice, and
 an expired lease redone by another reducer writes the very same bytes again.
 """
@@ -21,15 +22,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from syncserver.reduce.engine import Merge, NonFinite, Step, merge_slice, run_slices
 from syncserver.reduce.plan import Piece, Span, multi_part, pieces, plan
+from syncserver.storage.objectfile import ObjectTensorFile, TensorReader
+from syncserver.storage.s3 import ObjectStore
 from syncserver.storage.store import BlobWriter
 from syncwire import Schema, get_codec, wire_name
 from syncwire.format import TensorFile
 
-__all__ = ["Done", "Job", "LeaseStopped", "Output", "SliceJob", "StepModel", "jobs", "work"]
+__all__ = ["Done", "Job", "LeaseStopped", "Output", "SliceJob", "StepModel", "UpdateSource", "jobs", "work"]
 
 MAX_DETAIL = 2000
 
@@ -63,6 +66,22 @@ class SliceJob(BaseModel):
     out_parts: dict[str, tuple[int, int]]
 
 
+class UpdateSource(BaseModel):
+    """Where one update lies, and its weight: a file on the hub's disk (``path``) or an object
+    in the hub's bucket (``object``, read with the store's credentials from the environment)."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: str | None = None
+    object: str | None = None
+    weight: float
+
+    @model_validator(mode="after")
+    def _one_place(self) -> UpdateSource:
+        if (self.path is None) == (self.object is None):
+            raise ValueError("an update lies at a path or in an object, exactly one of them")
+        return self
+
+
 class Output(BaseModel):
     """A staged output file and the byte offset of each of its tensors that the lease writes."""
 
@@ -83,7 +102,7 @@ class Job(BaseModel):
     base: str = Field(description="Version v (float32), read with pread.")
     momentum: str | None = Field(description="DiLoCo's momentum of version v, if any.")
     residual: str | None = Field(description="The hub's residual of version v (topk), if any.")
-    updates: list[tuple[str, float]] = Field(description="The updates and their weights, folded in this order.")
+    updates: list[UpdateSource] = Field(description="The updates and their weights, folded in this order.")
     slices: list[SliceJob]
     result: Output
     next_momentum: Output | None
@@ -155,7 +174,10 @@ def _job(merge: Merge, items: list[Piece], span: Span) -> Job:
         base=merge.base.path,
         momentum=merge.momentum.path if merge.momentum is not None else None,
         residual=merge.residual.path if merge.residual is not None else None,
-        updates=[(f.path, w) for f, w in merge.updates],
+        updates=[
+            UpdateSource(path=f.path, weight=w) if isinstance(f, TensorFile) else UpdateSource(object=f.name, weight=w)
+            for f, w in merge.updates
+        ],
         slices=[
             SliceJob(name=p.name, start=p.start, stop=p.stop, parts=p.parts, out_parts=p.out_parts) for p in chosen
         ],
@@ -168,17 +190,35 @@ def _job(merge: Merge, items: list[Piece], span: Span) -> Job:
 
 
 def work(
-    job: Job, reducer: str, stop: Callable[[], bool] = lambda: False, pool: ThreadPoolExecutor | None = None
+    job: Job,
+    reducer: str,
+    stop: Callable[[], bool] = lambda: False,
+    pool: ThreadPoolExecutor | None = None,
+    objects: Callable[[], ObjectStore] | None = None,
 ) -> Done:
     """Do a lease's slices as ``reducer``, on ``pool`` if given, as the hub's own threads do
-    (``stop`` is asked before each: :class:`LeaseStopped` once it says
-    so) and say how it went: ``error="non_finite"`` if the round would not be finite (the hub
+    (``objects``: the bucket, for updates that lie there; ``stop`` is asked before each slice:
+    :class:`LeaseStopped` once it says so) and say how it went:
+    ``error="non_finite"`` if the round would not be finite (the hub
     then leaves an update out, as it does merging in-process); any other failure raises."""
     started = time.monotonic()
     with contextlib.ExitStack() as files:
 
         def read(path: str) -> TensorFile:
             return files.enter_context(TensorFile(path))
+
+        def update(source: UpdateSource) -> TensorReader:
+            if source.path is not None:
+                return read(source.path)
+            if objects is None:
+                raise RuntimeError(
+                    f"lease {job.lease} reads updates in the object store: give this reducer SYNC_STORE and the "
+                    "AWS_* variables, as the hub has them"
+                )
+            assert source.object is not None
+            wire = ObjectTensorFile(objects(), source.object)
+            files.callback(wire.close)
+            return wire
 
         def sink(out: Output | None) -> BlobWriter | None:
             if out is None:
@@ -192,7 +232,7 @@ def work(
         merge = Merge(
             step=Step(**job.step.model_dump()),
             base=read(job.base),
-            updates=[(read(path), weight) for path, weight in job.updates],
+            updates=[(update(source), source.weight) for source in job.updates],
             momentum=read(job.momentum) if job.momentum is not None else None,
             residual=read(job.residual) if job.residual is not None else None,
             result=result,

@@ -24,6 +24,7 @@ import httpx
 from pydantic import ValidationError
 
 from syncserver.reduce.lease import Done, Job, LeaseStopped, work
+from syncserver.storage.s3 import ObjectStore
 
 __all__ = ["ReducerError", "Reducer"]
 
@@ -49,9 +50,12 @@ class Reducer:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.hub, headers=headers, timeout=httpx.Timeout(10.0, read=90.0))
         self._stop = threading.Event()
+        self._objects: ObjectStore | None = None  # the hub's bucket, for updates peers uploaded there
 
     def close(self) -> None:
         self._http.close()
+        if self._objects is not None:
+            self._objects.close()
         if self._pool is not None:
             self._pool.shutdown()
 
@@ -86,7 +90,7 @@ class Reducer:
         renewer.start()
         try:
             try:
-                done = work(job, self.name, stop=lost.is_set, pool=self._pool)
+                done = work(job, self.name, stop=lost.is_set, pool=self._pool, objects=self._store)
             except LeaseStopped:
                 log.warning("reducer %s: lease %s lost mid-work, dropped", self.name, job.lease)
                 return
@@ -107,6 +111,15 @@ class Reducer:
             log.warning("reducer %s: report of lease %s refused: %s", self.name, job.lease, answer.text[:300])
         else:
             log.info("reducer %s: lease %s done in %.3f s", self.name, job.lease, done.seconds)
+
+    def _store(self) -> ObjectStore:
+        """The bucket that SYNC_STORE names (and the AWS_* variables sign for), as the hub's."""
+        if self._objects is None:
+            url = os.environ.get("SYNC_STORE", "")
+            if not url:
+                raise RuntimeError("a lease reads updates in the object store: set SYNC_STORE and AWS_* as the hub's")
+            self._objects = ObjectStore.from_url(url)
+        return self._objects
 
     def _renew(self, job: Job, lost: threading.Event) -> None:
         every = max(0.05, job.seconds / 3)

@@ -1,24 +1,33 @@
-"""The copies of results and versions that the hub publishes to an object store (``SYNC_STORE``).
+"""The hub's object store (``SYNC_STORE``): the results and versions it publishes there, and
+the updates peers upload there.
 
 Peers download a round's result and a model version straight from the bucket, through a
 presigned GET the hub answers with (307), so the hub's link carries each object once, up to
-the bucket, instead of once per peer. The hub's disk keeps its own copy of everything (the
-merge reads it, and downloads fall back to it), so the bucket is a second copy, never the only
-one, and the local-disk hub without a store is unchanged.
+the bucket, instead of once per peer. The hub's disk keeps its own copy of those (the merge
+reads it, and downloads fall back to it), so for them the bucket is a second copy, never the
+only one.
+
+Peers' updates go the other way (:mod:`syncserver.core.presigned`): uploaded through presigned
+part URLs straight into the bucket, checked by the hub with one streaming GET, and then the
+bucket holds the only copy (the update's record names it; the merge reads it with ranged GETs).
+The local-disk hub without a store is unchanged.
 
 Commit stays the hub's: an object counts only once a sqlite record names it
-(:class:`~syncserver.storage.store.ObjectRecord`), and the record is written after the upload
-succeeded (a round's result: in the round's own commit transaction). Anything in the bucket
-that no record names is garbage (an upload that a crash cut before its record): deleted at
-start, folder by folder (:meth:`Bucket.recover`); pruned versions and results leave the bucket
-with their files (:meth:`Bucket.prune`).
+(:class:`~syncserver.storage.store.ObjectRecord` for results and versions, the update's own
+record for an update), and the record is written after the upload succeeded (a round's result:
+in the round's own commit transaction). Anything in the bucket that no record names is garbage
+(an upload that a crash cut before its record, a multipart upload left open): deleted at start
+(:meth:`Bucket.recover`, :meth:`Bucket.delete_unnamed`); pruned versions, results and updates
+leave the bucket with their files (:meth:`Bucket.prune`).
 
 Names in the bucket, under the store's prefix::
 
     runs/<run>/rounds/<round:08d>/result.safetensors
     runs/<run>/versions/<version:08d>/model.safetensors
+    runs/<run>/updates/<round:08d>/<peer>/<key>.safetensors    (round: the update's base)
 
-A folder per round and per version, so that one ``delete_prefix`` removes exactly one.
+An update's name carries the key its peer chose for the upload (``Upload-Key``'s rule), under
+a folder of its own peer: no peer can name another's object.
 
 Threads: :meth:`upload`, :meth:`delete_unnamed` and :meth:`delete` make requests (worker
 threads) and touch no record; the record methods (:meth:`recover`, :meth:`prune`,
@@ -37,7 +46,7 @@ import time
 from syncserver.storage.s3 import URL_SECONDS, ObjectStore, StoreError, StoreUnavailable
 from syncserver.storage.store import Missing, ObjectRecord, Published, ResultKey, Store, VersionKey
 
-__all__ = ["DOWN_SECONDS", "Bucket", "object_name", "open_store"]
+__all__ = ["DOWN_SECONDS", "Bucket", "object_name", "open_store", "update_name"]
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +77,9 @@ def object_name(key: Published) -> str:
     return f"runs/{key.run}/versions/{key.number:08d}/model.safetensors"
 
 
-def _folder(key: Published) -> str:
-    return object_name(key).rsplit("/", 1)[0]
+def update_name(run: str, round_: int, peer: str, key: str) -> str:
+    """Where a peer's update computed from version ``round_`` goes, named by the upload's key."""
+    return f"runs/{run}/updates/{round_:08d}/{peer}/{key}.safetensors"
 
 
 class Bucket:
@@ -133,8 +143,8 @@ class Bucket:
 
     def recover(self, run: str, version: int) -> set[str]:
         """At start (event loop): forget the records past the committed state (a version past
-        ``version``, a result of a round not closed); the folders the records left name, for
-        :meth:`delete_unnamed`."""
+        ``version``, a result of a round not closed); the names of the objects the records left
+        name (results, versions, acknowledged updates), for :meth:`delete_unnamed`."""
         past = [
             r.key
             for r in self.store.stored_objects(run)
@@ -143,27 +153,32 @@ class Bucket:
         ]
         if past:
             self.store.forget_objects(past)
-        return {_folder(r.key) for r in self.store.stored_objects(run)}
+        return {object_name(r.key) for r in self.store.stored_objects(run)} | self.store.update_objects(run)
 
     def delete_unnamed(self, run: str, named: set[str]) -> int:
-        """Worker thread: delete every folder of ``run`` in the bucket that no record names
-        (``named``, from :meth:`recover`); how many objects went. A store that fails keeps them
-        for the next start."""
+        """Worker thread, at start: delete every object of ``run`` in the bucket that no record
+        names (``named``, from :meth:`recover`) and abort every multipart upload open there (no
+        record names an upload: it is a peer's update or a result a crash cut); how many objects
+        went. A store that fails keeps them for the next start."""
         try:
-            folders = {info.name.rsplit("/", 1)[0] for info in self.objects.list(f"runs/{run}/")}
-            deleted = sum(self.objects.delete_prefix(folder) for folder in sorted(folders - named))
+            unnamed = [info.name for info in self.objects.list(f"runs/{run}/") if info.name not in named]
+            self.objects.delete_names(unnamed)
+            uploads = self.objects.uploads(f"runs/{run}/")
+            for upload in uploads:
+                self.objects.abort_multipart(upload.name, upload.upload_id)
         except StoreError as exc:
             self.failed(run, f"cleaning up after a restart: {exc}")
             return 0
-        if deleted:  # a crash cut uploads before their records: worth a line in the log
-            log.warning("object_store_orphans_deleted run=%s objects=%d", run, deleted)
-        return deleted
+        if unnamed or uploads:  # a crash cut uploads before their records: worth a line in the log
+            log.warning("object_store_orphans_deleted run=%s objects=%d uploads=%d", run, len(unnamed), len(uploads))
+        return len(unnamed)
 
-    def prune(self, run: str, version_floor: int, result_floor: int) -> list[Published]:
-        """Event loop: forget the copies of versions below ``version_floor`` and results below
-        ``result_floor``, as the hub prunes its files (``SYNC_KEEP_VERSIONS``); the keys whose
-        objects :meth:`delete` then removes. Records go first: a crash in between leaves
-        garbage that :meth:`delete_unnamed` deletes, never a record of a deleted object."""
+    def prune(self, run: str, version_floor: int, result_floor: int) -> list[str]:
+        """Event loop: forget the copies of versions below ``version_floor``, results below
+        ``result_floor`` and the updates merged in those rounds, as the hub prunes its files
+        (``SYNC_KEEP_VERSIONS``); the names of the objects :meth:`delete` then removes. Records
+        go first: a crash in between leaves garbage that :meth:`delete_unnamed` deletes, never
+        a record of a deleted object."""
         gone = [
             r.key
             for r in self.store.stored_objects(run)
@@ -172,13 +187,12 @@ class Bucket:
         ]
         if gone:
             self.store.forget_objects(gone)
-        return gone
+        return [object_name(key) for key in gone] + self.store.forget_update_objects(run, result_floor)
 
-    def delete(self, run: str, keys: list[Published]) -> None:
-        """Worker thread: delete the objects of ``keys`` (forgotten by :meth:`prune`)."""
+    def delete(self, run: str, names: list[str]) -> None:
+        """Worker thread: delete the objects ``names`` (forgotten by :meth:`prune`)."""
         try:
-            for key in keys:
-                self.objects.delete_prefix(_folder(key))
+            self.objects.delete_names(names)
         except StoreError as exc:
             self.failed(run, f"pruning: {exc}")
 

@@ -16,9 +16,9 @@ import numpy as np
 
 from syncserver.storage.s3 import ObjectStore
 from syncwire import FormatError
-from syncwire.format import MAX_HEADER_BYTES, TensorInfo, parse_header
+from syncwire.format import MAX_HEADER_BYTES, TensorFile, TensorInfo, parse_header
 
-__all__ = ["ObjectTensorFile"]
+__all__ = ["ObjectTensorFile", "TensorReader"]
 
 _FIRST_READ = 64 << 10  # one GET takes the header of any model with up to ~500 tensors
 
@@ -47,6 +47,9 @@ class ObjectTensorFile:
             raise FormatError(f"{name}: {size} bytes, the header alone claims {8 + n}")
         if len(head) < 8 + n:
             head += bytes(objects.read(name, len(head), 8 + n))
+        # what the first GET brought stays: a small object (a tiny model's update) is then read
+        # by one request instead of one per slice, whose headers outweighed its bytes
+        self._held = head
         self.infos: dict[str, TensorInfo]
         self.infos, self.metadata, data = parse_header(head[: 8 + n])
         self._base = 8 + n
@@ -62,7 +65,10 @@ class ObjectTensorFile:
             raise IndexError(f"{name}: values [{start}, {stop}) of {count}")
         dtype = np.dtype(info.numpy_dtype)
         first = self._base + info.start + start * dtype.itemsize
-        raw = self.objects.read(self.name, first, first + (stop - start) * dtype.itemsize)
+        end = first + (stop - start) * dtype.itemsize
+        if end <= len(self._held):
+            return np.frombuffer(bytearray(self._held[first:end]), dtype)
+        raw = self.objects.read(self.name, first, end)
         if len(raw) != (stop - start) * dtype.itemsize:
             raise FormatError(f"{self.name}: ends inside tensor {name!r}")
         return np.frombuffer(raw, dtype)  # a bytearray: the array is writable
@@ -75,3 +81,7 @@ class ObjectTensorFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: A safetensors file read a slice at a time: on the hub's disk, or an object of the store.
+TensorReader = TensorFile | ObjectTensorFile

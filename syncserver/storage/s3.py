@@ -1,11 +1,11 @@
 """An S3-compatible object store (AWS S3, Cloudflare R2, GCS's S3 interop, MinIO, SeaweedFS) for the hub.
 
-In progress: nothing in the hub uses it yet (docs/object-store.md). It is the data plane the
-hub will hand out: peers PUT their updates and GET results straight to and from the bucket
-through presigned URLs for exactly one key (and, for a multipart upload, one part), so the
-hub's link carries control messages only; the hub itself lists, reads ranges of, completes and
-deletes objects with its own credentials. Every request, the hub's own too, is signed as a
-presigned URL (:mod:`syncserver.storage.sigv4`) and sent with httpx: no S3 SDK in the hub.
+The data plane the hub hands out (``SYNC_STORE``): peers PUT their updates and GET results
+straight to and from the bucket through presigned URLs for exactly one key (and, for a
+multipart upload, one part), so the hub's link carries control messages only; the hub
+itself lists, reads ranges of, completes and deletes objects with its own credentials. Every
+request, the hub's own too, is signed as a presigned URL (:mod:`syncserver.storage.sigv4`) and
+sent with httpx: no S3 SDK in the hub.
 
 Where it is: ``ObjectStore.from_url("s3://bucket/prefix")`` with the usual AWS variables
 (``AWS_ENDPOINT_URL`` for anything that is not AWS itself, ``AWS_ACCESS_KEY_ID``,
@@ -41,9 +41,10 @@ import hashlib
 import logging
 import os
 import re
+import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 from urllib.parse import urlsplit
@@ -170,6 +171,8 @@ class ObjectStore:
             limits=httpx.Limits(max_connections=16, max_keepalive_connections=8),
             headers={"Accept-Encoding": "identity"},  # objects are read as stored
         )
+        self.bytes_read = 0  # object bytes the hub's own GETs brought in (its /metrics)
+        self._counting = threading.Lock()
 
     @classmethod
     def from_url(
@@ -296,6 +299,21 @@ class ObjectStore:
                 "upload-id-marker": _text(root, "NextUploadIdMarker"),
             }
 
+    def list_parts(self, name: str, upload_id: str) -> dict[int, ObjectInfo]:
+        """The parts the store holds of multipart upload ``upload_id`` of ``name``: number ->
+        its size and ETag (a peer resuming sends only the others). :class:`ObjectMissing` when
+        the upload is gone (completed, aborted, or cleaned up by a restarted hub)."""
+        found: dict[int, ObjectInfo] = {}
+        query = {"uploadId": upload_id}
+        while True:
+            root = _xml(self._request("GET", self.key(name), query).content)
+            for item in _all(root, "Part"):
+                number = int(_text(item, "PartNumber"))
+                found[number] = ObjectInfo(name, int(_text(item, "Size")), _text(item, "ETag", "").strip('"'))
+            if _text(root, "IsTruncated", "false") != "true":
+                return found
+            query = {**query, "part-number-marker": _text(root, "NextPartNumberMarker")}
+
     # ---- objects, as the hub and reducers see them --------------------------------------------
     def head(self, name: str) -> ObjectInfo | None:
         """Size and ETag of ``name``; None when there is no such object."""
@@ -380,6 +398,7 @@ class ObjectStore:
             for chunk in response.iter_raw(_READ_BYTES):
                 buffer[filled : filled + len(chunk)] = chunk
                 filled += len(chunk)
+            self._count(filled)
             if filled != len(buffer):
                 raise StoreUnavailable(f"{self.url}{name}: the body ended at {filled} of {len(buffer)} bytes")
             return buffer
@@ -387,6 +406,29 @@ class ObjectStore:
             raise StoreUnavailable(f"{self.url}{name}: {type(exc).__name__} while reading: {exc}") from exc
         finally:
             response.close()
+
+    def stream(self, name: str) -> Generator[bytes, None, None]:
+        """The whole of ``name``, 1 MiB at a time, from one GET (a check reads an update once, in
+        order, and keeps none of it). Nothing is requested before the first ``next``; closing the
+        iterator early closes the answer. A body shorter than the store announced, or a link
+        that fails on the way, is a :class:`StoreUnavailable`."""
+        response = self._request("GET", self.key(name), stream=True)
+        try:
+            announced, filled = int(response.headers["content-length"]), 0
+            for chunk in response.iter_raw(_READ_BYTES):
+                filled += len(chunk)
+                self._count(len(chunk))
+                yield chunk
+            if filled != announced:
+                raise StoreUnavailable(f"{self.url}{name}: the body ended at {filled} of {announced} bytes")
+        except httpx.TransportError as exc:
+            raise StoreUnavailable(f"{self.url}{name}: {type(exc).__name__} while reading: {exc}") from exc
+        finally:
+            response.close()
+
+    def _count(self, nbytes: int) -> None:
+        with self._counting:
+            self.bytes_read += nbytes
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object under ``prefix`` (a name, or a name ending in ``/``), in key order."""
@@ -413,6 +455,14 @@ class ObjectStore:
             raise KeyRefused("delete_prefix needs a folder: it does not empty the whole store")
         folder = folder.strip("/") + "/"
         names = [info.name for info in self.list(folder)]
+        self.delete_names(names)
+        for upload in self.uploads(folder):
+            self.abort_multipart(upload.name, upload.upload_id)
+        return len(names)
+
+    def delete_names(self, names: Iterable[str]) -> None:
+        """Remove the objects ``names``, 1,000 per request (a name not there is no error)."""
+        names = list(names)
         for i in range(0, len(names), 1000):
             body = "<Delete><Quiet>true</Quiet>"
             body += "".join(f"<Object><Key>{self.key(n)}</Key></Object>" for n in names[i : i + 1000])
@@ -424,9 +474,6 @@ class ObjectStore:
                 raise StoreRefused(
                     _text(failed[0], "Code"), f"{_text(failed[0], 'Key')}: {_text(failed[0], 'Message')}"
                 )
-        for upload in self.uploads(folder):
-            self.abort_multipart(upload.name, upload.upload_id)
-        return len(names)
 
     def check(self) -> None:
         """Can the hub work with this store? :class:`StoreUnavailable` with one line that names

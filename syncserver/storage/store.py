@@ -101,7 +101,7 @@ CREATE TABLE IF NOT EXISTS updates (
     run TEXT NOT NULL, round INTEGER NOT NULL, peer TEXT NOT NULL, seq INTEGER NOT NULL,
     digest TEXT NOT NULL, samples INTEGER NOT NULL, metrics TEXT NOT NULL, nbytes INTEGER NOT NULL,
     received REAL NOT NULL, seconds REAL NOT NULL, base INTEGER, final INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (run, round, peer));
+    object TEXT, PRIMARY KEY (run, round, peer));
 CREATE TABLE IF NOT EXISTS rounds (
     run TEXT NOT NULL, round INTEGER NOT NULL, opened REAL NOT NULL, closed REAL NOT NULL,
     participants TEXT NOT NULL, dropped TEXT NOT NULL, samples INTEGER NOT NULL,
@@ -162,11 +162,20 @@ class ResidualKey:
 
 @dataclass(frozen=True)
 class UpdateKey:
-    """``peer``'s acknowledged update for ``round`` (wire codec)."""
+    """``peer``'s acknowledged update for ``round`` (wire codec). ``object``: its name in the
+    object store, when it went there instead of the hub's disk (``size``: its bytes)."""
 
     run: str
     round: int
     peer: str
+    object: str | None = None
+    size: int | None = None
+
+    @classmethod
+    def of(cls, run: str, update: UpdateRecord) -> UpdateKey:
+        """The key of an acknowledged update's record: where the merge finds its bytes."""
+        size = update.nbytes if update.object is not None else None
+        return cls(run, update.round, update.peer, update.object, size)
 
 
 @dataclass(frozen=True)
@@ -562,6 +571,8 @@ class Store:
             self._db.execute("ALTER TABLE updates ADD COLUMN base INTEGER")
         if "final" not in columns:  # a data dir from before final rounds: no update was a peer's last
             self._db.execute("ALTER TABLE updates ADD COLUMN final INTEGER NOT NULL DEFAULT 0")
+        if "object" not in columns:  # a data dir from before updates in the object store: all on disk
+            self._db.execute("ALTER TABLE updates ADD COLUMN object TEXT")
         if "group_size" not in {row[1] for row in self._db.execute("PRAGMA table_info(peers)")}:
             self._db.execute("ALTER TABLE peers ADD COLUMN group_size INTEGER NOT NULL DEFAULT 1")
 
@@ -690,36 +701,46 @@ class Store:
         """Store an update: its file, then its record (the acknowledgement's commit point). A
         failure leaves neither, and an update already stored is never touched (ValueError)."""
         path = self._path(UpdateKey(run, update.round, update.peer))
+        self._refuse_second(run, update)
+        try:
+            with _translating():
+                _publish(staged._path, path)
+            self.record_update(run, update)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+
+    def record_update(self, run: str, update: UpdateRecord) -> None:
+        """Record an update whose bytes are durable already: the commit point of its
+        acknowledgement (an update in the object store has no file here: ``update.object``)."""
+        self._refuse_second(run, update)
+        with self._tx() as db:
+            db.execute(
+                f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    run,
+                    update.peer,
+                    update.round,
+                    update.seq,
+                    update.digest,
+                    update.samples,
+                    json.dumps(update.metrics),
+                    update.nbytes,
+                    update.received,
+                    update.seconds,
+                    update.base,
+                    int(update.final),
+                    update.object,
+                ),
+            )
+
+    def _refuse_second(self, run: str, update: UpdateRecord) -> None:
         with _translating():
             held = self._db.execute(
                 "SELECT 1 FROM updates WHERE run = ? AND round = ? AND peer = ?", (run, update.round, update.peer)
             ).fetchone()
         if held:
             raise ValueError(f"{update.peer!r} already has an update stored for round {update.round} of {run!r}")
-        try:
-            with _translating():
-                _publish(staged._path, path)
-            with self._tx() as db:
-                db.execute(
-                    f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (
-                        run,
-                        update.peer,
-                        update.round,
-                        update.seq,
-                        update.digest,
-                        update.samples,
-                        json.dumps(update.metrics),
-                        update.nbytes,
-                        update.received,
-                        update.seconds,
-                        update.base,
-                        int(update.final),
-                    ),
-                )
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
 
     # ---- runs ----------------------------------------------------------------------------
     @_translated
@@ -772,12 +793,12 @@ class Store:
             )
 
     # ---- updates and rounds --------------------------------------------------------------
-    _UPDATE_COLUMNS = "peer, round, seq, digest, samples, metrics, nbytes, received, seconds, base, final"
+    _UPDATE_COLUMNS = "peer, round, seq, digest, samples, metrics, nbytes, received, seconds, base, final, object"
 
     @staticmethod
     def _update(row: tuple[Any, ...]) -> UpdateRecord:
-        p, r, s, d, n, m, b, t, sec, base, final = row
-        return UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec, r if base is None else base, bool(final))
+        p, r, s, d, n, m, b, t, sec, base, final, name = row
+        return UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec, r if base is None else base, bool(final), name)
 
     @_translated
     def updates(self, run: str, round_: int) -> list[UpdateRecord]:
@@ -863,6 +884,24 @@ class Store:
                 "DELETE FROM objects WHERE run = ? AND kind = ? AND number = ?",
                 [(key.run, *_kind(key)) for key in keys],
             )
+
+    @_translated
+    def update_objects(self, run: str) -> set[str]:
+        """The names of the updates of ``run`` that live in the object store (not pruned yet)."""
+        rows = self._db.execute("SELECT object FROM updates WHERE run = ? AND object IS NOT NULL", (run,))
+        return {name for (name,) in rows}
+
+    def forget_update_objects(self, run: str, below: int) -> list[str]:
+        """Drop the object names of ``run``'s updates merged in rounds before ``below`` (pruned
+        with their round, as the hub prunes its files); the names, for the caller to delete."""
+        with self._tx() as db:
+            rows = db.execute(
+                "SELECT object FROM updates WHERE run = ? AND round < ? AND object IS NOT NULL", (run, below)
+            ).fetchall()
+            db.execute(
+                "UPDATE updates SET object = NULL WHERE run = ? AND round < ? AND object IS NOT NULL", (run, below)
+            )
+        return [name for (name,) in rows]
 
     @_translated
     def rounds(self, run: str, limit: int = 50) -> list[RoundRecord]:

@@ -53,7 +53,7 @@ from syncserver.storage.store import Missing, Staged, Upload
 from syncwire import FormatError, HeaderReader, TensorInfo
 from syncwire.format import MAX_HEADER_BYTES
 
-__all__ = ["BodyInterrupted", "Held", "Received", "partial_offset", "receive"]
+__all__ = ["BodyInterrupted", "FiniteScan", "Held", "Received", "check_length", "partial_offset", "receive"]
 
 _BATCH = 8 << 20
 
@@ -61,7 +61,7 @@ _BATCH = 8 << 20
 _FINITE_DTYPES: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 
-class _FiniteScan:
+class FiniteScan:
     """Refuse NaN and Inf in the float parts of a body fed in order, as its bytes arrive.
 
     It works from the header's layout, so no second pass over the file is needed: each chunk
@@ -114,6 +114,19 @@ class _FiniteScan:
             raise InvalidUpdate(f"tensor {name!r} holds NaN or Inf values")
 
 
+def check_length(received: int, expected: int | None, max_bytes: int) -> None:
+    """The size rules of a body whose first ``received`` bytes have come: at most ``max_bytes``,
+    and no longer than its header says (``expected``, once the header is in)."""
+    if expected is None:
+        if received > max_bytes:
+            raise PayloadTooLarge(f"body is over this endpoint's {max_bytes}-byte limit")
+        return
+    if expected > max_bytes:
+        raise PayloadTooLarge(f"body of {expected} bytes is over the {max_bytes}-byte limit")
+    if received > expected:
+        raise BadRequest(f"body is longer than the {expected} bytes its header describes")
+
+
 @dataclass
 class Received:
     staged: Staged  # the whole body, fsynced, waiting to be published or discarded
@@ -137,7 +150,7 @@ class _Kept:
     position: int
     hash: hashlib._Hash
     header: HeaderReader
-    scan: _FiniteScan | None
+    scan: FiniteScan | None
 
 
 _KEPT_MAX = 64  # held bodies whose hash state is kept (O(tensors) each); past that the oldest is read back
@@ -211,7 +224,7 @@ class _Sink:
 
     def __init__(self, upload: Upload, offset: int = 0, size: int | None = None) -> None:
         self.hash = hashlib.sha256()
-        self.scan: _FiniteScan | None = None  # set once the header is known
+        self.scan: FiniteScan | None = None  # set once the header is known
         if offset:
             held = upload.held()
             if held < offset:
@@ -335,7 +348,7 @@ async def _receive(
         assert header.result is not None
         infos, _, data_bytes = header.result
         check_header(infos)
-        sink.scan = _FiniteScan(infos, header.header_bytes)
+        sink.scan = FiniteScan(infos, header.header_bytes)
         return header.header_bytes + data_bytes
 
     async def written() -> None:
@@ -360,21 +373,14 @@ async def _receive(
         """Count a chunk against the limits and parse the header out of the first ones."""
         nonlocal received, expected
         received += len(chunk)
-        limit = expected if expected is not None else max_bytes
-        if received > limit:
-            if expected is not None:
-                raise BadRequest(f"body is longer than the {expected} bytes its header describes")
-            raise PayloadTooLarge(f"body is over this endpoint's {max_bytes}-byte limit")
+        check_length(received, expected, max_bytes)
         if header.result is None:
             try:
                 expected = await to_thread.run_sync(read_header, chunk)
             except FormatError as exc:
                 raise InvalidUpdate(str(exc)) from None
             if expected is not None:
-                if expected > max_bytes:
-                    raise PayloadTooLarge(f"body of {expected} bytes is over the {max_bytes}-byte limit")
-                if received > expected:
-                    raise BadRequest(f"body is longer than the {expected} bytes its header describes")
+                check_length(received, expected, max_bytes)
                 if content_length is not None and offset + content_length != expected:
                     raise BadRequest(
                         f"Content-Length is {content_length} after offset {offset} but the header "

@@ -1,0 +1,262 @@
+"""Updates that peers upload straight to the object store (``SYNC_STORE``), through presigned
+part URLs the hub hands out for exactly one key.
+
+The flow (routes: ``POST .../updates/{peer}/presign`` and ``.../uploaded``)::
+
+    presign(key, size)  -> the round takes it? no update of this peer's acknowledged for it
+                           (its object is never written again)? the size under the run's
+                           limit? then a multipart upload of one object, a presigned PUT per
+                           part (asked again for the same key: the same upload, URLs for the
+                           parts the store lacks)
+    the peer PUTs the parts to the store (the hub sees none of those bytes)
+    uploaded(key, size, digest, etags)
+                        -> the store holds every part with the ETag the peer says; complete
+                           the upload (one object, at once); the object's size is the declared
+                           one; the body passes every check a PUT body passes
+                           (:func:`~syncserver.reduce.check.check_update`, fed by one streaming
+                           GET); its sha-256 is the declared one; then the same
+                           admission and record as a PUT (:meth:`Rounds.commit_object`), the
+                           record naming the object
+
+Anything refused (a lie about the size, the digest or the parts; a body that fails a check; the
+round closed meanwhile) is a 4xx with its reason, and the object is deleted: nothing is
+recorded, the round is unchanged. A store that fails is a 503 ``store_unavailable`` (the peer
+then PUTs its update to the hub) and the store is left alone for a while
+(:meth:`Bucket.failed`).
+
+The open uploads are kept in memory only: a hub that restarts aborts every multipart upload no
+record names (:meth:`Bucket.delete_unnamed`), and a peer that reports one then gets 409
+``upload_unknown`` and uploads again. One request at a time per peer runs here, so a retried
+``uploaded`` waits for the first and then gets its acknowledgement.
+
+Everything runs on the event loop; the store's requests and the check run in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+from anyio import to_thread
+
+from syncserver.core.rounds import Acknowledgement, Rounds, Ticket
+from syncserver.core.state import Run
+from syncserver.errors import BadRequest, Conflict, PayloadTooLarge, StoreDown, UploadUnknown
+from syncserver.reduce.check import Checked, UpdateRules, check_update
+from syncserver.storage.bucket import Bucket, update_name
+from syncserver.storage.s3 import ObjectMissing, StoreError, StoreRefused
+from syncwire import FormatError, TensorInfo
+
+__all__ = ["Plan", "PresignedUploads", "UploadReport"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Parts of an update: S3's 5 MiB minimum is too small to amortise a request on a far link, and
+#: a part re-sent after a cut should not be hundreds of MB: 8 MiB, bigger only past 10,000 parts.
+PART_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where an update goes: ``object`` (its name in the store), the multipart upload, parts of
+    ``part_size`` bytes (the last one shorter), a presigned PUT for each part the store lacks
+    (``urls``) and the ETags of those it holds (``done``); the URLs expire at ``expires`` (unix time)."""
+
+    object: str
+    upload_id: str
+    size: int
+    part_size: int
+    urls: dict[int, str]
+    done: dict[int, str]
+    expires: float
+
+
+@dataclass(frozen=True)
+class UploadReport:
+    """What a peer says it uploaded (``key``'s upload: ``size`` bytes of sha-256 ``digest``, the
+    parts' ETags), with what a PUT of the update carries in its headers."""
+
+    key: str
+    size: int
+    digest: str
+    etags: dict[int, str]
+    samples: int
+    metrics: dict[str, float]
+    final: bool = False
+
+
+@dataclass
+class _Open:
+    """An upload handed out and not yet reported."""
+
+    round: int
+    key: str
+    name: str
+    upload_id: str
+    size: int
+    part_size: int
+    began: float = field(default_factory=time.monotonic)
+
+    @property
+    def parts(self) -> int:
+        return max(1, -(-self.size // self.part_size))
+
+    def part_bytes(self, number: int) -> int:
+        return min(self.part_size, self.size - (number - 1) * self.part_size)
+
+
+class PresignedUploads:
+    """The uploads into the object store that the hub handed out, one per (run, peer)."""
+
+    def __init__(self, rounds: Rounds, bucket: Bucket, scratch: Path) -> None:
+        self.rounds = rounds
+        self.bucket = bucket
+        self.scratch = scratch  # where a check that takes a norm spools the body (the hub's tmp/)
+        self._open: dict[tuple[str, str], _Open] = {}
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    async def presign(self, run: Run, round_: int, peer: str, key: str, size: int) -> Plan:
+        """URLs to upload an update of ``size`` bytes computed from version ``round_`` (named by
+        the peer's ``key``). Every refusal comes before any URL is made."""
+        await self.rounds.check_open(run, round_)
+        if self.rounds.store.update_from(run.name, peer, round_) is not None:
+            # its object must never be written again: a second upload under a name a record
+            # holds would replace checked bytes with unchecked ones before any check could refuse
+            raise Conflict(
+                f"peer {peer!r} already has an update acknowledged for round {round_}", current_version=run.version
+            )
+        assert run.shape is not None
+        if size > run.shape.max_update_bytes:
+            raise PayloadTooLarge(f"body of {size} bytes is over the {run.shape.max_update_bytes}-byte limit")
+        if not self.bucket.up:
+            raise StoreDown(f"the object store {self.bucket.url} is down: PUT the update to the hub")
+        objects = self.bucket.objects
+        async with self._lock(run.name, peer):
+            opened = self._open.get((run.name, peer))
+            done: dict[int, str] = {}
+            if opened is not None and (opened.round, opened.key, opened.size) == (round_, key, size):
+                try:  # the same upload again (a resume): the parts the store holds whole stay
+                    held = await self._store(run, objects.list_parts, opened.name, opened.upload_id)
+                    done = {n: p.etag for n, p in held.items() if n <= opened.parts and p.size == opened.part_bytes(n)}
+                except UploadUnknown:  # gone from the store: start it again
+                    opened = None
+            elif opened is not None:  # the peer gave up on that one
+                await self._drop(run, opened)
+                opened = None
+            if opened is None:
+                name = update_name(run.name, round_, peer, key)
+                upload_id = await self._store(run, objects.create_multipart, name)
+                opened = _Open(round_, key, name, upload_id, size, objects.part_size(size, PART_BYTES))
+                self._open[run.name, peer] = opened
+        expires = time.time() + objects.url_seconds
+        urls = {
+            n: objects.presign_part(opened.name, opened.upload_id, n)
+            for n in range(1, opened.parts + 1)
+            if n not in done
+        }
+        return Plan(opened.name, opened.upload_id, size, opened.part_size, urls, done, expires)
+
+    async def uploaded(self, run: Run, round_: int, peer: str, report: UploadReport) -> Acknowledgement:
+        """The peer says it uploaded every part of ``key``'s upload: complete, check, acknowledge
+        (see the module docstring). The same update acknowledged before: its acknowledgement."""
+        async with self._lock(run.name, peer):
+            opened = self._open.get((run.name, peer))
+            if opened is None or (opened.round, opened.key) != (round_, report.key):
+                repeat = self.rounds.acknowledged_before(run, round_, peer, report.digest)
+                if repeat is not None:  # a retry whose first attempt was acknowledged
+                    return repeat
+                raise UploadUnknown(
+                    f"no upload of key {report.key!r} for round {round_} is open on the hub (it restarted, or another "
+                    "upload replaced it): ask /presign again"
+                )
+            del self._open[run.name, peer]  # settled here, whatever comes of it
+            try:
+                ack = await self._settle(run, opened, peer, report)
+            except BaseException:
+                with anyio.CancelScope(shield=True):  # tidy up even when the request is cancelled
+                    await self._drop(run, opened)
+                raise
+            if ack.repeat:  # the same update, acknowledged before from another copy: this one goes
+                await self._drop(run, opened)
+            return ack
+
+    async def _settle(self, run: Run, opened: _Open, peer: str, report: UploadReport) -> Acknowledgement:
+        objects = self.bucket.objects
+        size, digest, etags = report.size, report.digest, report.etags
+        seconds = time.monotonic() - opened.began  # the upload phase: from the plan to the report
+        if size != opened.size:
+            raise BadRequest(f"the upload was presigned for {opened.size} bytes, not {size}")
+        if sorted(etags) != list(range(1, opened.parts + 1)):
+            raise BadRequest(f"etags must name parts 1 to {opened.parts}, each once")
+        # the parts' ETags are compared here, not left to the store's complete: not every store
+        # refuses a complete that names ETags it does not hold
+        held = await self._store(run, objects.list_parts, opened.name, opened.upload_id)
+        for number, etag in sorted(etags.items()):
+            part = held.get(number)
+            if part is None or part.etag != etag.strip('"'):
+                said = "holds no such part" if part is None else f"holds it with another ETag than {etag[:40]!r}"
+                raise BadRequest(f"part {number}: the object store {said}")
+        info = await self._store(run, objects.complete_multipart, opened.name, opened.upload_id, etags)
+        if info.size != size:
+            raise BadRequest(f"the object holds {info.size} bytes, not the {size} declared")
+        assert run.shape is not None and run.schema is not None
+        rules = UpdateRules(
+            run.shape.layout,
+            run.schema,
+            run.codec,
+            run.shape.max_update_bytes,
+            bool(run.config.norm_guard or run.codec.check_on_receipt),
+        )
+
+        def check() -> Checked:  # one GET, closed as soon as the check stops reading
+            with contextlib.closing(objects.stream(opened.name)) as chunks:
+                return check_update(chunks, rules, spool=self.scratch)
+
+        checked = await self._store(run, check)
+        if checked.digest != digest:
+            raise BadRequest(f"body digest sha-256 {checked.digest} does not match the declared {digest}")
+        ticket = Ticket(
+            run.name, opened.round, peer, digest, report.samples, report.metrics, size, _no_body, final=report.final
+        )
+        return await self.rounds.commit_object(run, ticket, opened.name, checked.nbytes, seconds, checked.norm)
+
+    async def _drop(self, run: Run, opened: _Open) -> None:
+        """Delete an upload's object and parts (a store that fails leaves them for the next start)."""
+
+        def drop() -> None:
+            self.bucket.objects.abort_multipart(opened.name, opened.upload_id)
+            self.bucket.objects.delete(opened.name)
+
+        try:
+            await to_thread.run_sync(drop)
+        except StoreError as exc:
+            log.warning("object_store_delete_failed run=%s object=%s: %s", run.name, opened.name, exc)
+
+    async def _store(self, run: Run, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` in a worker thread, the store's errors said as the hub's."""
+        try:
+            return await to_thread.run_sync(functools.partial(fn, *args))
+        except ObjectMissing:
+            raise UploadUnknown("the object store holds no such upload any more: ask /presign again") from None
+        except StoreRefused as exc:  # a part the store does not hold with that ETag: the peer's word is false
+            raise BadRequest(f"the object store refused to complete the upload: {exc}") from None
+        except StoreError as exc:
+            self.bucket.failed(run.name, f"an update upload: {exc}")
+            raise StoreDown(f"the object store failed ({exc}): PUT the update to the hub") from None
+
+    def _lock(self, run: str, peer: str) -> asyncio.Lock:
+        return self._locks.setdefault((run, peer), asyncio.Lock())
+
+
+def _no_body(infos: dict[str, TensorInfo]) -> None:
+    raise FormatError("this update is in the object store: the hub takes no body for it")
