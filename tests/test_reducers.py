@@ -32,6 +32,7 @@ from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
 from tests.harness import Peers, wait_for
 from tests.models import perturb
+from tests.s3server import SeaweedFS
 from tests.test_metrics import scrape
 from tests.test_streaming_hub import _bytes, _update_file
 
@@ -260,12 +261,13 @@ def _train(url: str, run: str, rounds: int = 3) -> dict[str, str]:
             peers.parallel(["a", "b"], lambda n, r=r: sync(n, r))
     peers.close()
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    model = httpx.get(f"{url}/v1/runs/{run}/model", headers=auth, timeout=60)
+    # follow_redirects: a hub with a store sends downloads there (httpx drops the token on the way)
+    model = httpx.get(f"{url}/v1/runs/{run}/model", headers=auth, timeout=60, follow_redirects=True)
     model.raise_for_status()
     version = httpx.get(f"{url}/v1/runs/{run}", headers=auth).json()["version"]
     results = {}
     for v in range(version):
-        r = httpx.get(f"{url}/v1/runs/{run}/rounds/{v}/result", headers=auth, timeout=60)
+        r = httpx.get(f"{url}/v1/runs/{run}/rounds/{v}/result", headers=auth, timeout=60, follow_redirects=True)
         results[f"result {v}"] = hashlib.sha256(r.content).hexdigest() if r.status_code == 200 else str(r.status_code)
     return {"model": hashlib.sha256(model.content).hexdigest(), "version": str(version), **results}
 
@@ -377,6 +379,24 @@ def test_with_no_reducer_left_the_hub_works_the_leases_itself(hub_factory: Calla
     assert _train(hub.url, "barrier", rounds=2) == expected
     assert "lease_worked_by_hub" in hub.log()
     assert int(_reducers(hub)["hub"]["leases"]) >= 2  # type: ignore[call-overload]
+
+
+def test_reducers_merge_updates_that_peers_uploaded_to_the_bucket(
+    hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS
+) -> None:
+    """With SYNC_STORE the peers' updates go to the bucket; `--store ... --reducers 2`: the local
+    reducers read them there (the store from serve, the credentials from the environment) and
+    close every round to the bits of a hub without a store merging alone."""
+    env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
+    expected = _train(hub_factory(env=env).url, "barrier", rounds=2)
+    stored = hub_factory(
+        "--store", f"s3://{seaweedfs.bucket}/reducers", "--reducers", "2", env={**env, **seaweedfs.env()}
+    )
+    assert _train(stored.url, "barrier", rounds=2) == expected
+    samples = scrape(stored, TOKEN)
+    assert samples["weightsync_upload_bytes_total", (("run", "barrier"), ("via", "store"))] > 0
+    assert samples.get(("weightsync_upload_bytes_total", (("run", "barrier"), ("via", "hub"))), 0) == 0
+    assert sum(int(r["leases"]) for r in _reducers(stored).values()) >= 2  # type: ignore[call-overload]
 
 
 def _host() -> str:
