@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -292,7 +293,8 @@ def test_reducer_processes_give_the_bits_of_the_hub_alone(hub_factory: Callable[
     """`serve --reducers 3` (three child processes, leases cut three ways) closes barrier,
     samples and async rounds of int8/DiLoCo, topk and fp32 runs, final rounds included, to the
     bits of a hub that merges alone: every result and the model; /metrics, /v1/reduce/reducers
-    and `syncserver status` show the reducers and their leases; they die with the hub."""
+    and `syncserver status` show the reducers and their leases; one killed is started again;
+    they die with the hub."""
     env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
     alone = hub_factory(env=env)
     shared = hub_factory("--reducers", "3", env=env)
@@ -319,8 +321,16 @@ def test_reducer_processes_give_the_bits_of_the_hub_alone(hub_factory: Callable[
     )
     assert "reducers" in shown.stdout and all(name in shown.stdout for name in known), shown.stdout + shown.stderr
     pids = [int(name.rsplit("-", 1)[1]) for name in known]
+    os.kill(pids[0], signal.SIGKILL)  # a local reducer dies: the hub starts another
+    wait_for(lambda: set(_pids(shared)) - set(pids), "a reducer started in place of the killed one", timeout=60)
+    pids = [pid for pid in _pids(shared) if _alive(pid)]
+    assert len(pids) == 3
     shared.kill()  # SIGKILL: the kernel takes the reducers with it
     wait_for(lambda: not any(_alive(pid) for pid in pids), "the reducers to die with their hub")
+
+
+def _pids(hub: Hub) -> list[int]:
+    return [int(name.rsplit("-", 1)[1]) for name in _reducers(hub)]
 
 
 def _alive(pid: int) -> bool:
