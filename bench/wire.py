@@ -591,6 +591,19 @@ def start_reducers(
     return procs
 
 
+def reducer_leases(net: Net, hub: Hub) -> int:
+    """The merge leases the hub's reducers did so far (0 for a hub without reducers): that
+    they did the merges, not the hub alone. Asked from the hub's namespace (the only way in)."""
+    if not hub.reducers:
+        return 0
+    code = (
+        "import json, sys, urllib.request; "
+        "print(sum(int(r['leases']) for r in json.load(urllib.request.urlopen(sys.argv[1], timeout=30))))"
+    )
+    command = in_ns(net.hub, None, sys.executable, "-c", code, f"{hub.server.url}/v1/reduce/reducers")
+    return int(subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout)
+
+
 # -----------------------------------------------------------------------------
 # the benchmark
 @dataclass
@@ -697,6 +710,7 @@ def run_case(
                 "link": str(link),
                 "hub": hub.kind,
                 "reducers": hub.reducers,
+                "leases": reducer_leases(net, hub),
                 "hub_cpus": hub.cpus,
                 **{k: best[k] for k in keys},
                 "round_x_limit": best["round_s"] / best["limit_s"],
@@ -876,17 +890,22 @@ def run_peers(
 
         start_hub("disk", {})
         peers = rb.Peers(n, schema, target=netns_peer, first_args=lambda k: (net.peers[k], args.rest_cpus))
-        if store is not None:  # the hub holds the store's keys; peers get none
-            store.wait_ready()
-            print(f"N={n}: SeaweedFS up in {store.started_in:.1f}s at {store.env['AWS_ENDPOINT_URL']}", flush=True)
-            start_hub("store", store.env, "--store", f"s3://{store.bucket}/wire-{n}")
         why = probe.missing() if probe is not None else None
         if why is not None and "reducers" not in skipped:
             skipped["reducers"] = why
             print(f"--reducers {args.reducers}: skipped, {why}", flush=True)
-        if probe is not None and why is None and store is not None:
-            workers = start_reducers(net, hubs[-1].server.url, args.reducers, store.env, args.rest_cpus, work)
-            hubs[-1].reducers = args.reducers
+        reducing = probe is not None and why is None and store is not None
+        if store is not None:  # the hub holds the store's keys; peers get none
+            store.wait_ready()
+            print(f"N={n}: SeaweedFS up in {store.started_in:.1f}s at {store.env['AWS_ENDPOINT_URL']}", flush=True)
+            url = f"s3://{store.bucket}/wire-{n}"
+            # the hub cuts each merge into K leases; the reducers are started apart, in their namespace
+            leases = ("--reducers", str(args.reducers), "--local-reducers", "0") if reducing else ()
+            start_hub("store", store.env, "--store", url, *leases)
+            if reducing:  # they read the updates in the bucket with the store's keys, as the hub does
+                env = {**store.env, "SYNC_STORE": url}
+                workers = start_reducers(net, hubs[-1].server.url, args.reducers, env, args.rest_cpus, work)
+                hubs[-1].reducers = args.reducers
         slow = rate_bits(args.slow_below)
         for codec in codecs:
             chosen = [link for link in links if codec in (args.slow_codecs if link.bits <= slow else args.codecs)]

@@ -203,6 +203,7 @@ def test_wire_benchmark_shapes_links_and_leaves_no_namespace(tmp_path: Path, net
         assert "no `reduce` command" in result["skipped"]["reducers"] and "skipped" in stdout
     else:
         assert {r["reducers"] for r in result["rows"] if r["hub"] == "store"} == {1}
+        assert all(r["leases"] > 0 for r in result["rows"] if r["hub"] == "store"), "the reducer did the merges"
     targets = {t["target"] for t in result["targets"]}
     assert any("shared:1gbit" in t for t in targets)
     assert any(t.startswith("fp32, 2 peers, shared:1gbit, store: bytes through the hub's link") for t in targets)
