@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from syncserver.core.policy import PeerState
-from syncserver.core.state import Run
+from syncserver.core.state import Run, Via
 from syncserver.errors import NotFound
 from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.storage.store import Store
@@ -97,6 +97,7 @@ class RunState(TypedDict):
     peers: list[PeerLine]
     rounds: list[RoundRecord]  # oldest first
     store: str | None  # the object store results and versions go out through (SYNC_STORE), no credential
+    traffic: dict[str, dict[Via, int]]  # up/down -> via -> bytes since the hub started (state.Traffic)
 
 
 @dataclass
@@ -257,6 +258,7 @@ class HubView:
             ],
             "rounds": self.rounds(run.name),
             "store": self.store_url,
+            "traffic": {"up": dict(run.traffic.up), "down": dict(run.traffic.down)},
         }
 
     def fingerprint(self, run: Run | None) -> str:
