@@ -10,7 +10,8 @@ Each try: create a multipart upload, presign its parts (what the hub does), uplo
 complete it (nothing is deleted: SeaweedFS frees deleted space only on vacuum, so the
 volumes are sized for every try). MB/s = 10^6 bytes over the upload alone; best of ``--repeat``.
 
-``--link RATE`` (root): the uploader runs in a network namespace of its own whose veth to the
+``--bucket B``: a store running already (the ``AWS_*`` variables name it), instead of a SeaweedFS of
+its own (loopback only). ``--link RATE`` (root): the uploader runs in a network namespace of its own whose veth to the
 store's side is capped both ways with ``tc ... tbf`` (bench/wire.py's bucket and queue). This
 kernel has tbf but not netem: a bandwidth cap without delay, so one TCP stream's window is
 never what limits it; over far-apart links (tens of ms) it is, and that is where parallel
@@ -80,11 +81,18 @@ def main() -> None:
     parser.add_argument("--streams", default="1,4", help="stream counts to compare")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--link", help="tc rate of the uploader's link (needs root), e.g. 1gbit")
+    parser.add_argument("--bucket", help="a store running already (the AWS_* variables name it), on loopback")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     size, streams = args.size * 1_000_000, [int(s) for s in args.streams.split(",")]
     if args.child:
         print(json.dumps(child(size, streams, args.repeat)))
+        return
+    if args.bucket:
+        if args.link:
+            parser.error("--bucket runs on loopback: leave out --link")
+        os.environ["BENCH_STORE"] = f"s3://{args.bucket}/bench-parts"
+        table(args, streams, child(size, streams, args.repeat))
         return
 
     from tests.s3server import SeaweedFS
@@ -120,6 +128,10 @@ def main() -> None:
         if args.link:
             sh("ip", "link", "del", "wsp0", check=False)
             sh("ip", "netns", "del", NS, check=False)
+    table(args, streams, result)
+
+
+def table(args: argparse.Namespace, streams: list[int], result: dict[str, float]) -> None:
     link = f"tbf {args.link}" if args.link else "loopback, unshaped"
     print(f"| link | {' | '.join(f'{n} stream(s) MB/s' for n in streams)} |")
     print(f"|---|{'---|' * len(streams)}")

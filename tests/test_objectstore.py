@@ -563,3 +563,25 @@ def test_store_benchmark_runs(seaweedfs: SeaweedFS) -> None:
     }
     for label in ("presigned URLs / s", "PUT 8 MB parts (MB/s)", "GET whole (MB/s)", "ranged GET 1 MiB (ms)"):
         assert float(table[label].replace(",", "")) > 0, (label, done.stdout)
+
+
+@pytest.mark.process  # a program of its own
+def test_parts_benchmark_runs(seaweedfs: SeaweedFS) -> None:
+    """bench/parts.py on this session's SeaweedFS, 16 MB once: a figure for each stream count."""
+    env = {**os.environ, **seaweedfs.env()}
+    command = [
+        sys.executable,
+        str(REPO / "bench" / "parts.py"),
+        "--size",
+        "16",
+        "--repeat",
+        "1",
+        "--bucket",
+        seaweedfs.bucket,
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = done.stdout.splitlines()[-1].split("|")
+    assert row[1].strip() == "loopback, unshaped, 16 MB, 8 MiB parts" and all(float(x) > 0 for x in row[2:4]), (
+        done.stdout
+    )
