@@ -7,18 +7,24 @@ upload, one part number of one upload), so a peer needs no S3 library and holds 
 credential.
 
 A body goes up in parts (:class:`PartedUpload`: part ``n`` is bytes ``[(n-1)*part_size,
-n*part_size)``), each PUT with its ``Content-Length`` (S3 takes no chunked body) and retried as
-the SDK retries anything (:meth:`~syncclient.transport.Transport._retrying`: connect errors,
-timeouts, 5xx, 429/503 with ``Retry-After``). The store answers each part with its ETag; they
-are kept in the upload, so after a failure (a URL that expired, a store gone for longer than
-the retry budget) calling :func:`upload_parts` again, with renewed URLs where the old ones
-expired, sends only the parts not yet acknowledged. The hub completes the upload with the
-ETags (the object appears whole, at once). One part whose URL is a presigned PUT is a plain
+n*part_size)``), up to :data:`PART_STREAMS` of them at once on their own connections (as S3
+clients do: one TCP stream rarely fills a far-apart link), each PUT with its
+``Content-Length`` (S3 takes no chunked body) and retried alone as the SDK retries anything
+(:meth:`~syncclient.transport.Transport._retrying`: connect errors, timeouts, 5xx, 429/503
+with ``Retry-After``). The store answers each part with its ETag; they are kept in the upload
+by part number, so after a failure (a URL that expired, a store gone for longer than the retry
+budget) calling :func:`upload_parts` again, with renewed URLs where the old ones expired,
+sends only the parts not yet acknowledged. The hub completes the upload with the ETags (the
+object appears whole, at once). One part whose URL is a presigned PUT is a plain
 single-request upload: the same code.
 
 Downloads are the SDK's own (:meth:`~syncclient.transport.Transport.download`: safetensors
 into arrays, a cut transfer resumed with ``Range``), given the presigned URL by :func:`download`.
 A hub's ``307`` to its object store is followed there too, by its own token-free client.
+They stay one GET: the body is parsed as it streams (:class:`~syncwire.StreamReader`) and a
+result's tensors are folded into the base as they arrive, in file order, while the download
+goes on; ranges fetched at once would land out of order, to be held until the bytes before
+them came, and the resume, the expiry and the fall-back to the hub would each count per range.
 
 The transport must carry no bearer token: the hub's token must never reach a bucket (and S3
 refuses a request signed twice): ``hub_transport.without_token(retry_seconds)``.
@@ -28,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import cast
 from urllib.parse import parse_qsl
@@ -39,6 +47,10 @@ from syncclient.exceptions import HubError
 from syncclient.transport import Download, Transport, _check
 
 __all__ = ["PartedUpload", "download", "upload_parts"]
+
+#: parts in flight at once: S3 clients upload on several connections (boto3's s3transfer: 10),
+#: as one TCP stream's window rarely fills a far-apart link; bench/RESULTS.md, "Parallel parts"
+PART_STREAMS = 4
 
 Content = Callable[[], Iterator[bytes | memoryview]]  # a fresh iterator over the whole body, per call
 
@@ -81,34 +93,78 @@ class PartedUpload:
         return [n for n in range(1, self.count + 1) if n not in self.etags]
 
 
-def upload_parts(transport: Transport, upload: PartedUpload, content: Content) -> dict[int, str]:
-    """PUT every part of ``upload`` not yet acknowledged; return every part's ETag (for the hub).
+def upload_parts(
+    transport: Transport, upload: PartedUpload, content: Content, concurrency: int = PART_STREAMS
+) -> dict[int, str]:
+    """PUT every part of ``upload`` not yet acknowledged, up to ``concurrency`` at once; return
+    every part's ETag (for the hub).
 
-    ``content()`` gives the whole body afresh (views of arrays, as for :meth:`Transport.upload`);
-    each part's attempt takes its window of it. Raises as the SDK does: :class:`HubUnreachable`
-    once the retry budget is spent, :class:`HubError` for a refusal (403: an expired or foreign
-    URL); the ETags of the parts that went up stay in ``upload`` for the next call.
+    ``content()`` gives the whole body afresh (views of arrays, as for :meth:`Transport.upload`;
+    a chunk must stay valid once yielded: no reused buffer). It is read once, in order, in the
+    calling thread (an update still encoding is waited for there, and hashed as it goes); each
+    part's views go to a worker thread that PUTs them, retried alone after a cut. At most
+    ``concurrency`` parts are in flight and one more is being gathered: what the body's chunks
+    pin. After a part fails for good no new part starts, those in flight finish, and the call
+    raises as the SDK does: :class:`HubUnreachable` once the retry budget is spent,
+    :class:`HubError` for a refusal (403: an expired or foreign URL). The ETags of the parts
+    that went up stay in ``upload`` for the next call, which sends only the others.
     """
     if "authorization" in transport.http.headers:
         raise ValueError("a transport with the hub's token must not talk to the object store: make one with token=None")
-    for number in upload.missing():
-        start, end = upload.span(number)
-        url = upload.urls[number]
-        where = url.split("?", 1)[0] + f" (part {number})"  # no signature in messages
-        with _store_errors(), transport._errors(where):
-            for attempt in transport._retrying():
-                with attempt:
-                    response = transport.http.put(
-                        url,
-                        content=cast("Iterator[bytes]", _window(content(), start, end)),
-                        headers={"Content-Length": str(end - start)},
-                    )
-                    _check(response)
-        etag = response.headers.get("etag", "").strip('"')
-        if not etag:
-            raise HubError(response.status_code, "no_etag", f"{where}: the store answered without an ETag")
-        upload.etags[number] = etag
-    return dict(upload.etags)
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+    wanted = upload.missing()
+    if not wanted:
+        return dict(sorted(upload.etags.items()))
+    slots = threading.Semaphore(concurrency)
+    failed = threading.Event()
+    lock = threading.Lock()
+
+    def send(number: int, views: list[memoryview]) -> None:
+        try:
+            etag = _put_part(transport, upload, number, views)
+            with lock:
+                upload.etags[number] = etag
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            slots.release()
+
+    sent: dict[int, Future[None]] = {}
+    with ThreadPoolExecutor(min(concurrency, len(wanted)), thread_name_prefix="sync-part") as pool:
+        try:
+            for number, views in _parts(content(), upload, wanted):
+                slots.acquire()  # this part's views are gathered; it waits for a free stream
+                if failed.is_set():
+                    slots.release()
+                    break
+                sent[number] = pool.submit(send, number, views)
+        finally:
+            wait(sent.values())  # (a body that ended short raises here, after the parts in flight)
+    for number in sorted(sent):
+        sent[number].result()  # the first part that failed, by number, says why
+    return dict(sorted(upload.etags.items()))
+
+
+def _put_part(transport: Transport, upload: PartedUpload, number: int, views: list[memoryview]) -> str:
+    """One part's PUT, with the transport's retries; the store's ETag for it."""
+    start, end = upload.span(number)
+    url = upload.urls[number]
+    where = url.split("?", 1)[0] + f" (part {number})"  # no signature in messages
+    with _store_errors(), transport._errors(where):
+        for attempt in transport._retrying():
+            with attempt:
+                response = transport.http.put(
+                    url,
+                    content=cast("Iterator[bytes]", iter(views)),
+                    headers={"Content-Length": str(end - start)},
+                )
+                _check(response)
+    etag = response.headers.get("etag", "").strip('"')
+    if not etag:
+        raise HubError(response.status_code, "no_etag", f"{where}: the store answered without an ETag")
+    return etag
 
 
 def download(
@@ -144,16 +200,33 @@ def _tag(xml: str, name: str) -> str:
     return found.group(1) if found else ""
 
 
-def _window(chunks: Iterator[bytes | memoryview], start: int, end: int) -> Iterator[memoryview]:
-    """Bytes ``[start, end)`` of a body given as chunks, as views (no copies)."""
-    position = 0
+def _parts(
+    chunks: Iterator[bytes | memoryview], upload: PartedUpload, wanted: list[int]
+) -> Iterator[tuple[int, list[memoryview]]]:
+    """The ``wanted`` parts of a body given as chunks, in order, each as the views (no copies)
+    of its bytes; the chunks of parts not wanted (acknowledged before) are read past, not kept.
+    Stops after the last part wanted: the rest of the body is not read."""
+    todo, last = set(wanted), max(wanted)
+    if upload.size == 0:  # an empty body: its one part, of nothing
+        yield 1, []
+        return
+    number, views, position = 1, list[memoryview](), 0
+    start, end = upload.span(number)
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
         following = position + len(view)
-        if following > start and position < end:
-            yield view[max(start - position, 0) : min(end, following) - position]
-        if following >= end:
-            return
+        while True:  # the parts this chunk has bytes of (parts are contiguous)
+            if number in todo and following > start and position < end:
+                views.append(view[max(start - position, 0) : min(end, following) - position])
+            if following < end:
+                break  # this part goes on in the next chunk
+            if number in todo:
+                yield number, views
+            if number == last:
+                return
+            number, views = number + 1, []
+            start, end = upload.span(number)
+            if following <= start:
+                break
         position = following
-    if position < end:
-        raise ValueError(f"the body ended at byte {position}, before its part's end {end}: not the size declared")
+    raise ValueError(f"the body ended at byte {position}, before its part's end {end}: not the size declared")

@@ -1,7 +1,7 @@
 """``syncserver``: run a hub, or look at one.
 
 syncserver serve --host 0.0.0.0 --port 8000 --data-dir /srv/weightsync --min-peers 3
-syncserver status http://hub:8000 --run imdb-gpt2 [--watch]
+syncserver status http://hub:8000 --run imdb-gpt2 [--watch | --json]
 syncserver reduce --hub http://hub:8000 [--token T]     (a reducer; serve --reducers K starts K)
 
 (A hub and K peers on this machine: ``weightsync-run --local-peers K -- COMMAND``, which runs
@@ -240,12 +240,22 @@ def status(
     run: Annotated[Optional[str], typer.Option(help="Show one run in detail.")] = None,  # noqa: UP045
     token: Annotated[Optional[str], typer.Option(envvar="SYNC_TOKEN", help="Bearer token.")] = None,  # noqa: UP045
     watch: Annotated[bool, typer.Option(help="Refresh every 2 seconds.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the data the tables show as JSON (the hub's /v1/dashboard), once.")
+    ] = False,
 ) -> None:
     """Print runs (or one run) as tables."""
-    from syncserver.status import StatusError, show
+    from syncserver.status import StatusError, fetch, show
 
+    if as_json and watch:
+        typer.echo("error: --json prints once: leave out --watch", err=True)
+        raise typer.Exit(2)
+    token = token or os.environ.get("SYNC_TOKEN")
     try:
-        show(url, run=run, token=token or os.environ.get("SYNC_TOKEN"), watch=watch)
+        if as_json:
+            typer.echo(json.dumps(fetch(url, run, token), indent=2))
+        else:
+            show(url, run=run, token=token, watch=watch)
     except StatusError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

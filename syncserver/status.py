@@ -1,9 +1,11 @@
-"""``syncserver status URL [--run NAME] [--watch]``: a run's state as terminal tables (rich).
+"""``syncserver status URL [--run NAME] [--watch | --json]``: a run's state as terminal tables (rich).
 
 It reads the same ``/v1/dashboard`` data as the web page, so the terminal and the browser
-agree: peers (state, last seen, speed, bytes, latest loss and perplexity), the latest rounds
+agree: peers (state, last seen, speed, bytes, latest loss and perplexity), the run's bytes up
+and down by the way they went (the hub's link, or the object store's), the latest rounds
 with where their time went (upload, waiting for stragglers, aggregation, download), and the
-open round. The view token (``SYNC_VIEW_TOKEN``) is enough. Errors are one line, no traceback.
+open round. ``--json`` prints that data as it came. The view token (``SYNC_VIEW_TOKEN``) is
+enough. Errors are one line, no traceback.
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
                 _latest(c.get("val_ppl")),
             ]
         )
-    out: list[RenderableType] = [_fit(title, PEER_COLUMNS, peer_rows, width, empty="no peers yet")]
+    out: list[RenderableType] = [_fit(title, PEER_COLUMNS, peer_rows, width, empty="no peers yet"), _traffic(s)]
 
     trace = {t["round"]: t for t in s["trace"]}
     round_rows: list[list[Cell]] = []
@@ -252,6 +254,16 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
         line = f"waiting for peers: {len(s['peers'])} of {cfg['min_peers']} have joined"
     out.append(Text(line))
     return out
+
+
+def _traffic(s: dict[str, Any]) -> Text:
+    """Where the run's bytes went since the hub started: through its link, or the object store's."""
+    t = s["traffic"]
+    line = "bytes since the hub started: " + "; ".join(
+        f"{direction} {_mb(t[direction]['hub'])} MB via the hub, {_mb(t[direction]['store'])} MB via the store"
+        for direction in ("up", "down")
+    )
+    return Text(line)
 
 
 @dataclass(frozen=True)

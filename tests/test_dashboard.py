@@ -274,6 +274,9 @@ def test_page_shows_two_peers_training_live(hub_factory: Callable[..., Hub], bro
             for i in range(2):
                 assert paths.nth(i).get_attribute("d").count("L") >= 1
         assert "Compression is off" in page.locator("#chart-codec").inner_text()  # fp32: said so
+        # where the bytes went: no object store here, so none through one
+        summary = page.locator("#summary").inner_text()
+        assert "bytes up" in summary and "bytes down" in summary and "store 0 B" in summary, summary
 
         out = tmp_path / "dashboard.png"
         page.screenshot(path=str(out), full_page=True)

@@ -384,9 +384,13 @@ def test_delete_prefix_removes_a_round_and_its_open_uploads(store: ObjectStore) 
 
 
 # ---- the SDK: resume ----------------------------------------------------------------------------
-def test_sdk_upload_resumes_only_the_parts_not_acknowledged(store: ObjectStore) -> None:
-    """Part 2's URL points at a closed port: parts 1 goes up, 2 fails after the retry budget, 3 is
-    not tried. With a good URL for part 2, the next call sends parts 2 and 3 only."""
+@pytest.mark.parametrize(("concurrency", "acknowledged", "resent"), [(1, [1], ["2", "3"]), (4, [1, 3], ["2"])])
+def test_sdk_upload_resumes_only_the_parts_not_acknowledged(
+    store: ObjectStore, concurrency: int, acknowledged: list[int], resent: list[str]
+) -> None:
+    """Part 2's URL points at a closed port: it fails after the retry budget. One at a time,
+    part 1 went up and 3 was never tried; four at a time, 1 and 3 went up beside it. With a
+    good URL for part 2, the next call sends only what the store lacks."""
     data = body(10 * MiB + 1, seed=2)
     upload_id = store.create_multipart("resumed")
     urls = {n: store.presign_part("resumed", upload_id, n) for n in (1, 2, 3)}
@@ -396,15 +400,91 @@ def test_sdk_upload_resumes_only_the_parts_not_acknowledged(store: ObjectStore) 
         t.http.event_hooks["request"].append(lambda r: sent.append(r.url.params["partNumber"]))
         upload.urls[2] = urls[2].replace(urlsplit(urls[2]).netloc, f"127.0.0.1:{held.getsockname()[1]}")
         with pytest.raises(HubUnreachable, match=r"/resumed \(part 2\)"):
-            upload_parts(t, upload, lambda: chunks_of(data))
-        assert sorted(upload.etags) == [1] and upload.missing() == [2, 3]
+            upload_parts(t, upload, lambda: chunks_of(data), concurrency)
+        assert sorted(upload.etags) == acknowledged
         assert "X-Amz-Signature" not in str(sent)
         sent.clear()
         upload.urls[2] = urls[2]  # the hub's renewed URL
-        etags = upload_parts(t, upload, lambda: chunks_of(data))
-    assert sent == ["2", "3"]
+        etags = upload_parts(t, upload, lambda: chunks_of(data), concurrency)
+    assert sent == resent
     store.complete_multipart("resumed", upload_id, etags)
     assert store.read("resumed") == data
+
+
+@pytest.fixture
+def proxied(seaweedfs: SeaweedFS, request: pytest.FixtureRequest) -> Iterator[tuple[FaultProxy, ObjectStore]]:
+    """A FaultProxy in front of SeaweedFS, and a store whose URLs are signed for the proxy's
+    address (as a hub signs for the address its peers see)."""
+    with FaultProxy(int(urlsplit(seaweedfs.endpoint).port or 0)) as proxy:
+        env = {**seaweedfs.env(), "AWS_ENDPOINT_URL": proxy.url}
+        with ObjectStore.from_url(f"s3://{seaweedfs.bucket}/t/{request.node.name}", env) as store:
+            yield proxy, store
+
+
+def parted(store: ObjectStore, name: str, size: int) -> tuple[str, PartedUpload]:
+    upload_id = store.create_multipart(name)
+    count = -(-size // (5 * MiB))
+    return upload_id, PartedUpload(
+        size, 5 * MiB, {n: store.presign_part(name, upload_id, n) for n in range(1, count + 1)}
+    )
+
+
+def test_sdk_parts_go_up_at_once_and_complete_out_of_order_to_the_same_bytes(
+    proxied: tuple[FaultProxy, ObjectStore],
+) -> None:
+    """Part 1 on a slow link (5 MB/s through the proxy), the others at loopback speed: with
+    four streams, parts 2-4 are acknowledged while part 1 still goes up (one at a time, part 1
+    would be first). The ETags go by part number, and the object is the body."""
+    proxy, store = proxied
+    data = body(20 * MiB - 5, seed=4)
+    upload_id, upload = parted(store, "ooo", len(data))
+    proxy.throttle(5_000_000, match="partNumber=1&")
+    with transport() as t:
+        etags = upload_parts(t, upload, lambda: chunks_of(data, 3 * MiB + 7), concurrency=4)
+    assert list(upload.etags)[-1] == 1  # the order the store acknowledged them in
+    assert list(etags) == [1, 2, 3, 4]
+    assert sorted(r.target.split("partNumber=")[1][:2] for r in proxy.matching("PUT /")) == ["1&", "2&", "3&", "4&"]
+    store.complete_multipart("ooo", upload_id, etags)
+    assert store.read("ooo") == data
+
+
+def test_sdk_a_part_cut_midway_is_retried_alone(proxied: tuple[FaultProxy, ObjectStore]) -> None:
+    """Part 2's link drops after 2 MB: that part is sent again, on its own, while the others
+    go up once each; the object is the body."""
+    proxy, store = proxied
+    data = body(20 * MiB - 5, seed=5)
+    upload_id, upload = parted(store, "cut", len(data))
+    proxy.cut(after=2_000_000, match="partNumber=2&")
+    with transport() as t:
+        etags = upload_parts(t, upload, lambda: chunks_of(data), concurrency=4)
+    puts = {n: proxy.matching(f"partNumber={n}&") for n in (1, 2, 3, 4)}
+    assert {n: len(p) for n, p in puts.items()} == {1: 1, 2: 2, 3: 1, 4: 1}
+    assert puts[2][0].fault and not puts[2][0].done and puts[2][1].done
+    assert proxy.body_bytes("PUT /") == len(data) + puts[2][0].body_bytes
+    store.complete_multipart("cut", upload_id, etags)
+    assert store.read("cut") == data
+
+
+def test_sdk_upload_holds_at_most_one_part_more_than_it_sends(store: ObjectStore) -> None:
+    """The body's chunks are read in order as parts free up: while a chunk of part k is read,
+    parts k-1 and k-2 may be in flight (two streams) and none before them unacknowledged: at
+    most three parts pinned, and three are (the reader runs ahead by one part, no further)."""
+    data = body(30 * MiB, seed=6)
+    upload_id, upload = parted(store, "bounded", len(data))
+    held: list[int] = []
+
+    def instrumented() -> Iterator[memoryview]:
+        for i, chunk in enumerate(chunks_of(data)):
+            held.append(i * MiB // (5 * MiB) + 1 - len(upload.etags))  # parts read, less acknowledged
+            yield chunk
+
+    with transport() as t:
+        with pytest.raises(ValueError, match="at least 1"):
+            upload_parts(t, upload, instrumented, concurrency=0)
+        etags = upload_parts(t, upload, instrumented, concurrency=2)
+    assert len(held) == 30 and max(held) == 3
+    store.complete_multipart("bounded", upload_id, etags)
+    assert store.read("bounded") == data
 
 
 def test_sdk_upload_of_an_empty_body_and_of_a_body_shorter_than_declared(store: ObjectStore) -> None:
@@ -483,3 +563,25 @@ def test_store_benchmark_runs(seaweedfs: SeaweedFS) -> None:
     }
     for label in ("presigned URLs / s", "PUT 8 MB parts (MB/s)", "GET whole (MB/s)", "ranged GET 1 MiB (ms)"):
         assert float(table[label].replace(",", "")) > 0, (label, done.stdout)
+
+
+@pytest.mark.process  # a program of its own
+def test_parts_benchmark_runs(seaweedfs: SeaweedFS) -> None:
+    """bench/parts.py on this session's SeaweedFS, 16 MB once: a figure for each stream count."""
+    env = {**os.environ, **seaweedfs.env()}
+    command = [
+        sys.executable,
+        str(REPO / "bench" / "parts.py"),
+        "--size",
+        "16",
+        "--repeat",
+        "1",
+        "--bucket",
+        seaweedfs.bucket,
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = done.stdout.splitlines()[-1].split("|")
+    assert row[1].strip() == "loopback, unshaped, 16 MB, 8 MiB parts" and all(float(x) > 0 for x in row[2:4]), (
+        done.stdout
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
@@ -74,6 +75,23 @@ def test_run_table_lists_peers_and_rounds(run_table: subprocess.CompletedProcess
     assert {"0", "1", "2"} <= round_numbers, text
     assert "upload" in text and "wait" in text and "aggregate" in text and "download" in text
     assert "open round 3" in text
+    # no object store: every byte went through the hub's link
+    assert re.search(r"up [\d.,]+ MB via the hub, 0\.0 MB via the store; down [\d.,]+ MB via the hub, 0\.0 MB", text)
+
+
+def test_json_says_where_the_bytes_went(hub_with_rounds: Hub) -> None:
+    """``--json``: the data the tables show, as the hub gave it; the run's bytes by the way they
+    went agree with its rounds and its peers (a hub without a store: all through its link)."""
+    out = status(hub_with_rounds.url, "--run", "cli-run", "--json", token=VIEW)
+    assert out.returncode == 0, out.stderr
+    run = json.loads(out.stdout)["run"]
+    traffic = run["traffic"]
+    assert traffic["up"] == {"hub": sum(r["bytes_in"] for r in run["rounds"]), "store": 0}
+    assert traffic["up"]["hub"] == sum(p["bytes_up"] for p in run["peers"]) > 0
+    assert traffic["down"]["hub"] >= sum(p["bytes_down"] for p in run["peers"]) > 0
+    assert traffic["down"]["store"] == 0
+    both = status(hub_with_rounds.url, "--run", "cli-run", "--json", "--watch", token=VIEW)
+    assert both.returncode == 2 and both.stderr == "error: --json prints once: leave out --watch\n"
 
 
 NUMBER = re.compile(r"\d[\d,.]*(?:e[+-]\d+)?")
@@ -143,6 +161,7 @@ def big_run() -> dict[str, Any]:
         "peers": peers,
         "curves": {"x": "step", "peers": curves},
         "rounds": rounds,
+        "traffic": {"up": {"hub": 0, "store": 987654321098}, "down": {"hub": 12345678, "store": 1975308642196}},
         "trace": [{"round": r["round"], "lanes": [lane]} for r in rounds],
         "open_round": {
             "round": 12348,

@@ -291,3 +291,13 @@ def test_int8_with_the_norm_guard_through_the_store_is_bit_identical(
     assert uploaded_bytes > 0
     # the hub read each update once to check it, and again to merge it (ranged GETs)
     assert metric(samples, "weightsync_store_read_bytes_total") >= 2 * uploaded_bytes
+    # the run view (dashboard, status) says where the bytes went, as /metrics does
+    run_view = httpx.get(f"{stored.url}/v1/dashboard", params={"run": "q"}, headers=AUTH, timeout=30).json()["run"]
+    assert run_view["traffic"] == {
+        direction: {
+            via: metric(samples, f"weightsync_{direction}load_bytes_total", run="q", via=via)
+            for via in ("hub", "store")
+        }
+        for direction in ("up", "down")
+    }
+    assert run_view["traffic"]["down"]["store"] > 0  # results through the hub's 307s

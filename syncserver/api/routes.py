@@ -39,6 +39,7 @@ from syncserver.api.schemas import (
 from syncserver.core.coordinator import Coordinator, Redirect, Start
 from syncserver.core.presigned import UploadReport
 from syncserver.core.rounds import Ticket
+from syncserver.core.state import Via
 from syncserver.errors import BadRequest, HubError, Incomplete, Superseded
 from syncserver.limits import (
     MAX_BYTES,
@@ -487,11 +488,11 @@ def _answer(
     metrics: HubMetrics = request.app.state.metrics
     size = found.size
     nbytes = _served_bytes(request, size)
-    hub.count_download(run, peer, nbytes)
+    via: Via = "store" if isinstance(found, Redirect) else "hub"
+    hub.count_download(run, peer, nbytes, via)
+    metrics.served(run, via, nbytes)
     if isinstance(found, Redirect):
-        metrics.served(run, "store", nbytes)
         return Response(status_code=307, headers={**headers, "Location": found.url, "Cache-Control": "no-store"})
-    metrics.served(run, "hub", nbytes)
     return BlobResponse(found, headers=headers, background=background)
 
 

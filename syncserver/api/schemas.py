@@ -21,6 +21,7 @@ from syncserver.settings import Outer, Policy
 
 __all__ = [
     "Answer",
+    "Bytes",
     "Curves",
     "DashboardData",
     "DashboardRun",
@@ -44,6 +45,7 @@ __all__ = [
     "StartState",
     "StartWaiting",
     "TraceRound",
+    "Traffic",
     "UpdateAck",
     "UpdateSummary",
     "UploadPlan",
@@ -257,6 +259,19 @@ class UpdateSummary(Answer):
     base: int = Field(description="The version it was computed from: its round, or older in async runs.")
 
 
+class Bytes(Answer):
+    hub: int = Field(description="Through the hub's link.")
+    store: int = Field(description="Straight to or from the object store (SYNC_STORE), through presigned URLs.")
+
+
+class Traffic(Answer):
+    """A run's bytes since the hub started (a restart counts afresh), by the way they went: what
+    /metrics exports as ``weightsync_upload_bytes_total{via}`` and ``weightsync_download_bytes_total{via}``."""
+
+    up: Bytes = Field(description="Acknowledged updates: a PUT to the hub, or presigned parts to the store.")
+    down: Bytes = Field(description="Results and versions: served by the hub, or a 307 to the store.")
+
+
 class _RunState(Answer):
     """What run status and the dashboard both say of a run."""
 
@@ -273,6 +288,7 @@ class _RunState(Answer):
     store: str | None = Field(
         None, description="The object store peers download results and versions from (SYNC_STORE); null: the hub."
     )
+    traffic: Traffic
 
 
 class RunStatus(_RunState):

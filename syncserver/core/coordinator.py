@@ -32,7 +32,7 @@ from syncserver.core.presigned import Plan, PresignedUploads, UploadReport
 from syncserver.core.quotas import check_new_peer, check_new_run
 from syncserver.core.rounds import Acknowledgement, InitialVersion, Rounds, Ticket
 from syncserver.core.shape import RunShape
-from syncserver.core.state import CONFIG_FIELDS, Peer, Run, RunConfig, now
+from syncserver.core.state import CONFIG_FIELDS, Peer, Run, RunConfig, Via, now
 from syncserver.core.view import HubView
 from syncserver.errors import Conflict, InvalidUpdate, NotFound
 from syncserver.reduce.engine import MergeEngine
@@ -484,9 +484,13 @@ class Coordinator:
         """Samples the run had trained by the end of round ``round_``: a peer stops on a budget."""
         return self.store.samples_through(run_name, round_)
 
-    def count_download(self, run_name: str, peer_name: str | None, nbytes: int) -> None:
+    def count_download(self, run_name: str, peer_name: str | None, nbytes: int, via: Via) -> None:
+        """A download answered: ``nbytes`` served by the hub, or redirected to the store."""
         run = self.runs.get(run_name)
-        if run and peer_name in run.peers:
+        if run is None:
+            return
+        run.traffic.down[via] += nbytes
+        if peer_name in run.peers:
             run.peers[peer_name].bytes_down += nbytes
 
     def record_download(self, run_name: str, round_: int, peer_name: str | None, began: float) -> None:

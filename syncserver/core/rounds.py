@@ -353,6 +353,7 @@ class Rounds:
         peer.last_update_at = update.received
         peer.samples += ticket.samples
         peer.bytes_up += update.nbytes
+        run.traffic.up["hub" if update.object is None else "store"] += update.nbytes
         log.info(
             "update_acked run=%s round=%d base=%d peer=%s samples=%d mb=%.3f upload_s=%.3f via=%s",
             run.name,

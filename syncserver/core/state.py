@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from syncserver.core.policy import RoundPolicy, make_policy
 from syncserver.core.shape import RunShape
@@ -14,7 +15,7 @@ from syncserver.reduce.engine import Accumulator, Outer
 from syncserver.storage.store import PeerRecord
 from syncwire import Codec, Schema
 
-__all__ = ["CONFIG_FIELDS", "Peer", "Run", "RunConfig"]
+__all__ = ["CONFIG_FIELDS", "Peer", "Run", "RunConfig", "Traffic", "Via"]
 
 CONFIG_FIELDS = (
     "codec",
@@ -66,6 +67,21 @@ class RunConfig:
         return Outer(self.outer, self.outer_lr, self.outer_momentum, self.outer_warmup)
 
 
+#: the way a transfer went: through the hub's link, or to and from the object store (SYNC_STORE)
+Via = Literal["hub", "store"]
+
+
+@dataclass
+class Traffic:
+    """A run's bytes since the hub started, by direction and way: acknowledged updates up
+    (a PUT to the hub, or presigned parts to the store), results and versions down (served by
+    the hub, or a 307 to the store). What /metrics counts as ``weightsync_{upload,download}_bytes``,
+    for the run view: with a store, the operator sees what still crosses the hub's link."""
+
+    up: dict[Via, int] = field(default_factory=lambda: {"hub": 0, "store": 0})
+    down: dict[Via, int] = field(default_factory=lambda: {"hub": 0, "store": 0})
+
+
 @dataclass
 class Peer:
     """A peer's identity and traffic; its standing in rounds is the policy's
@@ -115,6 +131,7 @@ class Run:
     # round's. In memory: a restart starts it afresh.
     norms: dict[str, float] = field(default_factory=dict)
     previous_norms: list[float] = field(default_factory=list)
+    traffic: Traffic = field(default_factory=Traffic)  # in memory: a restart counts afresh
     # round -> peer -> (wall time its result download began, ended); in memory, bounded
     downloads: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
     # a close that failed (say the disk is full) is tried again from this monotonic time on

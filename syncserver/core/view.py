@@ -21,7 +21,7 @@ from typing import Any, TypedDict
 
 from syncserver.core.leases import LEASE_POLL_MAX, Board, ReducerStats
 from syncserver.core.policy import PeerState
-from syncserver.core.state import Run
+from syncserver.core.state import Run, Via
 from syncserver.errors import NotFound
 from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.storage.store import Store
@@ -98,6 +98,7 @@ class RunState(TypedDict):
     peers: list[PeerLine]
     rounds: list[RoundRecord]  # oldest first
     store: str | None  # the object store results and versions go out through (SYNC_STORE), no credential
+    traffic: dict[str, dict[Via, int]]  # up/down -> via -> bytes since the hub started (state.Traffic)
 
 
 @dataclass
@@ -264,6 +265,7 @@ class HubView:
             ],
             "rounds": self.rounds(run.name),
             "store": self.store_url,
+            "traffic": {"up": dict(run.traffic.up), "down": dict(run.traffic.down)},
         }
 
     def fingerprint(self, run: Run | None) -> str:

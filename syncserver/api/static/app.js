@@ -248,8 +248,7 @@
     const live = run.peers.filter((p) => p.state === "live" || p.state === "late").length;
     const last = run.rounds[run.rounds.length - 1];
     const rate = run.peers.filter((p) => p.state === "live").reduce((a, p) => a + p.samples_per_second, 0);
-    const up = run.peers.reduce((a, p) => a + p.bytes_up, 0);
-    const down = run.peers.reduce((a, p) => a + p.bytes_down, 0);
+    const via = (b) => `hub ${fmtBytes(b.hub)} · store ${fmtBytes(b.store)}`;
     const ratios = Object.values(run.curves.peers).map((c) => latest(c.codec_ratio)).filter((x) => x !== null);
     const cfg = run.config;
     fill($("summary"),
@@ -257,7 +256,8 @@
       stat("peers live", `${live} / ${run.peers.length}`, `min ${cfg.min_peers}`),
       stat("last round", last ? fmtSecs(last.closed - last.opened) : "–", last ? `${last.participants.length} peers` : "none yet"),
       stat("throughput", rate ? `${fmtVal(rate)}` : "–", rate ? "samples/s" : ""),
-      stat("sent to hub", fmtBytes(up), `received ${fmtBytes(down)}`),
+      stat("bytes up", fmtBytes(run.traffic.up.hub + run.traffic.up.store), via(run.traffic.up)),
+      stat("bytes down", fmtBytes(run.traffic.down.hub + run.traffic.down.store), via(run.traffic.down)),
       stat("codec", cfg.codec, ratios.length ? `${(ratios.reduce((a, b) => a + b) / ratios.length).toFixed(1)}× smaller` : cfg.codec === "fp32" ? "no compression" : ""),
       stat("outer", cfg.outer, cfg.outer === "diloco" ? `lr ${cfg.outer_lr}, μ ${cfg.outer_momentum}, warm-up ${cfg.outer_warmup ?? 0}` : "weighted mean"),
       stat("rounds", cfg.policy, { barrier: "every peer's N steps", samples: `close at ${fmtNum(cfg.round_samples)} samples`, async: `no barrier, staleness ≤ ${cfg.max_staleness}` }[cfg.policy] || ""),
