@@ -39,6 +39,7 @@ BUDGETS: dict[str, float] = {
     "tests/test_reducers.py::test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it": 17,
     "tests/test_reducers.py::test_a_hub_killed_while_its_leases_wait_closes_the_round_again_after_a_restart": 15,
     "tests/test_reducers.py::test_with_no_reducer_left_the_hub_works_the_leases_itself": 10,
+    "tests/test_reducers.py::test_reducer_processes_give_the_bits_of_the_hub_alone": 12,
     "tests/test_reducers.py::test_reducers_merge_updates_that_peers_uploaded_to_the_bucket": 12,
     "tests/test_zero_code.py::test_a_peer_that_finishes_first_leaves_without_holding_the_other_back": 10,
     "tests/test_zero_code.py::test_hugging_face_trainer_example": 11,
