@@ -220,9 +220,9 @@ def test_a_copy_in_the_object_store_counts_from_its_record_and_the_round_commits
     store.create_run("r", {})
     record = RoundRecord(0, 0.0, 1.0, ["a"], [], 4, 10, 10, {})
     copy = ObjectRecord(ResultKey("r", 0), 10, "etag0")
-    store.commit_round("r", record, copy)
+    store.commit_round("r", record, [copy])
     with pytest.raises(Unavailable):  # the same round again: the commit fails, and so does its copy
-        store.commit_round("r", record, ObjectRecord(ResultKey("r", 0), 99, "other"))
+        store.commit_round("r", record, [ObjectRecord(ResultKey("r", 0), 99, "other")])
     store.record_object(ObjectRecord(VersionKey("r", 1), 12, "etag1"))
     store.close()
     again = Store(tmp_path / "hub")

@@ -34,7 +34,7 @@ from syncserver.core.rounds import Acknowledgement, InitialVersion, Rounds, Tick
 from syncserver.core.shape import RunShape
 from syncserver.core.state import CONFIG_FIELDS, Peer, Run, RunConfig, Via, now
 from syncserver.core.view import HubView
-from syncserver.errors import Conflict, InvalidUpdate, NotFound
+from syncserver.errors import Conflict, InvalidUpdate, NotFound, Unavailable
 from syncserver.reduce.engine import MergeEngine
 from syncserver.settings import HubSettings
 from syncserver.storage.bucket import Bucket
@@ -421,6 +421,8 @@ class Coordinator:
                 try:
                     return self.store.serve(key)
                 except Missing:
+                    if self.store.stored_object(key) is not None:  # reducers wrote it to the bucket only
+                        raise _only_in_bucket(f"round {round_}'s result") from None
                     raise self.rounds.gone(run, round_) from None
             if round_ > run.version or run.version < 0:
                 raise Conflict(
@@ -450,6 +452,8 @@ class Coordinator:
                 return version, copy
             with contextlib.suppress(Missing):
                 return version, self.store.serve(key)
+            if self.rounds.versions.only_in_bucket(run, version):
+                raise _only_in_bucket(f"version {version}")
             await self.rounds.versions.written(run)
 
     def _redirect(self, run: Run, key: Published, direct: bool, peer_name: str | None) -> Redirect | None:
@@ -521,3 +525,8 @@ def _configured(run: Run, key: str) -> Any:
     """A run's setting as a join compares it: its codec in the codec's one spelling (the join
     request is normalised, and runs created before that stored the spec as it was given)."""
     return run.codec.spec if key == "codec" else getattr(run.config, key)
+
+
+def _only_in_bucket(what: str) -> Unavailable:
+    """A download the hub cannot serve itself: the reducers wrote it to the object store only."""
+    return Unavailable(f"{what} lives only in the object store (written there by the reducers), which failed: retry")

@@ -24,23 +24,25 @@ from anyio import to_thread
 
 from syncserver.core.state import Run
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite
-from syncserver.storage.store import UpdateKey
+from syncserver.storage.store import ObjectRecord, UpdateKey
 
 __all__ = ["Leased", "merge_finite"]
 
-#: A merge with :meth:`MergeEngine.merge`'s arguments, awaited (the reducers' leases)
-Leased = Callable[..., Awaitable[int]]
+#: A merge with :meth:`MergeEngine.merge`'s arguments, awaited (the reducers' leases): the
+#: result's size and the records of the objects the merge wrote to the bucket (none but there)
+Leased = Callable[..., Awaitable[tuple[int, list[ObjectRecord]]]]
 
 log = logging.getLogger(__name__)
 
 
 async def merge_finite(
     engine: MergeEngine, run: Run, round_: int, participants: Sequence[str], leased: Leased | None = None
-) -> tuple[int, list[str]]:
+) -> tuple[int, list[str], list[ObjectRecord]]:
     """Merge ``run``'s open round ``round_``: its accumulator, with every acknowledged update
     not folded yet folded by the merge itself (:meth:`MergeEngine.merge`, or the reducers'
     leases: ``leased``, :func:`syncserver.core.leases.merge_leased` bound to the board);
-    return the result's size and the peers whose updates were left out, in that order. The
+    return the result's size, the peers whose updates were left out, in that order, and the
+    records of the objects the merge wrote (the reducers' parts: the result and version v+1). The
     divisor and the outer step's share are the policy's, of the participants' samples."""
     assert run.schema is not None
     acc = run.accumulator()
@@ -64,7 +66,8 @@ async def merge_finite(
             unfolded=[(_key(run, peer), _weight(run, peer)) for peer in unfolded],
         )
         try:
-            return await merge(), left_out
+            size, objects = await merge()
+            return size, left_out, objects
         except NonFinite as exc:
             merged = list(dict.fromkeys([*acc.folded, *unfolded]))  # a final round's merge folds into acc
             if not merged:
@@ -89,8 +92,8 @@ async def merge_finite(
 def _threaded(engine: MergeEngine) -> Leased:
     """The in-process merge, in a worker thread, with a leased merge's signature."""
 
-    async def merge(*args: Any, **kwargs: Any) -> int:
-        return await to_thread.run_sync(functools.partial(engine.merge, *args, **kwargs))
+    async def merge(*args: Any, **kwargs: Any) -> tuple[int, list[ObjectRecord]]:
+        return await to_thread.run_sync(functools.partial(engine.merge, *args, **kwargs)), []
 
     return merge
 

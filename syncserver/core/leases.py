@@ -27,16 +27,17 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from anyio import to_thread
 
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer
-from syncserver.reduce.lease import Done, Job, jobs, work
-from syncserver.storage.s3 import ObjectStore
-from syncserver.storage.store import UpdateKey
+from syncserver.reduce.lease import Done, Job, ObjectOutput, jobs, work
+from syncserver.storage.bucket import object_name
+from syncserver.storage.s3 import ObjectStore, StoreError
+from syncserver.storage.store import Key, ObjectRecord, Published, ResultKey, UpdateKey, VersionKey
 from syncwire import Codec
 
 __all__ = ["LEASE_POLL_MAX", "Board", "LeaseFailed", "ReducerStats", "merge_leased"]
@@ -316,15 +317,24 @@ async def merge_leased(
     fraction: float,
     final: bool = False,
     unfolded: Sequence[tuple[UpdateKey, float]] = (),
-) -> int:
+) -> tuple[int, list[ObjectRecord]]:
     """:meth:`MergeEngine.merge`'s work, shared by the reducers: open the merge, hand out its
-    leases, wait for them, publish the outputs (fsync + rename); the result's size. The hub
-    folds nothing before a leased merge (``acc`` is empty): the reducers fold every update in
-    acknowledgement order, which gives the same bits as folding some first."""
+    leases, wait for them, publish the outputs; the result's size, and the records of the
+    objects the reducers wrote (none on local disk). The hub folds nothing before a leased merge
+    (``acc`` is empty): the reducers fold every update in acknowledgement order, which gives the
+    same bits as folding some first.
+
+    With an object store (the board's ``objects``) the result and version v+1 are multipart
+    uploads that the reducers write a part each of (:func:`_into_bucket`), completed here once
+    every lease is done; the caller records them in the round's commit (record last), so the hub
+    uploads neither. On local disk: the staged files, fsynced and published (rename)."""
     if acc.mean is not None:
         raise ValueError("a leased merge folds every update itself: the accumulator must be empty")
     files = contextlib.ExitStack()
+    outputs: list[tuple[Published, ObjectOutput]] = []
     try:
+        objects = board.objects
+        into = _into_bucket(objects(), outputs) if objects is not None else None
         opened = functools.partial(
             engine.open_merge,
             files,
@@ -337,12 +347,60 @@ async def merge_leased(
             fraction=fraction,
             final=final,
             unfolded=unfolded,
+            into=into,
         )
         merge = await to_thread.run_sync(opened)
         leases = await to_thread.run_sync(jobs, merge, acc.schema, reducers)
         await board.run(run, round_, leases)
+        records = [await to_thread.run_sync(_complete, objects, key, out) for key, out in outputs] if objects else []
     except BaseException as exc:
         await to_thread.run_sync(files.__exit__, type(exc), exc, exc.__traceback__)
+        if outputs and board.objects is not None:
+            await to_thread.run_sync(_abort, board.objects(), [out for _, out in outputs])
         raise
     await to_thread.run_sync(files.close)
-    return merge.result_size
+    return merge.result_size, records
+
+
+def _into_bucket(
+    objects: ObjectStore, outputs: list[tuple[Published, ObjectOutput]]
+) -> Callable[[Key, int], contextlib.AbstractContextManager[ObjectOutput]]:
+    """:meth:`MergeEngine.open_merge`'s ``into`` for a hub with an object store: each output
+    (the result, version v+1) a multipart upload opened at its name, collected in ``outputs``."""
+
+    @contextlib.contextmanager
+    def into(key: Key, size: int) -> Iterator[ObjectOutput]:
+        if not isinstance(key, ResultKey | VersionKey):
+            raise TypeError(f"only results and versions go to the bucket as parts, not {key}")
+        name = object_name(key)
+        upload_id = objects.create_multipart(name)
+        out = ObjectOutput(name, size, upload_id, functools.partial(objects.presign_part, name, upload_id))
+        outputs.append((key, out))
+        yield out
+
+    return into
+
+
+def _complete(objects: Callable[[], ObjectStore], key: Published, out: ObjectOutput) -> ObjectRecord:
+    """Worker thread: publish ``out`` from the parts its leases uploaded, once each is there with
+    the size its lease was given (:class:`LeaseFailed` otherwise); its record, for the commit."""
+    store = objects()
+    held = store.list_parts(out.name, out.upload_id)
+    for number, size in out.parts.items():
+        if number not in held or held[number].size != size:
+            got = held[number].size if number in held else None
+            raise LeaseFailed(f"{out.name}: part {number} holds {got} bytes, not {size}")
+    info = store.complete_multipart(out.name, out.upload_id, {n: held[n].etag for n in out.parts})
+    if info.size != out.size:
+        raise LeaseFailed(f"{out.name}: completed with {info.size} bytes, not {out.size}")
+    return ObjectRecord(key, info.size, info.etag)
+
+
+def _abort(objects: ObjectStore, outputs: list[ObjectOutput]) -> None:
+    """Worker thread: drop the multipart uploads of a merge that failed (a store that fails here
+    leaves them to the next start's clean-up)."""
+    for out in outputs:
+        try:
+            objects.abort_multipart(out.name, out.upload_id)
+        except StoreError as exc:
+            log.warning("abort_multipart_failed object=%s: %s (cleaned up at the next start)", out.name, exc)

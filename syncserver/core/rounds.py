@@ -30,7 +30,16 @@ from syncserver.core.policy import Close, Place
 from syncserver.core.shape import RunShape
 from syncserver.core.state import Run, now
 from syncserver.core.view import HubView
-from syncserver.errors import BadRequest, Conflict, Gone, InvalidUpdate, PoisonedUpdate, RoundClosed, StaleUpdate
+from syncserver.errors import (
+    BadRequest,
+    Conflict,
+    Gone,
+    InvalidUpdate,
+    PoisonedUpdate,
+    RoundClosed,
+    StaleUpdate,
+    Unavailable,
+)
 from syncserver.limits import MAX_SAMPLES
 from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.reduce import aggregate
@@ -449,17 +458,20 @@ class Rounds:
         try:
             async with run.fold_lock:  # a fold under way ends (a first fold stops); the merge folds the rest
                 folded = time.monotonic()
-                if not self.store.exists(VersionKey(run.name, close.round)):
+                if self.bucket is not None and self.leased is not None:
+                    await self._version_in_bucket(run, close.round)  # the reducers read it there
+                elif not self.store.exists(VersionKey(run.name, close.round)):
                     await self.versions.written(run)  # the merge checks version v + its result
-                result_bytes, left_out = await merge_finite(
+                result_bytes, left_out, copies = await merge_finite(
                     self.engine, run, close.round, close.participants, self.leased
                 )
             merged = time.monotonic()
-            # the copy peers will fetch goes up before the commit announces the result; if the
-            # store fails, the round closes all the same and peers get the hub's copy
-            copy = None
-            if self.bucket is not None:
-                copy = await to_thread.run_sync(self.bucket.upload, ResultKey(run.name, close.round))
+            # the copy peers will fetch goes up before the commit announces the result (unless the
+            # reducers wrote it there); if the store fails, the round closes all the same and peers
+            # get the hub's copy
+            uploaded = None
+            if self.bucket is not None and not copies:
+                uploaded = await to_thread.run_sync(self.bucket.upload, ResultKey(run.name, close.round))
             participants = [name for name in close.participants if name not in left_out]
             updates = [run.acked[name] for name in participants]
             assert run.opened is not None
@@ -478,7 +490,7 @@ class Rounds:
                     **({"publish": time.monotonic() - merged} if self.bucket is not None else {}),
                 },
             )
-            self.store.commit_round(run.name, record, copy)
+            self.store.commit_round(run.name, record, [uploaded] if uploaded is not None else copies)
         except Exception as exc:
             self._close_failed(run, close, exc)
             return
@@ -509,10 +521,27 @@ class Rounds:
             record.timings["merge"],
             record.closed - record.opened,
         )
-        if copy is not None:
-            self.view.stored(run, copy.size)
+        if uploaded is not None:
+            self.view.stored(run, uploaded.size)
         self.versions.start(run)
         self.view.closed(run, record)
+
+    async def _version_in_bucket(self, run: Run, v: int) -> None:
+        """Version ``v`` has a copy in the bucket, where reducers on other machines read it: the
+        reducers wrote it (every round but the first), or the hub uploads it now (version 0, or a
+        version the hub built while the store was down). :class:`Unavailable` if the store fails
+        (the close is tried again after its backoff)."""
+        assert self.bucket is not None
+        key = VersionKey(run.name, v)
+        if self.store.stored_object(key) is not None:
+            return
+        if not self.store.exists(key):
+            await self.versions.written(run)
+        record = await to_thread.run_sync(self.bucket.upload, key)
+        if record is None:
+            raise Unavailable(f"the object store {self.bucket.url} is down: version {v} cannot reach the reducers")
+        self.store.record_object(record)
+        self.view.stored(run, record.size)
 
     def _close_failed(self, run: Run, close: Close, exc: Exception) -> None:
         """The round stays open (say the disk is full) and is decided again after a backoff
@@ -563,7 +592,8 @@ class VersionFiles:
         assert run.schema is not None
         while True:
             target = run.version
-            await to_thread.run_sync(self.engine.build_versions, run.name, target, run.codec, run.schema)
+            if not self.only_in_bucket(run, target):
+                await to_thread.run_sync(self.engine.build_versions, run.name, target, run.codec, run.schema)
             with contextlib.suppress(Exception):  # housekeeping: a failure here loses nothing
                 self.store.prune(run.name, target, self.settings.keep_versions, run.keep_results)
                 if self.bucket is not None:  # the bucket keeps what the disk keeps
@@ -574,6 +604,17 @@ class VersionFiles:
                         await to_thread.run_sync(self.bucket.delete, run.name, gone)
             if run.version == target:  # else rounds closed meanwhile
                 return
+
+    def only_in_bucket(self, run: Run, v: int) -> bool:
+        """Is version ``v`` in the bucket only (reducers wrote it there, and the hub has not the
+        result it would build it from)? Then the hub has no file of it to write, nor to serve."""
+        return (
+            self.bucket is not None
+            and v > 0
+            and not self.store.exists(VersionKey(run.name, v))
+            and not self.store.exists(ResultKey(run.name, v - 1))
+            and self.store.stored_object(VersionKey(run.name, v)) is not None
+        )
 
     async def written(self, run: Run) -> None:
         """Until the version files being written are (re-raising the failure of that write)."""

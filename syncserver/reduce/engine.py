@@ -33,16 +33,19 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from syncserver.reduce import aggregate
+from syncserver.storage.bucket import object_name
 from syncserver.storage.objectfile import ObjectTensorFile, TensorReader
 from syncserver.storage.s3 import ObjectStore
 from syncserver.storage.store import (
     BlobWriter,
+    Key,
     Missing,
     MomentumKey,
     ResidualKey,
@@ -259,13 +262,21 @@ class MergeEngine:
         fraction: float,
         final: bool = False,
         unfolded: Sequence[tuple[UpdateKey, float]] = (),
+        into: Callable[[Key, int], AbstractContextManager[Any]] | None = None,
     ) -> Merge:
         """Everything round ``round_``'s merge needs but its slices (:meth:`merge`'s arguments):
         the step fixed once for the whole round (scale, DiLoCo's clock and warm-up), the files
         it reads, and the outputs it writes with their headers written, all entered on
         ``files`` (leaving it publishes the outputs; an error discards them). The in-process
         merge and the reducers' leases (:mod:`syncserver.reduce.leases`) both work from it,
-        slice by slice with :func:`merge_slice`: the same step, the same files, the same bits."""
+        slice by slice with :func:`merge_slice`: the same step, the same files, the same bits.
+
+        ``into``: where the result and version v+1 go instead of the hub's staged files (the
+        reducers' parts of multipart uploads, :func:`syncserver.core.leases.merge_leased`): called
+        with the key and the file's size, it gives a context whose value takes the header
+        (``write``). Given, the merge also writes version v+1 (each slice's ``version v +
+        decode(result)``, which it computes anyway), so the hub needs neither file on its disk;
+        version v is then read from the hub's disk if it is there, else from the bucket."""
         schema, means, v = acc.schema, acc.mean, round_
         empty = means is None and not unfolded  # every update was left out
         if not empty and not total > 0:
@@ -285,7 +296,7 @@ class MergeEngine:
         result_head, result_at = _header(result_layout, meta)
         has_old = diloco and self.store.exists(MomentumKey(run, v))
         old_momentum = files.enter_context(self.store.read(MomentumKey(run, v))) if has_old else None
-        base = files.enter_context(self.store.read(VersionKey(run, v)))
+        base = self._version(files, run, v)
         # Delayed Nesterov's clock: the part of an outer step done before this round
         done = float(old_momentum.metadata.get("progress", "0")) if old_momentum is not None else 0.0
         steps = int(old_momentum.metadata.get("steps", "0")) if old_momentum is not None else 0
@@ -298,7 +309,13 @@ class MergeEngine:
         momentum_meta = {"version": str(v + 1), "progress": repr(progress), "steps": str(steps)}
         momentum_head, momentum_at = _header(_fp32_layout(schema), momentum_meta)
         result_size = len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
-        result = files.enter_context(self.store.write(ResultKey(run, v), result_size))
+        result = files.enter_context((into or self.store.write)(ResultKey(run, v), result_size))
+        version: Any = None
+        version_at: dict[str, int] = {}
+        if into is not None:
+            version_head, version_at = _header(_fp32_layout(schema), {"version": str(v + 1)})
+            version = files.enter_context(into(VersionKey(run, v + 1), _fp32_size(version_head, schema)))
+            version.write(version_head)
         mom = (
             files.enter_context(self.store.write(MomentumKey(run, v + 1), _fp32_size(momentum_head, schema)))
             if diloco
@@ -334,8 +351,20 @@ class MergeEngine:
             momentum_at=momentum_at if mom is not None else {},
             next_residual=residual,
             residual_at=residual_at,
+            next_version=version,
+            version_at=version_at,
             result_size=result_size,
         )
+
+    def _version(self, files: contextlib.ExitStack, run: str, v: int) -> TensorReader:
+        """Version ``v``, closed with ``files``: its file on the hub's disk, or else its object in
+        the bucket (written there by the reducers that merged round v-1)."""
+        key = VersionKey(run, v)
+        if self.store.exists(key) or self.objects is None:
+            return files.enter_context(self.store.read(key))
+        wire = ObjectTensorFile(self.objects, object_name(key))
+        files.callback(wire.close)
+        return wire
 
     def _residuals(
         self, run: str, v: int, codec: Codec, schema: Schema, files: contextlib.ExitStack, *, keep: bool = True
@@ -438,7 +467,7 @@ class Merge:
     :meth:`MergeEngine.open_merge`); ``*_at``: each wire tensor's byte offset in its output."""
 
     step: Step
-    base: TensorFile  # version v
+    base: TensorReader  # version v
     updates: list[tuple[TensorReader, float]]  # folded in this order, with these weights
     momentum: TensorFile | None  # DiLoCo's, that goes with version v
     residual: TensorFile | None  # the hub's error feedback (topk), that goes with version v
@@ -448,6 +477,8 @@ class Merge:
     momentum_at: dict[str, int]
     next_residual: Sink | None
     residual_at: dict[str, int]
+    next_version: Sink | None = None  # version v+1, where the reducers write it (an object store)
+    version_at: dict[str, int] = field(default_factory=dict)
     result_size: int = 0
 
 
@@ -507,6 +538,8 @@ def merge_slice(
         np.add(new, applied, out=new)
     if not _finite(new):
         raise NonFinite(f"tensor {name!r}: version {step.round} + this round's update overflows float32")
+    if merge.next_version is not None:
+        merge.next_version.write_at(new, merge.version_at[name] + start * 4)
     for suffix, (first, count) in (parts if out_parts is None else out_parts).items():
         part = np.ascontiguousarray(encoded[suffix]).reshape(-1)
         if part.size != count:

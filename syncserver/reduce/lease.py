@@ -15,6 +15,7 @@ an expired lease redone by another reducer writes the very same bytes again.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import time
@@ -22,19 +23,33 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
+import httpx
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from syncserver.reduce.engine import Merge, NonFinite, Step, merge_slice, run_slices
-from syncserver.reduce.plan import Piece, Span, multi_part, pieces, plan
+from syncserver.reduce.plan import PART_MIN, Piece, Span, byte_range, itemsizes, multi_part, pieces, plan
 from syncserver.storage.objectfile import ObjectTensorFile, TensorReader
 from syncserver.storage.s3 import ObjectStore
 from syncserver.storage.store import BlobWriter
 from syncwire import Schema, get_codec, wire_name
 from syncwire.format import TensorFile
 
-__all__ = ["Done", "Job", "LeaseStopped", "Output", "SliceJob", "StepModel", "UpdateSource", "jobs", "work"]
+__all__ = [
+    "Done",
+    "Job",
+    "LeaseStopped",
+    "ObjectOutput",
+    "Output",
+    "SliceJob",
+    "StepModel",
+    "UpdateSource",
+    "jobs",
+    "work",
+]
 
 MAX_DETAIL = 2000
+PUT_TRIES = 3  # a part PUT to the bucket, before the lease fails
 
 
 class StepModel(BaseModel):
@@ -83,11 +98,26 @@ class UpdateSource(BaseModel):
 
 
 class Output(BaseModel):
-    """A staged output file and the byte offset of each of its tensors that the lease writes."""
+    """Where a lease writes its bytes of one output, and the byte offset in that output's file
+    of each tensor it writes: a staged file on the hub's disk (``path``, ``pwrite``) or one part
+    of a multipart upload in the bucket (``url``: a presigned UploadPart URL; the part is the
+    file's bytes ``[start, start + size)``, and ``head``, base64, its header for the part that
+    starts the file)."""
 
     model_config = ConfigDict(extra="forbid")
-    path: str
+    path: str | None = None
+    url: str | None = None
+    part: int = Field(0, ge=0, le=10_000)
+    start: int = Field(0, ge=0)
+    size: int = Field(0, ge=0, le=5 * 1024**3)
+    head: str = ""
     at: dict[str, int]
+
+    @model_validator(mode="after")
+    def _one_place(self) -> Output:
+        if (self.path is None) == (self.url is None):
+            raise ValueError("an output goes to a path or to a part URL, exactly one of them")
+        return self
 
 
 class Job(BaseModel):
@@ -99,7 +129,8 @@ class Job(BaseModel):
     round: int
     seconds: float = Field(description="The lease's length: renew it within this many seconds.")
     step: StepModel
-    base: str = Field(description="Version v (float32), read with pread.")
+    base: str | None = Field(description="Version v (float32) on the hub's disk, read with pread.")
+    base_object: str | None = Field(None, description="Version v in the bucket (ranged GETs), instead of base.")
     momentum: str | None = Field(description="DiLoCo's momentum of version v, if any.")
     residual: str | None = Field(description="The hub's residual of version v (topk), if any.")
     updates: list[UpdateSource] = Field(description="The updates and their weights, folded in this order.")
@@ -107,6 +138,7 @@ class Job(BaseModel):
     result: Output
     next_momentum: Output | None
     next_residual: Output | None
+    next_version: Output | None = Field(None, description="Version v+1 (a part in the bucket), if written here.")
     reads: int = Field(description="Bytes of one update this lease reads.")
     writes: int = Field(description="Bytes of the result it writes.")
 
@@ -128,10 +160,32 @@ class LeaseStopped(Exception):
     """The reducer was told its lease is lost: the rest of its slices are moot."""
 
 
+class ObjectOutput:
+    """An output of a leased merge that the reducers upload to the bucket, one part of a
+    multipart upload per lease (the hub's side: it keeps the header, hands out the part URLs
+    and completes the upload once every lease is done). ``url(number)`` presigns part
+    ``number``; :attr:`parts`: each part's size, set by :func:`jobs`."""
+
+    def __init__(self, name: str, size: int, upload_id: str, url: Callable[[int], str]) -> None:
+        self.name, self.size, self.upload_id, self.url = name, size, upload_id, url
+        self.head = b""
+        self.parts: dict[int, int] = {}
+
+    def write(self, data: bytes) -> None:
+        if self.head:
+            raise ValueError(f"{self.name}: the header is written once")
+        self.head = bytes(data)
+
+    def write_at(self, array: np.ndarray, position: int) -> None:
+        raise TypeError(f"{self.name}: the reducers write this output, not the hub")
+
+
 def jobs(merge: Merge, schema: Schema, k: int, *, min_writes: int = 0) -> list[Job]:
     """The leases of an open merge: its slices cut into at most ``k`` spans (:func:`plan`).
-    The outputs must be :class:`BlobWriter` with paths (the local-disk store), and are
-    pre-sized here, so that writers in other processes can fill any range of them."""
+    Staged outputs (:class:`BlobWriter` with paths, the local-disk store) are pre-sized here,
+    so that writers in other processes can fill any range of them; with outputs in the bucket
+    (:class:`ObjectOutput`) every span's bytes of each are one part (spans of at least
+    :data:`~syncserver.reduce.plan.PART_MIN`, as S3 wants all parts but the last)."""
     step = merge.step
     codec, result_codec = get_codec(step.run_codec), get_codec(step.codec)
     items = pieces(codec, result_codec, schema)
@@ -142,36 +196,68 @@ def jobs(merge: Merge, schema: Schema, k: int, *, min_writes: int = 0) -> list[J
         (merge.next_residual, merge.residual_at, min(merge.residual_at.values(), default=0) + fp32_bytes),
     ]
     for writer, _, size in outputs:
-        if writer is not None:
+        if writer is not None and not isinstance(writer, ObjectOutput):
             if not isinstance(writer, BlobWriter) or writer.path is None:
                 raise TypeError("a leased merge writes into staged files on this machine")
             writer.reserve(size)
-    spans = plan(items, k, whole_tensors=multi_part(result_codec), min_writes=min_writes)
-    return [_job(merge, items, span) for span in spans]
+    in_parts = isinstance(merge.result, ObjectOutput)
+    spans = plan(items, k, whole_tensors=multi_part(result_codec), min_writes=PART_MIN if in_parts else min_writes)
+    if in_parts:
+        assert isinstance(merge.result, ObjectOutput) and isinstance(merge.next_version, ObjectOutput)
+        _cut_parts(merge.result, items, spans, merge.result_at, itemsizes(result_codec))
+        _cut_parts(merge.next_version, items, spans, merge.version_at, None)
+    return [_job(merge, items, span, number) for number, span in enumerate(spans, 1)]
 
 
-def _job(merge: Merge, items: list[Piece], span: Span) -> Job:
+def _cut_parts(
+    out: ObjectOutput, items: list[Piece], spans: list[Span], at: dict[str, int], sizes: dict[str, int] | None
+) -> None:
+    """Each span's part of ``out``: its byte range, the first from byte 0 (the header too).
+    ValueError unless the parts tile the file exactly (then the completed object is whole)."""
+    end = 0
+    for number, span in enumerate(spans, 1):
+        lo, hi = byte_range(items, span, at, sizes)
+        if number == 1:
+            if lo != len(out.head):
+                raise ValueError(f"{out.name}: the first tensor starts at {lo}, after a header of {len(out.head)}")
+            lo = 0
+        if lo != end:
+            raise ValueError(f"{out.name}: part {number} starts at {lo}, not at {end}")
+        out.parts[number], end = hi - lo, hi
+    if end != out.size:
+        raise ValueError(f"{out.name}: the parts end at {end}, the file at {out.size}")
+
+
+def _job(merge: Merge, items: list[Piece], span: Span, number: int) -> Job:
     chosen = items[span.first : span.stop]
     names = list(dict.fromkeys(p.name for p in chosen))
 
     def output(writer: object, at: dict[str, int], wires: list[str]) -> Output | None:
         if writer is None:
             return None
+        where = {w: at[w] for w in wires}
+        if isinstance(writer, ObjectOutput):
+            start = 0 if number == 1 else sum(writer.parts[n] for n in range(1, number))
+            head = base64.b64encode(writer.head).decode() if number == 1 else ""
+            url = writer.url(number)
+            return Output(url=url, part=number, start=start, size=writer.parts[number], head=head, at=where)
         assert isinstance(writer, BlobWriter) and writer.path is not None
-        return Output(path=os.fspath(writer.path), at={w: at[w] for w in wires})
+        return Output(path=os.fspath(writer.path), at=where)
 
     result = output(
         merge.result, merge.result_at, list(dict.fromkeys(wire_name(p.name, s) for p in chosen for s in p.out_parts))
     )
     assert result is not None
     step = merge.step
+    base = merge.base
     return Job(
         lease="",
         run="",
         round=step.round,
         seconds=0.0,
         step=StepModel(**asdict(step)),
-        base=merge.base.path,
+        base=base.path if isinstance(base, TensorFile) else None,
+        base_object=base.name if isinstance(base, ObjectTensorFile) else None,
         momentum=merge.momentum.path if merge.momentum is not None else None,
         residual=merge.residual.path if merge.residual is not None else None,
         updates=[
@@ -184,9 +270,46 @@ def _job(merge: Merge, items: list[Piece], span: Span) -> Job:
         result=result,
         next_momentum=output(merge.next_momentum, merge.momentum_at, names),
         next_residual=output(merge.next_residual, merge.residual_at, names),
+        next_version=output(merge.next_version, merge.version_at, names),
         reads=span.reads,
         writes=span.writes,
     )
+
+
+class _Part:
+    """A reducer's part of an output in the bucket, built in memory (its slices write their
+    bytes at their places) and then PUT to its presigned URL in one request."""
+
+    def __init__(self, out: Output) -> None:
+        self.out = out
+        self.buffer = bytearray(out.size)
+        head = base64.b64decode(out.head)
+        self.buffer[: len(head)] = head
+
+    def write_at(self, array: np.ndarray, position: int) -> None:
+        view = array.reshape(-1).view(np.uint8)
+        first = position - self.out.start
+        if first < 0 or first + view.size > self.out.size:
+            raise ValueError(f"part {self.out.part}: bytes [{position}, +{view.size}) lie outside it")
+        self.buffer[first : first + view.size] = view.data
+
+    def send(self) -> None:
+        """PUT the part (a few tries: a store that hiccups is not worth a lease); a part sent
+        twice (a lease redone) holds the same bytes, and the hub completes with the last."""
+        assert self.out.url is not None
+        for attempt in range(PUT_TRIES):
+            try:
+                answer = httpx.put(self.out.url, content=bytes(self.buffer), timeout=httpx.Timeout(30.0, write=300.0))
+            except httpx.HTTPError as exc:
+                if attempt == PUT_TRIES - 1:
+                    raise RuntimeError(f"part {self.out.part}: cannot reach the object store: {exc}") from None
+                continue
+            if answer.status_code == 200:
+                return
+            if answer.status_code < 500 or attempt == PUT_TRIES - 1:
+                raise RuntimeError(
+                    f"part {self.out.part}: the object store answered {answer.status_code}: {answer.text[:200]}"
+                )
 
 
 def work(
@@ -202,45 +325,71 @@ def work(
     ``error="non_finite"`` if the round would not be finite (the hub
     then leaves an update out, as it does merging in-process); any other failure raises."""
     started = time.monotonic()
+    parts: list[_Part] = []
     with contextlib.ExitStack() as files:
 
-        def read(path: str) -> TensorFile:
-            return files.enter_context(TensorFile(path))
-
-        def update(source: UpdateSource) -> TensorReader:
-            if source.path is not None:
-                return read(source.path)
+        def bucket(what: str) -> ObjectStore:
             if objects is None:
                 raise RuntimeError(
-                    f"lease {job.lease} reads updates in the object store: give this reducer SYNC_STORE and the "
+                    f"lease {job.lease} reads {what} in the object store: give this reducer SYNC_STORE and the "
                     "AWS_* variables, as the hub has them"
                 )
-            assert source.object is not None
-            wire = ObjectTensorFile(objects(), source.object)
+            return objects()
+
+        def read(path: str) -> TensorFile:
+            if not os.path.exists(path):
+                raise RuntimeError(
+                    f"lease {job.lease} reads {path} on the hub's disk (DiLoCo's momentum, topk's residual or a "
+                    "hub without a store): run this reducer on the hub's machine"
+                )
+            return files.enter_context(TensorFile(path))
+
+        def remote(name: str | None, what: str) -> TensorReader:
+            assert name is not None
+            wire = ObjectTensorFile(bucket(what), name)
             files.callback(wire.close)
             return wire
 
-        def sink(out: Output | None) -> BlobWriter | None:
+        def update(source: UpdateSource) -> TensorReader:
+            return read(source.path) if source.path is not None else remote(source.object, "updates")
+
+        def base() -> TensorReader:
+            return read(job.base) if job.base is not None else remote(job.base_object, "version v")
+
+        def sink(out: Output | None) -> BlobWriter | _Part | None:
             if out is None:
                 return None
+            if out.url is not None:
+                parts.append(_Part(out))
+                return parts[-1]
+            assert out.path is not None
+            if not os.path.exists(out.path):
+                raise RuntimeError(
+                    f"lease {job.lease} writes {out.path} on the hub's disk: run this reducer on the hub's machine"
+                )
             fd = os.open(out.path, os.O_WRONLY)
             files.callback(os.close, fd)
             return BlobWriter(fd)
 
+        # the files on the hub's disk first: a reducer elsewhere fails before any request
+        momentum = read(job.momentum) if job.momentum is not None else None
+        residual = read(job.residual) if job.residual is not None else None
         result = sink(job.result)
         assert result is not None
         merge = Merge(
             step=Step(**job.step.model_dump()),
-            base=read(job.base),
+            base=base(),
             updates=[(update(source), source.weight) for source in job.updates],
-            momentum=read(job.momentum) if job.momentum is not None else None,
-            residual=read(job.residual) if job.residual is not None else None,
+            momentum=momentum,
+            residual=residual,
             result=result,
             result_at=job.result.at,
             next_momentum=sink(job.next_momentum),
             momentum_at=job.next_momentum.at if job.next_momentum is not None else {},
             next_residual=sink(job.next_residual),
             residual_at=job.next_residual.at if job.next_residual is not None else {},
+            next_version=sink(job.next_version),
+            version_at=job.next_version.at if job.next_version is not None else {},
         )
 
         def one(s: SliceJob) -> None:
@@ -258,7 +407,11 @@ def work(
                 error="non_finite",
                 detail=str(exc)[:MAX_DETAIL],
             )
+    if stop():
+        raise LeaseStopped(f"lease {job.lease} was lost")
+    for part in parts:
+        part.send()
     values = sum(s.stop - s.start for s in job.slices)
-    outputs = sum(o is not None for o in (job.next_momentum, job.next_residual))
+    outputs = sum(o is not None for o in (job.next_momentum, job.next_residual, job.next_version))
     nbytes = job.reads * len(job.updates) + job.writes + 4 * values * (1 + outputs)
     return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes)

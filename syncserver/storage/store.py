@@ -53,7 +53,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -822,12 +822,13 @@ class Store:
         (seq,) = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM updates WHERE run = ?", (run,)).fetchone()
         return int(seq)
 
-    def commit_round(self, run: str, record: RoundRecord, result: ObjectRecord | None = None) -> None:
-        """The commit point of a round: version ``round + 1`` exists from here on. ``result``:
-        the round's result was uploaded to the object store; its record commits with the round."""
+    def commit_round(self, run: str, record: RoundRecord, objects: Sequence[ObjectRecord] = ()) -> None:
+        """The commit point of a round: version ``round + 1`` exists from here on. ``objects``:
+        the round's result (and, written by reducers, version ``round + 1``) in the object store;
+        their records commit with the round."""
         with self._tx() as db:
-            if result is not None:
-                self._insert_object(db, run, result)
+            for copy in objects:
+                self._insert_object(db, run, copy)
             db.execute(
                 "INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (
