@@ -36,6 +36,10 @@ BUDGETS: dict[str, float] = {
     "tests/test_finetune.py::test_two_local_peers_end_identical_and_learn": 16,
     "tests/test_local.py::test_a_failed_peer_stops_the_others_and_the_hub": 12,
     # two hubs, three reducer processes (one SIGKILLed through a fault proxy) and a lease's expiry
+    # two hubs, 3 peers, two runs; far reducers (own processes) against SeaweedFS
+    "tests/test_reducer_parts.py::test_three_peers_and_two_far_reducers_give_the_bits_of_a_hub_alone": 18,
+    # a lease expiry and a hub SIGKILL + restart, against SeaweedFS
+    "tests/test_reducer_parts.py::test_a_dead_reducer_s_part_is_sent_again_a_dead_hub_s_aborted": 18,
     "tests/test_reducers.py::test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it": 17,
     "tests/test_reducers.py::test_a_hub_killed_while_its_leases_wait_closes_the_round_again_after_a_restart": 15,
     "tests/test_reducers.py::test_with_no_reducer_left_the_hub_works_the_leases_itself": 10,

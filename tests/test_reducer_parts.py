@@ -6,8 +6,14 @@ process against SeaweedFS: the bits of a lone hub on local disk, for fp32 and in
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -18,8 +24,12 @@ from syncserver.reduce.lease import Job, work
 from syncserver.storage.bucket import object_name, update_name
 from syncserver.storage.store import ResultKey, Store, UpdateKey, VersionKey
 from syncwire import get_codec
+from tests.conftest import Hub
+from tests.faultproxy import FaultProxy
+from tests.harness import wait_for
 from tests.s3server import SeaweedFS
-from tests.test_reducers import SCHEMA, _bytes
+from tests.test_metrics import scrape
+from tests.test_reducers import ADMIN, SCHEMA, TOKEN, _bytes, _reducers, _train
 from tests.test_streaming_hub import _update_file
 
 #: 12 MB of fp32: two parts of S3's 5 MiB at least (SeaweedFS refuses smaller ones but the last)
@@ -33,7 +43,8 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
     """Two rounds of three updates in the bucket, merged by K = 2 leases whose jobs name no file
     of the hub (version v, the updates: objects; the outputs: part URLs), worked by the hub's own
     lease function: the completed result and version v+1 objects are the lone hub's files, and
-    round 1 reads version 1 from the bucket only (the hub's disk has no version file at all).
+    round 1 (a final one: its result is fp32) reads version 1 from the bucket only (the hub's
+    disk has no version file at all).
     A small result is one part (S3's parts are 5 MiB but the last)."""
     codec, outer = get_codec(spec), Outer("avg", 1.0, 0.0)
     rng = np.random.default_rng(3)
@@ -73,12 +84,14 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
                 objects.put(name, data)
                 keys.append((UpdateKey("r", v, f"p{k}"), 3.0 + 2 * k))
                 remote.append((UpdateKey("r", v, f"p{k}", name, len(data)), 3.0 + 2 * k))
-            engines[0].merge("r", v, Accumulator(schema), codec, outer, total=21.0, fraction=1.0, unfolded=keys)
+            engines[0].merge(
+                "r", v, Accumulator(schema), codec, outer, total=21.0, fraction=1.0, final=v == 1, unfolded=keys
+            )
             engines[0].build_versions("r", v + 1, codec, schema)
             size, records = loop.run_until_complete(
                 merge_leased(
                     board, 2, engines[1], "r", v, Accumulator(schema), codec, outer,
-                    total=21.0, fraction=1.0, unfolded=remote,
+                    total=21.0, fraction=1.0, final=v == 1, unfolded=remote,
                 )
             )  # fmt: skip
             assert size == len(_bytes(alone, ResultKey("r", v)))
@@ -134,3 +147,100 @@ def test_a_reducer_that_cannot_reach_a_file_of_the_hub_says_so_in_one_line(tmp_p
         work(job, "far", objects=lambda: None)  # type: ignore[arg-type,return-value]
     said = str(failed.value)
     assert "\n" not in said and "momentum.safetensors" in said and "hub's machine" in said, said
+
+
+def _far_reducer(url: str, seaweedfs: SeaweedFS, prefix: str, folder: Path) -> subprocess.Popen[bytes]:
+    """A `syncserver reduce` as on another machine: its own working folder, no SYNC_* of the
+    hub's but the store's URL and credentials (it never learns the hub's data dir)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SYNC_", "AWS_"))}
+    env |= {**seaweedfs.env(), "SYNC_STORE": f"s3://{seaweedfs.bucket}/{prefix}", "SYNC_REDUCE_TOKEN": ADMIN}
+    with (folder / "reducer.log").open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "syncserver", "reduce", "--hub", url], env=env, stdout=out, stderr=out, cwd=folder
+        )
+
+
+#: plain averaging; async rounds with the peers syncing one after the other: the same
+#: acknowledgement order (the fold order) on every hub, so the same bits
+AVG: dict[str, tuple[dict[str, object], bool]] = {
+    spec: ({"codec": spec, "outer": "avg", "policy": "async", "round_samples": 9}, True) for spec in ("int8", "fp32")
+}
+PEERS = ("a", "b", "c")
+
+
+def test_three_peers_and_two_far_reducers_give_the_bits_of_a_hub_alone(
+    hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS, tmp_path: Path
+) -> None:
+    """3 peers x 2 `syncserver reduce` processes started away from the hub's data dir, store
+    and reducers: int8 and fp32 runs (plain averaging) close every round to the bits of a lone
+    hub without a store, results and models; the hub uploaded version 0 only (its
+    weightsync_store_upload_bytes_total is one model: no result went through it)."""
+    env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
+    alone = hub_factory(env=env)
+    expected = {run: _train(alone.url, run, 2, PEERS, options) for run, options in AVG.items()}
+    hub = hub_factory(
+        "--store", f"s3://{seaweedfs.bucket}/far", "--reducers", "2", "--local-reducers", "0",
+        env={**env, **seaweedfs.env()},
+    )  # fmt: skip
+    reducers = [_far_reducer(hub.url, seaweedfs, "far", tmp_path / f"far{i}") for i in range(2)]
+    try:
+        for run, options in AVG.items():
+            assert _train(hub.url, run, 2, PEERS, options) == expected[run], run
+    finally:
+        for proc in reducers:
+            proc.kill()
+            proc.wait()
+    samples = scrape(hub, TOKEN)
+    for run in AVG:
+        model = httpx.get(f"{alone.url}/v1/runs/{run}/model", headers={"Authorization": f"Bearer {TOKEN}"})
+        # version 0 went up once (the reducers read it there); no result, no later version
+        uploaded = samples["weightsync_store_upload_bytes_total", (("run", run),)]
+        assert 0 < uploaded < 1.01 * len(model.content), (run, uploaded)
+    assert sum(int(r["leases"]) for r in _reducers(hub).values()) >= 4  # type: ignore[call-overload]
+    assert "hub" not in _reducers(hub)  # the far reducers worked every lease
+
+
+def test_a_dead_reducer_s_part_is_sent_again_a_dead_hub_s_aborted(
+    hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS, tmp_path: Path
+) -> None:
+    """Round 0: a reducer uploads its part, its report is cut and it is SIGKILLed: the lease
+    expires and another reducer uploads the same part number again; same bits. Round 1: the
+    part is uploaded, its report cut, and the hub SIGKILLed before completing the upload: the
+    restarted hub aborts the open multipart uploads and the round is merged again, to the bits
+    of a lone hub without a store."""
+    env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
+    options = AVG["int8"]
+    expected = _train(hub_factory(env=env).url, "int8", 2, PEERS, options)
+    hub = hub_factory(
+        "--store", f"s3://{seaweedfs.bucket}/crash", "--reducers", "2", "--local-reducers", "0",
+        "--reduce-lease-seconds", "1.5", env={**env, **seaweedfs.env()},
+    )  # fmt: skip
+    objects = seaweedfs.store("crash/")
+    results: list[dict[str, str]] = []
+    with FaultProxy(hub.port) as first, FaultProxy(hub.port) as second:
+        first.cut(after=0, match="/done")
+        doomed = _far_reducer(first.url, seaweedfs, "crash", tmp_path / "doomed")
+        wait_for(lambda: len(_reducers(hub)) == 1, "the first reducer to ask for a lease")
+        peers = threading.Thread(target=lambda: results.append(_train(hub.url, "int8", 2, PEERS, options)))
+        peers.start()
+        wait_for(lambda: any(r.fault == "cut" for r in first.matching("/done")), "round 0's report to be cut")
+        rescuer = _far_reducer(second.url, seaweedfs, "crash", tmp_path / "rescuer")
+        try:
+            doomed.kill()
+            doomed.wait()
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            wait_for(lambda: httpx.get(f"{hub.url}/v1/runs/int8", headers=auth).json()["version"] >= 1, "round 0")
+            second.cut(after=0, match="/done")  # round 1's report: its part is up, the upload open
+            wait_for(lambda: any(r.fault == "cut" for r in second.matching("/done")), "round 1's report to be cut")
+            open_before = {u.upload_id for u in objects.uploads("runs/int8/")}
+            assert open_before  # the result's and version 2's uploads, their parts sent
+            hub.kill()
+            hub.start()
+            assert not open_before & {u.upload_id for u in objects.uploads("runs/int8/")}
+            peers.join(120)
+            assert results == [expected]
+        finally:
+            rescuer.kill()
+            rescuer.wait()
+    assert "lease_expired" in hub.log() and "object_store_orphans_deleted" in hub.log()

@@ -242,24 +242,32 @@ RUNS = {  # run -> (SyncClient options, sequential syncs)
 }
 
 
-def _train(url: str, run: str, rounds: int = 3) -> dict[str, str]:
-    """Two peers, ``rounds`` syncs of seeded perturbations, the last one final; the sha-256 of
-    every round's result file and of the latest model, as the hub serves them."""
-    options, sequential = RUNS[run]
-    peers = Peers(url, run, ["a", "b"], token=TOKEN, min_peers=2, **options)
+def _train(
+    url: str,
+    run: str,
+    rounds: int = 3,
+    names: tuple[str, ...] = ("a", "b"),
+    spec: tuple[dict[str, object], bool] | None = None,
+) -> dict[str, str]:
+    """Peers ``names``, ``rounds`` syncs of seeded perturbations, the last one final; the sha-256
+    of every round's result file and of the latest model, as the hub serves them. ``spec``:
+    the SyncClient's options and whether the peers sync one after the other (the fold order is
+    the acknowledgement order), else ``RUNS[run]``."""
+    options, sequential = spec if spec is not None else RUNS[run]
+    peers = Peers(url, run, list(names), token=TOKEN, min_peers=len(names), **options)
     peers.join()
 
     def sync(name: str, r: int) -> None:
         client, model = peers.clients[name], peers.models[name]
-        perturb(model, 10 * r + (name == "b"), client.version)
-        client.sync(model, samples=4 + (name == "b"), final=r == rounds - 1)
+        perturb(model, 10 * r + names.index(name), client.version)
+        client.sync(model, samples=4 + names.index(name), final=r == rounds - 1)
 
     for r in range(rounds):
         if sequential:
-            for name in ("a", "b"):
+            for name in names:
                 sync(name, r)
         else:
-            peers.parallel(["a", "b"], lambda n, r=r: sync(n, r))
+            peers.parallel(list(names), lambda n, r=r: sync(n, r))
     peers.close()
     auth = {"Authorization": f"Bearer {TOKEN}"}
     # follow_redirects: a hub with a store sends downloads there (httpx drops the token on the way)
