@@ -7,7 +7,9 @@ staged and pre-sized, their headers written) and describes each span as a :class
 step, where every input lies, and where each output tensor starts in its staged file. A
 reducer (on the hub's machine: the same files) ``pread``\\ s its slices of every update (or
 reads them with ranged GETs from the bucket, for updates peers uploaded there), of version v,
-of the momentum and residual, and ``pwrite``\\ s its byte ranges of each output,
+of the momentum and residual, and ``pwrite``\\ s its byte ranges of each output (with a store:
+reads version v from the bucket too, and PUTs its part of the result and of version v+1,
+:class:`ObjectOutput`, to presigned UploadPart URLs),
 through :func:`~syncserver.reduce.engine.merge_slice`, the one body the hub's own
 threads run: the same step and the same inputs give the same bits whoever runs a slice, and
 an expired lease redone by another reducer writes the very same bytes again.

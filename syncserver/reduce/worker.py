@@ -4,7 +4,10 @@
 
 It long-polls the hub for a lease (``POST /v1/reduce/lease``), works it
 (:func:`syncserver.reduce.lease.work`: ``pread`` of its slices of every update and of version v,
-``pwrite`` of its byte ranges of the hub's staged outputs, so it runs on the hub's machine),
+``pwrite`` of its byte ranges of the hub's staged outputs, so on the hub's machine; with the
+hub's object store, ranged GETs of the updates and version v and a PUT of its part of the
+result and of version v+1, so anywhere that reaches the store, given ``SYNC_STORE`` and the
+``AWS_*`` variables, but for DiLoCo's momentum and topk's residual, still files of the hub's),
 renews it from a thread while working, and reports it done. One lease at a time, one thread:
 K reducers are K processes, so a slow or killed one costs its own lease only. A hub that
 cannot be reached or refuses the token at the start is a one-line error (exit 2); later, a
