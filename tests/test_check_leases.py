@@ -135,6 +135,10 @@ def test_lies_get_the_same_answers_from_reducers_and_the_hub_reads_no_body(
     assert metric(scrape(alone, TOKEN), READ) > 0
     assert metric(scrape(shared, TOKEN), READ) == 0  # the reducer read every body
     assert shared.log().count("check_taken") == len(answers[1]) + 1
+    (reducer,) = _reducers(shared).values()
+    assert reducer["checks"] == len(answers[1]) + 1 and float(reducer["check_seconds"]) > 0  # type: ignore[arg-type]
+    samples = scrape(shared, TOKEN)
+    assert metric(samples, "weightsync_reducer_checks_total", reducer=str(reducer["name"])) == reducer["checks"]
     for hub in (alone, shared):
         assert " 500 " not in hub.log() and "Traceback" not in hub.log()
 
