@@ -5,6 +5,7 @@ Real hub and reducer processes, the session's SeaweedFS (tests/test_store_upload
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import os
@@ -19,7 +20,8 @@ import httpx
 import numpy as np
 import pytest
 
-from syncserver.errors import BadRequest, InvalidUpdate
+from syncserver.core.leases import CHECK_TRIES, Board
+from syncserver.errors import BadRequest, InvalidUpdate, LeaseLost, NotFound
 from syncserver.reduce.check import UpdateRules
 from syncserver.reduce.checklease import CheckJob, CheckReport, CheckRules, accept
 from syncwire import get_codec, wire_layout
@@ -83,6 +85,43 @@ def test_the_hub_takes_from_a_report_only_what_holds_up() -> None:
     assert accept(report(digest="a" * 64, nbytes=100, norm=1.0), _job(norm=False)) is None
     with pytest.raises(ValueError, match="one thing"):
         report(digest="a" * 64, nbytes=100, failed="both")
+
+
+def test_the_board_offers_a_check_again_then_gives_it_back_to_the_hub() -> None:
+    """In-process board: a check taken and not renewed is offered again under a new id, and the
+    late report is refused (409); lost CHECK_TRIES times, or with no reducer alive, the board
+    answers None (the hub checks the body itself); a report answers the waiting upload."""
+
+    async def scenario() -> None:
+        board = Board(lease_seconds=0.2)
+        board._active -= 10  # no reducer heard from: the hub checks at once
+        assert await board.check(_job()) is None
+        waiting = asyncio.create_task(board.check(_job()))  # a reducer is polling: it waits
+        taken = await board.take("r1", wait=5)
+        await asyncio.sleep(0)
+        ids = []
+        for _ in range(CHECK_TRIES):  # taken, never reported, expired: offered again
+            assert isinstance(taken, CheckJob) and taken.lease not in ids
+            ids.append(taken.lease)
+            if len(ids) < CHECK_TRIES:
+                taken = await board.take("r1", wait=5)
+        assert await asyncio.wait_for(waiting, 10) is None  # lost 3 times: the hub's
+        late = CheckReport(reducer="r1", seconds=0.1, failed="late")
+        with pytest.raises(LeaseLost):
+            board.checked(ids[0], late)
+        with pytest.raises(NotFound):
+            board.checked("f" * 32, late)
+        answered = asyncio.create_task(board.check(_job()))
+        taken = await board.take("r2", wait=5)
+        assert isinstance(taken, CheckJob)
+        assert board.renew(taken.lease, "r2") == 0.2
+        report = CheckReport(reducer="r2", seconds=0.1, digest="a" * 64, nbytes=100, norm=1.0)
+        board.checked(taken.lease, report)
+        assert await asyncio.wait_for(answered, 10) == report
+        assert board.reducers["r2"].checks == 1 and board.reducers["r1"].expired == CHECK_TRIES
+        assert not board._checks and not board._checks_held
+
+    asyncio.run(scenario())
 
 
 def _store_hub(hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS, prefix: str, *args: str) -> Hub:
