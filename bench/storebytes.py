@@ -32,6 +32,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,12 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=1_000_000, help="model parameters (float32)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument(
+        "--reducers",
+        type=int,
+        default=0,
+        help="also a store hub with K local reducers (--reducers K): they check the uploads, the hub reads no body",
+    )
+    parser.add_argument(
         "--bucket", help="use this bucket of the store the AWS_* variables name, instead of starting SeaweedFS"
     )
     args = parser.parse_args()
@@ -160,20 +167,24 @@ def main() -> None:
             bucket = s3.bucket
         hubs = {}
         prefix = f"bench-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d%H%M%S%f}"
-        for kind in ("hub", "store"):
-            extra = ["--store", f"s3://{bucket}/{prefix}"] if kind == "store" else []
+        for kind in ("hub", "store", "reducers")[: 3 if args.reducers else 2]:
+            extra = ["--store", f"s3://{bucket}/{prefix}-{kind}"] if kind != "hub" else []
+            extra += ["--reducers", str(args.reducers)] if kind == "reducers" else []
             command = [sys.executable, "-m", "syncserver", "serve", "--data-dir", str(work / kind), *extra]
             server = ServerProcess([*command, "--log-level", "warning"], log=work / f"{kind}.log", env=env)
             server.start(60)
             stack.callback(server.stop)
             hubs[kind] = server.url
+            if kind == "reducers":  # they check the first upload already
+                while len(httpx.get(f"{server.url}/v1/reduce/reducers").json()) < args.reducers:
+                    time.sleep(0.1)
         for codec in args.codecs:
             for n in args.peers:
                 got = {kind: one_case(url, n, codec, args.rounds, args.params) for kind, url in hubs.items()}
                 # with 2 peers the two hubs must agree bit for bit; with more, their updates may be
                 # acknowledged in another order, and float32 sums in another order differ in the
                 # last bits (docs/RELIABILITY.md, "Bit-identical after a hub crash")
-                same = got["hub"]["digest"] == got["store"]["digest"]
+                same = all(got["hub"]["digest"] == other["digest"] for other in got.values())
                 assert same or n > 2, "the store changed the bits"
                 model_bytes = got["hub"]["model_bytes"]
                 row = {
@@ -188,6 +199,7 @@ def main() -> None:
                     "hub_in_mb_no_store": got["hub"]["hub_in"] / 1e6,
                     "hub_in_mb_store": got["store"]["hub_in"] / 1e6,
                     "peers_to_store_mb": got["store"]["peers_to_store"] / 1e6,
+                    "hub_in_mb_store_reducers": got["reducers"]["hub_in"] / 1e6 if "reducers" in got else None,
                     "same_bits": same,
                     "max_abs_diff": max(
                         float(abs(got["hub"]["weights"][k] - got["store"]["weights"][k]).max())
@@ -199,14 +211,15 @@ def main() -> None:
     print(f"\nper round, {args.rounds} rounds, a {rows[0]['model_mb']:.2f} MB fp32 model\n")
     print(
         "| codec | peers | hub out, no store (MB) | hub out, store (MB) | x model | peers from store (MB) | ratio "
-        "| hub in, no store (MB) | hub in, store (MB) | peers to store (MB) |"
+        "| hub in, no store (MB) | hub in, store (MB) | peers to store (MB) | hub in, store + reducers (MB) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['codec']} | {r['peers']} | {r['hub_out_mb_no_store']:.2f} | {r['hub_out_mb_store']:.2f} | "
             f"{r['hub_out_mb_store'] / r['model_mb']:.2f} | {r['peers_from_store_mb']:.2f} | {r['ratio']:.2f} | "
-            f"{r['hub_in_mb_no_store']:.2f} | {r['hub_in_mb_store']:.2f} | {r['peers_to_store_mb']:.2f} |"
+            f"{r['hub_in_mb_no_store']:.2f} | {r['hub_in_mb_store']:.2f} | {r['peers_to_store_mb']:.2f} | "
+            + (f"{r['hub_in_mb_store_reducers']:.3f} |" if r["hub_in_mb_store_reducers"] is not None else "- |")
         )
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")

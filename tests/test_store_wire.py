@@ -317,8 +317,9 @@ def test_restart_deletes_objects_no_committed_record_names(
 def test_store_bytes_benchmark_runs(seaweedfs: SeaweedFS, tmp_path: Path) -> None:
     """bench/storebytes.py's smoke test, on this session's SeaweedFS: with a store the hub's link
     carries one result per round out (x model 1.00 in fp32), without it one per peer; the updates
-    go to the bucket, and the hub reads them back (check and merge)."""
+    go to the bucket, and the hub reads them back (check and merge), unless reducers do both."""
     command = [sys.executable, "bench/storebytes.py", "--peers", "2", "--codecs", "fp32", "--rounds", "1"]
+    command += ["--reducers", "1"]
     command += ["--params", "20000", "--bucket", seaweedfs.bucket, "--out", str(tmp_path)]
     done = subprocess.run(
         command, cwd=REPO, env={**os.environ, **seaweedfs.env()}, capture_output=True, text=True, timeout=180
@@ -333,6 +334,7 @@ def test_store_bytes_benchmark_runs(seaweedfs: SeaweedFS, tmp_path: Path) -> Non
     (got,) = json.loads(saved.read_text())["rows"]
     assert got["peers_to_store_mb"] == got["hub_in_mb_no_store"] > 0, got
     assert got["hub_in_mb_store"] >= 2 * got["peers_to_store_mb"], got
+    assert got["hub_in_mb_store_reducers"] == 0 and got["same_bits"], got
 
 
 def test_hub_killed_between_a_results_upload_and_its_commit(
