@@ -2,7 +2,6 @@
 
     python bench/storebytes.py                          # 2 and 4 peers, fp32 and int8, 3 rounds
     python bench/storebytes.py --peers 2 --codecs fp32 --rounds 1 --params 20000   # the smoke test
-    python bench/storebytes.py --reducers 2             # and a hub with the store and 2 local reducers
 
 Starts SeaweedFS (tests/s3server.py; ``--bucket B``: a store already running, that the ``AWS_*``
 variables name), then for every case a hub without a store and a hub with
@@ -15,9 +14,7 @@ the bucket (``weightsync_store_upload_bytes_total``); its bytes in: the updates 
 (``weightsync_store_read_bytes_total``: with a store, each update once to check it and again to
 merge it), against the updates peers put in the bucket (``...{via="store"}``). Per round is the
 difference between after the join and after the rounds, divided by the rounds (version 0 at the
-join is not counted). ``--reducers K``: a third hub, with the store and K local reducers
-(``serve --reducers K``), whose reducers write each result (and version) to the bucket as parts:
-their bytes are their own processes', not the hub's.
+join is not counted).
 These are counts, not times: the machine's load does not change them. Every peer must end on
 the hub's last version (sha-256), and with 2 peers the two hubs on the same bits.
 
@@ -35,6 +32,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +143,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--params", type=int, default=1_000_000, help="model parameters (float32)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    parser.add_argument("--reducers", type=int, default=0, help="also a hub with the store and K local reducers")
+    parser.add_argument(
+        "--reducers",
+        type=int,
+        default=0,
+        help="also a store hub with K local reducers: they check the uploads, merge, and write results as parts",
+    )
     parser.add_argument(
         "--bucket", help="use this bucket of the store the AWS_* variables name, instead of starting SeaweedFS"
     )
@@ -164,26 +167,25 @@ def main() -> None:
             bucket = s3.bucket
         hubs = {}
         prefix = f"bench-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d%H%M%S%f}"
-        kinds = {
-            "hub": [],
-            "store": ["--store", f"s3://{bucket}/{prefix}"],
-            **({"reducers": ["--store", f"s3://{bucket}/{prefix}-r", "--reducers", str(args.reducers)]}
-               if args.reducers else {}),
-        }  # fmt: skip
-        for kind, extra in kinds.items():
+        for kind in ("hub", "store", "reducers")[: 3 if args.reducers else 2]:
+            extra = ["--store", f"s3://{bucket}/{prefix}-{kind}"] if kind != "hub" else []
+            extra += ["--reducers", str(args.reducers)] if kind == "reducers" else []
             command = [sys.executable, "-m", "syncserver", "serve", "--data-dir", str(work / kind), *extra]
             server = ServerProcess([*command, "--log-level", "warning"], log=work / f"{kind}.log", env=env)
             server.start(60)
             stack.callback(server.stop)
             hubs[kind] = server.url
+            if kind == "reducers":  # they check the first upload already
+                while len(httpx.get(f"{server.url}/v1/reduce/reducers").json()) < args.reducers:
+                    time.sleep(0.1)
         for codec in args.codecs:
             for n in args.peers:
                 got = {kind: one_case(url, n, codec, args.rounds, args.params) for kind, url in hubs.items()}
                 # with 2 peers the two hubs must agree bit for bit; with more, their updates may be
                 # acknowledged in another order, and float32 sums in another order differ in the
                 # last bits (docs/RELIABILITY.md, "Bit-identical after a hub crash")
-                same = all(got[kind]["digest"] == got["hub"]["digest"] for kind in got)
-                assert same or n > 2, "the store or the reducers changed the bits"
+                same = all(got["hub"]["digest"] == other["digest"] for other in got.values())
+                assert same or n > 2, "the store changed the bits"
                 model_bytes = got["hub"]["model_bytes"]
                 row = {
                     "codec": codec,
@@ -197,19 +199,12 @@ def main() -> None:
                     "hub_in_mb_no_store": got["hub"]["hub_in"] / 1e6,
                     "hub_in_mb_store": got["store"]["hub_in"] / 1e6,
                     "peers_to_store_mb": got["store"]["peers_to_store"] / 1e6,
-                    **(
-                        {
-                            "hub_out_mb_reducers": got["reducers"]["hub_out"] / 1e6,
-                            "hub_in_mb_reducers": got["reducers"]["hub_in"] / 1e6,
-                        }
-                        if "reducers" in got
-                        else {}
-                    ),
+                    "hub_in_mb_store_reducers": got["reducers"]["hub_in"] / 1e6 if "reducers" in got else None,
+                    "hub_out_mb_store_reducers": got["reducers"]["hub_out"] / 1e6 if "reducers" in got else None,
                     "same_bits": same,
                     "max_abs_diff": max(
-                        float(abs(got["hub"]["weights"][k] - got[kind]["weights"][k]).max())
+                        float(abs(got["hub"]["weights"][k] - got["store"]["weights"][k]).max())
                         for k in got["hub"]["weights"]
-                        for kind in got
                     ),
                 }
                 rows.append(row)
@@ -217,27 +212,18 @@ def main() -> None:
     print(f"\nper round, {args.rounds} rounds, a {rows[0]['model_mb']:.2f} MB fp32 model\n")
     print(
         "| codec | peers | hub out, no store (MB) | hub out, store (MB) | x model | peers from store (MB) | ratio "
-        "| hub in, no store (MB) | hub in, store (MB) | peers to store (MB) |"
+        "| hub in, no store (MB) | hub in, store (MB) | peers to store (MB) | hub in, store + reducers (MB) "
+        "| hub out, store + reducers (MB) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['codec']} | {r['peers']} | {r['hub_out_mb_no_store']:.2f} | {r['hub_out_mb_store']:.2f} | "
             f"{r['hub_out_mb_store'] / r['model_mb']:.2f} | {r['peers_from_store_mb']:.2f} | {r['ratio']:.2f} | "
-            f"{r['hub_in_mb_no_store']:.2f} | {r['hub_in_mb_store']:.2f} | {r['peers_to_store_mb']:.2f} |"
+            f"{r['hub_in_mb_no_store']:.2f} | {r['hub_in_mb_store']:.2f} | {r['peers_to_store_mb']:.2f} | "
+            + (f"{r['hub_in_mb_store_reducers']:.3f} |" if r["hub_in_mb_store_reducers"] is not None else "- |")
+            + (f" {r['hub_out_mb_store_reducers']:.3f} |" if r["hub_out_mb_store_reducers"] is not None else " - |")
         )
-    if args.reducers:
-        print(f"\nwith the store and {args.reducers} local reducers (per round)\n")
-        print("| codec | peers | hub out (MB) | x model | hub in (MB) | hub in + out vs store alone |")
-        print("|---|---|---|---|---|---|")
-        for r in rows:
-            both = r["hub_out_mb_reducers"] + r["hub_in_mb_reducers"]
-            alone = r["hub_out_mb_store"] + r["hub_in_mb_store"]
-            print(
-                f"| {r['codec']} | {r['peers']} | {r['hub_out_mb_reducers']:.2f} | "
-                f"{r['hub_out_mb_reducers'] / r['model_mb']:.2f} | {r['hub_in_mb_reducers']:.2f} | "
-                f"{both / alone:.2f} |"
-            )
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     (args.out / f"storebytes-{stamp}.json").write_text(

@@ -41,6 +41,10 @@ BUDGETS: dict[str, float] = {
     # a lease expiry and a hub SIGKILL + restart, against SeaweedFS
     "tests/test_reducer_parts.py::test_a_dead_reducer_s_part_is_sent_again_a_dead_hub_s_aborted": 18,
     "tests/test_reducers.py::test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it": 17,
+    # two store hubs with a reducer each way, then the lies through both
+    "tests/test_check_leases.py::test_lies_get_the_same_answers_from_reducers_and_the_hub_reads_no_body": 16,
+    "tests/test_check_leases.py::test_a_round_checked_and_merged_by_reducers_is_bit_identical": 12,
+    "tests/test_check_leases.py::test_a_reducer_killed_holding_a_check_lease_loses_it_and_the_peer_is_acknowledged": 12,
     "tests/test_reducers.py::test_a_hub_killed_while_its_leases_wait_closes_the_round_again_after_a_restart": 15,
     "tests/test_reducers.py::test_with_no_reducer_left_the_hub_works_the_leases_itself": 10,
     "tests/test_reducers.py::test_reducer_processes_give_the_bits_of_the_hub_alone": 12,
@@ -68,7 +72,7 @@ BUDGETS: dict[str, float] = {
     "tests/test_store_wire.py::test_two_peers_three_rounds_through_the_store": 10,
     "tests/test_store_wire.py::test_cut_download_resumes_against_the_bucket_and_an_expired_url_asks_the_hub_again": 12,
     "tests/test_store_wire.py::test_hub_killed_between_a_results_upload_and_its_commit": 11,  # two hubs, a restart
-    "tests/test_store_wire.py::test_store_bytes_benchmark_runs": 18,  # storebytes.py: 3 hubs (1 with a reducer)
+    "tests/test_store_wire.py::test_store_bytes_benchmark_runs": 18,  # bench/storebytes.py: 3 hubs, 2 peers, 1 reducer
     # updates through the store: 8 lies, each a presign, a part and a report; a URL left to
     # expire (3 s); a hub killed twice; part PUTs cut for the SDK's 2 s of retries; two hubs
     "tests/test_store_uploads.py::test_each_lie_is_refused_with_its_reason_and_nothing_recorded": 12,

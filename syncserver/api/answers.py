@@ -114,6 +114,8 @@ def reducers(known: list[ReducerStats]) -> list[Reducer]:
             last_seconds=r.last_seconds,
             bytes=r.bytes,
             busy=r.holding is not None,
+            checks=r.checks,
+            check_seconds=r.check_seconds,
         )
         for r in known
     ]

@@ -36,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from syncserver.api.deps import authenticate_view
+from syncserver.core.leases import ReducerStats
 from syncserver.core.policy import PeerState
 from syncserver.core.view import HubView
 from syncserver.records import RoundRecord, UpdateRecord
@@ -146,6 +147,21 @@ def _reducer_metrics(view: HubView | None) -> Iterator[Metric]:
         expired.add_metric([r.name], r.expired)
         nbytes.add_metric([r.name], r.bytes)
     yield from (count, leases, seconds, last, expired, nbytes)
+    yield from _check_metrics(known)
+
+
+def _check_metrics(known: list[ReducerStats]) -> Iterator[Metric]:
+    """The reducers' check leases (SYNC_STORE): bodies checked, and the seconds it took."""
+    checks = CounterMetricFamily(
+        "weightsync_reducer_checks", "Uploaded update bodies the reducer checked.", labels=["reducer"]
+    )
+    seconds = CounterMetricFamily(
+        "weightsync_reducer_check_seconds", "Seconds of the reducer's checks, summed.", labels=["reducer"]
+    )
+    for r in known:
+        checks.add_metric([r.name], r.checks)
+        seconds.add_metric([r.name], r.check_seconds)
+    yield from (checks, seconds)
 
 
 class HubMetrics:

@@ -1,4 +1,5 @@
-"""HTTP for reducers (``syncserver reduce``): take a merge lease, renew it, report it done.
+"""HTTP for reducers (``syncserver reduce``): take a lease (a merge's slices, or an uploaded
+update's body check), renew it, report it done (``/done``: merge; ``/checked``: check).
 Translation only: the board (:mod:`syncserver.core.leases`) decides. Admin token if the hub has
 one (:func:`~syncserver.api.deps.authenticate_admin`)."""
 
@@ -14,6 +15,7 @@ from syncserver.api.deps import Hub, authenticate_admin, authenticate_view
 from syncserver.api.schemas import Reducer, Renewed
 from syncserver.core.leases import LEASE_POLL_MAX, Board
 from syncserver.errors import Conflict
+from syncserver.reduce.checklease import CheckJob, CheckReport
 from syncserver.reduce.lease import Done, Job
 
 __all__ = ["router", "view_router"]
@@ -44,11 +46,11 @@ def _board(hub: Hub) -> Board:
 
 @router.post(
     "/lease",
-    summary="Wait for a merge lease (long poll); 204 when none came within `wait`",
-    response_model=Job,
+    summary="Wait for a lease, a merge's or a check's (`kind: check`) (long poll); 204 when none came within `wait`",
+    response_model=Job | CheckJob,
     responses={204: {"description": "No lease within the wait: ask again."}},
 )
-async def take_lease(body: TakeLease, hub: Hub) -> Job | Response:
+async def take_lease(body: TakeLease, hub: Hub) -> Job | CheckJob | Response:
     job = await _board(hub).take(body.reducer, body.wait)
     return job if job is not None else Response(status_code=204)
 
@@ -65,6 +67,17 @@ def renew_lease(lease: LeaseId, body: RenewLease, hub: Hub) -> Renewed:
 )
 def lease_done(lease: LeaseId, body: Done, hub: Hub) -> Response:
     _board(hub).done(lease, body)
+    return Response(status_code=204)
+
+
+@router.post(
+    "/leases/{lease}/checked",
+    summary="Report a check lease: the body's digest, size and norm, or its refusal, or failed (409 lease_lost)",
+    status_code=204,
+)
+async def lease_checked(lease: LeaseId, body: CheckReport, hub: Hub) -> Response:
+    # on the event loop: it answers the upload waiting on it
+    _board(hub).checked(lease, body)
     return Response(status_code=204)
 
 

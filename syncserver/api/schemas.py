@@ -352,6 +352,8 @@ class Reducer(Answer):
     last_seconds: float | None = Field(description="Its last used lease's.")
     bytes: int = Field(description="Bytes its used leases read and wrote.")
     busy: bool = Field(description="It holds a lease now.")
+    checks: int = Field(0, description="Uploaded bodies it checked (check leases reported).")
+    check_seconds: float = Field(0.0, description="Its checks' work, summed.")
 
 
 class Renewed(Answer):

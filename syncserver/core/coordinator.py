@@ -108,7 +108,9 @@ class Coordinator:
         self.view.board = self.board
         self.rounds = Rounds(settings, store, self.engine, self.view, bucket, leased)
         # SYNC_STORE: peers upload their updates there too
-        self.presigned = PresignedUploads(self.rounds, bucket, settings.data_dir / "tmp") if bucket else None
+        self.presigned = (
+            PresignedUploads(self.rounds, bucket, settings.data_dir / "tmp", self.board) if bucket else None
+        )
         self._copies: dict[Published, asyncio.Task[None]] = {}  # versions being copied to the bucket
         self._ticker: asyncio.Task[None] | None = None
 

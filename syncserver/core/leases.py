@@ -16,6 +16,12 @@ as an in-process merge does (record last). A lease that reports the round not fi
 merge with :class:`~syncserver.reduce.engine.NonFinite`, which the close handles as it
 always does (:mod:`syncserver.core.finite`); any other failure fails the close, which is
 tried again after its backoff.
+
+The same board carries **check leases** (``SYNC_STORE`` too): the body check of an update a peer
+uploaded to the bucket (:mod:`syncserver.reduce.checklease`), so that the hub reads no update
+body. A check is offered before any merge lease (a peer waits on it), renewed like one, reported
+by ``/checked``; one that expires is offered again, at most :data:`CHECK_TRIES` times; with no
+reducer alive (as above) :meth:`Board.check` answers None and the hub checks the body itself.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from anyio import to_thread
 
 from syncserver.errors import LeaseLost, NotFound
+from syncserver.reduce.checklease import CheckJob, CheckReport
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer
 from syncserver.reduce.lease import Done, Job, ObjectOutput, jobs, work
 from syncserver.storage.bucket import object_name
@@ -40,7 +47,7 @@ from syncserver.storage.s3 import ObjectStore, StoreError
 from syncserver.storage.store import Key, ObjectRecord, Published, ResultKey, UpdateKey, VersionKey
 from syncwire import Codec
 
-__all__ = ["LEASE_POLL_MAX", "Board", "LeaseFailed", "ReducerStats", "merge_leased"]
+__all__ = ["CHECK_TRIES", "LEASE_POLL_MAX", "Board", "LeaseFailed", "ReducerStats", "merge_leased"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +58,8 @@ GONE_KEPT = 4096
 HUB = "hub"
 #: the longest a reducer's request for a lease is held (its long poll), in seconds
 LEASE_POLL_MAX = 60.0
+#: a check lease taken and lost this many times (reducers dying on that body?) is checked by the hub
+CHECK_TRIES = 3
 
 
 class LeaseFailed(RuntimeError):
@@ -70,6 +79,8 @@ class ReducerStats:
     last_seconds: float | None = None  # the last done lease's
     bytes: int = 0
     holding: str | None = None  # the lease it works on
+    checks: int = 0  # check leases reported
+    check_seconds: float = 0.0
 
 
 @dataclass
@@ -93,6 +104,17 @@ class _Merge:
     failure: BaseException | None = None
 
 
+@dataclass
+class _Check:
+    """One update's body check on the board: offered, held, or answered (``answer``)."""
+
+    job: CheckJob
+    answer: asyncio.Future[CheckReport]
+    holder: str | None = None
+    deadline: float = 0.0
+    offered: float = field(default_factory=time.monotonic)
+
+
 class Board:
     """Every merge lease of one hub: offered, held, done."""
 
@@ -101,6 +123,8 @@ class Board:
         self.objects = objects  # SYNC_STORE: where the hub reads updates in the bucket, working a lease itself
         self._pending: deque[_Lease] = deque()
         self._held: dict[str, _Lease] = {}  # by lease id
+        self._checks: deque[_Check] = deque()  # check leases on offer (before any merge lease)
+        self._checks_held: dict[str, _Check] = {}  # by lease id
         self._gone: dict[str, None] = {}  # ids no longer valid (insertion-ordered, bounded)
         self._offered = asyncio.Condition()
         self._changed = asyncio.Event()  # a lease was done or failed: the merges look again
@@ -119,21 +143,23 @@ class Board:
         stats.last_seen = t
         return stats
 
-    async def take(self, reducer: str, wait: float) -> Job | None:
-        """The next lease offered, held by ``reducer`` from now; None after ``wait`` seconds."""
+    async def take(self, reducer: str, wait: float) -> Job | CheckJob | None:
+        """The next lease offered (a check first), held by ``reducer`` from now; None after ``wait`` seconds."""
         self._seen(reducer)
         loop = asyncio.get_running_loop()
         until = loop.time() + wait
         self._polling += 1
         try:
             async with self._offered:
-                while not self._pending:
+                while not self._pending and not self._checks:
                     left = until - loop.time()
                     if left <= 0:
                         self._seen(reducer)  # it was there all along
                         return None
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._offered.wait(), left)
+                if self._checks:
+                    return self._take_check(reducer, self._checks.popleft())
                 lease = self._pending.popleft()
         finally:
             self._polling -= 1
@@ -155,6 +181,39 @@ class Board:
         )
         return lease.job
 
+    def _take_check(self, reducer: str, check: _Check) -> CheckJob:
+        stats = self._seen(reducer)
+        check.job = check.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
+        check.holder, check.deadline = reducer, time.monotonic() + self.lease_seconds
+        self._checks_held[check.job.lease] = check
+        stats.holding = check.job.lease
+        log.info(
+            "check_taken run=%s round=%d peer=%s lease=%s reducer=%s mb=%.1f",
+            check.job.run,
+            check.job.round,
+            check.job.peer,
+            check.job.lease,
+            reducer,
+            check.job.size / 1e6,
+        )
+        return check.job
+
+    def checked(self, lease_id: str, report: CheckReport) -> None:
+        """``report.reducer`` checked the body of its check lease (passed, refused or failed)."""
+        stats = self._seen(report.reducer)
+        check = self._checks_held.get(lease_id)
+        if check is None or check.holder != report.reducer or time.monotonic() > check.deadline:
+            if check is None and lease_id not in self._gone:
+                raise NotFound(f"no check lease {lease_id!r}")
+            raise LeaseLost(f"lease {lease_id!r} is not {report.reducer!r}'s any more (expired, or answered)")
+        del self._checks_held[lease_id]
+        self._forget(lease_id)
+        stats.holding = None
+        stats.checks += 1
+        stats.check_seconds += report.seconds
+        if not check.answer.done():
+            check.answer.set_result(report)
+
     def _holding(self, lease_id: str, reducer: str) -> _Lease:
         lease = self._held.get(lease_id)
         if lease is None or lease.holder != reducer or time.monotonic() > lease.deadline:
@@ -166,6 +225,10 @@ class Board:
     def renew(self, lease_id: str, reducer: str) -> float:
         """Extend ``reducer``'s lease; the seconds it now has. :class:`LeaseLost` once lost."""
         self._seen(reducer)
+        check = self._checks_held.get(lease_id)
+        if check is not None and check.holder == reducer and time.monotonic() <= check.deadline:
+            check.deadline = time.monotonic() + self.lease_seconds
+            return self.lease_seconds
         lease = self._holding(lease_id, reducer)
         lease.deadline = time.monotonic() + self.lease_seconds
         return self.lease_seconds
@@ -193,6 +256,69 @@ class Board:
         self._gone[lease_id] = None
         while len(self._gone) > GONE_KEPT:
             del self._gone[next(iter(self._gone))]
+
+    # ---- the uploads' side ----------------------------------------------------------------
+    def _alive(self, now: float) -> bool:
+        """A reducer asks, holds a lease, or was heard from within a lease length."""
+        return bool(self._polling or self._held or self._checks_held or now - self._active <= self.lease_seconds)
+
+    async def check(self, job: CheckJob) -> CheckReport | None:
+        """Have a reducer check an uploaded body: its report, or None when the hub must check it
+        itself (no reducer alive; or the lease lost :data:`CHECK_TRIES` times). An expired lease is
+        offered again, first in line. Cancelled (the peer went away): withdrawn from the board."""
+        if not self._alive(time.monotonic()):
+            return None
+        check = _Check(job, asyncio.get_running_loop().create_future())
+        tries = 0
+        await self._offer_check(check)
+        try:
+            while True:
+                now = time.monotonic()
+                if check.holder is not None and check.deadline < now:
+                    tries += 1
+                    self._expire_check(check)
+                    if tries >= CHECK_TRIES:
+                        return None
+                    await self._offer_check(check, first=True)
+                elif check.holder is None and not self._alive(now) and now - check.offered > self.lease_seconds:
+                    return None
+                until = check.deadline if check.holder is not None else max(self._active, check.offered)
+                timeout = max(0.01, until + (0 if check.holder is not None else self.lease_seconds) - now)
+                done, _ = await asyncio.wait({check.answer}, timeout=min(timeout, 1.0))
+                if done:
+                    return check.answer.result()
+        finally:
+            with contextlib.suppress(ValueError):
+                self._checks.remove(check)
+            if check.holder is not None and self._checks_held.get(check.job.lease) is check:
+                self._expire_check(check, quiet=True)
+
+    async def _offer_check(self, check: _Check, *, first: bool = False) -> None:
+        check.offered = time.monotonic()
+        async with self._offered:
+            if first:
+                self._checks.appendleft(check)
+            else:
+                self._checks.append(check)
+            self._offered.notify_all()
+
+    def _expire_check(self, check: _Check, *, quiet: bool = False) -> None:
+        del self._checks_held[check.job.lease]
+        self._forget(check.job.lease)
+        stats = self.reducers.get(check.holder or "")
+        if stats is not None and stats.holding == check.job.lease:
+            stats.holding = None
+            stats.expired += not quiet
+        if not quiet:
+            log.warning(
+                "check_lease_expired run=%s round=%d peer=%s lease=%s reducer=%s (offered again)",
+                check.job.run,
+                check.job.round,
+                check.job.peer,
+                check.job.lease,
+                check.holder,
+            )
+        check.holder = None
 
     # ---- the merge's side ----------------------------------------------------------------
     async def run(self, run: str, round_: int, offered: Sequence[Job]) -> None:

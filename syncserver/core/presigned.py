@@ -29,6 +29,12 @@ record names (:meth:`Bucket.delete_unnamed`), and a peer that reports one then g
 ``upload_unknown`` and uploads again. One request at a time per peer runs here, so a retried
 ``uploaded`` waits for the first and then gets its acknowledgement.
 
+With reducers too (``SYNC_REDUCERS``), the body check is a lease on the board
+(:meth:`Board.check <syncserver.core.leases.Board.check>`): a reducer streams the object and
+checks it, the hub takes its report for what it can verify cheaply
+(:func:`~syncserver.reduce.checklease.accept`) and reads no body; with no reducer alive, or a
+report that does not hold up, the hub checks the body itself as above.
+
 Everything runs on the event loop; the store's requests and the check run in worker threads.
 """
 
@@ -47,10 +53,12 @@ from typing import TypeVar
 import anyio
 from anyio import to_thread
 
+from syncserver.core.leases import Board
 from syncserver.core.rounds import Acknowledgement, Rounds, Ticket
 from syncserver.core.state import Run
 from syncserver.errors import BadRequest, Conflict, PayloadTooLarge, StoreDown, UploadUnknown
 from syncserver.reduce.check import Checked, UpdateRules, check_update
+from syncserver.reduce.checklease import CheckJob, CheckRules, accept
 from syncserver.storage.bucket import Bucket, update_name
 from syncserver.storage.s3 import ObjectMissing, StoreError, StoreRefused
 from syncwire import FormatError, TensorInfo
@@ -118,9 +126,10 @@ class _Open:
 class PresignedUploads:
     """The uploads into the object store that the hub handed out, one per (run, peer)."""
 
-    def __init__(self, rounds: Rounds, bucket: Bucket, scratch: Path) -> None:
+    def __init__(self, rounds: Rounds, bucket: Bucket, scratch: Path, board: Board | None = None) -> None:
         self.rounds = rounds
         self.bucket = bucket
+        self.board = board  # SYNC_REDUCERS: the reducers check the bodies
         self.scratch = scratch  # where a check that takes a norm spools the body (the hub's tmp/)
         self._open: dict[tuple[str, str], _Open] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -217,18 +226,47 @@ class PresignedUploads:
             run.shape.max_update_bytes,
             bool(run.config.norm_guard or run.codec.check_on_receipt),
         )
-
-        def check() -> Checked:  # one GET, closed as soon as the check stops reading
-            with contextlib.closing(objects.stream(opened.name)) as chunks:
-                return check_update(chunks, rules, spool=self.scratch)
-
-        checked = await self._store(run, check)
+        checked = await self._check(run, opened, peer, digest, rules)
         if checked.digest != digest:
             raise BadRequest(f"body digest sha-256 {checked.digest} does not match the declared {digest}")
         ticket = Ticket(
             run.name, opened.round, peer, digest, report.samples, report.metrics, size, _no_body, final=report.final
         )
         return await self.rounds.commit_object(run, ticket, opened.name, checked.nbytes, seconds, checked.norm)
+
+    async def _check(self, run: Run, opened: _Open, peer: str, digest: str, rules: UpdateRules) -> Checked:
+        """The body's check: by a reducer when one is alive (the hub reads no body), else here."""
+        if self.board is not None:
+            job = CheckJob(
+                lease="",
+                run=run.name,
+                round=opened.round,
+                peer=peer,
+                seconds=0.0,
+                object=opened.name,
+                size=opened.size,
+                digest=digest,
+                rules=CheckRules.of(rules),
+            )
+            report = await self.board.check(job)
+            if report is not None:
+                checked = accept(report, job)  # raises the refusal the reducer found
+                if checked is not None:
+                    return checked
+                log.warning(
+                    "check_report_not_taken run=%s object=%s reducer=%s: %s (the hub checks the body)",
+                    run.name,
+                    opened.name,
+                    report.reducer,
+                    report.failed or "it does not match the object",
+                )
+        objects = self.bucket.objects
+
+        def check() -> Checked:  # one GET, closed as soon as the check stops reading
+            with contextlib.closing(objects.stream(opened.name)) as chunks:
+                return check_update(chunks, rules, spool=self.scratch)
+
+        return await self._store(run, check)
 
     async def _drop(self, run: Run, opened: _Open) -> None:
         """Delete an upload's object and parts (a store that fails leaves them for the next start)."""

@@ -8,7 +8,9 @@ It long-polls the hub for a lease (``POST /v1/reduce/lease``), works it
 hub's object store, ranged GETs of the updates and version v and a PUT of its part of the
 result and of version v+1, so anywhere that reaches the store, given ``SYNC_STORE`` and the
 ``AWS_*`` variables, but for DiLoCo's momentum and topk's residual, still files of the hub's),
-renews it from a thread while working, and reports it done. One lease at a time, one thread:
+renews it from a thread while working, and reports it done. A check lease (``kind: check``, an
+update a peer uploaded to the bucket: :mod:`syncserver.reduce.checklease`) is streamed from the
+bucket and checked, and reported to ``/checked``. One lease at a time, one thread:
 K reducers are K processes, so a slow or killed one costs its own lease only. A hub that
 cannot be reached or refuses the token at the start is a one-line error (exit 2); later, a
 hub that went away is waited for (it may be restarting), a lease found lost is dropped.
@@ -26,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from pydantic import ValidationError
 
+from syncserver.reduce.checklease import CheckJob, work_check
 from syncserver.reduce.lease import Done, Job, LeaseStopped, work
 from syncserver.storage.s3 import ObjectStore
 
@@ -65,7 +68,7 @@ class Reducer:
     def stop(self) -> None:
         self._stop.set()
 
-    def check(self) -> Job | None:
+    def check(self) -> Job | CheckJob | None:
         """One lease request without waiting: :class:`ReducerError` unless the hub takes us;
         the lease it gave, if one was waiting (to be worked first)."""
         try:
@@ -86,8 +89,11 @@ class Reducer:
             if job is not None:
                 self.do(job)
 
-    def do(self, job: Job) -> None:
+    def do(self, job: Job | CheckJob) -> None:
         """Work one lease, renewing it meanwhile, and report it."""
+        if isinstance(job, CheckJob):
+            self.do_check(job)
+            return
         lost = threading.Event()
         renewer = threading.Thread(target=self._renew, args=(job, lost), daemon=True, name="reducer-renew")
         renewer.start()
@@ -115,6 +121,29 @@ class Reducer:
         else:
             log.info("reducer %s: lease %s done in %.3f s", self.name, job.lease, done.seconds)
 
+    def do_check(self, job: CheckJob) -> None:
+        """Check one uploaded body (renewing the lease meanwhile) and report it: passed, refused or failed."""
+        lost = threading.Event()
+        renewer = threading.Thread(target=self._renew, args=(job, lost), daemon=True, name="reducer-renew")
+        renewer.start()
+        try:
+            report = work_check(job, self.name, self._store)
+        finally:
+            lost.set()
+            renewer.join()
+        try:
+            answer = self._http.post(f"/v1/reduce/leases/{job.lease}/checked", json=report.model_dump(mode="json"))
+        except httpx.HTTPError as exc:
+            log.warning("reducer %s: could not report check %s (%s): it will expire", self.name, job.lease, exc)
+            return
+        if answer.status_code != 204:
+            log.warning("reducer %s: report of check %s refused: %s", self.name, job.lease, answer.text[:300])
+        else:
+            outcome = "passed" if report.digest else "refused" if report.refused else f"failed ({report.failed})"
+            log.info(
+                "reducer %s: check %s of %s %s in %.3f s", self.name, job.lease, job.object, outcome, report.seconds
+            )
+
     def _store(self) -> ObjectStore:
         """The bucket that SYNC_STORE names (and the AWS_* variables sign for), as the hub's."""
         if self._objects is None:
@@ -124,7 +153,7 @@ class Reducer:
             self._objects = ObjectStore.from_url(url)
         return self._objects
 
-    def _renew(self, job: Job, lost: threading.Event) -> None:
+    def _renew(self, job: Job | CheckJob, lost: threading.Event) -> None:
         every = max(0.05, job.seconds / 3)
         while not lost.wait(every):
             try:
@@ -134,7 +163,7 @@ class Reducer:
             if answer.status_code in (404, 409):
                 lost.set()
 
-    def _take(self, wait: float, strict: bool = False) -> Job | None:
+    def _take(self, wait: float, strict: bool = False) -> Job | CheckJob | None:
         answer = self._http.post("/v1/reduce/lease", json={"reducer": self.name, "wait": wait})
         if answer.status_code == 204:
             return None
@@ -146,8 +175,11 @@ class Reducer:
             self._stop.wait(RETRY_SECONDS)
             return None
         try:
-            return Job.model_validate_json(answer.content)
-        except ValidationError as exc:
+            lease = answer.json()
+            if isinstance(lease, dict) and lease.get("kind") == "check":
+                return CheckJob.model_validate(lease)
+            return Job.model_validate(lease)
+        except (ValueError, ValidationError) as exc:
             raise ReducerError(f"the hub at {self.hub} answered a lease request with no lease: {exc}") from None
 
 

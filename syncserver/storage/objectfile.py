@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 
 import numpy as np
 
@@ -24,14 +25,29 @@ _FIRST_READ = 64 << 10  # one GET takes the header of any model with up to ~500 
 
 
 class ObjectTensorFile:
-    """One safetensors object: its header read once at open, values by ranged GETs.
+    """One safetensors object: its header read once, at first use, values by ranged GETs.
 
     ``size`` (the object's size, when the caller's record has it) saves a HEAD request; the
     header must describe exactly the bytes the object holds, as :class:`TensorFile` checks.
+    Nothing is read until ``infos``, ``metadata`` or :meth:`read` is first used (then a fault in
+    the object raises there): a hub whose reducers merge opens each update of the round only to
+    name it in their leases, and so reads no byte of it.
     """
 
     def __init__(self, objects: ObjectStore, name: str, size: int | None = None) -> None:
-        self.objects, self.name = objects, name
+        self.objects, self.name, self._size = objects, name, size
+        self._opened: tuple[bytes, dict[str, TensorInfo], dict[str, str], int] | None = None
+        self._lock = threading.Lock()  # slices are read from several threads at once
+
+    def _header(self) -> tuple[bytes, dict[str, TensorInfo], dict[str, str], int]:
+        """(the first GET's bytes, infos, metadata, where the data starts), read once."""
+        with self._lock:
+            if self._opened is None:
+                self._opened = self._read_header()
+            return self._opened
+
+    def _read_header(self) -> tuple[bytes, dict[str, TensorInfo], dict[str, str], int]:
+        objects, name, size = self.objects, self.name, self._size
         if size is None:
             info = objects.head(name)
             if info is None:
@@ -49,25 +65,32 @@ class ObjectTensorFile:
             head += bytes(objects.read(name, len(head), 8 + n))
         # what the first GET brought stays: a small object (a tiny model's update) is then read
         # by one request instead of one per slice, whose headers outweighed its bytes
-        self._held = head
-        self.infos: dict[str, TensorInfo]
-        self.infos, self.metadata, data = parse_header(head[: 8 + n])
-        self._base = 8 + n
-        if size - self._base != data:
-            raise FormatError(f"{name}: {size - self._base} data bytes, the header describes {data}")
+        infos, metadata, data = parse_header(head[: 8 + n])
+        if size - (8 + n) != data:
+            raise FormatError(f"{name}: {size - (8 + n)} data bytes, the header describes {data}")
+        return head, infos, metadata, 8 + n
+
+    @property
+    def infos(self) -> dict[str, TensorInfo]:
+        return self._header()[1]
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self._header()[2]
 
     def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Values ``[start, stop)`` of tensor ``name``, flattened, in a new writable array."""
-        info = self.infos[name]
+        held, infos, _, base = self._header()
+        info = infos[name]
         count = math.prod(info.shape)
         stop = count if stop is None else stop
         if not 0 <= start <= stop <= count:
             raise IndexError(f"{name}: values [{start}, {stop}) of {count}")
         dtype = np.dtype(info.numpy_dtype)
-        first = self._base + info.start + start * dtype.itemsize
+        first = base + info.start + start * dtype.itemsize
         end = first + (stop - start) * dtype.itemsize
-        if end <= len(self._held):
-            return np.frombuffer(bytearray(self._held[first:end]), dtype)
+        if end <= len(held):
+            return np.frombuffer(bytearray(held[first:end]), dtype)
         raw = self.objects.read(self.name, first, end)
         if len(raw) != (stop - start) * dtype.itemsize:
             raise FormatError(f"{self.name}: ends inside tensor {name!r}")

@@ -1,0 +1,151 @@
+"""A check lease: the body check of one update that a peer uploaded to the object store, done by
+a reducer so that the hub reads no update body (``SYNC_STORE`` with ``SYNC_REDUCERS``). No HTTP
+here and no hub state.
+
+The hub, on ``/uploaded`` (the multipart upload completed, the object's size the declared one),
+puts a :class:`CheckJob` on its lease board (:meth:`Board.check
+<syncserver.core.leases.Board.check>`): the object's name and size, the digest the peer declared,
+and the run's rules (:class:`CheckRules`: the schema, the codec's spec, the size limit, whether a
+norm is needed; JSON, rebuilt into :class:`~syncserver.reduce.check.UpdateRules` by the reducer). A
+reducer streams the object with one GET and runs :func:`~syncserver.reduce.check.check_update`,
+the very function the hub runs, and reports a :class:`CheckReport`: the body's sha-256, size and
+norm, or the refusal the hub would give (its status, code and reason), or that it failed (the
+store, say). The hub then checks what it can cheaply (:func:`accept`) and acknowledges or refuses
+exactly as it does after its own check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from syncserver.errors import BadRequest, HubError, InvalidUpdate, PayloadTooLarge
+from syncserver.reduce.check import Checked, UpdateRules, check_update
+from syncserver.storage.s3 import ObjectStore
+from syncwire import get_codec, wire_layout
+
+__all__ = ["REFUSALS", "CheckJob", "CheckReport", "CheckRules", "Refusal", "accept", "work_check"]
+
+MAX_DETAIL = 2000
+#: the errors :func:`check_update` raises, by code: the only refusals a reducer may report
+REFUSALS: dict[str, type[HubError]] = {cls.code: cls for cls in (BadRequest, InvalidUpdate, PayloadTooLarge)}
+
+
+class CheckRules(BaseModel):
+    """:class:`UpdateRules` on the wire (the layout follows from the schema and the codec)."""
+
+    model_config = ConfigDict(extra="forbid")
+    tensors: dict[str, list[int]] = Field(description="The run's schema: each tensor's shape, in file order.")
+    codec: str
+    max_bytes: int = Field(ge=0)
+    norm: bool
+
+    @classmethod
+    def of(cls, rules: UpdateRules) -> CheckRules:
+        return cls(
+            tensors={n: list(s) for n, s in rules.schema.items()},
+            codec=rules.codec.spec,
+            max_bytes=rules.max_bytes,
+            norm=rules.norm,
+        )
+
+    def rules(self) -> UpdateRules:
+        codec = get_codec(self.codec)
+        schema = {name: tuple(shape) for name, shape in self.tensors.items()}
+        return UpdateRules(wire_layout(codec, schema), schema, codec, self.max_bytes, self.norm)
+
+
+class CheckJob(BaseModel):
+    """A check lease as the hub hands it out (``POST /v1/reduce/lease``, ``kind: "check"``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["check"] = "check"
+    lease: str = Field(description="The lease's id: renew it and report it by this id.")
+    run: str
+    round: int
+    peer: str
+    seconds: float = Field(description="The lease's length: renew it within this many seconds.")
+    object: str = Field(description="The update's object in the hub's bucket.")
+    size: int = Field(ge=0, description="Its size, as the store said when the upload completed.")
+    digest: str = Field(description="The sha-256 the peer declared (the hub compares it, not the reducer).")
+    rules: CheckRules
+
+
+class Refusal(BaseModel):
+    """What the hub answers the peer: ``status``, ``error`` (code) and ``detail`` (reason)."""
+
+    model_config = ConfigDict(extra="forbid")
+    status: int
+    error: str
+    detail: str = Field(max_length=MAX_DETAIL)
+
+
+class CheckReport(BaseModel):
+    """A reducer's report of a check lease (``POST /v1/reduce/leases/{lease}/checked``): the body's
+    ``digest``, ``nbytes`` and ``norm`` when it passed; ``refused`` when it failed a check;
+    ``failed`` when the reducer could not check it (the hub then checks it itself)."""
+
+    model_config = ConfigDict(extra="forbid")
+    reducer: str = Field(min_length=1, max_length=128)
+    seconds: float = Field(ge=0, le=86_400)
+    digest: str | None = Field(None, pattern="^[0-9a-f]{64}$")
+    nbytes: int | None = Field(None, ge=0, le=2**50)
+    norm: float | None = None
+    refused: Refusal | None = None
+    failed: str | None = Field(None, max_length=MAX_DETAIL)
+
+    @model_validator(mode="after")
+    def _one_outcome(self) -> CheckReport:
+        passed = self.digest is not None and self.nbytes is not None
+        if passed + (self.refused is not None) + (self.failed is not None) != 1:
+            raise ValueError("a check report says one thing: passed (digest, nbytes), refused, or failed")
+        return self
+
+
+def work_check(job: CheckJob, reducer: str, objects: Callable[[], ObjectStore]) -> CheckReport:
+    """Check the job's object as ``reducer``: one streaming GET into :func:`check_update`. A
+    refusal is a report; any other failure (the store, the machine) is a report that it failed."""
+    started = time.monotonic()
+
+    def report(**outcome: object) -> CheckReport:
+        return CheckReport.model_validate({"reducer": reducer, "seconds": time.monotonic() - started, **outcome})
+
+    try:
+        store = objects()
+        with contextlib.closing(store.stream(job.object)) as chunks:
+            checked = check_update(chunks, job.rules.rules())
+    except tuple(REFUSALS.values()) as exc:
+        assert isinstance(exc, HubError)
+        return report(refused={"status": exc.status, "error": exc.code, "detail": exc.detail[:MAX_DETAIL]})
+    except Exception as exc:
+        return report(failed=repr(exc)[:MAX_DETAIL])
+    return report(digest=checked.digest, nbytes=checked.nbytes, norm=checked.norm)
+
+
+def accept(report: CheckReport, job: CheckJob) -> Checked | None:
+    """What the hub takes from a reducer's report: the checked body, or raises the refusal the
+    reducer found (the same class, status and reason as the hub's own check). None: the report
+    does not hold up (or the reducer failed), and the hub checks the body itself.
+
+    Cheap checks only (the hub reads no body): the size is the object's, the digest a sha-256
+    (compared with the peer's by the caller, as after its own check), the norm present exactly when
+    the rules ask for one, finite and not negative; a refusal one that :func:`check_update` gives."""
+    if report.failed is not None:
+        return None
+    if report.refused is not None:
+        cls = REFUSALS.get(report.refused.error)
+        if cls is None or cls.status != report.refused.status:
+            return None
+        raise cls(report.refused.detail)
+    if report.nbytes != job.size or report.digest is None:
+        return None
+    if job.rules.norm != (report.norm is not None):
+        return None
+    if report.norm is not None and not (math.isfinite(report.norm) and report.norm >= 0):
+        return None
+    return Checked(report.digest, report.nbytes, report.norm, report.seconds)
