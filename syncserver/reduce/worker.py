@@ -18,11 +18,13 @@ hub that went away is waited for (it may be restarting), a lease found lost is d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -94,10 +96,7 @@ class Reducer:
         if isinstance(job, CheckJob):
             self.do_check(job)
             return
-        lost = threading.Event()
-        renewer = threading.Thread(target=self._renew, args=(job, lost), daemon=True, name="reducer-renew")
-        renewer.start()
-        try:
+        with self._renewing(job) as lost:
             try:
                 done = work(job, self.name, stop=lost.is_set, pool=self._pool, objects=self._store)
             except LeaseStopped:
@@ -106,43 +105,45 @@ class Reducer:
             except Exception as exc:  # the hub fails the close, and tries it again later
                 log.exception("reducer %s: lease %s failed", self.name, job.lease)
                 done = Done(reducer=self.name, seconds=0.0, bytes=0, error="failed", detail=repr(exc)[:2000])
-        finally:
-            lost.set()  # stops the renewer
-            renewer.join()
-        try:
-            answer = self._http.post(f"/v1/reduce/leases/{job.lease}/done", json=done.model_dump(mode="json"))
-        except httpx.HTTPError as exc:
-            log.warning("reducer %s: could not report lease %s (%s): it will expire", self.name, job.lease, exc)
-            return
-        if answer.status_code == 409:
-            log.warning("reducer %s: lease %s was lost before its report", self.name, job.lease)
-        elif answer.status_code != 204:
-            log.warning("reducer %s: report of lease %s refused: %s", self.name, job.lease, answer.text[:300])
-        else:
+        if self._report(job.lease, "done", done.model_dump(mode="json")):
             log.info("reducer %s: lease %s done in %.3f s", self.name, job.lease, done.seconds)
 
     def do_check(self, job: CheckJob) -> None:
         """Check one uploaded body (renewing the lease meanwhile) and report it: passed, refused or failed."""
-        lost = threading.Event()
-        renewer = threading.Thread(target=self._renew, args=(job, lost), daemon=True, name="reducer-renew")
-        renewer.start()
-        try:
+        with self._renewing(job):
             report = work_check(job, self.name, self._store)
-        finally:
-            lost.set()
-            renewer.join()
-        try:
-            answer = self._http.post(f"/v1/reduce/leases/{job.lease}/checked", json=report.model_dump(mode="json"))
-        except httpx.HTTPError as exc:
-            log.warning("reducer %s: could not report check %s (%s): it will expire", self.name, job.lease, exc)
-            return
-        if answer.status_code != 204:
-            log.warning("reducer %s: report of check %s refused: %s", self.name, job.lease, answer.text[:300])
-        else:
+        if self._report(job.lease, "checked", report.model_dump(mode="json")):
             outcome = "passed" if report.digest else "refused" if report.refused else f"failed ({report.failed})"
             log.info(
                 "reducer %s: check %s of %s %s in %.3f s", self.name, job.lease, job.object, outcome, report.seconds
             )
+
+    @contextlib.contextmanager
+    def _renewing(self, job: Job | CheckJob) -> Iterator[threading.Event]:
+        """Renew ``job``'s lease on a thread while the body runs; the event is set once the
+        hub says the lease is lost (and, on the way out, to stop the renewer)."""
+        lost = threading.Event()
+        renewer = threading.Thread(target=self._renew, args=(job, lost), daemon=True, name="reducer-renew")
+        renewer.start()
+        try:
+            yield lost
+        finally:
+            lost.set()
+            renewer.join()
+
+    def _report(self, lease: str, what: str, body: dict[str, object]) -> bool:
+        """POST a lease's report (``done`` or ``checked``); True once the hub took it. A report
+        that cannot be sent, or comes too late (409), is logged: the lease expires and is redone."""
+        try:
+            answer = self._http.post(f"/v1/reduce/leases/{lease}/{what}", json=body)
+        except httpx.HTTPError as exc:
+            log.warning("reducer %s: could not report lease %s (%s): it will expire", self.name, lease, exc)
+            return False
+        if answer.status_code == 409:
+            log.warning("reducer %s: lease %s was lost before its report", self.name, lease)
+        elif answer.status_code != 204:
+            log.warning("reducer %s: report of lease %s refused: %s", self.name, lease, answer.text[:300])
+        return answer.status_code == 204
 
     def _store(self) -> ObjectStore:
         """The bucket that SYNC_STORE names (and the AWS_* variables sign for), as the hub's."""
