@@ -240,16 +240,7 @@ class Board:
         del self._held[lease_id]
         self._forget(lease_id)
         stats.holding = None
-        merge = lease.merge
-        if report.error is None:
-            lease.done = True
-            stats.leases += 1
-            stats.seconds += report.seconds
-            stats.last_seconds = report.seconds
-            stats.bytes += report.bytes
-        elif merge.failure is None:
-            failure = NonFinite if report.error == "non_finite" else LeaseFailed
-            merge.failure = failure(f"reducer {report.reducer}: {report.detail}")
+        _settle(lease, stats, report, f"reducer {report.reducer}")
         self._changed.set()
 
     def _forget(self, lease_id: str) -> None:
@@ -380,15 +371,7 @@ class Board:
             report = Done(reducer=HUB, seconds=0, bytes=0, error="failed", detail=repr(exc)[:2000])
         stats = self.reducers.setdefault(HUB, ReducerStats(HUB, time.time(), time.time()))
         stats.last_seen = time.time()
-        if report.error is None:
-            lease.done = True
-            stats.leases += 1
-            stats.seconds += report.seconds
-            stats.last_seconds = report.seconds
-            stats.bytes += report.bytes
-        elif merge.failure is None:
-            failure = NonFinite if report.error == "non_finite" else LeaseFailed
-            merge.failure = failure(f"{HUB}: {report.detail}")
+        _settle(lease, stats, report, HUB)
 
     async def _offer(self, leases: list[_Lease], *, first: bool = False) -> None:
         async with self._offered:
@@ -427,6 +410,20 @@ class Board:
         """Reducers heard from in the last ``within`` seconds, by name."""
         t = time.time()
         return sorted((r for r in self.reducers.values() if t - r.last_seen <= within), key=lambda r: r.name)
+
+
+def _settle(lease: _Lease, stats: ReducerStats, report: Done, who: str) -> None:
+    """Take a lease's report, from a reducer or the hub: done (counted in ``stats``), or the
+    round's merge failed with the first failure reported (non-finite or not)."""
+    if report.error is None:
+        lease.done = True
+        stats.leases += 1
+        stats.seconds += report.seconds
+        stats.last_seconds = report.seconds
+        stats.bytes += report.bytes
+    elif lease.merge.failure is None:
+        failure = NonFinite if report.error == "non_finite" else LeaseFailed
+        lease.merge.failure = failure(f"{who}: {report.detail}")
 
 
 async def merge_leased(
