@@ -557,22 +557,6 @@ class StoreProcess:
             self.proc.wait()
 
 
-class ReduceProbe:
-    """Whether this checkout can run reducers: ``syncserver reduce`` is issue 24's part R, not on
-    every branch. Asked at once, in the background (an interpreter that imports the hub's CLI
-    takes seconds on a busy machine), and answered when the first reducers would start."""
-
-    def __init__(self) -> None:
-        command = [sys.executable, "-m", "syncserver", "reduce", "--help"]
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=BENCH.parent)
-
-    def missing(self) -> str | None:
-        """Why reducers cannot run here (None: they can)."""
-        if self.proc.wait() == 0:
-            return None
-        return "this syncserver has no `reduce` command (issue 24 part R not merged): the store hub merged alone"
-
-
 def start_reducers(
     net: Net, url: str, k: int, env: dict[str, str], cpus: str | None, work: Path
 ) -> list[subprocess.Popen[bytes]]:
@@ -857,16 +841,16 @@ def terminated_as_exit() -> Iterator[None]:
 
 
 def run_peers(
-    args: argparse.Namespace, n: int, links: list[Link], work: Path, probe: ReduceProbe | None, skipped: dict[str, str]
+    args: argparse.Namespace, n: int, links: list[Link], work: Path
 ) -> list[dict[str, Any]]:
     """Every case of N peers: the namespaces, SeaweedFS (``--store``), the hubs, the reducers
-    (``--reducers``, where ``probe`` finds the command; else the reason goes in ``skipped``) and
-    the peers up; each codec on each of its links, against each hub; everything down."""
+    (``--reducers``, for the store hub) and the peers up; each codec on each of its links,
+    against each hub; everything down."""
     schema = rb.model_schema(args.model)
     model_bytes = sum(math.prod(s) * 4 for s in schema.values())
     codecs = list(dict.fromkeys([*args.codecs, *args.slow_codecs]))
     store_link = Link("each", args.store_link) if args.store else None
-    net = Net(args.ns_prefix, n, store_link, Link("each", args.reducer_link) if probe else None)
+    net = Net(args.ns_prefix, n, store_link, Link("each", args.reducer_link) if args.reducers else None)
     hubs: list[Hub] = []
     peers = store = None
     workers: list[subprocess.Popen[bytes]] = []
@@ -890,11 +874,7 @@ def run_peers(
 
         start_hub("disk", {})
         peers = rb.Peers(n, schema, target=netns_peer, first_args=lambda k: (net.peers[k], args.rest_cpus))
-        why = probe.missing() if probe is not None else None
-        if why is not None and "reducers" not in skipped:
-            skipped["reducers"] = why
-            print(f"--reducers {args.reducers}: skipped, {why}", flush=True)
-        reducing = probe is not None and why is None and store is not None
+        reducing = args.reducers > 0 and store is not None
         if store is not None:  # the hub holds the store's keys; peers get none
             store.wait_ready()
             print(f"N={n}: SeaweedFS up in {store.started_in:.1f}s at {store.env['AWS_ENDPOINT_URL']}", flush=True)
@@ -965,7 +945,6 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-wire-", dir=args.data_root))
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
-    probe = ReduceProbe() if args.reducers else None
     codecs = list(dict.fromkeys([*args.codecs, *args.slow_codecs]))
     with terminated_as_exit():
         try:
@@ -977,7 +956,7 @@ def main() -> None:
                     skipped[str(n)] = f"needs ~{need / 1e9:.1f} GB, {rb.mem_available() / 1e9:.1f} GB available"
                     print(f"N={n}: skipped, {skipped[str(n)]}", flush=True)
                     continue
-                rows += run_peers(args, n, links, work, probe, skipped)
+                rows += run_peers(args, n, links, work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     targets = check_targets(rows)

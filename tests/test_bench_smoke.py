@@ -189,7 +189,6 @@ def test_wire_benchmark_shapes_links_and_leaves_no_namespace(tmp_path: Path, net
         assert row["tcp_up_s"] > 0 and row["tcp_down_s"] > 0, "the bare-TCP floor ran on the same link"
         assert row["round_x_tcp"] == pytest.approx(row["round_s"] / (row["tcp_up_s"] + row["tcp_down_s"]))
         assert row["hub_cpus"] == "0", "--hub-cpus pinned the hub"
-        assert row["hub_rx"] > 2 * row["bytes_up"], "both updates came in through the hub's link"
     fp32, int8 = rows["fp32", "shared:1gbit", "disk"], rows["int8", "peer:100mbit", "disk"]
     assert fp32["limit_s"] == pytest.approx((2 * fp32["bytes_up"] + 2 * fp32["bytes_down"]) * 8 / 1e9)
     assert int8["limit_s"] == pytest.approx((int8["bytes_up"] + int8["bytes_down"]) * 8 / 1e8)
@@ -197,13 +196,13 @@ def test_wire_benchmark_shapes_links_and_leaves_no_namespace(tmp_path: Path, net
         disk, store = rows[(*case, "disk")], rows[(*case, "store")]
         assert disk["ceiling_s"] is None and store["ceiling_s"] > 0 and store["ceiling_up_s"] > 0
         assert store["round_x_ceiling"] == pytest.approx(store["round_s"] / store["ceiling_s"])
-        # out of the hub: a result to each peer without the store, one upload to the bucket with it
-        assert disk["hub_tx"] > 2 * disk["bytes_down"] > store["hub_tx"] > store["bytes_down"]
-    if "reducers" in result["skipped"]:  # the checkout has no `syncserver reduce` (issue 24 part R)
-        assert "no `reduce` command" in result["skipped"]["reducers"] and "skipped" in stdout
-    else:
-        assert {r["reducers"] for r in result["rows"] if r["hub"] == "store"} == {1}
-        assert all(r["leases"] > 0 for r in result["rows"] if r["hub"] == "store"), "the reducer did the merges"
+        # without a store both updates come in through the hub's link and a result goes to each peer;
+        # with the store and a reducer the model's bytes skip the hub: only control crosses its link
+        # (on this 26 KB model that control, presigned URLs in jobs and plans, weighs about a result)
+        assert disk["hub_rx"] > 2 * disk["bytes_up"] and disk["hub_tx"] > 2 * disk["bytes_down"]
+        assert store["hub_rx"] < store["bytes_up"] and store["hub_tx"] < disk["hub_tx"]
+    assert {r["reducers"] for r in result["rows"] if r["hub"] == "store"} == {1}
+    assert all(r["leases"] > 0 for r in result["rows"] if r["hub"] == "store"), "the reducer did the merges"
     targets = {t["target"] for t in result["targets"]}
     assert any("shared:1gbit" in t for t in targets)
     assert any(t.startswith("fp32, 2 peers, shared:1gbit, store: bytes through the hub's link") for t in targets)
