@@ -840,9 +840,7 @@ def terminated_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_peers(
-    args: argparse.Namespace, n: int, links: list[Link], work: Path
-) -> list[dict[str, Any]]:
+def run_peers(args: argparse.Namespace, n: int, links: list[Link], work: Path) -> list[dict[str, Any]]:
     """Every case of N peers: the namespaces, SeaweedFS (``--store``), the hubs, the reducers
     (``--reducers``, for the store hub) and the peers up; each codec on each of its links,
     against each hub; everything down."""
