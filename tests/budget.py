@@ -35,11 +35,13 @@ BUDGETS: dict[str, float] = {
     "tests/test_finetune.py::test_serial_baseline": 11,
     "tests/test_finetune.py::test_two_local_peers_end_identical_and_learn": 16,
     "tests/test_local.py::test_a_failed_peer_stops_the_others_and_the_hub": 12,
-    # two hubs, three reducer processes (one SIGKILLed through a fault proxy) and a lease's expiry
+    # 12 MB objects in SeaweedFS: two rounds' updates, results and versions
+    "tests/test_reducer_parts.py::test_leases_written_as_parts_give_the_bits_of_the_hub_alone": 9,
     # two hubs, 3 peers, two runs; far reducers (own processes) against SeaweedFS
     "tests/test_reducer_parts.py::test_three_peers_and_two_far_reducers_give_the_bits_of_a_hub_alone": 18,
     # a lease expiry and a hub SIGKILL + restart, against SeaweedFS
     "tests/test_reducer_parts.py::test_a_dead_reducer_s_part_is_sent_again_a_dead_hub_s_aborted": 18,
+    # two hubs, three reducer processes (one SIGKILLed through a fault proxy) and a lease's expiry
     "tests/test_reducers.py::test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it": 17,
     # two store hubs with a reducer each way, then the lies through both
     "tests/test_check_leases.py::test_lies_get_the_same_answers_from_reducers_and_the_hub_reads_no_body": 16,

@@ -1,7 +1,8 @@
-"""Reducers write their parts of the result and of version v+1 to the bucket (issue 24, part R
-step 4): every lease's bytes of each output are one part of a multipart upload the hub completes,
-so a reducer needs nothing of the hub's disk (avg rounds) and the hub uploads no result. In
-process against SeaweedFS: the bits of a lone hub on local disk, for fp32 and int8."""
+"""Reducers write their parts of the result to the bucket, and build version v+1 there after the
+commit (issue 24, part R step 4): every lease's bytes of each output are one part of a multipart
+upload the hub completes, so a reducer needs nothing of the hub's disk (avg rounds) and the hub
+uploads no result and no version but the first. In process against SeaweedFS: the bits of a lone
+hub on local disk, for fp32 and int8."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 import syncserver.core.leases
-from syncserver.core.leases import Board, merge_leased
+from syncserver.core.leases import Board, build_leased, merge_leased
 from syncserver.reduce.engine import Accumulator, MergeEngine, Outer
 from syncserver.reduce.lease import Job, work
 from syncserver.storage.bucket import object_name, update_name
@@ -41,11 +42,12 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
     tmp_path: Path, seaweedfs: SeaweedFS, spec: str, schema: dict[str, tuple[int, ...]], parts: int
 ) -> None:
     """Two rounds of three updates in the bucket, merged by K = 2 leases whose jobs name no file
-    of the hub (version v, the updates: objects; the outputs: part URLs), worked by the hub's own
-    lease function: the completed result and version v+1 objects are the lone hub's files, and
-    round 1 (a final one: its result is fp32) reads version 1 from the bucket only (the hub's
-    disk has no version file at all).
-    A small result is one part (S3's parts are 5 MiB but the last)."""
+    of the hub (version v, the updates: objects; the result: part URLs), worked by the hub's own
+    lease function, then version v+1 built by K = 2 build leases: the completed result and
+    version objects are the lone hub's files. Round 1 (a final one: its result is fp32) merges
+    under the bound the build of version 1 reported, and so without reading version 1 at all
+    (the object is away while it merges); the build reads it from the bucket (the hub's disk has
+    no version file at all). A small result is one part (S3's parts are 5 MiB but the last)."""
     codec, outer = get_codec(spec), Outer("avg", 1.0, 0.0)
     rng = np.random.default_rng(3)
     model = _update_file(get_codec("fp32"), {k: rng.standard_normal(s, dtype=np.float32) for k, s in schema.items()})
@@ -74,6 +76,7 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
 
     syncserver.core.leases.jobs = spy  # type: ignore[assignment]
     loop = asyncio.new_event_loop()  # the board's events live in one loop, as in the hub
+    bound: dict[str, float] | None = None  # round 0: none known, version 0 is read
     try:
         for v, updates in enumerate(rounds):
             keys, remote = [], []
@@ -88,17 +91,28 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
                 "r", v, Accumulator(schema), codec, outer, total=21.0, fraction=1.0, final=v == 1, unfolded=keys
             )
             engines[0].build_versions("r", v + 1, codec, schema)
-            size, records = loop.run_until_complete(
+            here = object_name(VersionKey("r", v))
+            held = bytes(objects.read(here))
+            if bound is not None:
+                objects.delete(here)  # under the bound, the merge must not need it
+            size, records, after = loop.run_until_complete(
                 merge_leased(
                     board, 2, engines[1], "r", v, Accumulator(schema), codec, outer,
-                    total=21.0, fraction=1.0, final=v == 1, unfolded=remote,
+                    total=21.0, fraction=1.0, final=v == 1, unfolded=remote, bound=bound,
                 )
             )  # fmt: skip
+            objects.put(here, held)
             assert size == len(_bytes(alone, ResultKey("r", v)))
-            assert [r.key for r in records] == [ResultKey("r", v), VersionKey("r", v + 1)]
+            assert [r.key for r in records] == [ResultKey("r", v)] and records[0].size == size
             assert bytes(objects.read(object_name(ResultKey("r", v)))) == _bytes(alone, ResultKey("r", v))
-            assert bytes(objects.read(object_name(VersionKey("r", v + 1)))) == _bytes(alone, VersionKey("r", v + 1))
-            assert [r.size for r in records] == [size, len(_bytes(alone, VersionKey("r", v + 1)))]
+            record, bound = loop.run_until_complete(build_leased(board, 2, "r", v, schema, codec))
+            version = _bytes(alone, VersionKey("r", v + 1))
+            assert record.key == VersionKey("r", v + 1) and record.size == len(version)
+            assert bytes(objects.read(object_name(VersionKey("r", v + 1)))) == version
+            with alone.read(VersionKey("r", v + 1)) as built:
+                truth = {n: float(np.abs(built.read(n)).max()) for n in schema}
+            assert bound == truth  # the build's peaks are exact
+            assert all(truth[n] <= after[n] <= truth[n] + 1 for n in schema)  # the merge's: a bound
         assert not objects.uploads("runs/")  # every multipart upload completed
         assert not list((tmp_path / "hub").rglob("*.safetensors"))  # the hub's disk holds no model bytes
         # a lease names nothing on the hub's disk: a reducer on another machine can do it
@@ -106,7 +120,7 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
         for job in taken:
             assert job.base is None and job.base_object is not None
             assert all(u.path is None for u in job.updates)
-            assert job.result.path is None and job.next_version is not None and job.next_version.path is None
+            assert job.result.path is None
         assert all(bool(job.result.head) == (job.result.part == 1) for job in taken)  # the header: in part 1
     finally:
         syncserver.core.leases.jobs = original  # type: ignore[assignment]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import math
 import os
@@ -25,8 +26,10 @@ import pytest
 import syncwire.codecs
 from syncserver.core.leases import Board, LeaseFailed
 from syncserver.errors import LeaseLost, NotFound
-from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer
-from syncserver.reduce.lease import Done, jobs, work
+from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer, merge_slice
+from syncserver.reduce.lease import Done, highest, jobs, work
+from syncserver.reduce.plan import pieces
+from syncserver.storage.objectfile import TensorReader
 from syncserver.storage.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
 from syncwire import get_codec
 from tests.conftest import Hub
@@ -148,6 +151,69 @@ def test_a_lease_that_would_not_be_finite_says_so(tmp_path: Path) -> None:
         assert {r.error for r in reports} == {"non_finite"}
         raise NonFinite(reports[0].detail)
     assert not store.exists(ResultKey("r", 0))
+    engine.close()
+    store.close()
+
+
+class _CountingReader:
+    """A version file whose reads are counted (does a merge read version v?)."""
+
+    def __init__(self, wire: TensorReader) -> None:
+        self.wire, self.reads = wire, 0
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        self.reads += 1
+        return self.wire.read(name, start, stop)
+
+
+def test_a_bound_on_version_v_spares_its_reads_and_an_overflow_is_still_caught(tmp_path: Path) -> None:
+    """Under a bound on |version v| that leaves room, a slice is checked without reading version
+    v, gives the same result bytes and reports a bound on |version v+1| no lower than the truth;
+    a bound with no room (or none) reads version v and checks exactly: an overflow is caught."""
+    codec, outer = get_codec("int8"), Outer("avg", 1, 0)
+    store = Store(tmp_path)
+    rng = np.random.default_rng(5)
+    start = {n: rng.standard_normal(s, dtype=np.float32) for n, s in SCHEMA.items()}
+    with store.write(VersionKey("r", 0)) as f:
+        f.write(_update_file(get_codec("fp32"), start))
+    with store.write(UpdateKey("r", 0, "p")) as f:
+        f.write(_update_file(codec, {n: np.full(s, 0.5, np.float32) for n, s in SCHEMA.items()}))
+    engine = MergeEngine(store, threads=1)
+    items = pieces(codec, codec, SCHEMA)
+    written: list[bytes] = []
+    peaks: list[dict[str, float]] = []
+    for bound in ({n: float(np.abs(a).max()) for n, a in start.items()}, {n: 3e38 for n in SCHEMA}, None):
+        with contextlib.ExitStack() as files:
+            opened = engine.open_merge(
+                files, "r", 0, Accumulator(SCHEMA), codec, outer, total=1.0, fraction=1.0,
+                unfolded=[(UpdateKey("r", 0, "p"), 1.0)],
+            )  # fmt: skip
+            base = _CountingReader(opened.base)
+            merge = dataclasses.replace(opened, base=base, bound=bound, peaks=[])  # type: ignore[arg-type]
+            for p in items:
+                merge_slice(merge, None, p.name, p.start, p.stop, p.parts, p.out_parts)
+            assert base.reads == (0 if bound is not None and bound["w"] < 1e30 else len(items)), bound
+            assert merge.peaks is not None
+            peaks.append(highest(merge.peaks))
+        written.append(_bytes(store, ResultKey("r", 0)))
+    assert written[0] == written[1] == written[2]
+    engine.build_versions("r", 1, codec, SCHEMA)
+    with store.read(VersionKey("r", 1)) as version:
+        truth = {n: float(np.abs(version.read(n)).max()) for n in SCHEMA}
+    assert peaks[2] == truth == peaks[1]  # read: exact
+    assert all(truth[n] <= peaks[0][n] <= truth[n] + 1.01 for n in SCHEMA)  # bounded: no lower than the truth
+    # an overflow under a bound with no room: version v is read and the sum refused
+    with store.write(VersionKey("r", 0)) as f:
+        f.write(_update_file(get_codec("fp32"), {n: np.full(s, 3e38, np.float32) for n, s in SCHEMA.items()}))
+    with store.write(UpdateKey("r", 0, "p")) as f:
+        f.write(_update_file(get_codec("fp32"), {n: np.full(s, 3e38, np.float32) for n, s in SCHEMA.items()}))
+    with contextlib.ExitStack() as files, pytest.raises(NonFinite):
+        merge = engine.open_merge(
+            files, "r", 0, Accumulator(SCHEMA), get_codec("fp32"), outer, total=1.0, fraction=1.0,
+            unfolded=[(UpdateKey("r", 0, "p"), 1.0)], bound={n: 3e38 for n in SCHEMA},
+        )  # fmt: skip
+        p = pieces(get_codec("fp32"), get_codec("fp32"), SCHEMA)[0]
+        merge_slice(merge, None, p.name, p.start, p.stop, p.parts, p.out_parts)
     engine.close()
     store.close()
 

@@ -29,26 +29,29 @@ from syncserver.storage.store import ObjectRecord, UpdateKey
 __all__ = ["Leased", "merge_finite"]
 
 #: A merge with :meth:`MergeEngine.merge`'s arguments, awaited (the reducers' leases): the
-#: result's size and the records of the objects the merge wrote to the bucket (none but there)
-Leased = Callable[..., Awaitable[tuple[int, list[ObjectRecord]]]]
+#: result's size, the records of the objects the merge wrote to the bucket (none but there) and
+#: the reducers' bound on ``|version v+1|`` per tensor (none in process)
+Leased = Callable[..., Awaitable[tuple[int, list[ObjectRecord], dict[str, float]]]]
 
 log = logging.getLogger(__name__)
 
 
 async def merge_finite(
     engine: MergeEngine, run: Run, round_: int, participants: Sequence[str], leased: Leased | None = None
-) -> tuple[int, list[str], list[ObjectRecord]]:
+) -> tuple[int, list[str], list[ObjectRecord], dict[str, float]]:
     """Merge ``run``'s open round ``round_``: its accumulator, with every acknowledged update
     not folded yet folded by the merge itself (:meth:`MergeEngine.merge`, or the reducers'
     leases: ``leased``, :func:`syncserver.core.leases.merge_leased` bound to the board);
-    return the result's size, the peers whose updates were left out, in that order, and the
-    records of the objects the merge wrote (the reducers' parts: the result and version v+1). The
+    return the result's size, the peers whose updates were left out, in that order, the
+    records of the objects the merge wrote (the reducers' parts of the result) and the
+    reducers' bound on ``|version v+1|`` (``run.peaks`` is the one on ``|version v|``). The
     divisor and the outer step's share are the policy's, of the participants' samples."""
     assert run.schema is not None
     acc = run.accumulator()
     order = [u.peer for u in sorted(run.acked.values(), key=lambda u: u.seq)]
     left_out: list[str] = []
     peaks: dict[str, float] = {}
+    bound = run.peaks[1] if run.peaks is not None and run.peaks[0] == round_ else None
     while True:
         samples = sum(run.acked[name].samples for name in participants if name not in left_out)
         unfolded = [peer for peer in order if peer not in acc.folded and peer not in left_out]
@@ -64,10 +67,11 @@ async def merge_finite(
             # the round's every update is its peer's last: plain averaging (see aggregate)
             final=all(run.acked[name].final for name in participants if name not in left_out),
             unfolded=[(_key(run, peer), _weight(run, peer)) for peer in unfolded],
+            bound=bound,
         )
         try:
-            size, objects = await merge()
-            return size, left_out, objects
+            size, objects, after = await merge()
+            return size, left_out, objects, after
         except NonFinite as exc:
             merged = list(dict.fromkeys([*acc.folded, *unfolded]))  # a final round's merge folds into acc
             if not merged:
@@ -92,8 +96,8 @@ async def merge_finite(
 def _threaded(engine: MergeEngine) -> Leased:
     """The in-process merge, in a worker thread, with a leased merge's signature."""
 
-    async def merge(*args: Any, **kwargs: Any) -> tuple[int, list[ObjectRecord]]:
-        return await to_thread.run_sync(functools.partial(engine.merge, *args, **kwargs)), []
+    async def merge(*args: Any, **kwargs: Any) -> tuple[int, list[ObjectRecord], dict[str, float]]:
+        return await to_thread.run_sync(functools.partial(engine.merge, *args, **kwargs)), [], {}
 
     return merge
 

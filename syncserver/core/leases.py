@@ -40,14 +40,14 @@ from anyio import to_thread
 
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.checklease import CheckJob, CheckReport
-from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer
-from syncserver.reduce.lease import Done, Job, ObjectOutput, jobs, work
+from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer, version_layout
+from syncserver.reduce.lease import BuildJob, Done, Job, ObjectOutput, build_jobs, highest, jobs, work, work_build
 from syncserver.storage.bucket import object_name
 from syncserver.storage.s3 import ObjectStore, StoreError
 from syncserver.storage.store import Key, ObjectRecord, Published, ResultKey, UpdateKey, VersionKey
-from syncwire import Codec
+from syncwire import Codec, Schema
 
-__all__ = ["CHECK_TRIES", "LEASE_POLL_MAX", "Board", "LeaseFailed", "ReducerStats", "merge_leased"]
+__all__ = ["CHECK_TRIES", "LEASE_POLL_MAX", "Board", "LeaseFailed", "ReducerStats", "build_leased", "merge_leased"]
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +85,12 @@ class ReducerStats:
 
 @dataclass
 class _Lease:
-    job: Job
+    job: Job | BuildJob
     merge: _Merge
     holder: str | None = None
     deadline: float = 0.0
     taken: float = 0.0
-    done: bool = False
+    report: Done | None = None  # once done
 
 
 @dataclass
@@ -143,7 +143,7 @@ class Board:
         stats.last_seen = t
         return stats
 
-    async def take(self, reducer: str, wait: float) -> Job | CheckJob | None:
+    async def take(self, reducer: str, wait: float) -> Job | BuildJob | CheckJob | None:
         """The next lease offered (a check first), held by ``reducer`` from now; None after ``wait`` seconds."""
         self._seen(reducer)
         loop = asyncio.get_running_loop()
@@ -170,14 +170,16 @@ class Board:
         self._held[lease.job.lease] = lease
         stats.holding = lease.job.lease
         self._changed.set()  # the merge waits on the new deadline
+        job = lease.job
         log.info(
-            "lease_taken run=%s round=%d lease=%s reducer=%s slices=%d mb=%.1f",
+            "lease_taken run=%s round=%d kind=%s lease=%s reducer=%s slices=%d mb=%.1f",
             lease.merge.run,
             lease.merge.round,
-            lease.job.lease,
+            "build" if isinstance(job, BuildJob) else "merge",
+            job.lease,
             reducer,
-            len(lease.job.slices),
-            lease.job.reads * len(lease.job.updates) / 1e6,
+            len(job.slices),
+            (job.reads if isinstance(job, BuildJob) else job.reads * len(job.updates)) / 1e6,
         )
         return lease.job
 
@@ -312,15 +314,16 @@ class Board:
         check.holder = None
 
     # ---- the merge's side ----------------------------------------------------------------
-    async def run(self, run: str, round_: int, offered: Sequence[Job]) -> None:
-        """Offer these leases and wait until every lease of it is done; an expired lease is offered
-        again (first in line). Raises what a lease reported (:class:`NonFinite`, :class:`LeaseFailed`);
-        either way, or cancelled, nothing of this merge stays on the board."""
+    async def run(self, run: str, round_: int, offered: Sequence[Job | BuildJob]) -> list[Done]:
+        """Offer these leases and wait until every lease of it is done; their reports, in order.
+        An expired lease is offered again (first in line). Raises what a lease reported
+        (:class:`NonFinite`, :class:`LeaseFailed`); either way, or cancelled, nothing of these
+        leases stays on the board."""
         merge = _Merge(run, round_)
         merge.leases = [_Lease(job.model_copy(update={"run": run}), merge) for job in offered]
         await self._offer(merge.leases)
         try:
-            while merge.failure is None and not all(lease.done for lease in merge.leases):
+            while merge.failure is None and not all(lease.report is not None for lease in merge.leases):
                 self._changed.clear()
                 now = time.monotonic()
                 expired = [x for x in self._held.values() if x.merge is merge and x.deadline < now]
@@ -341,6 +344,7 @@ class Board:
                 raise merge.failure
         finally:
             self._withdraw(merge)
+        return [lease.report for lease in merge.leases if lease.report is not None]
 
     def _deserted(self, merge: _Merge, now: float) -> bool:
         """No reducer for a lease length (none waiting, none holding a lease, none heard from)
@@ -366,7 +370,10 @@ class Board:
             self.lease_seconds,
         )
         try:
-            report = await to_thread.run_sync(functools.partial(work, job, HUB, objects=self.objects))
+            if isinstance(job, BuildJob):
+                report = await to_thread.run_sync(functools.partial(work_build, job, HUB, objects=self.objects))
+            else:
+                report = await to_thread.run_sync(functools.partial(work, job, HUB, objects=self.objects))
         except Exception as exc:
             report = Done(reducer=HUB, seconds=0, bytes=0, error="failed", detail=repr(exc)[:2000])
         stats = self.reducers.setdefault(HUB, ReducerStats(HUB, time.time(), time.time()))
@@ -416,7 +423,7 @@ def _settle(lease: _Lease, stats: ReducerStats, report: Done, who: str) -> None:
     """Take a lease's report, from a reducer or the hub: done (counted in ``stats``), or the
     round's merge failed with the first failure reported (non-finite or not)."""
     if report.error is None:
-        lease.done = True
+        lease.report = report
         stats.leases += 1
         stats.seconds += report.seconds
         stats.last_seconds = report.seconds
@@ -440,17 +447,20 @@ async def merge_leased(
     fraction: float,
     final: bool = False,
     unfolded: Sequence[tuple[UpdateKey, float]] = (),
-) -> tuple[int, list[ObjectRecord]]:
+    bound: dict[str, float] | None = None,
+) -> tuple[int, list[ObjectRecord], dict[str, float]]:
     """:meth:`MergeEngine.merge`'s work, shared by the reducers: open the merge, hand out its
-    leases, wait for them, publish the outputs; the result's size, and the records of the
-    objects the reducers wrote (none on local disk). The hub folds nothing before a leased merge
-    (``acc`` is empty): the reducers fold every update in acknowledgement order, which gives the
-    same bits as folding some first.
+    leases, wait for them, publish the outputs; the result's size, the records of the objects
+    the reducers wrote (none on local disk) and their bound on ``|version v+1|`` per tensor
+    (``bound``: the one on ``|version v|``, if known, see :meth:`MergeEngine.open_merge`). The
+    hub folds nothing before a leased merge (``acc`` is empty): the reducers fold every update
+    in acknowledgement order, which gives the same bits as folding some first.
 
-    With an object store (the board's ``objects``) the result and version v+1 are multipart
-    uploads that the reducers write a part each of (:func:`_into_bucket`), completed here once
-    every lease is done; the caller records them in the round's commit (record last), so the hub
-    uploads neither. On local disk: the staged files, fsynced and published (rename)."""
+    With an object store (the board's ``objects``) the result is a multipart upload that the
+    reducers write a part each of (:func:`_into_bucket`), completed here once every lease is
+    done; the caller records it in the round's commit (record last), so the hub uploads none,
+    and has version v+1 built after the commit (:func:`build_leased`). On local disk: the
+    staged files, fsynced and published (rename)."""
     if acc.mean is not None:
         raise ValueError("a leased merge folds every update itself: the accumulator must be empty")
     files = contextlib.ExitStack()
@@ -471,10 +481,11 @@ async def merge_leased(
             final=final,
             unfolded=unfolded,
             into=into,
+            bound=bound,
         )
         merge = await to_thread.run_sync(opened)
         leases = await to_thread.run_sync(jobs, merge, acc.schema, reducers)
-        await board.run(run, round_, leases)
+        reports = await board.run(run, round_, leases)
         records = [await to_thread.run_sync(_complete, objects, key, out) for key, out in outputs] if objects else []
     except BaseException as exc:
         await to_thread.run_sync(files.__exit__, type(exc), exc, exc.__traceback__)
@@ -482,7 +493,42 @@ async def merge_leased(
             await to_thread.run_sync(_abort, board.objects(), [out for _, out in outputs])
         raise
     await to_thread.run_sync(files.close)
-    return merge.result_size, records
+    return merge.result_size, records, _peaks(reports)
+
+
+async def build_leased(
+    board: Board, reducers: int, run: str, v: int, schema: Schema, codec: Codec
+) -> tuple[ObjectRecord, dict[str, float]]:
+    """Have the reducers build version ``v``+1 in the bucket from version v and round v's result
+    (both objects there: the reducers wrote them), as build leases of at most ``reducers``
+    parts of one multipart upload, completed here; its record (the caller records it: the
+    version counts from then on) and each tensor's largest ``|value|``. ``codec``: the run's
+    (the reducers read a final round's fp32 from the result's header). The hub reads and writes
+    no byte of it."""
+    objects = board.objects
+    if objects is None:
+        raise ValueError("versions are built by leases only in an object store")
+    store = objects()
+    key = VersionKey(run, v + 1)
+    name = object_name(key)
+    head, at, size = version_layout(schema, v + 1)
+    result = object_name(ResultKey(run, v))
+    upload_id = await to_thread.run_sync(store.create_multipart, name)
+    out = ObjectOutput(name, size, upload_id, functools.partial(store.presign_part, name, upload_id))
+    try:
+        out.write(head)
+        leases = build_jobs(schema, codec, object_name(VersionKey(run, v)), result, out, at, reducers)
+        reports = await board.run(run, v, leases)
+        record = await to_thread.run_sync(_complete, objects, key, out)
+    except BaseException:
+        await to_thread.run_sync(_abort, store, [out])
+        raise
+    return record, _peaks(reports)
+
+
+def _peaks(reports: Sequence[Done]) -> dict[str, float]:
+    """Each tensor's largest peak over the leases' reports."""
+    return highest(pair for report in reports for pair in report.peaks.items())
 
 
 def _into_bucket(

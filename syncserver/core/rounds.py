@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,9 +46,9 @@ from syncserver.reduce import aggregate
 from syncserver.reduce.engine import MergeEngine
 from syncserver.settings import HubSettings
 from syncserver.storage.bucket import Bucket
-from syncserver.storage.store import ResultKey, Store, UpdateKey, Upload, VersionKey
+from syncserver.storage.store import ObjectRecord, ResultKey, Store, UpdateKey, Upload, VersionKey
 from syncserver.storage.uploads import Received
-from syncwire import FormatError, TensorInfo, check_layout
+from syncwire import Codec, FormatError, Schema, TensorInfo, check_layout
 
 __all__ = ["Acknowledgement", "InitialVersion", "Rounds", "Ticket"]
 
@@ -58,6 +58,9 @@ CLOSE_RETRY_MAX = 30.0  # seconds between two tries at a close that keeps failin
 ASYNC_NORMS = 8  # the norm guard's reference in async runs: the last accepted updates' norms
 
 Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
+#: Has version v+1 built in the bucket (run, v, schema, codec): its record and the bound on its
+#: values per tensor (:func:`syncserver.core.leases.build_leased` bound to the board)
+Built = Callable[[str, int, Schema, Codec], Awaitable[tuple[ObjectRecord, dict[str, float]]]]
 
 
 @dataclass
@@ -129,6 +132,7 @@ class Rounds:
         view: HubView,
         bucket: Bucket | None = None,
         leased: Leased | None = None,
+        built: Built | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -137,7 +141,7 @@ class Rounds:
         self.bucket = bucket
         self.leased = leased  # SYNC_REDUCERS: reducers share each merge (syncserver.core.leases)
         self._tasks: set[asyncio.Task[None]] = set()
-        self.versions = VersionFiles(settings, store, engine, self._spawn, bucket)
+        self.versions = VersionFiles(settings, store, engine, self._spawn, bucket, built)
 
     def recover(self, run: Run) -> None:
         """Reload the open round's acknowledged updates (a restart) and rebuild missing versions."""
@@ -462,7 +466,7 @@ class Rounds:
                     await self._version_in_bucket(run, close.round)  # the reducers read it there
                 elif not self.store.exists(VersionKey(run.name, close.round)):
                     await self.versions.written(run)  # the merge checks version v + its result
-                result_bytes, left_out, copies = await merge_finite(
+                result_bytes, left_out, copies, peaks = await merge_finite(
                     self.engine, run, close.round, close.participants, self.leased
                 )
             merged = time.monotonic()
@@ -497,6 +501,7 @@ class Rounds:
         run.close_failures, run.close_retry_at = 0, 0.0
         run.policy.committed(close)
         run.version = close.round + 1
+        run.peaks = (run.version, peaks) if peaks else None
         run.acked, run.acc, run.opened = {}, None, None
         if run.norms:
             # the guard's reference: this round's norms and the previous round's; async rounds
@@ -528,15 +533,15 @@ class Rounds:
 
     async def _version_in_bucket(self, run: Run, v: int) -> None:
         """Version ``v`` has a copy in the bucket, where reducers on other machines read it: the
-        reducers wrote it (every round but the first), or the hub uploads it now (version 0, or a
-        version the hub built while the store was down). :class:`Unavailable` if the store fails
-        (the close is tried again after its backoff)."""
+        reducers built it after the last commit (every round but the first; waited for here, in
+        the rare case that the build is still going), or the hub uploads it now (version 0).
+        :class:`Unavailable` if the store fails (the close is tried again after its backoff)."""
         assert self.bucket is not None
         key = VersionKey(run.name, v)
+        if self.store.stored_object(key) is None and not self.store.exists(key):
+            await self.versions.written(run)
         if self.store.stored_object(key) is not None:
             return
-        if not self.store.exists(key):
-            await self.versions.written(run)
         record = await to_thread.run_sync(self.bucket.upload, key)
         if record is None:
             raise Unavailable(f"the object store {self.bucket.url} is down: version {v} cannot reach the reducers")
@@ -570,16 +575,25 @@ class Rounds:
 
 class VersionFiles:
     """Writes the file of each committed version after its commit (``version v + decode(result
-    v)``), then prunes; pulls of a version wait for its file."""
+    v)``), then prunes; pulls of a version wait for its file. With a store and reducers
+    (``built``), the reducers build each version in the bucket instead (build leases) and the
+    hub records it: the hub's disk holds no version but the first."""
 
     def __init__(
-        self, settings: HubSettings, store: Store, engine: MergeEngine, spawn: Spawn, bucket: Bucket | None = None
+        self,
+        settings: HubSettings,
+        store: Store,
+        engine: MergeEngine,
+        spawn: Spawn,
+        bucket: Bucket | None = None,
+        built: Built | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.engine = engine
         self._spawn = spawn
         self.bucket = bucket
+        self.built = built
 
     def start(self, run: Run) -> None:
         """Start writing the files of the committed versions that have none (after a commit,
@@ -592,7 +606,9 @@ class VersionFiles:
         assert run.schema is not None
         while True:
             target = run.version
-            if not self.only_in_bucket(run, target):
+            if self.built is not None:
+                await self._build_in_bucket(run, target)
+            elif not self.only_in_bucket(run, target):
                 await to_thread.run_sync(self.engine.build_versions, run.name, target, run.codec, run.schema)
             with contextlib.suppress(Exception):  # housekeeping: a failure here loses nothing
                 self.store.prune(run.name, target, self.settings.keep_versions, run.keep_results)
@@ -604,6 +620,20 @@ class VersionFiles:
                         await to_thread.run_sync(self.bucket.delete, run.name, gone)
             if run.version == target:  # else rounds closed meanwhile
                 return
+
+    async def _build_in_bucket(self, run: Run, target: int) -> None:
+        """Have the reducers build every version up to ``target`` that the bucket lacks, from the
+        last one it has and the rounds' results there, each recorded once built (it counts from
+        then on; a hub killed before that builds it again at its start)."""
+        assert self.built is not None and run.schema is not None
+        first = target
+        while first > 0 and self.store.stored_object(VersionKey(run.name, first)) is None:
+            first -= 1
+        for v in range(first, target):
+            record, peaks = await self.built(run.name, v, run.schema, run.codec)
+            self.store.record_object(record)
+            run.peaks = (v + 1, peaks)  # exact: the next merge's bound
+            log.info("version_built run=%s version=%d mb=%.1f by=reducers", run.name, v + 1, record.size / 1e6)
 
     def only_in_bucket(self, run: Run, v: int) -> bool:
         """Is version ``v`` in the bucket only (reducers wrote it there, and the hub has not the

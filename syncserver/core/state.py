@@ -139,6 +139,9 @@ class Run:
     close_retry_at: float = 0.0
     # writes the file of ``version`` after the round that made it committed; pulls wait for it
     writing: asyncio.Task[None] | None = None
+    # (n, a bound on |version n| per tensor) that the reducers reported: the next leased merge
+    # checks its slices against it instead of reading version n. In memory: a restart reads it once
+    peaks: tuple[int, dict[str, float]] | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def notify(self) -> None:

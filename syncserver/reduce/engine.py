@@ -64,14 +64,21 @@ __all__ = [
     "MergeEngine",
     "NonFinite",
     "Outer",
+    "SAFE",
     "Sink",
     "Step",
+    "apply_slice",
     "fold_slice",
     "merge_slice",
     "run_slices",
+    "version_layout",
 ]
 
 Work = Callable[[str, int, int, dict[str, tuple[int, int]]], None]
+
+#: ``|a| + |b| <= SAFE`` for float32 values a and b: their float32 sum is finite (rounded, it is at
+#: most ``2^127``, half of what float32 holds)
+SAFE = 2.0**127
 
 
 @dataclass(frozen=True)
@@ -207,6 +214,7 @@ class MergeEngine:
         fraction: float,
         final: bool = False,
         unfolded: Sequence[tuple[UpdateKey, float]] = (),
+        bound: dict[str, float] | None = None,
     ) -> int:
         """Write round ``round_``'s result (``outer_step(mean * weight / total)``) and DiLoCo
         momentum; return the result's size. ``unfolded``: updates (and their weights)
@@ -225,7 +233,7 @@ class MergeEngine:
         one, ``inf``). ``final``: every update of the round is its peer's last, so nothing
         trains after it: the round is plain averaging and the momentum passes on unchanged.
         :class:`NonFinite` if version ``round_`` + the result, or the momentum, would not be
-        finite (nothing is written then). With nothing folded,
+        finite (nothing is written then; ``bound``: see :meth:`open_merge`). With nothing folded,
         the result is zero and the momentum and its clock stay: the round changes nothing.
 
         The result is the encoded global update ``U``. Version v+1 (``version v + decode(U)``,
@@ -244,7 +252,17 @@ class MergeEngine:
             unfolded = ()
         with contextlib.ExitStack() as files:
             merge = self.open_merge(
-                files, run, round_, acc, codec, outer, total=total, fraction=fraction, final=final, unfolded=unfolded
+                files,
+                run,
+                round_,
+                acc,
+                codec,
+                outer,
+                total=total,
+                fraction=fraction,
+                final=final,
+                unfolded=unfolded,
+                bound=bound,
             )
             self._each_slice(get_codec(merge.step.codec), acc.schema, functools.partial(merge_slice, merge, acc))
         return merge.result_size
@@ -263,6 +281,7 @@ class MergeEngine:
         final: bool = False,
         unfolded: Sequence[tuple[UpdateKey, float]] = (),
         into: Callable[[Key, int], AbstractContextManager[Any]] | None = None,
+        bound: dict[str, float] | None = None,
     ) -> Merge:
         """Everything round ``round_``'s merge needs but its slices (:meth:`merge`'s arguments):
         the step fixed once for the whole round (scale, DiLoCo's clock and warm-up), the files
@@ -271,12 +290,17 @@ class MergeEngine:
         merge and the reducers' leases (:mod:`syncserver.reduce.leases`) both work from it,
         slice by slice with :func:`merge_slice`: the same step, the same files, the same bits.
 
-        ``into``: where the result and version v+1 go instead of the hub's staged files (the
-        reducers' parts of multipart uploads, :func:`syncserver.core.leases.merge_leased`): called
-        with the key and the file's size, it gives a context whose value takes the header
-        (``write``). Given, the merge also writes version v+1 (each slice's ``version v +
-        decode(result)``, which it computes anyway), so the hub needs neither file on its disk;
-        version v is then read from the hub's disk if it is there, else from the bucket."""
+        ``into``: where the result goes instead of the hub's staged file (the reducers' parts of
+        a multipart upload, :func:`syncserver.core.leases.merge_leased`): called with the key and
+        the file's size, it gives a context whose value takes the header (``write``); version v
+        is then read from the hub's disk if it is there, else from the bucket. Version v+1 is
+        built after the commit, as in-process (:func:`apply_slice`).
+
+        ``bound``: a bound on ``|version v|`` per tensor, if the hub knows one (the peaks the
+        leases of round v-1 and the build of version v reported): a slice whose ``bound +
+        max|decode(result)|`` stays under :data:`SAFE` cannot overflow, so its check needs no
+        read of version v (the version's bytes stay off a close that reads it from the bucket);
+        any other slice reads version v and checks exactly, as without a bound."""
         schema, means, v = acc.schema, acc.mean, round_
         empty = means is None and not unfolded  # every update was left out
         if not empty and not total > 0:
@@ -310,12 +334,6 @@ class MergeEngine:
         momentum_head, momentum_at = _header(_fp32_layout(schema), momentum_meta)
         result_size = len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
         result = files.enter_context((into or self.store.write)(ResultKey(run, v), result_size))
-        version: Any = None
-        version_at: dict[str, int] = {}
-        if into is not None:
-            version_head, version_at = _header(_fp32_layout(schema), {"version": str(v + 1)})
-            version = files.enter_context(into(VersionKey(run, v + 1), _fp32_size(version_head, schema)))
-            version.write(version_head)
         mom = (
             files.enter_context(self.store.write(MomentumKey(run, v + 1), _fp32_size(momentum_head, schema)))
             if diloco
@@ -351,9 +369,8 @@ class MergeEngine:
             momentum_at=momentum_at if mom is not None else {},
             next_residual=residual,
             residual_at=residual_at,
-            next_version=version,
-            version_at=version_at,
             result_size=result_size,
+            bound=bound,
         )
 
     def _version(self, files: contextlib.ExitStack, run: str, v: int) -> TensorReader:
@@ -393,18 +410,16 @@ class MergeEngine:
             self._next_version(run, v, codec, schema)
 
     def _next_version(self, run: str, v: int, codec: Codec, schema: Schema) -> None:
-        head, at = _header(_fp32_layout(schema), {"version": str(v + 1)})
+        head, at, size = version_layout(schema, v + 1)
         with contextlib.ExitStack() as files:
             current = files.enter_context(self.store.read(VersionKey(run, v)))
             result = files.enter_context(self.store.read(ResultKey(run, v)))
             codec = get_codec(result.metadata.get("codec", codec.spec))
-            version = files.enter_context(self.store.write(VersionKey(run, v + 1), _fp32_size(head, schema)))
+            version = files.enter_context(self.store.write(VersionKey(run, v + 1), size))
             version.write(head)
 
             def add(name: str, start: int, stop: int, parts: dict[str, tuple[int, int]]) -> None:
-                new = current.read(name, start, stop)
-                np.add(new, codec.decode(_read_parts(result, name, parts), (stop - start,)), out=new)
-                version.write_at(new, at[name] + start * 4)
+                version.write_at(apply_slice(current, result, codec, name, start, stop, parts), at[name] + start * 4)
 
             self._each_slice(codec, schema, add)
 
@@ -477,9 +492,9 @@ class Merge:
     momentum_at: dict[str, int]
     next_residual: Sink | None
     residual_at: dict[str, int]
-    next_version: Sink | None = None  # version v+1, where the reducers write it (an object store)
-    version_at: dict[str, int] = field(default_factory=dict)
     result_size: int = 0
+    bound: dict[str, float] | None = None  # a bound on |version v| per tensor (see MergeEngine.open_merge)
+    peaks: list[tuple[str, float]] | None = None  # if kept: (tensor, a bound on |version v+1|) per slice
 
 
 def merge_slice(
@@ -528,18 +543,23 @@ def merge_slice(
         if not _finite(update):
             raise NonFinite(f"tensor {name!r}: the update and the hub's residual overflow float32")
     encoded = codec.encode(update)
-    # what every peer will hold: version v + decode(result), the same bytes decoded
-    new = merge.base.read(name, start, stop)
     applied = update if codec.lossless else codec.decode(encoded, (n,))
     if merge.next_residual is not None:  # what this result leaves out, for the next one
         left = carried if step.empty and carried is not None else update - applied
         merge.next_residual.write_at(np.ascontiguousarray(left, np.float32), merge.residual_at[name] + start * 4)
-    with np.errstate(over="ignore"):  # an overflow is refused just below
-        np.add(new, applied, out=new)
-    if not _finite(new):
-        raise NonFinite(f"tensor {name!r}: version {step.round} + this round's update overflows float32")
-    if merge.next_version is not None:
-        merge.next_version.write_at(new, merge.version_at[name] + start * 4)
+    # what every peer will hold, version v + decode(result), must be finite: under a known bound
+    # it is (a NaN fails the comparison); else version v is read and the sum checked
+    known = merge.bound.get(name) if merge.bound is not None else None
+    peak = known + float(np.max(np.abs(applied), initial=0.0)) if known is not None else None
+    if peak is None or not peak <= SAFE:
+        new = merge.base.read(name, start, stop)
+        with np.errstate(over="ignore"):  # an overflow is refused just below
+            np.add(new, applied, out=new)
+        if not _finite(new):
+            raise NonFinite(f"tensor {name!r}: version {step.round} + this round's update overflows float32")
+        peak = float(np.max(np.abs(new), initial=0.0)) if merge.peaks is not None else None
+    if merge.peaks is not None and peak is not None:
+        merge.peaks.append((name, peak))  # list.append: atomic across the pool's threads
     for suffix, (first, count) in (parts if out_parts is None else out_parts).items():
         part = np.ascontiguousarray(encoded[suffix]).reshape(-1)
         if part.size != count:
@@ -547,6 +567,30 @@ def merge_slice(
         merge.result.write_at(part, merge.result_at[wire_name(name, suffix)] + first * part.itemsize)
     if merge.next_momentum is not None and m_new is not None:
         merge.next_momentum.write_at(np.ascontiguousarray(m_new, np.float32), merge.momentum_at[name] + start * 4)
+
+
+def apply_slice(
+    base: TensorReader,
+    result: TensorReader,
+    codec: Codec,
+    name: str,
+    start: int,
+    stop: int,
+    parts: dict[str, tuple[int, int]],
+) -> np.ndarray:
+    """One slice of version v+1: version v's values ``[start, stop)`` of ``name`` plus the
+    decoded result's (``parts``: where they lie in the result's wire parts, ``codec`` the
+    result's). The hub's version files and the reducers' build leases both add with this: what
+    every peer computes from the same bytes."""
+    new = base.read(name, start, stop)
+    np.add(new, codec.decode(_read_parts(result, name, parts), (stop - start,)), out=new)
+    return new
+
+
+def version_layout(schema: Schema, version: int) -> tuple[bytes, dict[str, int], int]:
+    """A version file's header, each tensor's byte offset in it, and its size."""
+    head, at = _header(_fp32_layout(schema), {"version": str(version)})
+    return head, at, _fp32_size(head, schema)
 
 
 def fold_slice(

@@ -8,11 +8,21 @@ step, where every input lies, and where each output tensor starts in its staged 
 reducer (on the hub's machine: the same files) ``pread``\\ s its slices of every update (or
 reads them with ranged GETs from the bucket, for updates peers uploaded there), of version v,
 of the momentum and residual, and ``pwrite``\\ s its byte ranges of each output (with a store:
-reads version v from the bucket too, and PUTs its part of the result and of version v+1,
-:class:`ObjectOutput`, to presigned UploadPart URLs),
+reads version v from the bucket too, where a slice needs it, and PUTs its part of the result,
+:class:`ObjectOutput`, to a presigned UploadPart URL),
 through :func:`~syncserver.reduce.engine.merge_slice`, the one body the hub's own
 threads run: the same step and the same inputs give the same bits whoever runs a slice, and
 an expired lease redone by another reducer writes the very same bytes again.
+
+With a store, version v+1 is built after the round's commit by **build leases**
+(:class:`BuildJob`, :func:`work_build`): version v plus the decoded result, read by ranges from
+the bucket, each lease's range of version v+1 one part of a multipart upload, with
+:func:`~syncserver.reduce.engine.apply_slice`, the function the hub's own version files use. The
+close then neither reads version v (a merge lease checks each slice against the bound on
+``|version v|`` its job carries, :meth:`MergeEngine.open_merge
+<syncserver.reduce.engine.MergeEngine.open_merge>`) nor writes version v+1: the peers wait on
+the result alone. Each lease reports a bound on ``|version v+1|`` per tensor (``peaks``), for the
+next round's jobs.
 """
 
 from __future__ import annotations
@@ -21,23 +31,32 @@ import base64
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from typing import Literal
 
 import httpx
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from syncserver.reduce.engine import Merge, NonFinite, Step, merge_slice, run_slices
+from syncserver.reduce.engine import (
+    Merge,
+    NonFinite,
+    Step,
+    apply_slice,
+    merge_slice,
+    run_slices,
+)
 from syncserver.reduce.plan import PART_MIN, Piece, Span, byte_range, itemsizes, multi_part, pieces, plan
 from syncserver.storage.objectfile import ObjectTensorFile, TensorReader
 from syncserver.storage.s3 import ObjectStore
 from syncserver.storage.store import BlobWriter
-from syncwire import Schema, get_codec, wire_name
+from syncwire import Codec, Schema, get_codec, wire_name
 from syncwire.format import TensorFile
 
 __all__ = [
+    "BuildJob",
     "Done",
     "Job",
     "LeaseStopped",
@@ -46,11 +65,15 @@ __all__ = [
     "SliceJob",
     "StepModel",
     "UpdateSource",
+    "build_jobs",
+    "highest",
     "jobs",
     "work",
+    "work_build",
 ]
 
 MAX_DETAIL = 2000
+MAX_PEAKS = 100_000  # tensors a lease may report a peak of (a model has a few hundred)
 PUT_TRIES = 3  # a part PUT to the bucket, before the lease fails
 
 
@@ -140,7 +163,9 @@ class Job(BaseModel):
     result: Output
     next_momentum: Output | None
     next_residual: Output | None
-    next_version: Output | None = Field(None, description="Version v+1 (a part in the bucket), if written here.")
+    bound: dict[str, float] | None = Field(
+        None, description="A bound on |version v| per tensor of the lease: slices under it skip reading version v."
+    )
     reads: int = Field(description="Bytes of one update this lease reads.")
     writes: int = Field(description="Bytes of the result it writes.")
 
@@ -156,6 +181,38 @@ class Done(BaseModel):
         None, pattern="^(non_finite|failed)$", description="non_finite: the round would not be finite; failed: other."
     )
     detail: str = Field("", max_length=MAX_DETAIL)
+    peaks: dict[str, float] = Field(
+        default_factory=dict,
+        max_length=MAX_PEAKS,
+        description="A bound on |version v+1| per tensor the lease worked on (the next round's jobs carry it).",
+    )
+
+    @model_validator(mode="after")
+    def _peaks_are_bounds(self) -> Done:
+        for name, peak in self.peaks.items():
+            if not 0 <= peak < float("inf"):
+                raise ValueError(f"peak of {name!r} must be a finite number >= 0, not {peak}")
+        return self
+
+
+class BuildJob(BaseModel):
+    """A build lease: a span of version v+1 (``round`` = v) as version v plus the decoded result
+    of round v, both objects in the bucket, written as one part of version v+1's upload."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["build"] = "build"
+    lease: str = Field(description="The lease's id: renew it and report it done by this id.")
+    run: str
+    round: int = Field(ge=0, description="v: this builds version v+1.")
+    seconds: float = Field(description="The lease's length: renew it within this many seconds.")
+    base_object: str = Field(description="Version v in the bucket.")
+    result_object: str = Field(description="Round v's result in the bucket (its header names its codec).")
+    codec: str = Field(description="The run's codec: the slices' cuts and parts are its.")
+    slices: list[SliceJob] = Field(
+        description="``parts``: where each slice lies in a result in ``codec`` (a final fp32 one: at its values)."
+    )
+    version: Output = Field(description="Where this lease's range of version v+1 goes (a part URL).")
+    reads: int = Field(description="Bytes of the result this lease reads.")
 
 
 class LeaseStopped(Exception):
@@ -205,10 +262,49 @@ def jobs(merge: Merge, schema: Schema, k: int, *, min_writes: int = 0) -> list[J
     in_parts = isinstance(merge.result, ObjectOutput)
     spans = plan(items, k, whole_tensors=multi_part(result_codec), min_writes=PART_MIN if in_parts else min_writes)
     if in_parts:
-        assert isinstance(merge.result, ObjectOutput) and isinstance(merge.next_version, ObjectOutput)
+        assert isinstance(merge.result, ObjectOutput)
         _cut_parts(merge.result, items, spans, merge.result_at, itemsizes(result_codec))
-        _cut_parts(merge.next_version, items, spans, merge.version_at, None)
     return [_job(merge, items, span, number) for number, span in enumerate(spans, 1)]
+
+
+def build_jobs(
+    schema: Schema, codec: Codec, base: str, result: str, out: ObjectOutput, at: dict[str, int], k: int
+) -> list[BuildJob]:
+    """The build leases of version v+1 into ``out`` (its header written; ``at``: each tensor's
+    byte offset in it): version v at ``base`` plus the result at ``result``, cut as ``codec``
+    (the run's) cuts, into at most ``k`` spans balanced by the result's bytes; each span's range
+    of version v+1 is one part (at least :data:`~syncserver.reduce.plan.PART_MIN` but the last).
+    The hub does not read the result: a final round's is fp32, whose values the reducer finds
+    at their own places (:func:`work_build`)."""
+    items = pieces(codec, get_codec("fp32"), schema)  # out_parts: the values' own places, as in a float32 file
+    spans = plan(items, k, whole_tensors=False, min_writes=PART_MIN)
+    _cut_parts(out, items, spans, at, None)
+    made = []
+    for number, span in enumerate(spans, 1):
+        chosen = items[span.first : span.stop]
+        made.append(
+            BuildJob(
+                lease="",
+                run="",
+                round=0,
+                seconds=0.0,
+                base_object=base,
+                result_object=result,
+                codec=codec.spec,
+                slices=[SliceJob(name=p.name, start=p.start, stop=p.stop, parts=p.parts, out_parts={}) for p in chosen],
+                version=_part(out, number, {name: at[name] for name in dict.fromkeys(p.name for p in chosen)}),
+                reads=span.reads,
+            )
+        )
+    return made
+
+
+def _part(out: ObjectOutput, number: int, at: dict[str, int]) -> Output:
+    """Part ``number`` of ``out`` as a lease writes it: its presigned URL, its byte range, and
+    the file's header if it is the first."""
+    start = 0 if number == 1 else sum(out.parts[n] for n in range(1, number))
+    head = base64.b64encode(out.head).decode() if number == 1 else ""
+    return Output(url=out.url(number), part=number, start=start, size=out.parts[number], head=head, at=at)
 
 
 def _cut_parts(
@@ -239,10 +335,7 @@ def _job(merge: Merge, items: list[Piece], span: Span, number: int) -> Job:
             return None
         where = {w: at[w] for w in wires}
         if isinstance(writer, ObjectOutput):
-            start = 0 if number == 1 else sum(writer.parts[n] for n in range(1, number))
-            head = base64.b64encode(writer.head).decode() if number == 1 else ""
-            url = writer.url(number)
-            return Output(url=url, part=number, start=start, size=writer.parts[number], head=head, at=where)
+            return _part(writer, number, where)
         assert isinstance(writer, BlobWriter) and writer.path is not None
         return Output(path=os.fspath(writer.path), at=where)
 
@@ -272,7 +365,7 @@ def _job(merge: Merge, items: list[Piece], span: Span, number: int) -> Job:
         result=result,
         next_momentum=output(merge.next_momentum, merge.momentum_at, names),
         next_residual=output(merge.next_residual, merge.residual_at, names),
-        next_version=output(merge.next_version, merge.version_at, names),
+        bound={n: merge.bound[n] for n in names if n in merge.bound} if merge.bound is not None else None,
         reads=span.reads,
         writes=span.writes,
     )
@@ -390,8 +483,8 @@ def work(
             momentum_at=job.next_momentum.at if job.next_momentum is not None else {},
             next_residual=sink(job.next_residual),
             residual_at=job.next_residual.at if job.next_residual is not None else {},
-            next_version=sink(job.next_version),
-            version_at=job.next_version.at if job.next_version is not None else {},
+            bound=job.bound,
+            peaks=[],
         )
 
         def one(s: SliceJob) -> None:
@@ -414,6 +507,57 @@ def work(
     for part in parts:
         part.send()
     values = sum(s.stop - s.start for s in job.slices)
-    outputs = sum(o is not None for o in (job.next_momentum, job.next_residual, job.next_version))
-    nbytes = job.reads * len(job.updates) + job.writes + 4 * values * (1 + outputs)
-    return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes)
+    outputs = sum(o is not None for o in (job.next_momentum, job.next_residual))
+    nbytes = job.reads * len(job.updates) + job.writes + 4 * values * outputs
+    assert merge.peaks is not None
+    return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes, peaks=highest(merge.peaks))
+
+
+def work_build(
+    job: BuildJob,
+    reducer: str,
+    stop: Callable[[], bool] = lambda: False,
+    pool: ThreadPoolExecutor | None = None,
+    objects: Callable[[], ObjectStore] | None = None,
+) -> Done:
+    """Build a build lease's range of version v+1 (version v + the decoded result, each by
+    ranged GETs of its slices) and PUT it as its part; report each tensor's largest
+    ``|value|`` (the next merge's bound). Raises what fails (the store, a lost lease)."""
+    if objects is None:
+        raise RuntimeError(
+            f"build lease {job.lease} reads version {job.round} in the object store: give this "
+            "reducer SYNC_STORE and the AWS_* variables, as the hub has them"
+        )
+    started = time.monotonic()
+    store = objects()
+    base, result = ObjectTensorFile(store, job.base_object), ObjectTensorFile(store, job.result_object)
+    codec = get_codec(result.metadata.get("codec", job.codec))
+    if codec.spec != job.codec and multi_part(codec):
+        raise RuntimeError(f"build lease {job.lease}: a result in {codec.spec} is not cut as {job.codec}")
+    part = _Part(job.version)
+    peaks: list[tuple[str, float]] = []
+
+    def one(s: SliceJob) -> None:
+        if stop():
+            raise LeaseStopped(f"lease {job.lease} was lost")
+        # a final round's fp32 result: the slice's values at their own places
+        parts = s.parts if codec.spec == job.codec else dict.fromkeys(itemsizes(codec), (s.start, s.stop - s.start))
+        new = apply_slice(base, result, codec, s.name, s.start, s.stop, parts)
+        part.write_at(new, job.version.at[s.name] + s.start * 4)
+        peaks.append((s.name, float(np.max(np.abs(new), initial=0.0))))
+
+    run_slices(pool, [(s,) for s in job.slices], one)
+    if stop():
+        raise LeaseStopped(f"lease {job.lease} was lost")
+    part.send()
+    values = sum(s.stop - s.start for s in job.slices)
+    nbytes = job.reads + 8 * values
+    return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes, peaks=highest(peaks))
+
+
+def highest(peaks: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """Each tensor's largest peak over its slices (or over leases)."""
+    out: dict[str, float] = {}
+    for name, peak in peaks:
+        out[name] = max(out.get(name, 0.0), peak)
+    return out

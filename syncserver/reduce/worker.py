@@ -5,12 +5,14 @@
 It long-polls the hub for a lease (``POST /v1/reduce/lease``), works it
 (:func:`syncserver.reduce.lease.work`: ``pread`` of its slices of every update and of version v,
 ``pwrite`` of its byte ranges of the hub's staged outputs, so on the hub's machine; with the
-hub's object store, ranged GETs of the updates and version v and a PUT of its part of the
-result and of version v+1, so anywhere that reaches the store, given ``SYNC_STORE`` and the
-``AWS_*`` variables, but for DiLoCo's momentum and topk's residual, still files of the hub's),
-renews it from a thread while working, and reports it done. A check lease (``kind: check``, an
-update a peer uploaded to the bucket: :mod:`syncserver.reduce.checklease`) is streamed from the
-bucket and checked, and reported to ``/checked``. One lease at a time, one thread:
+hub's object store, ranged GETs of the updates (and of version v, for a slice its bound does
+not clear) and a PUT of its part of the result, so anywhere that reaches the store, given
+``SYNC_STORE`` and the ``AWS_*`` variables, but for DiLoCo's momentum and topk's residual, still
+files of the hub's), renews it from a thread while working, and reports it done. A check lease
+(``kind: check``, an update a peer uploaded to the bucket: :mod:`syncserver.reduce.checklease`) is
+streamed from the bucket and checked, and reported to ``/checked``; a build lease (``kind:
+build``, :func:`syncserver.reduce.lease.work_build`) adds a committed result to version v by
+ranges and PUTs its part of version v+1. One lease at a time, one thread:
 K reducers are K processes, so a slow or killed one costs its own lease only. A hub that
 cannot be reached or refuses the token at the start is a one-line error (exit 2); later, a
 hub that went away is waited for (it may be restarting), a lease found lost is dropped.
@@ -31,7 +33,7 @@ import httpx
 from pydantic import ValidationError
 
 from syncserver.reduce.checklease import CheckJob, work_check
-from syncserver.reduce.lease import Done, Job, LeaseStopped, work
+from syncserver.reduce.lease import BuildJob, Done, Job, LeaseStopped, work, work_build
 from syncserver.storage.s3 import ObjectStore
 
 __all__ = ["ReducerError", "Reducer"]
@@ -70,7 +72,7 @@ class Reducer:
     def stop(self) -> None:
         self._stop.set()
 
-    def check(self) -> Job | CheckJob | None:
+    def check(self) -> Job | BuildJob | CheckJob | None:
         """One lease request without waiting: :class:`ReducerError` unless the hub takes us;
         the lease it gave, if one was waiting (to be worked first)."""
         try:
@@ -91,14 +93,17 @@ class Reducer:
             if job is not None:
                 self.do(job)
 
-    def do(self, job: Job | CheckJob) -> None:
+    def do(self, job: Job | BuildJob | CheckJob) -> None:
         """Work one lease, renewing it meanwhile, and report it."""
         if isinstance(job, CheckJob):
             self.do_check(job)
             return
         with self._renewing(job) as lost:
             try:
-                done = work(job, self.name, stop=lost.is_set, pool=self._pool, objects=self._store)
+                if isinstance(job, BuildJob):
+                    done = work_build(job, self.name, stop=lost.is_set, pool=self._pool, objects=self._store)
+                else:
+                    done = work(job, self.name, stop=lost.is_set, pool=self._pool, objects=self._store)
             except LeaseStopped:
                 log.warning("reducer %s: lease %s lost mid-work, dropped", self.name, job.lease)
                 return
@@ -119,7 +124,7 @@ class Reducer:
             )
 
     @contextlib.contextmanager
-    def _renewing(self, job: Job | CheckJob) -> Iterator[threading.Event]:
+    def _renewing(self, job: Job | BuildJob | CheckJob) -> Iterator[threading.Event]:
         """Renew ``job``'s lease on a thread while the body runs; the event is set once the
         hub says the lease is lost (and, on the way out, to stop the renewer)."""
         lost = threading.Event()
@@ -154,7 +159,7 @@ class Reducer:
             self._objects = ObjectStore.from_url(url)
         return self._objects
 
-    def _renew(self, job: Job | CheckJob, lost: threading.Event) -> None:
+    def _renew(self, job: Job | BuildJob | CheckJob, lost: threading.Event) -> None:
         every = max(0.05, job.seconds / 3)
         while not lost.wait(every):
             try:
@@ -164,7 +169,7 @@ class Reducer:
             if answer.status_code in (404, 409):
                 lost.set()
 
-    def _take(self, wait: float, strict: bool = False) -> Job | CheckJob | None:
+    def _take(self, wait: float, strict: bool = False) -> Job | BuildJob | CheckJob | None:
         answer = self._http.post("/v1/reduce/lease", json={"reducer": self.name, "wait": wait})
         if answer.status_code == 204:
             return None
@@ -177,8 +182,11 @@ class Reducer:
             return None
         try:
             lease = answer.json()
-            if isinstance(lease, dict) and lease.get("kind") == "check":
+            kind = lease.get("kind") if isinstance(lease, dict) else None
+            if kind == "check":
                 return CheckJob.model_validate(lease)
+            if kind == "build":
+                return BuildJob.model_validate(lease)
             return Job.model_validate(lease)
         except (ValueError, ValidationError) as exc:
             raise ReducerError(f"the hub at {self.hub} answered a lease request with no lease: {exc}") from None
