@@ -247,6 +247,47 @@ def test_a_safetensors_object_read_a_slice_at_a_time_as_a_file_is(store: ObjectS
         len(ObjectTensorFile(store, "nothing-here").metadata)
 
 
+class _CountedReads:
+    """The store, its ranged reads listed (how many GETs does a reader make?)."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store, self.url, self.reads = store, store.url, []  # type: ignore[var-annotated]
+
+    def read(self, name: str, start: int = 0, end: int | None = None) -> bytearray:
+        self.reads.append((start, end))
+        return self.store.read(name, start, end)
+
+
+def test_a_reader_with_a_window_reads_ahead_within_what_it_was_told_it_will_read(
+    store: ObjectStore, tmp_path: Path
+) -> None:
+    """With a window, a slice that misses fetches a window's bytes from where it starts, and
+    the next slices come from it: 100 slices of 4 kB in 3 GETs, not 100. The read-ahead stops
+    at the end of the run of values the reader was told it will read (a lease's share, not the
+    next lease's), or at the object's end; two places read in turn (values, scales) keep their
+    windows. The values are the file's."""
+    rng = np.random.default_rng(4)
+    arrays = {"c": rng.standard_normal(300_000).astype(np.float32), "s": rng.standard_normal(3_000).astype(np.float32)}
+    data = b"".join(bytes(c) for c in iter_chunks(((k, v, None) for k, v in arrays.items()), {}))
+    store.put("w", data)
+    (tmp_path / "w").write_bytes(data)
+    counted = _CountedReads(store)
+    remote = ObjectTensorFile(counted, "w", len(data), window=160_000)  # type: ignore[arg-type]
+    remote.expect([("c", 0, 100_000), ("s", 0, 1_000)])
+    with TensorFile(tmp_path / "w") as local:
+        first = remote.infos["c"].start + len(data) - sum(a.nbytes for a in arrays.values())
+        for k in range(100):  # c's values and s's scales in turn, as a quantized slice reads them
+            assert np.array_equal(remote.read("c", 1000 * k, 1000 * (k + 1)), local.read("c", 1000 * k, 1000 * (k + 1)))
+            assert np.array_equal(remote.read("s", 10 * k, 10 * (k + 1)), local.read("s", 10 * k, 10 * (k + 1)))
+        ranged = counted.reads[1:]  # after the header's GET
+        assert len(ranged) == 4, ranged  # c: 3 windows (400 kB of 160 kB), s: 1
+        assert all(end is not None for _, end in ranged)
+        assert max(end for start, end in ranged if start < first + 400_000) == first + 400_000  # c's run ends there
+        assert max(end for start, end in ranged if start >= first + 1_200_000) == first + 1_204_000  # s's run
+        assert np.array_equal(remote.read("c", 250_000, 250_001), local.read("c", 250_000, 250_001))  # unsaid
+        assert counted.reads[-1] == (first + 1_000_000, first + 1_000_000 + 160_000)  # a window from there
+
+
 def test_the_hubs_own_upload_from_a_file_in_one_request_or_in_parts(store: ObjectStore) -> None:
     """put_from: a small body in one PUT; one over ``single_max`` in parts (5 MiB, 5 MiB, the rest),
     completed, read back whole; a source that ends short aborts the parts (none left behind)."""

@@ -41,7 +41,7 @@ import numpy as np
 
 from syncserver.reduce import aggregate
 from syncserver.storage.bucket import object_name
-from syncserver.storage.objectfile import ObjectTensorFile, TensorReader
+from syncserver.storage.objectfile import WINDOW, ObjectTensorFile, TensorReader
 from syncserver.storage.s3 import ObjectStore
 from syncserver.storage.store import (
     BlobWriter,
@@ -132,7 +132,7 @@ class MergeEngine:
             return self.store.read(key)
         if self.objects is None:
             raise Missing(f"update {key.peer!r} of round {key.round} is in an object store: start the hub with it")
-        return ObjectTensorFile(self.objects, key.object, key.size)
+        return ObjectTensorFile(self.objects, key.object, key.size, window=WINDOW)
 
     def _opened(self, files: contextlib.ExitStack, key: UpdateKey) -> TensorReader:
         """:meth:`open_update`, closed with ``files``."""
@@ -379,7 +379,7 @@ class MergeEngine:
         key = VersionKey(run, v)
         if self.store.exists(key) or self.objects is None:
             return files.enter_context(self.store.read(key))
-        wire = ObjectTensorFile(self.objects, object_name(key))
+        wire = ObjectTensorFile(self.objects, object_name(key), window=WINDOW)
         files.callback(wire.close)
         return wire
 

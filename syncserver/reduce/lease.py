@@ -49,7 +49,7 @@ from syncserver.reduce.engine import (
     run_slices,
 )
 from syncserver.reduce.plan import PART_MIN, Piece, Span, byte_range, itemsizes, multi_part, pieces, plan
-from syncserver.storage.objectfile import ObjectTensorFile, TensorReader
+from syncserver.storage.objectfile import WINDOW, ObjectTensorFile, TensorReader
 from syncserver.storage.s3 import ObjectStore
 from syncserver.storage.store import BlobWriter
 from syncwire import Codec, Schema, get_codec, wire_name
@@ -439,17 +439,22 @@ def work(
                 )
             return files.enter_context(TensorFile(path))
 
-        def remote(name: str | None, what: str) -> TensorReader:
+        def remote(name: str | None, what: str, reads: list[tuple[str, int, int]]) -> TensorReader:
             assert name is not None
-            wire = ObjectTensorFile(bucket(what), name)
+            wire = ObjectTensorFile(bucket(what), name, window=WINDOW)
+            wire.expect(reads)  # this lease's ranges: no read-ahead into the next lease's
             files.callback(wire.close)
             return wire
 
         def update(source: UpdateSource) -> TensorReader:
-            return read(source.path) if source.path is not None else remote(source.object, "updates")
+            if source.path is not None:
+                return read(source.path)
+            return remote(source.object, "updates", _wire_reads(job.slices))
 
         def base() -> TensorReader:
-            return read(job.base) if job.base is not None else remote(job.base_object, "version v")
+            if job.base is not None:
+                return read(job.base)
+            return remote(job.base_object, "version v", [(s.name, s.start, s.stop) for s in job.slices])
 
         def sink(out: Output | None) -> BlobWriter | _Part | None:
             if out is None:
@@ -530,29 +535,42 @@ def work_build(
         )
     started = time.monotonic()
     store = objects()
-    base, result = ObjectTensorFile(store, job.base_object), ObjectTensorFile(store, job.result_object)
+    base = ObjectTensorFile(store, job.base_object, window=WINDOW)
+    result = ObjectTensorFile(store, job.result_object, window=WINDOW)
     codec = get_codec(result.metadata.get("codec", job.codec))
     if codec.spec != job.codec and multi_part(codec):
         raise RuntimeError(f"build lease {job.lease}: a result in {codec.spec} is not cut as {job.codec}")
+    # a final round's fp32 result: each slice's values at their own places
+    slices = job.slices
+    if codec.spec != job.codec:
+        suffixes = itemsizes(codec)
+        slices = [s.model_copy(update={"parts": dict.fromkeys(suffixes, (s.start, s.stop - s.start))}) for s in slices]
+    base.expect((s.name, s.start, s.stop) for s in slices)
+    result.expect(_wire_reads(slices))
     part = _Part(job.version)
     peaks: list[tuple[str, float]] = []
 
     def one(s: SliceJob) -> None:
         if stop():
             raise LeaseStopped(f"lease {job.lease} was lost")
-        # a final round's fp32 result: the slice's values at their own places
-        parts = s.parts if codec.spec == job.codec else dict.fromkeys(itemsizes(codec), (s.start, s.stop - s.start))
-        new = apply_slice(base, result, codec, s.name, s.start, s.stop, parts)
+        new = apply_slice(base, result, codec, s.name, s.start, s.stop, s.parts)
         part.write_at(new, job.version.at[s.name] + s.start * 4)
         peaks.append((s.name, float(np.max(np.abs(new), initial=0.0))))
 
-    run_slices(pool, [(s,) for s in job.slices], one)
+    run_slices(pool, [(s,) for s in slices], one)
     if stop():
         raise LeaseStopped(f"lease {job.lease} was lost")
     part.send()
     values = sum(s.stop - s.start for s in job.slices)
     nbytes = job.reads + 8 * values
     return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes, peaks=highest(peaks))
+
+
+def _wire_reads(slices: Iterable[SliceJob]) -> list[tuple[str, int, int]]:
+    """The wire values the slices read of a file in their codec (for :meth:`ObjectTensorFile.expect`)."""
+    return [
+        (wire_name(s.name, suffix), first, first + count) for s in slices for suffix, (first, count) in s.parts.items()
+    ]
 
 
 def highest(peaks: Iterable[tuple[str, float]]) -> dict[str, float]:

@@ -5,13 +5,22 @@ object of the store the same way, with the same interface (``infos``, ``metadata
 ``read(name, start, stop)``), so the merge engine, a reducer or a check works on either without
 knowing which. A reducer reads only the values of its slices of each update: the bytes it moves
 are its share of the round, not whole models.
+
+A slice is a few MB of values and, for a quantized codec, a few kB of scales: one GET per part
+of every slice made the reads request-bound (a 53 MB int8 update from SeaweedFS: 0.24 s by
+slice against 0.05 s by 16 MB GETs). Given a ``window``, a read that misses fetches that many
+bytes from where it starts (never past the end of the run of bytes the caller said it will
+read, :meth:`ObjectTensorFile.expect`), and the next slices are served from the few windows
+kept.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import struct
 import threading
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -19,9 +28,13 @@ from syncserver.storage.s3 import ObjectStore
 from syncwire import FormatError
 from syncwire.format import MAX_HEADER_BYTES, TensorFile, TensorInfo, parse_header
 
-__all__ = ["ObjectTensorFile", "TensorReader"]
+__all__ = ["WINDOW", "ObjectTensorFile", "TensorReader"]
 
 _FIRST_READ = 64 << 10  # one GET takes the header of any model with up to ~500 tensors
+#: a reader's read-ahead: bytes per GET, and the windows kept (a quantized tensor's slices read
+#: its values and its scales, two places of the file at once; topk reads three)
+WINDOW = 8 << 20
+WINDOWS = 4
 
 
 class ObjectTensorFile:
@@ -34,10 +47,21 @@ class ObjectTensorFile:
     name it in their leases, and so reads no byte of it.
     """
 
-    def __init__(self, objects: ObjectStore, name: str, size: int | None = None) -> None:
-        self.objects, self.name, self._size = objects, name, size
+    def __init__(self, objects: ObjectStore, name: str, size: int | None = None, *, window: int = 0) -> None:
+        """``window``: read ahead this many bytes per GET (0: each read is its own GET)."""
+        self.objects, self.name, self._size, self.window = objects, name, size, window
         self._opened: tuple[bytes, dict[str, TensorInfo], dict[str, str], int] | None = None
         self._lock = threading.Lock()  # slices are read from several threads at once
+        self._expected: list[tuple[str, int, int]] = []
+        self._runs: tuple[list[int], list[int]] | None = None  # starts and ends of the expected bytes
+        self._windows: list[tuple[int, bytearray]] = []  # (first byte, bytes), oldest first
+
+    def expect(self, reads: Iterable[tuple[str, int, int]]) -> None:
+        """The values ``(tensor, start, stop)`` the caller will read: a read-ahead stops at the
+        end of the contiguous run of them it starts in (a lease's share of an update, not the
+        next lease's)."""
+        self._expected.extend(reads)
+        self._runs = None
 
     def _header(self) -> tuple[bytes, dict[str, TensorInfo], dict[str, str], int]:
         """(the first GET's bytes, infos, metadata, where the data starts), read once."""
@@ -68,6 +92,7 @@ class ObjectTensorFile:
         infos, metadata, data = parse_header(head[: 8 + n])
         if size - (8 + n) != data:
             raise FormatError(f"{name}: {size - (8 + n)} data bytes, the header describes {data}")
+        self._size = size
         return head, infos, metadata, 8 + n
 
     @property
@@ -91,10 +116,48 @@ class ObjectTensorFile:
         end = first + (stop - start) * dtype.itemsize
         if end <= len(held):
             return np.frombuffer(bytearray(held[first:end]), dtype)
-        raw = self.objects.read(self.name, first, end)
+        raw = self._fetch(first, end, infos, base) if self.window else self.objects.read(self.name, first, end)
         if len(raw) != (stop - start) * dtype.itemsize:
             raise FormatError(f"{self.name}: ends inside tensor {name!r}")
         return np.frombuffer(raw, dtype)  # a bytearray: the array is writable
+
+    def _fetch(self, first: int, end: int, infos: dict[str, TensorInfo], base: int) -> bytearray:
+        """Bytes ``[first, end)``, a copy of a window's (fetched now if none holds them)."""
+        with self._lock:
+            for i, (lo, held) in enumerate(self._windows):
+                if lo <= first and end <= lo + len(held):
+                    self._windows.append(self._windows.pop(i))  # the most recent last
+                    return bytearray(memoryview(held)[first - lo : end - lo])
+            ahead = min(first + self.window, self._run_end(first, infos, base))
+            held = self.objects.read(self.name, first, max(end, ahead))
+            self._windows.append((first, held))
+            del self._windows[:-WINDOWS]
+            return bytearray(memoryview(held)[: end - first])
+
+    def _run_end(self, first: int, infos: dict[str, TensorInfo], base: int) -> int:
+        """Where the run of expected bytes that holds byte ``first`` ends (the object's end if
+        none was said)."""
+        if self._runs is None:
+            spans = []
+            for name, start, stop in self._expected:
+                info = infos[name]
+                size = np.dtype(info.numpy_dtype).itemsize
+                spans.append((base + info.start + start * size, base + info.start + stop * size))
+            starts: list[int] = []
+            ends: list[int] = []
+            for lo, hi in sorted(spans):
+                if ends and lo <= ends[-1]:
+                    ends[-1] = max(ends[-1], hi)
+                else:
+                    starts.append(lo)
+                    ends.append(hi)
+            self._runs = starts, ends
+        starts, ends = self._runs
+        i = bisect.bisect_right(starts, first) - 1
+        if i >= 0 and first < ends[i]:
+            return ends[i]
+        assert self._size is not None  # known once the header is
+        return self._size
 
     def close(self) -> None:
         """Nothing to release (each read is its own request); here for :class:`TensorFile`'s interface."""
