@@ -175,10 +175,15 @@ def _far_reducer(url: str, seaweedfs: SeaweedFS, prefix: str, folder: Path) -> s
         )
 
 
-#: plain averaging; async rounds with the peers syncing one after the other: the same
-#: acknowledgement order (the fold order) on every hub, so the same bits
+#: plain averaging, and DiLoCo with topk (its momentum and the hub's residual: parts in the
+#: bucket, read by ranges the round after); async rounds with the peers syncing one after the
+#: other: the same acknowledgement order (the fold order) on every hub, so the same bits
 AVG: dict[str, tuple[dict[str, object], bool]] = {
-    spec: ({"codec": spec, "outer": "avg", "policy": "async", "round_samples": 9}, True) for spec in ("int8", "fp32")
+    **{
+        spec: ({"codec": spec, "outer": "avg", "policy": "async", "round_samples": 9}, True)
+        for spec in ("int8", "fp32")
+    },
+    "diloco-topk": ({"codec": "topk", "outer": "diloco", "policy": "async", "round_samples": 9}, True),
 }
 PEERS = ("a", "b", "c")
 
@@ -187,8 +192,9 @@ def test_three_peers_and_two_far_reducers_give_the_bits_of_a_hub_alone(
     hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS, tmp_path: Path
 ) -> None:
     """3 peers x 2 `syncserver reduce` processes started away from the hub's data dir, store
-    and reducers: int8 and fp32 runs (plain averaging) close every round to the bits of a lone
-    hub without a store, results and models; the hub uploaded version 0 only (its
+    and reducers: int8 and fp32 runs (plain averaging) and a DiLoCo run with topk (momentum and
+    residual in the bucket) close every round to the bits of a lone hub without a store,
+    results and models; the hub uploaded version 0 only (its
     weightsync_store_upload_bytes_total is one model: no result went through it)."""
     env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
     alone = hub_factory(env=env)

@@ -44,7 +44,7 @@ from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer,
 from syncserver.reduce.lease import BuildJob, Done, Job, ObjectOutput, build_jobs, highest, jobs, work, work_build
 from syncserver.storage.bucket import object_name
 from syncserver.storage.s3 import ObjectStore, StoreError
-from syncserver.storage.store import Key, ObjectRecord, Published, ResultKey, UpdateKey, VersionKey
+from syncserver.storage.store import Key, ObjectRecord, ResultKey, Stored, UpdateKey, VersionKey
 from syncwire import Codec, Schema
 
 __all__ = ["CHECK_TRIES", "LEASE_POLL_MAX", "Board", "LeaseFailed", "ReducerStats", "build_leased", "merge_leased"]
@@ -464,7 +464,7 @@ async def merge_leased(
     if acc.mean is not None:
         raise ValueError("a leased merge folds every update itself: the accumulator must be empty")
     files = contextlib.ExitStack()
-    outputs: list[tuple[Published, ObjectOutput]] = []
+    outputs: list[tuple[Stored, ObjectOutput]] = []
     try:
         objects = board.objects
         into = _into_bucket(objects(), outputs) if objects is not None else None
@@ -532,15 +532,16 @@ def _peaks(reports: Sequence[Done]) -> dict[str, float]:
 
 
 def _into_bucket(
-    objects: ObjectStore, outputs: list[tuple[Published, ObjectOutput]]
+    objects: ObjectStore, outputs: list[tuple[Stored, ObjectOutput]]
 ) -> Callable[[Key, int], contextlib.AbstractContextManager[ObjectOutput]]:
     """:meth:`MergeEngine.open_merge`'s ``into`` for a hub with an object store: each output
-    (the result, version v+1) a multipart upload opened at its name, collected in ``outputs``."""
+    (the result; DiLoCo's next momentum and the hub's next residual, which the next round's
+    leases read by ranges) a multipart upload opened at its name, collected in ``outputs``."""
 
     @contextlib.contextmanager
     def into(key: Key, size: int) -> Iterator[ObjectOutput]:
-        if not isinstance(key, ResultKey | VersionKey):
-            raise TypeError(f"only results and versions go to the bucket as parts, not {key}")
+        if isinstance(key, UpdateKey):
+            raise TypeError(f"updates go to the bucket from the peers, not as a merge's parts: {key}")
         name = object_name(key)
         upload_id = objects.create_multipart(name)
         out = ObjectOutput(name, size, upload_id, functools.partial(objects.presign_part, name, upload_id))
@@ -550,7 +551,7 @@ def _into_bucket(
     return into
 
 
-def _complete(objects: Callable[[], ObjectStore], key: Published, out: ObjectOutput) -> ObjectRecord:
+def _complete(objects: Callable[[], ObjectStore], key: Stored, out: ObjectOutput) -> ObjectRecord:
     """Worker thread: publish ``out`` from the parts its leases uploaded, once each is there with
     the size its lease was given (:class:`LeaseFailed` otherwise); its record, for the commit."""
     store = objects()

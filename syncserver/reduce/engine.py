@@ -44,7 +44,6 @@ from syncserver.storage.bucket import object_name
 from syncserver.storage.objectfile import WINDOW, ObjectTensorFile, TensorReader
 from syncserver.storage.s3 import ObjectStore
 from syncserver.storage.store import (
-    BlobWriter,
     Key,
     Missing,
     MomentumKey,
@@ -56,7 +55,7 @@ from syncserver.storage.store import (
 )
 from syncwire import Codec, FormatError, Schema, get_codec, layout_bytes, wire_layout, wire_name
 from syncwire.codecs import slices
-from syncwire.format import TensorFile, encode_header
+from syncwire.format import encode_header
 
 __all__ = [
     "Accumulator",
@@ -120,6 +119,9 @@ class MergeEngine:
         # the same few threads fold and merge every round: fresh threads each round would each
         # get a fresh malloc arena, and the hub's memory crept up round after round
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="syncserver-slices")
+        # run -> (v, the metadata of the momentum that goes with version v) as the last merge
+        # wrote it: a momentum in the bucket is then not read for its clock (only after a restart)
+        self._clocks: dict[str, tuple[int, dict[str, str]]] = {}
 
     def close(self) -> None:
         self._pool.shutdown()
@@ -318,12 +320,11 @@ class MergeEngine:
         result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
         result_head, result_at = _header(result_layout, meta)
-        has_old = diloco and self.store.exists(MomentumKey(run, v))
-        old_momentum = files.enter_context(self.store.read(MomentumKey(run, v))) if has_old else None
+        old_momentum = self._state(files, MomentumKey(run, v)) if diloco else None
         base = self._version(files, run, v)
         # Delayed Nesterov's clock: the part of an outer step done before this round
-        done = float(old_momentum.metadata.get("progress", "0")) if old_momentum is not None else 0.0
-        steps = int(old_momentum.metadata.get("steps", "0")) if old_momentum is not None else 0
+        clock = self._clock(run, v, old_momentum)
+        done, steps = float(clock.get("progress", "0")), int(clock.get("steps", "0"))
         fresh, complete = done == 0.0, done + fraction >= 1.0
         lr, mu = aggregate.warmup(outer.lr, outer.momentum, steps, outer.warmup)
         if empty or final:  # the clock stands still
@@ -331,19 +332,18 @@ class MergeEngine:
         else:
             progress, steps = (0.0, steps + 1) if complete else (done + fraction, steps)
         momentum_meta = {"version": str(v + 1), "progress": repr(progress), "steps": str(steps)}
+        if diloco:
+            self._clocks[run] = (v + 1, momentum_meta)
         momentum_head, momentum_at = _header(_fp32_layout(schema), momentum_meta)
         result_size = len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
-        result = files.enter_context((into or self.store.write)(ResultKey(run, v), result_size))
-        mom = (
-            files.enter_context(self.store.write(MomentumKey(run, v + 1), _fp32_size(momentum_head, schema)))
-            if diloco
-            else None
-        )
+        write = into or self.store.write
+        result = files.enter_context(write(ResultKey(run, v), result_size))
+        mom = files.enter_context(write(MomentumKey(run, v + 1), _fp32_size(momentum_head, schema))) if diloco else None
         result.write(result_head)
         if mom is not None:
             mom.write(momentum_head)
         # the hub's own residual (hub_feedback codecs) goes out with a final round, which leaves none
-        old_residual, residual, residual_at = self._residuals(run, v, run_codec, schema, files, keep=not final)
+        old_residual, residual, residual_at = self._residuals(run, v, run_codec, schema, files, write, keep=not final)
         step = Step(
             round=v,
             outer=outer.kind,
@@ -383,21 +383,51 @@ class MergeEngine:
         files.callback(wire.close)
         return wire
 
+    def _clock(self, run: str, v: int, momentum: TensorReader | None) -> dict[str, str]:
+        """The metadata of the momentum that goes with version ``v`` (its clock): as the merge
+        that wrote it left it, or from its header (the hub's own file; an object in the bucket
+        after a restart: its header's bytes, once)."""
+        if momentum is None:
+            return {}
+        known = self._clocks.get(run)
+        if known is not None and known[0] == v and isinstance(momentum, ObjectTensorFile):
+            return known[1]
+        return momentum.metadata
+
+    def _state(self, files: contextlib.ExitStack, key: MomentumKey | ResidualKey) -> TensorReader | None:
+        """DiLoCo's momentum or the hub's residual that goes with a version, closed with
+        ``files``: its file on the hub's disk, or its object in the bucket (written there by the
+        reducers that merged the round before), or None (none yet)."""
+        if self.store.exists(key):
+            return files.enter_context(self.store.read(key))
+        if self.objects is None or self.store.stored_object(key) is None:
+            return None
+        wire = ObjectTensorFile(self.objects, object_name(key), window=WINDOW)
+        files.callback(wire.close)
+        return wire
+
     def _residuals(
-        self, run: str, v: int, codec: Codec, schema: Schema, files: contextlib.ExitStack, *, keep: bool = True
-    ) -> tuple[TensorFile | None, BlobWriter | None, dict[str, int]]:
+        self,
+        run: str,
+        v: int,
+        codec: Codec,
+        schema: Schema,
+        files: contextlib.ExitStack,
+        write: Callable[[Key, int], AbstractContextManager[Any]],
+        *,
+        keep: bool = True,
+    ) -> tuple[TensorReader | None, Sink | None, dict[str, int]]:
         """The hub's error feedback for round ``v`` of a ``hub_feedback`` codec: the residual
         that goes with version v (None before the first result), the writer of version v+1's
-        (its header written; none unless ``keep``: a lossless result leaves nothing out) and
-        its tensors' offsets. Nothing for other codecs."""
+        (its header written, opened with ``write``; none unless ``keep``: a lossless result
+        leaves nothing out) and its tensors' offsets. Nothing for other codecs."""
         if not codec.hub_feedback:
             return None, None, {}
-        has_old = self.store.exists(ResidualKey(run, v))
-        old = files.enter_context(self.store.read(ResidualKey(run, v))) if has_old else None
+        old = self._state(files, ResidualKey(run, v))
         if not keep:
             return old, None, {}
         head, at = _header(_fp32_layout(schema), {"version": str(v + 1)})
-        new = files.enter_context(self.store.write(ResidualKey(run, v + 1), _fp32_size(head, schema)))
+        new = files.enter_context(write(ResidualKey(run, v + 1), _fp32_size(head, schema)))
         new.write(head)
         return old, new, at
 
@@ -484,8 +514,8 @@ class Merge:
     step: Step
     base: TensorReader  # version v
     updates: list[tuple[TensorReader, float]]  # folded in this order, with these weights
-    momentum: TensorFile | None  # DiLoCo's, that goes with version v
-    residual: TensorFile | None  # the hub's error feedback (topk), that goes with version v
+    momentum: TensorReader | None  # DiLoCo's, that goes with version v
+    residual: TensorReader | None  # the hub's error feedback (topk), that goes with version v
     result: Sink
     result_at: dict[str, int]
     next_momentum: Sink | None

@@ -156,8 +156,10 @@ class Job(BaseModel):
     step: StepModel
     base: str | None = Field(description="Version v (float32) on the hub's disk, read with pread.")
     base_object: str | None = Field(None, description="Version v in the bucket (ranged GETs), instead of base.")
-    momentum: str | None = Field(description="DiLoCo's momentum of version v, if any.")
-    residual: str | None = Field(description="The hub's residual of version v (topk), if any.")
+    momentum: str | None = Field(description="DiLoCo's momentum of version v on the hub's disk, if any.")
+    residual: str | None = Field(description="The hub's residual of version v (topk) on the hub's disk, if any.")
+    momentum_object: str | None = Field(None, description="DiLoCo's momentum of version v in the bucket, if any.")
+    residual_object: str | None = Field(None, description="The hub's residual of version v in the bucket, if any.")
     updates: list[UpdateSource] = Field(description="The updates and their weights, folded in this order.")
     slices: list[SliceJob]
     result: Output
@@ -264,6 +266,10 @@ def jobs(merge: Merge, schema: Schema, k: int, *, min_writes: int = 0) -> list[J
     if in_parts:
         assert isinstance(merge.result, ObjectOutput)
         _cut_parts(merge.result, items, spans, merge.result_at, itemsizes(result_codec))
+        for writer, at, _ in outputs[1:]:  # DiLoCo's momentum, the hub's residual: float32, parts too
+            if writer is not None:
+                assert isinstance(writer, ObjectOutput)
+                _cut_parts(writer, items, spans, at, None)
     return [_job(merge, items, span, number) for number, span in enumerate(spans, 1)]
 
 
@@ -353,8 +359,10 @@ def _job(merge: Merge, items: list[Piece], span: Span, number: int) -> Job:
         step=StepModel(**asdict(step)),
         base=base.path if isinstance(base, TensorFile) else None,
         base_object=base.name if isinstance(base, ObjectTensorFile) else None,
-        momentum=merge.momentum.path if merge.momentum is not None else None,
-        residual=merge.residual.path if merge.residual is not None else None,
+        momentum=merge.momentum.path if isinstance(merge.momentum, TensorFile) else None,
+        residual=merge.residual.path if isinstance(merge.residual, TensorFile) else None,
+        momentum_object=merge.momentum.name if isinstance(merge.momentum, ObjectTensorFile) else None,
+        residual_object=merge.residual.name if isinstance(merge.residual, ObjectTensorFile) else None,
         updates=[
             UpdateSource(path=f.path, weight=w) if isinstance(f, TensorFile) else UpdateSource(object=f.name, weight=w)
             for f, w in merge.updates
@@ -471,9 +479,16 @@ def work(
             files.callback(os.close, fd)
             return BlobWriter(fd)
 
+        def state(path: str | None, name: str | None, what: str) -> TensorReader | None:
+            if path is not None:
+                return read(path)
+            if name is not None:
+                return remote(name, what, [(s.name, s.start, s.stop) for s in job.slices])
+            return None
+
         # the files on the hub's disk first: a reducer elsewhere fails before any request
-        momentum = read(job.momentum) if job.momentum is not None else None
-        residual = read(job.residual) if job.residual is not None else None
+        momentum = state(job.momentum, job.momentum_object, "DiLoCo's momentum")
+        residual = state(job.residual, job.residual_object, "the hub's residual")
         result = sink(job.result)
         assert result is not None
         merge = Merge(

@@ -44,7 +44,16 @@ import threading
 import time
 
 from syncserver.storage.s3 import URL_SECONDS, ObjectStore, StoreError, StoreUnavailable
-from syncserver.storage.store import Missing, ObjectRecord, Published, ResultKey, Store, VersionKey
+from syncserver.storage.store import (
+    Missing,
+    MomentumKey,
+    ObjectRecord,
+    Published,
+    ResidualKey,
+    ResultKey,
+    Store,
+    Stored,
+)
 
 __all__ = ["DOWN_SECONDS", "Bucket", "object_name", "open_store", "update_name"]
 
@@ -70,10 +79,14 @@ def open_store(url: str, url_seconds: int = URL_SECONDS) -> ObjectStore:
     return objects
 
 
-def object_name(key: Published) -> str:
+def object_name(key: Stored) -> str:
     """Where ``key`` lives in the bucket (relative to the store's prefix)."""
     if isinstance(key, ResultKey):
         return f"runs/{key.run}/rounds/{key.round:08d}/result.safetensors"
+    if isinstance(key, MomentumKey):
+        return f"runs/{key.run}/momentum/{key.number:08d}.safetensors"
+    if isinstance(key, ResidualKey):
+        return f"runs/{key.run}/residual/{key.number:08d}.safetensors"
     return f"runs/{key.run}/versions/{key.number:08d}/model.safetensors"
 
 
@@ -144,12 +157,12 @@ class Bucket:
     def recover(self, run: str, version: int) -> set[str]:
         """At start (event loop): forget the records past the committed state (a version past
         ``version``, a result of a round not closed); the names of the objects the records left
-        name (results, versions, acknowledged updates), for :meth:`delete_unnamed`."""
+        name (results, versions, momentum, residuals, acknowledged updates), for :meth:`delete_unnamed`."""
         past = [
             r.key
             for r in self.store.stored_objects(run)
             if (isinstance(r.key, ResultKey) and r.key.round >= version)
-            or (isinstance(r.key, VersionKey) and r.key.number > version)
+            or (not isinstance(r.key, ResultKey) and r.key.number > version)
         ]
         if past:
             self.store.forget_objects(past)
@@ -183,7 +196,7 @@ class Bucket:
             r.key
             for r in self.store.stored_objects(run)
             if (isinstance(r.key, ResultKey) and r.key.round < result_floor)
-            or (isinstance(r.key, VersionKey) and r.key.number < version_floor)
+            or (not isinstance(r.key, ResultKey) and r.key.number < version_floor)
         ]
         if gone:
             self.store.forget_objects(gone)

@@ -72,6 +72,7 @@ __all__ = [
     "MomentumKey",
     "ObjectRecord",
     "Published",
+    "Stored",
     "PeerRecord",
     "ResidualKey",
     "ResultKey",
@@ -188,20 +189,36 @@ class ResultKey:
 
 Key = VersionKey | MomentumKey | ResidualKey | UpdateKey | ResultKey
 Published = VersionKey | ResultKey  # what peers download: it may have a copy in an object store
+#: what may live in the object store under a record of the hub's: what peers download, and (written
+#: by reducers, with a store) DiLoCo's momentum and the hub's residual, which the next round reads
+Stored = VersionKey | ResultKey | MomentumKey | ResidualKey
 
 
 @dataclass(frozen=True)
 class ObjectRecord:
-    """A copy of a result or version in the object store: its size and the store's ETag. It
-    exists only once uploaded whole (the record is written after the upload)."""
+    """A copy of a result, version, momentum or residual in the object store: its size and the
+    store's ETag. It exists only once uploaded whole (the record is written after the upload)."""
 
-    key: Published
+    key: Stored
     size: int
     etag: str
 
 
-def _kind(key: Published) -> tuple[str, int]:
-    return ("result", key.round) if isinstance(key, ResultKey) else ("version", key.number)
+_KINDS: dict[str, type[VersionKey | MomentumKey | ResidualKey]] = {
+    "version": VersionKey,
+    "momentum": MomentumKey,
+    "residual": ResidualKey,
+}
+
+
+def _kind(key: Stored) -> tuple[str, int]:
+    if isinstance(key, ResultKey):
+        return "result", key.round
+    return {VersionKey: "version", MomentumKey: "momentum", ResidualKey: "residual"}[type(key)], key.number
+
+
+def _stored(run: str, kind: str, number: int) -> Stored:
+    return ResultKey(run, number) if kind == "result" else _KINDS[kind](run, number)
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -861,7 +878,7 @@ class Store:
             self._insert_object(db, record.key.run, record)
 
     @_translated
-    def stored_object(self, key: Published) -> ObjectRecord | None:
+    def stored_object(self, key: Stored) -> ObjectRecord | None:
         kind, number = _kind(key)
         row = self._db.execute(
             "SELECT size, etag FROM objects WHERE run = ? AND kind = ? AND number = ?", (key.run, kind, number)
@@ -873,12 +890,9 @@ class Store:
         rows = self._db.execute(
             "SELECT kind, number, size, etag FROM objects WHERE run = ? ORDER BY kind, number", (run,)
         ).fetchall()
-        return [
-            ObjectRecord(ResultKey(run, n) if kind == "result" else VersionKey(run, n), size, etag)
-            for kind, n, size, etag in rows
-        ]
+        return [ObjectRecord(_stored(run, kind, n), size, etag) for kind, n, size, etag in rows]
 
-    def forget_objects(self, keys: list[Published]) -> None:
+    def forget_objects(self, keys: list[Stored]) -> None:
         """Drop the records of copies about to be deleted from the store (pruned, or past a crash)."""
         with self._tx() as db:
             db.executemany(
