@@ -10,10 +10,13 @@ import pytest
 
 from syncserver.errors import Unavailable
 from syncserver.records import RoundRecord, UpdateRecord
+from syncserver.storage.bucket import Bucket, object_name
 from syncserver.storage.store import (
     SPARES,
     Missing,
+    MomentumKey,
     ObjectRecord,
+    ResidualKey,
     ResultKey,
     Staged,
     Store,
@@ -232,6 +235,30 @@ def test_a_copy_in_the_object_store_counts_from_its_record_and_the_round_commits
     again.forget_objects([ResultKey("r", 0)])
     assert [r.key for r in again.stored_objects("r")] == [VersionKey("r", 1)]
     assert again.runs()[0].version == 1
+
+
+def test_momentum_and_residual_copies_are_recorded_recovered_and_pruned_as_versions_are(store: Store) -> None:
+    """DiLoCo's momentum and the hub's residual in the bucket (reducers write them) commit with
+    their round, each under its own name; a restart forgets those past the committed version
+    (a crash's), and pruning drops those of pruned versions with them."""
+    store.create_run("r", {})
+    for v in range(3):
+        copies = [
+            ObjectRecord(ResultKey("r", v), 10, f"e{v}"),
+            ObjectRecord(MomentumKey("r", v + 1), 40, f"m{v}"),
+            ObjectRecord(ResidualKey("r", v + 1), 40, f"s{v}"),
+        ]
+        store.commit_round("r", RoundRecord(v, 0.0, 1.0, ["a"], [], 4, 10, 10, {}), copies)
+    store.record_object(ObjectRecord(MomentumKey("r", 4), 40, "late"))  # past version 3: a crash's
+    assert store.stored_object(MomentumKey("r", 2)) == ObjectRecord(MomentumKey("r", 2), 40, "m1")
+    bucket = Bucket(None, store)  # type: ignore[arg-type]  # records only: no request is made
+    named = bucket.recover("r", 3)
+    assert object_name(MomentumKey("r", 4)) not in named
+    assert {object_name(MomentumKey("r", 3)), object_name(ResidualKey("r", 3))} <= named
+    assert len({object_name(r.key) for r in store.stored_objects("r")}) == 9  # names of their own
+    gone = bucket.prune("r", 3, 3)
+    assert {object_name(k("r", n)) for k in (MomentumKey, ResidualKey) for n in (1, 2)} <= set(gone)
+    assert [r.key for r in store.stored_objects("r")] == [MomentumKey("r", 3), ResidualKey("r", 3)]
 
 
 def test_recovery_moves_updates_of_the_older_layout(store: Store, tmp_path: Path) -> None:
