@@ -857,10 +857,12 @@ def run_peers(args: argparse.Namespace, n: int, links: list[Link], work: Path) -
         net.up()
         if args.store:
             # room for all it is written (deleted bytes count until weed's vacuum; 64 MB
-            # volumes; the disk holds only what is written): per case the ceiling's objects
-            # and a result per round, a version 0 and the warmup's results per codec
+            # volumes; the disk holds only what is written), in fp32 models: per case the
+            # ceiling's objects (n + 1) and, every round, warmup's too, the n updates, the result
+            # and the version the reducers build; a version 0 per codec
             cases = len(codecs) * len(links)
-            written = (cases * (n + 1 + args.rounds) + len(codecs) * (args.warmup + 2)) * model_bytes
+            rounds = args.warmup + args.rounds
+            written = (cases * (n + 1 + rounds * (n + 2)) + len(codecs)) * model_bytes
             store = StoreProcess(net, work / f"s3-{n}", 16 + math.ceil(1.2 * written / 64e6), args.rest_cpus)
 
         def start_hub(kind: str, env: dict[str, str], *extra: str) -> None:
