@@ -262,7 +262,8 @@ def test_a_reader_with_a_window_reads_ahead_within_what_it_was_told_it_will_read
     store: ObjectStore, tmp_path: Path
 ) -> None:
     """With a window, a slice that misses fetches a window's bytes from where it starts, and
-    the next slices come from it: 100 slices of 4 kB in 3 GETs, not 100. The read-ahead stops
+    the next slices come from it (the next window is fetched meanwhile): 100 slices of 4 kB in
+    3 GETs, not 100. The read-ahead stops
     at the end of the run of values the reader was told it will read (a lease's share, not the
     next lease's), or at the object's end; two places read in turn (values, scales) keep their
     windows. The values are the file's."""
@@ -285,7 +286,7 @@ def test_a_reader_with_a_window_reads_ahead_within_what_it_was_told_it_will_read
         assert max(end for start, end in ranged if start < first + 400_000) == first + 400_000  # c's run ends there
         assert max(end for start, end in ranged if start >= first + 1_200_000) == first + 1_204_000  # s's run
         assert np.array_equal(remote.read("c", 250_000, 250_001), local.read("c", 250_000, 250_001))  # unsaid
-        assert counted.reads[-1] == (first + 1_000_000, first + 1_000_000 + 160_000)  # a window from there
+        assert (first + 1_000_000, first + 1_000_000 + 160_000) in counted.reads  # a window from there
 
 
 def test_the_hubs_own_upload_from_a_file_in_one_request_or_in_parts(store: ObjectStore) -> None:

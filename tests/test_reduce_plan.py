@@ -7,6 +7,8 @@ import itertools
 
 import pytest
 
+from syncserver.reduce.engine import version_layout
+from syncserver.reduce.lease import ObjectOutput, build_jobs
 from syncserver.reduce.plan import byte_range, imbalance, itemsizes, multi_part, pieces, plan
 from syncwire import get_codec, wire_layout
 from syncwire.codecs import SLICE_VALUES
@@ -95,3 +97,27 @@ def test_bad_plans_are_refused() -> None:
     with pytest.raises(ValueError, match="at least one"):
         plan([], 0, whole_tensors=False)
     assert plan([], 3, whole_tensors=False) == []
+
+
+@pytest.mark.parametrize(("values", "k"), [(30_000_000, 3), (10_000_000_000, 4)])
+def test_a_lease_s_range_goes_up_as_parts_of_16_mib_and_the_parts_tile_the_file(values: int, k: int) -> None:
+    """A version built by k leases (120 MB; 40 GB): each lease's range is consecutive parts of
+    about 16 MiB (SeaweedFS takes a few such parts at once faster than one big one), none under
+    S3's 5 MiB but the last, at most 10,000 in all, numbered in file order; the first lease's
+    range starts at byte 0 and carries the header."""
+    schema = {"w": (values,)}
+    head, at, size = version_layout(schema, 1)
+    out = ObjectOutput("v", size, "id", lambda n: f"https://store/v?partNumber={n}")
+    out.write(head)
+    leases = build_jobs(schema, get_codec("int8"), "base", "result", out, at, k)
+    assert len(leases) == k
+    numbers = [c.part for job in leases for c in job.version.parts]
+    assert numbers == list(range(1, len(numbers) + 1)) == sorted(out.parts) and len(numbers) <= 10_000
+    sizes = [out.parts[n] for n in numbers]
+    assert sum(sizes) == size and min(sizes[:-1]) >= 5 * 1024**2
+    assert max(sizes) <= 2 * max(16 << 20, size // 9_000)
+    end = 0
+    for job in leases:
+        assert job.version.start == end and bool(job.version.head) == (end == 0)
+        end += job.version.size
+    assert end == size

@@ -121,7 +121,9 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
             assert job.base is None and job.base_object is not None
             assert all(u.path is None for u in job.updates)
             assert job.result.path is None
-        assert all(bool(job.result.head) == (job.result.part == 1) for job in taken)  # the header: in part 1
+        assert all(bool(job.result.head) == (job.result.start == 0) for job in taken)  # the header: in part 1
+        # 12 MB of fp32 result in 2 leases: one part each (16 MiB parts, at least 5 MiB)
+        assert [c.part for job in taken[-parts:] for c in job.result.parts] == list(range(1, parts + 1))
     finally:
         syncserver.core.leases.jobs = original  # type: ignore[assignment]
         loop.close()
@@ -150,7 +152,7 @@ def test_a_reducer_that_cannot_reach_a_file_of_the_hub_says_so_in_one_line(tmp_p
             "residual": None,
             "updates": [],
             "slices": [],
-            "result": {"url": "http://127.0.0.1:9/x", "part": 1, "size": 8, "at": {}},
+            "result": {"parts": [{"part": 1, "url": "http://127.0.0.1:9/x", "size": 8}], "size": 8, "at": {}},
             "next_momentum": None,
             "next_residual": None,
             "reads": 0,

@@ -11,7 +11,8 @@ of every slice made the reads request-bound (a 53 MB int8 update from SeaweedFS:
 slice against 0.05 s by 16 MB GETs). Given a ``window``, a read that misses fetches that many
 bytes from where it starts (never past the end of the run of bytes the caller said it will
 read, :meth:`ObjectTensorFile.expect`), and the next slices are served from the few windows
-kept.
+kept. The window after it is fetched meanwhile, on a small shared pool, so the store sends the
+next bytes while the merge works on these (a store serves a few streams faster than one).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import math
 import struct
 import threading
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -34,7 +36,17 @@ _FIRST_READ = 64 << 10  # one GET takes the header of any model with up to ~500 
 #: a reader's read-ahead: bytes per GET, and the windows kept (a quantized tensor's slices read
 #: its values and its scales, two places of the file at once; topk reads three)
 WINDOW = 8 << 20
-WINDOWS = 4
+WINDOWS = 6
+_AHEAD: ThreadPoolExecutor | None = None  # fetches the windows read ahead (shared, made at first use)
+_AHEAD_LOCK = threading.Lock()
+
+
+def _ahead() -> ThreadPoolExecutor:
+    global _AHEAD
+    with _AHEAD_LOCK:
+        if _AHEAD is None:
+            _AHEAD = ThreadPoolExecutor(8, thread_name_prefix="objectfile-ahead")
+        return _AHEAD
 
 
 class ObjectTensorFile:
@@ -54,7 +66,7 @@ class ObjectTensorFile:
         self._lock = threading.Lock()  # slices are read from several threads at once
         self._expected: list[tuple[str, int, int]] = []
         self._runs: tuple[list[int], list[int]] | None = None  # starts and ends of the expected bytes
-        self._windows: list[tuple[int, bytearray]] = []  # (first byte, bytes), oldest first
+        self._windows: list[tuple[int, int, Future[bytearray]]] = []  # [first, end) byte, its bytes; oldest first
 
     def expect(self, reads: Iterable[tuple[str, int, int]]) -> None:
         """The values ``(tensor, start, stop)`` the caller will read: a read-ahead stops at the
@@ -122,17 +134,48 @@ class ObjectTensorFile:
         return np.frombuffer(raw, dtype)  # a bytearray: the array is writable
 
     def _fetch(self, first: int, end: int, infos: dict[str, TensorInfo], base: int) -> bytearray:
-        """Bytes ``[first, end)``, a copy of a window's (fetched now if none holds them)."""
+        """Bytes ``[first, end)``, a copy of a window's (fetched now if none holds them), and
+        the next window of the run fetched meanwhile."""
         with self._lock:
-            for i, (lo, held) in enumerate(self._windows):
-                if lo <= first and end <= lo + len(held):
-                    self._windows.append(self._windows.pop(i))  # the most recent last
-                    return bytearray(memoryview(held)[first - lo : end - lo])
-            ahead = min(first + self.window, self._run_end(first, infos, base))
-            held = self.objects.read(self.name, first, max(end, ahead))
-            self._windows.append((first, held))
-            del self._windows[:-WINDOWS]
-            return bytearray(memoryview(held)[: end - first])
+            run_end = self._run_end(first, infos, base)
+            window = self._held(first, end)
+            if window is None:
+                hi = max(end, min(first + self.window, run_end))
+                done: Future[bytearray] = Future()
+                window = (first, hi, done)
+                self._keep(window)
+                fetch_here = True
+            else:
+                fetch_here = False
+            lo, hi, future = window
+            if hi < run_end and self._held(hi, hi + 1) is None:
+                nxt = min(hi + self.window, run_end)
+                self._keep((hi, nxt, _ahead().submit(self.objects.read, self.name, hi, nxt)))
+        if fetch_here:  # outside the lock: the other threads' reads go on meanwhile
+            try:
+                future.set_result(self.objects.read(self.name, lo, hi))
+            except BaseException as exc:
+                future.set_exception(exc)
+        try:
+            held = future.result()
+        except BaseException:
+            with self._lock:  # the next read fetches it again
+                if window in self._windows:
+                    self._windows.remove(window)
+            raise
+        return bytearray(memoryview(held)[first - lo : end - lo])
+
+    def _held(self, first: int, end: int) -> tuple[int, int, Future[bytearray]] | None:
+        """The window (fetched or on its way) that holds bytes ``[first, end)``, made the most recent."""
+        for i, window in enumerate(self._windows):
+            if window[0] <= first and end <= window[1]:
+                self._windows.append(self._windows.pop(i))
+                return window
+        return None
+
+    def _keep(self, window: tuple[int, int, Future[bytearray]]) -> None:
+        self._windows.append(window)
+        del self._windows[:-WINDOWS]
 
     def _run_end(self, first: int, infos: dict[str, TensorInfo], base: int) -> int:
         """Where the run of expected bytes that holds byte ``first`` ends (the object's end if
