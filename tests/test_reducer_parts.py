@@ -20,10 +20,11 @@ import pytest
 
 import syncserver.core.leases
 from syncserver.core.leases import Board, build_leased, merge_leased
+from syncserver.errors import LeaseLost
 from syncserver.reduce.engine import Accumulator, MergeEngine, Outer
-from syncserver.reduce.lease import Job, work
+from syncserver.reduce.lease import Done, Job, work
 from syncserver.storage.bucket import object_name, update_name
-from syncserver.storage.store import ResultKey, Store, UpdateKey, VersionKey
+from syncserver.storage.store import ObjectRecord, ResultKey, Store, UpdateKey, VersionKey
 from syncwire import get_codec
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
@@ -131,6 +132,51 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
             engine.close()
         alone.close()
         hub.close()
+
+
+def test_a_build_lease_whose_reducer_died_is_built_again_and_a_late_report_refused(
+    tmp_path: Path, seaweedfs: SeaweedFS
+) -> None:
+    """Version 1 built in the bucket after round 0's commit: the reducer that takes the build
+    lease dies (never reports); the lease expires and, no reducer being left, the hub builds
+    it itself, to the bytes of the lone hub's version file; the dead one's late report is 409."""
+    codec = get_codec("int8")
+    rng = np.random.default_rng(8)
+    model = _update_file(get_codec("fp32"), {k: rng.standard_normal(s, dtype=np.float32) for k, s in SCHEMA.items()})
+    alone = Store(tmp_path / "alone")
+    with alone.write(VersionKey("r", 0)) as f:
+        f.write(model)
+    with alone.write(UpdateKey("r", 0, "p")) as f:
+        f.write(_update_file(codec, {k: rng.standard_normal(s, dtype=np.float32) for k, s in SCHEMA.items()}))
+    engine = MergeEngine(alone, threads=1)
+    outer = Outer("avg", 1.0, 0.0)
+    engine.merge(
+        "r", 0, Accumulator(SCHEMA), codec, outer, total=1.0, fraction=1.0, unfolded=[(UpdateKey("r", 0, "p"), 1.0)]
+    )
+    engine.build_versions("r", 1, codec, SCHEMA)
+    objects = seaweedfs.store("dead-build/")
+    objects.put(object_name(VersionKey("r", 0)), model)
+    objects.put(object_name(ResultKey("r", 0)), _bytes(alone, ResultKey("r", 0)))
+    board = Board(0.3, lambda: objects)
+
+    async def scene() -> tuple[ObjectRecord, str]:
+        built = asyncio.ensure_future(build_leased(board, 1, "r", 0, SCHEMA, codec))
+        job = await board.take("dead", 5.0)  # taken, then never renewed nor reported
+        assert job is not None and job.lease
+        record, _ = await built
+        return record, job.lease
+
+    try:
+        record, lease = asyncio.run(scene())
+        version = _bytes(alone, VersionKey("r", 1))
+        assert record.size == len(version) and bytes(objects.read(object_name(VersionKey("r", 1)))) == version
+        assert board.reducers["dead"].expired == 1 and board.reducers["hub"].leases == 1
+        with pytest.raises(LeaseLost):
+            board.done(lease, Done(reducer="dead", seconds=1.0, bytes=1))
+        assert not objects.uploads("runs/")
+    finally:
+        engine.close()
+        alone.close()
 
 
 def test_a_reducer_that_cannot_reach_a_file_of_the_hub_says_so_in_one_line(tmp_path: Path) -> None:
