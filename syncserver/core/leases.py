@@ -456,11 +456,12 @@ async def merge_leased(
     hub folds nothing before a leased merge (``acc`` is empty): the reducers fold every update
     in acknowledgement order, which gives the same bits as folding some first.
 
-    With an object store (the board's ``objects``) the result is a multipart upload that the
-    reducers write a part each of (:func:`_into_bucket`), completed here once every lease is
-    done; the caller records it in the round's commit (record last), so the hub uploads none,
-    and has version v+1 built after the commit (:func:`build_leased`). On local disk: the
-    staged files, fsynced and published (rename)."""
+    With an object store (the board's ``objects``) the result, and DiLoCo's momentum and the
+    hub's residual if any, are multipart uploads that each lease writes its run of parts of
+    (:func:`_into_bucket`), completed here once every lease is done; the caller records them in
+    the round's commit (record last), so the hub uploads none, and has version v+1 built after
+    the commit (:func:`build_leased`). On local disk: the staged files, fsynced and published
+    (rename)."""
     if acc.mean is not None:
         raise ValueError("a leased merge folds every update itself: the accumulator must be empty")
     files = contextlib.ExitStack()
@@ -500,8 +501,8 @@ async def build_leased(
     board: Board, reducers: int, run: str, v: int, schema: Schema, codec: Codec
 ) -> tuple[ObjectRecord, dict[str, float]]:
     """Have the reducers build version ``v``+1 in the bucket from version v and round v's result
-    (both objects there: the reducers wrote them), as build leases of at most ``reducers``
-    parts of one multipart upload, completed here; its record (the caller records it: the
+    (both objects there: the reducers wrote them), as at most ``reducers`` build leases, each
+    its run of parts of one multipart upload, completed here; its record (the caller records it: the
     version counts from then on) and each tensor's largest ``|value|``. ``codec``: the run's
     (the reducers read a final round's fp32 from the result's header). The hub reads and writes
     no byte of it."""

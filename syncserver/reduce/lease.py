@@ -8,15 +8,16 @@ step, where every input lies, and where each output tensor starts in its staged 
 reducer (on the hub's machine: the same files) ``pread``\\ s its slices of every update (or
 reads them with ranged GETs from the bucket, for updates peers uploaded there), of version v,
 of the momentum and residual, and ``pwrite``\\ s its byte ranges of each output (with a store:
-reads version v from the bucket too, where a slice needs it, and PUTs its part of the result,
-:class:`ObjectOutput`, to a presigned UploadPart URL),
+reads version v from the bucket too, where a slice needs it, and PUTs its range of the result,
+and of DiLoCo's momentum and the hub's residual, :class:`ObjectOutput`, as parts to presigned
+UploadPart URLs),
 through :func:`~syncserver.reduce.engine.merge_slice`, the one body the hub's own
 threads run: the same step and the same inputs give the same bits whoever runs a slice, and
 an expired lease redone by another reducer writes the very same bytes again.
 
 With a store, version v+1 is built after the round's commit by **build leases**
 (:class:`BuildJob`, :func:`work_build`): version v plus the decoded result, read by ranges from
-the bucket, each lease's range of version v+1 one part of a multipart upload, with
+the bucket, each lease's range of version v+1 its run of parts of a multipart upload, with
 :func:`~syncserver.reduce.engine.apply_slice`, the function the hub's own version files use. The
 close then neither reads version v (a merge lease checks each slice against the bound on
 ``|version v|`` its job carries, :meth:`MergeEngine.open_merge
@@ -40,14 +41,7 @@ import httpx
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from syncserver.reduce.engine import (
-    Merge,
-    NonFinite,
-    Step,
-    apply_slice,
-    merge_slice,
-    run_slices,
-)
+from syncserver.reduce.engine import Merge, NonFinite, Step, apply_slice, merge_slice, run_slices
 from syncserver.reduce.plan import PART_MIN, Piece, Span, byte_range, itemsizes, multi_part, pieces, plan
 from syncserver.storage.objectfile import WINDOW, ObjectTensorFile, TensorReader
 from syncserver.storage.s3 import ObjectStore
@@ -212,7 +206,7 @@ class Done(BaseModel):
 
 class BuildJob(BaseModel):
     """A build lease: a span of version v+1 (``round`` = v) as version v plus the decoded result
-    of round v, both objects in the bucket, written as one part of version v+1's upload."""
+    of round v, both objects in the bucket, written as its run of parts of version v+1's upload."""
 
     model_config = ConfigDict(extra="forbid")
     kind: Literal["build"] = "build"
@@ -226,7 +220,7 @@ class BuildJob(BaseModel):
     slices: list[SliceJob] = Field(
         description="``parts``: where each slice lies in a result in ``codec`` (a final fp32 one: at its values)."
     )
-    version: Output = Field(description="Where this lease's range of version v+1 goes (a part URL).")
+    version: Output = Field(description="Where this lease's range of version v+1 goes (part URLs).")
     reads: int = Field(description="Bytes of the result this lease reads.")
 
 
@@ -294,7 +288,8 @@ def build_jobs(
     """The build leases of version v+1 into ``out`` (its header written; ``at``: each tensor's
     byte offset in it): version v at ``base`` plus the result at ``result``, cut as ``codec``
     (the run's) cuts, into at most ``k`` spans balanced by the result's bytes; each span's range
-    of version v+1 is one part (at least :data:`~syncserver.reduce.plan.PART_MIN` but the last).
+    of version v+1 is its run of parts (:data:`CHUNK`; a span writes at least
+    :data:`~syncserver.reduce.plan.PART_MIN` but the last).
     The hub does not read the result: a final round's is fp32, whose values the reducer finds
     at their own places (:func:`work_build`)."""
     items = pieces(codec, get_codec("fp32"), schema)  # out_parts: the values' own places, as in a float32 file
