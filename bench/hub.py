@@ -47,7 +47,7 @@ sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
 import round as rb  # noqa: E402 (model shapes, result files)
 
-from syncserver.reduce.engine import Accumulator, MergeEngine, Outer  # noqa: E402
+from syncserver.reduce.engine import Accumulator, MergeEngine, Outer, RoundMerge  # noqa: E402
 from syncserver.settings import default_fold_threads  # noqa: E402
 from syncserver.storage.store import Store, UpdateKey, VersionKey  # noqa: E402
 from syncserver.storage.uploads import receive  # noqa: E402
@@ -140,7 +140,7 @@ def one_codec(spec: str, args: argparse.Namespace, schema: dict[str, tuple[int, 
                     engine.fold(acc, key, weight, codec)
             with timed("merge"):
                 outer, total = Outer(args.outer, 0.7, 0.9), sum(w for _, w in keys)
-                engine.merge(run, v, acc, codec, outer, total=total, fraction=math.inf, unfolded=keys[-1:])
+                engine.merge(RoundMerge(run, v, acc, codec, outer, total=total, fraction=math.inf, unfolded=keys[-1:]))
             with timed("version"):
                 engine.build_versions(run, v + 1, codec, schema)
             store.prune(run, v + 1, keep=1)  # as the hub does: the closed round's files go

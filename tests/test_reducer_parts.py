@@ -21,7 +21,7 @@ import pytest
 import syncserver.core.leases
 from syncserver.core.leases import Board, build_leased, merge_leased
 from syncserver.errors import LeaseLost
-from syncserver.reduce.engine import Accumulator, MergeEngine, Outer
+from syncserver.reduce.engine import Accumulator, MergeEngine, Outer, RoundMerge
 from syncserver.reduce.lease import Done, Job, work
 from syncserver.storage.bucket import object_name, update_name
 from syncserver.storage.store import ObjectRecord, ResultKey, Store, UpdateKey, VersionKey
@@ -89,7 +89,9 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
                 keys.append((UpdateKey("r", v, f"p{k}"), 3.0 + 2 * k))
                 remote.append((UpdateKey("r", v, f"p{k}", name, len(data)), 3.0 + 2 * k))
             engines[0].merge(
-                "r", v, Accumulator(schema), codec, outer, total=21.0, fraction=1.0, final=v == 1, unfolded=keys
+                RoundMerge(
+                    "r", v, Accumulator(schema), codec, outer, total=21.0, fraction=1.0, final=v == 1, unfolded=keys
+                )
             )
             engines[0].build_versions("r", v + 1, codec, schema)
             here = object_name(VersionKey("r", v))
@@ -98,10 +100,23 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
                 objects.delete(here)  # under the bound, the merge must not need it
             size, records, after = loop.run_until_complete(
                 merge_leased(
-                    board, 2, engines[1], "r", v, Accumulator(schema), codec, outer,
-                    total=21.0, fraction=1.0, final=v == 1, unfolded=remote, bound=bound,
+                    board,
+                    2,
+                    engines[1],
+                    RoundMerge(
+                        "r",
+                        v,
+                        Accumulator(schema),
+                        codec,
+                        outer,
+                        total=21.0,
+                        fraction=1.0,
+                        final=v == 1,
+                        unfolded=remote,
+                        bound=bound,
+                    ),
                 )
-            )  # fmt: skip
+            )
             objects.put(here, held)
             assert size == len(_bytes(alone, ResultKey("r", v)))
             assert [r.key for r in records] == [ResultKey("r", v)] and records[0].size == size
@@ -151,7 +166,9 @@ def test_a_build_lease_whose_reducer_died_is_built_again_and_a_late_report_refus
     engine = MergeEngine(alone, threads=1)
     outer = Outer("avg", 1.0, 0.0)
     engine.merge(
-        "r", 0, Accumulator(SCHEMA), codec, outer, total=1.0, fraction=1.0, unfolded=[(UpdateKey("r", 0, "p"), 1.0)]
+        RoundMerge(
+            "r", 0, Accumulator(SCHEMA), codec, outer, total=1.0, fraction=1.0, unfolded=[(UpdateKey("r", 0, "p"), 1.0)]
+        )
     )
     engine.build_versions("r", 1, codec, SCHEMA)
     objects = seaweedfs.store("dead-build/")

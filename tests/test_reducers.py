@@ -26,7 +26,7 @@ import pytest
 import syncwire.codecs
 from syncserver.core.leases import Board, LeaseFailed
 from syncserver.errors import LeaseLost, NotFound
-from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer, merge_slice
+from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer, RoundMerge, merge_slice
 from syncserver.reduce.lease import Done, highest, jobs, work
 from syncserver.reduce.plan import pieces
 from syncserver.storage.objectfile import TensorReader
@@ -111,11 +111,14 @@ def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
             last = final and v == 1
             if i == 0:  # the hub alone, one update folded before the close
                 engine.fold(acc, *keys[0], codec)
-                engine.merge("r", v, acc, codec, outer_, total=30.0, fraction=1.0, final=last, unfolded=keys[1:])
+                engine.merge(
+                    RoundMerge("r", v, acc, codec, outer_, total=30.0, fraction=1.0, final=last, unfolded=keys[1:])
+                )
             else:
                 with contextlib.ExitStack() as files:
                     merge = engine.open_merge(
-                        files, "r", v, acc, codec, outer_, total=30.0, fraction=1.0, final=last, unfolded=keys
+                        files,
+                        RoundMerge("r", v, acc, codec, outer_, total=30.0, fraction=1.0, final=last, unfolded=keys),
                     )
                     leases = jobs(merge, SCHEMA, i)
                     # an int8/topk result is cut at tensors only: "w" is one lease whatever K
@@ -146,7 +149,9 @@ def test_a_lease_that_would_not_be_finite_says_so(tmp_path: Path) -> None:
     acc, key = Accumulator(SCHEMA), UpdateKey("r", 0, "p")
     with pytest.raises(NonFinite), contextlib.ExitStack() as files:
         outer = Outer("avg", 1, 0)
-        merge = engine.open_merge(files, "r", 0, acc, codec, outer, total=1.0, fraction=math.inf, unfolded=[(key, 1.0)])
+        merge = engine.open_merge(
+            files, RoundMerge("r", 0, acc, codec, outer, total=1.0, fraction=math.inf, unfolded=[(key, 1.0)])
+        )
         reports = [work(job, "t") for job in jobs(merge, SCHEMA, 2)]
         assert {r.error for r in reports} == {"non_finite"}
         raise NonFinite(reports[0].detail)
@@ -185,9 +190,18 @@ def test_a_bound_on_version_v_spares_its_reads_and_an_overflow_is_still_caught(t
     for bound in ({n: float(np.abs(a).max()) for n, a in start.items()}, {n: 3e38 for n in SCHEMA}, None):
         with contextlib.ExitStack() as files:
             opened = engine.open_merge(
-                files, "r", 0, Accumulator(SCHEMA), codec, outer, total=1.0, fraction=1.0,
-                unfolded=[(UpdateKey("r", 0, "p"), 1.0)],
-            )  # fmt: skip
+                files,
+                RoundMerge(
+                    "r",
+                    0,
+                    Accumulator(SCHEMA),
+                    codec,
+                    outer,
+                    total=1.0,
+                    fraction=1.0,
+                    unfolded=[(UpdateKey("r", 0, "p"), 1.0)],
+                ),
+            )
             base = _CountingReader(opened.base)
             merge = dataclasses.replace(opened, base=base, bound=bound, peaks=[])  # type: ignore[arg-type]
             for p in items:
@@ -209,9 +223,19 @@ def test_a_bound_on_version_v_spares_its_reads_and_an_overflow_is_still_caught(t
         f.write(_update_file(get_codec("fp32"), {n: np.full(s, 3e38, np.float32) for n, s in SCHEMA.items()}))
     with contextlib.ExitStack() as files, pytest.raises(NonFinite):
         merge = engine.open_merge(
-            files, "r", 0, Accumulator(SCHEMA), get_codec("fp32"), outer, total=1.0, fraction=1.0,
-            unfolded=[(UpdateKey("r", 0, "p"), 1.0)], bound={n: 3e38 for n in SCHEMA},
-        )  # fmt: skip
+            files,
+            RoundMerge(
+                "r",
+                0,
+                Accumulator(SCHEMA),
+                get_codec("fp32"),
+                outer,
+                total=1.0,
+                fraction=1.0,
+                unfolded=[(UpdateKey("r", 0, "p"), 1.0)],
+                bound={n: 3e38 for n in SCHEMA},
+            ),
+        )
         p = pieces(get_codec("fp32"), get_codec("fp32"), SCHEMA)[0]
         merge_slice(merge, None, p.name, p.start, p.stop, p.parts, p.out_parts)
     engine.close()
@@ -228,14 +252,9 @@ def _fake_jobs(tmp_path: Path, n: int) -> list:  # type: ignore[type-arg]
     keys = [(UpdateKey("r", 0, "p0"), 1.0)]
     merge = engine.open_merge(
         files,
-        "r",
-        0,
-        Accumulator(SCHEMA),
-        get_codec("fp32"),
-        Outer("avg", 1, 0),
-        total=1.0,
-        fraction=1.0,
-        unfolded=keys,
+        RoundMerge(
+            "r", 0, Accumulator(SCHEMA), get_codec("fp32"), Outer("avg", 1, 0), total=1.0, fraction=1.0, unfolded=keys
+        ),
     )
     out = jobs(merge, SCHEMA, n)
     files.close()

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from syncclient import SyncClient
 from syncclient._model import ModelView
-from syncserver.reduce.engine import Accumulator, MergeEngine, Outer
+from syncserver.reduce.engine import Accumulator, MergeEngine, Outer, RoundMerge
 from syncserver.storage.store import ResidualKey, ResultKey, Store, VersionKey
 from syncwire import Codec, FormatError, encode_model, get_codec, iter_chunks, layout_bytes, wire_layout
 from syncwire.codecs import slices
@@ -278,7 +278,7 @@ def _store(path: Path, base: dict[str, np.ndarray]) -> tuple[Store, MergeEngine]
 def _merge(engine: MergeEngine, round_: int, mean: dict[str, np.ndarray], codec: TopK) -> dict[str, np.ndarray]:
     """Merge one round whose folded mean is ``mean``; return the round's decoded result."""
     acc = Accumulator({n: a.shape for n, a in mean.items()}, mean={n: a.copy() for n, a in mean.items()}, weight=1.0)
-    engine.merge("r", round_, acc, codec, Outer("avg", 1.0, 0.0), total=1.0, fraction=math.inf)
+    engine.merge(RoundMerge("r", round_, acc, codec, Outer("avg", 1.0, 0.0), total=1.0, fraction=math.inf))
     engine.build_versions("r", round_ + 1, codec, acc.schema)
     with engine.store.read(ResultKey("r", round_)) as f:
         return {
@@ -312,7 +312,7 @@ def test_the_hub_keeps_what_its_results_leave_out_across_a_restart(tmp_path: Pat
             np.testing.assert_allclose(sent + f.read(n).reshape(base[n].shape), total, atol=1e-5)
     # an empty round sends nothing and keeps the residual as it was
     acc = Accumulator({n: a.shape for n, a in base.items()})
-    steady.merge("r", len(means), acc, codec, Outer("avg", 1.0, 0.0), total=1.0, fraction=math.inf)
+    steady.merge(RoundMerge("r", len(means), acc, codec, Outer("avg", 1.0, 0.0), total=1.0, fraction=math.inf))
     with (
         steady.store.read(ResidualKey("r", len(means))) as old,
         steady.store.read(ResidualKey("r", len(means) + 1)) as new,
@@ -324,7 +324,7 @@ def test_the_hub_keeps_what_its_results_leave_out_across_a_restart(tmp_path: Pat
 def test_a_codec_without_hub_feedback_writes_no_residual(tmp_path: Path) -> None:
     store, engine = _store(tmp_path, {"w": np.zeros(100, np.float32)})
     acc = Accumulator({"w": (100,)}, mean={"w": np.ones(100, np.float32)}, weight=1.0)
-    engine.merge("r", 0, acc, get_codec("int8"), Outer("avg", 1.0, 0.0), total=1.0, fraction=math.inf)
+    engine.merge(RoundMerge("r", 0, acc, get_codec("int8"), Outer("avg", 1.0, 0.0), total=1.0, fraction=math.inf))
     assert store.exists(ResultKey("r", 0)) and not store.exists(ResidualKey("r", 1))
     engine.close()
 

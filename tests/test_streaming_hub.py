@@ -31,7 +31,7 @@ from syncclient import SyncClient
 from syncclient._model import ModelView
 from syncserver.core.coordinator import Coordinator
 from syncserver.errors import InvalidUpdate
-from syncserver.reduce.engine import Accumulator, MergeEngine, Outer
+from syncserver.reduce.engine import Accumulator, MergeEngine, Outer, RoundMerge
 from syncserver.settings import HubSettings, default_fold_threads
 from syncserver.storage import uploads as uploads_module
 from syncserver.storage.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, Upload, VersionKey
@@ -319,7 +319,9 @@ def test_the_merge_folds_what_is_not_folded_yet_to_the_same_bits(
         kept = {n: a.copy() for n, a in acc.mean.items()} if acc.mean is not None else None
         # 2 x the weights: an async round's divisor, the mean scaled by half
         outer_ = Outer(outer, 0.7, 0.9)
-        engine.merge("r", 0, acc, codec, outer_, total=30.0, fraction=1.0, final=final, unfolded=keys[eager:])
+        engine.merge(
+            RoundMerge("r", 0, acc, codec, outer_, total=30.0, fraction=1.0, final=final, unfolded=keys[eager:])
+        )
         folded = len(keys) if final and not codec.lossless else eager
         assert acc.weight == sum(weights[:folded]) and acc.folded == [f"p{k}" for k in range(folded)]
         if folded == eager:

@@ -15,23 +15,21 @@ name) and the same bits, so a hub restarted mid-round closes it exactly as it wo
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 from anyio import to_thread
 
 from syncserver.core.state import Run
-from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite
+from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, RoundMerge
 from syncserver.storage.store import ObjectRecord, UpdateKey
 
 __all__ = ["Leased", "merge_finite"]
 
-#: A merge with :meth:`MergeEngine.merge`'s arguments, awaited (the reducers' leases): the
-#: result's size, the records of the objects the merge wrote to the bucket (none but there) and
-#: the reducers' bound on ``|version v+1|`` per tensor (none in process)
-Leased = Callable[..., Awaitable[tuple[int, list[ObjectRecord], dict[str, float]]]]
+#: A round's merge, awaited (the reducers' leases): the result's size, the records of the
+#: objects the merge wrote to the bucket (none but there) and the reducers' bound on
+#: ``|version v+1|`` per tensor (none in process)
+Leased = Callable[[RoundMerge], Awaitable[tuple[int, list[ObjectRecord], dict[str, float]]]]
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +53,7 @@ async def merge_finite(
     while True:
         samples = sum(run.acked[name].samples for name in participants if name not in left_out)
         unfolded = [peer for peer in order if peer not in acc.folded and peer not in left_out]
-        merge = functools.partial(
-            leased or _threaded(engine),
+        merge = RoundMerge(
             run.name,
             round_,
             acc,
@@ -70,7 +67,7 @@ async def merge_finite(
             bound=bound,
         )
         try:
-            size, objects, after = await merge()
+            size, objects, after = await (leased or _threaded(engine))(merge)
             return size, left_out, objects, after
         except NonFinite as exc:
             merged = list(dict.fromkeys([*acc.folded, *unfolded]))  # a final round's merge folds into acc
@@ -96,8 +93,8 @@ async def merge_finite(
 def _threaded(engine: MergeEngine) -> Leased:
     """The in-process merge, in a worker thread, with a leased merge's signature."""
 
-    async def merge(*args: Any, **kwargs: Any) -> tuple[int, list[ObjectRecord], dict[str, float]]:
-        return await to_thread.run_sync(functools.partial(engine.merge, *args, **kwargs)), [], {}
+    async def merge(m: RoundMerge) -> tuple[int, list[ObjectRecord], dict[str, float]]:
+        return await to_thread.run_sync(engine.merge, m), [], {}
 
     return merge
 

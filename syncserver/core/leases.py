@@ -40,7 +40,7 @@ from anyio import to_thread
 
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.checklease import CheckJob, CheckReport
-from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer, version_layout
+from syncserver.reduce.engine import MergeEngine, NonFinite, RoundMerge, version_layout
 from syncserver.reduce.lease import BuildJob, Done, Job, ObjectOutput, build_jobs, highest, jobs, work, work_build
 from syncserver.storage.bucket import object_name
 from syncserver.storage.s3 import ObjectStore, StoreError
@@ -434,26 +434,13 @@ def _settle(lease: _Lease, stats: ReducerStats, report: Done, who: str) -> None:
 
 
 async def merge_leased(
-    board: Board,
-    reducers: int,
-    engine: MergeEngine,
-    run: str,
-    round_: int,
-    acc: Accumulator,
-    codec: Codec,
-    outer: Outer,
-    *,
-    total: float,
-    fraction: float,
-    final: bool = False,
-    unfolded: Sequence[tuple[UpdateKey, float]] = (),
-    bound: dict[str, float] | None = None,
+    board: Board, reducers: int, engine: MergeEngine, m: RoundMerge
 ) -> tuple[int, list[ObjectRecord], dict[str, float]]:
     """:meth:`MergeEngine.merge`'s work, shared by the reducers: open the merge, hand out its
     leases, wait for them, publish the outputs; the result's size, the records of the objects
     the reducers wrote (none on local disk) and their bound on ``|version v+1|`` per tensor
-    (``bound``: the one on ``|version v|``, if known, see :meth:`MergeEngine.open_merge`). The
-    hub folds nothing before a leased merge (``acc`` is empty): the reducers fold every update
+    (``m.bound``: the one on ``|version v|``, if known, see :meth:`MergeEngine.open_merge`). The
+    hub folds nothing before a leased merge (``m.acc`` is empty): the reducers fold every update
     in acknowledgement order, which gives the same bits as folding some first.
 
     With an object store (the board's ``objects``) the result, and DiLoCo's momentum and the
@@ -462,31 +449,16 @@ async def merge_leased(
     the round's commit (record last), so the hub uploads none, and has version v+1 built after
     the commit (:func:`build_leased`). On local disk: the staged files, fsynced and published
     (rename)."""
-    if acc.mean is not None:
+    if m.acc.mean is not None:
         raise ValueError("a leased merge folds every update itself: the accumulator must be empty")
     files = contextlib.ExitStack()
     outputs: list[tuple[Stored, ObjectOutput]] = []
     try:
         objects = board.objects
         into = _into_bucket(objects(), outputs) if objects is not None else None
-        opened = functools.partial(
-            engine.open_merge,
-            files,
-            run,
-            round_,
-            acc,
-            codec,
-            outer,
-            total=total,
-            fraction=fraction,
-            final=final,
-            unfolded=unfolded,
-            into=into,
-            bound=bound,
-        )
-        merge = await to_thread.run_sync(opened)
-        leases = await to_thread.run_sync(jobs, merge, acc.schema, reducers)
-        reports = await board.run(run, round_, leases)
+        merge = await to_thread.run_sync(engine.open_merge, files, m, into)
+        leases = await to_thread.run_sync(jobs, merge, m.acc.schema, reducers)
+        reports = await board.run(m.run, m.round, leases)
         records = [await to_thread.run_sync(_complete, objects, key, out) for key, out in outputs] if objects else []
     except BaseException as exc:
         await to_thread.run_sync(files.__exit__, type(exc), exc, exc.__traceback__)

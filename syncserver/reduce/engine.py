@@ -30,6 +30,7 @@ finite before the result is written whole; :class:`NonFinite` otherwise, and not
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -63,6 +64,7 @@ __all__ = [
     "MergeEngine",
     "NonFinite",
     "Outer",
+    "RoundMerge",
     "SAFE",
     "Sink",
     "Step",
@@ -107,6 +109,31 @@ class Accumulator:
     mean: dict[str, np.ndarray] | None = None  # allocated at the first fold
     folded: list[str] = field(default_factory=list)  # peers, in fold (= acknowledgement) order
     weight: float = 0.0  # the folded updates' weights, summed (exact: at most 2^53, whole for a barrier)
+
+
+@dataclass(frozen=True)
+class RoundMerge:
+    """A round's merge as the close fixes it: what :meth:`MergeEngine.merge`, :meth:`MergeEngine.open_merge`
+    and the reducers' :func:`~syncserver.core.leases.merge_leased` all take.
+
+    ``acc``: the updates folded before the close; ``unfolded``: those not in it yet (and their
+    weights), folded after it in this order by the merge itself. ``total``: the policy's
+    divisor of the weighted sum. ``fraction``: how much of a whole outer step this round is
+    (Delayed Nesterov's clock; a barrier round is a whole one, ``inf``). ``final``: every
+    update is its peer's last, so the round is plain averaging and the momentum passes on
+    unchanged. ``bound``: a bound on ``|version v|`` per tensor, if known
+    (:meth:`MergeEngine.open_merge`)."""
+
+    run: str
+    round: int
+    acc: Accumulator
+    codec: Codec
+    outer: Outer
+    total: float
+    fraction: float
+    final: bool = False
+    unfolded: Sequence[tuple[UpdateKey, float]] = ()
+    bound: dict[str, float] | None = None
 
 
 class MergeEngine:
@@ -204,23 +231,10 @@ class MergeEngine:
         return max(peaks, default=0.0)
 
     # ---- per round -----------------------------------------------------------------------
-    def merge(
-        self,
-        run: str,
-        round_: int,
-        acc: Accumulator,
-        codec: Codec,
-        outer: Outer,
-        *,
-        total: float,
-        fraction: float,
-        final: bool = False,
-        unfolded: Sequence[tuple[UpdateKey, float]] = (),
-        bound: dict[str, float] | None = None,
-    ) -> int:
-        """Write round ``round_``'s result (``outer_step(mean * weight / total)``) and DiLoCo
-        momentum; return the result's size. ``unfolded``: updates (and their weights)
-        not in ``acc`` yet, folded after it, in this order, slice by slice as the merge
+    def merge(self, m: RoundMerge) -> int:
+        """Write round ``m.round``'s result (``outer_step(mean * weight / total)``) and DiLoCo
+        momentum; return the result's size. ``m.unfolded``: updates (and their weights)
+        not in ``m.acc`` yet, folded after it, in this order, slice by slice as the merge
         goes (``acc`` itself is left as it was, but for a ``final`` round of a lossy
         codec: its result is fp32, cut into other slices, so the updates are folded
         into ``acc`` first). Closing a round is the one time every peer waits on the hub,
@@ -229,13 +243,10 @@ class MergeEngine:
         read back before the merge: folded here, each costs one read of its file, and a
         round with nothing folded before its close needs no accumulator at all. The
         same folds in the same order: the same bits as folding first.
-        ``fraction``: how much of a whole outer step this
-        round is (Delayed Nesterov's clock, kept in the momentum file's metadata with the count
-        of whole outer steps done, which DiLoCo's warm-up reads; a barrier round is a whole
-        one, ``inf``). ``final``: every update of the round is its peer's last, so nothing
-        trains after it: the round is plain averaging and the momentum passes on unchanged.
-        :class:`NonFinite` if version ``round_`` + the result, or the momentum, would not be
-        finite (nothing is written then; ``bound``: see :meth:`open_merge`). With nothing folded,
+        The clock ``m.fraction`` advances is kept in the momentum file's metadata with the count
+        of whole outer steps done, which DiLoCo's warm-up reads.
+        :class:`NonFinite` if version ``m.round`` + the result, or the momentum, would not be
+        finite (nothing is written then; ``m.bound``: see :meth:`open_merge`). With nothing folded,
         the result is zero and the momentum and its clock stay: the round changes nothing.
 
         The result is the encoded global update ``U``. Version v+1 (``version v + decode(U)``,
@@ -246,46 +257,24 @@ class MergeEngine:
         slice's writeback starts as soon as it is written, so the fsyncs before the commit
         wait for little more than the last slices.
         """
-        if unfolded and final and not codec.lossless:
+        if m.unfolded and m.final and not m.codec.lossless:
             # a final round's result is fp32, cut into slices unlike its lossy updates: they
             # are folded into ``acc`` first (the same folds in the same order)
-            for key, w in unfolded:
-                self.fold(acc, key, w, codec)
-            unfolded = ()
+            for key, w in m.unfolded:
+                self.fold(m.acc, key, w, m.codec)
+            m = dataclasses.replace(m, unfolded=())
         with contextlib.ExitStack() as files:
-            merge = self.open_merge(
-                files,
-                run,
-                round_,
-                acc,
-                codec,
-                outer,
-                total=total,
-                fraction=fraction,
-                final=final,
-                unfolded=unfolded,
-                bound=bound,
-            )
-            self._each_slice(get_codec(merge.step.codec), acc.schema, functools.partial(merge_slice, merge, acc))
+            merge = self.open_merge(files, m)
+            self._each_slice(get_codec(merge.step.codec), m.acc.schema, functools.partial(merge_slice, merge, m.acc))
         return merge.result_size
 
     def open_merge(
         self,
         files: contextlib.ExitStack,
-        run: str,
-        round_: int,
-        acc: Accumulator,
-        codec: Codec,
-        outer: Outer,
-        *,
-        total: float,
-        fraction: float,
-        final: bool = False,
-        unfolded: Sequence[tuple[UpdateKey, float]] = (),
+        m: RoundMerge,
         into: Callable[[Key, int], AbstractContextManager[Any]] | None = None,
-        bound: dict[str, float] | None = None,
     ) -> Merge:
-        """Everything round ``round_``'s merge needs but its slices (:meth:`merge`'s arguments):
+        """Everything round ``m.round``'s merge needs but its slices (see :meth:`merge`):
         the step fixed once for the whole round (scale, DiLoCo's clock and warm-up), the files
         it reads, and the outputs it writes with their headers written, all entered on
         ``files`` (leaving it publishes the outputs; an error discards them). The in-process
@@ -298,15 +287,17 @@ class MergeEngine:
         is then read from the hub's disk if it is there, else from the bucket. Version v+1 is
         built after the commit, as in-process (:func:`apply_slice`).
 
-        ``bound``: a bound on ``|version v|`` per tensor, if the hub knows one (the peaks the
+        ``m.bound``: a bound on ``|version v|`` per tensor, if the hub knows one (the peaks the
         leases of round v-1 and the build of version v reported): a slice whose ``bound +
         max|decode(result)|`` stays under :data:`SAFE` cannot overflow, so its check needs no
         read of version v (the version's bytes stay off a close that reads it from the bucket);
         any other slice reads version v and checks exactly, as without a bound."""
-        schema, means, v = acc.schema, acc.mean, round_
+        run, v, acc, codec, outer = m.run, m.round, m.acc, m.codec, m.outer
+        total, fraction, final, unfolded = m.total, m.fraction, m.final, m.unfolded
+        schema, means = acc.schema, acc.mean
         empty = means is None and not unfolded  # every update was left out
         if not empty and not total > 0:
-            raise ValueError(f"round {round_} of run {run!r}: total {total} must be positive")
+            raise ValueError(f"round {v} of run {run!r}: total {total} must be positive")
         weight = acc.weight
         for _, w in unfolded:
             weight += w  # summed as Accumulator.weight is, fold by fold
@@ -370,7 +361,7 @@ class MergeEngine:
             next_residual=residual,
             residual_at=residual_at,
             result_size=result_size,
-            bound=bound,
+            bound=m.bound,
         )
 
     def _version(self, files: contextlib.ExitStack, run: str, v: int) -> TensorReader:
