@@ -465,40 +465,25 @@ def work(
     then leaves an update out, as it does merging in-process); any other failure raises."""
     started = time.monotonic()
     parts: list[_Part] = []
+    values = _values(job.slices)
     with contextlib.ExitStack() as files:
 
-        def bucket(what: str) -> ObjectStore:
-            if objects is None:
-                raise RuntimeError(
-                    f"lease {job.lease} reads {what} in the object store: give this reducer SYNC_STORE and the "
-                    "AWS_* variables, as the hub has them"
-                )
-            return objects()
-
-        def read(path: str) -> TensorFile:
-            if not os.path.exists(path):
-                raise RuntimeError(
-                    f"lease {job.lease} reads {path} on the hub's disk (DiLoCo's momentum, topk's residual or a "
-                    "hub without a store): run this reducer on the hub's machine"
-                )
-            return files.enter_context(TensorFile(path))
-
-        def remote(name: str | None, what: str, reads: list[tuple[str, int, int]]) -> TensorReader:
+        def opened(path: str | None, name: str | None, what: str, reads: list[tuple[str, int, int]]) -> TensorReader:
+            """A file on the hub's disk (``path``), or an object in the bucket read in this lease's ranges."""
+            if path is not None:
+                if not os.path.exists(path):
+                    raise RuntimeError(
+                        f"lease {job.lease} reads {path} on the hub's disk (DiLoCo's momentum, topk's residual or "
+                        "a hub without a store): run this reducer on the hub's machine"
+                    )
+                return files.enter_context(TensorFile(path))
             assert name is not None
-            wire = ObjectTensorFile(bucket(what), name, window=WINDOW)
-            wire.expect(reads)  # this lease's ranges: no read-ahead into the next lease's
+            wire = _remote(_bucket(objects, job.lease, what), name, reads)
             files.callback(wire.close)
             return wire
 
-        def update(source: UpdateSource) -> TensorReader:
-            if source.path is not None:
-                return read(source.path)
-            return remote(source.object, "updates", _wire_reads(job.slices))
-
-        def base() -> TensorReader:
-            if job.base is not None:
-                return read(job.base)
-            return remote(job.base_object, "version v", [(s.name, s.start, s.stop) for s in job.slices])
+        def state(path: str | None, name: str | None, what: str) -> TensorReader | None:
+            return None if path is None and name is None else opened(path, name, what, values)
 
         def sink(out: Output | None) -> BlobWriter | _Part | None:
             if out is None:
@@ -515,13 +500,6 @@ def work(
             files.callback(os.close, fd)
             return BlobWriter(fd)
 
-        def state(path: str | None, name: str | None, what: str) -> TensorReader | None:
-            if path is not None:
-                return read(path)
-            if name is not None:
-                return remote(name, what, [(s.name, s.start, s.stop) for s in job.slices])
-            return None
-
         # the files on the hub's disk first: a reducer elsewhere fails before any request
         momentum = state(job.momentum, job.momentum_object, "DiLoCo's momentum")
         residual = state(job.residual, job.residual_object, "the hub's residual")
@@ -529,8 +507,8 @@ def work(
         assert result is not None
         merge = Merge(
             step=Step(**job.step.model_dump()),
-            base=base(),
-            updates=[(update(source), source.weight) for source in job.updates],
+            base=opened(job.base, job.base_object, "version v", values),
+            updates=[(opened(u.path, u.object, "updates", _wire_reads(job.slices)), u.weight) for u in job.updates],
             momentum=momentum,
             residual=residual,
             result=result,
@@ -544,8 +522,7 @@ def work(
         )
 
         def one(s: SliceJob) -> None:
-            if stop():
-                raise LeaseStopped(f"lease {job.lease} was lost")
+            _going(stop, job.lease)
             merge_slice(merge, None, s.name, s.start, s.stop, s.parts, s.out_parts)
 
         try:
@@ -558,13 +535,12 @@ def work(
                 error="non_finite",
                 detail=str(exc)[:MAX_DETAIL],
             )
-    if stop():
-        raise LeaseStopped(f"lease {job.lease} was lost")
+    _going(stop, job.lease)
     for part in parts:
         part.send()
-    values = sum(s.stop - s.start for s in job.slices)
+    count = sum(s.stop - s.start for s in job.slices)
     outputs = sum(o is not None for o in (job.next_momentum, job.next_residual))
-    nbytes = job.reads * len(job.updates) + job.writes + 4 * values * outputs
+    nbytes = job.reads * len(job.updates) + job.writes + 4 * count * outputs
     assert merge.peaks is not None
     return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes, peaks=highest(merge.peaks))
 
@@ -579,14 +555,8 @@ def work_build(
     """Build a build lease's range of version v+1 (version v + the decoded result, each by
     ranged GETs of its slices) and PUT it as its part; report each tensor's largest
     ``|value|`` (the next merge's bound). Raises what fails (the store, a lost lease)."""
-    if objects is None:
-        raise RuntimeError(
-            f"build lease {job.lease} reads version {job.round} in the object store: give this "
-            "reducer SYNC_STORE and the AWS_* variables, as the hub has them"
-        )
     started = time.monotonic()
-    store = objects()
-    base = ObjectTensorFile(store, job.base_object, window=WINDOW)
+    store = _bucket(objects, job.lease, f"version {job.round}")
     result = ObjectTensorFile(store, job.result_object, window=WINDOW)
     codec = get_codec(result.metadata.get("codec", job.codec))
     if codec.spec != job.codec and multi_part(codec):
@@ -596,25 +566,50 @@ def work_build(
     if codec.spec != job.codec:
         suffixes = itemsizes(codec)
         slices = [s.model_copy(update={"parts": dict.fromkeys(suffixes, (s.start, s.stop - s.start))}) for s in slices]
-    base.expect((s.name, s.start, s.stop) for s in slices)
+    base = _remote(store, job.base_object, _values(slices))
     result.expect(_wire_reads(slices))
     part = _Part(job.version)
     peaks: list[tuple[str, float]] = []
 
     def one(s: SliceJob) -> None:
-        if stop():
-            raise LeaseStopped(f"lease {job.lease} was lost")
+        _going(stop, job.lease)
         new = apply_slice(base, result, codec, s.name, s.start, s.stop, s.parts)
         part.write_at(new, job.version.at[s.name] + s.start * 4)
         peaks.append((s.name, float(np.max(np.abs(new), initial=0.0))))
 
     run_slices(pool, [(s,) for s in slices], one)
-    if stop():
-        raise LeaseStopped(f"lease {job.lease} was lost")
+    _going(stop, job.lease)
     part.send()
-    values = sum(s.stop - s.start for s in job.slices)
-    nbytes = job.reads + 8 * values
+    nbytes = job.reads + 8 * sum(s.stop - s.start for s in job.slices)
     return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes, peaks=highest(peaks))
+
+
+def _bucket(objects: Callable[[], ObjectStore] | None, lease: str, what: str) -> ObjectStore:
+    """The bucket a lease reads ``what`` in: the one SYNC_STORE names here (one line if none)."""
+    if objects is None:
+        raise RuntimeError(
+            f"lease {lease} reads {what} in the object store: give this reducer SYNC_STORE and the "
+            "AWS_* variables, as the hub has them"
+        )
+    return objects()
+
+
+def _remote(store: ObjectStore, name: str, reads: list[tuple[str, int, int]]) -> ObjectTensorFile:
+    """An object read in windows, never ahead past this lease's ranges (``reads``) into the next's."""
+    wire = ObjectTensorFile(store, name, window=WINDOW)
+    wire.expect(reads)
+    return wire
+
+
+def _going(stop: Callable[[], bool], lease: str) -> None:
+    """:class:`LeaseStopped` once the renewer found the lease lost: the rest is moot."""
+    if stop():
+        raise LeaseStopped(f"lease {lease} was lost")
+
+
+def _values(slices: Iterable[SliceJob]) -> list[tuple[str, int, int]]:
+    """The values the slices read of a float32 file (a version, the momentum, the residual)."""
+    return [(s.name, s.start, s.stop) for s in slices]
 
 
 def _wire_reads(slices: Iterable[SliceJob]) -> list[tuple[str, int, int]]:
