@@ -126,7 +126,9 @@ def _reducer_metrics(view: HubView | None) -> Iterator[Metric]:
     known = view.reducers() if view is not None else []
     count = GaugeMetricFamily("weightsync_reducers", "Reducers heard from lately (SYNC_REDUCERS).")
     count.add_metric([], len(known))
-    leases = CounterMetricFamily("weightsync_reducer_leases", "Merge leases the reducer did.", labels=["reducer"])
+    leases = CounterMetricFamily(
+        "weightsync_reducer_leases", "Merge and version-build leases the reducer did.", labels=["reducer"]
+    )
     seconds = CounterMetricFamily(
         "weightsync_reducer_lease_seconds", "Seconds of work in the reducer's leases, summed.", labels=["reducer"]
     )
