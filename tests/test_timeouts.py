@@ -29,12 +29,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import uvicorn
 
 from syncserver import create_app
 from syncserver.api.protocol import MAX_HEADER_BYTES, guard_uvicorn
 from syncserver.settings import HubSettings
+from syncwire import iter_chunks
 from tests.conftest import Hub
 from tests.harness import wait_for
 
@@ -253,3 +255,55 @@ def test_where_the_deadlines_cannot_hold_the_hub_says_so(tmp_path: Path, caplog:
         caplog.clear()
         assert guard_uvicorn(3, 2) == "no connection deadlines (not uvicorn)"
         assert "not run by uvicorn" in caplog.text
+
+
+def test_a_stop_ends_the_long_polls_in_flight_instead_of_waiting_them_out(start_hub: Callable[..., Served]) -> None:
+    """SIGTERM while a peer waits on ``/start`` and a page on ``/v1/dashboard``, each held up to
+    60 s: both get their ordinary answer at once (as at their deadline) and the hub exits in
+    seconds. *Was*: uvicorn waited for every request in flight, so a stop took as long as the
+    longest poll (a hub with one reducer 2.6 s instead of 0.2; with waiting peers, up to
+    ``long_poll_seconds``)."""
+    hub = start_hub(long_poll_seconds="60", lease_seconds="600")
+    run = f"{hub.url}/v1/runs/stop/peers"
+    assert httpx.post(run, json={"peer": "a", "min_peers": 2}).json()["state"] == "initialise"
+    body = b"".join(iter_chunks([("w", np.ones(4, np.float32), "F32")]))
+    httpx.put(f"{hub.url}/v1/runs/stop/versions/0", params={"peer": "a"}, content=body).raise_for_status()
+    fingerprint = httpx.get(f"{hub.url}/v1/dashboard").json()["fingerprint"]
+    polls = {
+        "start": (f"{run}/a/start", {"wait": 60}),
+        "dashboard": (f"{hub.url}/v1/dashboard", {"since": fingerprint, "wait": 60}),
+    }
+    answers: dict[str, httpx.Response] = {}
+
+    def poll(name: str) -> None:
+        url, params = polls[name]
+        answers[name] = httpx.get(url, params=params, timeout=120)
+
+    threads = [threading.Thread(target=poll, args=(name,)) for name in polls]
+    for thread in threads:
+        thread.start()
+    # both polls are held: the hub has counted them in (its connections), and neither answered
+    wait_for(lambda: requests_read(hub.port) >= 2, "the hub to read both polls")
+    assert not answers
+    assert hub.proc is not None
+    started = time.monotonic()
+    hub.proc.terminate()
+    hub.proc.wait(60)
+    stopped = time.monotonic() - started
+    for thread in threads:
+        thread.join(60)
+    assert stopped < 20, f"the hub took {stopped:.1f} s to stop: it waited for the polls"
+    assert answers["start"].status_code == 200 and answers["start"].json()["state"] == "waiting"
+    assert answers["dashboard"].status_code == 200 and answers["dashboard"].json()["fingerprint"] == fingerprint
+
+
+def requests_read(port: int) -> int:
+    """Connections to the hub on ``port`` that are open with nothing left unread on the hub's
+    side (the kernel's own table, ``/proc/net/tcp``): the hub has each one's request."""
+    local = f"0100007F:{port:04X}"
+    held = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        established, unread = fields[3] == "01", int(fields[4].split(":")[1], 16)
+        held += fields[1] == local and established and unread == 0
+    return held

@@ -24,7 +24,7 @@ from syncserver.api.dashboard import add_dashboard
 from syncserver.api.docs import add_docs
 from syncserver.api.metrics import HubMetrics
 from syncserver.api.metrics import router as metrics_router
-from syncserver.api.protocol import guard_uvicorn
+from syncserver.api.protocol import end_polls_on_exit, guard_uvicorn
 from syncserver.api.reduce import router as reduce_router
 from syncserver.api.reduce import view_router as reduce_view_router
 from syncserver.api.routes import router, view_router
@@ -152,9 +152,11 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
             "token required" if settings.auth_required else "open (no token)",
             connections,
         )
+        undo = end_polls_on_exit(coordinator.end_polls)
         try:
             yield
         finally:
+            undo()
             await coordinator.stop()
             store.close()
             if bucket is not None:

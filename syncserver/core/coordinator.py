@@ -94,6 +94,7 @@ class Coordinator:
         self.store = store
         self.bucket = bucket  # SYNC_STORE: results and versions also go out through it
         self.runs: dict[str, Run] = {}
+        self.closing = False  # shutting down: long polls answer at once (end_polls)
         reads = (lambda: bucket.objects.bytes_read) if bucket else None
         self.view = HubView(self.runs, store, settings.lease_seconds, bucket.url if bucket else None, reads)
         self.engine = MergeEngine(store, settings.fold_threads, bucket.objects if bucket else None)
@@ -145,6 +146,20 @@ class Coordinator:
             self.rounds.recover(run)
             log.info("run_recovered run=%s version=%d pending=%d", run.name, run.version, len(run.acked))
         self._ticker = asyncio.create_task(self._tick_forever())
+
+    def end_polls(self) -> None:
+        """The server is shutting down: every long poll answers now with what it has, as at its
+        deadline. A server waits for the requests in flight before it stops, and a peer's or a
+        reducer's poll would otherwise hold a stop (a restart, a new version) for up to
+        ``long_poll_seconds``; the clients ask again, as after any poll, and find the hub gone
+        or back."""
+        self.closing = True
+        self.view.closing = True
+        for run in self.runs.values():
+            self.view.changed(run)
+        self.view.changed()
+        if self.board is not None:
+            self.board.end_polls()
 
     async def stop(self) -> None:
         if self._ticker:
@@ -293,7 +308,7 @@ class Coordinator:
         while True:
             state = self._start_state(run, self.peer(run, peer_name))
             remaining = deadline - time.monotonic()
-            if state.state != "waiting" or remaining <= 0:
+            if state.state != "waiting" or remaining <= 0 or self.closing:
                 return state
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.changed.wait(), remaining)
@@ -380,7 +395,7 @@ class Coordinator:
         deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
         while isinstance(run.policy, SamplesPolicy) and not run.policy.due and run.version == round_:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or self.closing:
                 break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.changed.wait(), remaining)
@@ -437,7 +452,7 @@ class Coordinator:
                     f"round {round_} is not open; the run is at version {run.version}", current_version=run.version
                 )
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or self.closing:
                 return None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.changed.wait(), remaining)

@@ -129,6 +129,8 @@ class Board:
         self._offered = asyncio.Condition()
         self._changed = asyncio.Event()  # a lease was done or failed: the merges look again
         self._polling = 0  # reducers waiting for a lease right now
+        self._closing = False  # the server is shutting down: polls answer at once (end_polls)
+        self._waking: asyncio.Task[None] | None = None  # end_polls' wake-up
         self._active = time.monotonic()  # when a reducer last asked, renewed or reported
         self.reducers: dict[str, ReducerStats] = {}
 
@@ -143,6 +145,17 @@ class Board:
         stats.last_seen = t
         return stats
 
+    def end_polls(self) -> None:
+        """The server is shutting down: the reducers' polls answer "no lease" now (see
+        :meth:`Coordinator.end_polls`)."""
+        self._closing = True
+
+        async def wake() -> None:
+            async with self._offered:
+                self._offered.notify_all()
+
+        self._waking = asyncio.get_running_loop().create_task(wake())  # held: a task nobody holds may vanish
+
     async def take(self, reducer: str, wait: float) -> Job | BuildJob | CheckJob | None:
         """The next lease offered (a check first), held by ``reducer`` from now; None after ``wait`` seconds."""
         self._seen(reducer)
@@ -153,7 +166,7 @@ class Board:
             async with self._offered:
                 while not self._pending and not self._checks:
                     left = until - loop.time()
-                    if left <= 0:
+                    if left <= 0 or self._closing:
                         self._seen(reducer)  # it was there all along
                         return None
                     with contextlib.suppress(TimeoutError):
