@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import GPT2Config, GPT2LMHeadModel  # imported once here: lazy imports race in threads
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401  (imported once here: lazy imports race in threads)
 
 from syncserver.process import ServerProcess
 from tests.budget import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (the time budget)
+from tests.models import tiny_gpt2  # noqa: F401  (the tests' GPT-2; peer processes import tests.models)
 from tests.s3server import s3, seaweedfs  # noqa: F401  (a real S3 server, started on first use; a proxy to it)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,14 +131,6 @@ def hub_factory(tmp_path: Path) -> Iterator[Callable[..., Hub]]:
 @pytest.fixture
 def hub(hub_factory: Callable[..., Hub]) -> Hub:
     return hub_factory()
-
-
-def tiny_gpt2(seed: int = 0, **overrides: int) -> GPT2LMHeadModel:
-    """A randomly initialised GPT-2 small enough for a unit test (~40k parameters)."""
-    torch.manual_seed(seed)
-    shape = {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 32, **overrides}
-    config = GPT2Config(bos_token_id=0, eos_token_id=0, **shape)
-    return GPT2LMHeadModel(config)
 
 
 @pytest.fixture(scope="session")

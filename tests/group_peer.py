@@ -26,17 +26,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from syncclient import SyncClient
-from tests.models import tiny_bigram
+from tests.models import Blocks, tiny_bigram, tiny_gpt2
 
 STEPS = 2  # optimizer steps per round
 
 
 def build(kind: str, seed: int) -> torch.nn.Module:
-    if kind == "bigram":
-        return tiny_bigram(seed)
-    from tests.conftest import tiny_gpt2  # imports transformers
-
-    return tiny_gpt2(seed)
+    return tiny_bigram(seed) if kind == "bigram" else tiny_gpt2(seed)  # GPT-2: imports transformers
 
 
 def digest(arrays: dict[str, torch.Tensor]) -> str:
@@ -109,7 +105,6 @@ def trainer(args: argparse.Namespace, rank: int, out: Path) -> None:
     from transformers import Trainer, TrainingArguments
 
     from syncclient import SyncCallback  # imports transformers
-    from tests.harness import Blocks
 
     model = build("gpt2", seed=rank)
 

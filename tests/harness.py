@@ -12,7 +12,8 @@ instead of a copy of its own:
   the hub holds;
 - :func:`wait_for`: poll a condition until it holds or a deadline passes (never sleep-then-assert).
 
-:func:`perturb` lives in :mod:`tests.models` (torch only), with the models of peer processes.
+:func:`perturb`, :class:`Blocks` and :func:`tiny_gpt2` live in :mod:`tests.models`, with the models of
+peer processes (which import that module alone).
 
 ``tests/peer_proc.py`` is the same peer as a process of its own, for the tests that SIGKILL one.
 """
@@ -34,7 +35,7 @@ import torch
 from syncclient import SyncClient
 from syncclient._model import ModelView
 from tests.conftest import Hub, tiny_gpt2
-from tests.models import perturb
+from tests.models import Blocks, perturb  # noqa: F401  (Blocks: for the tests that import it from here)
 
 # ---- waiting ------------------------------------------------------------------------------------
 
@@ -129,19 +130,6 @@ def assert_exact_mean(hub: Hub, run: str, round_: int, deltas: list[dict[str, np
 
 
 # ---- training -----------------------------------------------------------------------------------
-
-
-class Blocks(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Random 16-token blocks, different per seed (each peer its own shard), for a Trainer."""
-
-    def __init__(self, n: int, seed: int, vocab: int = 256) -> None:
-        self.ids = torch.randint(0, vocab, (n, 16), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def sgd_steps(model: torch.nn.Module, gen: torch.Generator, steps: int, opt: torch.optim.Optimizer) -> float:
