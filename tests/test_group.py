@@ -113,12 +113,13 @@ def test_every_rank_of_every_peer_holds_the_hubs_version(hub_factory: Any, tmp_p
 
 def test_a_killed_rank_takes_its_group_out_and_the_other_peer_carries_on(hub_factory: Any, tmp_path: Path) -> None:
     hub = hub_factory("--lease-seconds", "30", "--keep-versions", "100")
-    # min_peers 1, so that a may go on alone; b first, so that a's six rounds start with b in them.
-    # a two-layer model of plain torch: the property holds for any model, and a rank that does
-    # not import transformers starts and exits seconds sooner
-    small = ("--min-peers", "1", "--model", "bigram")
+    # Both started at once, min_peers 2: the run seals with both, so a's six rounds start with b
+    # in them (and b waits for a at the rendezvous instead of burning CPU on rounds alone while
+    # a's ranks start); a round needs fewer once a member left, so a goes on alone. A two-layer
+    # model of plain torch: the property holds for any model, and a rank that does not import
+    # transformers starts and exits seconds sooner.
+    small = ("--min-peers", "2", "--model", "bigram")
     b = torchrun(hub, "kill", "b", "ddp", 1000, tmp_path, *small)
-    wait_for(lambda: (tmp_path / "b-r1-v1").exists(), "b's ranks through a round", 240)
     a = torchrun(hub, "kill", "a", "ddp", 6, tmp_path, *small)
     wait_for(lambda: len(list(tmp_path.glob("a-r1-v*"))) >= 2, "a's ranks through two rounds with b", 240)
     os.kill(int((tmp_path / "b-r1.pid").read_text()), signal.SIGKILL)
@@ -132,6 +133,7 @@ def test_a_killed_rank_takes_its_group_out_and_the_other_peer_carries_on(hub_fac
     peers = {p["peer"]: p["state"] for p in state["peers"]}
     assert peers["b"] == "left", peers  # it said goodbye: a stopped waiting at once, not after its lease
     assert state["version"] >= 6 and state["rounds"][-1]["participants"] == ["a"]
+    assert sorted(state["rounds"][0]["participants"]) == ["a", "b"], state["rounds"][0]  # b was in the run
     last = state["version"]
     assert {f.read_text() for f in tmp_path.glob(f"a-r*-v{last}")} == {hub_digest(hub, "kill", last)}
 
@@ -140,9 +142,10 @@ def test_a_hub_gone_for_good_stops_every_rank_of_the_group(hub_factory: Any, tmp
     """Rank 0 gives up on the hub after its retries; the other rank hears so and raises too,
     rather than waiting forever in the next collective."""
     hub = hub_factory()
-    # retries of 1 s: the test waits them out, and nothing needs them while the hub is up
+    # retries for 0.5 s (at least one: the first back-off is 0.5-1.5 s): the test waits them out,
+    # and nothing needs them while the hub is up
     peer = torchrun(
-        hub, "gone", "a", "ddp", 1000, tmp_path, "--min-peers", "1", "--retry-seconds", "1", "--model", "bigram"
+        hub, "gone", "a", "ddp", 1000, tmp_path, "--min-peers", "1", "--retry-seconds", "0.5", "--model", "bigram"
     )
     wait_for(lambda: (tmp_path / "a-r1-v1").exists(), "a round on both ranks", 240)
     hub.kill()
