@@ -15,6 +15,7 @@ float32 ``local - base`` the SDK sends with the fp32 codec), and syncs. Progress
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -84,3 +85,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.freeze()  # exit without the collector's walk of torch's objects (~1.3 s); atexit handlers still run
