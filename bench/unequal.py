@@ -5,7 +5,8 @@
     python bench/unequal.py --quick          # a smoke run of seconds (tests/test_bench_smoke.py)
 
 For each scenario and policy: a real hub process (``python -m syncserver serve`` on a loopback
-port the OS picks) and ``--peers`` peer processes (one torch thread each) that train the same
+port the OS picks) and ``--peers`` peer processes (one torch thread each; forked from a fork
+server that imported torch and transformers once, while the data is tokenized) that train the same
 randomly initialised GPT-2 (``--layers`` x ``--width``, IMDB from ../shared/data tokenized with
 the GPT-2 tokenizer, its ``--vocab`` - 1 most frequent tokens kept and the rest mapped to one
 "rare" id, so that a CPU step is short) with AdamW, each on its own shard of the blocks
@@ -34,12 +35,14 @@ table on stdout and ``bench/results/unequal-<date>.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import math
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -53,6 +56,8 @@ DATA = REPO.parent / "shared" / "data"
 sys.path[:0] = [str(REPO)]
 
 from syncserver.process import ServerProcess  # noqa: E402 (after the path above)
+
+forks = multiprocessing.get_context("forkserver")
 
 # -----------------------------------------------------------------------------
 # settings
@@ -75,17 +80,12 @@ parser.add_argument("--codec", default="fp32", help="the runs' codec")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, few samples")
 parser.add_argument("--out", type=Path, default=BENCH / "results", help="folder for the JSON")
-# internal: one peer process
-parser.add_argument("--peer", type=int, default=None, help=argparse.SUPPRESS)
-parser.add_argument("--url", default=None, help=argparse.SUPPRESS)
-parser.add_argument("--policy", default=None, help=argparse.SUPPRESS)
-parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
-parser.add_argument("--delay", type=float, default=0.0, help=argparse.SUPPRESS)
-parser.add_argument("--blocks", type=Path, default=None, help=argparse.SUPPRESS)
-parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
 
 #: what a peer process is told (the rest is the driver's)
 PEER_SETTINGS = ("peers", "layers", "width", "vocab", "context", "batch", "sync_every", "budget", "lr", "codec", "seed")
+
+#: what the fork server imports once for every peer (each would pay ~3.5 CPU-s to import them)
+PEER_MODULES = ["__main__", "numpy", "torch", "transformers.models.gpt2.modeling_gpt2", "syncclient.client"]
 
 
 def model_for(args: argparse.Namespace) -> Any:
@@ -133,6 +133,11 @@ def make_blocks(args: argparse.Namespace, path: Path) -> dict[str, int]:
 
 # -----------------------------------------------------------------------------
 # one peer: train its shard (cycled) with the run's policy until the run's budget is trained
+def peer_process(args: argparse.Namespace, result: Path) -> None:
+    """A peer process's body: train, then write what it did to ``result``."""
+    result.write_text(json.dumps(peer(args)))
+
+
 def peer(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -246,6 +251,8 @@ class Observer(threading.Thread):
 
 
 def evaluate(args: argparse.Namespace, blocks: Path, versions: list[tuple[int, float, Path]]) -> list[dict[str, Any]]:
+    """Each version's validation perplexity. Run in a process forked from the fork server, where
+    torch and the model are imported already: the driver never imports them."""
     import numpy as np
     import safetensors.torch
     import torch
@@ -267,25 +274,24 @@ def run_one(args: argparse.Namespace, scenario: str, policy: str, tmp: Path, blo
     import httpx
 
     name = f"{scenario}-{policy}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
     serve = [sys.executable, "-m", "syncserver", "serve", "--host=127.0.0.1", f"--data-dir={tmp / name}"]
-    hub = ServerProcess(
-        [*serve, "--log-level=warning", "--keep-versions=2"], log=tmp / f"{name}.log", env=env, cwd=REPO
-    )
+    hub = ServerProcess([*serve, "--log-level=warning", "--keep-versions=2"], log=tmp / f"{name}.log", cwd=REPO)
     try:
         url = hub.start()
         observer = Observer(url, name, tmp / f"{name}-versions")
         observer.start()
-        shared = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in PEER_SETTINGS]
+        shared = {k: v for k, v in vars(args).items() if k in PEER_SETTINGS}
         procs = []
         for i in range(args.peers):
             slow = scenario == "slow" and i == args.peers - 1
-            cmd = [sys.executable, __file__, *shared, "--peer", str(i), "--url", url, "--policy", policy]
-            cmd += ["--run", name, "--blocks", str(blocks), "--delay", str(args.slowdown - 1 if slow else 0)]
-            procs.append(subprocess.Popen([*cmd, "--result", str(tmp / f"{name}-{i}.json")], cwd=REPO, env=env))
+            mine = argparse.Namespace(**shared, peer=i, url=url, policy=policy, run=name, blocks=blocks)
+            mine.delay = args.slowdown - 1 if slow else 0.0
+            procs.append(forks.Process(target=peer_process, args=(mine, tmp / f"{name}-{i}.json"), daemon=True))
+            procs[-1].start()
         for p in procs:
-            if p.wait() != 0:
-                raise RuntimeError(f"a {name} peer failed (exit {p.returncode})")
+            p.join()
+            if p.exitcode != 0:
+                raise RuntimeError(f"a {name} peer failed (exit {p.exitcode})")
         status = httpx.get(f"{url}/v1/runs/{name}").json()
         # Until the observer holds the version the run ended at (it polls every 0.2 s): a fixed
         # wait could end before its last download on a busy machine, and evaluate an older one.
@@ -299,7 +305,8 @@ def run_one(args: argparse.Namespace, scenario: str, policy: str, tmp: Path, blo
     finally:
         hub.stop(timeout=30)
     peers = [json.loads((tmp / f"{name}-{i}.json").read_text()) for i in range(args.peers)]
-    curve = evaluate(args, blocks, observer.versions)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=forks) as pool:
+        curve = pool.submit(evaluate, args, blocks, observer.versions).result()
     t0 = min(p["started"] for p in peers)
     return {
         "scenario": scenario,
@@ -321,9 +328,11 @@ def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
 
 def main() -> None:
     args = parser.parse_args()
-    if args.peer is not None:  # a peer process
-        args.result.write_text(json.dumps(peer(args)))
-        return
+    for key in [k for k in os.environ if k.startswith("SYNC_")]:
+        del os.environ[key]  # the hub's settings, and weightsync-run's: not for the peers to read
+    # the fork server imports the peers' modules while the driver tokenizes the data
+    forks.set_forkserver_preload(PEER_MODULES)
+    multiprocessing.forkserver.ensure_running()
     if args.quick:
         args.layers, args.width, args.vocab, args.budget, args.reviews, args.val_blocks = 1, 32, 512, 480, 400, 64
         args.batch, args.sync_every = 8, 3
