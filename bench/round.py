@@ -103,6 +103,13 @@ parser.add_argument(
     "hub without the disk's cost (a diagnostic: tmpfs is not durable)",
 )
 parser.add_argument(
+    "--go-delay",
+    type=float,
+    default=0.5,
+    help="seconds from sending a timed phase's common start instant to that instant: room for every peer "
+    "to get its command first (the smoke test's tiny model needs less)",
+)
+parser.add_argument(
     "--profile",
     action="store_true",
     help="sample each hub with py-spy during its rounds: <out>/hub-<N>-<codec>.raw (collapsed stacks)",
@@ -593,7 +600,8 @@ def run_hub_rounds(
     model_bytes: int,
     work: Path,
     hub_log: Path,
-    profile: Path | None = None,
+    profile: Path | None,
+    go_delay: float,
 ) -> dict[str, Any]:
     """Start a hub, join N peers, time ``rounds`` rounds; check identical weights after each."""
     import httpx
@@ -650,7 +658,7 @@ def run_hub_rounds(
             peers.all("perturb", round_=r + 1)
             rss: dict[str, int] = {}
             with hub.watch(rss):
-                go = _now() + 0.5
+                go = _now() + go_delay
                 results = peers.all("sync", go=go)
             version, hub_digest = version_digest(hub.url, data_dir, run)
             digests = {res["digest"] for res in results}
@@ -703,12 +711,12 @@ def run_hub_rounds(
     }
 
 
-def run_limit(peers: Peers, n: int, codec: str, down: int, reps: int, work: Path) -> dict[str, Any]:
+def run_limit(peers: Peers, n: int, codec: str, down: int, reps: int, work: Path, go_delay: float) -> dict[str, Any]:
     server = Server([str(BENCH / "baselines" / "limit_server.py")], work / "limit.log")
     try:
         times, up_bytes, rss_all = [], 0, []
         for r in range(reps):
-            go = _now() + 0.5
+            go = _now() + go_delay
             rss: dict[str, int] = {}
             with server.watch(rss):
                 results = peers.all(
@@ -738,7 +746,7 @@ def run_gloo(peers: Peers, n: int, reps: int, work: Path) -> dict[str, Any]:
     return {"gloo_s": best(times), "gloo_s_median": median(times), "gloo_all": times, "gloo_bytes": results[0]["bytes"]}
 
 
-def run_origin(peers: Peers, n: int, reps: int, work: Path) -> dict[str, Any]:
+def run_origin(peers: Peers, n: int, reps: int, work: Path, go_delay: float) -> dict[str, Any]:
     import httpx
 
     server = Server([str(BENCH / "baselines" / "pickle_hub.py")], work / "pickle.log")
@@ -747,7 +755,7 @@ def run_origin(peers: Peers, n: int, reps: int, work: Path) -> dict[str, Any]:
         for _ in range(reps):
             httpx.post(f"{server.url}/reset", timeout=30)
             rss: dict[str, int] = {}
-            go = _now() + 0.5
+            go = _now() + go_delay
             with server.watch(rss):
                 last = peers.all("origin", url=server.url, world=n, go=go)
             times.append(max(x["t_done"] for x in last) - min(x["t_put"] for x in last))
@@ -881,9 +889,11 @@ def main() -> None:
                     profile = args.out / f"hub-{n}-{codec}.raw" if args.profile else None
                     if profile is not None:
                         args.out.mkdir(parents=True, exist_ok=True)
-                    row = run_hub_rounds(peers, n, codec, args.rounds, model_bytes, work, hub_log, profile)
+                    row = run_hub_rounds(
+                        peers, n, codec, args.rounds, model_bytes, work, hub_log, profile, args.go_delay
+                    )
                     if "limit" in baselines:
-                        row.update(run_limit(peers, n, codec, row["bytes_down"], args.rounds, work))
+                        row.update(run_limit(peers, n, codec, row["bytes_down"], args.rounds, work, args.go_delay))
                         if row["limit_bytes_up"] != row["bytes_up"]:
                             raise AssertionError("the limit did not move the same bytes as the round")
                     rows.append(row)
@@ -896,7 +906,7 @@ def main() -> None:
                     base[n] = run_gloo(peers, n, args.gloo_reps, work)
                     print(f"N={n} gloo {base[n]['gloo_s']:.2f}s", flush=True)
                 if "origin" in baselines and n in args.pickle_peers:
-                    base.setdefault(n, {}).update(run_origin(peers, n, args.rounds, work))
+                    base.setdefault(n, {}).update(run_origin(peers, n, args.rounds, work, args.go_delay))
                     print(f"N={n} origin {base[n]['origin_s']:.2f}s", flush=True)
                 peer_rss[n] = max(s["peak_rss"] for s in peers.all("stats"))
             finally:

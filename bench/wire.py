@@ -133,6 +133,7 @@ parser.add_argument(
     help="untimed rounds per codec over unshaped links first: a long run's steady state (the peers' "
     "buffers made, the hub's pruned files kept to write over once --keep-versions rounds have passed)",
 )
+parser.add_argument("--go-delay", type=float, default=0.5, help="as bench/round.py, for each round")
 parser.add_argument("--ns-prefix", default=None, help="namespace name prefix (default: unique per run)")
 parser.add_argument("--out", type=Path, default=BENCH / "results", help="folder for the JSON")
 parser.add_argument("--data-root", type=Path, default=None, help="where the hub's data dir goes")
@@ -619,6 +620,7 @@ class Case:
     warmup: int = 0
     cpus: tuple[str | None, str | None] = (None, None)  # the hub's, the rest's
     store: StoreProcess | None = None  # whose ceiling a store hub's rows give
+    go_delay: float = 0.5  # from sending a round's start instant to it
 
 
 def _mark(results: list[dict[str, Any]], key: str, pick: Callable[[list[float]], float], go: float) -> float | None:
@@ -644,7 +646,7 @@ def run_case(
     rows = []
     try:
         for _ in range(case.warmup):
-            sync_round(peers, hub, net, run, version)
+            sync_round(peers, hub, net, run, version, case.go_delay)
             version += 1
         for link in case.links:
             net.shape(link)
@@ -655,7 +657,7 @@ def run_case(
                 if hub.kind == "store" and case.store is not None and str(link) in sizes:
                     ceiling = store_ceiling(peers, case.store, folder, *sizes[str(link)])
                 for _ in range(case.rounds):
-                    results, rss, go, (rx, tx) = sync_round(peers, hub, net, run, version)
+                    results, rss, go, (rx, tx) = sync_round(peers, hub, net, run, version, case.go_delay)
                     version += 1
                     up, down = [r["bytes_up"] for r in results], [r["bytes_down"] for r in results]
                     done = max(r["t_done"] for r in results)
@@ -731,7 +733,7 @@ def run_case(
 
 
 def sync_round(
-    peers: rb.Peers, hub: Hub, net: Net, run: str, version: int
+    peers: rb.Peers, hub: Hub, net: Net, run: str, version: int, go_delay: float
 ) -> tuple[list[dict[str, Any]], dict[str, int], float, tuple[int, int]]:
     """One round from ``version``: every peer perturbs its model and calls ``sync()`` at the same
     instant. Returns the peers' reports, the hub's peak RSS, that instant and the bytes the hub's
@@ -741,7 +743,7 @@ def sync_round(
     rss: dict[str, int] = {}
     before = net.hub_bytes()
     with hub.server.watch(rss):
-        go = rb._now() + 0.5
+        go = rb._now() + go_delay
         results = peers.all("sync", go=go)
     after = net.hub_bytes()  # before a check that may read through the hub's link
     if hub.kind == "disk":
@@ -891,9 +893,8 @@ def run_peers(args: argparse.Namespace, n: int, links: list[Link], work: Path) -
             chosen = [link for link in links if codec in (args.slow_codecs if link.bits <= slow else args.codecs)]
             if not chosen:
                 continue
-            case = Case(
-                net, n, codec, chosen, args.rounds, model_bytes, args.warmup, (args.hub_cpus, args.rest_cpus), store
-            )
+            cpus = (args.hub_cpus, args.rest_cpus)
+            case = Case(net, n, codec, chosen, args.rounds, model_bytes, args.warmup, cpus, store, args.go_delay)
             sizes: dict[str, tuple[list[int], list[int]]] = {}  # link -> bytes of the disk hub's fastest round
             for hub in hubs:
                 got = run_case(peers, hub, case, sizes)

@@ -30,7 +30,9 @@ def run_bench(script: str, out: Path, *args: str, timeout: float = 240) -> tuple
 
 
 def test_round_benchmark_runs_and_writes_every_row(tmp_path: Path) -> None:
-    args = ["--model", "tiny", "--peers", "2", "--codecs", "fp32", "int8", "--rounds", "1", "--gloo-reps", "1"]
+    # --go-delay 0.05: the peers get a tiny model's commands in ms (each timed phase waited 0.5 s for them)
+    args = ["--model", "tiny", "--peers", "2", "--codecs", "fp32", "int8", "--rounds", "1", "--gloo-reps", "1",
+            "--go-delay", "0.05"]  # fmt: skip
     stdout, result = run_bench("round", tmp_path / "results", *args)
     assert result["model"]["kind"] == "tiny" and result["model"]["fp32_bytes"] > 0
     rows = {(r["peers"], r["codec"]): r for r in result["rows"]}
@@ -177,7 +179,7 @@ def test_wire_benchmark_shapes_links_and_leaves_no_namespace(tmp_path: Path, net
     its own (``--store``): a row per (codec, link, hub), figures in them, namespaces gone."""
     args = ["--model", "tiny", "--peers", "2", "--codecs", "fp32", "--slow-codecs", "int8",
             "--links", "shared:1gbit", "peer:100mbit", "--warmup", "1", "--ns-prefix", netns_prefix,
-            "--store", "--reducers", "1", "--hub-cpus", "0"]  # fmt: skip
+            "--store", "--reducers", "1", "--hub-cpus", "0", "--go-delay", "0.05"]  # fmt: skip
     stdout, result = run_bench("wire", tmp_path / "results", *args)
     rows = {(r["codec"], r["link"], r["hub"]): r for r in result["rows"]}
     cases = {("fp32", "shared:1gbit"), ("int8", "peer:100mbit")}
