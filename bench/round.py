@@ -63,8 +63,6 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
-from syncserver.process import ServerProcess  # noqa: E402 (after the path above)
-
 # -----------------------------------------------------------------------------
 # settings
 parser = argparse.ArgumentParser(description="One sync round through the real hub, with baselines.")
@@ -440,6 +438,10 @@ class Server:
         ``env``: variables added to this process's, less its ``SYNC_*`` (the store's ``AWS_*``)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")} | dict(env or {})
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(BENCH), env.get("PYTHONPATH", "")])
+        # imported here, not with this module: the `syncserver` package imports the hub's app
+        # (~0.7 CPU-s), which the peer processes and torchrun ranks importing this module never use
+        from syncserver.process import ServerProcess
+
         self.server = ServerProcess([*prefix, sys.executable, *args], log=log, env=env, cwd=REPO)
         self.url = self.server.start()
         assert self.server.proc is not None
