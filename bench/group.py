@@ -1,7 +1,7 @@
 """What a peer made of several ranks pays per sync: a 2-rank peer against a 1-rank one.
 
     python bench/group.py                          # GPT-2 124M shapes: 1 rank, 2 ranks DDP, 2 ranks FSDP
-    python bench/group.py --model tiny --syncs 2   # seconds (the smoke test)
+    python bench/group.py --model tiny --syncs 1 --warmup 0   # seconds (the smoke test)
     python bench/group.py --backend nccl           # on a machine with 2 GPUs
 
 One peer, one real hub (``python -m syncserver serve`` on a loopback port, ``--min-peers 1``),
@@ -79,7 +79,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
         fully_shard(model)
     times, floor = [], []
-    for i in range(args.syncs + 1):  # the first one warms up
+    for i in range(args.warmup + args.syncs):  # the warm-up syncs first, untimed
         gen = torch.Generator().manual_seed(i)
         with torch.no_grad():
             for p in model.parameters():
@@ -98,7 +98,7 @@ def rank_main(args: argparse.Namespace) -> None:
         digests = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(digests, mine)
         assert all(torch.equal(d, mine) for d in digests), f"ranks differ after version {result.version}"
-        if i:
+        if i >= args.warmup:
             times.append(float(took.item()))
     if args.mode == "ddp":  # the floor of the scatter: every tensor broadcast from rank 0
         for _ in range(args.syncs):
@@ -125,7 +125,8 @@ def run_case(mode: str, ranks: int, args: argparse.Namespace, work: Path) -> dic
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(BENCH)]))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     command += [__file__, "--as-rank", "--hub", server.url, "--job", f"{mode}{ranks}", "--mode", mode]
-    command += ["--model", args.model, "--syncs", str(args.syncs), "--backend", args.backend]
+    command += ["--model", args.model, "--syncs", str(args.syncs), "--warmup", str(args.warmup)]
+    command += ["--backend", args.backend]
     command += ["--data-dir", str(data), "--out", str(out)]
     try:
         proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=3600)
@@ -154,7 +155,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=["gpt2", "small", "tiny"], default="gpt2")
-    p.add_argument("--syncs", type=int, default=5, help="timed syncs per case (after one warm-up)")
+    p.add_argument("--syncs", type=int, default=5, help="timed syncs per case (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed syncs per case first")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     p.add_argument("--modes", nargs="+", choices=["ddp", "fsdp"], default=["ddp", "fsdp"])
     p.add_argument("--results", type=Path, default=BENCH / "results")
@@ -166,6 +168,8 @@ def main() -> None:
         return rank_main(args)
     if args.syncs < 1:
         p.error("--syncs must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-group-") as tmp:
         for mode, ranks in [c for c in CASES if c[0] == "plain" or c[0] in args.modes]:

@@ -132,6 +132,8 @@ def test_group_benchmark_times_every_peer_shape(tmp_path: Path) -> None:
         "tiny",
         "--syncs",
         "1",
+        "--warmup",
+        "0",
         "--results",
         str(tmp_path),
     ]
