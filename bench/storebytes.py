@@ -165,16 +165,18 @@ def main() -> None:
             s3 = stack.enter_context(SeaweedFS(work / "s3").start())
             env |= s3.env()
             bucket = s3.bucket
-        hubs = {}
+        servers = {}
         prefix = f"bench-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d%H%M%S%f}"
         for kind in ("hub", "store", "reducers")[: 3 if args.reducers else 2]:
             extra = ["--store", f"s3://{bucket}/{prefix}-{kind}"] if kind != "hub" else []
             extra += ["--reducers", str(args.reducers)] if kind == "reducers" else []
             command = [sys.executable, "-m", "syncserver", "serve", "--data-dir", str(work / kind), *extra]
-            server = ServerProcess([*command, "--log-level", "warning"], log=work / f"{kind}.log", env=env)
-            server.start(60)
-            stack.callback(server.stop)
-            hubs[kind] = server.url
+            servers[kind] = ServerProcess([*command, "--log-level", "warning"], log=work / f"{kind}.log", env=env)
+            servers[kind].spawn()  # all at once; then each waited for
+            stack.callback(servers[kind].stop)
+        hubs = {}
+        for kind, server in servers.items():
+            hubs[kind] = server.wait_ready(60)
             if kind == "reducers":  # they check the first upload already
                 while len(httpx.get(f"{server.url}/v1/reduce/reducers").json()) < args.reducers:
                     time.sleep(0.1)
