@@ -43,18 +43,22 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO)]
 
 import httpx  # noqa: E402 (after the path above)
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
-from syncclient import SyncClient  # noqa: E402
-from syncserver.process import ServerProcess  # noqa: E402
 from syncwire import iter_chunks  # noqa: E402
+
+# torch, the SDK and the hub's process helper (which imports the hub's app) are imported where
+# they are used: the attack's process (spawned: it imports this module again) needs only httpx
+if TYPE_CHECKING:
+    import torch
+
+    from syncclient import SyncClient
 
 parser = argparse.ArgumentParser(description="An honest run's round time, alone and while another run is hammered.")
 parser.add_argument("--tensors", type=int, default=100_000, help="tensors of the big run (shape 8 x 4 each)")
@@ -133,6 +137,8 @@ def hammer(url: str, clients: int, control: bool, ready: Any, stop: Any, results
 
 
 def honest_model(megabytes: float) -> torch.nn.Module:
+    import torch
+
     torch.manual_seed(0)
     width = 512
     layers = max(1, round(megabytes * 1e6 / 4 / (width * width)))
@@ -141,6 +147,8 @@ def honest_model(megabytes: float) -> torch.nn.Module:
 
 def one_round(clients: list[SyncClient], models: list[torch.nn.Module]) -> float:
     """Both peers "train" a step, then sync from the same instant: the seconds to the last done."""
+    import torch
+
     start = threading.Barrier(len(clients) + 1)
     errors: list[BaseException] = []
 
@@ -180,6 +188,9 @@ def machine() -> str:
 
 
 def main() -> None:
+    from syncclient import SyncClient
+    from syncserver.process import ServerProcess
+
     args = parser.parse_args()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     commit = head.stdout.strip() or "unknown"
