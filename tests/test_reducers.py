@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -509,6 +510,26 @@ def _host() -> str:
 def _train_digest(hub: Hub) -> str:
     r = httpx.get(f"{hub.url}/v1/runs/barrier/model", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
     return hashlib.sha256(r.content).hexdigest()
+
+
+def test_a_hub_told_to_stop_answers_a_waiting_lease_poll_at_once(hub_factory: Callable[..., Hub]) -> None:
+    """SIGTERM while a reducer long-polls for a lease (60 s here): the poll gets its 204 (no lease)
+    and the hub exits without waiting it out (``Board.end_polls``); the reducers' 5 s polls held
+    every `serve --reducers K` hub's stop before (uvicorn lets the requests in flight end first)."""
+    env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
+    hub = hub_factory("--reducers", "1", "--local-reducers", "0", env=env)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    with ThreadPoolExecutor(1) as pool:
+        poll = pool.submit(
+            httpx.post, f"{hub.url}/v1/reduce/lease", json={"reducer": "r", "wait": 60}, headers=admin, timeout=120
+        )
+        wait_for(lambda: "r" in _reducers(hub), "the reducer's poll to reach the hub")
+        assert hub.server.proc is not None
+        started = time.monotonic()
+        hub.server.proc.terminate()
+        assert poll.result().status_code == 204
+        hub.server.proc.wait(60)
+        assert time.monotonic() - started < 30, "the hub waited out the poll"
 
 
 def test_bad_reducer_requests_get_a_json_reason_and_bad_hubs_a_one_line_error(

@@ -40,7 +40,7 @@ __all__ = ["ReducerError", "Reducer"]
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 5.0  # the long poll for a lease: a hub stopping cleanly waits for it (uvicorn ends requests first)
+POLL_SECONDS = 5.0  # the long poll for a lease (a hub that is told to stop answers it at once)
 RETRY_SECONDS = 1.0  # between tries at a hub that does not answer
 
 
