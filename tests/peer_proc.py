@@ -1,15 +1,17 @@
 """A peer as a process of its own, for the tests that SIGKILL one (tests/harness.py has the rest).
 
     python tests/peer_proc.py --hub URL --run R --peer NAME --seed S --samples N \\
-        --until-version V --out DIR [--train-seconds T] [--go-files]
+        --until-version V --out DIR [--train-seconds T] [--go-files] [--join-after FILE]
 
 It builds ``tests.models.tiny_bigram(0)`` (torch only, so that it starts and exits seconds sooner
 than a GPT-2's process; every peer the same init; the first to join uploads version 0),
-joins, and for each round: waits for ``DIR/go_<round>`` if ``--go-files`` (so the test sets
-the pace), "trains" (a deterministic perturbation from ``seed`` and the round, then sleeps
-``--train-seconds``), dumps its delta as ``DIR/delta_<peer>_<round>.safetensors`` (exactly the
-float32 ``local - base`` the SDK sends with the fp32 codec), and syncs. Progress goes to
-``DIR/<peer>.jsonl`` (one event a line), the final weights to ``DIR/final_<peer>.safetensors``.
+joins (once FILE exists, with ``--join-after``: a test starts the process early, so that its
+imports overlap what the test waits for, and says when it joins), and for each round: waits
+for ``DIR/go_<round>`` if ``--go-files`` (so the test sets the pace), "trains" (a
+deterministic perturbation from ``seed`` and the round, then sleeps ``--train-seconds``), dumps
+its delta as ``DIR/delta_<peer>_<round>.safetensors`` (exactly the float32 ``local - base`` the
+SDK sends with the fp32 codec), and syncs. Progress goes to ``DIR/<peer>.jsonl`` (one event a
+line), the final weights to ``DIR/final_<peer>.safetensors``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--train-seconds", type=float, default=0.0, help="sleep per round (heartbeats keep going)")
     ap.add_argument("--go-files", action="store_true", help="wait for OUT/go_<round> before each round")
+    ap.add_argument("--join-after", type=Path, help="wait for this file before joining")
     args = ap.parse_args()
 
     def log(event: str, **fields: Any) -> None:
@@ -58,6 +61,8 @@ def main() -> None:
             f.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
 
     model = tiny_bigram(0)
+    while args.join_after is not None and not args.join_after.exists():
+        time.sleep(0.02)
     client = SyncClient(args.hub, run=args.run, peer=args.peer, timeout=10, retry_seconds=120)
     info = client.join(model)
     log("joined", version=info.version, rank=info.rank)

@@ -106,6 +106,11 @@ def test_peers_killed_mid_upload_and_mid_training(hub_factory: Callable[..., Hub
         sigkill(procs["c"])
         wait_for(lambda: last_event(out, "d").get("event") == "training", "d training", 20)
         sigkill(procs["d"])
+        # c and d come back (same names, fresh processes), started now (their imports overlap
+        # round 0's close) but joining only once round 0 is checked
+        back = out / "back"
+        for p in "cd":
+            procs[p] = launch(hub.url, run, p, seeds[p], samples[p], out, until_version=2, join_after=back)
         partials = hub.data_dir / "tmp" / "partials" / run / f"{0:08d}"
         assert any(partials.rglob("*.part")), "the hub keeps c's partial upload"
 
@@ -120,9 +125,8 @@ def test_peers_killed_mid_upload_and_mid_training(hub_factory: Callable[..., Hub
         wait_for(lambda: all(r.done or r.status for r in slow.matching(c_put)), "c's body to end", 30)
         assert {r.status for r in slow.matching(c_put)} <= {None, 409}
 
-        # c and d come back (same names, fresh processes), catch up, and take part again
-        for p in "cd":
-            procs[p] = launch(hub.url, run, p, seeds[p], samples[p], out, until_version=2)
+        # c and d join again, catch up, and take part again
+        back.touch()
         wait_for(lambda: all(last_event(out, p).get("event") == "joined" for p in "cd"), "c, d back", 120)
         assert all(last_event(out, p)["version"] == 1 for p in "cd")
         (out / "go_1").touch()
