@@ -133,6 +133,29 @@ def hub(hub_factory: Callable[..., Hub]) -> Hub:
     return hub_factory()
 
 
+SMALL_SAMPLE_EVERY = 5  # every 5th review of each split: 400 train, 100 test, both labels in each
+
+
+@pytest.fixture(scope="session")
+def small_sample_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The offline data folder with ``imdb/sample.parquet`` cut to every SMALL_SAMPLE_EVERY-th
+    review of each split, for the examples' runs (``examples/imdb.py``). Their hashed bag of words
+    is pure Python: ~3 CPU-s a process on the full 2,500 reviews, more than the training, and
+    nothing a test of them checks depends on how many reviews there are."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(SHARED_DATA / "imdb" / "sample.parquet", columns=["text", "label", "split"])
+    rows = table.to_pydict()
+    keep: list[int] = []
+    for split in ("train", "test"):
+        keep += [i for i, s in enumerate(rows["split"]) if s == split][::SMALL_SAMPLE_EVERY]
+    data = tmp_path_factory.mktemp("small-sample-data")
+    (data / "imdb").mkdir()
+    pq.write_table(table.take(pa.array(keep)), data / "imdb" / "sample.parquet")
+    return data
+
+
 @pytest.fixture(scope="session")
 def small_vocab_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The offline data folder (``imdb/``, ``gpt2-tokenizer/``) with GPT-2's tokenizer cut to its

@@ -86,15 +86,15 @@ def assert_same(saved: list[dict[str, torch.Tensor]]) -> None:
 
 
 @needs_data
-def test_plain_loop_example(tmp_path: Path) -> None:
-    out, version, rows = run_example(tmp_path, "plain_loop.py", 20)
-    # 2,000 reviews: 1,000 per peer, 32 steps of 32 per epoch, 3 epochs = 96 steps: syncs at 20, 40,
-    # 60 and 80, and the last one at exit (16 steps since the one before)
-    assert version == 5 and [r[1] for r in rows] == ["20", "40", "60", "80", "96"]
+def test_plain_loop_example(tmp_path: Path, small_sample_data: Path) -> None:
+    out, version, rows = run_example(tmp_path, "plain_loop.py", 5, "--data", str(small_sample_data))
+    # 400 reviews (conftest's small sample): 200 per peer, 7 steps of 32 per epoch (the last one of
+    # 8), 3 epochs = 21 steps: syncs at 5, 10, 15 and 20, and the last one at exit (1 step since)
+    assert version == 5 and [r[1] for r in rows] == ["5", "10", "15", "20", "21"]
     for peer in PEERS:
         assert (out / peer / "out" / "model.pt").is_file() and (out / peer / "out" / "metrics.json").is_file()
         log = (out / f"{peer}.log").read_text()
-        assert f"rank {peer[-1]} of 2 takes 1000 of them" in log and "epoch 2: 32 steps" in log  # its share
+        assert f"rank {peer[-1]} of 2 takes 200 of them" in log and "epoch 2: 7 steps" in log  # its share
 
 
 @needs_data
@@ -110,9 +110,9 @@ def test_hugging_face_trainer_example(tmp_path: Path, small_vocab_data: Path) ->
 
 
 @needs_data
-def test_lightning_example(tmp_path: Path) -> None:
-    out, version, _ = run_example(tmp_path, "lightning_module.py", 20)
-    assert version == math.ceil(trained_steps(out) / 20) >= 2
+def test_lightning_example(tmp_path: Path, small_sample_data: Path) -> None:
+    out, version, _ = run_example(tmp_path, "lightning_module.py", 5, "--data", str(small_sample_data))
+    assert version == math.ceil(trained_steps(out) / 5) >= 2
     assert_same([torch.load(out / p / "out" / "model.pt") for p in PEERS])
     for peer in PEERS:
         assert list((out / peer / "out" / "logs").rglob("metrics.csv")), "Lightning's own log"
