@@ -6,8 +6,8 @@ close, every peer leaves at the hub's last version with the same weights (the sh
 prints as it leaves, and the one the launcher prints of the hub's last version), and what each
 script writes lands in its own peer folder. Then the edges: a program with nothing to sync keeps
 its exit code, ``python -m`` and console scripts are hooked too, a Trainer subclass syncs through
-its callback only (not through the optimizer hook as well), and two models in one optimizer are
-refused in one line.
+its callback only (not through the optimizer hook as well: in the two-machine run), and two
+models in one optimizer are refused in one line.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -40,15 +40,41 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def weightsync_run(*args: str, cwd: Path = REPO, timeout: float = 420, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+def launch(*args: str, cwd: Path = REPO, **env: str) -> subprocess.Popen[str]:
+    """``weightsync-run ARGS``, started: a test that runs two of them runs them side by side."""
+    return subprocess.Popen(
         [sys.executable, "-m", "weightsync_run", *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         cwd=cwd,
         env=clean_env(**env),
-        timeout=timeout,
     )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 420) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def weightsync_run(*args: str, cwd: Path = REPO, timeout: float = 420, **env: str) -> subprocess.CompletedProcess[str]:
+    return finish(launch(*args, cwd=cwd, **env), timeout)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    """One hub for the tests that join one (none kills it or reads its log), each on runs of its
+    own names: a hub start is ~1 s of a test that is mostly its programs' starts."""
+    tmp = tmp_path_factory.mktemp("zero-code")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+    shared = Hub(tmp / "hub", [], env, tmp / "hub.log").start()
+    yield shared
+    shared.stop()
 
 
 def round_rows(stdout: str) -> list[list[str]]:
@@ -138,17 +164,19 @@ def test_a_program_with_nothing_to_sync_runs_unchanged(tmp_path: Path, hub: Hub,
 
 
 def test_local_peers_with_nothing_to_sync(tmp_path: Path) -> None:
+    """Two launches side by side (each its own hub and peers): peers that exit 0, and peers that
+    exit 3."""
     script = tmp_path / "no_model.py"
     script.write_text(NO_MODEL)
-    out = tmp_path / "out"
-    proc = weightsync_run("--local-peers", "2", "--out", str(out), "--", sys.executable, str(script), "0")
+    procs = [launch("--local-peers", "2", "--out", str(tmp_path / f"out{code}"), "--", sys.executable, str(script),
+                    str(code)) for code in (0, 3)]  # fmt: skip
+    proc, failed = (finish(p) for p in procs)
     assert proc.returncode == 0, proc.stderr
     assert "no run 'local' on the hub" in proc.stderr
     for peer in PEERS:
-        assert NOTHING in (out / f"{peer}.log").read_text()
-    proc = weightsync_run("--local-peers", "2", "--out", str(out), "--", sys.executable, str(script), "3")
-    assert proc.returncode == 1  # the launcher's code for a failed peer; its message gives the peer's
-    assert "exited with code 3: sum 6" in proc.stderr
+        assert NOTHING in (tmp_path / "out0" / f"{peer}.log").read_text()
+    assert failed.returncode == 1  # the launcher's code for a failed peer; its message gives the peer's
+    assert "exited with code 3: sum 6" in failed.stderr
 
 
 TINY_LOOP = """
@@ -167,58 +195,26 @@ print("trained")
 
 
 def test_python_dash_m_and_console_scripts_are_hooked(tmp_path: Path, hub: Hub) -> None:
+    """Both programs side by side, each on a run of its own."""
     (tmp_path / "tinyloop.py").write_text(TINY_LOOP)
-    proc = weightsync_run("--hub", hub.url, "--run", "dash-m", "--sync-every", "2", "--", sys.executable, "-m",
-                          "tinyloop", cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 0 and proc.stdout == "trained\n", proc.stderr
-    assert len(status(hub, "dash-m")["rounds"]) == 3  # 6 steps, every 2
-    assert "left run 'dash-m' at version 3" in proc.stderr
-
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     console_script = bin_dir / "tiny-train"  # what pip writes for a [project.scripts] entry
     console_script.write_text(f"#!{sys.executable}\n{TINY_LOOP}")
     console_script.chmod(0o755)
-    proc = weightsync_run("--hub", hub.url, "--run", "cli", "--sync-every", "3", "--", "tiny-train",
-                          PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")  # fmt: skip
+    dash_m = launch("--hub", hub.url, "--run", "dash-m", "--sync-every", "2", "--", sys.executable, "-m", "tinyloop",
+                    cwd=tmp_path)  # fmt: skip
+    cli = launch("--hub", hub.url, "--run", "cli", "--sync-every", "3", "--", "tiny-train",
+                 PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")  # fmt: skip
+
+    proc = finish(dash_m)
+    assert proc.returncode == 0 and proc.stdout == "trained\n", proc.stderr
+    assert len(status(hub, "dash-m")["rounds"]) == 3  # 6 steps, every 2
+    assert "left run 'dash-m' at version 3" in proc.stderr
+
+    proc = finish(cli)
     assert proc.returncode == 0 and proc.stdout == "trained\n", proc.stderr
     assert len(status(hub, "cli")["rounds"]) == 2
-
-
-TRAINER_SUBCLASS = """
-import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-
-class MyTrainer(Trainer):
-    pass
-
-class Blocks(torch.utils.data.Dataset):
-    def __len__(self):
-        return 32
-    def __getitem__(self, i):
-        ids = torch.arange(16) * (i + 1) % 64
-        return {"input_ids": ids, "labels": ids}
-
-torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_layer=1, n_embd=16, n_head=2))
-args = TrainingArguments(output_dir="trainer", per_device_train_batch_size=4, max_steps=6, save_strategy="no",
-                         report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=100)
-trainer = MyTrainer(model=model, args=args, train_dataset=Blocks())
-print("callbacks", sorted(type(cb).__name__ for cb in trainer.callback_handler.callbacks))
-trainer.train()
-"""
-
-
-def test_a_trainer_subclass_syncs_through_its_callback_only(tmp_path: Path, hub: Hub) -> None:
-    (tmp_path / "train.py").write_text(TRAINER_SUBCLASS)
-    proc = weightsync_run("--hub", hub.url, "--run", "sub", "--sync-every", "2", "--", sys.executable, "train.py",
-                          cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "SyncCallback" in proc.stdout
-    # 6 steps, every 2: three rounds; had the optimizer hook synced as well, there would be more
-    rounds = status(hub, "sub")["rounds"]
-    assert len(rounds) == 3 and [len(r["participants"]) for r in rounds] == [1, 1, 1]
-    assert "left run 'sub' at version 3" in proc.stderr
 
 
 TWO_MODELS = """
@@ -276,6 +272,13 @@ def test_round_samples_makes_a_samples_run_counted_by_the_dataloader(tmp_path: P
 
 # -- two machines: a hub, then one line per GPU VM (README's recipe) ----------------------------------
 
+# Each program waits for its go file (argv[3]) before it trains, and so before it joins: both
+# start at once, so that their imports overlap, and the test says when each may join.
+GO = """
+import os, time
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.01)
+"""
 # The same tiny GPT-2 in both programs (one run syncs one model), trained for the same 6 steps.
 TWO_VM_MODEL = """
 import sys, torch
@@ -287,6 +290,7 @@ batches = [torch.randint(0, 64, (4, 16)) for _ in range(int(sys.argv[2]))]
 """
 TWO_VM_PLAIN = (
     TWO_VM_MODEL
+    + GO
     + """
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 for ids in batches:
@@ -297,48 +301,66 @@ print("trained")
 """
 )
 # torch alone (it starts seconds sooner): a Linear model, one step per batch
-SMALL_PLAIN = """
+SMALL_PLAIN = (
+    """
 import sys, torch
 torch.manual_seed(int(sys.argv[1]))
 model = torch.nn.Linear(8, 2)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+    + GO
+    + """
 for step in range(int(sys.argv[2])):
     model(torch.randn(4, 8)).pow(2).mean().backward()
     optimizer.step()
     optimizer.zero_grad()
 print("trained")
 """
+)
+# A Trainer subclass: the hook on Trainer.__init__ finds it as well, and it syncs through its
+# callback only, not through the optimizer hook too (that would make more rounds than the test sees).
 TWO_VM_TRAINER = (
     TWO_VM_MODEL
     + """
 from transformers import Trainer, TrainingArguments
+
+class MyTrainer(Trainer):
+    pass
+
 data = [{"input_ids": ids[i], "labels": ids[i]} for ids in batches for i in range(4)]
 args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=len(batches), save_strategy="no",
                          report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=100)
-Trainer(model=model, args=args, train_dataset=data).train()
+"""
+    + GO
+    + """
+trainer = MyTrainer(model=model, args=args, train_dataset=data)
+print("callbacks", sorted(type(cb).__name__ for cb in trainer.callback_handler.callbacks))
+trainer.train()
 print("trained")
 """
 )
 
 
-def two_vms(tmp_path: Path, hub: Hub, first: tuple[str, int], second: tuple[str, int], *flags: str) -> list[Any]:
-    """README's recipe on this machine: ``weightsync-run --hub URL --run two-vm --min-peers 2 ...
-    -- python PROGRAM SEED STEPS`` for vm-a, then, once vm-a has joined (it waits at the
-    rendezvous), for vm-b; each peer is (program, steps). Their (peer, version, weights) at exit."""
+def two_vms(
+    tmp_path: Path, hub: Hub, run: str, first: tuple[str, int], second: tuple[str, int], *flags: str
+) -> tuple[list[tuple[str, int, str]], list[str]]:
+    """README's recipe on this machine: ``weightsync-run --hub URL --run RUN --min-peers 2 ...
+    -- python PROGRAM SEED STEPS GO`` for vm-a and for vm-b, each peer (program, steps); vm-b
+    trains, and so joins, only once vm-a has joined (and waits at the rendezvous), as when
+    vm-b's line is typed after vm-a's. Their (peer, version, weights) at exit, and their stdout."""
     procs: list[subprocess.Popen[str]] = []
     try:
         for seed, (peer, (program, steps)) in enumerate([("vm-a", first), ("vm-b", second)]):
-            if procs:
-                wait_for(lambda: joined(hub, "vm-a"), "the first VM joined the run", timeout=120)
             script = tmp_path / f"{peer}.py"
             script.write_text(program)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "weightsync_run", "--hub", hub.url, "--run", "two-vm", "--peer", peer,
-                 "--min-peers", "2", "--sync-every", "2", *flags, "--", sys.executable, str(script), str(seed),
-                 str(steps)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=clean_env(),
-            ))  # fmt: skip
-        return [left_at(proc) for proc in procs]
+            procs.append(launch("--hub", hub.url, "--run", run, "--peer", peer, "--min-peers", "2", "--sync-every",
+                                "2", *flags, "--", sys.executable, str(script), str(seed), str(steps),
+                                str(tmp_path / f"{peer}.go"), cwd=tmp_path))  # fmt: skip
+        (tmp_path / "vm-a.go").touch()
+        wait_for(lambda: joined(hub, run, "vm-a"), "the first VM joined the run", timeout=120)
+        (tmp_path / "vm-b.go").touch()
+        done = [finish(proc, timeout=300) for proc in procs]
+        return [left_at(proc, run) for proc in done], [proc.stdout for proc in done]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -346,22 +368,21 @@ def two_vms(tmp_path: Path, hub: Hub, first: tuple[str, int], second: tuple[str,
                 proc.wait()
 
 
-def joined(hub: Hub, peer: str) -> bool:
-    response = httpx.get(f"{hub.url}/v1/runs/two-vm", timeout=10)
+def joined(hub: Hub, run: str, peer: str) -> bool:
+    response = httpx.get(f"{hub.url}/v1/runs/{run}", timeout=10)
     return response.status_code == 200 and peer in {p["peer"] for p in response.json()["peers"]}
 
 
-def left_at(proc: subprocess.Popen[str]) -> tuple[str, int, str]:
-    """The peer's exit: code 0, and the version and weights it left the run with."""
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and out.endswith("trained\n"), err[-3000:]
-    ((peer, run, version, digest),) = LEFT.findall(err)
-    assert run == "two-vm", err
+def left_at(done: subprocess.CompletedProcess[str], run: str) -> tuple[str, int, str]:
+    """The peer's exit: code 0, and the version and weights it left ``run`` with."""
+    assert done.returncode == 0 and done.stdout.endswith("trained\n"), done.stderr[-3000:]
+    ((peer, left, version, digest),) = LEFT.findall(done.stderr)
+    assert left == run, done.stderr
     return peer, int(version), digest
 
 
-def hub_last(hub: Hub) -> tuple[int, str]:
-    response = httpx.get(f"{hub.url}/v1/runs/two-vm/model", timeout=60)
+def hub_last(hub: Hub, run: str) -> tuple[int, str]:
+    response = httpx.get(f"{hub.url}/v1/runs/{run}/model", timeout=60)
     response.raise_for_status()
     return int(response.headers["X-Sync-Version"]), weights_sha256(safetensors.numpy.load(response.content))
 
@@ -371,23 +392,26 @@ def test_two_machines_a_plain_loop_and_a_trainer_end_on_the_hubs_last_version(tm
     joins; both train 6 steps, syncing every 2, in int8 with DiLoCo. Each program's last sync is
     marked final (the plain loop's falls due at its last step: made at exit, final, as the
     Trainer's), so both flush the codec's residual in one more round and leave on the same
-    version, with the hub's last weights."""
+    version, with the hub's last weights. The Trainer is a subclass of ``Trainer``: it gets
+    ``SyncCallback`` and syncs through it only (the test of that, merged into this run)."""
     flags = ("--codec", "int8", "--outer", "diloco", "--outer-lr", "0.5")
-    ends = two_vms(tmp_path, hub, (TWO_VM_PLAIN, 6), (TWO_VM_TRAINER, 6), *flags)
-    version, digest = hub_last(hub)
+    ends, stdouts = two_vms(tmp_path, hub, "two-vm", (TWO_VM_PLAIN, 6), (TWO_VM_TRAINER, 6), *flags)
+    version, digest = hub_last(hub, "two-vm")
     assert ends == [("vm-a", version, digest), ("vm-b", version, digest)]
+    assert "SyncCallback" in stdouts[1]
     run = status(hub, "two-vm")
     assert run["config"]["min_peers"] == 2 and run["config"]["codec"] == "int8" and run["config"]["outer"] == "diloco"
-    # three rounds of both peers (steps 2, 4, 6; the last one final), then the final flush round
+    # three rounds of both peers (steps 2, 4, 6; the last one final), then the final flush round;
+    # had the subclass's optimizer hook synced as well, there would be more
     assert version == 4 and [sorted(r["participants"]) for r in run["rounds"]] == [["vm-a", "vm-b"]] * 4
 
 
 def test_a_peer_that_finishes_first_leaves_without_holding_the_other_back(tmp_path: Path, hub: Hub) -> None:
     """``--min-peers 2``: vm-a trains 2 steps and leaves; vm-b's later rounds close without it."""
-    ends = two_vms(tmp_path, hub, (SMALL_PLAIN, 2), (SMALL_PLAIN, 6))
-    version, digest = hub_last(hub)
+    ends, _ = two_vms(tmp_path, hub, "first-out", (SMALL_PLAIN, 2), (SMALL_PLAIN, 6))
+    version, digest = hub_last(hub, "first-out")
     assert ends[0][:2] == ("vm-a", 1) and ends[1] == ("vm-b", version, digest) and version == 3
-    assert [sorted(r["participants"]) for r in status(hub, "two-vm")["rounds"]] == [
+    assert [sorted(r["participants"]) for r in status(hub, "first-out")["rounds"]] == [
         ["vm-a", "vm-b"],
         ["vm-b"],
         ["vm-b"],
