@@ -5,9 +5,10 @@ module; none imports weightsync) each run as 2 local peers beside a real embedde
 close, every peer leaves at the hub's last version with the same weights (the sha-256 each peer
 prints as it leaves, and the one the launcher prints of the hub's last version), and what each
 script writes lands in its own peer folder. Then the edges: a program with nothing to sync keeps
-its exit code, ``python -m`` and console scripts are hooked too, a Trainer subclass syncs through
-its callback only (not through the optimizer hook as well: in the two-machine run), and two
-models in one optimizer are refused in one line.
+its exit code, ``python -m`` and console scripts are hooked too (the two VMs of a peer that
+finishes first), a Trainer subclass syncs through its callback only (not through the optimizer
+hook as well: the Trainer of the two-machine run), and two models in one optimizer are refused
+in one line.
 """
 
 from __future__ import annotations
@@ -179,44 +180,6 @@ def test_local_peers_with_nothing_to_sync(tmp_path: Path) -> None:
     assert "exited with code 3: sum 6" in failed.stderr
 
 
-TINY_LOOP = """
-import torch
-
-torch.manual_seed(0)
-model = torch.nn.Linear(4, 2)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(6):
-    loss = model(torch.randn(8, 4)).pow(2).mean()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-print("trained")
-"""
-
-
-def test_python_dash_m_and_console_scripts_are_hooked(tmp_path: Path, hub: Hub) -> None:
-    """Both programs side by side, each on a run of its own."""
-    (tmp_path / "tinyloop.py").write_text(TINY_LOOP)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    console_script = bin_dir / "tiny-train"  # what pip writes for a [project.scripts] entry
-    console_script.write_text(f"#!{sys.executable}\n{TINY_LOOP}")
-    console_script.chmod(0o755)
-    dash_m = launch("--hub", hub.url, "--run", "dash-m", "--sync-every", "2", "--", sys.executable, "-m", "tinyloop",
-                    cwd=tmp_path)  # fmt: skip
-    cli = launch("--hub", hub.url, "--run", "cli", "--sync-every", "3", "--", "tiny-train",
-                 PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")  # fmt: skip
-
-    proc = finish(dash_m)
-    assert proc.returncode == 0 and proc.stdout == "trained\n", proc.stderr
-    assert len(status(hub, "dash-m")["rounds"]) == 3  # 6 steps, every 2
-    assert "left run 'dash-m' at version 3" in proc.stderr
-
-    proc = finish(cli)
-    assert proc.returncode == 0 and proc.stdout == "trained\n", proc.stderr
-    assert len(status(hub, "cli")["rounds"]) == 2
-
-
 TWO_MODELS = """
 import torch
 generator, critic = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
@@ -341,21 +304,36 @@ print("trained")
 )
 
 
+VM = tuple[str, int, str]
+"""How a VM runs: its program, its steps, and how the program is started: ``script`` (``python
+vm_a.py``), ``-m`` (``python -m vm_a``, from its folder) or ``console`` (``vm-a``, a console script
+on ``PATH``, as pip writes one for a ``[project.scripts]`` entry)."""
+
+
 def two_vms(
-    tmp_path: Path, hub: Hub, run: str, first: tuple[str, int], second: tuple[str, int], *flags: str
+    tmp_path: Path, hub: Hub, run: str, first: VM, second: VM, *flags: str
 ) -> tuple[list[tuple[str, int, str]], list[str]]:
     """README's recipe on this machine: ``weightsync-run --hub URL --run RUN --min-peers 2 ...
-    -- python PROGRAM SEED STEPS GO`` for vm-a and for vm-b, each peer (program, steps); vm-b
-    trains, and so joins, only once vm-a has joined (and waits at the rendezvous), as when
-    vm-b's line is typed after vm-a's. Their (peer, version, weights) at exit, and their stdout."""
+    -- python PROGRAM SEED STEPS GO`` for vm-a and for vm-b; vm-b trains, and so joins, only
+    once vm-a has joined (and waits at the rendezvous), as when vm-b's line is typed after
+    vm-a's. Their (peer, version, weights) at exit, and their stdout."""
     procs: list[subprocess.Popen[str]] = []
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
     try:
-        for seed, (peer, (program, steps)) in enumerate([("vm-a", first), ("vm-b", second)]):
-            script = tmp_path / f"{peer}.py"
-            script.write_text(program)
+        for seed, (peer, (program, steps, how)) in enumerate([("vm-a", first), ("vm-b", second)]):
+            if how == "console":
+                script = bin_dir / peer
+                script.write_text(f"#!{sys.executable}\n{program}")
+                script.chmod(0o755)
+                command = [peer]
+            else:
+                script = tmp_path / f"{peer.replace('-', '_')}.py"
+                script.write_text(program)
+                command = [sys.executable, "-m", script.stem] if how == "-m" else [sys.executable, str(script)]
             procs.append(launch("--hub", hub.url, "--run", run, "--peer", peer, "--min-peers", "2", "--sync-every",
-                                "2", *flags, "--", sys.executable, str(script), str(seed), str(steps),
-                                str(tmp_path / f"{peer}.go"), cwd=tmp_path))  # fmt: skip
+                                "2", *flags, "--", *command, str(seed), str(steps), str(tmp_path / f"{peer}.go"),
+                                cwd=tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"))  # fmt: skip
         (tmp_path / "vm-a.go").touch()
         wait_for(lambda: joined(hub, run, "vm-a"), "the first VM joined the run", timeout=120)
         (tmp_path / "vm-b.go").touch()
@@ -395,7 +373,7 @@ def test_two_machines_a_plain_loop_and_a_trainer_end_on_the_hubs_last_version(tm
     version, with the hub's last weights. The Trainer is a subclass of ``Trainer``: it gets
     ``SyncCallback`` and syncs through it only (the test of that, merged into this run)."""
     flags = ("--codec", "int8", "--outer", "diloco", "--outer-lr", "0.5")
-    ends, stdouts = two_vms(tmp_path, hub, "two-vm", (TWO_VM_PLAIN, 6), (TWO_VM_TRAINER, 6), *flags)
+    ends, stdouts = two_vms(tmp_path, hub, "two-vm", (TWO_VM_PLAIN, 6, "script"), (TWO_VM_TRAINER, 6, "script"), *flags)
     version, digest = hub_last(hub, "two-vm")
     assert ends == [("vm-a", version, digest), ("vm-b", version, digest)]
     assert "SyncCallback" in stdouts[1]
@@ -407,8 +385,11 @@ def test_two_machines_a_plain_loop_and_a_trainer_end_on_the_hubs_last_version(tm
 
 
 def test_a_peer_that_finishes_first_leaves_without_holding_the_other_back(tmp_path: Path, hub: Hub) -> None:
-    """``--min-peers 2``: vm-a trains 2 steps and leaves; vm-b's later rounds close without it."""
-    ends, _ = two_vms(tmp_path, hub, "first-out", (SMALL_PLAIN, 2), (SMALL_PLAIN, 6))
+    """``--min-peers 2``: vm-a trains 2 steps and leaves; vm-b's later rounds close without it.
+    vm-a runs as ``python -m vm_a``, vm-b as a console script: both are hooked, and their output
+    is the programs' own (the test of ``python -m`` and console scripts, merged into this run)."""
+    ends, stdouts = two_vms(tmp_path, hub, "first-out", (SMALL_PLAIN, 2, "-m"), (SMALL_PLAIN, 6, "console"))
+    assert stdouts == ["trained\n", "trained\n"]
     version, digest = hub_last(hub, "first-out")
     assert ends[0][:2] == ("vm-a", 1) and ends[1] == ("vm-b", version, digest) and version == 3
     assert [sorted(r["participants"]) for r in status(hub, "first-out")["rounds"]] == [
