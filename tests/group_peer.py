@@ -14,7 +14,6 @@ through one SyncClient that serves the group. After every sync each rank writes 
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import os
 import sys
@@ -139,4 +138,3 @@ def trainer(args: argparse.Namespace, rank: int, out: Path) -> None:
 
 if __name__ == "__main__":
     main()
-    gc.freeze()  # exit without the collector's walk of torch's objects (~1.3 s); atexit handlers still run

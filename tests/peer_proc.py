@@ -17,7 +17,6 @@ line), the final weights to ``DIR/final_<peer>.safetensors``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -90,4 +89,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    gc.freeze()  # exit without the collector's walk of torch's objects (~1.3 s); atexit handlers still run
