@@ -134,7 +134,10 @@ def make_blocks(args: argparse.Namespace, path: Path) -> dict[str, int]:
 # -----------------------------------------------------------------------------
 # one peer: train its shard (cycled) with the run's policy until the run's budget is trained
 def peer_process(args: argparse.Namespace, result: Path) -> None:
-    """A peer process's body: train, then write what it did to ``result``."""
+    """A peer process's body: train, then write what it did to ``result``. The SDK reads no
+    ``SYNC_*`` variable of the shell that ran the benchmark (a token, say): the run is its own."""
+    for name in [k for k in os.environ if k.startswith("SYNC_")]:
+        del os.environ[name]
     result.write_text(json.dumps(peer(args)))
 
 
@@ -275,7 +278,10 @@ def run_one(args: argparse.Namespace, scenario: str, policy: str, tmp: Path, blo
 
     name = f"{scenario}-{policy}"
     serve = [sys.executable, "-m", "syncserver", "serve", "--host=127.0.0.1", f"--data-dir={tmp / name}"]
-    hub = ServerProcess([*serve, "--log-level=warning", "--keep-versions=2"], log=tmp / f"{name}.log", cwd=REPO)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}  # the hub's settings are the flags
+    hub = ServerProcess(
+        [*serve, "--log-level=warning", "--keep-versions=2"], log=tmp / f"{name}.log", env=env, cwd=REPO
+    )
     try:
         url = hub.start()
         observer = Observer(url, name, tmp / f"{name}-versions")

@@ -439,8 +439,8 @@ def test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it(
     hub_factory: Callable[..., Hub], tmp_path: Path
 ) -> None:
     """A reducer whose report never arrives, then SIGKILLed, holds its lease no more once
-    it expires: another reducer redoes it, to the same bits; the lease's late report is
-    refused (409) and changes nothing."""
+    it expires: another reducer (or the hub, while none polls) redoes it, to the same bits; the
+    lease's late report is refused (409) and changes nothing."""
     env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
     alone = hub_factory(env=env)
     expected = _train(alone.url, "barrier", rounds=2)
@@ -453,10 +453,14 @@ def test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it(
         results: list[dict[str, str]] = []
         peers.start()
         wait_for(lambda: any(r.fault == "cut" for r in proxy.matching("/done")), "a lease's report to be cut")
-        rescuer = _reducer(hub.url, ADMIN, tmp_path / "rescuer.log")
-        wait_for(lambda: f"{_host()}-{rescuer.pid}" in _reducers(hub), "the second reducer to ask for a lease")
+        # dead before its lease expires: alive, it could take that lease again once it is offered
+        # (*was*: killed only once the rescuer had started, which a loaded machine can make slower
+        # than the 1.5 s lease: the doomed one could take the lease again and the rest of the run,
+        # and the rescuer none; it failed so twice on a loaded machine)
         doomed.kill()
         doomed.wait()
+        rescuer = _reducer(hub.url, ADMIN, tmp_path / "rescuer.log")
+        wait_for(lambda: f"{_host()}-{rescuer.pid}" in _reducers(hub), "the second reducer to ask for a lease")
         late = next(r for r in proxy.matching("/done") if r.fault == "cut")
         try:
             peers.join(120)
@@ -466,7 +470,10 @@ def test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it(
             rescuer.wait()
     known = _reducers(hub)
     assert int(known[f"{_host()}-{doomed.pid}"]["expired"]) >= 1  # type: ignore[call-overload]
-    assert int(known[f"{_host()}-{rescuer.pid}"]["leases"]) >= 1  # type: ignore[call-overload]
+    # redone by the rescuer, or by the hub itself if the rescuer was not polling yet for a lease
+    # length (a loaded machine can start a process that slowly): never by the dead one
+    redone = int(known[f"{_host()}-{rescuer.pid}"]["leases"]) >= 1  # type: ignore[call-overload]
+    assert redone or "lease_worked_by_hub" in hub.log(), hub.log()[-3000:]
     assert "lease_expired" in hub.log()
     report = {"reducer": f"{_host()}-{doomed.pid}", "seconds": 0.1, "bytes": 1}
     r = httpx.post(f"{hub.url}{late.target}", json=report, headers={"Authorization": f"Bearer {ADMIN}"})
