@@ -53,6 +53,10 @@ BUDGETS: dict[str, float] = {
     "tests/test_zero_code.py::test_hugging_face_trainer_example": 11,
     "tests/test_zero_code.py::test_lightning_example": 12,  # import lightning: ~4 CPU-s a peer
     "tests/test_zero_code.py::test_plain_loop_example": 10,
+    # weightsync-run --local-peers 2: its own hub and two torch peers (4.7 s alone; 10-14 s in a whole
+    # run, beside the heaviest tests); two VMs, `python -m` and a console script (merged scenarios)
+    "tests/test_zero_code.py::test_a_plain_loop_steps_at_the_scaled_rate_and_keeps_its_own": 10,
+    "tests/test_zero_code.py::test_a_peer_that_finishes_first_leaves_without_holding_the_other_back": 8,
     # two transformers processes, the second a Trainer (subclass): the Trainer-subclass test is merged in
     "tests/test_zero_code.py::test_two_machines_a_plain_loop_and_a_trainer_end_on_the_hubs_last_version": 12,
     # torchrun groups: three peer shapes in one run (9 processes that import torch, 6 of them
