@@ -20,7 +20,6 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401  (imported on
 
 from syncserver.process import ServerProcess
 from tests.budget import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (the time budget)
-from tests.models import tiny_gpt2  # noqa: F401  (the tests' GPT-2; peer processes import tests.models)
 from tests.s3server import s3, seaweedfs  # noqa: F401  (a real S3 server, started on first use; a proxy to it)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -34,8 +34,8 @@ import torch
 
 from syncclient import SyncClient
 from syncclient._model import ModelView
-from tests.conftest import Hub, tiny_gpt2
-from tests.models import Blocks, perturb  # noqa: F401  (Blocks: for the tests that import it from here)
+from tests.conftest import Hub
+from tests.models import perturb, tiny_gpt2
 
 # ---- waiting ------------------------------------------------------------------------------------
 

@@ -23,7 +23,8 @@ import torch
 from syncclient import SyncClient
 from syncclient.exceptions import AuthError
 from syncserver.api.factory import redact
-from tests.conftest import Hub, tiny_gpt2
+from tests.conftest import Hub
+from tests.models import tiny_gpt2
 
 # distinctive values, so that a grep of the log finds any of them
 TOKEN_A = "run-a-token-7f3e9c1d2b"

@@ -15,7 +15,8 @@ from syncclient import SyncClient
 from syncclient.callbacks import SyncCallback
 from syncclient.peerlr import PeerLR
 from tests.conftest import Hub
-from tests.harness import Blocks, hub_model, run_peers
+from tests.harness import hub_model, run_peers
+from tests.models import Blocks
 
 BATCH = 4
 

@@ -13,8 +13,9 @@ from syncclient import SchemaMismatch, SyncClient
 from syncclient._model import ModelView
 from syncserver.reduce.aggregate import diloco_step, warmup
 from syncwire import get_codec
-from tests.conftest import Hub, tiny_gpt2
+from tests.conftest import Hub
 from tests.harness import Peers, hub_model, run_peers, train_a_little, wait_for
+from tests.models import tiny_gpt2
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16"])

@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 
 from syncclient import SyncClient, SyncError
-from tests.conftest import REPO, Hub, tiny_gpt2
+from tests.conftest import REPO, Hub
 from tests.harness import status, version_file, wait_for
+from tests.models import tiny_gpt2
 
 PEER = REPO / "tests" / "group_peer.py"
 

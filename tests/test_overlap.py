@@ -21,8 +21,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from syncclient import PendingSync, SyncClient, SyncError, SyncResult
 from syncclient._model import ModelView
 from syncclient.callbacks import SyncCallback
-from tests.conftest import Hub, tiny_gpt2
-from tests.harness import Blocks, hub_model, run_peers
+from tests.conftest import Hub
+from tests.harness import hub_model, run_peers
+from tests.models import Blocks, tiny_gpt2
 
 BATCH = 4
 

@@ -25,7 +25,8 @@ from syncclient import SyncClient
 from syncclient.exceptions import HubError
 from syncserver.reduce.aggregate import global_norm, norm_outlier
 from syncwire import encode_model, get_codec, iter_chunks
-from tests.conftest import Hub, tiny_gpt2
+from tests.conftest import Hub
+from tests.models import tiny_gpt2
 
 SCHEMA = {"w": (16, 8), "b": (8,)}
 

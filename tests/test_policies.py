@@ -22,8 +22,9 @@ import torch
 
 from syncclient import SyncClient, SyncError
 from syncclient._model import ModelView
-from tests.conftest import Hub, tiny_gpt2
+from tests.conftest import Hub
 from tests.harness import perturb, run_peers, status, version_file, wait_for, weighted_mean64
+from tests.models import tiny_gpt2
 
 Arrays = dict[str, np.ndarray]
 STEP = 20  # round_samples of the async runs: an outer step is two pushes of 10-12 samples

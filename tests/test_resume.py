@@ -26,9 +26,10 @@ import torch
 from syncclient import HubUnreachable, SyncClient, SyncError
 from syncclient._model import ModelView
 from syncwire import iter_chunks
-from tests.conftest import Hub, tiny_gpt2
+from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
 from tests.harness import hub_model, round_record, run_peers, wait_for
+from tests.models import tiny_gpt2
 
 MiB = 1 << 20
 

@@ -9,8 +9,9 @@ import torch
 
 from syncclient import SyncClient
 from syncclient._model import ModelView
-from tests.conftest import Hub, tiny_gpt2
+from tests.conftest import Hub
 from tests.harness import status, wait_for
+from tests.models import tiny_gpt2
 
 
 def nudge(model: torch.nn.Module, amount: float) -> None:

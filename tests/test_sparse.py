@@ -27,8 +27,9 @@ from syncserver.storage.store import ResidualKey, ResultKey, Store, VersionKey
 from syncwire import Codec, FormatError, encode_model, get_codec, iter_chunks, layout_bytes, wire_layout
 from syncwire.codecs import slices
 from syncwire.sparse import TopK
-from tests.conftest import Hub, tiny_gpt2
+from tests.conftest import Hub
 from tests.harness import hub_model, perturb, run_peers, wait_for
+from tests.models import tiny_gpt2
 
 SPECS = [
     "topk",

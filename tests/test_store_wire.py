@@ -27,9 +27,10 @@ from syncclient import SyncClient
 from syncclient.transport import Transport
 from syncserver.storage.bucket import object_name
 from syncserver.storage.store import ResultKey, VersionKey
-from tests.conftest import Hub, tiny_gpt2
+from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
 from tests.harness import Peers, wait_for
+from tests.models import tiny_gpt2
 from tests.s3server import SeaweedFS
 from tests.test_metrics import scrape
 

@@ -26,7 +26,8 @@ from cryptography.x509.oid import NameOID
 from syncclient import SyncClient
 from syncclient._model import ModelView
 from syncclient.exceptions import HubUnreachable
-from tests.conftest import Hub, tiny_gpt2
+from tests.conftest import Hub
+from tests.models import tiny_gpt2
 
 TOKEN = "tls-test-token"
 
