@@ -186,7 +186,7 @@ async def dashboard_data(
     # every change the page shows wakes the view (acknowledgements, uploads, closes, leases)
     while since is not None and view.fingerprint(view.find(run)) == since:
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or view.closing:
+        if remaining <= 0 or view.stopping:
             break
         await view.wait(remaining)
     return snapshot(view, run, only)

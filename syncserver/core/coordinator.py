@@ -94,7 +94,6 @@ class Coordinator:
         self.store = store
         self.bucket = bucket  # SYNC_STORE: results and versions also go out through it
         self.runs: dict[str, Run] = {}
-        self.closing = False  # shutting down: long polls answer at once (end_polls)
         reads = (lambda: bucket.objects.bytes_read) if bucket else None
         self.view = HubView(self.runs, store, settings.lease_seconds, bucket.url if bucket else None, reads)
         self.engine = MergeEngine(store, settings.fold_threads, bucket.objects if bucket else None)
@@ -153,10 +152,9 @@ class Coordinator:
         reducer's poll would otherwise hold a stop (a restart, a new version) for up to
         ``long_poll_seconds``; the clients ask again, as after any poll, and find the hub gone
         or back."""
-        self.closing = True
-        self.view.closing = True
+        self.view.stopping = True
         for run in self.runs.values():
-            self.view.changed(run)
+            run.notify()
         self.view.changed()
         if self.board is not None:
             self.board.end_polls()
@@ -308,7 +306,7 @@ class Coordinator:
         while True:
             state = self._start_state(run, self.peer(run, peer_name))
             remaining = deadline - time.monotonic()
-            if state.state != "waiting" or remaining <= 0 or self.closing:
+            if state.state != "waiting" or remaining <= 0 or self.view.stopping:
                 return state
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.changed.wait(), remaining)
@@ -395,7 +393,7 @@ class Coordinator:
         deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
         while isinstance(run.policy, SamplesPolicy) and not run.policy.due and run.version == round_:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self.closing:
+            if remaining <= 0 or self.view.stopping:
                 break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.changed.wait(), remaining)
@@ -452,7 +450,7 @@ class Coordinator:
                     f"round {round_} is not open; the run is at version {run.version}", current_version=run.version
                 )
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self.closing:
+            if remaining <= 0 or self.view.stopping:
                 return None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.changed.wait(), remaining)

@@ -129,7 +129,7 @@ class Board:
         self._offered = asyncio.Condition()
         self._changed = asyncio.Event()  # a lease was done or failed: the merges look again
         self._polling = 0  # reducers waiting for a lease right now
-        self._closing = False  # the server is shutting down: polls answer at once (end_polls)
+        self._stopping = False  # the server is shutting down: polls answer at once (end_polls)
         self._waking: asyncio.Task[None] | None = None  # end_polls' wake-up
         self._active = time.monotonic()  # when a reducer last asked, renewed or reported
         self.reducers: dict[str, ReducerStats] = {}
@@ -148,7 +148,7 @@ class Board:
     def end_polls(self) -> None:
         """The server is shutting down: the reducers' polls answer "no lease" now (see
         :meth:`Coordinator.end_polls`)."""
-        self._closing = True
+        self._stopping = True
 
         async def wake() -> None:
             async with self._offered:
@@ -166,7 +166,7 @@ class Board:
             async with self._offered:
                 while not self._pending and not self._checks:
                     left = until - loop.time()
-                    if left <= 0 or self._closing:
+                    if left <= 0 or self._stopping:
                         self._seen(reducer)  # it was there all along
                         return None
                     with contextlib.suppress(TimeoutError):

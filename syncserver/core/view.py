@@ -129,7 +129,7 @@ class HubView:
         self.lease_seconds = lease_seconds
         self.listeners = Listeners()
         self._changed = asyncio.Event()
-        self.closing = False  # the server is shutting down: long polls answer at once
+        self.stopping = False  # the server is shutting down: long polls answer at once
         self.board: Board | None = None  # SYNC_REDUCERS: the merge leases (the coordinator's)
 
     def reducers(self) -> list[ReducerStats]:
