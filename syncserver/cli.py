@@ -169,7 +169,7 @@ def serve(
         from syncserver.storage.s3 import StoreUnavailable
 
         try:
-            open_store(settings.store).close()
+            open_store(settings.store, settings.store_url_seconds, settings.store_control_seconds).close()
         except StoreUnavailable as exc:
             typer.echo(f"error: --store: {exc.reason}", err=True)
             raise typer.Exit(2) from None

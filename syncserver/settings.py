@@ -123,6 +123,15 @@ class HubSettings(BaseSettings):
         description="Life of the presigned GETs peers are redirected to (S3 checks it when a request starts; "
         "a peer whose URL expired asks the hub again).",
     )
+    store_control_seconds: float = Field(
+        5.0,
+        gt=0,
+        le=30,
+        allow_inf_nan=False,
+        description="Deadline of the hub's control calls to the store (create, list, complete, abort, delete): to "
+        "connect, then to the answer's first byte. A hung store then answers a peer's presign or report 503 "
+        "within seconds, and the peer PUTs the update to the hub. Data transfers keep a 30 s read timeout.",
+    )
     spare_files: int = Field(
         6,
         ge=0,

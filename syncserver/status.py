@@ -138,6 +138,8 @@ def _reducers_table(reducers: list[dict[str, Any]], width: int) -> RenderableTyp
         Col("last lease", 2),
         Col("lease s total", 1),
         Col("expired", 1),
+        Col("checks", 1),
+        Col("check failures", 2),
     ]
     rows = [
         [
@@ -147,6 +149,8 @@ def _reducers_table(reducers: list[dict[str, Any]], width: int) -> RenderableTyp
             _s(r["last_seconds"]),
             _s(r["seconds"]),
             str(r["expired"]),
+            str(r.get("checks", 0)),
+            str(r.get("check_failures", 0)),
         ]
         for r in reducers
     ]

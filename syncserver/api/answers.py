@@ -116,6 +116,7 @@ def reducers(known: list[ReducerStats]) -> list[Reducer]:
             busy=r.holding is not None,
             checks=r.checks,
             check_seconds=r.check_seconds,
+            check_failures=r.check_failures,
         )
         for r in known
     ]

@@ -354,6 +354,9 @@ class Reducer(Answer):
     busy: bool = Field(description="It holds a lease now.")
     checks: int = Field(0, description="Uploaded bodies it checked (check leases reported).")
     check_seconds: float = Field(0.0, description="Its checks' work, summed.")
+    check_failures: int = Field(
+        0, description="Its check reports the hub did not take: the hub checked those bodies itself."
+    )
 
 
 class Renewed(Answer):

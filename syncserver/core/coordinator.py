@@ -34,7 +34,7 @@ from syncserver.core.rounds import Acknowledgement, InitialVersion, Rounds, Tick
 from syncserver.core.shape import RunShape
 from syncserver.core.state import CONFIG_FIELDS, Peer, Run, RunConfig, Via, now
 from syncserver.core.view import HubView
-from syncserver.errors import Conflict, InvalidUpdate, NotFound, Unavailable
+from syncserver.errors import Conflict, InvalidUpdate, NoStore, NotFound, Unavailable
 from syncserver.reduce.engine import MergeEngine
 from syncserver.settings import HubSettings
 from syncserver.storage.bucket import Bucket
@@ -369,8 +369,8 @@ class Coordinator:
         return await self._presigned(run).uploaded(run, round_, peer_name, report)
 
     def _presigned(self, run: Run) -> PresignedUploads:
-        if self.presigned is None:
-            raise Conflict("this hub has no object store: PUT the update to the hub", current_version=run.version)
+        if self.presigned is None:  # e.g. restarted without SYNC_STORE: its peers' SDKs PUT instead
+            raise NoStore("this hub has no object store: PUT the update to the hub", current_version=run.version)
         return self.presigned
 
     # ---- progress --------------------------------------------------------------------------

@@ -81,6 +81,7 @@ class ReducerStats:
     holding: str | None = None  # the lease it works on
     checks: int = 0  # check leases reported
     check_seconds: float = 0.0
+    check_failures: int = 0  # check reports the hub could not take (its own check ruled instead)
 
 
 @dataclass
@@ -228,6 +229,15 @@ class Board:
         stats.check_seconds += report.seconds
         if not check.answer.done():
             check.answer.set_result(report)
+
+    def check_failed(self, reducer: str, run: str, name: str, why: str) -> None:
+        """``reducer``'s report of the check of object ``name`` was not taken (it failed, it does
+        not hold up, or the hub's own check of the body says otherwise): counted as its failure,
+        for /metrics and status. The peer's answer is the hub's own check's."""
+        stats = self.reducers.get(reducer)
+        if stats is not None:
+            stats.check_failures += 1
+        log.warning("check_report_not_taken run=%s object=%s reducer=%s: %s", run, name, reducer, why)
 
     def _holding(self, lease_id: str, reducer: str) -> _Lease:
         lease = self._held.get(lease_id)

@@ -1,0 +1,220 @@
+"""The data plane keeps exactly what it acknowledged (SYNC_STORE): a presign racing an
+acknowledgement, a reducer's check report the hub cannot confirm, a hub restarted without its
+store, a store that hangs. A real hub process and the session's SeaweedFS; where a check lease
+matters the test itself is the reducer, and holds the lease to widen the window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from syncserver.settings import HubSettings
+from syncserver.storage.s3 import ObjectStore
+from syncserver.storage.sigv4 import Credentials
+from tests.conftest import Hub
+from tests.faultproxy import FaultProxy
+from tests.harness import Peers, wait_for
+from tests.s3server import SeaweedFS
+from tests.test_check_leases import _store_hub
+from tests.test_metrics import scrape
+from tests.test_reducers import ADMIN
+from tests.test_status_cli import status
+from tests.test_store_uploads import body, linear, one_peer, presign, put_parts, uploaded
+from tests.test_store_wire import AUTH, TOKEN, metric, model_of, store_hub
+
+REDUCER = "test-reducer"
+HELD = ("--reducers", "1", "--local-reducers", "0", "--reduce-lease-seconds", "30")  # the test is the reducer
+
+
+def lease(hub: Hub, wait: float = 20.0) -> dict[str, Any] | None:
+    """Take the next lease as the reducer REDUCER (None: none within ``wait``)."""
+    r = httpx.post(
+        f"{hub.url}/v1/reduce/lease",
+        json={"reducer": REDUCER, "wait": wait},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=wait + 30,
+    )
+    assert r.status_code in (200, 204), r.text
+    return r.json() if r.status_code == 200 else None
+
+
+def report(hub: Hub, job: dict[str, Any], **outcome: Any) -> None:
+    """Report a check lease as REDUCER says: passed (digest, nbytes), refused, or failed."""
+    r = httpx.post(
+        f"{hub.url}/v1/reduce/leases/{job['lease']}/checked",
+        json={"reducer": REDUCER, "seconds": 0.01, **outcome},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=30,
+    )
+    assert r.status_code == 204, r.text
+
+
+def in_background(request: Callable[[], httpx.Response]) -> Callable[[], httpx.Response]:
+    """Send ``request`` on a thread; the returned call waits for its answer."""
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: answers.append(request()), daemon=True)
+    thread.start()
+
+    def answer() -> httpx.Response:
+        thread.join(60)
+        assert answers, "no answer within 60 s"
+        return answers[0]
+
+    return answer
+
+
+def checked_by_the_test(hub: Hub, peer: str, key: str, data: bytes) -> tuple[dict[str, Any], Callable[[], Any]]:
+    """``peer`` presigns, uploads and reports ``data``; the test takes the check lease and holds
+    it. The plan, the lease, and the call that waits for ``/uploaded``'s answer."""
+    plan = presign(hub, key, len(data), peer=peer).json()
+    etags = put_parts(plan, data)
+    answer = in_background(lambda: uploaded(hub, key, data, etags, peer=peer))
+    job = lease(hub)
+    assert job is not None and job["kind"] == "check" and job["object"] == plan["object"], job
+    return plan | {"job": job}, answer
+
+
+def passed(data: bytes, job: dict[str, Any], digest: str | None = None) -> dict[str, Any]:
+    """A pass report of ``data`` (with ``digest`` instead of its own, if given)."""
+    norm = 0.01 if job["rules"]["norm"] else None
+    return {"digest": digest or hashlib.sha256(data).hexdigest(), "nbytes": len(data), "norm": norm}
+
+
+def test_an_acknowledged_object_is_never_reopened_and_no_reducer_refuses_a_valid_update(
+    hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS
+) -> None:
+    """The test holds each check lease. (1) While p's update is being checked, p presigns the
+    same key again: once the update is acknowledged that presign is refused (409), no upload is
+    opened, and the acknowledged object holds the checked bytes. (3) A report with another digest
+    than the body's, and a refusal of a valid body, each leave the answer to the hub's own
+    check: both updates are acknowledged, and /metrics, the reducers' list and `syncserver status`
+    count two failures of that reducer."""
+    hub = _store_hub(hub_factory, seaweedfs, "trust-held", *HELD)
+    bucket = seaweedfs.store("trust-held")
+    # t never uploads: the round stays open (no merge lease waits on the test at the end)
+    peers = Peers(hub.url, "r", ["p", "q", "s", "t"], model=linear, token=TOKEN, min_peers=4)
+    peers.join()
+    with contextlib.closing(peers), contextlib.closing(bucket), FaultProxy(hub.port) as proxy:
+        assert lease(hub, wait=0) is None  # a reducer is alive: the hub hands out the checks
+
+        good = body()
+        plan, acknowledged = checked_by_the_test(hub, "p", "the-true-update1", good)
+        url = f"{proxy.url}/v1/runs/r/rounds/0/updates/p/presign"
+        again = in_background(
+            lambda: httpx.post(url, json={"key": "the-true-update1", "size": len(good)}, headers=AUTH, timeout=60)
+        )
+        wait_for(lambda: any(r.done for r in proxy.matching("/presign")), "the second presign to reach the hub")
+        time.sleep(0.5)  # widens the window: the presign reaches the peer's lock before the report
+        report(hub, plan["job"], **passed(good, plan["job"]))
+        ack = acknowledged()
+        assert ack.status_code == 200 and not ack.json()["repeat"], ack.text
+        refused = again()
+        assert refused.status_code == 409, refused.text
+        assert "already has an update acknowledged" in refused.json()["detail"]
+        assert [info.name for info in bucket.list("runs/r/updates/")] == [plan["object"]]
+        assert bucket.uploads("runs/r/") == []  # no upload of any name was opened for it
+        assert bytes(bucket.read(plan["object"])) == good
+
+        # (3) a digest that is not the body's: the hub checks the body itself, the peer is acknowledged
+        q_data = body(0.02)
+        plan, acknowledged = checked_by_the_test(hub, "q", "q-update-xxxxxxx", q_data)
+        report(hub, plan["job"], **passed(q_data, plan["job"], digest="f" * 64))
+        ack = acknowledged()
+        assert ack.status_code == 200, ack.text
+        # a refusal of a valid body: the same
+        s_data = body(0.03)
+        plan, acknowledged = checked_by_the_test(hub, "s", "s-update-xxxxxxx", s_data)
+        lie = {"status": 422, "error": "invalid_update", "detail": "NaN in weight (it is not)"}
+        report(hub, plan["job"], refused=lie)
+        ack = acknowledged()
+        assert ack.status_code == 200, ack.text
+
+        (listed,) = [r for r in httpx.get(f"{hub.url}/v1/reduce/reducers", headers=AUTH).json() if r["name"] == REDUCER]
+        assert (listed["checks"], listed["check_failures"]) == (3, 2), listed
+        samples = scrape(hub, TOKEN)
+        assert metric(samples, "weightsync_reducer_check_failures_total", reducer=REDUCER) == 2
+        assert metric(samples, "weightsync_reducer_checks_total", reducer=REDUCER) == 3
+        table = status(hub.url, token=ADMIN, columns=200).stdout
+        (row,) = [line for line in table.splitlines() if REDUCER in line]
+        assert re.search(r"\b3\D+2\D*$", row), table  # checks 3, check failures 2
+        log = hub.log()
+        assert log.count(f"reducer={REDUCER}: it reported sha-256 {'f' * 64}") == 1
+        assert log.count(f"reducer={REDUCER}: it refused a body that passes") == 1
+    assert " 500 " not in hub.log() and "Traceback" not in hub.log()
+
+
+def test_a_hub_restarted_without_its_store_answers_no_store_and_the_peer_puts(
+    hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS, s3: FaultProxy
+) -> None:
+    """A peer's round 0 goes through the store; the hub restarts on the same data without
+    SYNC_STORE: /presign answers 409 no_store, and the SDK's next sync PUTs its update to the hub
+    and goes on, on the hub's bits."""
+    hub = store_hub(hub_factory, seaweedfs, s3, "no-store")
+    with one_peer(hub) as client:
+        model = linear()
+        client.pull(model)
+        with torch.no_grad():
+            model.weight.add_(0.25)
+        assert client.sync(model, samples=4).version == 1
+        assert metric(scrape(hub, TOKEN), "weightsync_upload_bytes_total", run="r", via="store") > 0
+        hub.stop()
+        at = hub.server.command.index("--store")
+        del hub.server.command[at : at + 2]
+        hub.start()
+        answer = presign(hub, "k" * 16, len(body()), round_=1)
+        assert answer.status_code == 409 and answer.json()["error"] == "no_store", answer.text
+        with torch.no_grad():
+            model.weight.add_(0.25)
+        assert client.sync(model, samples=4).version == 2
+        assert client.sync(model, samples=4).version == 3  # and on: the SDK PUTs from now on
+        samples = scrape(hub, TOKEN)
+        assert metric(samples, "weightsync_upload_bytes_total", run="r", via="hub") > 0
+        np.testing.assert_array_equal(model.weight.detach().numpy(), model_of(hub, "r")["weight"])
+
+
+def test_a_hung_store_costs_a_round_seconds_not_the_read_timeout(
+    hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS, s3: FaultProxy
+) -> None:
+    """The store takes the hub's CreateMultipartUpload and never answers: with
+    `--store-control-seconds 1` the peer's /presign is a 503 store_unavailable within seconds
+    (not the 30 s read timeout), and the SDK sends that round's update to the hub by PUT."""
+    hub = store_hub(hub_factory, seaweedfs, s3, "hung", "--store-control-seconds", "1")
+    with one_peer(hub) as client:
+        model = linear()
+        client.pull(model)
+        s3.stall(seconds=60, match=f"POST /{seaweedfs.bucket}/hung/runs/r/updates/")
+        with torch.no_grad():
+            model.weight.add_(0.25)
+        started = time.monotonic()
+        assert client.sync(model, samples=4).version == 1
+        took = time.monotonic() - started
+        assert took < 12, f"the sync took {took:.1f} s"  # the read timeout alone is 30 s
+        (stalled,) = [r for r in s3.matching("/hung/runs/r/updates/") if r.fault]
+        assert stalled.method == "POST" and "uploads" in stalled.target
+        samples = scrape(hub, TOKEN)
+        assert metric(samples, "weightsync_upload_bytes_total", run="r", via="hub") > 0
+        assert "object_store_down run=r" in hub.log()
+
+
+def test_the_control_deadline_is_a_validated_setting() -> None:
+    """SYNC_STORE_CONTROL_SECONDS (`--store-control-seconds`): a few seconds by default, over 0
+    and at most 30 (the data timeout), a number."""
+    assert HubSettings().store_control_seconds == 5.0
+    for bad in (0, -1, 31, math.nan, math.inf):
+        with pytest.raises(ValidationError, match="store_control_seconds"):
+            HubSettings(store_control_seconds=bad)
+    with pytest.raises(ValueError, match="control_seconds"):
+        ObjectStore("abc", credentials=Credentials("a", "b"), endpoint="http://127.0.0.1:9", control_seconds=0)
