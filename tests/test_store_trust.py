@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import math
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ import torch
 from pydantic import ValidationError
 
 from syncserver.settings import HubSettings
-from syncserver.storage.s3 import ObjectStore
+from syncserver.storage.s3 import ObjectStore, StoreUnavailable
 from syncserver.storage.sigv4 import Credentials
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
@@ -234,3 +235,49 @@ def test_the_control_deadline_is_a_validated_setting() -> None:
             HubSettings(store_control_seconds=bad)
     with pytest.raises(ValueError, match="control_seconds"):
         ObjectStore("abc", credentials=Credentials("a", "b"), endpoint="http://127.0.0.1:9", control_seconds=0)
+
+
+def _answer_slowly(head_after: float, body_pieces: int, gap: float) -> tuple[socket.socket, threading.Thread]:
+    """A one-request stand-in for a store: it takes a listing request, waits ``head_after`` s
+    before its status line, then sends the (empty) listing's body in ``body_pieces`` pieces
+    ``gap`` s apart."""
+    listening = socket.create_server(("127.0.0.1", 0))
+    xml = b'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><IsTruncated>false</IsTruncated>'
+    xml += b" " * 40 + b"</ListBucketResult>"
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = listening.accept()
+            with conn:
+                conn.recv(65536)
+                time.sleep(head_after)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(xml))
+                step = -(-len(xml) // body_pieces)
+                for i in range(0, len(xml), step):
+                    time.sleep(gap)
+                    conn.sendall(xml[i : i + step])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listening, thread
+
+
+def test_a_control_call_is_bounded_to_its_first_byte_not_its_whole_answer() -> None:
+    """Control deadline 0.5 s: a store that sends nothing for 1.2 s fails the call in about the
+    deadline, once (three tries would take 2.75 s); one whose first byte comes at once and whose
+    body comes in two pieces 0.7 s apart (S3's whitespace during a long complete; a long listing)
+    is read whole."""
+    for head_after, pieces, gap in ((1.2, 1, 0.0), (0.0, 2, 0.7)):
+        listening, thread = _answer_slowly(head_after, pieces, gap)
+        endpoint = f"http://127.0.0.1:{listening.getsockname()[1]}"
+        with ObjectStore("abc", credentials=Credentials("a", "b"), endpoint=endpoint, control_seconds=0.5) as store:
+            started = time.monotonic()
+            if head_after:
+                with pytest.raises(StoreUnavailable, match="ReadTimeout"):
+                    list(store.list("runs/"))
+                assert time.monotonic() - started < 1.2
+            else:
+                assert list(store.list("runs/")) == []
+                assert time.monotonic() - started >= 1.4
+        listening.close()
+        thread.join(5)
