@@ -6,6 +6,7 @@ matters the test itself is the reducer, and holds the lease to widen the window.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import math
@@ -14,6 +15,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -22,9 +25,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from syncserver.core.presigned import PresignedUploads, _Open
+from syncserver.records import UpdateRecord
 from syncserver.settings import HubSettings
 from syncserver.storage.s3 import ObjectStore, StoreUnavailable
 from syncserver.storage.sigv4 import Credentials
+from syncserver.storage.store import Store
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
 from tests.harness import Peers, wait_for
@@ -281,3 +287,22 @@ def test_a_control_call_is_bounded_to_its_first_byte_not_its_whole_answer() -> N
                 assert time.monotonic() - started >= 1.4
         listening.close()
         thread.join(5)
+
+
+def test_no_clean_up_deletes_an_object_a_record_names(tmp_path: Path) -> None:
+    """A request cancelled after its acknowledgement was recorded (the peer went away while the
+    round took it in) still drops its upload on the way out: the multipart upload is aborted,
+    and the object the record names stays. Another attempt's object, named by no record, goes."""
+    store = Store(tmp_path / "hub")
+    named = "runs/r/updates/00000000/a/the-key-xxxxxxxxxx.0123456789abcdef.safetensors"
+    other = named.replace("0123456789abcdef", "fedcba9876543210")
+    store.record_update("r", UpdateRecord("a", 0, 1, "d" * 64, 5, {}, 10, 0.0, 0.1, base=0, object=named))
+    calls: list[tuple[str, str]] = []
+    objects = SimpleNamespace(
+        abort_multipart=lambda name, upload_id: calls.append(("abort", name)),
+        delete=lambda name: calls.append(("delete", name)),
+    )
+    uploads = PresignedUploads(SimpleNamespace(store=store), SimpleNamespace(objects=objects), tmp_path)  # type: ignore[arg-type]
+    for name in (named, other):
+        asyncio.run(uploads._drop(SimpleNamespace(name="r"), _Open(0, "the-key-xxxxxxxxxx", name, "u", 10, 8 << 20)))  # type: ignore[arg-type]
+    assert calls == [("abort", named), ("abort", other), ("delete", other)]
