@@ -426,3 +426,69 @@ def test_a_plain_loop_steps_at_the_scaled_rate_and_keeps_its_own(tmp_path: Path)
         log = (out / f"{peer}.log").read_text()
         # steps 2-4 at 1.5x, 2x, 2x the rate; step 1 moved from weights the join then replaced
         assert "lr 0.1" in log and "0.15, 0.2, 0.2]" in log, log
+
+
+# -- what a script saves after its last step is the run's model -----------------------------------
+
+# A plain loop of STEPS steps, each peer on data of its own, that saves a checkpoint mid-training
+# (step 12: not a sync step) and, after its last step, its model in each way the issue names.
+SAVES = """
+import os, sys, torch
+from safetensors.torch import save_file, save_model
+torch.manual_seed(os.getpid())  # each peer its own data; the run's version 0 is the first peer's
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(1, int(sys.argv[1]) + 1):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if step == 12:
+        torch.save({"model": model.state_dict(), "step": step}, "checkpoint.pt")
+torch.save(model.state_dict(), "model.pt")
+save_file(model.state_dict(), "model.safetensors")
+save_model(model, "saved_model.safetensors")
+print("trained")
+"""
+SAVED = {"model.pt": torch.load, "model.safetensors": safetensors.torch.load_file,
+         "saved_model.safetensors": safetensors.torch.load_file}  # fmt: skip
+
+
+def hub_version(data_dir: Path, run: str, version: int) -> dict[str, torch.Tensor]:
+    """Version ``version`` of ``run`` as the hub stored it (the hub keeps its last three)."""
+    return safetensors.torch.load_file(str(data_dir / "runs" / run / "versions" / f"{version:08d}.safetensors"))
+
+
+def assert_holds(saved: dict[str, torch.Tensor], version: dict[str, torch.Tensor]) -> None:
+    assert saved.keys() == version.keys() and all(torch.equal(saved[k], version[k]) for k in saved)
+
+
+def test_a_plain_loop_saves_the_runs_model_whichever_way_it_saves(tmp_path: Path) -> None:
+    """Two launches of 2 local peers, side by side: 40 steps (a multiple of 5) in fp32, and 37 in
+    int8. Every file each peer saves after its last step, in each way, is identical across the
+    peers and holds a version the hub stored: the last one (fp32), or the one before the int8
+    run's final flush. The checkpoint at step 12 moved the sync of steps 11-15 to step 12 and cost
+    no round: the rounds are one per window of 5 steps (and int8's flush)."""
+    (tmp_path / "train.py").write_text(SAVES)
+    runs = {"fp32": "40", "int8": "37"}
+    procs = {codec: launch("--local-peers", "2", "--sync-every", "5", "--codec", codec, "--out", str(tmp_path / codec),
+                           "--", sys.executable, "train.py", steps, cwd=tmp_path) for codec, steps in runs.items()}  # fmt: skip
+    for codec, proc in procs.items():
+        done = finish(proc)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        out = tmp_path / codec
+        rows = round_rows(done.stdout)
+        steps = [int(r[1]) for r in rows]
+        ((_, last, digest),) = HUB.findall(done.stdout)
+        if codec == "fp32":
+            assert steps == [5, 10, 12, 20, 25, 30, 35, 40] and int(last) == 8
+            saved_version = 8
+        else:  # the read at 37 made the last window's sync; the flush at exit one more (no step)
+            assert steps == [5, 10, 12, 20, 25, 30, 35, 37] and int(last) == 9
+            saved_version = 8
+        version = hub_version(out / "hub", "local", saved_version)
+        for peer in PEERS:
+            for name, load in SAVED.items():
+                assert_holds(load(out / peer / name), version)
+            assert LEFT.findall((out / f"{peer}.log").read_text()) == [(peer, "local", last, digest)]
+        if codec == "fp32":
+            assert weights_sha256({k: v.numpy() for k, v in version.items()}) == digest

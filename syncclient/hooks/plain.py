@@ -4,38 +4,52 @@
 every optimizer in the process, whatever the loop looks like. At the first step (before it
 updates anything) the pre-hook finds the model the optimizer trains (:mod:`.model`), joins the
 run, which loads the run's version into it (so all peers start from the same weights), and
-removes itself. After every step the post-hook counts; every ``sync_every`` steps (or, with
-``round_samples``, when the hub says the round is due) a sync is due, and it is made, blocking,
-at the start of the lead's next step (a pre-hook, before that step changes the weights), or at
-exit if no step comes. So a peer's last sync is always the one at exit, marked final (as the
-callbacks mark theirs: :meth:`SyncClient.sync`), whether or not the step count is a multiple of
-N: peers of one run, whatever their kind, then agree on their last round and end on the same
-version. The cost: that next step's gradient was computed on the weights before the sync, as
-if one step were in flight (the SDK's overlap keeps more than that): negligible at N in the
-hundreds.
+removes itself. After every step the post-hook counts.
+
+**When a sync is made.** Steps fall in windows of ``sync_every`` (steps 1-N, N+1-2N, ...), and
+each window that trained makes one sync, so peers of any kind (a Trainer's callback syncs at
+every N-th step) agree on their rounds:
+
+- right after the window's last step (step kN), as the callbacks make theirs after the
+  optimizer step; with two optimizers over one model (Muon + AdamW) after the iteration's last
+  optimizer, so that the sync holds the whole iteration;
+- or earlier, when the program first reads the model's state (``model.state_dict()``: what
+  ``torch.save(model.state_dict())``, safetensors' ``save_file`` / ``save_model`` and
+  ``save_pretrained`` all do) with steps not synced yet: so a file saved after the last step
+  holds the run's model, however many steps came before it. The window's sync is then spent:
+  its steps after the read go into the next window's sync, so a checkpoint saved mid-training
+  costs no round (it moves one earlier);
+- or at exit, if steps were never synced: the last sync, marked final (:meth:`SyncClient.sync`:
+  plain averaging, and a lossy codec's residual flushed in one more round). A program whose
+  last sync was made before it ended (after step kN, or at a read) flushes that residual at
+  exit instead (:meth:`SyncClient.flush`), in the same one more round: a file it saved holds
+  the version before that round, identical on every peer.
+
+A ``round_samples`` run syncs at the first step after the hub says the round is due, and at
+exit: its rounds are no fixed number of steps, so a read does not sync.
 
 Steps are those of one optimizer, the *lead* (the first to step): two optimizers over parts of
-one model (e.g. Muon for the matrices, AdamW for the rest) step once each per iteration, which
-is one step, not two. Another optimizer is looked at once, on its first step: over the same
-model it is fine (and becomes the lead when the lead is gone, e.g. re-created per epoch); over
-another model it is refused (one run syncs one model).
+one model step once each per iteration, which is one step, not two. Another optimizer is looked
+at once, on its first step: over the same model it is fine (and becomes the lead when the lead
+is gone, e.g. re-created per epoch); over another model it is refused (one run syncs one model).
 
 At exit (when the program's main thread ends, before the interpreter shuts its thread pools
-down: the SDK uploads from one), unless the program died of an exception: the last, final sync
-if the lead stepped since the previous one, then leave the run (the hub stops waiting for this
-peer: the others go on without it). Peers that took the same number of steps (sharded data
-makes sure of it) thus end bit-identical; what the program saved *before* that last sync holds
-its own last steps, not the merged weights.
+down: the SDK uploads from one), unless the program died of an exception: the last sync or the
+flush above, then leave the run (the hub stops waiting for this peer: the others go on without
+it). Peers that took the same number of steps (sharded data makes sure of it) thus end
+bit-identical.
 
 Refusals (no single model, a second model, the hub rank disagreeing with ``WEIGHTSYNC_RANK``,
 a failed sync) end the program with one line on stderr and exit code 1 (``SystemExit``), not a
 traceback through the training loop.
 
-Cost per step between syncs: a weak reference call, a counter, a comparison (bench/hooks.py).
+Cost per step between syncs: a weak reference call, a counter, a comparison (bench/hooks.py);
+per ``state_dict()`` call of any module, an identity check.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -70,10 +84,16 @@ class PlainLoop:
         self.steps = 0  # the lead optimizer's steps since join
         self.last_sync = 0  # self.steps at the last sync
         self.samples = 0  # trained since the last sync
+        self.synced_window = -1  # the last window (of sync_every steps, from 0) that made its sync
         self._lead: Any = _dead  # a weakref to the lead optimizer (a dead one returns None)
+        self._latest: Any = _dead  # the optimizer that stepped last
+        self._tail: Any = _dead  # the last optimizer to step before the lead's latest step
         self._others: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         self._by_samples = False
-        self._due = False  # a sync is due: made at the lead's next step, or at exit
+        self._due = False  # a sync waits for the iteration's last optimizer (or the lead's next step)
+        self._final = False  # the last sync was marked final: nothing to flush at exit
+        self._last_samples = 1  # the last sync's weight, which its flush weighs too
+        self._syncing = False
         self._pid = os.getpid()
         self._begun = False
         self._pre: Any = None  # torch's hook handles
@@ -111,20 +131,24 @@ class PlainLoop:
         self._scale(optimizer)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Before the lead's step that follows a due sync: make it (the weights are still those
-        the steps so far left). The other optimizers' steps of the due iteration come first."""
-        lead = self._lead()
-        if not self._due or self.client is None or (lead is not None and lead is not optimizer):
-            return
-        self._due = False
-        self._sync()
+        """Before the lead's next step, if the sync of the iteration before is still due (its
+        last optimizer did not step this time): make it before this step changes the weights."""
+        if self._due and self.client is not None and self._lead() in (optimizer, None):
+            self._sync()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._pre is not None and not self._due:  # joined, and no sync waits: no pre-hook needed
             self._pre.remove()
             self._pre = None
         if self._lead() is not optimizer and not self._adopt(optimizer):
+            if self.client is not None:  # another optimizer over the model, in the lead's iteration
+                self._latest = weakref.ref(optimizer)
+                if self._due and self._tail() is optimizer:
+                    self._sync()
             return
+        if self._latest() is not None:
+            self._tail = self._latest
+        self._latest = weakref.ref(optimizer)
         samples = shard.take_samples() or 1  # a loop without a DataLoader counts steps
         self.steps += 1
         self.samples += samples
@@ -132,11 +156,30 @@ class PlainLoop:
             self.client.progress(samples)
             due = self.client.due
         else:
-            due = self.steps - self.last_sync >= self.settings.sync_every  # type: ignore[operator]
-        if due and not self._due:
+            due = self.steps % self.settings.sync_every == 0 and self.synced_window < self._window()  # type: ignore[operator]
+        if not due:
+            return
+        if self._tail() in (None, optimizer):  # one optimizer: its step ends the iteration
+            self._sync()
+        else:
             self._due = True
             if self._pre is None:
                 self._pre = register_optimizer_step_pre_hook(self._before_step)
+
+    def _state_read(self, module: torch.nn.Module) -> None:
+        """The program reads ``module``'s state: if it is the model's and steps wait to be
+        synced, sync them first (once per window), so that what it reads is the run's model."""
+        if self.client is None or self._syncing or os.getpid() != self._pid:
+            return
+        if module is not self.model and module is not _inner(self.model):
+            return
+        unsynced = not self._by_samples and self.steps > self.last_sync and self.synced_window < self._window()
+        if self._due or unsynced:
+            self._sync()
+
+    def _window(self) -> int:
+        """The window of the lead's latest step: steps 1..N are window 0."""
+        return (self.steps - 1) // self.settings.sync_every  # type: ignore[operator]
 
     def _adopt(self, optimizer: torch.optim.Optimizer) -> bool:
         """Another optimizer stepped: is it over our model, and is it the lead now?"""
@@ -191,16 +234,25 @@ class PlainLoop:
             f"in run {settings.run!r}, "
             + ("when rounds are due" if self._by_samples else f"every {settings.sync_every} optimizer steps")
         )
+        _watch_state_reads(self)
         _at_main_thread_exit(self._at_exit)
 
-    def _sync(self) -> None:
+    def _sync(self, *, final: bool = False) -> None:
         from syncclient.exceptions import SyncError
 
+        self._due, self._syncing = False, True
         try:
-            self.client.sync(self.model, samples=self.samples, metrics={"step": float(self.steps)})
+            self.client.sync(self.model, samples=max(1, self.samples), metrics={"step": float(self.steps)}, final=final)
         except SyncError as exc:
+            if final:
+                raise
             self._refuse(f"the sync at step {self.steps} failed: {exc}")
+        finally:
+            self._syncing = False
+        self._last_samples, self._final = max(1, self.samples), final
         self.last_sync, self.samples = self.steps, 0
+        if not self._by_samples and self.steps:
+            self.synced_window = self._window()
 
     def _refuse(self, why: str) -> NoReturn:
         """Leave the run (no last sync at exit) and end the program with one line."""
@@ -218,14 +270,28 @@ class PlainLoop:
             if session.crashed():
                 session.note("the program failed: leaving the run without a last sync")
             elif self.steps > self.last_sync:
-                self.client.sync(
-                    self.model, samples=max(1, self.samples), metrics={"step": float(self.steps)}, final=True
-                )
-                self.last_sync = self.steps
+                self._sync(final=True)
+            elif self.last_sync and not self._final:
+                self.client.flush(self.model, samples=self._last_samples)
         except SyncError as exc:
             session.note(f"the last sync failed ({exc}): this peer's weights may differ from the others'")
         finally:
             self.client.leave()
+
+
+def _watch_state_reads(loop: PlainLoop) -> None:
+    """``torch.nn.Module.state_dict``, wrapped to tell ``loop`` first: every way of saving a model
+    (``torch.save(model.state_dict())``, safetensors, ``save_pretrained``, a checkpoint) reads it.
+    On the class, not the model: a hook stored on the model would travel with ``torch.save(model)``
+    and ``copy.deepcopy``."""
+    original = torch.nn.Module.state_dict
+
+    @functools.wraps(original)
+    def state_dict(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        loop._state_read(self)
+        return original(self, *args, **kwargs)
+
+    torch.nn.Module.state_dict = state_dict  # type: ignore[method-assign]
 
 
 def _model_of(optimizer: torch.optim.Optimizer) -> torch.nn.Module:
