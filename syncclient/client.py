@@ -352,15 +352,18 @@ class SyncClient:
     ) -> SyncResult:
         """A blocking sync; if ``final``, the flush round after it (see :meth:`sync`)."""
         result = self._apply(self._start(view, samples, metrics, keep_local=False, final=final), view)
-        if final and self._flushes() and not result.caught_up:
+        if final and self.flushes and not result.caught_up:
             # the model is the merged version now, so this update is the residual alone; it weighs
             # what the update it was cut from weighed
             result = self._apply(self._start(view, samples, None, keep_local=False, final=True), view)
         return result
 
-    def _flushes(self) -> bool:
-        """Whether a peer's last sync sends what error feedback held back in a round of its own."""
-        assert self._state is not None
+    @property
+    def flushes(self) -> bool:
+        """Whether this run's last sync sends what error feedback held back in one more round
+        (a lossy codec that flushes, in a barrier run: see :meth:`sync`). False before join."""
+        if self._state is None:
+            return False
         codec = self._state.codec
         return not codec.lossless and codec.flush and self.policy == "barrier"
 
@@ -380,7 +383,7 @@ class SyncClient:
             raise SyncError("join(model) before flush()")
         if self._group is not None:
             raise SyncError("flush() is for one process per peer: in a process group, mark the last sync final")
-        if not self._flushes():
+        if not self.flushes:
             return None
         view = ModelView(model)
         return self._apply(self._start(view, samples, None, keep_local=False, final=True), view)

@@ -7,23 +7,24 @@ run, which loads the run's version into it (so all peers start from the same wei
 removes itself. After every step the post-hook counts.
 
 **When a sync is made.** Steps fall in windows of ``sync_every`` (steps 1-N, N+1-2N, ...), and
-each window that trained makes one sync, so peers of any kind (a Trainer's callback syncs at
-every N-th step) agree on their rounds:
+each window makes at most one round, so peers of any kind (a Trainer's callback syncs at every
+N-th step) agree on their rounds:
 
 - right after the window's last step (step kN), as the callbacks make theirs after the
   optimizer step; with two optimizers over one model (Muon + AdamW) after the iteration's last
   optimizer, so that the sync holds the whole iteration;
-- or earlier, when the program first reads the model's state (``model.state_dict()``: what
+- or earlier, when the program reads the model's state (``model.state_dict()``: what
   ``torch.save(model.state_dict())``, safetensors' ``save_file`` / ``save_model`` and
-  ``save_pretrained`` all do) with steps not synced yet: so a file saved after the last step
-  holds the run's model, however many steps came before it. The window's sync is then spent:
-  its steps after the read go into the next window's sync, so a checkpoint saved mid-training
-  costs no round (it moves one earlier);
-- or at exit, if steps were never synced: the last sync, marked final (:meth:`SyncClient.sync`:
-  plain averaging, and a lossy codec's residual flushed in one more round). A program whose
-  last sync was made before it ended (after step kN, or at a read) flushes that residual at
-  exit instead (:meth:`SyncClient.flush`), in the same one more round: a file it saved holds
-  the version before that round, identical on every peer.
+  ``save_pretrained`` all do) with steps not synced yet: they are synced then, marked final as
+  a Trainer's last sync is (:meth:`SyncClient.sync`: plain averaging; with a lossy codec the
+  residual flushed in one more round, which takes the next window's round). A read just after
+  an ordinary sync of such a codec flushes its residual (:meth:`SyncClient.flush`), in the
+  next window's round too. So a file saved after the last step holds the run's model, the
+  version the hub serves, identical on every peer whatever kind each is; a window whose round
+  was taken trains on into the next one, so a checkpoint saved mid-training costs no round
+  (a second read in a taken window syncs nothing: that file holds the steps since);
+- or at exit, what is still unsynced: the steps since the last sync, in a last final sync, or
+  the residual of an ordinary last sync, flushed.
 
 A ``round_samples`` run syncs at the first step after the hub says the round is due, and at
 exit: its rounds are no fixed number of steps, so a read does not sync.
@@ -34,7 +35,7 @@ at once, on its first step: over the same model it is fine (and becomes the lead
 is gone, e.g. re-created per epoch); over another model it is refused (one run syncs one model).
 
 At exit (when the program's main thread ends, before the interpreter shuts its thread pools
-down: the SDK uploads from one), unless the program died of an exception: the last sync or the
+down: the SDK uploads from one), unless the program died of an exception: the last sync or
 flush above, then leave the run (the hub stops waiting for this peer: the others go on without
 it). Peers that took the same number of steps (sharded data makes sure of it) thus end
 bit-identical.
@@ -91,7 +92,7 @@ class PlainLoop:
         self._others: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         self._by_samples = False
         self._due = False  # a sync waits for the iteration's last optimizer (or the lead's next step)
-        self._final = False  # the last sync was marked final: nothing to flush at exit
+        self._unflushed = False  # the last sync was an ordinary one of a run whose codec flushes
         self._last_samples = 1  # the last sync's weight, which its flush weighs too
         self._syncing = False
         self._pid = os.getpid()
@@ -167,15 +168,20 @@ class PlainLoop:
                 self._pre = register_optimizer_step_pre_hook(self._before_step)
 
     def _state_read(self, module: torch.nn.Module) -> None:
-        """The program reads ``module``'s state: if it is the model's and steps wait to be
-        synced, sync them first (once per window), so that what it reads is the run's model."""
+        """The program reads ``module``'s state: if it is the model's, make what it reads the
+        run's model first (see the module docstring)."""
         if self.client is None or self._syncing or os.getpid() != self._pid:
             return
         if module is not self.model and module is not _inner(self.model):
             return
-        unsynced = not self._by_samples and self.steps > self.last_sync and self.synced_window < self._window()
-        if self._due or unsynced:
+        if self._due:
             self._sync()
+        if self._by_samples:
+            return
+        if self.steps > self.last_sync and self.synced_window < self._window():
+            self._sync(final=True)
+        elif self._unflushed:
+            self._flush()
 
     def _window(self) -> int:
         """The window of the lead's latest step: steps 1..N are window 0."""
@@ -238,21 +244,40 @@ class PlainLoop:
         _at_main_thread_exit(self._at_exit)
 
     def _sync(self, *, final: bool = False) -> None:
+        """Sync the steps since the last sync; ``final``: with a lossy codec, flush the residual
+        in one more round, which takes the next window's round."""
         from syncclient.exceptions import SyncError
 
         self._due, self._syncing = False, True
+        samples = max(1, self.samples)
         try:
-            self.client.sync(self.model, samples=max(1, self.samples), metrics={"step": float(self.steps)}, final=final)
+            result = self.client.sync(self.model, samples=samples, metrics={"step": float(self.steps)}, final=final)
         except SyncError as exc:
             if final:
                 raise
             self._refuse(f"the sync at step {self.steps} failed: {exc}")
         finally:
             self._syncing = False
-        self._last_samples, self._final = max(1, self.samples), final
+        flushed = final and self.client.flushes and not result.caught_up
+        self._last_samples, self._unflushed = samples, self.client.flushes and not final
         self.last_sync, self.samples = self.steps, 0
         if not self._by_samples and self.steps:
-            self.synced_window = self._window()
+            self.synced_window = self._window() + int(flushed)
+
+    def _flush(self) -> None:
+        """Send the residual the last (ordinary) sync held back, in the next window's round."""
+        from syncclient.exceptions import SyncError
+
+        self._syncing = True
+        try:
+            result = self.client.flush(self.model, samples=self._last_samples)
+        except SyncError as exc:
+            self._refuse(f"the flush at step {self.steps} failed: {exc}")
+        finally:
+            self._syncing = False
+        self._unflushed = False
+        if result is not None and not result.caught_up:
+            self.synced_window += 1
 
     def _refuse(self, why: str) -> NoReturn:
         """Leave the run (no last sync at exit) and end the program with one line."""
@@ -271,7 +296,7 @@ class PlainLoop:
                 session.note("the program failed: leaving the run without a last sync")
             elif self.steps > self.last_sync:
                 self._sync(final=True)
-            elif self.last_sync and not self._final:
+            elif self._unflushed:
                 self.client.flush(self.model, samples=self._last_samples)
         except SyncError as exc:
             session.note(f"the last sync failed ({exc}): this peer's weights may differ from the others'")
