@@ -96,6 +96,7 @@ class PlainLoop:
         self._last_samples = 1  # the last sync's weight, which its flush weighs too
         self._syncing = False
         self._pid = os.getpid()
+        self._thread = threading.get_ident()  # the training thread (reads from others do not sync)
         self._begun = False
         self._pre: Any = None  # torch's hook handles
         self._post: Any = None
@@ -127,6 +128,7 @@ class PlainLoop:
                 self._post = None
             return
         self._join(_model_of(optimizer))
+        self._thread = threading.get_ident()
         self._lead = weakref.ref(optimizer)
         self._others[optimizer] = True
         self._scale(optimizer)
@@ -172,6 +174,8 @@ class PlainLoop:
         run's model first (see the module docstring)."""
         if self.client is None or self._syncing or os.getpid() != self._pid:
             return
+        if threading.get_ident() != self._thread:
+            return  # a read from another thread (a background checkpoint) waits for the next one
         if module is not self.model and module is not _inner(self.model):
             return
         if self._due:
