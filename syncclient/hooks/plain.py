@@ -149,9 +149,13 @@ class PlainLoop:
                 if self._due and self._tail() is optimizer:
                     self._sync()
             return
-        if self._latest() is not None:
-            self._tail = self._latest
-        self._latest = weakref.ref(optimizer)
+        latest = self._latest()
+        if latest is not optimizer:  # another optimizer stepped last: it ends the lead's iterations
+            if latest is not None:
+                self._tail = self._latest
+            self._latest = self._lead
+        elif self._tail is not self._lead:  # the lead stepped last: its step ends the iteration
+            self._tail = self._lead
         samples = shard.take_samples() or 1  # a loop without a DataLoader counts steps
         self.steps += 1
         self.samples += samples
