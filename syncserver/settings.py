@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, get_origin
 
-from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from syncserver.limits import (
     MAX_BYTES,
@@ -265,3 +266,52 @@ class HubSettings(BaseSettings):
         if self.long_poll_seconds > self.lease_seconds / 2:
             self.long_poll_seconds = self.lease_seconds / 2
         return self
+
+
+# -- from flags and variables: one line naming a bad one ------------------------------------------
+
+
+class SettingsInputError(ValueError):
+    """A hub setting that does not hold: one line naming the flag or variable that gave it."""
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    return "SYNC_" + field.upper()
+
+
+def hub_settings(flags: dict[str, str], **defaults: Any) -> HubSettings:
+    """The settings from ``flags`` (raw strings, by field name), else ``SYNC_*`` variables, else
+    ``defaults`` (a caller's own), else the model's defaults. ``syncserver serve``'s flags and
+    the local launcher (:func:`syncserver.local.hub_settings_for`) both come here.
+
+    Flag strings are handed to pydantic as they are, so a flag and its variable accept the
+    same spellings; only a dict field (``--run-tokens``) is JSON, as its variable is.
+    """
+    given: dict[str, Any] = {}  # Any: each value goes to the field of its name, pydantic checks it
+    for name, raw in flags.items():
+        if get_origin(HubSettings.model_fields[name].annotation) is dict:
+            try:
+                given[name] = json.loads(raw)
+            except ValueError:
+                raise SettingsInputError(
+                    f'{flag_name(name)}: not JSON, expected an object such as \'{{"run": "token"}}\''
+                ) from None
+        else:
+            given[name] = raw
+    try:
+        settings = HubSettings(**given)
+        below_env = {k: v for k, v in defaults.items() if k not in settings.model_fields_set}
+        return HubSettings(**given, **below_env) if below_env else settings
+    except SettingsError as exc:  # an env value that does not parse at all, e.g. SYNC_RUN_TOKENS
+        raise SettingsInputError(f"{exc} (SYNC_RUN_TOKENS must be a JSON object)") from None
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = str(error["loc"][0]) if error["loc"] else None
+            source = "" if field is None else (flag_name(field) if field in flags else env_name(field)) + ": "
+            problems.append(source + error["msg"].removeprefix("Value error, "))
+        raise SettingsInputError("; ".join(problems)) from None

@@ -57,8 +57,13 @@ BUDGETS: dict[str, float] = {
     # run, beside the heaviest tests); two VMs, `python -m` and a console script (merged scenarios)
     "tests/test_zero_code.py::test_a_plain_loop_steps_at_the_scaled_rate_and_keeps_its_own": 10,
     "tests/test_zero_code.py::test_a_peer_that_finishes_first_leaves_without_holding_the_other_back": 8,
-    # two transformers processes, the second a Trainer (subclass): the Trainer-subclass test is merged in
-    "tests/test_zero_code.py::test_two_machines_a_plain_loop_and_a_trainer_end_on_the_hubs_last_version": 12,
+    # two transformers processes, the second a Trainer (subclass): the Trainer-subclass test is merged in;
+    # 7 steps, 5 rounds, both save (issue 37)
+    "tests/test_zero_code.py::test_two_machines_a_plain_loop_and_a_trainer_end_on_the_hubs_last_version": 14,
+    # issue 37, what a script saves (docs/TESTING.md, merged scenarios): two --local-peers 2 launches
+    # side by side (4 torch peers, 2 hubs); two VMs, one of them Lightning (~4 CPU-s to import)
+    "tests/test_zero_code.py::test_a_plain_loop_saves_the_runs_model_whichever_way_it_saves": 9,
+    "tests/test_zero_code.py::test_two_machines_a_plain_loop_and_a_lightning_run_save_the_hubs_last_version": 12,
     # torchrun groups: three peer shapes in one run (9 processes that import torch, 6 of them
     # transformers); a killed rank (two peers, 6 processes); a hub gone for good (3 processes and
     # 0.5 s of the SDK's retries). Alone, on a shared 2-core VM (load 5), 2026-11-27: 25, 15, 10 s

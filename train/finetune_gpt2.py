@@ -746,8 +746,7 @@ LAUNCH_ONLY = {"--local-peers": 1, "--serial-baseline": 0, "--output-dir": 1, "-
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    from syncserver.cli import SettingsInputError, hub_settings
-    from syncserver.local import LaunchError, LocalRun
+    from syncserver.local import LaunchError, LocalRun, hub_settings_for
 
     t0 = time.time()
     k = args.local_peers
@@ -759,12 +758,10 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     cfg.pop("token", None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     note("config " + json.dumps(cfg))
-    # As flags, so that they beat SYNC_* variables: the rendezvous must wait for all K peers.
-    flags = {"data_dir": str(out / "hub"), "min_peers": str(k)} | ({"token": args.token} if args.token else {})
     try:
-        settings = hub_settings(flags)
-    except SettingsInputError as exc:
-        raise Fail(f"hub settings: {exc}") from None
+        settings = hub_settings_for(out, k, args.token)
+    except LaunchError as exc:
+        raise Fail(str(exc)) from None
     command = [sys.executable, str(Path(__file__).resolve()), *peer_argv(argv)]
     try:
         with LocalRun(command, peers=k, out=out, settings=settings, run=args.run, metric="eval_ppl") as local:
