@@ -44,7 +44,6 @@ ends there. Results: a markdown table on stdout and ``bench/results/failures-<da
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -57,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,8 +94,8 @@ parser.add_argument("--data-root", type=Path, default=None, help="where the hub'
 class Records:
     """The hub's sqlite, opened read-only (WAL: readers never block the hub's writes)."""
 
-    def __init__(self, data_dir: Path) -> None:
-        self.path = data_dir / "hub.sqlite3"
+    def __init__(self, data_dir: Path, run: str = RUN) -> None:
+        self.path, self.run = data_dir / "hub.sqlite3", run
         self._db: sqlite3.Connection | None = None
 
     def _query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -107,16 +107,28 @@ class Records:
 
     def received(self, round_: int) -> dict[str, float]:
         """Peer -> when the hub acknowledged its update for ``round_``."""
-        return dict(self._query("SELECT peer, received FROM updates WHERE run = ? AND round = ?", RUN, round_))  # type: ignore[arg-type]
+        return dict(self._query("SELECT peer, received FROM updates WHERE run = ? AND round = ?", self.run, round_))  # type: ignore[arg-type]
 
     def updates(self) -> list[tuple[int, str]]:
         """Every acknowledged update: (round, peer)."""
-        return [(r, p) for r, p in self._query("SELECT round, peer FROM updates WHERE run = ?", RUN)]
+        return [(r, p) for r, p in self._query("SELECT round, peer FROM updates WHERE run = ?", self.run)]
 
     def rounds(self) -> dict[int, tuple[float, list[str]]]:
         """Round -> (closed, participants), of the rounds closed so far."""
-        rows = self._query("SELECT round, closed, participants FROM rounds WHERE run = ?", RUN)
+        rows = self._query("SELECT round, closed, participants FROM rounds WHERE run = ?", self.run)
         return {r: (c, json.loads(p)) for r, c, p in rows}
+
+    def idle(self, round_: int, victim: str | None = None) -> float:
+        """Seconds between the last update of ``round_`` the hub acknowledged (of a peer other than
+        ``victim``: a survivor's) and the round's close."""
+        received = [t for peer, t in self.received(round_).items() if peer != victim]
+        return self.rounds()[round_][0] - max(received)
+
+    def lost(self, acked: Iterable[tuple[int, str]] = ()) -> list[tuple[int, str]]:
+        """Acknowledged updates (the hub's records, and ``acked``: (round, peer) that peers saw
+        acknowledged) missing from their round's participants, or whose round never closed."""
+        rounds = self.rounds()
+        return sorted((r, p) for r, p in set(self.updates()) | set(acked) if r not in rounds or p not in rounds[r][1])
 
     def close(self) -> None:
         if self._db is not None:
@@ -198,7 +210,7 @@ class Peers:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 cwd=REPO,
-                preexec_fn=(lambda: enter_netns(ns)) if ns else None,  # noqa: PLW1509 (no threads here)
+                preexec_fn=(lambda: enter_netns(ns)) if ns else None,
             )
         peer = Peer(name, folder, proc)
         self.all.append(peer)
@@ -285,18 +297,14 @@ def measure(
     """The case's figures from the hub's records (see the module docstring)."""
     rounds = records.rounds()
     w, name = row["failure_round"], restarted.name
-
-    def idle(round_: int) -> float:  # the round's close after the last update it merged
-        return rounds[round_][0] - max(records.received(round_).values())
-
     warm = range(1, w) if w > 1 else range(w)  # round 0 waits for every peer's start too
     first_of = {s: peers.all[int(s[1:])] for s in survivors}  # the survivors' only incarnation
     row.update(
         victim_in_failure_round=name in rounds[w][1],
         gone_reason=gone_reason(hub_log, name),
         to_first_round_s=rounds[w][0] - killed,
-        idle_s=rounds[w][0] - max(records.received(w)[s] for s in survivors),
-        healthy_idle_s=statistics.median(idle(r) for r in warm),
+        idle_s=records.idle(w, name),
+        healthy_idle_s=statistics.median(records.idle(r) for r in warm),
         survivor_sync_s=max(p.sync_seconds(w) or 0.0 for p in first_of.values()),
         healthy_sync_s=statistics.median(p.sync_seconds(r) or 0.0 for p in first_of.values() for r in warm),
     )
@@ -311,12 +319,11 @@ def measure(
     )
     row["back_next_round"] = row["rounds_after_join"] is not None and row["rounds_after_join"] <= 1
     # Acknowledged: the hub's update records, and every sync a peer saw come back with its update in.
-    acked = set(records.updates())
-    for peer in peers.all:
-        acked |= {(e["round"], peer.name) for e in peer.events("synced") if not e["caught_up"]}
-    lost = sorted((r, p) for r, p in acked if r not in rounds or p not in rounds[r][1])
-    row.update(acked=len(acked), lost=len(lost), lost_updates=[f"{p}@{r}" for r, p in lost])
-    finals = {p.folder.joinpath(f"final_{p.name}.safetensors").read_bytes() for p in peers.all if p.proc.returncode == 0}
+    seen = {(e["round"], p.name) for p in peers.all for e in p.events("synced") if not e["caught_up"]}
+    lost = records.lost(seen)
+    row.update(acked=len(set(records.updates()) | seen), lost=len(lost), lost_updates=[f"{p}@{r}" for r, p in lost])
+    finished = [p for p in peers.all if p.proc.returncode == 0]
+    finals = {p.folder.joinpath(f"final_{p.name}.safetensors").read_bytes() for p in finished}
     row["final_identical"] = len(finals) == 1
     return row
 
@@ -351,7 +358,7 @@ def _s(value: float | None) -> str:
 def markdown(rows: list[dict[str, Any]], targets: list[dict[str, Any]]) -> str:
     lines = [
         "| N | failure | gone as | idle s (healthy) | to first round without it s | survivors' sync s (healthy) "
-        "| restart → its first round s (join s) | its first round − join version | lost / acked |",
+        "| restart → its first round s (join s) | its first round - join version | lost / acked |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -366,8 +373,16 @@ def markdown(rows: list[dict[str, Any]], targets: list[dict[str, Any]]) -> str:
             f"| {r['lost']} / {r['acked']} |"
         )
     lines += ["", "| target | measured | threshold | met |", "|---|---|---|---|"]
-    lines += [f"| {t['target']} | {t['value']} | {t['threshold']} | {'yes' if t['met'] else '**no**'} |" for t in targets]
+    for t in targets:
+        lines.append(f"| {t['target']} | {t['value']} | {t['threshold']} | {'yes' if t['met'] else '**no**'} |")
     return "\n".join(lines)
+
+
+def hub_default(setting: str) -> Any:
+    """The default of one of the hub's settings (what ``syncserver serve`` uses unless told)."""
+    from syncserver.settings import HubSettings
+
+    return HubSettings.model_fields[setting].default
 
 
 def netns_permitted(prefix: str) -> str | None:
@@ -387,10 +402,7 @@ def main() -> None:
         args.train_seconds, args.warmup, args.after, args.give_up = 0.3, 1, 2, 30.0
     if args.warmup < 1 or args.after < 1 or min(args.peers) < 2:
         parser.error("--warmup and --after must be >= 1, every N >= 2")
-    if args.lease is None:
-        from syncserver.settings import HubSettings
-
-        args.lease = HubSettings.model_fields["lease_seconds"].default
+    args.lease = args.lease or hub_default("lease_seconds")
     started = datetime.datetime.now(datetime.timezone.utc)
     args.ns_prefix = args.ns_prefix or f"wsf{os.getpid()}"
     skipped: dict[str, str] = {}
