@@ -258,7 +258,7 @@ def test_failures_benchmark_measures_a_sigkill_from_the_hubs_records(tmp_path: P
     assert 0 < row["idle_s"] <= row["to_first_round_s"], "the survivors were all in before the kill"
     assert row["healthy_idle_s"] >= 0 and row["survivor_sync_s"] > 0 and row["healthy_sync_s"] > 0
     assert row["first_round"] >= row["join_version"] and row["restart_to_first_round_s"] > row["restart_join_s"] > 0
-    assert row["lost"] == 0 and row["acked"] >= 3 * 4 - 2 and row["final_identical"]
+    assert row["lost"] == 0 and row["acked"] >= 3 + 2 and row["last_round"] >= 3
     assert {t["target"] for t in result["targets"]} >= {"N=3 sigkill: survivors' idle"}
     assert result["skipped"] == {} and result["table"] in stdout
 
