@@ -201,6 +201,7 @@ class SyncClient:
         outer_momentum: float | None = None,
         outer_warmup: int | None = None,
         min_peers: int | None = None,
+        min_merge_peers: int | None = None,
         round_timeout: float | None = None,
         norm_guard: float | None = None,
         policy: str | None = None,
@@ -225,6 +226,7 @@ class SyncClient:
                 "outer_momentum": outer_momentum,
                 "outer_warmup": outer_warmup,
                 "min_peers": min_peers,
+                "min_merge_peers": min_merge_peers,
                 "round_timeout": round_timeout,
                 "norm_guard": norm_guard,
                 "policy": policy,
@@ -270,7 +272,8 @@ class SyncClient:
         def joined(lease: float) -> None:  # the hub knows us from here on: keep the lease
             if self._heartbeat is None:
                 beat = f"{self._runs}/peers/{self.peer}/heartbeat"
-                self._heartbeat = Heartbeat(self._transport, beat, lease=lease, run=self.run, peer=self.peer)
+                watch = self._transport.sibling()  # its own connection: the one the hub watches
+                self._heartbeat = Heartbeat(watch, beat, lease=lease, run=self.run, peer=self.peer)
 
         def version0() -> list[tuple[str, np.ndarray, str]]:  # if the hub tells us to initialise
             return [(name, a, "F32") for name, a in view.export().items()]

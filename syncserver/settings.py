@@ -23,6 +23,12 @@ from syncserver.limits import (
 from syncserver.names import NAME_RULE, is_name
 from syncwire import get_codec
 
+#: the default lease, from bench/lease.py (bench/RESULTS.md, Leases): see docs/RELIABILITY.md
+LEASE_SECONDS = 10.0
+#: seconds a dropped heartbeat connection may stay away before its peer is gone: one lost SYN costs
+#: Linux 1 s (its initial retransmission timeout) before the SDK's reconnect gets through
+DISCONNECT_GRACE = 2.0
+
 Outer = Literal["avg", "diloco"]
 Policy = Literal["barrier", "samples", "async"]
 
@@ -69,15 +75,26 @@ class HubSettings(BaseSettings):
         description='Per-run bearer tokens, JSON: SYNC_RUN_TOKENS=\'{"imdb-gpt2": "..."}\'. A run token '
         "opens /v1/runs/<its run>/... only (it may create that run), nothing else.",
     )
-    min_peers: MinPeers = Field(
+    min_peers: MinPeers = Field(1, description="Peers a new run waits for before it starts (its rendezvous).")
+    min_merge_peers: MinPeers = Field(
         1,
-        description="Peers a new run waits for before it starts; updates a round needs before its deadline may "
-        "close it (fewer once peers left the run).",
+        description="Default of new runs: the fewest updates a round merges (torchft's min_replica_size; fewer "
+        "once peers left the run). A round whose live peers are all in waits for more while it has fewer, and "
+        "status and the dashboard say so. 1: a gone peer never holds a round.",
     )
     round_timeout: Seconds = Field(
         600.0, description="Seconds after a round's first update before stragglers are dropped."
     )
-    lease_seconds: Seconds = Field(60.0, description="A peer not heard from for this long is gone.")
+    lease_seconds: Seconds = Field(
+        LEASE_SECONDS,
+        description="A peer not heard from for this long is gone (a hung or vanished machine); the SDK's "
+        "heartbeat asks every third of it.",
+    )
+    disconnect_grace: Seconds = Field(
+        DISCONNECT_GRACE,
+        description="A peer whose heartbeat connection dropped (its process died) and did not come back within "
+        "this many seconds is gone, without waiting for its lease (one at or over the lease changes nothing).",
+    )
     max_body_bytes: int = Field(
         8 * 1024**3, gt=0, le=MAX_BYTES, description="Hard cap on any upload; the run's schema sets a tighter one."
     )
@@ -236,6 +253,15 @@ class HubSettings(BaseSettings):
         if self.min_peers > self.max_peers_per_run:
             raise ValueError(
                 f"min_peers {self.min_peers} is over max_peers_per_run {self.max_peers_per_run}: no run could start"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _merge_floor_within_start(self) -> HubSettings:
+        if self.min_merge_peers > self.min_peers:
+            raise ValueError(
+                f"min_merge_peers {self.min_merge_peers} is over min_peers {self.min_peers}: a run could start "
+                "with fewer peers than any of its rounds needs"
             )
         return self
 

@@ -246,6 +246,8 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
         line += f"; uploading {', '.join(o['uploading'])}"
     if o["closing"]:
         line += "; closing"
+    elif o.get("waiting_on_floor"):
+        line += f"; waiting for min_merge_peers: {len(o['submitted'])} of {o['merge_floor']} updates"
     elif o["seconds_left"] is not None:
         line += f"; stragglers dropped in {o['seconds_left']:.0f}s"
     if s["version"] < 0:

@@ -47,7 +47,7 @@ def test_help_shows_each_default_once_and_no_secret() -> None:
         assert env_name(name) in flat, name
         default = field.get_default(call_default_factory=True)
         if default not in (None, {}):
-            assert flat.count(f"default: {default}]") == 1, name
+            assert flat.count(f"{env_name(name)}, default: {default}]") == 1, name
     assert "default: None" not in flat
 
 
