@@ -14,7 +14,9 @@ every ``--sync-every`` steps, one torch thread each). Two runs of the same seed,
   ``--chaos-seed``), SIGKILLs it at a random point of the open round and at once starts the same
   command line again, as a supervisor would (same peer name, a new folder): the peer rejoins,
   catches up to the run's version and trains the steps the run has left. The next kill waits
-  until it has been a participant of a round again.
+  until it has been a participant of a round again, and comes only while the run has rounds
+  enough left for a restart (as many as the peers' own start took, and two more; ``--quick``
+  kills after round 0 whatever is left: a peer back after the run's end says so, ``ended_first``).
 
 Each run ends with every peer's validation perplexity (identical: the peers end on the hub's
 last version), compared between the runs (target: within 1%). The hub's records give, per kill:
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import random
 import re
@@ -69,14 +72,14 @@ parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default
 parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data", help="offline imdb/, gpt2-tokenizer/")
 g = parser.add_argument_group("the reference job's flags")
 g.add_argument("--seed", type=int, default=1234, help="the job's --seed, shared by both runs")
-g.add_argument("--max-steps", type=int, default=240, help="optimizer steps per peer")
-g.add_argument("--sync-every", type=int, default=16)
+g.add_argument("--max-steps", type=int, default=320, help="optimizer steps per peer")
+g.add_argument("--sync-every", type=int, default=8)
 g.add_argument("--batch-size", type=int, default=32, help="global batch in blocks")
 g.add_argument("--lr", type=float, default=2e-3)
 g.add_argument("--train-samples", type=int, default=400)
 g.add_argument("--val-samples", type=int, default=20)
 g.add_argument("--test-samples", type=int, default=10)
-parser.add_argument("--quick", action="store_true", help="2 peers, 4 rounds, one kill, no calm run: the smoke test")
+parser.add_argument("--quick", action="store_true", help="2 peers, 6 rounds, one kill, no calm run: the smoke test")
 parser.add_argument("--out", type=Path, default=BENCH / "results", help="folder for the JSON")
 parser.add_argument("--data-root", type=Path, default=None, help="where the runs' folders go")
 
@@ -127,9 +130,21 @@ class Job:
         self.records.close()
 
     def finals(self) -> dict[str, dict[str, Any]]:
-        """Each peer's last incarnation's ``results.json``."""
-        last = {p: folder for p, folder, _, _ in self.incarnations}
-        return {p: json.loads((folder / "results.json").read_text()) for p, folder in last.items()}
+        """Each peer's ``results.json``: of its last incarnation that finished."""
+        done = {p: f / "results.json" for p, f, _, _ in self.incarnations if (f / "results.json").exists()}
+        return {p: json.loads(path.read_text()) for p, path in done.items()}
+
+
+def ended_first(folder: Path) -> bool:
+    """The incarnation found the run past its last step (the others ended before it was back)."""
+    log = folder / "peer.log"
+    return log.exists() and "past the" in log.read_text(errors="replace")
+
+
+def restart_rounds(job: Job, rounds: dict[int, tuple[float, list[str]]]) -> int:
+    """Rounds that pass while a peer starts: the peers' own start (to round 0's close) over a round."""
+    typical = statistics.median(rounds[r][0] - rounds[r - 1][0] for r in rounds if r - 1 in rounds)
+    return math.ceil((rounds[0][0] - job.started) / max(typical, 0.1))
 
 
 def joined_version(log: Path) -> int | None:
@@ -155,18 +170,24 @@ def run_job(args: argparse.Namespace, name: str, data: Path, work: Path, kills: 
                 raise TimeoutError(f"{name}: still running after 30 min; see {job.folder}")
             rounds = job.records.rounds()
             latest = max(rounds, default=-1)
-            # a kill in round latest+1 leaves a round for the victim to come back in, and one more
+            # a kill in round latest+1 leaves the rounds a restart takes (as long as the peers' start
+            # took, at the pace of the rounds so far; --quick: none) and two more
+            margin = 0 if args.quick or latest < 1 else restart_rounds(job, rounds)
             if (
                 kills
                 and latest >= next_kill
-                and latest + 3 <= last_round
+                and latest + 3 + margin <= last_round
                 and all(job.live(p).poll() is None for p in peers)
             ):
                 failures.append(kill_one(job, rng, peers, rounds, args.lease))
                 next_kill = failures[-1]["back_round"] + args.kill_every
                 continue
             time.sleep(0.05)
-        bad = [folder for _, folder, proc, _ in job.incarnations if proc.returncode not in (0, -signal.SIGKILL)]
+        bad = [
+            folder
+            for _, folder, proc, _ in job.incarnations
+            if proc.returncode not in (0, -signal.SIGKILL) and not ended_first(folder)
+        ]
         if bad:
             tail = (bad[0] / "peer.log").read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{name}: {len(bad)} peers failed; {bad[0].name}'s log ends:\n{tail}")
@@ -234,6 +255,7 @@ def kill_one(
         "back_round": again if again is not None else max(got),
         "restart_to_first_round_s": got[again][0] - restarted if again is not None else None,
         "rounds_after_join": again - join if again is not None and join is not None else None,
+        "ended_first": ended_first(folder),
     }
 
 
@@ -252,10 +274,11 @@ def markdown(runs: list[dict[str, Any]], targets: list[dict[str, Any]]) -> str:
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for i, f in enumerate(chaos["failures"]):
             restart = "-" if f["restart_to_first_round_s"] is None else f"{f['restart_to_first_round_s']:.2f}"
+            after = "the run ended first" if f["ended_first"] else f["rounds_after_join"]
             lines.append(f"| {i} | {f['victim']} | {f['killed_in_round']} | {f['first_round_after']} "
                          f"({'yes' if f['restarted_in_it'] else 'no'}) | "
                          f"{f['idle_s']:.2f} | {f['to_first_round_s']:.2f} | {restart} "
-                         f"| {f['rounds_after_join']} |")  # fmt: skip
+                         f"| {after} |")  # fmt: skip
     lines += ["", "| target | measured | threshold | met |", "|---|---|---|---|"]
     for t in targets:
         lines.append(f"| {t['target']} | {t['value']} | {t['threshold']} | {'yes' if t['met'] else '**no**'} |")
@@ -282,7 +305,7 @@ def check_targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main() -> None:
     args = parser.parse_args()
     if args.quick:
-        args.peers, args.max_steps, args.kill_every, args.baseline = 2, 4 * args.sync_every, 1, False
+        args.peers, args.max_steps, args.kill_every, args.baseline = 2, 6 * args.sync_every, 1, False
         args.train_samples, args.lease = 100, args.lease or 3.0
     if args.peers < 2 or args.kill_every < 1 or args.max_steps < 4 * args.sync_every:
         parser.error("want --peers >= 2, --kill-every >= 1 and --max-steps of 4 rounds or more")

@@ -269,7 +269,9 @@ def run_case(args: argparse.Namespace, n: int, kind: str, net: Net | None, work:
     try:
         for j in range(n):  # the victim may train the warm-up rounds only
             peers.start(j, w - 1 if j == k else w)
-        wait(lambda: set(survivors) <= set(records.received(w)), "the survivors' updates of round W", 120 + 10 * n)
+        # polled often: the kill follows the last survivor's update within ~10 ms, idle is measured from it
+        if poll(lambda: set(survivors) <= set(records.received(w)), 120 + 10 * n, every=0.005) is None:
+            raise TimeoutError(f"the survivors' updates of round {w} did not all come; see {folder}")
         victim = peers.latest(f"p{k}")
         killed = time.time()
         fail(kind, victim, net, k)

@@ -254,8 +254,8 @@ def test_failures_benchmark_measures_a_sigkill_from_the_hubs_records(tmp_path: P
     stdout, result = run_bench("failures", tmp_path / "results", "--quick", "--kills", "sigkill", "--no-netns")
     (row,) = result["rows"]
     assert (row["peers"], row["kill"], row["lease"]) == (3, "sigkill", 3.0)
-    assert not row["victim_in_failure_round"] and row["gone_reason"] is not None
-    assert 0 < row["idle_s"] <= row["to_first_round_s"], "the survivors were all in before the kill"
+    assert not row["victim_in_failure_round"] and row["gone_reason"] == "disconnected", "its connection dropped"
+    assert 0 < row["to_first_round_s"] <= row["idle_s"], "the survivors were all in before the kill"
     assert row["healthy_idle_s"] >= 0 and row["survivor_sync_s"] > 0 and row["healthy_sync_s"] > 0
     assert row["first_round"] >= row["join_version"] and row["restart_to_first_round_s"] > row["restart_join_s"] > 0
     assert row["lost"] == 0 and row["acked"] >= 3 + 2 and row["last_round"] >= 3
@@ -281,10 +281,12 @@ def test_chaos_benchmark_kills_and_restarts_a_reference_job_peer(tmp_path: Path)
     the run ends on one version with the restarted peer in it, and loses nothing acknowledged."""
     _, result = run_bench("chaos", tmp_path / "results", "--quick", "--data-root", str(tmp_path), timeout=300)
     (run,) = result["runs"]
-    assert run["run"] == "chaos" and run["final_version"] == 4 and run["val_ppl_identical"]
-    assert run["lost"] == 0 and run["acked"] >= 2 * 4 - 1
+    assert run["run"] == "chaos" and run["final_version"] == 6 and run["val_ppl_identical"]
+    assert run["lost"] == 0 and run["acked"] >= 6 + 1, "every round merged an update, round 0 both"
     (failure,) = run["failures"]
+    assert failure["killed_in_round"] >= 1 and failure["first_round_after"] >= 1
     assert failure["idle_s"] >= 0 and failure["to_first_round_s"] > 0
-    assert failure["rounds_after_join"] is not None and failure["back_round"] <= 3, "back before the run ended"
+    # back in a round of the run, at most one after its join; or restarted after the run's end (a loaded box)
+    assert failure["ended_first"] or 0 <= failure["rounds_after_join"] <= 1
     assert [t["target"] for t in result["targets"]] == ["acknowledged updates lost", "survivors' idle per SIGKILL"]
     assert list(tmp_path.glob("bench-chaos-*")) == [], "its folders are removed"
