@@ -87,8 +87,11 @@ class Heartbeat(_Daemon):
             if failures >= 3:
                 log.info("run %s: heartbeats are answered again", self._run)
             failures = 0
+            took = time.monotonic() - started
             if not answer.get("watch", False):  # a hub that answers at once: beat every third of the lease
-                self._stop.wait(max(0.0, hold - (time.monotonic() - started)))
+                self._stop.wait(max(0.0, hold - took))
+            elif took < hold / 2:  # answered early: the hub is stopping (or we left); do not spin on it
+                self._stop.wait(min(1.0, hold / 3))
 
 
 class ProgressReporter(_Daemon):

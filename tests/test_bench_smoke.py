@@ -145,6 +145,15 @@ def test_group_benchmark_times_every_peer_shape(tmp_path: Path) -> None:
     assert len(record["rows"][1]["broadcast_s"]) == 1
 
 
+def test_lease_benchmark_measures_a_peer_s_lease_age(tmp_path: Path) -> None:
+    """bench/lease.py for a second of the idle load: a hub, a peer, the ages of its lease."""
+    out, data = run_bench("lease", tmp_path, "--loads", "idle", "--seconds", "1", "--lease", "3", timeout=120)
+    (row,) = data["rows"]
+    assert row["load"] == "idle" and row["samples"] > 0 and row["false_gone"] == 0
+    assert 0 <= row["max_age_s"] < 3 and row["margin_s"] > 0
+    assert "| idle | 3 | 1 |" in out
+
+
 def test_hooks_benchmark_times_hooked_and_plain_steps(tmp_path: Path) -> None:
     """bench/hooks.py with a few steps: both processes run, the hooked one synced, every ratio is there."""
     proc = subprocess.run(
