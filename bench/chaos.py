@@ -13,9 +13,10 @@ every ``--sync-every`` steps, one torch thread each). Two runs of the same seed,
 - **chaos**: after every ``--kill-every`` rounds the benchmark picks a peer at random (its own
   ``--chaos-seed``), SIGKILLs it at a random point of the open round and at once starts the same
   command line again, as a supervisor would (same peer name, a new folder): the peer rejoins,
-  catches up to the run's version and trains the steps the run has left. The next kill waits
-  until it has been a participant of a round again, and comes only while the run has rounds
-  enough left for a restart (as many as the peers' own start took, and two more; ``--quick``
+  catches up to the run's version and trains the steps the run has left. The next kill comes
+  ``--kill-every`` rounds later, at a peer that is not restarting (a peer's own start takes as
+  long here as a dozen rounds: several may be down at once; one at least stays), and only while
+  the run has rounds enough left for a restart (as many as the peers' own start took, and two more; ``--quick``
   kills after round 0 whatever is left: a peer back after the run's end says so, ``ended_first``).
 
 Each run ends with every peer's validation perplexity (identical: the peers end on the hub's
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +55,7 @@ REPO = BENCH.parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
 import round as rb  # noqa: E402 (bench/round.py: the hub process, the result file)
-from failures import Records, hub_default, poll, wait  # noqa: E402 (the hub's records, read as it writes them)
+from failures import Records, cell, hub_default  # noqa: E402 (the hub's records, read as it writes them)
 from wire import terminated_as_exit  # noqa: E402
 
 from tests.smallvocab import small_vocab_data  # noqa: E402
@@ -66,6 +68,7 @@ parser = argparse.ArgumentParser(description="The reference job with a random pe
 parser.add_argument("--peers", type=int, default=4, help="peer processes (N)")
 parser.add_argument("--kill-every", type=int, default=3, help="rounds between kills")
 parser.add_argument("--chaos-seed", type=int, default=0, help="which peer dies, and when")
+parser.add_argument("--max-kills", type=int, default=None, help="at most this many kills (default: no limit)")
 parser.add_argument("--lease", type=float, default=None, help="the hub's --lease-seconds (default: the hub's)")
 parser.add_argument("--hub-flag", action="append", default=[], help="another flag for `syncserver serve`, e.g. =--x=1")
 parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="the calm run too")
@@ -117,6 +120,12 @@ class Job:
 
     def live(self, peer: str) -> subprocess.Popen[bytes]:
         return [proc for p, _, proc, _ in self.incarnations if p == peer][-1]
+
+    def settled(self, peer: str, rounds: dict[int, tuple[float, list[str]]]) -> bool:
+        """``peer``'s last incarnation runs and has been a participant of a round since its join."""
+        folder, proc = [(f, proc) for p, f, proc, _ in self.incarnations if p == peer][-1]
+        join = joined_version(folder / "peer.log")
+        return proc.poll() is None and join is not None and any(r >= join and peer in rounds[r][1] for r in rounds)
 
     def running(self) -> bool:
         return any(proc.poll() is None for *_, proc, _ in self.incarnations)
@@ -173,14 +182,11 @@ def run_job(args: argparse.Namespace, name: str, data: Path, work: Path, kills: 
             # a kill in round latest+1 leaves the rounds a restart takes (as long as the peers' start
             # took, at the pace of the rounds so far; --quick: none) and two more
             margin = 0 if args.quick or latest < 1 else restart_rounds(job, rounds)
-            if (
-                kills
-                and latest >= next_kill
-                and latest + 3 + margin <= last_round
-                and all(job.live(p).poll() is None for p in peers)
-            ):
-                failures.append(kill_one(job, rng, peers, rounds, args.lease))
-                next_kill = failures[-1]["back_round"] + args.kill_every
+            settled = [p for p in peers if job.settled(p, rounds)]  # a restarted one once it is back
+            more = args.max_kills is None or len(failures) < args.max_kills
+            if kills and more and latest >= next_kill and latest + 3 + margin <= last_round and len(settled) >= 2:
+                failures.append(kill(job, rng, settled, rounds))
+                next_kill = latest + args.kill_every
                 continue
             time.sleep(0.05)
         bad = [
@@ -208,54 +214,57 @@ def run_job(args: argparse.Namespace, name: str, data: Path, work: Path, kills: 
             "acked": len(job.records.updates()),
             "lost": len(lost),
             "lost_updates": [f"{p}@{r}" for r, p in lost],
-            "failures": failures,
+            "failures": [measure(job, f) for f in failures],
         }
     finally:
         job.stop()
 
 
-def kill_one(
-    job: Job, rng: random.Random, peers: list[str], rounds: dict[int, tuple[float, list[str]]], lease: float
-) -> dict[str, Any]:
-    """SIGKILL a random peer at a random point of the open round and start it again at once, as a
-    supervisor would; wait for the first round after its last update, then for its first round back."""
+@dataclass
+class Failure:
+    victim: str
+    killed: float
+    last: int  # the round of its last update acknowledged before it died (-1: none)
+    restarted: float
+    folder: Path  # its new incarnation's
+
+
+def kill(job: Job, rng: random.Random, settled: list[str], rounds: dict[int, tuple[float, list[str]]]) -> Failure:
+    """SIGKILL one of the ``settled`` peers, at random, at a random point of the open round, and
+    start it again at once, as a supervisor would."""
     durations = [rounds[r][0] - rounds[r - 1][0] for r in rounds if r - 1 in rounds]
     time.sleep(rng.uniform(0.0, 0.9) * (statistics.median(durations) if durations else 1.0))
-    victim = rng.choice(peers)
+    victim = rng.choice(settled)
     killed = time.time()
     job.live(victim).send_signal(signal.SIGKILL)
     job.live(victim).wait()
     restarted = time.time()
     folder = job.start(victim)
-    # its last update may have been acknowledged before it died: that round holds it, the next does not
-    before = [r for r, p in job.records.updates() if p == victim]
-    last = max(before, default=-1)
+    last = max((r for r, p in job.records.updates() if p == victim), default=-1)
+    return Failure(victim, killed, last, restarted, folder)
 
-    def first_without() -> int | None:
-        got = job.records.rounds()
-        return next((r for r in sorted(got) if r > last and got[r][0] > killed), None)
 
-    first = wait(first_without, f"the first round without {victim}'s update", 3 * lease + 120)
-
-    def back() -> int | None:  # the first round the new incarnation is a participant of
-        join = joined_version(folder / "peer.log")
-        got = job.records.rounds()
-        return next((r for r in sorted(got) if join is not None and r >= join and victim in got[r][1]), None)
-
-    poll(lambda: back() is not None or job.live(victim).poll() is not None, 600)
-    again, join, got = back(), joined_version(folder / "peer.log"), job.records.rounds()
+def measure(job: Job, f: Failure) -> dict[str, Any]:
+    """A kill's figures: the first round after the victim's last acknowledged update (its update may
+    have gone in before it died: that round holds it), the survivors' idle in it, and the new
+    incarnation's first round."""
+    got = job.records.rounds()
+    first = next((r for r in sorted(got) if r > f.last and got[r][0] > f.killed), None)
+    join = joined_version(f.folder / "peer.log")
+    again = next((r for r in sorted(got) if join is not None and r >= join and f.victim in got[r][1]), None)
     return {
-        "victim": victim,
-        "killed_in_round": max((r for r in got if got[r][0] <= killed), default=-1) + 1,
+        "victim": f.victim,
+        "killed_in_round": max((r for r in got if got[r][0] <= f.killed), default=-1) + 1,
+        "acknowledged_before": f.last == max((r for r in got if got[r][0] <= f.killed), default=-1) + 1,
         "first_round_after": first,
-        "restarted_in_it": victim in got[first][1],
-        "idle_s": job.records.idle(first, victim),
-        "to_first_round_s": got[first][0] - killed,
+        "restarted_in_it": first is not None and f.victim in got[first][1],
+        "idle_s": job.records.idle(first, f.victim) if first is not None else None,
+        "to_first_round_s": got[first][0] - f.killed if first is not None else None,
         "join_version": join,
-        "back_round": again if again is not None else max(got),
-        "restart_to_first_round_s": got[again][0] - restarted if again is not None else None,
+        "back_round": again,
+        "restart_to_first_round_s": got[again][0] - f.restarted if again is not None else None,
         "rounds_after_join": again - join if again is not None and join is not None else None,
-        "ended_first": ended_first(folder),
+        "ended_first": ended_first(f.folder),
     }
 
 
@@ -263,21 +272,23 @@ def markdown(runs: list[dict[str, Any]], targets: list[dict[str, Any]]) -> str:
     lines = ["| run | rounds | val ppl | test ppl | wall s | idle s (healthy median) | lost / acked |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in runs:
-        idle = ", ".join(f"{f['idle_s']:.2f}" for f in r["failures"]) or "-"
+        idle = ", ".join(cell(f["idle_s"]) for f in r["failures"]) or "-"
         healthy = "-" if r["healthy_idle_s"] is None else f"{r['healthy_idle_s']:.2f}"
         lines.append(f"| {r['run']} | {r['rounds']} | {r['final_val_ppl']:.3f} | {r['final_test_ppl']:.3f} | "
                      f"{r['wall_s']:.0f} | {idle} ({healthy}) | {r['lost']} / {r['acked']} |")  # fmt: skip
     chaos = runs[-1]
     if chaos["failures"]:
-        lines += ["", "| kill | victim | in round | first round after its last update (restarted peer in it) "
-                  "| idle s | kill → that round s | restart → its first round s | its first round - join version |",
+        lines += ["", "| kill | victim | in round (its update in) | first round after its last update "
+                  "(restarted peer in it) | idle s | kill → that round s | restart → its first round s "
+                  "| its first round - join version |",
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for i, f in enumerate(chaos["failures"]):
-            restart = "-" if f["restart_to_first_round_s"] is None else f"{f['restart_to_first_round_s']:.2f}"
+            restart = cell(f["restart_to_first_round_s"])
             after = "the run ended first" if f["ended_first"] else f["rounds_after_join"]
-            lines.append(f"| {i} | {f['victim']} | {f['killed_in_round']} | {f['first_round_after']} "
+            lines.append(f"| {i} | {f['victim']} | {f['killed_in_round']} "
+                         f"({'yes' if f['acknowledged_before'] else 'no'}) | {f['first_round_after']} "
                          f"({'yes' if f['restarted_in_it'] else 'no'}) | "
-                         f"{f['idle_s']:.2f} | {f['to_first_round_s']:.2f} | {restart} "
+                         f"{cell(f['idle_s'])} | {cell(f['to_first_round_s'])} | {restart} "
                          f"| {after} |")  # fmt: skip
     lines += ["", "| target | measured | threshold | met |", "|---|---|---|---|"]
     for t in targets:
@@ -289,7 +300,7 @@ def check_targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     chaos = runs[-1]
     targets = [{"target": "acknowledged updates lost", "value": f"{chaos['lost']} of {chaos['acked']}",
                 "threshold": "0", "met": chaos["lost"] == 0 and chaos["val_ppl_identical"]}]  # fmt: skip
-    idle = [f["idle_s"] for f in chaos["failures"]]
+    idle = [f["idle_s"] for f in chaos["failures"] if f["idle_s"] is not None]
     if idle:
         targets.append({"target": "survivors' idle per SIGKILL", "value": f"max {max(idle):.2f} s",
                         "threshold": "<= 2 s", "met": max(idle) <= 2.0})  # fmt: skip
@@ -306,6 +317,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.peers, args.max_steps, args.kill_every, args.baseline = 2, 6 * args.sync_every, 1, False
+        args.max_kills = 1
         args.train_samples, args.lease = 100, args.lease or 3.0
     if args.peers < 2 or args.kill_every < 1 or args.max_steps < 4 * args.sync_every:
         parser.error("want --peers >= 2, --kill-every >= 1 and --max-steps of 4 rounds or more")

@@ -379,7 +379,8 @@ def check_targets(rows: list[dict[str, Any]], lease: float) -> list[dict[str, An
     return targets
 
 
-def _s(value: float | None) -> str:
+def cell(value: float | None) -> str:
+    """Seconds for a table: two decimals, or - where not measured."""
     return "-" if value is None else f"{value:.2f}"
 
 
@@ -395,9 +396,10 @@ def markdown(rows: list[dict[str, Any]], targets: list[dict[str, Any]]) -> str:
                          f"{r['gave_up_after_s']:.0f} s | - | - | - | - | - |")  # fmt: skip
             continue
         lines.append(
-            f"| {r['peers']} | {r['kill']} | {r['gone_reason'] or '-'} | {_s(r['idle_s'])} ({_s(r['healthy_idle_s'])}) "
-            f"| {_s(r['to_first_round_s'])} | {_s(r['survivor_sync_s'])} ({_s(r['healthy_sync_s'])}) "
-            f"| {_s(r['restart_to_first_round_s'])} ({_s(r['restart_join_s'])}) | {r['rounds_after_join']} "
+            f"| {r['peers']} | {r['kill']} | {r['gone_reason'] or '-'} "
+            f"| {cell(r['idle_s'])} ({cell(r['healthy_idle_s'])}) "
+            f"| {cell(r['to_first_round_s'])} | {cell(r['survivor_sync_s'])} ({cell(r['healthy_sync_s'])}) "
+            f"| {cell(r['restart_to_first_round_s'])} ({cell(r['restart_join_s'])}) | {r['rounds_after_join']} "
             f"| {r['lost']} / {r['acked']} |"
         )
     lines += ["", "| target | measured | threshold | met |", "|---|---|---|---|"]
