@@ -478,37 +478,45 @@ class _LargeReads(httpcore.NetworkBackend):
     def __init__(self, backend: httpcore.NetworkBackend) -> None:
         self._backend = backend
         self._streams: weakref.WeakSet[_LargeReadStream] = weakref.WeakSet()
+        self.shut = False  # shutdown() was called: a stream opened since is shut down at once
 
     def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
-        return _LargeReadStream(self._backend.connect_tcp(*args, **kwargs), self._streams)
+        return _LargeReadStream(self._backend.connect_tcp(*args, **kwargs), self)
 
     def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
-        return _LargeReadStream(self._backend.connect_unix_socket(*args, **kwargs), self._streams)
+        return _LargeReadStream(self._backend.connect_unix_socket(*args, **kwargs), self)
 
     def sleep(self, seconds: float) -> None:
         self._backend.sleep(seconds)
 
     def shutdown(self) -> None:
-        """Shut down every open stream's socket: reads in flight end, the peer sees a close."""
+        """Shut down every open stream's socket, and any opened from now on: reads in flight
+        end, the peer sees a close. (A stream registers itself, then looks at ``shut``; this
+        sets ``shut``, then looks at the streams: one connecting meanwhile is seen by either.)"""
+        self.shut = True
         for stream in list(self._streams):
-            sock = stream.get_extra_info("socket")
-            if isinstance(sock, socket.socket):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+            stream.shutdown()
 
 
 class _LargeReadStream(httpcore.NetworkStream):
-    def __init__(
-        self, stream: httpcore.NetworkStream, streams: weakref.WeakSet[_LargeReadStream], large: bool = True
-    ) -> None:
-        self._stream, self._streams, self._large = stream, streams, large
+    def __init__(self, stream: httpcore.NetworkStream, backend: _LargeReads, large: bool = True) -> None:
+        streams = backend._streams
+        self._stream, self._backend, self._streams, self._large = stream, backend, streams, large
         streams.add(self)
+        if backend.shut:
+            self.shutdown()
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
         return self._stream.read(max(max_bytes, _READ_BYTES) if self._large else max_bytes, timeout)
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         self._stream.write(buffer, timeout)
+
+    def shutdown(self) -> None:
+        sock = self._stream.get_extra_info("socket")
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self._streams.discard(self)
@@ -517,7 +525,7 @@ class _LargeReadStream(httpcore.NetworkStream):
     def start_tls(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
         self._streams.discard(self)  # the TLS stream replaces this one (its socket detached)
         tls = self._stream.start_tls(*args, **kwargs)
-        return _LargeReadStream(tls, self._streams, large=False)  # TLS: httpcore's read size (see above)
+        return _LargeReadStream(tls, self._backend, large=False)  # TLS: httpcore's read size (see above)
 
     def get_extra_info(self, info: str) -> Any:
         return self._stream.get_extra_info(info)

@@ -91,6 +91,11 @@ BUDGETS: dict[str, float] = {
     "tests/test_store_uploads.py::test_hub_killed_between_upload_and_record_deletes_the_orphan": 14,
     "tests/test_store_uploads.py::test_store_failing_mid_upload_falls_back_to_the_hub": 9,
     "tests/test_store_uploads.py::test_int8_with_the_norm_guard_through_the_store_is_bit_identical": 9,
+    # issue 36: peer processes SIGKILLed (twice, a restart between) and SIGSTOPped, each round of a
+    # real hub; bench/lease.py's hub and torch peer. On a shared, loaded 2-core VM: 12, 9, 10 s
+    "tests/test_peer_failures.py::test_a_sigkilled_peer_costs_the_survivors_seconds_and_comes_back": 12,
+    "tests/test_peer_failures.py::test_a_hung_peer_is_gone_at_its_lease_and_the_merge_floor_waits_for_it": 10,
+    "tests/test_bench_smoke.py::test_lease_benchmark_measures_a_peer_s_lease_age": 10,
     # a hub SIGKILLed twice under async rounds
     "tests/test_policies.py::test_async_survives_sigkills_of_the_hub": 12,
     "tests/test_objectstore.py::test_store_benchmark_runs": 9,  # bench/store.py --quick: our client, 16 MB

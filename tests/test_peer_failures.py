@@ -83,6 +83,9 @@ def test_a_sigkilled_peer_costs_the_survivors_seconds_and_comes_back(
         # 1. c dies between rounds (an OOM kill, a preempted VM): a and b lose seconds
         sigkill(procs["c"])
         killed = time.monotonic()
+        # c's new process starts now (its imports overlap round 1) and joins once round 1 closed
+        back = out / "back"
+        procs["c"] = launch(hub.url, run, "c", SEEDS["c"], SAMPLES["c"], out, until_version=3, join_after=back)
         _sync(peers, "ab")
         idle = time.monotonic() - killed
         assert _gone_line(hub, run, "c") == "disconnected", hub.log()[-3000:]
@@ -92,7 +95,7 @@ def test_a_sigkilled_peer_costs_the_survivors_seconds_and_comes_back(
         assert_exact_mean(hub, run, 1, [peers.deltas["a", 1], peers.deltas["b", 1]], [10, 30])
 
         # 2. c restarted under its name: it catches up to version 2 and is in round 2
-        procs["c"] = launch(hub.url, run, "c", SEEDS["c"], SAMPLES["c"], out, until_version=3)
+        back.touch()
         wait_for(lambda: last_event(out, "c").get("event") == "joined", "c back", 60)
         assert last_event(out, "c")["version"] == 2
         (out / "go_2").touch()

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         "topk:chunk=16,k=2,bits=2 (default: the run's)",
     )
     g.add_argument("--outer", choices=["avg", "diloco"], help="outer optimizer (default: the run's)")
-    g.add_argument("--min-peers", type=int, help="peers per round / rendezvous size when creating the run")
+    g.add_argument("--min-peers", type=int, help="rendezvous size when creating the run (peers it waits for to start)")
 
     g = p.add_argument_group("local", "run the hub and K peers on this machine")
     g.add_argument("--local-peers", type=int, default=0, metavar="K", help="embedded hub + K peer processes")
