@@ -1,6 +1,6 @@
 """The reference job with a random peer SIGKILLed every few rounds: what the run ends at, what it lost.
 
-    python bench/chaos.py                      # 4 peers, tiny GPT-2, a kill every 3 rounds, against a calm run
+    python bench/chaos.py                      # 4 peers, tiny GPT-2, 80 rounds, a kill every 8, against a calm run
     python bench/chaos.py --quick              # the smoke test: 2 peers, one kill, no calm run
 
 ``train/finetune_gpt2.py`` as users run it on separate machines: a ``syncserver serve`` hub with
@@ -66,7 +66,7 @@ RUN = "chaos"
 # settings
 parser = argparse.ArgumentParser(description="The reference job with a random peer SIGKILLed every few rounds.")
 parser.add_argument("--peers", type=int, default=4, help="peer processes (N)")
-parser.add_argument("--kill-every", type=int, default=3, help="rounds between kills")
+parser.add_argument("--kill-every", type=int, default=8, help="rounds between kills")
 parser.add_argument("--chaos-seed", type=int, default=0, help="which peer dies, and when")
 parser.add_argument("--max-kills", type=int, default=None, help="at most this many kills (default: no limit)")
 parser.add_argument("--lease", type=float, default=None, help="the hub's --lease-seconds (default: the hub's)")
@@ -75,7 +75,7 @@ parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default
 parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data", help="offline imdb/, gpt2-tokenizer/")
 g = parser.add_argument_group("the reference job's flags")
 g.add_argument("--seed", type=int, default=1234, help="the job's --seed, shared by both runs")
-g.add_argument("--max-steps", type=int, default=320, help="optimizer steps per peer")
+g.add_argument("--max-steps", type=int, default=640, help="optimizer steps per peer")
 g.add_argument("--sync-every", type=int, default=8)
 g.add_argument("--batch-size", type=int, default=32, help="global batch in blocks")
 g.add_argument("--lr", type=float, default=2e-3)

@@ -111,7 +111,8 @@ class Records:
 
     def received(self, round_: int) -> dict[str, float]:
         """Peer -> when the hub acknowledged its update for ``round_``."""
-        return dict(self._query("SELECT peer, received FROM updates WHERE run = ? AND round = ?", self.run, round_))  # type: ignore[arg-type]
+        rows = self._query("SELECT peer, received FROM updates WHERE run = ? AND round = ?", self.run, round_)
+        return {peer: received for peer, received in rows}
 
     def updates(self) -> list[tuple[int, str]]:
         """Every acknowledged update: (round, peer)."""
