@@ -127,6 +127,7 @@ def test_settings_round_trip_through_variables() -> None:
 #: every run setting, given as a flag, and what SyncClient is given
 EVERY_RUN_SETTING = {
     "min_peers": ("2", 2),
+    "min_merge_peers": ("2", 2),
     "policy": ("async", "async"),
     "round_samples": ("64", 64),
     "codec": ("int8:block=64", "int8:block=64"),
@@ -195,6 +196,7 @@ BAD_VALUES = {
     "--run": ("a/b", "--run: expected 1-64 letters, digits, '.', '_', '-', starting with a letter or digit, got 'a/b'"),
     "--peer": ("gpu 1", "--peer: expected 1-64 letters, digits"),
     "--min-peers": ("0", "--min-peers: must be >= 1 and <= 8192, got 0"),
+    "--min-merge-peers": ("0", "--min-merge-peers: must be >= 1 and <= 8192, got 0"),
     "--policy": ("sometimes", "--policy: expected one of barrier, samples, async, got 'sometimes'"),
     "--round-samples": ("1.5", "--round-samples: expected an integer, got '1.5'"),
     "--codec": ("zip", "--codec: unknown codec 'zip'"),

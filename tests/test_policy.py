@@ -125,6 +125,15 @@ def test_a_peer_with_two_watches_is_gone_only_when_both_dropped() -> None:
     assert policy.seen("a", 5.0) is True  # its next request brings it back
 
 
+def test_a_restarted_process_joining_within_the_grace_is_not_gone() -> None:
+    """The old process's watch dropped; the new one joins before its own watch begins."""
+    policy = started("a")
+    policy.watch("a", 0.0)
+    policy.unwatch("a", 1.0, dropped=True)
+    assert policy.join("a", 1.5, counted=True).returning
+    assert policy.expire(1.0 + 10 * GRACE) == {}
+
+
 def test_the_merge_floor_holds_a_round_and_says_so() -> None:
     """min_merge_peers 3: a and b are in, c is gone: the round waits on the floor (and says
     so) until c comes back and sends its update."""

@@ -172,7 +172,7 @@ class RoundPolicy:
             member = Member(name, max(self.round, 0) + int(in_round), counted, now)
             self.members[name] = member
         else:
-            member.left, member.last_seen = False, now
+            member.left, member.last_seen, member.dropped = False, now, None  # a request: alive
             if in_round:
                 member.active_from = max(member.active_from, self.round + 1)
         self.live |= {name}
