@@ -409,13 +409,19 @@ def netns_peer(ns: str, cpus: str | None, rank: int, conn: Any, schema: dict[str
     pipe to the parent is a file descriptor it already holds, untouched by the move.)"""
     if cpus:
         os.sched_setaffinity(0, cpu_list(cpus))
+    enter_netns(ns)
+    rb.peer_main(rank, conn, schema, StorePeer)
+
+
+def enter_netns(ns: str) -> None:
+    """Move the calling thread into network namespace ``ns``: every socket it opens from here on
+    uses that namespace's links (in a child before its ``exec``: the whole new program's)."""
     fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
     try:
         if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), f"setns into {ns}")
     finally:
         os.close(fd)
-    rb.peer_main(rank, conn, schema, StorePeer)
 
 
 def wait_version(data_dir: Path, run: str, version: int, timeout: float = 300) -> Path:

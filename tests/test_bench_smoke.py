@@ -255,3 +255,47 @@ def test_wire_benchmark_removes_its_namespaces_when_terminated(tmp_path: Path, n
         if proc.poll() is None:
             proc.kill()
     assert _namespaces(netns_prefix) == []
+
+
+def test_failures_benchmark_measures_a_sigkill_from_the_hubs_records(tmp_path: Path) -> None:
+    """bench/failures.py --quick, SIGKILL on loopback: the round without the victim closes, the
+    restarted peer is back, nothing acknowledged is lost, and every figure is in its row."""
+    stdout, result = run_bench("failures", tmp_path / "results", "--quick", "--kills", "sigkill", "--no-netns")
+    (row,) = result["rows"]
+    assert (row["peers"], row["kill"], row["lease"]) == (3, "sigkill", 3.0)
+    assert not row["victim_in_failure_round"] and row["gone_reason"] == "disconnected", "its connection dropped"
+    assert 0 < row["to_first_round_s"] <= row["idle_s"], "the survivors were all in before the kill"
+    assert row["healthy_idle_s"] >= 0 and row["survivor_sync_s"] > 0 and row["healthy_sync_s"] > 0
+    assert row["first_round"] >= row["join_version"] and row["restart_to_first_round_s"] > row["restart_join_s"] > 0
+    assert row["lost"] == 0 and row["acked"] >= 3 + 2 and row["last_round"] >= 3
+    assert {t["target"] for t in result["targets"]} >= {"N=3 sigkill: survivors' idle"}
+    assert result["skipped"] == {} and result["table"] in stdout
+
+
+def test_failures_benchmark_cuts_a_link_and_leaves_no_namespace(tmp_path: Path, netns_prefix: str) -> None:
+    """--kills vanish: the victim's link is cut at the switch; the hub sees it gone by its lease,
+    and every namespace is removed after."""
+    args = ["--quick", "--peers", "2", "--kills", "vanish", "--ns-prefix", netns_prefix]
+    _, result = run_bench("failures", tmp_path / "results", *args)
+    (row,) = result["rows"]
+    assert row["kill"] == "vanish" and row["gone_reason"] == "lease_expired" and not row["victim_in_failure_round"]
+    assert row["idle_s"] > 0 and row["lost"] == 0 and row["rounds_after_join"] is not None
+    assert result["namespaces"] == netns_prefix
+    assert _namespaces(netns_prefix) == []
+
+
+@needs_data
+def test_chaos_benchmark_kills_and_restarts_a_reference_job_peer(tmp_path: Path) -> None:
+    """bench/chaos.py --quick: two peers of train/finetune_gpt2.py, one SIGKILLed and started again;
+    the run ends on one version with the restarted peer in it, and loses nothing acknowledged."""
+    _, result = run_bench("chaos", tmp_path / "results", "--quick", "--data-root", str(tmp_path), timeout=300)
+    (run,) = result["runs"]
+    assert run["run"] == "chaos" and run["final_version"] == 6 and run["val_ppl_identical"]
+    assert run["lost"] == 0 and run["acked"] >= 6 + 1, "every round merged an update, round 0 both"
+    (failure,) = run["failures"]
+    assert failure["killed_in_round"] >= 1 and failure["first_round_after"] >= 1
+    assert failure["idle_s"] >= 0 and failure["to_first_round_s"] > 0
+    # back in a round of the run, at most one after its join; or restarted after the run's end (a loaded box)
+    assert failure["ended_first"] or 0 <= failure["rounds_after_join"] <= 1
+    assert [t["target"] for t in result["targets"]] == ["acknowledged updates lost", "survivors' idle per SIGKILL"]
+    assert list(tmp_path.glob("bench-chaos-*")) == [], "its folders are removed"

@@ -420,6 +420,17 @@ def train_peer(args: argparse.Namespace) -> int:
         policy = client.policy if client is not None else None
         budget = round(args.epochs * len(train_blocks)) if policy in ("samples", "async") else None
         epochs = args.epochs * world_size if budget else args.epochs
+        # A peer that (re)joins a barrier run at version v > 0 (restarted after a crash) finds the
+        # run v rounds of --sync-every steps in: it trains only the steps the others have left, so
+        # that it ends in the run's last round instead of training on alone after it.
+        max_steps = args.max_steps
+        if policy == "barrier" and version:
+            total = args.max_steps or math.ceil(epochs * math.ceil(per_peer / batch))
+            max_steps = total - version * args.sync_every
+            if max_steps < 1:
+                client.leave()
+                raise Fail(f"run {args.run!r} is at version {version}, past the {total} steps of this command line")
+            note(f"the run is {version * args.sync_every} steps in: {max_steps} of {total} steps left")
 
         cfg = dict(vars(args))
         cfg.update(
@@ -456,7 +467,7 @@ def train_peer(args: argparse.Namespace) -> int:
             optim="adamw_torch",
             lr_scheduler_type=args.lr_schedule,
             num_train_epochs=epochs,
-            max_steps=args.max_steps if args.max_steps > 0 else -1,
+            max_steps=max_steps if max_steps > 0 else -1,
             eval_strategy="steps" if args.eval_every else "no",
             eval_steps=args.eval_every or None,
             logging_strategy="steps",
