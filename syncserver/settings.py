@@ -27,8 +27,10 @@ from syncwire import get_codec
 #: the default lease, from bench/lease.py (bench/RESULTS.md, Leases): see docs/RELIABILITY.md
 LEASE_SECONDS = 10.0
 #: seconds a dropped heartbeat connection may stay away before its peer is gone: one lost SYN costs
-#: Linux 1 s (its initial retransmission timeout) before the SDK's reconnect gets through
-DISCONNECT_GRACE = 2.0
+#: Linux 1 s (its initial retransmission timeout) before the SDK's reconnect gets through, plus a
+#: round trip (~0.3 s across continents); 1.5 s, not 2, keeps a SIGKILL's cost to the survivors
+#: under 2 s (bench/failures.py: the grace + 0.06 s to decide and close)
+DISCONNECT_GRACE = 1.5
 
 Outer = Literal["avg", "diloco"]
 Policy = Literal["barrier", "samples", "async"]

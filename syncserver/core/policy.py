@@ -218,6 +218,14 @@ class RoundPolicy:
             return Lost.DISCONNECTED
         return None
 
+    def next_loss(self) -> float | None:
+        """The earliest time (monotonic) at which a live member's lease runs out, if none of
+        them is heard from before it: when the hub's ticker must look again, so that a hung
+        peer is gone at its lease, not up to a tick after it. (A dropped watch's grace is
+        timed by the coordinator as it drops.)"""
+        due = [self.members[name].last_seen + self.lease_seconds for name in self.live]
+        return min(due, default=None)
+
     def leave(self, name: str, now: float) -> Close | None:
         self.members[name].left = True
         self.live -= {name}
