@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import syncwire.codecs
-from syncserver.core.leases import Board, LeaseFailed
+from syncserver.core.leases import Board, FoldAhead, LeaseFailed
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer, RoundMerge, merge_slice
 from syncserver.reduce.lease import Done, highest, jobs, work
@@ -42,6 +42,7 @@ from tests.test_metrics import scrape
 from tests.test_streaming_hub import _bytes, _update_file
 
 SCHEMA = {"w": (20_003,), "b": (37,), "e": (30, 64)}  # "w": five slices of 4096 values
+Keys = list[tuple[UpdateKey, float]]
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +101,10 @@ def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
 ) -> None:
     """K = 1, 2, 3 leases, worked last first, one of them twice (an expired lease redone), give
     the in-process merge's result, momentum and residual, over two rounds (the second reads
-    the first's momentum and residual); the in-process one folded one update before its close."""
+    the first's momentum and residual); the in-process one folded one update before its close.
+    The reducers fold ahead too (:class:`FoldAhead`, its fold leases cut K ways): K = 1 two steps
+    of one update, K = 2 one step of one, K = 3 one step of two; the merge leases fold the rest
+    after that mean: the same bits however the folds are grouped, and no mean file is left."""
     codec, outer_ = get_codec(spec), Outer(outer, 0.7, 0.9)
     stores = _stores(tmp_path, spec, 4)
     written: list[list[bytes]] = []
@@ -116,10 +120,23 @@ def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
                     RoundMerge("r", v, acc, codec, outer_, total=30.0, fraction=1.0, final=last, unfolded=keys[1:])
                 )
             else:
+                ahead = FoldAhead(Board(lease_seconds=0.01), i, engine, tmp_path / "means")
+                steps = {1: [keys[:1], keys[1:2]], 2: [keys[:1]], 3: [keys[:2]]}[i]
+
+                async def fold_ahead(
+                    ahead: FoldAhead = ahead, steps: list[Keys] = steps, v: int = v, acc: Accumulator = acc
+                ) -> None:
+                    for step in steps:  # no reducer polls: the hub works the fold leases itself
+                        await ahead.fold("r", v, acc, codec, [(key.peer, key, w) for key, w in step])
+
+                asyncio.run(fold_ahead())
+                assert acc.mean is None and acc.partial is not None and len(acc.folded) == sum(map(len, steps))
+                assert len(os.listdir(tmp_path / "means")) == 1  # the means it folded onto are gone
                 with contextlib.ExitStack() as files:
+                    rest = keys[len(acc.folded) :]
                     merge = engine.open_merge(
                         files,
-                        RoundMerge("r", v, acc, codec, outer_, total=30.0, fraction=1.0, final=last, unfolded=keys),
+                        RoundMerge("r", v, acc, codec, outer_, total=30.0, fraction=1.0, final=last, unfolded=rest),
                     )
                     leases = jobs(merge, SCHEMA, i)
                     # an int8/topk result is cut at tensors only: "w" is one lease whatever K
@@ -127,6 +144,8 @@ def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
                     with ThreadPoolExecutor(2) as pool:  # a reducer's --threads 2
                         for job in [*reversed(leases), leases[0]]:
                             assert work(job, "t", pool=pool if i == 2 else None).error is None
+                asyncio.run(ahead.forget("r", v))  # the round committed
+                assert not os.listdir(tmp_path / "means")
             engine.build_versions("r", v + 1, codec, SCHEMA)
             written.append(_outputs(store, v))
         engine.close()
@@ -355,6 +374,38 @@ def _train(
         else:
             peers.parallel(list(names), lambda n, r=r: sync(n, r))
     peers.close()
+    return _digests(url, run)
+
+
+def _train_in_order(
+    url: str, run: str, options: dict[str, object], rounds: int, names: tuple[str, ...]
+) -> dict[str, str]:
+    """A barrier run whose peers upload one after the other, each once the hub acknowledged the
+    one before (``sync_async``, applied once all are in): every hub folds the same updates in
+    the same order, and with reducers all but the last are folded ahead of the close."""
+    peers = Peers(url, run, list(names), token=TOKEN, min_peers=len(names), **options)
+    peers.join()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for r in range(rounds):
+        pending = []
+        for name in names:
+            client, model = peers.clients[name], peers.models[name]
+            perturb(model, 10 * r + names.index(name), client.version)
+            pending.append((name, client.sync_async(model, samples=4 + names.index(name))))
+
+            def acked(name: str = name, r: int = r) -> bool:
+                state = httpx.get(f"{url}/v1/runs/{run}", headers=auth).json()
+                return state["version"] > r or name in state["open_round"]["submitted"]
+
+            wait_for(acked, f"{name}'s update of round {r} to be acknowledged")
+        for name, sync in pending:
+            sync.apply(peers.models[name])
+    peers.close()
+    return _digests(url, run)
+
+
+def _digests(url: str, run: str) -> dict[str, str]:
+    """The sha-256 of every round's result file and of the latest model, as the hub serves them."""
     auth = {"Authorization": f"Bearer {TOKEN}"}
     # follow_redirects: a hub with a store sends downloads there (httpx drops the token on the way)
     model = httpx.get(f"{url}/v1/runs/{run}/model", headers=auth, timeout=60, follow_redirects=True)
@@ -397,6 +448,7 @@ def test_reducer_processes_give_the_bits_of_the_hub_alone(hub_factory: Callable[
         assert _train(shared.url, run) == expected, run
         assert int(expected["version"]) >= 3
     assert "lease_taken" in shared.log() and "lease_taken" not in alone.log()
+    assert "kind=fold" in shared.log()  # the async run's first update of a round: folded ahead
     known = _reducers(shared)
     assert len(known) == 3 and sum(int(r["leases"]) for r in known.values()) >= 9  # type: ignore[call-overload]
     page = httpx.get(f"{shared.url}/v1/dashboard", headers={"Authorization": f"Bearer {TOKEN}"}).json()
@@ -496,14 +548,19 @@ def test_reducers_merge_updates_that_peers_uploaded_to_the_bucket(
     hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS
 ) -> None:
     """With SYNC_STORE the peers' updates go to the bucket; `--store ... --reducers 2`: the local
-    reducers read them there (the store from serve, the credentials from the environment) and
-    close every round to the bits of a hub without a store merging alone."""
+    reducers read them there (the store from serve, the credentials from the environment), fold
+    the first two of three updates ahead into a mean in the bucket, and close every round to the
+    bits of a hub without a store merging alone; no mean is left in the bucket."""
     env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
-    expected = _train(hub_factory(env=env).url, "barrier", rounds=2)
+    options, names = RUNS["barrier"][0], ("a", "b", "c")
+    expected = _train_in_order(hub_factory(env=env).url, "barrier", options, 2, names)
     stored = hub_factory(
         "--store", f"s3://{seaweedfs.bucket}/reducers", "--reducers", "2", env={**env, **seaweedfs.env()}
     )
-    assert _train(stored.url, "barrier", rounds=2) == expected
+    assert _train_in_order(stored.url, "barrier", options, 2, names) == expected
+    assert stored.log().count("kind=fold") >= 2  # each round: a at least (b too, unless c came first)
+    objects = seaweedfs.store("reducers/")
+    wait_for(lambda: not list(objects.list("runs/barrier/partials/")), "the rounds' means to be deleted")
     samples = scrape(stored, TOKEN)
     assert samples["weightsync_upload_bytes_total", (("run", "barrier"), ("via", "store"))] > 0
     assert samples.get(("weightsync_upload_bytes_total", (("run", "barrier"), ("via", "hub"))), 0) == 0
