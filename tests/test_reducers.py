@@ -28,7 +28,7 @@ import syncwire.codecs
 from syncserver.core.leases import Board, FoldAhead, LeaseFailed
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer, RoundMerge, merge_slice
-from syncserver.reduce.lease import Done, highest, jobs, work
+from syncserver.reduce.lease import Done, FoldJob, highest, jobs, work, work_fold
 from syncserver.reduce.plan import pieces
 from syncserver.storage.objectfile import TensorReader
 from syncserver.storage.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
@@ -283,6 +283,59 @@ def _fake_jobs(tmp_path: Path, n: int) -> list:  # type: ignore[type-arg]
     return out
 
 
+def test_a_fold_lease_lost_mid_fold_is_redone_from_the_mean_before_it(tmp_path: Path) -> None:
+    """Two steps ahead (p0, then p1 and p2 at once), K = 2. In the second a reducer takes a
+    fold lease, writes garbage over its range of the new mean (a pwrite cut short) and dies:
+    its lease expires, another redoes it from the first step's mean, which no lease writes
+    (a step writes a new file); the merge after that mean gives the bits of the hub alone
+    folding as updates arrive, and the dead reducer's late report is refused."""
+    codec, outer = get_codec("int8"), Outer("diloco", 0.7, 0.9)
+    (alone, keys), (store, _) = _stores(tmp_path, "int8", 2)
+    engine = MergeEngine(alone, threads=1)
+    acc = Accumulator(SCHEMA)
+    for key, w in keys:
+        engine.fold(acc, key, w, codec)
+    engine.merge(RoundMerge("r", 0, acc, codec, outer, total=30.0, fraction=1.0))
+    engine.close()
+    engine = MergeEngine(store, threads=1)
+    acc = Accumulator(SCHEMA)
+
+    async def scenario() -> None:
+        board = Board(lease_seconds=0.3)
+        ahead = FoldAhead(board, 2, engine, tmp_path / "means")
+        first = asyncio.create_task(ahead.fold("r", 0, acc, codec, [("p0", *keys[0])]))
+        while not first.done():
+            job = await board.take("good", wait=0.05)
+            if job is not None:
+                board.done(job.lease, await asyncio.to_thread(work_fold, job, "good"))  # type: ignore[arg-type]
+        before = acc.partial
+        assert before is not None and before.path is not None
+        second = asyncio.create_task(ahead.fold("r", 0, acc, codec, [(k.peer, k, w) for k, w in keys[1:]]))
+        doomed = await board.take("doomed", wait=5)
+        assert isinstance(doomed, FoldJob) and doomed.partial == before.path
+        with open(doomed.out.path or "", "r+b") as f:  # half a pwrite, then the reducer is gone
+            f.seek(min(doomed.out.at.values()))
+            f.write(b"\xff" * 4096)
+        while not second.done():
+            job = await board.take("rescuer", wait=0.05)
+            if job is not None:
+                board.done(job.lease, await asyncio.to_thread(work_fold, job, "rescuer"))  # type: ignore[arg-type]
+        await second
+        with pytest.raises(LeaseLost):
+            board.done(doomed.lease, Done(reducer="doomed", seconds=0.1, bytes=1))
+        assert not Path(before.path).exists()  # the mean it folded onto: read, then dropped once the next counts
+        assert acc.folded == ["p0", "p1", "p2"] and board.reducers["doomed"].expired == 1
+
+    asyncio.run(scenario())
+    with contextlib.ExitStack() as files:
+        merge = engine.open_merge(files, RoundMerge("r", 0, acc, codec, outer, total=30.0, fraction=1.0))
+        for job in jobs(merge, SCHEMA, 2):
+            assert work(job, "t").error is None
+    assert _bytes(store, ResultKey("r", 0)) == _bytes(alone, ResultKey("r", 0))
+    assert _bytes(store, MomentumKey("r", 1)) == _bytes(alone, MomentumKey("r", 1))
+    engine.close()
+
+
 def test_the_board_offers_again_what_expired_and_refuses_the_late_report(tmp_path: Path) -> None:
     work_ = _fake_jobs(tmp_path, 2)
 
@@ -394,7 +447,10 @@ def _train_in_order(
             pending.append((name, client.sync_async(model, samples=4 + names.index(name))))
 
             def acked(name: str = name, r: int = r) -> bool:
-                state = httpx.get(f"{url}/v1/runs/{run}", headers=auth).json()
+                try:
+                    state = httpx.get(f"{url}/v1/runs/{run}", headers=auth).json()
+                except httpx.HTTPError:  # a hub that a test killed, restarting
+                    return False
                 return state["version"] > r or name in state["open_round"]["submitted"]
 
             wait_for(acked, f"{name}'s update of round {r} to be acknowledged")
@@ -648,6 +704,35 @@ def test_bad_reducer_requests_get_a_json_reason_and_bad_hubs_a_one_line_error(
         assert proc.returncode == 2, (said, out, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and said in lines[0], err
+
+
+def test_a_hub_killed_mid_fold_loses_no_acknowledged_update_and_gives_the_same_bits(
+    hub_factory: Callable[..., Hub], tmp_path: Path
+) -> None:
+    """Three peers one after the other, no reducer yet: the first update's fold ahead waits on
+    the board, its mean staged; the hub is SIGKILLed then, restarted, a reducer comes, and the
+    round closes with all three updates, folded again from the records, to the bits of a hub
+    merging alone; the killed hub's mean is gone."""
+    env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
+    options, names = RUNS["barrier"][0], ("a", "b", "c")
+    expected = _train_in_order(hub_factory(env=env).url, "barrier", options, 1, names)
+    hub = hub_factory("--reducers", "2", "--local-reducers", "0", env=env)
+    means = hub.data_dir / "tmp" / "means"
+    results: list[dict[str, str]] = []
+    peers = threading.Thread(target=lambda: results.append(_train_in_order(hub.url, "barrier", options, 1, names)))
+    peers.start()
+    wait_for(lambda: means.is_dir() and any(means.iterdir()), "the first update's fold to wait on the board")
+    staged = next(means.iterdir())
+    hub.kill()
+    hub.start()
+    reducer = _reducer(hub.url, ADMIN, tmp_path / "reducer.log")
+    try:
+        peers.join(120)
+        assert results == [expected]
+    finally:
+        reducer.kill()
+        reducer.wait()
+    assert not staged.exists()
 
 
 def test_a_hub_killed_while_its_leases_wait_closes_the_round_again_after_a_restart(
