@@ -624,15 +624,18 @@ class FoldAhead:
         self._made: dict[tuple[str, int], list[Partial]] = {}  # each open round's files, to drop
 
     @staticmethod
-    def due(schema: Schema, pending: int) -> bool:
-        """Is a step worth its bytes, with ``pending`` bytes of updates not folded yet? A step
-        writes a float32 mean (4 bytes a value) that the close's merge reads back instead of
-        those updates: it pays once they weigh as much. So an fp32 update is folded ahead at
-        once, int8 ones (~0.27x) four at a time, and the close reads at most about two means'
-        worth, whatever the number of peers. (Writing every int8 update into a mean, the close
-        of 2 int8 peers with a store and a reducer took 2.69 s against 0.56 s for today's hub,
-        bench/RESULTS.md "Fold ahead": a 498 MB mean through the store for a 132 MB update.)"""
-        return pending >= 4 * sum(math.prod(shape) for shape in schema.values())
+    def due(schema: Schema, acc: Accumulator, pending: Sequence[int]) -> bool:
+        """Is a step worth its bytes, with updates of these sizes not folded yet? A step writes a
+        float32 mean (4 bytes a value) that the close's merge reads back instead of the updates
+        it folded: it pays once they weigh as much, and the first step (no mean yet) once it
+        folds two updates or more (a mean of one fp32 update is that update again). So fp32
+        updates are folded ahead from the second on, int8 ones (~0.27x a mean) four at a time,
+        and the close reads at most about two means' worth, whatever the number of peers.
+        (Folding every update ahead, the close of 2 int8 peers with a store and a reducer took
+        2.69 s against 0.56 s for today's hub, and of 2 fp32 peers with 1 local reducer 4.3x the
+        hub alone's: bench/RESULTS.md, "Fold ahead".)"""
+        first = acc.partial is None
+        return (len(pending) >= 2 or not first) and sum(pending) >= 4 * sum(math.prod(s) for s in schema.values())
 
     async def fold(
         self, run: str, round_: int, acc: Accumulator, codec: Codec, updates: Sequence[tuple[str, UpdateKey, float]]

@@ -466,7 +466,7 @@ class Rounds:
             while not run.closing and run.schema is not None:
                 acc = run.accumulator()
                 pending = [u for u in sorted(run.acked.values(), key=lambda u: u.seq) if u.peer not in acc.folded]
-                if not ahead.due(run.schema, sum(u.nbytes for u in pending)):
+                if not ahead.due(run.schema, acc, [u.nbytes for u in pending]):
                     return  # not worth a mean yet: the next acknowledgement looks again
                 updates = [
                     (u.peer, UpdateKey.of(run.name, u), run.policy.weight(u.samples, u.base, u.round)) for u in pending
