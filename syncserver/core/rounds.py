@@ -161,6 +161,8 @@ class Rounds:
             self.versions.start(run)  # killed between a commit and its version's rename
 
     async def stop(self) -> None:
+        for task in self._folding.values():  # a fold ahead is dropped, not waited for: nothing of it counts yet
+            task.cancel()
         for task in list(self._tasks):
             with contextlib.suppress(Exception, asyncio.CancelledError):  # a fold ahead that a close stopped
                 await task
