@@ -41,10 +41,11 @@ def test_round_benchmark_runs_and_writes_every_row(tmp_path: Path) -> None:
     for row in (fp32, int8):
         assert row["round_s"] > 0 and row["limit_s"] > 0 and row["hub_peak_rss"] > 0
         assert row["bytes_up"] == row["limit_bytes_up"], "the limit moves the same bytes as the round"
+        assert row["hub_cpu_s"] > 0 and row["limit_cpu_s"] >= 0, "the hub's own CPU-s, beside the relay limit's"
     assert fp32["bytes_up"] >= result["model"]["fp32_bytes"]
     assert int8["bytes_up"] < fp32["bytes_up"] and int8["bytes_down"] < fp32["bytes_down"]
     baseline = result["baselines"]["2"]
-    assert baseline["gloo_s"] > 0 and baseline["origin_s"] > 0
+    assert baseline["gloo_s"] > 0 and baseline["origin_s"] > 0 and baseline["origin_cpu_s"] >= 0
     assert baseline["origin_bytes_up"] > fp32["bytes_up"], "the origin sends the GPT-2 tie twice"
     targets = {t["target"] for t in result["targets"]}
     assert any(t.startswith("fp32, 2 peers: origin") for t in targets)
@@ -202,6 +203,7 @@ def test_wire_benchmark_shapes_links_and_leaves_no_namespace(tmp_path: Path, net
         assert row["tcp_up_s"] > 0 and row["tcp_down_s"] > 0, "the bare-TCP floor ran on the same link"
         assert row["round_x_tcp"] == pytest.approx(row["round_s"] / (row["tcp_up_s"] + row["tcp_down_s"]))
         assert row["hub_cpus"] == "0", "--hub-cpus pinned the hub"
+        assert row["hub_cpu_s"] > 0, "the hub process's own CPU-s per round"
     fp32, int8 = rows["fp32", "shared:1gbit", "disk"], rows["int8", "peer:100mbit", "disk"]
     assert fp32["limit_s"] == pytest.approx((2 * fp32["bytes_up"] + 2 * fp32["bytes_down"]) * 8 / 1e9)
     assert int8["limit_s"] == pytest.approx((int8["bytes_up"] + int8["bytes_down"]) * 8 / 1e8)
@@ -219,7 +221,8 @@ def test_wire_benchmark_shapes_links_and_leaves_no_namespace(tmp_path: Path, net
     targets = {t["target"] for t in result["targets"]}
     assert any("shared:1gbit" in t for t in targets)
     assert any(t.startswith("fp32, 2 peers, shared:1gbit, store: bytes through the hub's link") for t in targets)
-    assert any(t.endswith("round / today's local-disk hub's <= 1.1") for t in targets)
+    assert any(t.endswith("round / today's local-disk hub's <= 1.0") for t in targets)
+    assert any(t.endswith("1 reducers: hub CPU-s per round / today's hub's <= 0.05") for t in targets)
     assert result["table"] in stdout
     assert _namespaces(netns_prefix) == []
 

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from anyio import to_thread
 
-from syncserver.core.leases import Board, build_leased, merge_leased
+from syncserver.core.leases import Board, FoldAhead, build_leased, merge_leased
 from syncserver.core.policy import SamplesPolicy
 from syncserver.core.presigned import Plan, PresignedUploads, UploadReport
 from syncserver.core.quotas import check_new_peer, check_new_run
@@ -112,8 +112,14 @@ class Coordinator:
             if self.board is not None and bucket is not None
             else None
         )
+        # and they fold each round's updates ahead of its close, as they are acknowledged
+        ahead = (
+            FoldAhead(self.board, settings.reducers, self.engine, settings.data_dir / "tmp" / "means")
+            if self.board is not None
+            else None
+        )
         self.view.board = self.board
-        self.rounds = Rounds(settings, store, self.engine, self.view, bucket, leased, built)
+        self.rounds = Rounds(settings, store, self.engine, self.view, bucket, leased, built, ahead)
         # SYNC_STORE: peers upload their updates there too
         self.presigned = (
             PresignedUploads(self.rounds, bucket, settings.data_dir / "tmp", self.board) if bucket else None
