@@ -44,7 +44,7 @@ class Heartbeat(_Daemon):
     process died: the kernel closes a dead process's sockets. Each request renews the lease,
     which is what tells it that a hung or vanished machine is gone. A failed beat (a reset link,
     a restarting hub) is tried again at once, then after 0.1 s doubling to 1 s: a link that
-    resets is back well within the grace (2 s by default). A hub that does not hold the
+    resets is back well within the grace (1.5 s by default). A hub that does not hold the
     request (its answer says ``watch: false``) gets one beat every third of the lease, as before.
     """
 
