@@ -17,8 +17,11 @@ The field reports 90-96% over far links (OpenDiLoCo, INTELLECT-1, Covenant-72B).
   then the links are shaped and the timed schedule starts;
 - a training step is **emulated**: the GPU's measured step time ``--step-seconds`` is slept (what
   a GPU-bound peer's host thread does while the GPU computes). The step also moves one parameter
-  tensor by a fixed random delta, in turn, so every update carries changed weights; where that
-  add takes longer than the step, the excess is counted against utilization (``overrun``). The
+  tensor by a fixed random delta, in turn, so every update carries changed weights. Steps keep
+  a schedule (each ends one step time after the previous one's end, as a GPU runs queued work
+  back to back), so a late wake-up from ``sleep`` on a busy host is made up by the next step;
+  the host's own work is not: an ``apply``, or an add that takes longer than the step
+  (``overrun``), restarts the schedule after it, so it counts against utilization. The
   default, **0.0506 s**, is an H100's GPT-2 124M step at the reference job's per-peer batch of
   128 blocks (global 256, 2 peers): 800 steps in 40.5 s, ``bench/gpu_quality.py``'s warm start
   on an H100 lease, 2026-11-27 (bench/RESULTS.md, "The GPU run"), data loading included;
@@ -148,18 +151,23 @@ def peer(spec: dict[str, Any]) -> None:
         pending = client.sync_async(model, samples=h * batch)
         encode = time.perf_counter() - t0
         rows.append({"h": h, "timed": timed, "encode_s": encode, "apply_s": 0.0, "wait_s": 0.0, "overrun_s": 0.0})
+        due = time.perf_counter()  # when the emulated GPU finishes the step in hand
         for _ in range(h):
-            start = time.perf_counter()
+            due += step_s
             with torch.no_grad():  # what a step does to the weights, one tensor in turn
                 p = params[turn % len(params)]
                 p.add_(delta[: p.numel()].view_as(p))
             turn += 1
-            rest = start + step_s - time.perf_counter()
+            rest = due - time.perf_counter()
             if rest > 0:
                 time.sleep(rest)
-            else:
+            else:  # the add took longer than the step: the excess counts against utilization
                 rows[-1]["overrun_s"] -= rest
-            rows[-1]["apply_s"] += land(block=False)
+                due = time.perf_counter()
+            applied = land(block=False)
+            if applied:  # the apply holds the training thread: the GPU waits for it
+                rows[-1]["apply_s"] += applied
+                due = time.perf_counter()
         rows[-1]["wall_s"] = time.perf_counter() - t0  # the wait is added when the next sync starts
     rows[-1]["wait_s"] += land(block=True)
     for r in rows:
