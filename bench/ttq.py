@@ -313,14 +313,8 @@ def main() -> None:
     with wire.terminated_as_exit():
         try:
             net.up()
-            from syncserver.process import ServerProcess
-
-            env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
-            env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-            serve = [sys.executable, "-m", "syncserver", "serve", "--host", wire.HUB_IP, "--data-dir",
-                     str(work / "hub"), "--log-level", "warning"]  # fmt: skip
-            hub = ServerProcess(wire.in_ns(net.hub, None, *serve), log=work / "hub.log", env=env, cwd=REPO)
-            url = hub.start()
+            hub = wire.serve_in_ns(net, work / "hub", work / "hub.log")
+            url = hub.url
             for seed in args.seeds:
                 serial = run_serial(common, model, work, seed, args.serial_eval_every)
                 serials.append(serial)

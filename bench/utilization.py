@@ -341,16 +341,9 @@ def main() -> None:
     with wire.terminated_as_exit():
         try:
             net.up()
-            from syncserver.process import ServerProcess
-
-            env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
-            env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-            serve = [sys.executable, "-m", "syncserver", "serve", "--host", wire.HUB_IP, "--data-dir",
-                     str(work / "hub"), "--round-timeout", "900", "--log-level", "warning"]  # fmt: skip
-            if args.lease_seconds is not None:
-                serve += ["--lease-seconds", str(args.lease_seconds)]
-            hub = ServerProcess(wire.in_ns(net.hub, None, *serve), log=work / "hub.log", env=env, cwd=REPO)
-            url = hub.start()
+            lease = () if args.lease_seconds is None else ("--lease-seconds", str(args.lease_seconds))
+            hub = wire.serve_in_ns(net, work / "hub", work / "hub.log", "--round-timeout", "900", *lease)
+            url = hub.url
             slow = 1e9
             for link in args.links:
                 for codec in args.slow_codecs if wire.rate_bits(link) < slow else args.codecs:
