@@ -326,9 +326,10 @@ def main() -> None:
                             continue
                         r = run_peers(args, common, model, work, net, url, serial, VARIANTS[name], link)
                         rows.append(r)
-                        print(f"seed {seed} {name} {link}: {_x(r['time_s'], '{:.1f}')} s, x serial "
-                              f"{_x(r['x_serial'])}, equal samples {_x(r['equal_samples_vs_serial'], '{:+.2%}')}, "
-                              f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+                        equal = _x(r["equal_samples_vs_serial"], "{:+.2%}")
+                        print(f"seed {seed} {name} {link}: {_x(r['time_s'], '{:.1f} s')}, x serial {_x(r['x_serial'])} "
+                              f"(best {r['best_ppl']:.2f}), equal samples {equal}, load {os.getloadavg()[0]:.2f}",
+                              flush=True)  # fmt: skip
         finally:
             if hub is not None:
                 hub.stop(timeout=20)
