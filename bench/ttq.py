@@ -191,8 +191,9 @@ def run_peers(args: argparse.Namespace, common: dict[str, Any], model: Path | No
         raise RuntimeError(
             f"{name}: rank 0 exited {procs[0].returncode}: {(folders[0] / 'log.txt').read_text()[-800:]}"
         )
-    # equal samples: the first sync at or after serial's last step (each peer's step is 1/N of the batch)
-    equal = next((r for r in rows if r["step"] >= serial["steps"]), None)
+    # equal samples: the last sync at or before serial's last step (each peer's step is 1/N of the
+    # batch): the peers have seen at most serial's samples there, so the gap is not flattered
+    equal = next((r for r in reversed(rows) if r["step"] <= serial["steps"]), None)
     return {
         "variant": variant.name, "link": link, "seed": serial["seed"], "peers": args.peers, "sync_every": every,
         "codec": variant.codec, "flags": variant.flags, "reached": reached is not None,
