@@ -17,7 +17,7 @@ all peers hold the hub's version). Each machine is emulated by one core:
   the machine has one; it says when peers share cores) and in a namespace of its own with its own
   ``tbf``-shaped link, both ways (``bench/wire.py``'s :class:`wire.Net`, ``peer:RATE``), shaped from
   the start: joining (version 0) is part of the time. Peers may train past one epoch (up to
-  ``--max-epochs``); the run is stopped (SIGINT: each peer leaves) once it reaches the target.
+  ``--max-epochs``); the run is stopped (SIGTERM: each peer leaves) once it reaches the target.
 
 Times are each process's own ``elapsed`` (from the job's start: imports, tokenizing and, for peers,
 joining included). The regime is the quality grid's (``bench/quality.py``): the ``tiny`` GPT-2 warm
@@ -178,7 +178,7 @@ def run_peers(args: argparse.Namespace, common: dict[str, Any], model: Path | No
     finally:
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGINT)  # the job leaves the run on its way out
+                p.send_signal(signal.SIGTERM)  # the SDK leaves the run on its way out (SystemExit)
         for p in procs:
             try:
                 p.wait(30)
