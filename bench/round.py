@@ -29,7 +29,10 @@ Measured in the same run, on the same peer processes and payload sizes:
   Only for N in ``--pickle-peers`` (default 2): at 4 peers the original ran out of memory.
 
 Hub peak RSS is VmHWM of the hub process, reset (``/proc/<pid>/clear_refs``) before each
-round, so it is the peak of that round (file pages the hub maps count too). Seconds are the
+round, so it is the peak of that round (file pages the hub maps count too). **Hub CPU-s** is
+the hub process's own user + system seconds over the round (``/proc/<pid>/stat``, its threads
+included, its children not: other processes' load does not count), beside the limit server's
+and the origin pickle hub's over theirs; the median of the rounds. Seconds are the
 best of ``--rounds`` rounds (of ``--gloo-reps`` for gloo), the same statistic for every
 column; the JSON also has the medians and every repetition. Results: a markdown table on stdout and
 ``bench/results/round-<date>.json`` (``--out`` to change the folder).
@@ -447,6 +450,10 @@ class Server:
         assert self.server.proc is not None
         self.proc = self.server.proc
 
+    def cpu_seconds(self) -> float:
+        """The process's user + system CPU seconds so far (all its threads; not its children)."""
+        return cpu_seconds(self.proc.pid)
+
     def _status(self) -> dict[str, int]:
         values = {}
         with open(f"/proc/{self.proc.pid}/status") as f:
@@ -457,8 +464,10 @@ class Server:
         return values
 
     @contextlib.contextmanager
-    def watch(self, into: dict[str, int]) -> Any:
-        """Peak RSS while the block runs: VmHWM after a reset, plus sampled RssAnon/RssFile."""
+    def watch(self, into: dict[str, Any]) -> Any:
+        """Peak RSS while the block runs: VmHWM after a reset, plus sampled RssAnon/RssFile; and
+        the process's CPU seconds (user + system) it took (``cpu_s``)."""
+        cpu = self.cpu_seconds()
         with contextlib.suppress(OSError):
             Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")  # reset VmHWM to VmRSS
         stop = threading.Event()
@@ -480,9 +489,18 @@ class Server:
             thread.join()
             into["hwm"] = self._status()["VmHWM"]
             into["anon"], into["file"] = peak["anon"], peak["file"]
+            into["cpu_s"] = self.cpu_seconds() - cpu
 
     def stop(self) -> None:
         self.server.stop(timeout=20)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``: utime and
+    stime, its threads summed by the kernel, its children not)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def version_digest(url: str, data_dir: Path, run: str) -> tuple[int, str]:
@@ -658,7 +676,7 @@ def run_hub_rounds(
         per_round = []
         for r in range(rounds):
             peers.all("perturb", round_=r + 1)
-            rss: dict[str, int] = {}
+            rss: dict[str, Any] = {}
             with hub.watch(rss):
                 go = _now() + go_delay
                 results = peers.all("sync", go=go)
@@ -678,6 +696,7 @@ def run_hub_rounds(
                     "upload_s": max(res["t_ack"] for res in results) - first,
                     "result_s": max(res["t_result"] for res in results) - first,
                     "hub_rss": rss,
+                    "hub_cpu_s": rss["cpu_s"],
                     "bytes_up": [res["bytes_up"] for res in results],
                     "bytes_down": [res["bytes_down"] for res in results],
                 }
@@ -704,6 +723,7 @@ def run_hub_rounds(
         "result_s": best([r["result_s"] for r in per_round]),
         "hub_peak_rss": peak,
         "hub_peak_rss_x_model": peak / model_bytes,
+        "hub_cpu_s": median([r["hub_cpu_s"] for r in per_round]),
         "bytes_up": max(up),
         "bytes_down": max(down),
         "bytes_up_x_fp32": max(up) / model_bytes,
@@ -716,10 +736,10 @@ def run_hub_rounds(
 def run_limit(peers: Peers, n: int, codec: str, down: int, reps: int, work: Path, go_delay: float) -> dict[str, Any]:
     server = Server([str(BENCH / "baselines" / "limit_server.py")], work / "limit.log")
     try:
-        times, up_bytes, rss_all = [], 0, []
+        times, up_bytes, rss_all, cpu = [], 0, [], []
         for r in range(reps):
             go = _now() + go_delay
-            rss: dict[str, int] = {}
+            rss: dict[str, Any] = {}
             with server.watch(rss):
                 results = peers.all(
                     "limit", url=server.url, codec=codec, round_=f"{codec}-{r}", world=n, down=down, go=go
@@ -727,6 +747,7 @@ def run_limit(peers: Peers, n: int, codec: str, down: int, reps: int, work: Path
             times.append(max(x["t_done"] for x in results) - min(x["t_put"] for x in results))
             up_bytes = max(x["bytes_up"] for x in results)
             rss_all.append(rss["hwm"])
+            cpu.append(rss["cpu_s"])
             if any(x["bytes_down"] != down for x in results):
                 raise AssertionError("limit download size mismatch")
     finally:
@@ -737,6 +758,7 @@ def run_limit(peers: Peers, n: int, codec: str, down: int, reps: int, work: Path
         "limit_all": times,
         "limit_bytes_up": up_bytes,
         "limit_rss": max(rss_all),
+        "limit_cpu_s": median(cpu),
     }
 
 
@@ -753,16 +775,17 @@ def run_origin(peers: Peers, n: int, reps: int, work: Path, go_delay: float) -> 
 
     server = Server([str(BENCH / "baselines" / "pickle_hub.py")], work / "pickle.log")
     try:
-        times, syncs, rss_all, last = [], [], [], []
+        times, syncs, rss_all, last, cpu = [], [], [], [], []
         for _ in range(reps):
             httpx.post(f"{server.url}/reset", timeout=30)
-            rss: dict[str, int] = {}
+            rss: dict[str, Any] = {}
             go = _now() + go_delay
             with server.watch(rss):
                 last = peers.all("origin", url=server.url, world=n, go=go)
             times.append(max(x["t_done"] for x in last) - min(x["t_put"] for x in last))
             syncs.append(max(x["t_done"] for x in last) - go)
             rss_all.append(rss["hwm"])
+            cpu.append(rss["cpu_s"])
     finally:
         server.stop()
     return {
@@ -771,6 +794,7 @@ def run_origin(peers: Peers, n: int, reps: int, work: Path, go_delay: float) -> 
         "origin_sync_s": best(syncs),
         "origin_all": times,
         "origin_hub_peak_rss": max(rss_all),
+        "origin_cpu_s": median(cpu),
         "origin_bytes_up": max(x["bytes_up"] for x in last),
         "origin_bytes_down": max(x["bytes_down"] for x in last),
     }
@@ -825,24 +849,26 @@ def gb(x: float) -> str:
 
 def markdown(rows: list[dict[str, Any]], base: dict[int, dict[str, Any]], targets: list[dict[str, Any]]) -> str:
     lines = [
-        "| N | codec | round s | limit s | round / limit | sync s (with encode) | hub peak RSS GB (x model) "
-        "| MB up / peer | MB down / peer | bytes x fp32 (up, down) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| N | codec | round s | limit s | round / limit | sync s (with encode) | hub CPU-s / round "
+        "| limit server CPU-s | hub peak RSS GB (x model) | MB up / peer | MB down / peer | bytes x fp32 (up, down) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         limit = f"{r['limit_s']:.2f}" if "limit_s" in r else "-"
         ratio = f"{r['round_s'] / r['limit_s']:.2f}" if "limit_s" in r else "-"
+        limit_cpu = f"{r['limit_cpu_s']:.2f}" if "limit_cpu_s" in r else "-"
         lines.append(
             f"| {r['peers']} | {r['codec']} | {r['round_s']:.2f} | {limit} | {ratio} | {r['sync_s']:.2f} | "
+            f"{r['hub_cpu_s']:.2f} | {limit_cpu} | "
             f"{gb(r['hub_peak_rss'])} ({r['hub_peak_rss_x_model']:.2f}x) | {r['bytes_up'] / 1e6:.1f} | "
             f"{r['bytes_down'] / 1e6:.1f} | {r['bytes_up_x_fp32']:.3f}, {r['bytes_down_x_fp32']:.3f} |"
         )
     if base:
         lines += [
             "",
-            "| N | gloo all_reduce s | origin (pickle hub) s | origin sync s (with pickling) | origin hub peak RSS GB "
-            "| origin MB up / peer | origin MB down / peer |",
-            "|---|---|---|---|---|---|---|",
+            "| N | gloo all_reduce s | origin (pickle hub) s | origin sync s (with pickling) "
+            "| origin hub CPU-s / round | origin hub peak RSS GB | origin MB up / peer | origin MB down / peer |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for n, b in sorted(base.items()):
 
@@ -850,7 +876,7 @@ def markdown(rows: list[dict[str, Any]], base: dict[int, dict[str, Any]], target
                 return fmt.format(b[key] / scale) if key in b else "-"
 
             lines.append(
-                f"| {n} | {f('gloo_s')} | {f('origin_s')} | {f('origin_sync_s')} | "
+                f"| {n} | {f('gloo_s')} | {f('origin_s')} | {f('origin_sync_s')} | {f('origin_cpu_s')} | "
                 f"{f('origin_hub_peak_rss', 1e9)} | {f('origin_bytes_up', 1e6, '{:.1f}')} | "
                 f"{f('origin_bytes_down', 1e6, '{:.1f}')} |"
             )
@@ -901,7 +927,8 @@ def main() -> None:
                     rows.append(row)
                     print(
                         f"N={n} {codec}: round {row['round_s']:.2f}s, limit {row.get('limit_s', float('nan')):.2f}s, "
-                        f"hub RSS {gb(row['hub_peak_rss'])} GB",
+                        f"hub CPU {row['hub_cpu_s']:.2f} s/round (limit server's "
+                        f"{row.get('limit_cpu_s', float('nan')):.2f}), hub RSS {gb(row['hub_peak_rss'])} GB",
                         flush=True,
                     )
                 if "gloo" in baselines:
@@ -909,7 +936,10 @@ def main() -> None:
                     print(f"N={n} gloo {base[n]['gloo_s']:.2f}s", flush=True)
                 if "origin" in baselines and n in args.pickle_peers:
                     base.setdefault(n, {}).update(run_origin(peers, n, args.rounds, work, args.go_delay))
-                    print(f"N={n} origin {base[n]['origin_s']:.2f}s", flush=True)
+                    print(
+                        f"N={n} origin {base[n]['origin_s']:.2f}s, its hub's CPU {base[n]['origin_cpu_s']:.2f} s/round",
+                        flush=True,
+                    )
                 peer_rss[n] = max(s["peak_rss"] for s in peers.all("stats"))
             finally:
                 peers.close()

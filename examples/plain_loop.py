@@ -5,8 +5,9 @@
 
 Nothing here knows about weightsync. Under ``weightsync-run`` the optimizer's steps are seen,
 the model that owns its parameters is synced every ``--sync-every`` steps, the DataLoader gives
-each peer its half of the reviews, and a last sync at exit leaves both peers with the same
-weights. Writes ``out/model.pt`` and ``out/metrics.json`` (relative: in the peer's own folder).
+each peer its half of the reviews, and the save at the end (it reads the model's state) syncs
+the last steps first: ``out/model.pt`` is the same model on both peers, the run's. Writes it
+and ``out/metrics.json`` (relative: in the peer's own folder).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from syncclient.exceptions import RoundClosed, StaleUpdate, SyncError
@@ -14,6 +15,10 @@ from syncclient.transport import Transport
 __all__ = ["Heartbeat", "ProgressReporter"]
 
 log = logging.getLogger(__name__)
+
+#: a held heartbeat's timeout beyond its hold: the hub answers at the hold's end, give or take a
+#: busy event loop and a slow link
+WATCH_MARGIN = 10.0
 
 
 class _Daemon:
@@ -31,25 +36,62 @@ class _Daemon:
 
 
 class Heartbeat(_Daemon):
-    """Renews a peer's lease while the user trains for minutes between syncs: one POST every
-    third of the lease, one try each (the next beat is the retry)."""
+    """The peer's lease and its watch, on a connection of its own (``transport``, which this
+    owns): a heartbeat that the hub holds open for a third of the lease (or until it has news),
+    asked again as soon as it is answered.
+
+    The held connection is what tells the hub, within its ``disconnect_grace``, that this
+    process died: the kernel closes a dead process's sockets. Each request renews the lease,
+    which is what tells it that a hung or vanished machine is gone. A failed beat (a reset link,
+    a restarting hub) is tried again at once, then after 0.1 s doubling to 1 s: a link that
+    resets is back well within the grace (2 s by default). A hub that does not hold the
+    request (its answer says ``watch: false``) gets one beat every third of the lease, as before.
+    """
+
+    #: the first waits after failed beats (the first retry goes at once); then 1 s
+    RETRY_SECONDS = (0.0, 0.1, 0.2, 0.4, 0.8)
 
     def __init__(self, transport: Transport, path: str, *, lease: float, run: str, peer: str) -> None:
         self._transport, self._path, self._lease, self._run = transport, path, lease, run
         super().__init__(self._beat, f"weightsync-heartbeat-{peer}")
 
+    def stop(self) -> None:
+        """Stop now: the held request ends at once (its socket shut down; the hub sees the
+        connection close), and the connection with it."""
+        self._stop.set()
+        self._transport.abort()
+        super().stop()
+        self._transport.close()
+
     def _beat(self) -> None:
+        hold = self._lease / 3
         failures = 0
-        while not self._stop.wait(self._lease / 3):
+        while not self._stop.is_set():
+            started = time.monotonic()
             try:
-                self._transport.call("POST", self._path, retry=False, timeout=10)
-                failures = 0
-            except SyncError:
+                answer = self._transport.call(
+                    "POST", self._path, params={"wait": hold}, retry=False, timeout=hold + WATCH_MARGIN
+                ).json()
+            except SyncError as exc:
+                if self._stop.is_set():
+                    return
                 failures += 1
-            except RuntimeError:  # client closed under us
-                return
-            if failures == 3:
-                log.warning("run %s: heartbeats are failing; the hub may drop this peer", self._run)
+                if failures == 3:
+                    log.warning("run %s: heartbeats are failing (%s); the hub may drop this peer", self._run, exc)
+                self._stop.wait(self.RETRY_SECONDS[failures - 1] if failures <= len(self.RETRY_SECONDS) else 1.0)
+                continue
+            except (RuntimeError, OSError, ValueError):  # stopped under us (its transport shut down)
+                if self._stop.is_set():
+                    return
+                raise
+            if failures >= 3:
+                log.info("run %s: heartbeats are answered again", self._run)
+            failures = 0
+            took = time.monotonic() - started
+            if not answer.get("watch", False):  # a hub that answers at once: beat every third of the lease
+                self._stop.wait(max(0.0, hold - took))
+            elif took < hold / 2:  # answered early: the hub is stopping (or we left); do not spin on it
+                self._stop.wait(min(1.0, hold / 3))
 
 
 class ProgressReporter(_Daemon):

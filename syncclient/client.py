@@ -201,6 +201,7 @@ class SyncClient:
         outer_momentum: float | None = None,
         outer_warmup: int | None = None,
         min_peers: int | None = None,
+        min_merge_peers: int | None = None,
         round_timeout: float | None = None,
         norm_guard: float | None = None,
         policy: str | None = None,
@@ -225,6 +226,7 @@ class SyncClient:
                 "outer_momentum": outer_momentum,
                 "outer_warmup": outer_warmup,
                 "min_peers": min_peers,
+                "min_merge_peers": min_merge_peers,
                 "round_timeout": round_timeout,
                 "norm_guard": norm_guard,
                 "policy": policy,
@@ -270,7 +272,8 @@ class SyncClient:
         def joined(lease: float) -> None:  # the hub knows us from here on: keep the lease
             if self._heartbeat is None:
                 beat = f"{self._runs}/peers/{self.peer}/heartbeat"
-                self._heartbeat = Heartbeat(self._transport, beat, lease=lease, run=self.run, peer=self.peer)
+                watch = self._transport.sibling()  # its own connection: the one the hub watches
+                self._heartbeat = Heartbeat(watch, beat, lease=lease, run=self.run, peer=self.peer)
 
         def version0() -> list[tuple[str, np.ndarray, str]]:  # if the hub tells us to initialise
             return [(name, a, "F32") for name, a in view.export().items()]
@@ -352,13 +355,41 @@ class SyncClient:
     ) -> SyncResult:
         """A blocking sync; if ``final``, the flush round after it (see :meth:`sync`)."""
         result = self._apply(self._start(view, samples, metrics, keep_local=False, final=final), view)
-        assert self._state is not None
-        codec = self._state.codec
-        if final and not codec.lossless and codec.flush and self.policy == "barrier" and not result.caught_up:
+        if final and self.flushes and not result.caught_up:
             # the model is the merged version now, so this update is the residual alone; it weighs
             # what the update it was cut from weighed
             result = self._apply(self._start(view, samples, None, keep_local=False, final=True), view)
         return result
+
+    @property
+    def flushes(self) -> bool:
+        """Whether this run's last sync sends what error feedback held back in one more round
+        (a lossy codec that flushes, in a barrier run: see :meth:`sync`). False before join."""
+        if self._state is None:
+            return False
+        codec = self._state.codec
+        return not codec.lossless and codec.flush and self.policy == "barrier"
+
+    def flush(self, model: torch.nn.Module, *, samples: int = 1) -> SyncResult | None:
+        """The second round of a final :meth:`sync`, alone: send what error feedback held back
+        (the last sync's quantisation error) as a final update, and load the merged version.
+
+        For a program that cannot tell its last sync when it makes it: ``weightsync-run``'s
+        plain loop syncs right after a step, before the program says whether it stops there, and
+        flushes at exit if it trained nothing since. Its peers then make the same last round as
+        a peer whose last sync was marked final. ``model`` must hold the version of the last
+        sync (nothing trained since); ``samples`` is that sync's weight. None, and no round,
+        when the run has nothing to flush: a lossless codec, ``topk`` (see :meth:`sync`), a
+        policy other than barrier. One process per peer (a group's last ``sync(final=True)``
+        flushes)."""
+        if self._state is None:
+            raise SyncError("join(model) before flush()")
+        if self._group is not None:
+            raise SyncError("flush() is for one process per peer: in a process group, mark the last sync final")
+        if not self.flushes:
+            return None
+        view = ModelView(model)
+        return self._apply(self._start(view, samples, None, keep_local=False, final=True), view)
 
     def sync_async(
         self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None

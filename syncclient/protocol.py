@@ -205,7 +205,8 @@ class RunProtocol:
             except HubUnreachable as exc:
                 raise _StoreTrouble(f"no upload plan: {exc}") from exc
             except HubError as exc:
-                if exc.code in ("store_unavailable", "no_store"):  # down; or a hub restarted without it
+                self._no_store(exc)
+                if exc.code == "store_unavailable":
                     raise _StoreTrouble(exc.detail) from exc
                 raise
             got = plan.json()
@@ -233,6 +234,7 @@ class RunProtocol:
             except HubUnreachable as exc:
                 raise _StoreTrouble(f"reporting the upload: {exc}") from exc
             except HubError as exc:
+                self._no_store(exc)
                 if exc.code == "upload_unknown" and attempt == 1:
                     continue  # the hub restarted: a fresh upload, every part again
                 if exc.code in ("store_unavailable", "upload_unknown"):
@@ -240,6 +242,13 @@ class RunProtocol:
                 raise
             return size, answer
         raise _StoreTrouble("the object store refused the parts twice")
+
+    def _no_store(self, exc: HubError) -> None:
+        """``409 no_store``: the hub has no object store (restarted without ``SYNC_STORE``):
+        this update and the next ones go to the hub by PUT (until a start says otherwise)."""
+        if exc.code == "no_store":
+            self.uploads = "hub"
+            raise _StoreTrouble(exc.detail) from exc
 
     def _store_transport(self) -> Transport:
         """The SDK's retries and errors for presigned URLs, without the hub's token."""

@@ -119,9 +119,16 @@ RUN_SETTINGS: tuple[RunSetting, ...] = (
     RunSetting(
         "min_peers",
         int,
-        "peers the run waits for before it starts (its rendezvous), and the updates a round needs "
-        "before its deadline may close it",
+        "peers the run waits for before it starts (its rendezvous)",
         "N",
+        ge=1,
+        le=2**13,
+    ),
+    RunSetting(
+        "min_merge_peers",
+        int,
+        "the fewest updates a round merges (fewer once peers left); 1: a dead peer never holds a round",
+        "K",
         ge=1,
         le=2**13,
     ),

@@ -36,8 +36,10 @@ import hashlib
 import logging
 import os
 import secrets
+import socket
 import ssl
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -139,6 +141,7 @@ class Transport:
         retry_seconds: float,
     ) -> None:
         self.hub, self.run, self.retry_seconds = hub, run, retry_seconds
+        self._token, self._timeout = token, timeout
         if isinstance(verify, str):  # httpx wants a context for a CA bundle
             folder = os.path.isdir(verify)
             verify = ssl.create_default_context(capath=verify if folder else None, cafile=None if folder else verify)
@@ -148,7 +151,8 @@ class Transport:
         # httpx's transport takes no network backend: set its pool's (httpcore's public backend
         # API, httpx's private attribute; tests/test_resume.py fails if either moves)
         pool = transport._pool
-        pool._network_backend = _LargeReads(pool._network_backend)
+        self._backend = _LargeReads(pool._network_backend)
+        pool._network_backend = self._backend
         self._verify = verify
         self._store_http: httpx.Client | None = None  # presigned URLs of the hub's object store
         self.http = httpx.Client(
@@ -163,6 +167,24 @@ class Transport:
         self.http.close()
         if self._store_http is not None:
             self._store_http.close()
+
+    def sibling(self) -> Transport:
+        """A transport to the same hub with connections of its own (the heartbeat's watch, which
+        :meth:`abort` can end while another thread waits on it)."""
+        return Transport(
+            self.hub,
+            run=self.run,
+            token=self._token,
+            verify=self._verify,
+            timeout=self._timeout,
+            retry_seconds=self.retry_seconds,
+        )
+
+    def abort(self) -> None:
+        """Shut this transport's sockets down now: a request another thread is waiting on ends
+        at once with an error (closing a socket would not wake it), and the hub sees the
+        connection close, as it would if this process died."""
+        self._backend.shutdown()
 
     def without_token(self, retry_seconds: float) -> Transport:
         """A transport with this one's TLS settings and timeout and no token, for presigned
@@ -448,36 +470,62 @@ class _LargeReads(httpcore.NetworkBackend):
     httpcore asks for 64 KiB per read, and each read costs h11 and httpcore some Python: a
     500 MB download is 7,600 of them. A TLS socket returns one record (16 KiB) per read
     whatever is asked, so TLS streams keep httpcore's size.
+
+    It knows its open streams (weakly: httpcore holds them while their connection lives), so
+    that :meth:`shutdown` can end them from another thread.
     """
 
     def __init__(self, backend: httpcore.NetworkBackend) -> None:
         self._backend = backend
+        self._streams: weakref.WeakSet[_LargeReadStream] = weakref.WeakSet()
+        self.shut = False  # shutdown() was called: a stream opened since is shut down at once
 
     def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
-        return _LargeReadStream(self._backend.connect_tcp(*args, **kwargs))
+        return _LargeReadStream(self._backend.connect_tcp(*args, **kwargs), self)
 
     def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
-        return _LargeReadStream(self._backend.connect_unix_socket(*args, **kwargs))
+        return _LargeReadStream(self._backend.connect_unix_socket(*args, **kwargs), self)
 
     def sleep(self, seconds: float) -> None:
         self._backend.sleep(seconds)
 
+    def shutdown(self) -> None:
+        """Shut down every open stream's socket, and any opened from now on: reads in flight
+        end, the peer sees a close. (A stream registers itself, then looks at ``shut``; this
+        sets ``shut``, then looks at the streams: one connecting meanwhile is seen by either.)"""
+        self.shut = True
+        for stream in list(self._streams):
+            stream.shutdown()
+
 
 class _LargeReadStream(httpcore.NetworkStream):
-    def __init__(self, stream: httpcore.NetworkStream) -> None:
-        self._stream = stream
+    def __init__(self, stream: httpcore.NetworkStream, backend: _LargeReads, large: bool = True) -> None:
+        streams = backend._streams
+        self._stream, self._backend, self._streams, self._large = stream, backend, streams, large
+        streams.add(self)
+        if backend.shut:
+            self.shutdown()
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._stream.read(max(max_bytes, _READ_BYTES), timeout)
+        return self._stream.read(max(max_bytes, _READ_BYTES) if self._large else max_bytes, timeout)
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         self._stream.write(buffer, timeout)
 
+    def shutdown(self) -> None:
+        sock = self._stream.get_extra_info("socket")
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
+        self._streams.discard(self)
         self._stream.close()
 
     def start_tls(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
-        return self._stream.start_tls(*args, **kwargs)  # TLS: httpcore's read size (see above)
+        self._streams.discard(self)  # the TLS stream replaces this one (its socket detached)
+        tls = self._stream.start_tls(*args, **kwargs)
+        return _LargeReadStream(tls, self._backend, large=False)  # TLS: httpcore's read size (see above)
 
     def get_extra_info(self, info: str) -> Any:
         return self._stream.get_extra_info(info)

@@ -24,61 +24,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, get_args, get_origin
 
 import typer
-from pydantic import SecretStr, ValidationError
+from pydantic import SecretStr
 from pydantic.fields import FieldInfo
-from pydantic_settings import SettingsError
 
 from syncserver.process import run_uvicorn
-from syncserver.settings import HubSettings
+from syncserver.settings import HubSettings, SettingsInputError, env_name, flag_name, hub_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="The weightsync hub.")
 
 SETTINGS_PANEL = "Hub settings (each also a SYNC_* environment variable; the flag wins)"
-
-
-class SettingsInputError(ValueError):
-    """A hub setting that does not hold: one line naming the flag or variable that gave it."""
-
-
-def flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
-
-
-def env_name(field: str) -> str:
-    return "SYNC_" + field.upper()
-
-
-def hub_settings(flags: dict[str, str], **defaults: Any) -> HubSettings:
-    """The settings from ``flags`` (raw strings, by field name), else ``SYNC_*`` variables, else
-    ``defaults`` (a caller's own), else the model's defaults.
-
-    Flag strings are handed to pydantic as they are, so a flag and its variable accept the
-    same spellings; only a dict field (``--run-tokens``) is JSON, as its variable is.
-    """
-    given: dict[str, Any] = {}  # Any: each value goes to the field of its name, pydantic checks it
-    for name, raw in flags.items():
-        if get_origin(HubSettings.model_fields[name].annotation) is dict:
-            try:
-                given[name] = json.loads(raw)
-            except ValueError:
-                raise SettingsInputError(
-                    f'{flag_name(name)}: not JSON, expected an object such as \'{{"run": "token"}}\''
-                ) from None
-        else:
-            given[name] = raw
-    try:
-        settings = HubSettings(**given)
-        below_env = {k: v for k, v in defaults.items() if k not in settings.model_fields_set}
-        return HubSettings(**given, **below_env) if below_env else settings
-    except SettingsError as exc:  # an env value that does not parse at all, e.g. SYNC_RUN_TOKENS
-        raise SettingsInputError(f"{exc} (SYNC_RUN_TOKENS must be a JSON object)") from None
-    except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            field = str(error["loc"][0]) if error["loc"] else None
-            source = "" if field is None else (flag_name(field) if field in flags else env_name(field)) + ": "
-            problems.append(source + error["msg"].removeprefix("Value error, "))
-        raise SettingsInputError("; ".join(problems)) from None
 
 
 def _metavar(field: FieldInfo) -> str:
@@ -169,7 +123,7 @@ def serve(
         from syncserver.storage.s3 import StoreUnavailable
 
         try:
-            open_store(settings.store).close()
+            open_store(settings.store, settings.store_url_seconds, settings.store_control_seconds).close()
         except StoreUnavailable as exc:
             typer.echo(f"error: --store: {exc.reason}", err=True)
             raise typer.Exit(2) from None

@@ -56,13 +56,23 @@ from pydantic import SecretStr
 
 import syncserver
 from syncserver.process import ServerProcess, ServerStartError
-from syncserver.settings import HubSettings
+from syncserver.settings import HubSettings, SettingsInputError, hub_settings
 
-__all__ = ["PEER_EXIT", "HUB_EXIT", "LaunchError", "LocalRun", "RoundTable", "settings_env"]
+__all__ = [
+    "PEER_EXIT",
+    "HUB_EXIT",
+    "SETTINGS_EXIT",
+    "LaunchError",
+    "LocalRun",
+    "RoundTable",
+    "hub_settings_for",
+    "settings_env",
+]
 
 log = logging.getLogger(__name__)
 
 PEER_EXIT, HUB_EXIT = 1, 3  # the launcher's exit codes for "a peer failed" and "the hub failed"
+SETTINGS_EXIT = 2  # a hub setting (a SYNC_* variable) that does not hold: bad input
 HUB_START_SECONDS = 60.0
 GRACE_SECONDS = 10.0  # per stopping signal: time to leave the run, flush logs, save
 
@@ -73,6 +83,19 @@ class LaunchError(Exception):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def hub_settings_for(out: Path, peers: int, token: str | None = None) -> HubSettings:
+    """The embedded hub's settings for a launch of ``peers`` peers: its ``SYNC_*`` variables,
+    with its data in ``out/hub``, a rendezvous of all ``peers``, and ``token`` if given (these
+    beat the variables: the rendezvous must wait for all K). Every launcher of this machine
+    (``weightsync-run --local-peers``, the reference job's) takes them from here. A bad
+    variable: :class:`LaunchError` naming it, exit code :data:`SETTINGS_EXIT`."""
+    flags = {"data_dir": str(out / "hub"), "min_peers": str(peers)} | ({"token": token} if token else {})
+    try:
+        return hub_settings(flags)
+    except SettingsInputError as exc:
+        raise LaunchError(f"hub settings: {exc}", SETTINGS_EXIT) from None
 
 
 def settings_env(settings: HubSettings) -> dict[str, str]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, get_origin
 
-from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from syncserver.limits import (
     MAX_BYTES,
@@ -22,6 +23,14 @@ from syncserver.limits import (
 )
 from syncserver.names import NAME_RULE, is_name
 from syncwire import get_codec
+
+#: the default lease, from bench/lease.py (bench/RESULTS.md, Leases): see docs/RELIABILITY.md
+LEASE_SECONDS = 10.0
+#: seconds a dropped heartbeat connection may stay away before its peer is gone: one lost SYN costs
+#: Linux 1 s (its initial retransmission timeout) before the SDK's reconnect gets through, plus a
+#: round trip (~0.3 s across continents); 1.5 s, not 2, keeps a SIGKILL's cost to the survivors
+#: under 2 s (bench/failures.py: the grace + 0.06 s to decide and close)
+DISCONNECT_GRACE = 1.5
 
 Outer = Literal["avg", "diloco"]
 Policy = Literal["barrier", "samples", "async"]
@@ -69,15 +78,26 @@ class HubSettings(BaseSettings):
         description='Per-run bearer tokens, JSON: SYNC_RUN_TOKENS=\'{"imdb-gpt2": "..."}\'. A run token '
         "opens /v1/runs/<its run>/... only (it may create that run), nothing else.",
     )
-    min_peers: MinPeers = Field(
+    min_peers: MinPeers = Field(1, description="Peers a new run waits for before it starts (its rendezvous).")
+    min_merge_peers: MinPeers = Field(
         1,
-        description="Peers a new run waits for before it starts; updates a round needs before its deadline may "
-        "close it (fewer once peers left the run).",
+        description="Default of new runs: the fewest updates a round merges (torchft's min_replica_size; fewer "
+        "once peers left the run). A round whose live peers are all in waits for more while it has fewer, and "
+        "status and the dashboard say so. 1: a gone peer never holds a round.",
     )
     round_timeout: Seconds = Field(
         600.0, description="Seconds after a round's first update before stragglers are dropped."
     )
-    lease_seconds: Seconds = Field(60.0, description="A peer not heard from for this long is gone.")
+    lease_seconds: Seconds = Field(
+        LEASE_SECONDS,
+        description="A peer not heard from for this long is gone (a hung or vanished machine); the SDK's "
+        "heartbeat asks every third of it.",
+    )
+    disconnect_grace: Seconds = Field(
+        DISCONNECT_GRACE,
+        description="A peer whose heartbeat connection dropped (its process died) and did not come back within "
+        "this many seconds is gone, without waiting for its lease (one at or over the lease changes nothing).",
+    )
     max_body_bytes: int = Field(
         8 * 1024**3, gt=0, le=MAX_BYTES, description="Hard cap on any upload; the run's schema sets a tighter one."
     )
@@ -122,6 +142,15 @@ class HubSettings(BaseSettings):
         le=604_800,
         description="Life of the presigned GETs peers are redirected to (S3 checks it when a request starts; "
         "a peer whose URL expired asks the hub again).",
+    )
+    store_control_seconds: float = Field(
+        5.0,
+        gt=0,
+        le=30,
+        allow_inf_nan=False,
+        description="Deadline of the hub's control calls to the store (create, list, complete, abort, delete): to "
+        "connect, then to the answer's first byte. A hung store then answers a peer's presign or report 503 "
+        "within seconds, and the peer PUTs the update to the hub. Data transfers keep a 30 s read timeout.",
     )
     spare_files: int = Field(
         6,
@@ -240,6 +269,15 @@ class HubSettings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _merge_floor_within_start(self) -> HubSettings:
+        if self.min_merge_peers > self.min_peers:
+            raise ValueError(
+                f"min_merge_peers {self.min_merge_peers} is over min_peers {self.min_peers}: a run could start "
+                "with fewer peers than any of its rounds needs"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _policy_has_its_target(self) -> HubSettings:
         if self.round_samples is not None and "policy" not in self.model_fields_set and self.policy == "barrier":
             self.policy = "samples"
@@ -256,3 +294,52 @@ class HubSettings(BaseSettings):
         if self.long_poll_seconds > self.lease_seconds / 2:
             self.long_poll_seconds = self.lease_seconds / 2
         return self
+
+
+# -- from flags and variables: one line naming a bad one ------------------------------------------
+
+
+class SettingsInputError(ValueError):
+    """A hub setting that does not hold: one line naming the flag or variable that gave it."""
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    return "SYNC_" + field.upper()
+
+
+def hub_settings(flags: dict[str, str], **defaults: Any) -> HubSettings:
+    """The settings from ``flags`` (raw strings, by field name), else ``SYNC_*`` variables, else
+    ``defaults`` (a caller's own), else the model's defaults. ``syncserver serve``'s flags and
+    the local launcher (:func:`syncserver.local.hub_settings_for`) both come here.
+
+    Flag strings are handed to pydantic as they are, so a flag and its variable accept the
+    same spellings; only a dict field (``--run-tokens``) is JSON, as its variable is.
+    """
+    given: dict[str, Any] = {}  # Any: each value goes to the field of its name, pydantic checks it
+    for name, raw in flags.items():
+        if get_origin(HubSettings.model_fields[name].annotation) is dict:
+            try:
+                given[name] = json.loads(raw)
+            except ValueError:
+                raise SettingsInputError(
+                    f'{flag_name(name)}: not JSON, expected an object such as \'{{"run": "token"}}\''
+                ) from None
+        else:
+            given[name] = raw
+    try:
+        settings = HubSettings(**given)
+        below_env = {k: v for k, v in defaults.items() if k not in settings.model_fields_set}
+        return HubSettings(**given, **below_env) if below_env else settings
+    except SettingsError as exc:  # an env value that does not parse at all, e.g. SYNC_RUN_TOKENS
+        raise SettingsInputError(f"{exc} (SYNC_RUN_TOKENS must be a JSON object)") from None
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = str(error["loc"][0]) if error["loc"] else None
+            source = "" if field is None else (flag_name(field) if field in flags else env_name(field)) + ": "
+            problems.append(source + error["msg"].removeprefix("Value error, "))
+        raise SettingsInputError("; ".join(problems)) from None

@@ -138,6 +138,8 @@ def _reducers_table(reducers: list[dict[str, Any]], width: int) -> RenderableTyp
         Col("last lease", 2),
         Col("lease s total", 1),
         Col("expired", 1),
+        Col("checks", 1),
+        Col("check failures", 2),
     ]
     rows = [
         [
@@ -147,6 +149,8 @@ def _reducers_table(reducers: list[dict[str, Any]], width: int) -> RenderableTyp
             _s(r["last_seconds"]),
             _s(r["seconds"]),
             str(r["expired"]),
+            str(r.get("checks", 0)),
+            str(r.get("check_failures", 0)),
         ]
         for r in reducers
     ]
@@ -246,6 +250,8 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
         line += f"; uploading {', '.join(o['uploading'])}"
     if o["closing"]:
         line += "; closing"
+    elif o.get("waiting_on_floor"):
+        line += f"; waiting for min_merge_peers: {len(o['submitted'])} of {o['merge_floor']} updates"
     elif o["seconds_left"] is not None:
         line += f"; stragglers dropped in {o['seconds_left']:.0f}s"
     if s["version"] < 0:

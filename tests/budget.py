@@ -34,6 +34,11 @@ BUDGETS: dict[str, float] = {
     "tests/test_bench_smoke.py::test_utilization_benchmark_measures_every_interval_and_a_killed_peer": 16,
     # root only: the reference job serial, then as 2 peers in namespaces through a hub (issue 40; load 5)
     "tests/test_bench_smoke.py::test_ttq_benchmark_times_serial_and_peers_to_serials_perplexity": 33,
+    # issue 36: 3 peer processes (torch), a SIGKILL, its 2 s grace, a restart (18 s at load 14)
+    "tests/test_bench_smoke.py::test_failures_benchmark_measures_a_sigkill_from_the_hubs_records": 10,
+    "tests/test_bench_smoke.py::test_failures_benchmark_cuts_a_link_and_leaves_no_namespace": 9,  # root; a 3 s lease
+    # 3 processes of the reference job (transformers, datasets), one SIGKILLed and restarted (60 s at load 14)
+    "tests/test_bench_smoke.py::test_chaos_benchmark_kills_and_restarts_a_reference_job_peer": 25,
     "tests/test_finetune.py::test_a_samples_run_trains_until_the_run_has_seen_its_epochs": 33,
     "tests/test_finetune.py::test_serial_baseline": 11,
     "tests/test_finetune.py::test_two_local_peers_end_identical_and_learn": 16,
@@ -51,9 +56,12 @@ BUDGETS: dict[str, float] = {
     "tests/test_check_leases.py::test_a_round_checked_and_merged_by_reducers_is_bit_identical": 12,
     "tests/test_check_leases.py::test_a_reducer_killed_holding_a_check_lease_loses_it_and_the_peer_is_acknowledged": 12,
     "tests/test_reducers.py::test_a_hub_killed_while_its_leases_wait_closes_the_round_again_after_a_restart": 15,
+    # issue 39: two hubs, three peers one after the other, a SIGKILL and a restart mid-fold, a reducer process
+    "tests/test_reducers.py::test_a_hub_killed_mid_fold_loses_no_acknowledged_update_and_gives_the_same_bits": 15,
     "tests/test_reducers.py::test_with_no_reducer_left_the_hub_works_the_leases_itself": 10,
     "tests/test_reducers.py::test_reducer_processes_give_the_bits_of_the_hub_alone": 12,
-    "tests/test_reducers.py::test_reducers_merge_updates_that_peers_uploaded_to_the_bucket": 12,
+    # three peers one after the other, two of them folded ahead (issue 39)
+    "tests/test_reducers.py::test_reducers_merge_updates_that_peers_uploaded_to_the_bucket": 14,
     "tests/test_zero_code.py::test_hugging_face_trainer_example": 11,
     "tests/test_zero_code.py::test_lightning_example": 12,  # import lightning: ~4 CPU-s a peer
     "tests/test_zero_code.py::test_plain_loop_example": 10,
@@ -61,8 +69,13 @@ BUDGETS: dict[str, float] = {
     # run, beside the heaviest tests); two VMs, `python -m` and a console script (merged scenarios)
     "tests/test_zero_code.py::test_a_plain_loop_steps_at_the_scaled_rate_and_keeps_its_own": 10,
     "tests/test_zero_code.py::test_a_peer_that_finishes_first_leaves_without_holding_the_other_back": 8,
-    # two transformers processes, the second a Trainer (subclass): the Trainer-subclass test is merged in
-    "tests/test_zero_code.py::test_two_machines_a_plain_loop_and_a_trainer_end_on_the_hubs_last_version": 12,
+    # two transformers processes, the second a Trainer (subclass): the Trainer-subclass test is merged in;
+    # 7 steps, 5 rounds, both save (issue 37)
+    "tests/test_zero_code.py::test_two_machines_a_plain_loop_and_a_trainer_end_on_the_hubs_last_version": 14,
+    # issue 37, what a script saves (docs/TESTING.md, merged scenarios): two --local-peers 2 launches
+    # side by side (4 torch peers, 2 hubs); two VMs, one of them Lightning (~4 CPU-s to import)
+    "tests/test_zero_code.py::test_a_plain_loop_saves_the_runs_model_whichever_way_it_saves": 9,
+    "tests/test_zero_code.py::test_two_machines_a_plain_loop_and_a_lightning_run_save_the_hubs_last_version": 12,
     # torchrun groups: three peer shapes in one run (9 processes that import torch, 6 of them
     # transformers); a killed rank (two peers, 6 processes); a hub gone for good (3 processes and
     # 0.5 s of the SDK's retries). Alone, on a shared 2-core VM (load 5), 2026-11-27: 25, 15, 10 s
@@ -90,6 +103,11 @@ BUDGETS: dict[str, float] = {
     "tests/test_store_uploads.py::test_hub_killed_between_upload_and_record_deletes_the_orphan": 14,
     "tests/test_store_uploads.py::test_store_failing_mid_upload_falls_back_to_the_hub": 9,
     "tests/test_store_uploads.py::test_int8_with_the_norm_guard_through_the_store_is_bit_identical": 9,
+    # issue 36: peer processes SIGKILLed (twice, a restart between) and SIGSTOPped, each round of a
+    # real hub; bench/lease.py's hub and torch peer. On a shared, loaded 2-core VM: 12, 9, 10 s
+    "tests/test_peer_failures.py::test_a_sigkilled_peer_costs_the_survivors_seconds_and_comes_back": 12,
+    "tests/test_peer_failures.py::test_a_hung_peer_is_gone_at_its_lease_and_the_merge_floor_waits_for_it": 10,
+    "tests/test_bench_smoke.py::test_lease_benchmark_measures_a_peer_s_lease_age": 10,
     # a hub SIGKILLed twice under async rounds
     "tests/test_policies.py::test_async_survives_sigkills_of_the_hub": 12,
     "tests/test_objectstore.py::test_store_benchmark_runs": 9,  # bench/store.py --quick: our client, 16 MB

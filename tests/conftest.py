@@ -7,9 +7,7 @@ and start it again on the same data dir and URL. ``hub`` is one such hub.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -21,6 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401  (imported on
 from syncserver.process import ServerProcess
 from tests.budget import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (the time budget)
 from tests.s3server import s3, seaweedfs  # noqa: F401  (a real S3 server, started on first use; a proxy to it)
+from tests.smallvocab import small_vocab_data as small_vocab
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -28,7 +27,6 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 needs_data = pytest.mark.skipif(
     not (SHARED_DATA / "imdb" / "train.parquet").exists(), reason=f"no offline data in {SHARED_DATA}"
 )
-SMALL_VOCAB_MERGES = 768  # GPT-2's first 768 BPE merges: a 1,025-token vocabulary
 
 PROCESS_MODULES = frozenset(
     {
@@ -158,24 +156,6 @@ def small_sample_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def small_vocab_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The offline data folder (``imdb/``, ``gpt2-tokenizer/``) with GPT-2's tokenizer cut to its
-    first SMALL_VOCAB_MERGES merges, for the runs of real scripts that train a random-init GPT-2.
-
-    With the full 50,257 tokens the output layer and its softmax are ~98% of a tiny GPT-2's compute
-    (measured: 23 of 24 CPU-s of the reference job's 12 steps); with 1,025 the same run takes
-    a few. It is still GPT-2's byte-level BPE, class and special token (its merge of rank r is token
-    256 + r, so the first merges with their tokens are a complete tokenizer): reviews come out
-    ~1.8x as many tokens, and nothing the tests check depends on the vocabulary's size.
-    """
-    source = SHARED_DATA / "gpt2-tokenizer"
-    data = tmp_path_factory.mktemp("small-vocab-data")
-    (data / "imdb").symlink_to(SHARED_DATA / "imdb")
-    tokenizer = data / "gpt2-tokenizer"
-    tokenizer.mkdir()
-    size = 256 + SMALL_VOCAB_MERGES
-    vocab = {t: i for t, i in json.loads((source / "vocab.json").read_text()).items() if i < size}
-    vocab["<|endoftext|>"] = size  # BOS, EOS and UNK, as in GPT-2
-    (tokenizer / "vocab.json").write_text(json.dumps(vocab))
-    header_and_merges = (source / "merges.txt").read_text().splitlines()[: 1 + SMALL_VOCAB_MERGES]
-    (tokenizer / "merges.txt").write_text("\n".join(header_and_merges) + "\n")
-    shutil.copy(source / "tokenizer_config.json", tokenizer)
-    return data
+    first merges (:mod:`tests.smallvocab`), for the runs of real scripts that
+    train a random-init GPT-2; nothing the tests check depends on the vocabulary's size."""
+    return small_vocab(SHARED_DATA, tmp_path_factory.mktemp("small-vocab-data") / "data")

@@ -812,6 +812,7 @@ BAD_SETTINGS = {
     "norm_guard inf": '"norm_guard": 1e999',
     "norm_guard 1e300": '"norm_guard": 1e300',
     "min_peers 2^64": '"min_peers": 18446744073709551616',
+    "min_merge_peers 0": '"min_merge_peers": 0',
     "codec long": '"codec": "int8:block=' + "1" * 100 + '"',
 }
 
@@ -839,6 +840,14 @@ def test_join_with_an_unknown_codec_is_422(run: Run) -> None:
         "invalid_request",
         "codec",
     )
+
+
+def test_a_merge_floor_over_min_peers_is_422_and_creates_nothing(run: Run) -> None:
+    """min_merge_peers 3 with min_peers 2: the run could start with fewer peers than any round needs."""
+    fresh = f"floor-{next(_names)}"
+    answer = run.http.post(f"/v1/runs/{fresh}/peers", json={"peer": "a", "min_peers": 2, "min_merge_peers": 3})
+    assert_refused(answer, 422, "invalid_update", "min_merge_peers 3 is over min_peers 2")
+    assert run.http.get(f"/v1/runs/{fresh}").status_code == 404
 
 
 def test_second_version_zero_is_409(run: Run) -> None:

@@ -41,10 +41,11 @@ def test_round_benchmark_runs_and_writes_every_row(tmp_path: Path) -> None:
     for row in (fp32, int8):
         assert row["round_s"] > 0 and row["limit_s"] > 0 and row["hub_peak_rss"] > 0
         assert row["bytes_up"] == row["limit_bytes_up"], "the limit moves the same bytes as the round"
+        assert row["hub_cpu_s"] > 0 and row["limit_cpu_s"] >= 0, "the hub's own CPU-s, beside the relay limit's"
     assert fp32["bytes_up"] >= result["model"]["fp32_bytes"]
     assert int8["bytes_up"] < fp32["bytes_up"] and int8["bytes_down"] < fp32["bytes_down"]
     baseline = result["baselines"]["2"]
-    assert baseline["gloo_s"] > 0 and baseline["origin_s"] > 0
+    assert baseline["gloo_s"] > 0 and baseline["origin_s"] > 0 and baseline["origin_cpu_s"] >= 0
     assert baseline["origin_bytes_up"] > fp32["bytes_up"], "the origin sends the GPT-2 tie twice"
     targets = {t["target"] for t in result["targets"]}
     assert any(t.startswith("fp32, 2 peers: origin") for t in targets)
@@ -145,6 +146,15 @@ def test_group_benchmark_times_every_peer_shape(tmp_path: Path) -> None:
     assert len(record["rows"][1]["broadcast_s"]) == 1
 
 
+def test_lease_benchmark_measures_a_peer_s_lease_age(tmp_path: Path) -> None:
+    """bench/lease.py for half a second of the idle load: a hub, a peer, the ages of its lease."""
+    out, data = run_bench("lease", tmp_path, "--loads", "idle", "--seconds", "0.5", "--lease", "3", timeout=120)
+    (row,) = data["rows"]
+    assert row["load"] == "idle" and row["samples"] > 0 and row["false_gone"] == 0
+    assert 0 <= row["max_age_s"] < 3 and row["margin_s"] > 0
+    assert "| idle | 3 | 1 |" in out
+
+
 def test_hooks_benchmark_times_hooked_and_plain_steps(tmp_path: Path) -> None:
     """bench/hooks.py with a few steps: both processes run, the hooked one synced, every ratio is there."""
     proc = subprocess.run(
@@ -193,6 +203,7 @@ def test_wire_benchmark_shapes_links_and_leaves_no_namespace(tmp_path: Path, net
         assert row["tcp_up_s"] > 0 and row["tcp_down_s"] > 0, "the bare-TCP floor ran on the same link"
         assert row["round_x_tcp"] == pytest.approx(row["round_s"] / (row["tcp_up_s"] + row["tcp_down_s"]))
         assert row["hub_cpus"] == "0", "--hub-cpus pinned the hub"
+        assert row["hub_cpu_s"] > 0, "the hub process's own CPU-s per round"
     fp32, int8 = rows["fp32", "shared:1gbit", "disk"], rows["int8", "peer:100mbit", "disk"]
     assert fp32["limit_s"] == pytest.approx((2 * fp32["bytes_up"] + 2 * fp32["bytes_down"]) * 8 / 1e9)
     assert int8["limit_s"] == pytest.approx((int8["bytes_up"] + int8["bytes_down"]) * 8 / 1e8)
@@ -210,7 +221,8 @@ def test_wire_benchmark_shapes_links_and_leaves_no_namespace(tmp_path: Path, net
     targets = {t["target"] for t in result["targets"]}
     assert any("shared:1gbit" in t for t in targets)
     assert any(t.startswith("fp32, 2 peers, shared:1gbit, store: bytes through the hub's link") for t in targets)
-    assert any(t.endswith("round / today's local-disk hub's <= 1.1") for t in targets)
+    assert any(t.endswith("round / today's local-disk hub's <= 1.0") for t in targets)
+    assert any(t.endswith("1 reducers: hub CPU-s per round / today's hub's <= 0.05") for t in targets)
     assert result["table"] in stdout
     assert _namespaces(netns_prefix) == []
 
@@ -266,6 +278,33 @@ def test_utilization_benchmark_measures_every_interval_and_a_killed_peer(tmp_pat
     assert _namespaces(netns_prefix) == []
 
 
+def test_failures_benchmark_measures_a_sigkill_from_the_hubs_records(tmp_path: Path) -> None:
+    """bench/failures.py --quick, SIGKILL on loopback: the round without the victim closes, the
+    restarted peer is back, nothing acknowledged is lost, and every figure is in its row."""
+    stdout, result = run_bench("failures", tmp_path / "results", "--quick", "--kills", "sigkill", "--no-netns")
+    (row,) = result["rows"]
+    assert (row["peers"], row["kill"], row["lease"]) == (3, "sigkill", 3.0)
+    assert not row["victim_in_failure_round"] and row["gone_reason"] == "disconnected", "its connection dropped"
+    assert 0 < row["to_first_round_s"] <= row["idle_s"], "the survivors were all in before the kill"
+    assert row["healthy_idle_s"] >= 0 and row["survivor_sync_s"] > 0 and row["healthy_sync_s"] > 0
+    assert row["first_round"] >= row["join_version"] and row["restart_to_first_round_s"] > row["restart_join_s"] > 0
+    assert row["lost"] == 0 and row["acked"] >= 3 + 2 and row["last_round"] >= 3
+    assert {t["target"] for t in result["targets"]} >= {"N=3 sigkill: survivors' idle"}
+    assert result["skipped"] == {} and result["table"] in stdout
+
+
+def test_failures_benchmark_cuts_a_link_and_leaves_no_namespace(tmp_path: Path, netns_prefix: str) -> None:
+    """--kills vanish: the victim's link is cut at the switch; the hub sees it gone by its lease,
+    and every namespace is removed after."""
+    args = ["--quick", "--peers", "2", "--kills", "vanish", "--ns-prefix", netns_prefix]
+    _, result = run_bench("failures", tmp_path / "results", *args)
+    (row,) = result["rows"]
+    assert row["kill"] == "vanish" and row["gone_reason"] == "lease_expired" and not row["victim_in_failure_round"]
+    assert row["idle_s"] > 0 and row["lost"] == 0 and row["rounds_after_join"] is not None
+    assert result["namespaces"] == netns_prefix
+    assert _namespaces(netns_prefix) == []
+
+
 @needs_data
 def test_ttq_benchmark_times_serial_and_peers_to_serials_perplexity(tmp_path: Path, netns_prefix: str) -> None:
     """bench/ttq.py --quick: serial on one core, 2 peers of the reference job in namespaces
@@ -286,3 +325,20 @@ def test_ttq_benchmark_times_serial_and_peers_to_serials_perplexity(tmp_path: Pa
     assert target["configuration"] == "fp32" and target["threshold"] == 0.55
     assert result["table"] in stdout
     assert _namespaces(netns_prefix) == []
+
+
+@needs_data
+def test_chaos_benchmark_kills_and_restarts_a_reference_job_peer(tmp_path: Path) -> None:
+    """bench/chaos.py --quick: two peers of train/finetune_gpt2.py, one SIGKILLed and started again;
+    the run ends on one version with the restarted peer in it, and loses nothing acknowledged."""
+    _, result = run_bench("chaos", tmp_path / "results", "--quick", "--data-root", str(tmp_path), timeout=300)
+    (run,) = result["runs"]
+    assert run["run"] == "chaos" and run["final_version"] == 6 and run["val_ppl_identical"]
+    assert run["lost"] == 0 and run["acked"] >= 6 + 1, "every round merged an update, round 0 both"
+    (failure,) = run["failures"]
+    assert failure["killed_in_round"] >= 1 and failure["first_round_after"] >= 1
+    assert failure["idle_s"] >= 0 and failure["to_first_round_s"] > 0
+    # back in a round of the run, at most one after its join; or restarted after the run's end (a loaded box)
+    assert failure["ended_first"] or 0 <= failure["rounds_after_join"] <= 1
+    assert [t["target"] for t in result["targets"]] == ["acknowledged updates lost", "survivors' idle per SIGKILL"]
+    assert list(tmp_path.glob("bench-chaos-*")) == [], "its folders are removed"

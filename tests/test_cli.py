@@ -47,7 +47,7 @@ def test_help_shows_each_default_once_and_no_secret() -> None:
         assert env_name(name) in flat, name
         default = field.get_default(call_default_factory=True)
         if default not in (None, {}):
-            assert flat.count(f"default: {default}]") == 1, name
+            assert flat.count(f"{env_name(name)}, default: {default}]") == 1, name
     assert "default: None" not in flat
 
 
@@ -104,3 +104,15 @@ def test_bad_value_from_a_real_process_has_no_traceback() -> None:
 def test_hub_settings_names_a_bad_flag() -> None:
     with pytest.raises(SettingsInputError, match=r"^--min-peers: "):
         hub_settings({"min_peers": "zero"})
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        ({"min_merge_peers": "3"}, "min_merge_peers 3 is over min_peers 1"),
+        ({"disconnect_grace": "0"}, "--disconnect-grace: Input should be greater than 0"),
+    ],
+)
+def test_a_merge_floor_or_grace_that_cannot_hold_is_one_line(flags: dict[str, str], reason: str) -> None:
+    with pytest.raises(SettingsInputError, match=reason):
+        hub_settings(flags)

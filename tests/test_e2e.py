@@ -15,7 +15,7 @@ from syncserver.reduce.aggregate import diloco_step, warmup
 from syncwire import get_codec
 from tests.conftest import Hub
 from tests.harness import Peers, hub_model, run_peers, train_a_little, wait_for
-from tests.models import tiny_gpt2
+from tests.models import perturb, tiny_bigram, tiny_gpt2
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16"])
@@ -188,6 +188,44 @@ def test_a_lossy_run_flushes_its_residual_at_the_end(hub: Hub) -> None:
         )
         error = np.linalg.norm(final[name] - exact)
         assert error < 0.3 * np.linalg.norm(once) + 1e-6, (name, error, np.linalg.norm(once))
+
+
+def test_a_last_sync_not_marked_final_is_flushed_in_the_same_round(hub: Hub) -> None:
+    """``SyncClient.flush``: a peer whose last sync was an ordinary one (weightsync-run's plain
+    loop syncs right after step N, before the program says it stops there) sends its residual
+    alone, in the round where a peer whose last sync was final flushes its own: both end on the
+    hub's last version. An fp32 run has nothing to flush: no round."""
+    ends: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+
+    def peer(i: int) -> None:
+        model = tiny_bigram(seed=i)
+        client = SyncClient(hub.url, run="flush-later", peer=f"p{i}", min_peers=2, codec="int8")
+        client.join(model)
+        perturb(model, seed=i, round_=0)
+        if i == 0:
+            result = client.sync(model, samples=3, final=True)
+        else:
+            client.sync(model, samples=3)
+            assert client.flushes
+            flushed = client.flush(model, samples=3)
+            assert flushed is not None
+            result = flushed
+        ends[i] = (result.version, {k: v.copy() for k, v in ModelView(model).export().items()})
+        client.leave()
+
+    run_peers(2, peer)
+    final = hub_model(hub, "flush-later")
+    for version, weights in ends.values():
+        assert version == 2 and weights.keys() == final.keys()
+        assert all(np.array_equal(weights[k], final[k]) for k in final)
+    model = tiny_bigram()
+    lossless = SyncClient(hub.url, run="nothing-to-flush", peer="solo", codec="fp32")
+    lossless.join(model)
+    perturb(model, seed=0, round_=0)
+    lossless.sync(model, samples=1)
+    assert not lossless.flushes and lossless.flush(model) is None and lossless.version == 1
+    lossless.leave()
+    lossless.close()
 
 
 def test_files_written_over_pruned_ones_change_no_bit(hub_factory: Callable[..., Hub]) -> None:

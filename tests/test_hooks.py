@@ -10,14 +10,18 @@ import os
 import socket
 import subprocess
 import sys
+import weakref
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from syncclient import SyncClient
-from syncclient.hooks import SITE
+from syncclient.hooks import SITE, plain
 from syncclient.hooks.model import AmbiguousModel, find_model
+from syncclient.hooks.plain import PlainLoop
 from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, HookSettings, SettingsError
 from syncclient.hooks.shard import ShardSampler
 from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR
@@ -127,6 +131,7 @@ def test_settings_round_trip_through_variables() -> None:
 #: every run setting, given as a flag, and what SyncClient is given
 EVERY_RUN_SETTING = {
     "min_peers": ("2", 2),
+    "min_merge_peers": ("2", 2),
     "policy": ("async", "async"),
     "round_samples": ("64", 64),
     "codec": ("int8:block=64", "int8:block=64"),
@@ -195,6 +200,7 @@ BAD_VALUES = {
     "--run": ("a/b", "--run: expected 1-64 letters, digits, '.', '_', '-', starting with a letter or digit, got 'a/b'"),
     "--peer": ("gpu 1", "--peer: expected 1-64 letters, digits"),
     "--min-peers": ("0", "--min-peers: must be >= 1 and <= 8192, got 0"),
+    "--min-merge-peers": ("0", "--min-merge-peers: must be >= 1 and <= 8192, got 0"),
     "--policy": ("sometimes", "--policy: expected one of barrier, samples, async, got 'sometimes'"),
     "--round-samples": ("1.5", "--round-samples: expected an integer, got '1.5'"),
     "--codec": ("zip", "--codec: unknown codec 'zip'"),
@@ -345,3 +351,60 @@ def test_a_program_python_cannot_start_gets_no_note_from_the_hooks(tmp_path: Pat
     )
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [f"{sys.executable}: No module named no_such_module_here"]
+
+
+# -- when a plain loop syncs ---------------------------------------------------------------------------
+
+
+class RecordingClient:
+    """What the plain loop asks of its SyncClient, in order with the loop's own events."""
+
+    flushes = True  # a lossy codec in a barrier run
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def sync(self, model: torch.nn.Module, *, samples: int, metrics: dict[str, float], final: bool = False) -> Any:
+        self.events.append(f"{'final ' if final else ''}sync {int(metrics['step'])}")
+        return SimpleNamespace(caught_up=False)
+
+    def flush(self, model: torch.nn.Module, *, samples: int) -> Any:
+        self.events.append("flush")
+        return SimpleNamespace(caught_up=False)
+
+    def leave(self) -> None:
+        self.events.append("leave")
+
+
+def test_a_plain_loop_syncs_after_the_iterations_last_optimizer_and_at_a_read_once_a_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two optimizers over one model (Muon + AdamW's shape), sync every 2: the sync due after the
+    lead's 2nd step is made after the other optimizer's step of that iteration; a read of the
+    model's state just after it flushes the residual, which takes the round of steps 3-4 (no
+    sync at 4); a read after step 7 syncs it, final; at exit only the leave is left. Reading a
+    submodule's state syncs nothing."""
+    monkeypatch.setattr(torch.nn.Module, "state_dict", torch.nn.Module.state_dict)  # put back after
+    net = Net()
+    matrices = [p for p in net.parameters() if p.dim() == 2]
+    lead = torch.optim.SGD(matrices, lr=0.1)
+    other = torch.optim.SGD([p for p in net.parameters() if p.dim() == 1], lr=0.1)
+    events: list[str] = []
+    loop = PlainLoop(HookSettings.resolve({"hub": "http://h:1", "run": "r", "sync_every": "2"}, {}))
+    loop.model, loop.client, loop._lead = net, RecordingClient(events), weakref.ref(lead)
+    plain._watch_state_reads(loop)
+    try:
+        for step in range(1, 8):
+            for name, optimizer in (("lead", lead), ("other", other)):
+                events.append(f"{name} {step}")
+                loop._after_step(optimizer, (), {})
+            if step == 2:
+                net.state_dict()
+            net.body.state_dict()
+        net.state_dict()
+        loop._at_exit()
+    finally:
+        loop.stop()
+    steps = [e for e in events if not e.startswith(("lead", "other"))]
+    assert steps == ["sync 2", "flush", "sync 6", "final sync 7", "leave"]
+    assert events[events.index("sync 2") - 1] == "other 2" and events[events.index("sync 6") - 1] == "other 6"

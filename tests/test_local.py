@@ -6,6 +6,7 @@ and plain Python ones that fail, get killed or wait, to check the supervision.
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -16,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from syncserver.local import RoundTable
+from syncserver.local import SETTINGS_EXIT, LaunchError, RoundTable, hub_settings_for
+from tests.conftest import REPO
 from tests.harness import wait_for
 
 SDK_PEER = """
@@ -155,3 +157,25 @@ def test_round_table_rows_from_a_status() -> None:
     assert (row["round"], row["version"], row["step"], row["participants"], row["samples"]) == (0, 1, 10, 2, 64)
     assert (row["bytes_up"], row["bytes_down"], row["seconds"]) == (2_000_000, 2_000_000, 2.5)
     assert lines[0].split()[:9] == ["0", "10", "2", "64", "101.25", "99.5", "2.00", "2.00", "2.50"]
+
+
+def test_launchers_take_the_hub_settings_from_the_launcher_not_the_hubs_cli(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``weightsync-run --local-peers`` and the reference job's ``--local-peers``: the hub's data
+    in OUT/hub, a rendezvous of all K, the token given, over the SYNC_* variables; a bad variable
+    is one line. Neither imports the hub's CLI module (a job needs no typer, no serve)."""
+    monkeypatch.setenv("SYNC_MIN_PEERS", "7")
+    monkeypatch.setenv("SYNC_KEEP_VERSIONS", "5")
+    settings = hub_settings_for(tmp_path, 3, "secret")
+    assert (settings.data_dir, settings.min_peers, settings.keep_versions) == (tmp_path / "hub", 3, 5)
+    assert settings.token is not None and settings.token.get_secret_value() == "secret"
+    monkeypatch.setenv("SYNC_KEEP_VERSIONS", "none")
+    with pytest.raises(LaunchError, match=r"^hub settings: SYNC_KEEP_VERSIONS: ") as caught:
+        hub_settings_for(tmp_path, 3)
+    assert caught.value.exit_code == SETTINGS_EXIT
+    for source in ("train/finetune_gpt2.py", "weightsync_run/cli.py", "syncserver/local.py"):
+        tree = ast.parse((REPO / source).read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert "syncserver.cli" not in imported, source

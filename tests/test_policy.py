@@ -10,6 +10,7 @@ from syncserver.core.policy import (
     AsyncPolicy,
     BarrierPolicy,
     Close,
+    Lost,
     PeerState,
     Place,
     SamplesPolicy,
@@ -18,11 +19,18 @@ from syncserver.core.policy import (
 
 LEASE = 60.0
 TIMEOUT = 10.0
+GRACE = 2.0
 
 
-def started(*names: str, min_peers: int = 1, round_: int = 0) -> BarrierPolicy:
+def started(*names: str, min_merge_peers: int = 1, round_: int = 0) -> BarrierPolicy:
     """A policy whose run has started (version ``round_`` open) with ``names`` as members."""
-    policy = BarrierPolicy(min_peers=min_peers, round_timeout=TIMEOUT, lease_seconds=LEASE, round_=-1)
+    policy = BarrierPolicy(
+        min_merge_peers=min_merge_peers,
+        round_timeout=TIMEOUT,
+        lease_seconds=LEASE,
+        disconnect_grace=GRACE,
+        round_=-1,
+    )
     for name in names:
         policy.join(name, 0.0, counted=False)
     policy.begin(round_)
@@ -42,7 +50,7 @@ def test_the_round_closes_when_every_live_member_is_in() -> None:
 
 
 def test_the_deadline_closes_with_a_quorum_and_drops_the_straggler() -> None:
-    policy = started("a", "b", "c", min_peers=2)
+    policy = started("a", "b", "c", min_merge_peers=2)
     assert policy.acknowledged("a", 5.0) is None
     assert policy.deadline == 5.0 + TIMEOUT
     assert policy.decide(5.0 + TIMEOUT - 0.001) is None
@@ -51,7 +59,7 @@ def test_the_deadline_closes_with_a_quorum_and_drops_the_straggler() -> None:
 
 
 def test_no_quorum_no_close_even_past_the_deadline() -> None:
-    policy = started("a", "b", "c", min_peers=2)
+    policy = started("a", "b", "c", min_merge_peers=2)
     policy.acknowledged("a", 0.0)
     assert policy.decide(1000.0) is None
     assert policy.acknowledged("c", 1001.0) == Close(0, ("a", "c"), ("b",))
@@ -66,11 +74,80 @@ def test_an_expired_lease_stops_the_wait() -> None:
     policy = started("a", "b")
     policy.seen("a", 55.0)
     policy.acknowledged("a", 55.0)  # its deadline: 65
-    assert policy.expire(LEASE) == frozenset()  # b last seen at 0: still fresh at 60
+    assert policy.expire(LEASE) == {}  # b last seen at 0: still fresh at 60
     assert policy.decide(LEASE) is None
-    assert policy.expire(LEASE + 0.5) == {"b"}
+    assert policy.expire(LEASE + 0.5) == {"b": Lost.LEASE_EXPIRED}
     assert policy.state("b") is PeerState.GONE
     assert policy.decide(LEASE + 0.5) == Close(0, ("a",), ())  # b is not waited for, nor dropped
+
+
+def test_a_gone_member_does_not_hold_the_round() -> None:
+    """The issue's scenario at the policy: three members (as with min_peers 3), a and b sent
+    round 1, c died: the round closes with a and b as soon as c is gone, not at a deadline."""
+    policy = started("a", "b", "c")
+    for name in "abc":
+        policy.watch(name, 0.0)
+    policy.acknowledged("a", 1.0)
+    assert policy.acknowledged("b", 1.5) is None  # c is live: waited for
+    policy.unwatch("c", 2.0, dropped=True)  # its process died: the kernel closed its socket
+    assert policy.expire(2.0 + GRACE - 0.01) == {} and policy.decide(2.0 + GRACE - 0.01) is None
+    assert policy.expire(2.0 + GRACE) == {"c": Lost.DISCONNECTED}
+    assert policy.state("c") is PeerState.GONE
+    assert not policy.floor_wait(2.0 + GRACE)
+    assert policy.decide(2.0 + GRACE) == Close(0, ("a", "b"), ())  # c is neither waited for nor dropped
+
+
+def test_a_dropped_watch_is_forgiven_by_a_request_within_the_grace() -> None:
+    """A reset link: the SDK asks again at once, and the peer never stops being live. A watch
+    answered (not dropped) starts no grace at all."""
+    policy = started("a", "b")
+    policy.watch("b", 0.0)
+    policy.unwatch("b", 1.0, dropped=False)  # answered at its hold's end
+    assert policy.expire(1.0 + 10 * GRACE) == {}
+    policy.watch("b", 1.0)
+    policy.unwatch("b", 2.0, dropped=True)
+    assert policy.watch("b", 2.5) is False  # back within the grace: it was never gone
+    assert policy.expire(2.0 + 10 * GRACE) == {}
+    policy.unwatch("b", 30.0, dropped=True)
+    policy.seen("b", 31.0)  # any request that begins proves the process alive
+    assert policy.expire(30.0 + 10 * GRACE) == {}
+    assert policy.lost("b", LEASE + 31.5) is Lost.LEASE_EXPIRED  # a hung machine: its lease alone
+
+
+def test_a_peer_with_two_watches_is_gone_only_when_both_dropped() -> None:
+    policy = started("a")
+    policy.watch("a", 0.0)
+    policy.watch("a", 0.1)  # a watch re-issued before the hub saw the old one drop
+    policy.unwatch("a", 1.0, dropped=True)
+    assert policy.expire(1.0 + GRACE) == {}
+    policy.unwatch("a", 2.0, dropped=True)
+    assert policy.expire(2.0 + GRACE) == {"a": Lost.DISCONNECTED}
+    assert policy.seen("a", 5.0) is True  # its next request brings it back
+
+
+def test_a_restarted_process_joining_within_the_grace_is_not_gone() -> None:
+    """The old process's watch dropped; the new one joins before its own watch begins."""
+    policy = started("a")
+    policy.watch("a", 0.0)
+    policy.unwatch("a", 1.0, dropped=True)
+    assert policy.join("a", 1.5, counted=True).returning
+    assert policy.expire(1.0 + 10 * GRACE) == {}
+
+
+def test_the_merge_floor_holds_a_round_and_says_so() -> None:
+    """min_merge_peers 3: a and b are in, c is gone: the round waits on the floor (and says
+    so) until c comes back and sends its update."""
+    policy = started("a", "b", "c", min_merge_peers=3)
+    policy.watch("c", 0.0)
+    policy.acknowledged("a", 1.0)
+    assert not policy.floor_wait(1.0)  # waiting for b and c, not for the floor
+    policy.acknowledged("b", 1.5)
+    policy.unwatch("c", 2.0, dropped=True)
+    policy.expire(2.0 + GRACE)
+    assert policy.floor_wait(2.0 + GRACE) and policy.decide(2.0 + GRACE) is None
+    policy.seen("c", 5.0)
+    assert not policy.floor_wait(5.0)  # c is live: waited for again, as any member
+    assert policy.acknowledged("c", 6.0) == Close(0, ("a", "b", "c"), ())
 
 
 def test_a_gone_peer_comes_back_on_its_next_request() -> None:
@@ -90,9 +167,9 @@ def test_leaving_closes_a_round_that_only_waited_for_the_leaver() -> None:
 
 
 def test_a_member_that_left_no_longer_counts_towards_the_quorum() -> None:
-    """min_peers 2, and b finished its training (its last update in round 0, then it left): a's
+    """A floor of 2, and b finished its training (its last update in round 0, then it left): a's
     next rounds close with a alone, at once, instead of never."""
-    policy = started("a", "b", min_peers=2)
+    policy = started("a", "b", min_merge_peers=2)
     policy.acknowledged("a", 1.0)
     close = policy.acknowledged("b", 2.0)
     assert close == Close(0, ("a", "b"), ())
@@ -102,12 +179,14 @@ def test_a_member_that_left_no_longer_counts_towards_the_quorum() -> None:
     assert policy.acknowledged("a", 4.0) == Close(1, ("a",), ())
 
 
-def test_a_member_whose_lease_ran_out_still_counts_towards_the_quorum() -> None:
-    policy = started("a", "b", "c", min_peers=2)
+def test_a_gone_member_still_counts_towards_the_merge_floor() -> None:
+    """With min_merge_peers 2, the floor holds a round of one: a gone member may come back."""
+    policy = started("a", "b", "c", min_merge_peers=2)
     policy.expire(LEASE + 1)
     policy.seen("a", LEASE + 2)
     policy.acknowledged("a", LEASE + 2)
     assert policy.quorum() == 2
+    assert policy.floor_wait(LEASE + 2)  # every live member is in: the floor alone holds it
     assert policy.decide(1e9) is None  # b and c may come back: no run of one
     assert policy.leave("b", 1e9) is None
     assert policy.leave("c", 1e9) == Close(0, ("a",), ())  # the last one that might have come back left
@@ -115,7 +194,9 @@ def test_a_member_whose_lease_ran_out_still_counts_towards_the_quorum() -> None:
 
 
 def test_a_samples_round_needs_no_quorum_of_members_that_left() -> None:
-    policy = SamplesPolicy(round_samples=10, min_peers=2, round_timeout=TIMEOUT, lease_seconds=LEASE)
+    policy = SamplesPolicy(
+        round_samples=10, min_merge_peers=2, round_timeout=TIMEOUT, lease_seconds=LEASE, disconnect_grace=GRACE
+    )
     for name in ("a", "b"):
         policy.join(name, 0.0, counted=False)
     policy.begin(0)
@@ -150,7 +231,7 @@ def test_a_member_restarting_mid_round_is_waited_for_from_the_next_round() -> No
 
 
 def test_before_the_run_starts_nobody_is_waited_for() -> None:
-    policy = BarrierPolicy(min_peers=2, round_timeout=TIMEOUT, lease_seconds=LEASE)
+    policy = BarrierPolicy(min_merge_peers=2, round_timeout=TIMEOUT, lease_seconds=LEASE, disconnect_grace=GRACE)
     policy.join("a", 0.0, counted=False)
     policy.begin(0)
     assert policy.expected() == frozenset()
@@ -180,8 +261,8 @@ def test_late_is_a_peer_whose_last_update_missed_a_round() -> None:
 
 
 def test_misuse_is_refused() -> None:
-    with pytest.raises(ValueError, match="min_peers"):
-        BarrierPolicy(min_peers=0, round_timeout=1, lease_seconds=1)
+    with pytest.raises(ValueError, match="min_merge_peers"):
+        BarrierPolicy(min_merge_peers=0, round_timeout=1, lease_seconds=1, disconnect_grace=1)
     policy = started("a")
     policy.acknowledged("a", 0.0)
     with pytest.raises(ValueError, match="already has an update"):
@@ -193,8 +274,14 @@ def test_misuse_is_refused() -> None:
 # ---- samples: rounds that close on a global sample count ----------------------------------------
 
 
-def samples_run(*names: str, target: int = 100, min_peers: int = 1) -> SamplesPolicy:
-    policy = SamplesPolicy(round_samples=target, min_peers=min_peers, round_timeout=TIMEOUT, lease_seconds=LEASE)
+def samples_run(*names: str, target: int = 100, min_merge_peers: int = 1) -> SamplesPolicy:
+    policy = SamplesPolicy(
+        round_samples=target,
+        min_merge_peers=min_merge_peers,
+        round_timeout=TIMEOUT,
+        lease_seconds=LEASE,
+        disconnect_grace=GRACE,
+    )
     for name in names:
         policy.join(name, 0.0, counted=False)
     policy.begin(0)
@@ -276,7 +363,11 @@ def test_an_update_cannot_join_a_closing_round() -> None:
 
 def async_run(*names: str, round_: int = 5, max_staleness: int = 2) -> AsyncPolicy:
     policy = AsyncPolicy(
-        round_samples=200, max_staleness=max_staleness, min_peers=1, round_timeout=TIMEOUT, lease_seconds=LEASE
+        round_samples=200,
+        max_staleness=max_staleness,
+        round_timeout=TIMEOUT,
+        lease_seconds=LEASE,
+        disconnect_grace=GRACE,
     )
     for name in names:
         policy.join(name, 0.0, counted=False)
@@ -288,7 +379,7 @@ def async_run(*names: str, round_: int = 5, max_staleness: int = 2) -> AsyncPoli
 def test_async_takes_updates_up_to_max_staleness_versions_old() -> None:
     policy = async_run("a", round_=5, max_staleness=2)
     assert [policy.place(b) for b in (6, 5, 4, 3, 2)] == [Place.AHEAD, Place.OPEN, Place.OPEN, Place.OPEN, Place.STALE]
-    assert BarrierPolicy(min_peers=1, round_timeout=1, lease_seconds=1, round_=5).place(4) is Place.CLOSED
+    assert BarrierPolicy(round_timeout=1, lease_seconds=1, disconnect_grace=0.5, round_=5).place(4) is Place.CLOSED
 
 
 def test_async_applies_each_update_at_once_and_never_waits() -> None:
@@ -315,7 +406,7 @@ def test_async_weights_discount_staleness_and_total_is_a_whole_outer_step() -> N
 
 
 def test_make_policy_names_each_and_wants_a_target() -> None:
-    common = {"min_peers": 1, "round_timeout": 1.0, "lease_seconds": 1.0, "max_staleness": 3}
+    common = {"round_timeout": 1.0, "lease_seconds": 1.0, "disconnect_grace": 0.5, "max_staleness": 3}
     assert isinstance(make_policy("barrier", round_samples=None, **common), BarrierPolicy)
     assert isinstance(make_policy("samples", round_samples=8, **common), SamplesPolicy)
     assert isinstance(make_policy("async", round_samples=8, **common), AsyncPolicy)

@@ -84,7 +84,7 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
             for k, data in enumerate(updates):
                 with alone.write(UpdateKey("r", v, f"p{k}")) as f:
                     f.write(data)
-                name = update_name("r", v, f"p{k}", f"k{k}")
+                name = update_name("r", v, f"p{k}", f"k{k}", f"a{v}{k}")
                 objects.put(name, data)
                 keys.append((UpdateKey("r", v, f"p{k}"), 3.0 + 2 * k))
                 remote.append((UpdateKey("r", v, f"p{k}", name, len(data)), 3.0 + 2 * k))

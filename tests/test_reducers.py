@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 import syncwire.codecs
-from syncserver.core.leases import Board, LeaseFailed
+from syncserver.core.leases import Board, FoldAhead, LeaseFailed
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer, RoundMerge, merge_slice
-from syncserver.reduce.lease import Done, highest, jobs, work
+from syncserver.reduce.lease import Done, FoldJob, highest, jobs, work, work_fold
 from syncserver.reduce.plan import pieces
 from syncserver.storage.objectfile import TensorReader
 from syncserver.storage.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
@@ -42,6 +42,7 @@ from tests.test_metrics import scrape
 from tests.test_streaming_hub import _bytes, _update_file
 
 SCHEMA = {"w": (20_003,), "b": (37,), "e": (30, 64)}  # "w": five slices of 4096 values
+Keys = list[tuple[UpdateKey, float]]
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +101,10 @@ def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
 ) -> None:
     """K = 1, 2, 3 leases, worked last first, one of them twice (an expired lease redone), give
     the in-process merge's result, momentum and residual, over two rounds (the second reads
-    the first's momentum and residual); the in-process one folded one update before its close."""
+    the first's momentum and residual); the in-process one folded one update before its close.
+    The reducers fold ahead too (:class:`FoldAhead`, its fold leases cut K ways): K = 1 two steps
+    of one update, K = 2 one step of one, K = 3 one step of two; the merge leases fold the rest
+    after that mean: the same bits however the folds are grouped, and no mean file is left."""
     codec, outer_ = get_codec(spec), Outer(outer, 0.7, 0.9)
     stores = _stores(tmp_path, spec, 4)
     written: list[list[bytes]] = []
@@ -116,10 +120,23 @@ def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
                     RoundMerge("r", v, acc, codec, outer_, total=30.0, fraction=1.0, final=last, unfolded=keys[1:])
                 )
             else:
+                ahead = FoldAhead(Board(lease_seconds=0.01), i, engine, tmp_path / "means")
+                steps = {1: [keys[:1], keys[1:2]], 2: [keys[:1]], 3: [keys[:2]]}[i]
+
+                async def fold_ahead(
+                    ahead: FoldAhead = ahead, steps: list[Keys] = steps, v: int = v, acc: Accumulator = acc
+                ) -> None:
+                    for step in steps:  # no reducer polls: the hub works the fold leases itself
+                        await ahead.fold("r", v, acc, codec, [(key.peer, key, w) for key, w in step])
+
+                asyncio.run(fold_ahead())
+                assert acc.mean is None and acc.partial is not None and len(acc.folded) == sum(map(len, steps))
+                assert len(os.listdir(tmp_path / "means")) == 1  # the means it folded onto are gone
                 with contextlib.ExitStack() as files:
+                    rest = keys[len(acc.folded) :]
                     merge = engine.open_merge(
                         files,
-                        RoundMerge("r", v, acc, codec, outer_, total=30.0, fraction=1.0, final=last, unfolded=keys),
+                        RoundMerge("r", v, acc, codec, outer_, total=30.0, fraction=1.0, final=last, unfolded=rest),
                     )
                     leases = jobs(merge, SCHEMA, i)
                     # an int8/topk result is cut at tensors only: "w" is one lease whatever K
@@ -127,6 +144,8 @@ def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
                     with ThreadPoolExecutor(2) as pool:  # a reducer's --threads 2
                         for job in [*reversed(leases), leases[0]]:
                             assert work(job, "t", pool=pool if i == 2 else None).error is None
+                asyncio.run(ahead.forget("r", v))  # the round committed
+                assert not os.listdir(tmp_path / "means")
             engine.build_versions("r", v + 1, codec, SCHEMA)
             written.append(_outputs(store, v))
         engine.close()
@@ -264,6 +283,59 @@ def _fake_jobs(tmp_path: Path, n: int) -> list:  # type: ignore[type-arg]
     return out
 
 
+def test_a_fold_lease_lost_mid_fold_is_redone_from_the_mean_before_it(tmp_path: Path) -> None:
+    """Two steps ahead (p0, then p1 and p2 at once), K = 2. In the second a reducer takes a
+    fold lease, writes garbage over its range of the new mean (a pwrite cut short) and dies:
+    its lease expires, another redoes it from the first step's mean, which no lease writes
+    (a step writes a new file); the merge after that mean gives the bits of the hub alone
+    folding as updates arrive, and the dead reducer's late report is refused."""
+    codec, outer = get_codec("int8"), Outer("diloco", 0.7, 0.9)
+    (alone, keys), (store, _) = _stores(tmp_path, "int8", 2)
+    engine = MergeEngine(alone, threads=1)
+    acc = Accumulator(SCHEMA)
+    for key, w in keys:
+        engine.fold(acc, key, w, codec)
+    engine.merge(RoundMerge("r", 0, acc, codec, outer, total=30.0, fraction=1.0))
+    engine.close()
+    engine = MergeEngine(store, threads=1)
+    acc = Accumulator(SCHEMA)
+
+    async def scenario() -> None:
+        board = Board(lease_seconds=0.3)
+        ahead = FoldAhead(board, 2, engine, tmp_path / "means")
+        first = asyncio.create_task(ahead.fold("r", 0, acc, codec, [("p0", *keys[0])]))
+        while not first.done():
+            job = await board.take("good", wait=0.05)
+            if job is not None:
+                board.done(job.lease, await asyncio.to_thread(work_fold, job, "good"))  # type: ignore[arg-type]
+        before = acc.partial
+        assert before is not None and before.path is not None
+        second = asyncio.create_task(ahead.fold("r", 0, acc, codec, [(k.peer, k, w) for k, w in keys[1:]]))
+        doomed = await board.take("doomed", wait=5)
+        assert isinstance(doomed, FoldJob) and doomed.partial == before.path
+        with open(doomed.out.path or "", "r+b") as f:  # half a pwrite, then the reducer is gone
+            f.seek(min(doomed.out.at.values()))
+            f.write(b"\xff" * 4096)
+        while not second.done():
+            job = await board.take("rescuer", wait=0.05)
+            if job is not None:
+                board.done(job.lease, await asyncio.to_thread(work_fold, job, "rescuer"))  # type: ignore[arg-type]
+        await second
+        with pytest.raises(LeaseLost):
+            board.done(doomed.lease, Done(reducer="doomed", seconds=0.1, bytes=1))
+        assert not Path(before.path).exists()  # the mean it folded onto: read, then dropped once the next counts
+        assert acc.folded == ["p0", "p1", "p2"] and board.reducers["doomed"].expired == 1
+
+    asyncio.run(scenario())
+    with contextlib.ExitStack() as files:
+        merge = engine.open_merge(files, RoundMerge("r", 0, acc, codec, outer, total=30.0, fraction=1.0))
+        for job in jobs(merge, SCHEMA, 2):
+            assert work(job, "t").error is None
+    assert _bytes(store, ResultKey("r", 0)) == _bytes(alone, ResultKey("r", 0))
+    assert _bytes(store, MomentumKey("r", 1)) == _bytes(alone, MomentumKey("r", 1))
+    engine.close()
+
+
 def test_the_board_offers_again_what_expired_and_refuses_the_late_report(tmp_path: Path) -> None:
     work_ = _fake_jobs(tmp_path, 2)
 
@@ -355,6 +427,49 @@ def _train(
         else:
             peers.parallel(list(names), lambda n, r=r: sync(n, r))
     peers.close()
+    return _digests(url, run)
+
+
+#: fp32 updates weigh a mean each: every one is folded ahead (FoldAhead.due), DiLoCo on top
+FP32_IN_ORDER: dict[str, object] = {"codec": "fp32", "outer": "diloco"}
+
+
+def _zeros() -> dict[str, np.ndarray]:
+    return {name: np.zeros(shape, np.float32) for name, shape in SCHEMA.items()}
+
+
+def _train_in_order(
+    url: str, run: str, options: dict[str, object], rounds: int, names: tuple[str, ...]
+) -> dict[str, str]:
+    """A barrier run whose peers upload one after the other, each once the hub acknowledged the
+    one before (``sync_async``, applied once all are in): every hub folds the same updates in
+    the same order, and with reducers all but the last are folded ahead of the close."""
+    peers = Peers(url, run, list(names), token=TOKEN, min_peers=len(names), **options)
+    peers.join()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for r in range(rounds):
+        pending = []
+        for name in names:
+            client, model = peers.clients[name], peers.models[name]
+            perturb(model, 10 * r + names.index(name), client.version)
+            pending.append((name, client.sync_async(model, samples=4 + names.index(name))))
+
+            def acked(name: str = name, r: int = r) -> bool:
+                try:
+                    state = httpx.get(f"{url}/v1/runs/{run}", headers=auth).json()
+                except httpx.HTTPError:  # a hub that a test killed, restarting
+                    return False
+                return state["version"] > r or name in state["open_round"]["submitted"]
+
+            wait_for(acked, f"{name}'s update of round {r} to be acknowledged")
+        for name, sync in pending:
+            sync.apply(peers.models[name])
+    peers.close()
+    return _digests(url, run)
+
+
+def _digests(url: str, run: str) -> dict[str, str]:
+    """The sha-256 of every round's result file and of the latest model, as the hub serves them."""
     auth = {"Authorization": f"Bearer {TOKEN}"}
     # follow_redirects: a hub with a store sends downloads there (httpx drops the token on the way)
     model = httpx.get(f"{url}/v1/runs/{run}/model", headers=auth, timeout=60, follow_redirects=True)
@@ -496,14 +611,24 @@ def test_reducers_merge_updates_that_peers_uploaded_to_the_bucket(
     hub_factory: Callable[..., Hub], seaweedfs: SeaweedFS
 ) -> None:
     """With SYNC_STORE the peers' updates go to the bucket; `--store ... --reducers 2`: the local
-    reducers read them there (the store from serve, the credentials from the environment) and
-    close every round to the bits of a hub without a store merging alone."""
+    reducers read them there (the store from serve, the credentials from the environment), fold
+    the first two of three updates ahead into a mean in the bucket (not one alone, nor int8 ones
+    under a mean's weight: FoldAhead.due), and close every round to the
+    bits of a hub without a store merging alone; no mean is left in the bucket."""
     env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
-    expected = _train(hub_factory(env=env).url, "barrier", rounds=2)
+    options, names = FP32_IN_ORDER, ("a", "b", "c")
+    expected = _train_in_order(hub_factory(env=env).url, "barrier", options, 2, names)
     stored = hub_factory(
         "--store", f"s3://{seaweedfs.bucket}/reducers", "--reducers", "2", env={**env, **seaweedfs.env()}
     )
-    assert _train(stored.url, "barrier", rounds=2) == expected
+    assert _train_in_order(stored.url, "barrier", options, 2, names) == expected
+    assert "kind=fold" in stored.log()  # a and b, once b is in (unless c's close came before a reducer took it)
+    int8, fp32 = (len(_update_file(get_codec(spec), _zeros())) for spec in ("int8", "fp32"))
+    assert not FoldAhead.due(SCHEMA, Accumulator(SCHEMA), [int8] * 3)  # int8: four at a time
+    assert not FoldAhead.due(SCHEMA, Accumulator(SCHEMA), [fp32])  # a mean of one update: the update again
+    assert FoldAhead.due(SCHEMA, Accumulator(SCHEMA), [fp32] * 2)
+    objects = seaweedfs.store("reducers/")
+    wait_for(lambda: not list(objects.list("runs/barrier/partials/")), "the rounds' means to be deleted")
     samples = scrape(stored, TOKEN)
     assert samples["weightsync_upload_bytes_total", (("run", "barrier"), ("via", "store"))] > 0
     assert samples.get(("weightsync_upload_bytes_total", (("run", "barrier"), ("via", "hub"))), 0) == 0
@@ -591,6 +716,35 @@ def test_bad_reducer_requests_get_a_json_reason_and_bad_hubs_a_one_line_error(
         assert proc.returncode == 2, (said, out, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and said in lines[0], err
+
+
+def test_a_hub_killed_mid_fold_loses_no_acknowledged_update_and_gives_the_same_bits(
+    hub_factory: Callable[..., Hub], tmp_path: Path
+) -> None:
+    """Four peers one after the other, no reducer yet: the first two updates' fold ahead waits
+    on the board, its mean staged; the hub is SIGKILLed then, restarted, a reducer comes, and the
+    round closes with all four updates, folded again from the records, to the bits of a hub
+    merging alone; the killed hub's mean is gone."""
+    env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
+    options, names = FP32_IN_ORDER, ("a", "b", "c", "d")
+    expected = _train_in_order(hub_factory(env=env).url, "barrier", options, 1, names)
+    hub = hub_factory("--reducers", "2", "--local-reducers", "0", env=env)
+    means = hub.data_dir / "tmp" / "means"
+    results: list[dict[str, str]] = []
+    peers = threading.Thread(target=lambda: results.append(_train_in_order(hub.url, "barrier", options, 1, names)))
+    peers.start()
+    wait_for(lambda: means.is_dir() and any(means.iterdir()), "the first two updates' fold to wait on the board")
+    staged = next(means.iterdir())
+    hub.kill()
+    hub.start()
+    reducer = _reducer(hub.url, ADMIN, tmp_path / "reducer.log")
+    try:
+        peers.join(120)
+        assert results == [expected]
+    finally:
+        reducer.kill()
+        reducer.wait()
+    assert not staged.exists()
 
 
 def test_a_hub_killed_while_its_leases_wait_closes_the_round_again_after_a_restart(

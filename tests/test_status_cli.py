@@ -293,3 +293,13 @@ def test_watch_keeps_going_when_the_hub_goes_away(hub_factory: Callable[..., Hub
     assert watch.proc.poll() is None
     assert watch.interrupt() == 0
     assert "Traceback" not in watch.text
+
+
+def test_a_round_waiting_on_its_merge_floor_says_so() -> None:
+    """Every live peer is in, but the run's min_merge_peers is not reached (a member is gone)."""
+    run = big_run()
+    run["open_round"] |= {"submitted": ["gpu-europe-west-1"], "waiting_on_floor": True, "merge_floor": 2}
+    out = io.StringIO()
+    Console(width=200, file=out, color_system=None).print(render({"runs": [], "run": run}, "http://hub:8000"))
+    assert "waiting for min_merge_peers: 1 of 2 updates" in out.getvalue()
+    assert "stragglers dropped" not in out.getvalue()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -69,7 +70,7 @@ def put_parts(plan: dict[str, Any], data: bytes) -> dict[int, str]:
     return etags
 
 
-def uploaded(hub: Hub, key: str, data: bytes, parts: dict[int, str], **lie: Any) -> httpx.Response:
+def uploaded(hub: Hub, key: str, data: bytes, parts: dict[int, str], *, peer: str = "p", **lie: Any) -> httpx.Response:
     report = {
         "key": key,
         "size": len(data),
@@ -78,7 +79,7 @@ def uploaded(hub: Hub, key: str, data: bytes, parts: dict[int, str], **lie: Any)
         "samples": 4,
         "metrics": {"loss": 1.5},
     } | lie
-    return httpx.post(f"{hub.url}/v1/runs/r/rounds/0/updates/p/uploaded", json=report, headers=AUTH, timeout=60)
+    return httpx.post(f"{hub.url}/v1/runs/r/rounds/0/updates/{peer}/uploaded", json=report, headers=AUTH, timeout=60)
 
 
 def nothing_recorded(hub: Hub, bucket: ObjectStore) -> None:
@@ -136,7 +137,8 @@ def test_each_lie_is_refused_with_its_reason_and_nothing_recorded(
             nothing_recorded(hub, bucket)
 
         plan = presign(hub, "the-true-update1", len(good)).json()
-        assert plan["object"] == "runs/r/updates/00000000/p/the-true-update1.safetensors"
+        # a name of this upload attempt's own: no other upload ever writes the object it names
+        assert re.fullmatch(r"runs/r/updates/00000000/p/the-true-update1\.[0-9a-f]{16}\.safetensors", plan["object"])
         assert set(plan["urls"]) == {"1"} and plan["done"] == {}
         etags = put_parts(plan, good)
         again = presign(hub, "the-true-update1", len(good)).json()  # resumed: the part is held
@@ -201,7 +203,8 @@ def test_hub_killed_between_upload_and_record_deletes_the_orphan(
 ) -> None:
     """SIGKILL while the hub completes a peer's upload (the object is whole in the bucket, its
     record never written): the restart deletes the orphan; the SDK peer, riding through on its
-    retries, is told the upload is unknown, uploads afresh and is acknowledged. Then a raw
+    retries, is told the upload is unknown, uploads afresh under a name of that attempt's own
+    and is acknowledged: the record names the new object, the orphan's name is gone. Then a raw
     upload left open (parts, no report) is aborted by the next restart."""
     hub = store_hub(hub_factory, seaweedfs, s3, "crash-up")
     bucket = seaweedfs.store("crash-up")
@@ -220,11 +223,11 @@ def test_hub_killed_between_upload_and_record_deletes_the_orphan(
         hub.start()
         result = pending.apply(model)
         assert result.version == 1 and client.version == 1
-        # the orphan went at the restart; the peer's retry uploaded the same key afresh
+        # the orphan went at the restart; the peer's retry uploaded the same key afresh, to a new name
         assert "object_store_orphans_deleted run=r objects=1 uploads=0" in hub.log()
         assert hub.log().index("object_store_orphans_deleted") < hub.log().index("update_acked")
         (kept,) = [info.name for info in bucket.list("runs/r/updates/")]
-        assert kept == orphan
+        assert kept != orphan and kept.rsplit(".", 2)[0] == orphan.rsplit(".", 2)[0]  # the same key
         np.testing.assert_array_equal(model.weight.detach().numpy(), model_of(hub, "r")["weight"])
 
         plan = presign(hub, "left-open-xxxxxx", len(body()), round_=1).json()

@@ -83,9 +83,12 @@ def round_rows(stdout: str) -> list[list[str]]:
     return [line.split() for line in stdout.splitlines() if re.match(r"^\s+\d+\s+\d+\s+\d+\s+\d+\s", line)]
 
 
-def run_example(tmp_path: Path, script: str, sync_every: int, *args: str) -> tuple[Path, int, list[list[str]]]:
-    """``examples/<script> args`` as 2 local peers: rounds closed, and each peer left at the hub's
-    last version with its weights. The peers' folder, that version and the round table."""
+def run_example(
+    tmp_path: Path, script: str, sync_every: int, saved: str, *args: str
+) -> tuple[Path, int, list[list[str]]]:
+    """``examples/<script> args`` as 2 local peers: rounds closed, each peer left at the hub's
+    last version with its weights, and the model each saved (``saved``, in its folder) is that
+    version. The peers' folder, that version and the round table."""
     out = tmp_path / "out"
     proc = weightsync_run("--local-peers", "2", "--sync-every", str(sync_every), "--out", str(out), "--",
                           sys.executable, f"examples/{script}", *args)  # fmt: skip
@@ -98,6 +101,9 @@ def run_example(tmp_path: Path, script: str, sync_every: int, *args: str) -> tup
     for peer in PEERS:
         log = (out / f"{peer}.log").read_text()
         assert LEFT.findall(log) == [(peer, "local", hub[1], hub[2])], log[-3000:]
+        path = out / peer / saved
+        load = safetensors.torch.load_file if path.suffix == ".safetensors" else torch.load
+        assert_holds(load(path), hub_version(out / "hub", "local", int(hub[1])))
     return out, int(hub[1]), rows
 
 
@@ -108,15 +114,11 @@ def trained_steps(out: Path) -> int:
     return counts.pop()
 
 
-def assert_same(saved: list[dict[str, torch.Tensor]]) -> None:
-    assert saved[0].keys() == saved[1].keys() and all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
-
-
 @needs_data
 def test_plain_loop_example(tmp_path: Path, small_sample_data: Path) -> None:
-    out, version, rows = run_example(tmp_path, "plain_loop.py", 5, "--data", str(small_sample_data))
+    out, version, rows = run_example(tmp_path, "plain_loop.py", 5, "out/model.pt", "--data", str(small_sample_data))
     # 400 reviews (conftest's small sample): 200 per peer, 7 steps of 32 per epoch (the last one of
-    # 8), 3 epochs = 21 steps: syncs at 5, 10, 15 and 20, and the last one at exit (1 step since)
+    # 8), 3 epochs = 21 steps: syncs at 5, 10, 15 and 20, and the last one at the save (1 step since)
     assert version == 5 and [r[1] for r in rows] == ["5", "10", "15", "20", "21"]
     for peer in PEERS:
         assert (out / peer / "out" / "model.pt").is_file() and (out / peer / "out" / "metrics.json").is_file()
@@ -128,9 +130,10 @@ def test_plain_loop_example(tmp_path: Path, small_sample_data: Path) -> None:
 def test_hugging_face_trainer_example(tmp_path: Path, small_vocab_data: Path) -> None:
     # GPT-2's tokenizer cut to 1,025 tokens (conftest), on fewer reviews: as many steps as the full
     # one on the script's default 40 (19 a peer, was 20), a fraction of the compute (the output layer's).
-    out, version, _ = run_example(tmp_path, "hf_trainer.py", 4, "--data", str(small_vocab_data), "--reviews", "20")
+    out, version, _ = run_example(
+        tmp_path, "hf_trainer.py", 4, "out/model/model.safetensors", "--data", str(small_vocab_data), "--reviews", "20"
+    )
     assert version == math.ceil(trained_steps(out) / 4) >= 2  # the callback's syncs, and no others
-    assert_same([safetensors.torch.load_file(str(out / p / "out" / "model" / "model.safetensors")) for p in PEERS])
     for peer in PEERS:
         assert (out / peer / "out" / "metrics.json").is_file()
         assert "Trainer's train_dataset of" in (out / f"{peer}.log").read_text()
@@ -138,9 +141,8 @@ def test_hugging_face_trainer_example(tmp_path: Path, small_vocab_data: Path) ->
 
 @needs_data
 def test_lightning_example(tmp_path: Path, small_sample_data: Path) -> None:
-    out, version, _ = run_example(tmp_path, "lightning_module.py", 5, "--data", str(small_sample_data))
+    out, version, _ = run_example(tmp_path, "lightning_module.py", 5, "out/model.pt", "--data", str(small_sample_data))
     assert version == math.ceil(trained_steps(out) / 5) >= 2
-    assert_same([torch.load(out / p / "out" / "model.pt") for p in PEERS])
     for peer in PEERS:
         assert list((out / peer / "out" / "logs").rglob("metrics.csv")), "Lightning's own log"
 
@@ -260,6 +262,7 @@ for ids in batches:
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     optimizer.zero_grad()
+model.save_pretrained(f"saved-{sys.argv[1]}")
 print("trained")
 """
 )
@@ -277,6 +280,64 @@ for step in range(int(sys.argv[2])):
     model(torch.randn(4, 8)).pow(2).mean().backward()
     optimizer.step()
     optimizer.zero_grad()
+print("trained")
+"""
+)
+# One model in two programs: the plain loop's and the LightningModule's parameters have the same
+# names (net.0.weight, ...); each saves it after its last step.
+NET = """
+import sys, torch
+torch.manual_seed(int(sys.argv[1]))
+steps = int(sys.argv[2])
+data = [torch.randn(4, 8) for _ in range(steps)]
+"""
+SAVING_PLAIN = (
+    NET
+    + """
+from safetensors.torch import save_model
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+    + GO
+    + """
+for x in data:
+    model.net(x).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+save_model(model, "saved-0.safetensors")
+print("trained")
+"""
+)
+SAVING_LIGHTNING = (
+    NET
+    + """
+import lightning as L
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    def training_step(self, x, i):
+        return self.net(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+model = Net()
+"""
+    + GO
+    + """
+trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None))
+torch.save(model.state_dict(), "saved-1.pt")
 print("trained")
 """
 )
@@ -299,6 +360,7 @@ args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_st
 trainer = MyTrainer(model=model, args=args, train_dataset=data)
 print("callbacks", sorted(type(cb).__name__ for cb in trainer.callback_handler.callbacks))
 trainer.train()
+trainer.save_model(f"saved-{sys.argv[1]}")
 print("trained")
 """
 )
@@ -311,10 +373,10 @@ on ``PATH``, as pip writes one for a ``[project.scripts]`` entry)."""
 
 
 def two_vms(
-    tmp_path: Path, hub: Hub, run: str, first: VM, second: VM, *flags: str
+    tmp_path: Path, hub: Hub, run: str, first: VM, second: VM, *flags: str, every: int = 2
 ) -> tuple[list[tuple[str, int, str]], list[str]]:
-    """README's recipe on this machine: ``weightsync-run --hub URL --run RUN --min-peers 2 ...
-    -- python PROGRAM SEED STEPS GO`` for vm-a and for vm-b; vm-b trains, and so joins, only
+    """README's recipe on this machine: ``weightsync-run --hub URL --run RUN --min-peers 2
+    --sync-every EVERY ... -- python PROGRAM SEED STEPS GO`` for vm-a and for vm-b; vm-b trains, and so joins, only
     once vm-a has joined (and waits at the rendezvous), as when vm-b's line is typed after
     vm-a's. Their (peer, version, weights) at exit, and their stdout."""
     procs: list[subprocess.Popen[str]] = []
@@ -332,7 +394,7 @@ def two_vms(
                 script.write_text(program)
                 command = [sys.executable, "-m", script.stem] if how == "-m" else [sys.executable, str(script)]
             procs.append(launch("--hub", hub.url, "--run", run, "--peer", peer, "--min-peers", "2", "--sync-every",
-                                "2", *flags, "--", *command, str(seed), str(steps), str(tmp_path / f"{peer}.go"),
+                                str(every), *flags, "--", *command, str(seed), str(steps), str(tmp_path / f"{peer}.go"),
                                 cwd=tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"))  # fmt: skip
         (tmp_path / "vm-a.go").touch()
         wait_for(lambda: joined(hub, run, "vm-a"), "the first VM joined the run", timeout=120)
@@ -367,21 +429,25 @@ def hub_last(hub: Hub, run: str) -> tuple[int, str]:
 
 def test_two_machines_a_plain_loop_and_a_trainer_end_on_the_hubs_last_version(tmp_path: Path, hub: Hub) -> None:
     """A plain loop starts first and waits at the rendezvous (``--min-peers 2``) until a Trainer
-    joins; both train 6 steps, syncing every 2, in int8 with DiLoCo. Each program's last sync is
-    marked final (the plain loop's falls due at its last step: made at exit, final, as the
-    Trainer's), so both flush the codec's residual in one more round and leave on the same
-    version, with the hub's last weights. The Trainer is a subclass of ``Trainer``: it gets
-    ``SyncCallback`` and syncs through it only (the test of that, merged into this run)."""
+    joins; both train 7 steps (not a multiple of 2), syncing every 2, in int8 with DiLoCo, then
+    save their model (``save_pretrained``; the Trainer's ``save_model``). The plain loop's read
+    at the save syncs its 7th step, final, as the Trainer's last sync is, and both flush the
+    codec's residual in one more round: they leave on the same version, with the hub's last
+    weights, and what each saved is that version. The Trainer is a subclass of ``Trainer``: it
+    gets ``SyncCallback`` and syncs through it only (the test of that, merged into this run)."""
     flags = ("--codec", "int8", "--outer", "diloco", "--outer-lr", "0.5")
-    ends, stdouts = two_vms(tmp_path, hub, "two-vm", (TWO_VM_PLAIN, 6, "script"), (TWO_VM_TRAINER, 6, "script"), *flags)
+    ends, stdouts = two_vms(tmp_path, hub, "two-vm", (TWO_VM_PLAIN, 7, "script"), (TWO_VM_TRAINER, 7, "script"), *flags)
     version, digest = hub_last(hub, "two-vm")
     assert ends == [("vm-a", version, digest), ("vm-b", version, digest)]
     assert "SyncCallback" in stdouts[1]
     run = status(hub, "two-vm")
     assert run["config"]["min_peers"] == 2 and run["config"]["codec"] == "int8" and run["config"]["outer"] == "diloco"
-    # three rounds of both peers (steps 2, 4, 6; the last one final), then the final flush round;
-    # had the subclass's optimizer hook synced as well, there would be more
-    assert version == 4 and [sorted(r["participants"]) for r in run["rounds"]] == [["vm-a", "vm-b"]] * 4
+    # four rounds of both peers (steps 2, 4, 6, 7), then the final flush round; had the
+    # subclass's optimizer hook synced as well, there would be more
+    assert version == 5 and [sorted(r["participants"]) for r in run["rounds"]] == [["vm-a", "vm-b"]] * 5
+    for seed in (0, 1):
+        saved = safetensors.torch.load_file(str(tmp_path / f"saved-{seed}" / "model.safetensors"))
+        assert_holds(saved, hub_version(hub.data_dir, "two-vm", version))
 
 
 def test_a_peer_that_finishes_first_leaves_without_holding_the_other_back(tmp_path: Path, hub: Hub) -> None:
@@ -426,3 +492,82 @@ def test_a_plain_loop_steps_at_the_scaled_rate_and_keeps_its_own(tmp_path: Path)
         log = (out / f"{peer}.log").read_text()
         # steps 2-4 at 1.5x, 2x, 2x the rate; step 1 moved from weights the join then replaced
         assert "lr 0.1" in log and "0.15, 0.2, 0.2]" in log, log
+
+
+# -- what a script saves after its last step is the run's model -----------------------------------
+
+# A plain loop of STEPS steps, each peer on data of its own, that saves a checkpoint mid-training
+# (step 12: not a sync step) and, after its last step, its model in each way the issue names.
+SAVES = """
+import os, sys, torch
+from safetensors.torch import save_file, save_model
+torch.manual_seed(os.getpid())  # each peer its own data; the run's version 0 is the first peer's
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(1, int(sys.argv[1]) + 1):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if step == 12:
+        torch.save({"model": model.state_dict(), "step": step}, "checkpoint.pt")
+torch.save(model.state_dict(), "model.pt")
+save_file(model.state_dict(), "model.safetensors")
+save_model(model, "saved_model.safetensors")
+print("trained")
+"""
+SAVED = {"model.pt": torch.load, "model.safetensors": safetensors.torch.load_file,
+         "saved_model.safetensors": safetensors.torch.load_file}  # fmt: skip
+
+
+def hub_version(data_dir: Path, run: str, version: int) -> dict[str, torch.Tensor]:
+    """Version ``version`` of ``run`` as the hub stored it (the hub keeps its last three)."""
+    return safetensors.torch.load_file(str(data_dir / "runs" / run / "versions" / f"{version:08d}.safetensors"))
+
+
+def assert_holds(saved: dict[str, torch.Tensor], version: dict[str, torch.Tensor]) -> None:
+    assert saved.keys() == version.keys()
+    differ = [k for k in saved if not torch.equal(saved[k], version[k])]
+    assert not differ, {k: float((saved[k] - version[k]).abs().max()) for k in differ[:5]}
+
+
+def test_a_plain_loop_saves_the_runs_model_whichever_way_it_saves(tmp_path: Path) -> None:
+    """Two launches of 2 local peers, side by side: 40 steps (a multiple of 5) in fp32, and 37 in
+    int8. Every file each peer saves after its last step, in each way, is identical across the
+    peers and holds the hub's last version. The checkpoint at step 12 synced steps 11-12 in the
+    round of steps 11-15 (int8: and the flush in the round of 16-20), so it cost no round: one a
+    window of 5 steps, and int8's final flush."""
+    (tmp_path / "train.py").write_text(SAVES)
+    runs = {"fp32": "40", "int8": "37"}
+    procs = {codec: launch("--local-peers", "2", "--sync-every", "5", "--codec", codec, "--out",
+                           str(tmp_path / codec), "--", sys.executable, "train.py", steps, cwd=tmp_path)
+             for codec, steps in runs.items()}  # fmt: skip
+    for codec, proc in procs.items():
+        done = finish(proc)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        out = tmp_path / codec
+        ((_, last, digest),) = HUB.findall(done.stdout)
+        steps = [int(r[1]) for r in round_rows(done.stdout)]  # a flush's row has no step
+        if codec == "fp32":
+            assert steps == [5, 10, 12, 20, 25, 30, 35, 40] and last == "8"
+        else:
+            assert steps == [5, 10, 12, 25, 30, 35, 37] and last == "9"
+        version = hub_version(out / "hub", "local", int(last))
+        assert weights_sha256({k: v.numpy() for k, v in version.items()}) == digest
+        for peer in PEERS:
+            for name, load in SAVED.items():
+                assert_holds(load(out / peer / name), version)
+            assert LEFT.findall((out / f"{peer}.log").read_text()) == [(peer, "local", last, digest)]
+
+
+def test_two_machines_a_plain_loop_and_a_lightning_run_save_the_hubs_last_version(tmp_path: Path, hub: Hub) -> None:
+    """Two VMs started apart, DiLoCo in fp32, 40 steps each syncing every 5 (a multiple): a
+    plain loop (``save_model``) and a Lightning run (``torch.save(model.state_dict())``). The
+    plain loop's sync after step 40 is made right after it, before the program saves: both
+    files hold the hub's last version, on which both peers left."""
+    ends, _ = two_vms(tmp_path, hub, "two-vm-pl", (SAVING_PLAIN, 40, "script"), (SAVING_LIGHTNING, 40, "script"),
+                      "--outer", "diloco", every=5)  # fmt: skip
+    version, digest = hub_last(hub, "two-vm-pl")
+    assert ends == [("vm-a", version, digest), ("vm-b", version, digest)] and version == 8
+    last = hub_version(hub.data_dir, "two-vm-pl", version)
+    assert_holds(safetensors.torch.load_file(str(tmp_path / "saved-0.safetensors")), last)
+    assert_holds(torch.load(tmp_path / "saved-1.pt"), last)

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         "topk:chunk=16,k=2,bits=2 (default: the run's)",
     )
     g.add_argument("--outer", choices=["avg", "diloco"], help="outer optimizer (default: the run's)")
-    g.add_argument("--min-peers", type=int, help="peers per round / rendezvous size when creating the run")
+    g.add_argument("--min-peers", type=int, help="rendezvous size when creating the run (peers it waits for to start)")
 
     g = p.add_argument_group("local", "run the hub and K peers on this machine")
     g.add_argument("--local-peers", type=int, default=0, metavar="K", help="embedded hub + K peer processes")
@@ -420,6 +420,17 @@ def train_peer(args: argparse.Namespace) -> int:
         policy = client.policy if client is not None else None
         budget = round(args.epochs * len(train_blocks)) if policy in ("samples", "async") else None
         epochs = args.epochs * world_size if budget else args.epochs
+        # A peer that (re)joins a barrier run at version v > 0 (restarted after a crash) finds the
+        # run v rounds of --sync-every steps in: it trains only the steps the others have left, so
+        # that it ends in the run's last round instead of training on alone after it.
+        max_steps = args.max_steps
+        if policy == "barrier" and version:
+            total = args.max_steps or math.ceil(epochs * math.ceil(per_peer / batch))
+            max_steps = total - version * args.sync_every
+            if max_steps < 1:
+                client.leave()
+                raise Fail(f"run {args.run!r} is at version {version}, past the {total} steps of this command line")
+            note(f"the run is {version * args.sync_every} steps in: {max_steps} of {total} steps left")
 
         cfg = dict(vars(args))
         cfg.update(
@@ -456,7 +467,7 @@ def train_peer(args: argparse.Namespace) -> int:
             optim="adamw_torch",
             lr_scheduler_type=args.lr_schedule,
             num_train_epochs=epochs,
-            max_steps=args.max_steps if args.max_steps > 0 else -1,
+            max_steps=max_steps if max_steps > 0 else -1,
             eval_strategy="steps" if args.eval_every else "no",
             eval_steps=args.eval_every or None,
             logging_strategy="steps",
@@ -746,8 +757,7 @@ LAUNCH_ONLY = {"--local-peers": 1, "--serial-baseline": 0, "--output-dir": 1, "-
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    from syncserver.cli import SettingsInputError, hub_settings
-    from syncserver.local import LaunchError, LocalRun
+    from syncserver.local import LaunchError, LocalRun, hub_settings_for
 
     t0 = time.time()
     k = args.local_peers
@@ -759,12 +769,10 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     cfg.pop("token", None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     note("config " + json.dumps(cfg))
-    # As flags, so that they beat SYNC_* variables: the rendezvous must wait for all K peers.
-    flags = {"data_dir": str(out / "hub"), "min_peers": str(k)} | ({"token": args.token} if args.token else {})
     try:
-        settings = hub_settings(flags)
-    except SettingsInputError as exc:
-        raise Fail(f"hub settings: {exc}") from None
+        settings = hub_settings_for(out, k, args.token)
+    except LaunchError as exc:
+        raise Fail(str(exc)) from None
     command = [sys.executable, str(Path(__file__).resolve()), *peer_argv(argv)]
     try:
         with LocalRun(command, peers=k, out=out, settings=settings, run=args.run, metric="eval_ppl") as local:

@@ -202,20 +202,15 @@ def run_local(settings: HookSettings, command: list[str], *, peers: int, out: Pa
         import httpx
         import safetensors.numpy
 
-        from syncserver.cli import SettingsInputError, hub_settings
-        from syncserver.local import LaunchError, LocalRun
+        from syncserver.local import LaunchError, LocalRun, hub_settings_for
     except ModuleNotFoundError as exc:
         _fail(f"--local-peers runs a hub, which needs {exc.name}: pip install 'weightsync[server]'", 2)
     from syncwire.digest import weights_sha256
 
-    # As flags, so that they beat SYNC_* variables: the rendezvous must wait for all K peers.
-    flags = {"data_dir": str(out / "hub"), "min_peers": str(peers)}
-    if settings.token:
-        flags["token"] = settings.token
     try:
-        hub = hub_settings(flags)
-    except SettingsInputError as exc:
-        _fail(f"hub settings: {exc}", 2)
+        hub = hub_settings_for(out, peers, settings.token)
+    except LaunchError as exc:
+        _fail(str(exc), exc.exit_code)
     shutil.rmtree(out / "hub", ignore_errors=True)  # a fresh run, not the previous launch's
     command, moved = absolute_paths(command, Path.cwd())
     if moved:

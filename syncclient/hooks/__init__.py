@@ -12,9 +12,10 @@ exactly as without weightsync. Then, as the program imports them:
 the program imports                 the hooks
 ==================================  ==========================================================
 ``torch``                           every optimizer step is seen (:mod:`.plain`: the model
-                                    is found at the first step, joins, syncs every N steps, a
-                                    last sync at exit); DataLoaders are sharded by rank and
-                                    their samples counted (:mod:`.shard`)
+                                    is found at the first step, joins, syncs every N steps and
+                                    when its state is read, the rest at exit); DataLoaders
+                                    are sharded by rank and their samples counted
+                                    (:mod:`.shard`)
 ``transformers`` (its ``Trainer``)  ``Trainer.__init__`` adds ``SyncCallback`` (:mod:`.hf`)
 ``lightning`` / ``pytorch_lightning``  ``Trainer.__init__`` adds ``syncclient.lightning``'s
                                     callback (:mod:`.pl`)

@@ -4,38 +4,53 @@
 every optimizer in the process, whatever the loop looks like. At the first step (before it
 updates anything) the pre-hook finds the model the optimizer trains (:mod:`.model`), joins the
 run, which loads the run's version into it (so all peers start from the same weights), and
-removes itself. After every step the post-hook counts; every ``sync_every`` steps (or, with
-``round_samples``, when the hub says the round is due) a sync is due, and it is made, blocking,
-at the start of the lead's next step (a pre-hook, before that step changes the weights), or at
-exit if no step comes. So a peer's last sync is always the one at exit, marked final (as the
-callbacks mark theirs: :meth:`SyncClient.sync`), whether or not the step count is a multiple of
-N: peers of one run, whatever their kind, then agree on their last round and end on the same
-version. The cost: that next step's gradient was computed on the weights before the sync, as
-if one step were in flight (the SDK's overlap keeps more than that): negligible at N in the
-hundreds.
+removes itself. After every step the post-hook counts.
+
+**When a sync is made.** Steps fall in windows of ``sync_every`` (steps 1-N, N+1-2N, ...), and
+each window makes at most one round, so peers of any kind (a Trainer's callback syncs at every
+N-th step) agree on their rounds:
+
+- right after the window's last step (step kN), as the callbacks make theirs after the
+  optimizer step; with two optimizers over one model (Muon + AdamW) after the iteration's last
+  optimizer, so that the sync holds the whole iteration;
+- or earlier, when the program reads the model's state (``model.state_dict()``: what
+  ``torch.save(model.state_dict())``, safetensors' ``save_file`` / ``save_model`` and
+  ``save_pretrained`` all do) with steps not synced yet: they are synced then, marked final as
+  a Trainer's last sync is (:meth:`SyncClient.sync`: plain averaging; with a lossy codec the
+  residual flushed in one more round, which takes the next window's round). A read just after
+  an ordinary sync of such a codec flushes its residual (:meth:`SyncClient.flush`), in the
+  next window's round too. So a file saved after the last step holds the run's model, the
+  version the hub serves, identical on every peer whatever kind each is; a window whose round
+  was taken trains on into the next one, so a checkpoint saved mid-training costs no round
+  (a second read in a taken window syncs nothing: that file holds the steps since);
+- or at exit, what is still unsynced: the steps since the last sync, in a last final sync, or
+  the residual of an ordinary last sync, flushed.
+
+A ``round_samples`` run syncs at the first step after the hub says the round is due, and at
+exit: its rounds are no fixed number of steps, so a read does not sync.
 
 Steps are those of one optimizer, the *lead* (the first to step): two optimizers over parts of
-one model (e.g. Muon for the matrices, AdamW for the rest) step once each per iteration, which
-is one step, not two. Another optimizer is looked at once, on its first step: over the same
-model it is fine (and becomes the lead when the lead is gone, e.g. re-created per epoch); over
-another model it is refused (one run syncs one model).
+one model step once each per iteration, which is one step, not two. Another optimizer is looked
+at once, on its first step: over the same model it is fine (and becomes the lead when the lead
+is gone, e.g. re-created per epoch); over another model it is refused (one run syncs one model).
 
 At exit (when the program's main thread ends, before the interpreter shuts its thread pools
-down: the SDK uploads from one), unless the program died of an exception: the last, final sync
-if the lead stepped since the previous one, then leave the run (the hub stops waiting for this
-peer: the others go on without it). Peers that took the same number of steps (sharded data
-makes sure of it) thus end bit-identical; what the program saved *before* that last sync holds
-its own last steps, not the merged weights.
+down: the SDK uploads from one), unless the program died of an exception: the last sync or
+flush above, then leave the run (the hub stops waiting for this peer: the others go on without
+it). Peers that took the same number of steps (sharded data makes sure of it) thus end
+bit-identical.
 
 Refusals (no single model, a second model, the hub rank disagreeing with ``WEIGHTSYNC_RANK``,
 a failed sync) end the program with one line on stderr and exit code 1 (``SystemExit``), not a
 traceback through the training loop.
 
-Cost per step between syncs: a weak reference call, a counter, a comparison (bench/hooks.py).
+Cost per step between syncs: a weak reference call, a counter, a comparison (bench/hooks.py);
+per ``state_dict()`` call of any module, an identity check.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -70,11 +85,18 @@ class PlainLoop:
         self.steps = 0  # the lead optimizer's steps since join
         self.last_sync = 0  # self.steps at the last sync
         self.samples = 0  # trained since the last sync
+        self.synced_window = -1  # the last window (of sync_every steps, from 0) that made its sync
         self._lead: Any = _dead  # a weakref to the lead optimizer (a dead one returns None)
+        self._latest: Any = _dead  # the optimizer that stepped last
+        self._tail: Any = _dead  # the last optimizer to step before the lead's latest step
         self._others: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         self._by_samples = False
-        self._due = False  # a sync is due: made at the lead's next step, or at exit
+        self._due = False  # a sync waits for the iteration's last optimizer (or the lead's next step)
+        self._unflushed = False  # the last sync was an ordinary one of a run whose codec flushes
+        self._last_samples = 1  # the last sync's weight, which its flush weighs too
+        self._syncing = False
         self._pid = os.getpid()
+        self._thread = threading.get_ident()  # the training thread (reads from others do not sync)
         self._begun = False
         self._pre: Any = None  # torch's hook handles
         self._post: Any = None
@@ -106,25 +128,34 @@ class PlainLoop:
                 self._post = None
             return
         self._join(_model_of(optimizer))
+        self._thread = threading.get_ident()
         self._lead = weakref.ref(optimizer)
         self._others[optimizer] = True
         self._scale(optimizer)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Before the lead's step that follows a due sync: make it (the weights are still those
-        the steps so far left). The other optimizers' steps of the due iteration come first."""
-        lead = self._lead()
-        if not self._due or self.client is None or (lead is not None and lead is not optimizer):
-            return
-        self._due = False
-        self._sync()
+        """Before the lead's next step, if the sync of the iteration before is still due (its
+        last optimizer did not step this time): make it before this step changes the weights."""
+        if self._due and self.client is not None and self._lead() in (optimizer, None):
+            self._sync()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._pre is not None and not self._due:  # joined, and no sync waits: no pre-hook needed
             self._pre.remove()
             self._pre = None
         if self._lead() is not optimizer and not self._adopt(optimizer):
+            if self.client is not None:  # another optimizer over the model, in the lead's iteration
+                self._latest = weakref.ref(optimizer)
+                if self._due and self._tail() is optimizer:
+                    self._sync()
             return
+        latest = self._latest()
+        if latest is not optimizer:  # another optimizer stepped last: it ends the lead's iterations
+            if latest is not None:
+                self._tail = self._latest
+            self._latest = self._lead
+        elif self._tail is not self._lead:  # the lead stepped last: its step ends the iteration
+            self._tail = self._lead
         samples = shard.take_samples() or 1  # a loop without a DataLoader counts steps
         self.steps += 1
         self.samples += samples
@@ -132,11 +163,37 @@ class PlainLoop:
             self.client.progress(samples)
             due = self.client.due
         else:
-            due = self.steps - self.last_sync >= self.settings.sync_every  # type: ignore[operator]
-        if due and not self._due:
+            due = self.steps % self.settings.sync_every == 0 and self.synced_window < self._window()  # type: ignore[operator]
+        if not due:
+            return
+        if self._tail() in (None, optimizer):  # one optimizer: its step ends the iteration
+            self._sync()
+        else:
             self._due = True
             if self._pre is None:
                 self._pre = register_optimizer_step_pre_hook(self._before_step)
+
+    def _state_read(self, module: torch.nn.Module) -> None:
+        """The program reads ``module``'s state: if it is the model's, make what it reads the
+        run's model first (see the module docstring)."""
+        if self.client is None or self._syncing or os.getpid() != self._pid:
+            return
+        if threading.get_ident() != self._thread:
+            return  # a read from another thread (a background checkpoint) waits for the next one
+        if module is not self.model and module is not _inner(self.model):
+            return
+        if self._due:
+            self._sync()
+        if self._by_samples:
+            return
+        if self.steps > self.last_sync and self.synced_window < self._window():
+            self._sync(final=True)
+        elif self._unflushed:
+            self._flush()
+
+    def _window(self) -> int:
+        """The window of the lead's latest step: steps 1..N are window 0."""
+        return (self.steps - 1) // self.settings.sync_every  # type: ignore[operator]
 
     def _adopt(self, optimizer: torch.optim.Optimizer) -> bool:
         """Another optimizer stepped: is it over our model, and is it the lead now?"""
@@ -191,16 +248,44 @@ class PlainLoop:
             f"in run {settings.run!r}, "
             + ("when rounds are due" if self._by_samples else f"every {settings.sync_every} optimizer steps")
         )
+        _watch_state_reads(self)
         _at_main_thread_exit(self._at_exit)
 
-    def _sync(self) -> None:
+    def _sync(self, *, final: bool = False) -> None:
+        """Sync the steps since the last sync; ``final``: with a lossy codec, flush the residual
+        in one more round, which takes the next window's round."""
         from syncclient.exceptions import SyncError
 
+        self._due, self._syncing = False, True
+        samples = max(1, self.samples)
         try:
-            self.client.sync(self.model, samples=self.samples, metrics={"step": float(self.steps)})
+            result = self.client.sync(self.model, samples=samples, metrics={"step": float(self.steps)}, final=final)
         except SyncError as exc:
+            if final:
+                raise
             self._refuse(f"the sync at step {self.steps} failed: {exc}")
+        finally:
+            self._syncing = False
+        flushed = final and self.client.flushes and not result.caught_up
+        self._last_samples, self._unflushed = samples, self.client.flushes and not final
         self.last_sync, self.samples = self.steps, 0
+        if not self._by_samples and self.steps:
+            self.synced_window = self._window() + int(flushed)
+
+    def _flush(self) -> None:
+        """Send the residual the last (ordinary) sync held back, in the next window's round."""
+        from syncclient.exceptions import SyncError
+
+        self._syncing = True
+        try:
+            result = self.client.flush(self.model, samples=self._last_samples)
+        except SyncError as exc:
+            self._refuse(f"the flush at step {self.steps} failed: {exc}")
+        finally:
+            self._syncing = False
+        self._unflushed = False
+        if result is not None and not result.caught_up:
+            self.synced_window += 1
 
     def _refuse(self, why: str) -> NoReturn:
         """Leave the run (no last sync at exit) and end the program with one line."""
@@ -218,14 +303,28 @@ class PlainLoop:
             if session.crashed():
                 session.note("the program failed: leaving the run without a last sync")
             elif self.steps > self.last_sync:
-                self.client.sync(
-                    self.model, samples=max(1, self.samples), metrics={"step": float(self.steps)}, final=True
-                )
-                self.last_sync = self.steps
+                self._sync(final=True)
+            elif self._unflushed:
+                self.client.flush(self.model, samples=self._last_samples)
         except SyncError as exc:
             session.note(f"the last sync failed ({exc}): this peer's weights may differ from the others'")
         finally:
             self.client.leave()
+
+
+def _watch_state_reads(loop: PlainLoop) -> None:
+    """``torch.nn.Module.state_dict``, wrapped to tell ``loop`` first: every way of saving a model
+    (``torch.save(model.state_dict())``, safetensors, ``save_pretrained``, a checkpoint) reads it.
+    On the class, not the model: a hook stored on the model would travel with ``torch.save(model)``
+    and ``copy.deepcopy``."""
+    original = torch.nn.Module.state_dict
+
+    @functools.wraps(original)
+    def state_dict(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        loop._state_read(self)
+        return original(self, *args, **kwargs)
+
+    torch.nn.Module.state_dict = state_dict  # type: ignore[method-assign]
 
 
 def _model_of(optimizer: torch.optim.Optimizer) -> torch.nn.Module:

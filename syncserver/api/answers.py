@@ -88,8 +88,8 @@ def progress(state: RoundProgress) -> Progress:
     return Progress.model_validate(state)
 
 
-def heartbeat(version: int, lease_seconds: float) -> Heartbeat:
-    return Heartbeat(version=version, lease_seconds=lease_seconds)
+def heartbeat(version: int, lease_seconds: float, watch: bool) -> Heartbeat:
+    return Heartbeat(version=version, lease_seconds=lease_seconds, watch=watch)
 
 
 def run_lines(lines: list[RunLine]) -> list[RunSummary]:
@@ -116,6 +116,7 @@ def reducers(known: list[ReducerStats]) -> list[Reducer]:
             busy=r.holding is not None,
             checks=r.checks,
             check_seconds=r.check_seconds,
+            check_failures=r.check_failures,
         )
         for r in known
     ]

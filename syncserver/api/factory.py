@@ -133,7 +133,9 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
         bucket = None
         if settings.store:
             try:  # `syncserver serve` checked it already (one line, exit 2); plain uvicorn lands here
-                objects = await to_thread.run_sync(open_store, settings.store, settings.store_url_seconds)
+                objects = await to_thread.run_sync(
+                    open_store, settings.store, settings.store_url_seconds, settings.store_control_seconds
+                )
             except StoreUnavailable as exc:
                 log.error("SYNC_STORE: %s", exc.reason)
                 raise RuntimeError(f"SYNC_STORE: {exc.reason}") from None

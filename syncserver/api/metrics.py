@@ -153,17 +153,25 @@ def _reducer_metrics(view: HubView | None) -> Iterator[Metric]:
 
 
 def _check_metrics(known: list[ReducerStats]) -> Iterator[Metric]:
-    """The reducers' check leases (SYNC_STORE): bodies checked, and the seconds it took."""
+    """The reducers' check leases (SYNC_STORE): bodies checked, the seconds it took, and the
+    reports the hub did not take."""
     checks = CounterMetricFamily(
         "weightsync_reducer_checks", "Uploaded update bodies the reducer checked.", labels=["reducer"]
     )
     seconds = CounterMetricFamily(
         "weightsync_reducer_check_seconds", "Seconds of the reducer's checks, summed.", labels=["reducer"]
     )
+    failures = CounterMetricFamily(
+        "weightsync_reducer_check_failures",
+        "The reducer's check reports the hub did not take (failed, not holding up, or contradicted by the hub's "
+        "own check of the body, which then answered the peer).",
+        labels=["reducer"],
+    )
     for r in known:
         checks.add_metric([r.name], r.checks)
         seconds.add_metric([r.name], r.check_seconds)
-    yield from (checks, seconds)
+        failures.add_metric([r.name], r.check_failures)
+    yield from (checks, seconds, failures)
 
 
 class HubMetrics:

@@ -16,7 +16,7 @@ from syncserver.api.schemas import Reducer, Renewed
 from syncserver.core.leases import LEASE_POLL_MAX, Board
 from syncserver.errors import Conflict
 from syncserver.reduce.checklease import CheckJob, CheckReport
-from syncserver.reduce.lease import BuildJob, Done, Job
+from syncserver.reduce.lease import BuildJob, Done, FoldJob, Job
 
 __all__ = ["router", "view_router"]
 
@@ -47,13 +47,14 @@ def _board(hub: Hub) -> Board:
 @router.post(
     "/lease",
     summary=(
-        "Wait for a lease: a merge's, a check's (`kind: check`) or a version build's (`kind: build`) (long poll); "
+        "Wait for a lease: a merge's, a check's (`kind: check`), a fold ahead's (`kind: fold`) or a version "
+        "build's (`kind: build`) (long poll); "
         "204 when none came within `wait`"
     ),
-    response_model=Job | CheckJob | BuildJob,
+    response_model=Job | CheckJob | BuildJob | FoldJob,
     responses={204: {"description": "No lease within the wait: ask again."}},
 )
-async def take_lease(body: TakeLease, hub: Hub) -> Job | BuildJob | CheckJob | Response:
+async def take_lease(body: TakeLease, hub: Hub) -> Job | BuildJob | FoldJob | CheckJob | Response:
     job = await _board(hub).take(body.reducer, body.wait)
     return job if job is not None else Response(status_code=204)
 

@@ -81,6 +81,7 @@ class JoinRequest(BaseModel):
     outer_momentum: OuterMomentum | None = None
     outer_warmup: OuterWarmup | None = None
     min_peers: MinPeers | None = None
+    min_merge_peers: MinPeers | None = None
     round_timeout: Seconds | None = None
     norm_guard: NormGuard | None = None
     policy: Policy | None = None
@@ -272,9 +273,24 @@ async def put_initial(
     return answers.initial_version(await hub.commit_init(ticket, received))
 
 
-@router.post("/runs/{run}/peers/{peer}/heartbeat", summary="Renew the peer's lease")
-async def heartbeat(run: RunName, peer: PeerName, hub: Hub) -> Heartbeat:
-    return answers.heartbeat(hub.heartbeat(run, peer), hub.settings.lease_seconds)
+@router.post(
+    "/runs/{run}/peers/{peer}/heartbeat",
+    summary="Renew the peer's lease; with wait, the peer's watch: held until news, or wait seconds",
+)
+async def heartbeat(request: Request, run: RunName, peer: PeerName, hub: Hub, wait: Wait = 0.0) -> Heartbeat:
+    """``wait`` > 0 makes this request the peer's watch: the hub holds it (at most a third of
+    the lease) and sees at once when its connection drops, as it does when the peer's process
+    dies; the peer asks again as soon as it is answered (the SDK's heartbeat does)."""
+    version = await hub.heartbeat(run, peer, wait, _disconnected(request) if wait > 0 else None)
+    return answers.heartbeat(version, hub.settings.lease_seconds, watch=wait > 0)
+
+
+async def _disconnected(request: Request) -> None:
+    """Until the client closes the request's connection: uvicorn answers ``receive()`` with
+    ``http.disconnect`` once the socket is closed (``connection_lost``: an EOF, a reset), and
+    not before, once the body is read."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class ProgressReport(BaseModel):

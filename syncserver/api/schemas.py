@@ -82,7 +82,8 @@ class RunConfig(Answer):
     outer_lr: float
     outer_momentum: float
     outer_warmup: int = Field(description="diloco: outer steps of momentum warm-up (0: none).")
-    min_peers: int
+    min_peers: int = Field(description="Peers the run waited for before it started.")
+    min_merge_peers: int = Field(description="The fewest updates a round merges (fewer once peers left).")
     round_timeout: float = Field(description="Seconds after a round's first update before stragglers are dropped.")
     norm_guard: float | None = Field(description="Refuse an update whose norm is over this many times the median.")
     policy: Policy = Field(description="When a round closes: barrier, samples or async.")
@@ -179,6 +180,7 @@ class UploadHeld(Answer):
 class Heartbeat(Answer):
     version: int = Field(description="The run's latest version: behind it, a peer should catch up.")
     lease_seconds: float
+    watch: bool = Field(False, description="The request was held as the peer's watch (wait > 0): ask again at once.")
 
 
 class Left(Answer):
@@ -215,6 +217,10 @@ class OpenRound(Answer):
     seconds_left: float | None = Field(description="Until the deadline; None before the first update.")
     samples: int = Field(description="Samples so far: updates in, plus live peers' progress reports.")
     due: bool = Field(description="samples runs: the target is reached, every peer is asked for its update.")
+    merge_floor: int = Field(description="Updates the round needs: min_merge_peers, fewer once peers left.")
+    waiting_on_floor: bool = Field(
+        description="Every live peer is in (or the deadline passed), and the round waits for its merge floor alone."
+    )
 
 
 class PeerStatus(Answer):
@@ -354,6 +360,9 @@ class Reducer(Answer):
     busy: bool = Field(description="It holds a lease now.")
     checks: int = Field(0, description="Uploaded bodies it checked (check leases reported).")
     check_seconds: float = Field(0.0, description="Its checks' work, summed.")
+    check_failures: int = Field(
+        0, description="Its check reports the hub did not take: the hub checked those bodies itself."
+    )
 
 
 class Renewed(Answer):

@@ -21,12 +21,13 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from anyio import to_thread
 
-from syncserver.core.leases import Board, build_leased, merge_leased
+from syncserver.core.leases import Board, FoldAhead, build_leased, merge_leased
 from syncserver.core.policy import SamplesPolicy
 from syncserver.core.presigned import Plan, PresignedUploads, UploadReport
 from syncserver.core.quotas import check_new_peer, check_new_run
@@ -34,7 +35,7 @@ from syncserver.core.rounds import Acknowledgement, InitialVersion, Rounds, Tick
 from syncserver.core.shape import RunShape
 from syncserver.core.state import CONFIG_FIELDS, Peer, Run, RunConfig, Via, now
 from syncserver.core.view import HubView
-from syncserver.errors import Conflict, InvalidUpdate, NotFound, Unavailable
+from syncserver.errors import Conflict, InvalidUpdate, NoStore, NotFound, Unavailable
 from syncserver.reduce.engine import MergeEngine
 from syncserver.settings import HubSettings
 from syncserver.storage.bucket import Bucket
@@ -111,8 +112,14 @@ class Coordinator:
             if self.board is not None and bucket is not None
             else None
         )
+        # and they fold each round's updates ahead of its close, as they are acknowledged
+        ahead = (
+            FoldAhead(self.board, settings.reducers, self.engine, settings.data_dir / "tmp" / "means")
+            if self.board is not None
+            else None
+        )
         self.view.board = self.board
-        self.rounds = Rounds(settings, store, self.engine, self.view, bucket, leased, built)
+        self.rounds = Rounds(settings, store, self.engine, self.view, bucket, leased, built, ahead)
         # SYNC_STORE: peers upload their updates there too
         self.presigned = (
             PresignedUploads(self.rounds, bucket, settings.data_dir / "tmp", self.board) if bucket else None
@@ -126,7 +133,7 @@ class Coordinator:
         self.store.clear_tmp()
         for record in self.store.runs():
             config = RunConfig(**record.config)
-            policy = config.make_policy(self.settings.lease_seconds, record.version)
+            policy = config.make_policy(self.settings.lease_seconds, self.settings.disconnect_grace, record.version)
             run = Run(record.name, config, get_codec(config.codec), policy, record.version)
             run.schema, run.sealed, run.creator = record.schema, record.sealed, record.creator
             if run.schema is not None:
@@ -168,18 +175,23 @@ class Coordinator:
         self.engine.close()
 
     async def _tick_forever(self) -> None:
+        """Tick every ``interval`` and at each live peer's lease end: a hung peer costs the
+        survivors its lease, not its lease and up to a tick more (bench/failures.py)."""
         interval = min(0.5, self.settings.lease_seconds / 4)
         while True:
-            await asyncio.sleep(interval)
+            ends = (run.policy.next_loss() for run in list(self.runs.values()))
+            wake = min((end for end in ends if end is not None), default=now() + interval)
+            # just past the end: a lease is lost once it is strictly older than lease_seconds
+            await asyncio.sleep(min(interval, max(0.0, wake - now()) + 0.005))
             for run in list(self.runs.values()):
                 self._tick(run)
 
     def _tick(self, run: Run) -> None:
-        """Leases and deadlines: the only things that change with time alone."""
+        """Leases, dropped watches and deadlines: the only things that change with time alone."""
         gone = run.policy.expire(now())
         if gone:
-            for name in sorted(gone):
-                log.warning("peer_gone run=%s peer=%s reason=lease_expired", run.name, name)
+            for name, why in gone.items():
+                log.warning("peer_gone run=%s peer=%s reason=%s", run.name, name, why.value)
             if run.init_claim in gone:
                 log.warning("initialiser_gone run=%s peer=%s", run.name, run.init_claim)
                 run.init_claim = None
@@ -191,12 +203,18 @@ class Coordinator:
         return self.view.get(name)
 
     def peer(self, run: Run, name: str) -> Peer:
-        """The peer, with its lease renewed: any request from a peer proves it is alive."""
+        """The peer, with its lease renewed: a request from a peer that begins proves it alive.
+        (A long poll looks again with :meth:`member`: a dead peer's poll must not renew it.)"""
+        peer = self.member(run, name)
+        if run.policy.seen(name, now()):
+            log.info("peer_back run=%s peer=%s", run.name, name)
+        return peer
+
+    def member(self, run: Run, name: str) -> Peer:
+        """The peer, a member of the run that has not left; its lease untouched."""
         peer = run.peers.get(name)
         if peer is None or run.policy.members[name].left:
             raise NotFound(f"peer {name!r} is not a member of run {run.name!r}; join first", run=run.name)
-        if run.policy.seen(name, now()):
-            log.info("peer_back run=%s peer=%s", run.name, name)
         return peer
 
     # ---- joining -------------------------------------------------------------------------
@@ -246,9 +264,14 @@ class Coordinator:
         config = RunConfig(**values)
         if config.policy == "barrier" and config.round_samples is not None:
             raise InvalidUpdate("round_samples goes with policy 'samples' or 'async' (a barrier round is N steps)")
+        if config.min_merge_peers > config.min_peers:
+            raise InvalidUpdate(
+                f"min_merge_peers {config.min_merge_peers} is over min_peers {config.min_peers}: the run could "
+                "start with fewer peers than any of its rounds needs"
+            )
         try:
             codec = get_codec(config.codec)
-            policy = config.make_policy(self.settings.lease_seconds, -1)
+            policy = config.make_policy(self.settings.lease_seconds, self.settings.disconnect_grace, -1)
         except ValueError as exc:
             raise InvalidUpdate(str(exc)) from None
         self.store.create_run(name, config.__dict__, creator)
@@ -302,9 +325,10 @@ class Coordinator:
     async def wait_start(self, run_name: str, peer_name: str, wait: float) -> Start:
         """Long poll until the peer may start (or must initialise); at most ``wait`` seconds."""
         run = self.run(run_name)
+        self.peer(run, peer_name)
         deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
         while True:
-            state = self._start_state(run, self.peer(run, peer_name))
+            state = self._start_state(run, self.member(run, peer_name))
             remaining = deadline - time.monotonic()
             if state.state != "waiting" or remaining <= 0 or self.view.stopping:
                 return state
@@ -369,8 +393,8 @@ class Coordinator:
         return await self._presigned(run).uploaded(run, round_, peer_name, report)
 
     def _presigned(self, run: Run) -> PresignedUploads:
-        if self.presigned is None:
-            raise Conflict("this hub has no object store: PUT the update to the hub", current_version=run.version)
+        if self.presigned is None:  # e.g. restarted without SYNC_STORE: its peers' SDKs PUT instead
+            raise NoStore("this hub has no object store: PUT the update to the hub", current_version=run.version)
         return self.presigned
 
     # ---- progress --------------------------------------------------------------------------
@@ -407,10 +431,49 @@ class Coordinator:
         )
 
     # ---- liveness ------------------------------------------------------------------------
-    def heartbeat(self, run_name: str, peer_name: str) -> int:
-        """Renew the peer's lease; the run's latest version (behind it, the peer should catch up)."""
+    async def heartbeat(
+        self, run_name: str, peer_name: str, wait: float = 0.0, dropped: Awaitable[object] | None = None
+    ) -> int:
+        """Renew the peer's lease; the run's latest version (behind it, the peer should catch up).
+
+        With ``wait`` and ``dropped`` (what completes when the peer's side closes the request's
+        connection), the request is the peer's *watch*: held until there is news (the peer
+        left, the hub stops) or ``wait`` seconds (at most a third of the
+        lease, so that the peer asks again, renewing it, well within it). A watch that drops
+        starts the peer's ``disconnect_grace``: with no request from it by then, it is gone.
+        """
         run = self.run(run_name)
         self.peer(run, peer_name)
+        if wait <= 0 or dropped is None:
+            return run.version
+        run.policy.watch(peer_name, now())
+        lost = asyncio.ensure_future(dropped)
+        closed = False
+        try:
+            deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds, self.settings.lease_seconds / 3)
+            while not self.view.stopping and not run.policy.members[peer_name].left:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                news = asyncio.ensure_future(run.changed.wait())
+                done, _ = await asyncio.wait({lost, news}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                news.cancel()
+                if lost in done:
+                    closed = True
+                    break
+        finally:
+            lost.cancel()
+            run.policy.unwatch(peer_name, now(), dropped=closed)
+        if closed:
+            log.info(
+                "peer_disconnected run=%s peer=%s (gone in %gs unless it comes back)",
+                run.name,
+                peer_name,
+                self.settings.disconnect_grace,
+            )
+            # decide at the grace's end, not at the next tick: the survivors wait for this
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.settings.disconnect_grace + 0.01, self._tick, run)
         return run.version
 
     def leave(self, run_name: str, peer_name: str) -> None:
@@ -430,10 +493,12 @@ class Coordinator:
         Its copy in the object store if there is one (``direct``: the peer could not reach the
         store, serve it from disk)."""
         run = self.run(run_name)
+        if peer_name is not None:
+            self.peer(run, peer_name)
         deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
         while True:
             if peer_name is not None:
-                self.peer(run, peer_name)
+                self.member(run, peer_name)
             if round_ < run.version:
                 key = ResultKey(run.name, round_)
                 copy = self._redirect(run, key, direct, peer_name)

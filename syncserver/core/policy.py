@@ -11,9 +11,9 @@ Three policies, chosen per run (``policy``):
 
 - :class:`BarrierPolicy` (``barrier``, the default): round v closes once every live peer that is
   waited for in v has an acknowledged update, or once the round's deadline (``round_timeout``
-  after its first acknowledgement) has passed with at least ``min_peers`` updates (fewer once
-  members left: :meth:`RoundPolicy.quorum`); the live peers that did not make it are dropped
-  (they catch up). Peers sync every N of their own steps, so
+  after its first acknowledgement) has passed; the live peers that did not make it are dropped
+  (they catch up). Either way it needs ``min_merge_peers`` updates (1 by default; fewer once
+  members left: :meth:`RoundPolicy.quorum`). Peers sync every N of their own steps, so
   each round waits for the slowest peer's N steps.
 - :class:`SamplesPolicy` (``samples``, hivemind's ``target_batch_size``): peers report the
   samples they have trained since the last round as they go; once the live peers' sum reaches
@@ -35,7 +35,13 @@ Three policies, chosen per run (``policy``):
   which is a smaller learning rate, not a correction. What is discounted is a peer that fell
   behind by more than a step: one four times slower than three others, say.
 
-A peer is live while its lease is fresh: any request renews it (``seen``).
+A peer is live while its lease is fresh (any request renews it: ``seen``) and, if it holds a
+watch (the SDK's heartbeat, a request the hub holds open: ``watch``), while that connection is
+open or was dropped less than ``disconnect_grace`` seconds ago: a crashed process closes its
+sockets, and is gone seconds after, not a lease after. A gone member holds no round: rounds wait
+for live members only. ``min_peers`` is the run's start (the coordinator's); the floor a merge
+needs is ``min_merge_peers`` (torchft's ``min_replica_size``), and a gone member counts towards
+it, since it may come back (:meth:`RoundPolicy.floor_wait` says when a round waits on it).
 """
 
 from __future__ import annotations
@@ -44,10 +50,12 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 __all__ = [
     "POLICIES",
     "Admit",
+    "Lost",
     "AsyncPolicy",
     "BarrierPolicy",
     "Close",
@@ -66,8 +74,15 @@ STALENESS_EXPONENT = 0.5  # FedAsync's polynomial discount (1 + s) ** -a; FedBuf
 class PeerState(str, Enum):
     LIVE = "live"  # lease fresh: waited for in rounds it takes part in
     LATE = "late"  # lease fresh, but its round closed without it: it is catching up
-    GONE = "gone"  # lease expired: not waited for; its next request brings it back
+    GONE = "gone"  # lease expired or connection dropped: not waited for; its next request brings it back
     LEFT = "left"  # said goodbye; joining again brings it back
+
+
+class Lost(str, Enum):
+    """Why a member stopped being live (the ``reason`` of the hub's ``peer_gone`` line)."""
+
+    LEASE_EXPIRED = "lease_expired"  # no request for lease_seconds: a hung or vanished machine
+    DISCONNECTED = "disconnected"  # its watch dropped and none came back within the grace: a dead process
 
 
 class Place(str, Enum):
@@ -89,6 +104,8 @@ class Member:
     last_seen: float  # monotonic
     left: bool = False
     last_round: int = -1  # the last round it has an acknowledged update in
+    watches: int = 0  # its watch requests held open now
+    dropped: float | None = None  # when its last open watch dropped (monotonic); None: none dropped since
 
 
 @dataclass(frozen=True)
@@ -113,12 +130,21 @@ class RoundPolicy:
 
     name = ""
 
-    def __init__(self, *, min_peers: int, round_timeout: float, lease_seconds: float, round_: int = -1) -> None:
-        if min_peers < 1 or not round_timeout > 0 or not lease_seconds > 0:
-            raise ValueError("min_peers must be >= 1, round_timeout and lease_seconds > 0")
-        self.min_peers = min_peers
+    def __init__(
+        self,
+        *,
+        round_timeout: float,
+        lease_seconds: float,
+        disconnect_grace: float,
+        min_merge_peers: int = 1,
+        round_: int = -1,
+    ) -> None:
+        if min_merge_peers < 1 or not round_timeout > 0 or not lease_seconds > 0 or not disconnect_grace > 0:
+            raise ValueError("min_merge_peers must be >= 1, round_timeout, lease_seconds and disconnect_grace > 0")
+        self.min_merge_peers = min_merge_peers
         self.round_timeout = round_timeout
         self.lease_seconds = lease_seconds
+        self.disconnect_grace = disconnect_grace
         self.round = round_  # the open round (= the run's version); -1 before version 0
         self.members: dict[str, Member] = {}
         self.live: frozenset[str] = frozenset()  # as of the last event or expiry
@@ -146,7 +172,7 @@ class RoundPolicy:
             member = Member(name, max(self.round, 0) + int(in_round), counted, now)
             self.members[name] = member
         else:
-            member.left, member.last_seen = False, now
+            member.left, member.last_seen, member.dropped = False, now, None  # a request: alive
             if in_round:
                 member.active_from = max(member.active_from, self.round + 1)
         self.live |= {name}
@@ -158,23 +184,58 @@ class RoundPolicy:
             self.members[name].counted = True
 
     def seen(self, name: str, now: float) -> bool:
-        """Any request from a member renews its lease; True if it had expired (it is back)."""
-        self.members[name].last_seen = now
+        """A request from a member begins: it renews its lease, and proves the process alive
+        (a dropped watch is forgiven); True if it had been gone (it is back). Only a request's
+        start says so: a long poll a dead peer left behind must not keep it alive."""
+        member = self.members[name]
+        member.last_seen, member.dropped = now, None
         back = name not in self.live
         self.live |= {name}
         return back
+
+    def watch(self, name: str, now: float) -> bool:
+        """A watch request of ``name`` is held open from now on (its heartbeat); as :meth:`seen`."""
+        self.members[name].watches += 1
+        return self.seen(name, now)
+
+    def unwatch(self, name: str, now: float, *, dropped: bool) -> None:
+        """A watch of ``name`` ended: answered (the peer asks again at once), or ``dropped`` by
+        the peer's side (its process died, or its link reset). With no watch left open, the
+        peer is gone once ``disconnect_grace`` passes without a request from it (:meth:`expire`)."""
+        member = self.members[name]
+        member.watches = max(0, member.watches - 1)
+        if dropped and member.watches == 0 and not member.left:
+            member.dropped = now
+
+    def lost(self, name: str, now: float) -> Lost | None:
+        """Why ``name`` is not live at ``now`` (None: it is, or it left)."""
+        m = self.members[name]
+        if m.left:
+            return None
+        if now - m.last_seen > self.lease_seconds:
+            return Lost.LEASE_EXPIRED
+        if m.dropped is not None and m.watches == 0 and now - m.dropped >= self.disconnect_grace:
+            return Lost.DISCONNECTED
+        return None
+
+    def next_loss(self) -> float | None:
+        """The earliest time (monotonic) at which a live member's lease runs out, if none of
+        them is heard from before it: when the hub's ticker must look again, so that a hung
+        peer is gone at its lease, not up to a tick after it. (A dropped watch's grace is
+        timed by the coordinator as it drops.)"""
+        due = [self.members[name].last_seen + self.lease_seconds for name in self.live]
+        return min(due, default=None)
 
     def leave(self, name: str, now: float) -> Close | None:
         self.members[name].left = True
         self.live -= {name}
         return self.decide(now)
 
-    def expire(self, now: float) -> frozenset[str]:
-        """Recompute who is live; return the members whose lease ran out since last time."""
-        live = frozenset(
-            m.name for m in self.members.values() if not m.left and now - m.last_seen <= self.lease_seconds
-        )
-        gone = self.live - live
+    def expire(self, now: float) -> dict[str, Lost]:
+        """Recompute who is live; return the members gone since last time, and why."""
+        lost = {m.name: self.lost(m.name, now) for m in self.members.values() if not m.left}
+        live = frozenset(name for name, why in lost.items() if why is None)
+        gone = {name: why for name in sorted(self.live - live) if (why := lost.get(name)) is not None}
         self.live = live
         return gone
 
@@ -240,12 +301,20 @@ class RoundPolicy:
         ) - frozenset(self.refused)
 
     def quorum(self) -> int:
-        """The updates a round needs to close: ``min_peers``, or fewer once members left (they
-        said they are done, and will send nothing more: a peer that finished its training
-        must not hold back the ones still training). A member whose lease ran out still counts:
-        it may come back."""
+        """The updates a round needs to close (its merge floor): ``min_merge_peers``, or fewer
+        once members left (they said they are done, and will send nothing more: a peer that
+        finished its training must not hold back the ones still training). A gone member still
+        counts: it may come back."""
         staying = sum(1 for m in self.members.values() if m.counted and not m.left)
-        return max(1, min(self.min_peers, staying))
+        return max(1, min(self.min_merge_peers, staying))
+
+    def floor_wait(self, now: float) -> bool:
+        """Whether the open round waits on its merge floor alone: every live member it waits for
+        is in (or its deadline passed), but it has fewer than :meth:`quorum` updates."""
+        if self.closing or not self.acked or len(self.acked) >= self.quorum():
+            return False
+        deadline = self.deadline
+        return self.expected() <= set(self.acked) or (deadline is not None and now >= deadline)
 
     def decide(self, now: float) -> Close | None:
         raise NotImplementedError
@@ -293,7 +362,8 @@ class RoundPolicy:
 
 
 class BarrierPolicy(RoundPolicy):
-    """Quorum + deadline barrier: every live peer, or ``min_peers`` once the deadline passed."""
+    """Deadline barrier: every live peer, or those in once the deadline passed; never fewer
+    updates than the merge floor (``min_merge_peers``)."""
 
     name = "barrier"
 
@@ -316,10 +386,8 @@ class SamplesPolicy(RoundPolicy):
 
     name = "samples"
 
-    def __init__(
-        self, *, round_samples: int, min_peers: int, round_timeout: float, lease_seconds: float, round_: int = -1
-    ) -> None:
-        super().__init__(min_peers=min_peers, round_timeout=round_timeout, lease_seconds=lease_seconds, round_=round_)
+    def __init__(self, *, round_samples: int, **common: Any) -> None:
+        super().__init__(**common)
         if round_samples < 1:
             raise ValueError("round_samples must be >= 1")
         self.round_samples = round_samples
@@ -364,17 +432,8 @@ class AsyncPolicy(RoundPolicy):
 
     name = "async"
 
-    def __init__(
-        self,
-        *,
-        round_samples: int,
-        max_staleness: int,
-        min_peers: int,
-        round_timeout: float,
-        lease_seconds: float,
-        round_: int = -1,
-    ) -> None:
-        super().__init__(min_peers=min_peers, round_timeout=round_timeout, lease_seconds=lease_seconds, round_=round_)
+    def __init__(self, *, round_samples: int, max_staleness: int, **common: Any) -> None:
+        super().__init__(**common)
         if round_samples < 1 or max_staleness < 0:
             raise ValueError("round_samples must be >= 1 and max_staleness >= 0")
         self.round_samples = round_samples
@@ -395,6 +454,9 @@ class AsyncPolicy(RoundPolicy):
 
     def expected(self) -> frozenset[str]:
         return frozenset()
+
+    def floor_wait(self, now: float) -> bool:
+        return False  # each update is applied alone: there is no floor to wait on
 
     def weight(self, samples: int, base: int, round_: int) -> float:
         """``samples * (1 + late) ** -0.5``, ``late`` the outer steps beyond the first applied
@@ -421,35 +483,28 @@ class AsyncPolicy(RoundPolicy):
 def make_policy(
     name: str,
     *,
-    min_peers: int,
     round_timeout: float,
     lease_seconds: float,
     round_samples: int | None,
     max_staleness: int,
+    disconnect_grace: float,
+    min_merge_peers: int = 1,
     round_: int = -1,
 ) -> RoundPolicy:
     """The policy a run's config names."""
+    common: dict[str, Any] = {
+        "round_timeout": round_timeout,
+        "lease_seconds": lease_seconds,
+        "min_merge_peers": min_merge_peers,
+        "disconnect_grace": disconnect_grace,
+        "round_": round_,
+    }
     if name == "barrier":
-        return BarrierPolicy(
-            min_peers=min_peers, round_timeout=round_timeout, lease_seconds=lease_seconds, round_=round_
-        )
+        return BarrierPolicy(**common)
     if round_samples is None:
         raise ValueError(f"policy {name!r} needs round_samples")
     if name == "samples":
-        return SamplesPolicy(
-            round_samples=round_samples,
-            min_peers=min_peers,
-            round_timeout=round_timeout,
-            lease_seconds=lease_seconds,
-            round_=round_,
-        )
+        return SamplesPolicy(round_samples=round_samples, **common)
     if name == "async":
-        return AsyncPolicy(
-            round_samples=round_samples,
-            max_staleness=max_staleness,
-            min_peers=min_peers,
-            round_timeout=round_timeout,
-            lease_seconds=lease_seconds,
-            round_=round_,
-        )
+        return AsyncPolicy(round_samples=round_samples, max_staleness=max_staleness, **common)
     raise ValueError(f"unknown policy {name!r}; use one of {', '.join(POLICIES)}")

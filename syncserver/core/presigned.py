@@ -3,37 +3,47 @@ part URLs the hub hands out for exactly one key.
 
 The flow (routes: ``POST .../updates/{peer}/presign`` and ``.../uploaded``)::
 
-    presign(key, size)  -> the round takes it? no update of this peer's acknowledged for it
-                           (its object is never written again)? the size under the run's
-                           limit? then a multipart upload of one object, a presigned PUT per
-                           part (asked again for the same key: the same upload, URLs for the
-                           parts the store lacks)
+    presign(key, size)  -> the size under the run's limit? then, under the peer's lock: the
+                           round takes it? no update of this peer's acknowledged for it? then
+                           a multipart upload of an object named for this attempt alone
+                           (:func:`~syncserver.storage.bucket.update_name`), a presigned PUT
+                           per part (asked again for the same key: the same upload, URLs for
+                           the parts the store lacks)
     the peer PUTs the parts to the store (the hub sees none of those bytes)
     uploaded(key, size, digest, etags)
-                        -> the store holds every part with the ETag the peer says; complete
-                           the upload (one object, at once); the object's size is the declared
-                           one; the body passes every check a PUT body passes
-                           (:func:`~syncserver.reduce.check.check_update`, fed by one streaming
-                           GET); its sha-256 is the declared one; then the same
+                        -> under the peer's lock: the store holds every part with the ETag the
+                           peer says; complete the upload (one object, at once); the object's
+                           size is the declared one; the body passes every check a PUT body
+                           passes (:func:`~syncserver.reduce.check.check_update`, fed by one
+                           streaming GET); its sha-256 is the declared one; then the same
                            admission and record as a PUT (:meth:`Rounds.commit_object`), the
                            record naming the object
+
+An acknowledged object is immutable by construction, not by the order of two checks: its name
+is this attempt's own (no other upload, a retry of the same key included, is ever opened at
+it), its upload is completed (its part URLs are dead), and the record names it; no clean-up
+here deletes a name a record holds (:meth:`PresignedUploads._drop`). Every check of what can
+change while a request waits (the round, an acknowledgement, the open upload) is made under
+the peer's lock, which ``uploaded`` holds from the report to the acknowledgement.
 
 Anything refused (a lie about the size, the digest or the parts; a body that fails a check; the
 round closed meanwhile) is a 4xx with its reason, and the object is deleted: nothing is
 recorded, the round is unchanged. A store that fails is a 503 ``store_unavailable`` (the peer
 then PUTs its update to the hub) and the store is left alone for a while
-(:meth:`Bucket.failed`).
+(:meth:`Bucket.failed`); a store that hangs fails within ``SYNC_STORE_CONTROL_SECONDS``.
 
 The open uploads are kept in memory only: a hub that restarts aborts every multipart upload no
 record names (:meth:`Bucket.delete_unnamed`), and a peer that reports one then gets 409
-``upload_unknown`` and uploads again. One request at a time per peer runs here, so a retried
-``uploaded`` waits for the first and then gets its acknowledgement.
+``upload_unknown`` and uploads again, under a new name. One request at a time per peer runs
+here, so a retried ``uploaded`` waits for the first and then gets its acknowledgement.
 
 With reducers too (``SYNC_REDUCERS``), the body check is a lease on the board
 (:meth:`Board.check <syncserver.core.leases.Board.check>`): a reducer streams the object and
-checks it, the hub takes its report for what it can verify cheaply
-(:func:`~syncserver.reduce.checklease.accept`) and reads no body; with no reducer alive, or a
-report that does not hold up, the hub checks the body itself as above.
+checks it, and the hub takes a pass that holds up against what it can verify cheaply
+(:func:`~syncserver.reduce.checklease.accept`) and the peer's declared digest, reading no body.
+With no reducer alive, or any other report (a refusal, another digest, a failure, one that
+does not hold up), the hub checks the body itself as above: no reducer's word alone ever
+refuses a peer, and a report the hub's check contradicts counts as that reducer's failure.
 
 Everything runs on the event loop; the store's requests and the check run in worker threads.
 """
@@ -44,6 +54,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,9 +67,9 @@ from anyio import to_thread
 from syncserver.core.leases import Board
 from syncserver.core.rounds import Acknowledgement, Rounds, Ticket
 from syncserver.core.state import Run
-from syncserver.errors import BadRequest, Conflict, PayloadTooLarge, StoreDown, UploadUnknown
+from syncserver.errors import BadRequest, Conflict, HubError, PayloadTooLarge, StoreDown, UploadUnknown
 from syncserver.reduce.check import Checked, UpdateRules, check_update
-from syncserver.reduce.checklease import CheckJob, CheckRules, accept
+from syncserver.reduce.checklease import CheckJob, CheckReport, CheckRules, accept
 from syncserver.storage.bucket import Bucket, update_name
 from syncserver.storage.s3 import ObjectMissing, StoreError, StoreRefused
 from syncwire import FormatError, TensorInfo
@@ -72,6 +83,8 @@ T = TypeVar("T")
 #: Parts of an update: S3's 5 MiB minimum is too small to amortise a request on a far link, and
 #: a part re-sent after a cut should not be hundreds of MB: 8 MiB, bigger only past 10,000 parts.
 PART_BYTES = 8 << 20
+#: random bytes in each upload attempt's object name (:func:`~syncserver.storage.bucket.update_name`)
+ATTEMPT_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -136,21 +149,24 @@ class PresignedUploads:
 
     async def presign(self, run: Run, round_: int, peer: str, key: str, size: int) -> Plan:
         """URLs to upload an update of ``size`` bytes computed from version ``round_`` (named by
-        the peer's ``key``). Every refusal comes before any URL is made."""
-        await self.rounds.check_open(run, round_)
-        if self.rounds.store.update_from(run.name, peer, round_) is not None:
-            # its object must never be written again: a second upload under a name a record
-            # holds would replace checked bytes with unchecked ones before any check could refuse
-            raise Conflict(
-                f"peer {peer!r} already has an update acknowledged for round {round_}", current_version=run.version
-            )
+        the peer's ``key``). Every refusal comes before any URL is made.
+
+        Everything that can change while the request waits (the round, an acknowledgement of
+        this peer's, the open upload) is checked under the peer's lock, which ``uploaded`` holds
+        from its report to its acknowledgement: a presign racing an acknowledgement sees it."""
         assert run.shape is not None
         if size > run.shape.max_update_bytes:
             raise PayloadTooLarge(f"body of {size} bytes is over the {run.shape.max_update_bytes}-byte limit")
-        if not self.bucket.up:
-            raise StoreDown(f"the object store {self.bucket.url} is down: PUT the update to the hub")
         objects = self.bucket.objects
         async with self._lock(run.name, peer):
+            await self.rounds.check_open(run, round_)
+            if self.rounds.store.update_from(run.name, peer, round_) is not None:
+                raise Conflict(
+                    f"peer {peer!r} already has an update acknowledged for round {round_}",
+                    current_version=run.version,
+                )
+            if not self.bucket.up:
+                raise StoreDown(f"the object store {self.bucket.url} is down: PUT the update to the hub")
             opened = self._open.get((run.name, peer))
             done: dict[int, str] = {}
             if opened is not None and (opened.round, opened.key, opened.size) == (round_, key, size):
@@ -163,7 +179,9 @@ class PresignedUploads:
                 await self._drop(run, opened)
                 opened = None
             if opened is None:
-                name = update_name(run.name, round_, peer, key)
+                # a name of this attempt's own: no other upload, of this peer or any, ever
+                # writes it, so the object the acknowledgement records is the one checked
+                name = update_name(run.name, round_, peer, key, secrets.token_hex(ATTEMPT_BYTES))
                 upload_id = await self._store(run, objects.create_multipart, name)
                 opened = _Open(round_, key, name, upload_id, size, objects.part_size(size, PART_BYTES))
                 self._open[run.name, peer] = opened
@@ -235,7 +253,16 @@ class PresignedUploads:
         return await self.rounds.commit_object(run, ticket, opened.name, checked.nbytes, seconds, checked.norm)
 
     async def _check(self, run: Run, opened: _Open, peer: str, digest: str, rules: UpdateRules) -> Checked:
-        """The body's check: by a reducer when one is alive (the hub reads no body), else here."""
+        """The body's check: by a reducer when one is alive (the hub reads no body), else here.
+
+        A reducer's report is taken only when it is a pass that agrees with everything the hub
+        can compare without the body (:func:`accept`) and with the digest the peer declared. A
+        refusal, a digest other than the peer's, a report that does not hold up, or a failure
+        is never the peer's answer on a reducer's word: the hub checks the body itself, and a
+        report that its own check contradicts counts as that reducer's failure
+        (:meth:`Board.check_failed`)."""
+        report: CheckReport | None = None
+        taken: Checked | None = None
         if self.board is not None:
             job = CheckJob(
                 lease="",
@@ -249,31 +276,55 @@ class PresignedUploads:
                 rules=CheckRules.of(rules),
             )
             report = await self.board.check(job)
-            if report is not None:
-                checked = accept(report, job)  # raises the refusal the reducer found
-                if checked is not None:
-                    return checked
-                log.warning(
-                    "check_report_not_taken run=%s object=%s reducer=%s: %s (the hub checks the body)",
-                    run.name,
-                    opened.name,
-                    report.reducer,
-                    report.failed or "it does not match the object",
-                )
+            taken = accept(report, job) if report is not None else None
+            if taken is not None and taken.digest == digest:
+                return taken
         objects = self.bucket.objects
 
         def check() -> Checked:  # one GET, closed as soon as the check stops reading
             with contextlib.closing(objects.stream(opened.name)) as chunks:
                 return check_update(chunks, rules, spool=self.scratch)
 
-        return await self._store(run, check)
+        try:
+            mine = await self._store(run, check)
+        except HubError as exc:
+            if report is not None and not isinstance(exc, StoreDown | UploadUnknown):
+                self._judge(run, opened, report, taken, None)
+            raise
+        if report is not None:
+            self._judge(run, opened, report, taken, mine)
+        return mine
+
+    def _judge(self, run: Run, opened: _Open, report: CheckReport, taken: Checked | None, mine: Checked | None) -> None:
+        """Set a reducer's report against the hub's own check of the same body (``mine``; None:
+        the hub refused it): count the report as the reducer's failure unless they agree."""
+        assert self.board is not None
+        if report.failed is not None:
+            why = f"it could not check the body: {report.failed}"
+        elif report.refused is not None:
+            if mine is None:
+                return  # the hub refuses it too: the peer's answer is the hub's own
+            why = f"it refused a body that passes the hub's check: {report.refused.detail}"
+        elif mine is None:
+            why = "it passed a body that fails the hub's check"
+        elif taken is None:
+            why = "its report does not match the object (size, or norm)"
+        elif taken.digest != mine.digest:
+            why = f"it reported sha-256 {taken.digest} for a body of {mine.digest}"
+        else:
+            return  # the body is not what the peer declared, as the reducer said
+        self.board.check_failed(report.reducer, run.name, opened.name, why)
 
     async def _drop(self, run: Run, opened: _Open) -> None:
-        """Delete an upload's object and parts (a store that fails leaves them for the next start)."""
+        """Delete an upload's object and parts (a store that fails leaves them for the next
+        start). Never an object a record names: a request cancelled after its acknowledgement
+        was recorded (the peer went away) keeps what it acknowledged."""
+        keep = self.rounds.store.names_update_object(run.name, opened.name)
 
         def drop() -> None:
             self.bucket.objects.abort_multipart(opened.name, opened.upload_id)
-            self.bucket.objects.delete(opened.name)
+            if not keep:
+                self.bucket.objects.delete(opened.name)
 
         try:
             await to_thread.run_sync(drop)

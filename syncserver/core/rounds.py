@@ -26,6 +26,7 @@ from typing import Any
 from anyio import to_thread
 
 from syncserver.core.finite import Leased, merge_finite
+from syncserver.core.leases import FoldAhead
 from syncserver.core.policy import Close, Place
 from syncserver.core.shape import RunShape
 from syncserver.core.state import Run, now
@@ -44,6 +45,7 @@ from syncserver.limits import MAX_SAMPLES
 from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.reduce import aggregate
 from syncserver.reduce.engine import MergeEngine
+from syncserver.reduce.lease import FoldJob
 from syncserver.settings import HubSettings
 from syncserver.storage.bucket import Bucket
 from syncserver.storage.store import ObjectRecord, ResultKey, Store, UpdateKey, Upload, VersionKey
@@ -133,6 +135,7 @@ class Rounds:
         bucket: Bucket | None = None,
         leased: Leased | None = None,
         built: Built | None = None,
+        ahead: FoldAhead | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -140,6 +143,8 @@ class Rounds:
         self.view = view
         self.bucket = bucket
         self.leased = leased  # SYNC_REDUCERS: reducers share each merge (syncserver.core.leases)
+        self.ahead = ahead  # and fold each round's updates ahead of its close
+        self._folding: dict[str, asyncio.Task[None]] = {}  # run -> its fold ahead under way
         self._tasks: set[asyncio.Task[None]] = set()
         self.versions = VersionFiles(settings, store, engine, self._spawn, bucket, built)
 
@@ -156,8 +161,10 @@ class Rounds:
             self.versions.start(run)  # killed between a commit and its version's rename
 
     async def stop(self) -> None:
+        for task in self._folding.values():  # a fold ahead is dropped, not waited for: nothing of it counts yet
+            task.cancel()
         for task in list(self._tasks):
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception, asyncio.CancelledError):  # a fold ahead that a close stopped
                 await task
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -426,10 +433,13 @@ class Rounds:
     # ---- folding and closing -------------------------------------------------------------
     async def _fold_pending(self, run: Run) -> None:
         """Fold every acknowledged, not yet folded update, in acknowledgement order, until the
-        round closes: from then on its merge folds the rest."""
-
-        if self.leased is not None:
-            return  # the reducers fold every update, in this order, within the merge's leases
+        round closes: from then on its merge folds the rest. With reducers they fold ahead, in
+        a task of its own: an acknowledgement never waits on a reducer."""
+        if self.ahead is not None:
+            under_way = self._folding.get(run.name)
+            if under_way is None or under_way.done():  # else it folds what came meanwhile, next
+                self._folding[run.name] = self._spawn(self._fold_ahead(run, self.ahead))
+            return
 
         def closing() -> bool:
             return run.closing
@@ -448,6 +458,40 @@ class Rounds:
                     if not await to_thread.run_sync(fold):
                         return
 
+    async def _fold_ahead(self, run: Run, ahead: FoldAhead) -> None:
+        """The reducers fold every acknowledged, not yet folded update, in acknowledgement order,
+        a step at a time (:class:`~syncserver.core.leases.FoldAhead`; a step folds all that came
+        meanwhile, once they weigh a mean: :meth:`~syncserver.core.leases.FoldAhead.due`), until
+        the round closes: its merge leases fold the rest. A step that fails costs nothing but
+        time: the merge folds what it did not."""
+        async with run.fold_lock:
+            while not run.closing and run.schema is not None:
+                acc = run.accumulator()
+                pending = [u for u in sorted(run.acked.values(), key=lambda u: u.seq) if u.peer not in acc.folded]
+                if not ahead.due(run.schema, acc, [u.nbytes for u in pending]):
+                    return  # not worth a mean yet: the next acknowledgement looks again
+                updates = [
+                    (u.peer, UpdateKey.of(run.name, u), run.policy.weight(u.samples, u.base, u.round)) for u in pending
+                ]
+                try:
+                    await ahead.fold(run.name, run.version, acc, run.codec, updates)
+                except Exception as exc:
+                    log.warning(
+                        "fold_ahead_failed run=%s round=%d (the merge folds the rest): %r", run.name, run.version, exc
+                    )
+                    return
+
+    async def _stop_folding_ahead(self, run: Run) -> None:
+        """The round closes: wait for the reducers' fold step under way (the merge then folds
+        less), but stop it while any of its leases waits for a reducer (none free, or none at
+        all: the merge's own leases are next in line, and nothing folded is lost)."""
+        task = self._folding.get(run.name)
+        assert self.ahead is not None
+        while task is not None and not task.done():
+            if self.ahead.board.offered(run.name, FoldJob):
+                task.cancel()
+            await asyncio.wait({task}, timeout=0.05)
+
     def decide(self, run: Run) -> None:
         """Ask the policy again (time passed); not while a failed close waits to retry."""
         if now() >= run.close_retry_at:
@@ -460,6 +504,8 @@ class Rounds:
     async def _close(self, run: Run, close: Close) -> None:
         started = time.monotonic()
         try:
+            if self.ahead is not None:
+                await self._stop_folding_ahead(run)
             async with run.fold_lock:  # a fold under way ends (a first fold stops); the merge folds the rest
                 folded = time.monotonic()
                 if self.bucket is not None and self.leased is not None:
@@ -503,6 +549,8 @@ class Rounds:
         run.version = close.round + 1
         run.peaks = (run.version, peaks) if peaks else None
         run.acked, run.acc, run.opened = {}, None, None
+        if self.ahead is not None:
+            self._spawn(self.ahead.forget(run.name, close.round))
         if run.norms:
             # the guard's reference: this round's norms and the previous round's; async rounds
             # hold one update or a few, so there the last ASYNC_NORMS accepted ones

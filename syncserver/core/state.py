@@ -24,6 +24,7 @@ CONFIG_FIELDS = (
     "outer_momentum",
     "outer_warmup",
     "min_peers",
+    "min_merge_peers",
     "round_timeout",
     "norm_guard",
     "policy",
@@ -49,14 +50,17 @@ class RunConfig:
     round_samples: int | None = None  # samples and async: the samples of a round (of an outer step)
     max_staleness: int = 32  # async: versions an update's base may lag the open version by
     outer_warmup: int = 0  # diloco: outer steps of momentum warm-up (0 for runs made before it existed)
+    # a round merges no fewer updates (fewer once members left); 1: any live peers' updates do
+    min_merge_peers: int = 1
 
-    def make_policy(self, lease_seconds: float, version: int) -> RoundPolicy:
-        """This run's round policy, with round ``version`` open."""
+    def make_policy(self, lease_seconds: float, disconnect_grace: float, version: int) -> RoundPolicy:
+        """This run's round policy, with round ``version`` open; the hub's liveness settings."""
         return make_policy(
             self.policy,
-            min_peers=self.min_peers,
+            min_merge_peers=self.min_merge_peers,
             round_timeout=self.round_timeout,
             lease_seconds=lease_seconds,
+            disconnect_grace=disconnect_grace,
             round_samples=self.round_samples,
             max_staleness=self.max_staleness,
             round_=version,

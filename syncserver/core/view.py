@@ -69,6 +69,8 @@ class OpenRoundState(TypedDict):
     seconds_left: float | None
     samples: int
     due: bool
+    merge_floor: int
+    waiting_on_floor: bool
 
 
 class PeerLine(TypedDict):
@@ -248,6 +250,8 @@ class HubView:
                 "seconds_left": None if deadline is None else max(0.0, deadline - now),
                 "samples": policy.round_total(),
                 "due": policy.due,
+                "merge_floor": policy.quorum(),
+                "waiting_on_floor": policy.floor_wait(now),
             },
             "peers": [
                 {
@@ -279,6 +283,7 @@ class HubView:
                 sorted(run.uploading),
                 run.closing,
                 run.policy.due,
+                run.policy.floor_wait(time.monotonic()),
                 sorted(run.policy.live),
                 sorted((name, run.policy.state(name).value, p.rank) for name, p in run.peers.items()),
                 sorted((r, sorted(peers)) for r, peers in run.downloads.items()),

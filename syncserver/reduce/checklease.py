@@ -10,8 +10,10 @@ norm is needed; JSON, rebuilt into :class:`~syncserver.reduce.check.UpdateRules`
 reducer streams the object with one GET and runs :func:`~syncserver.reduce.check.check_update`,
 the very function the hub runs, and reports a :class:`CheckReport`: the body's sha-256, size and
 norm, or the refusal the hub would give (its status, code and reason), or that it failed (the
-store, say). The hub then checks what it can cheaply (:func:`accept`) and acknowledges or refuses
-exactly as it does after its own check.
+store, say). The hub takes a pass that holds up against what it can check cheaply
+(:func:`accept`) and the peer's declared digest; anything else (a refusal, another digest, a
+report that does not hold up) it never answers the peer on: it checks the body itself, and
+counts a report its check contradicts as that reducer's failure.
 """
 
 from __future__ import annotations
@@ -128,20 +130,16 @@ def work_check(job: CheckJob, reducer: str, objects: Callable[[], ObjectStore]) 
 
 
 def accept(report: CheckReport, job: CheckJob) -> Checked | None:
-    """What the hub takes from a reducer's report: the checked body, or raises the refusal the
-    reducer found (the same class, status and reason as the hub's own check). None: the report
-    does not hold up (or the reducer failed), and the hub checks the body itself.
+    """What the hub takes from a reducer's report: the checked body of a pass that holds up.
+    None: the hub checks the body itself. A refusal is never taken on a reducer's word (the
+    hub cannot confirm one without reading the body, and a report it cannot confirm must not
+    turn a valid update away), nor is a failure.
 
     Cheap checks only (the hub reads no body): the size is the object's, the digest a sha-256
-    (compared with the peer's by the caller, as after its own check), the norm present exactly when
-    the rules ask for one, finite and not negative; a refusal one that :func:`check_update` gives."""
-    if report.failed is not None:
+    (compared with the peer's by the caller, who checks the body itself when they differ), the
+    norm present exactly when the rules ask for one, finite and not negative."""
+    if report.failed is not None or report.refused is not None:
         return None
-    if report.refused is not None:
-        cls = REFUSALS.get(report.refused.error)
-        if cls is None or cls.status != report.refused.status:
-            return None
-        raise cls(report.refused.detail)
     if report.nbytes != job.size or report.digest is None:
         return None
     if job.rules.norm != (report.norm is not None):

@@ -56,7 +56,7 @@ from syncserver.storage.store import (
 )
 from syncwire import Codec, FormatError, Schema, get_codec, layout_bytes, wire_layout, wire_name
 from syncwire.codecs import slices
-from syncwire.format import encode_header
+from syncwire.format import TensorFile, encode_header
 
 __all__ = [
     "Accumulator",
@@ -64,6 +64,7 @@ __all__ = [
     "MergeEngine",
     "NonFinite",
     "Outer",
+    "Partial",
     "RoundMerge",
     "SAFE",
     "Sink",
@@ -100,15 +101,27 @@ class NonFinite(ArithmeticError):
     """A round's merge would make a value that is not finite (the new version or momentum)."""
 
 
+@dataclass(frozen=True)
+class Partial:
+    """Where the reducers keep a round's running mean, folded ahead (float32, a version's layout):
+    a staged file on the hub's disk (``path``) or an object in the bucket (``object``)."""
+
+    path: str | None = None
+    object: str | None = None
+
+
 @dataclass
 class Accumulator:
     """The open round's running weighted mean of ``decode(update)`` over folded updates
-    (:func:`syncserver.reduce.aggregate.fold`), and the sum of the weights it holds."""
+    (:func:`syncserver.reduce.aggregate.fold`), and the sum of the weights it holds: in the
+    hub's memory (``mean``), or, with reducers, in a file they folded it into (``partial``,
+    :func:`syncserver.core.leases.fold_leased`)."""
 
     schema: Schema
     mean: dict[str, np.ndarray] | None = None  # allocated at the first fold
     folded: list[str] = field(default_factory=list)  # peers, in fold (= acknowledgement) order
     weight: float = 0.0  # the folded updates' weights, summed (exact: at most 2^53, whole for a barrier)
+    partial: Partial | None = None  # the reducers': the mean of ``folded`` (then ``mean`` stays None)
 
 
 @dataclass(frozen=True)
@@ -294,8 +307,8 @@ class MergeEngine:
         any other slice reads version v and checks exactly, as without a bound."""
         run, v, acc, codec, outer = m.run, m.round, m.acc, m.codec, m.outer
         total, fraction, final, unfolded = m.total, m.fraction, m.final, m.unfolded
-        schema, means = acc.schema, acc.mean
-        empty = means is None and not unfolded  # every update was left out
+        schema = acc.schema
+        empty = acc.mean is None and acc.partial is None and not unfolded  # every update was left out
         if not empty and not total > 0:
             raise ValueError(f"round {v} of run {run!r}: total {total} must be positive")
         weight = acc.weight
@@ -351,6 +364,8 @@ class MergeEngine:
         return Merge(
             step=step,
             base=base,
+            partial=self._partial(files, acc.partial) if acc.partial is not None else None,
+            folded=acc.weight,
             updates=[(self._opened(files, key), w) for key, w in unfolded],
             momentum=old_momentum,
             residual=old_residual,
@@ -363,6 +378,17 @@ class MergeEngine:
             result_size=result_size,
             bound=m.bound,
         )
+
+    def _partial(self, files: contextlib.ExitStack, partial: Partial) -> TensorReader:
+        """The reducers' running mean of a round, closed with ``files``: named in the merge's
+        leases, read by them (the hub reads none of it but an object's header, lazily)."""
+        if partial.path is not None:
+            return files.enter_context(TensorFile(partial.path))
+        if self.objects is None or partial.object is None:
+            raise Missing(f"a partial mean in an object store ({partial.object}): start the hub with it")
+        wire = ObjectTensorFile(self.objects, partial.object, window=WINDOW)
+        files.callback(wire.close)
+        return wire
 
     def _version(self, files: contextlib.ExitStack, run: str, v: int) -> TensorReader:
         """Version ``v``, closed with ``files``: its file on the hub's disk, or else its object in
@@ -516,6 +542,8 @@ class Merge:
     result_size: int = 0
     bound: dict[str, float] | None = None  # a bound on |version v| per tensor (see MergeEngine.open_merge)
     peaks: list[tuple[str, float]] | None = None  # if kept: (tensor, a bound on |version v+1|) per slice
+    partial: TensorReader | None = None  # the reducers' running mean of the updates folded ahead
+    folded: float = 0.0  # the weight it holds (the updates are folded after it)
 
 
 def merge_slice(
@@ -546,7 +574,13 @@ def merge_slice(
     if step.empty:  # every update was left out: this round changes nothing
         update, m_new = np.zeros(n, np.float32), m_old
     else:
-        mean = fold_slice(name, start, stop, parts, acc, merge.updates, run_codec)
+        if acc is not None and acc.mean is not None:  # the hub's own accumulator: left as it is
+            held, before, own = acc.mean[name].reshape(-1)[start:stop], acc.weight, False
+        elif merge.partial is not None:  # the reducers' running mean, folded ahead: a fresh copy
+            held, before, own = merge.partial.read(name, start, stop), merge.folded, True
+        else:
+            held, before, own = None, 0.0, False
+        mean = fold_slice(name, start, stop, parts, held, before, merge.updates, run_codec, own=own)
         if step.scale is not None:
             with np.errstate(over="ignore"):  # an overflow is refused below
                 mean = mean * np.float32(step.scale)
@@ -619,14 +653,21 @@ def fold_slice(
     start: int,
     stop: int,
     parts: dict[str, tuple[int, int]],
-    acc: Accumulator | None,
+    held: np.ndarray | None,
+    before: float,
     updates: Sequence[tuple[TensorReader, float]],
     codec: Codec,
+    *,
+    own: bool = False,
 ) -> np.ndarray:
-    """One slice of the round's mean: ``acc``'s (if any), with ``updates`` folded after it (into
-    a copy: ``acc`` stays as it was, for a merge that is refused and tried again)."""
-    mean = acc.mean[name].reshape(-1)[start:stop] if acc is not None and acc.mean is not None else None
-    before, copied = (acc.weight if acc is not None else 0.0), False
+    """One slice of the round's mean: ``held``, the mean of updates weighing ``before`` in all
+    (None: none yet), with ``updates`` folded after it, in this order. Into a copy unless
+    ``own`` (``held`` is the caller's to change): the hub's accumulator stays as it was, for a
+    merge that is refused and tried again. Every merge and the reducers' folds ahead
+    (:func:`syncserver.reduce.lease.work_fold`) fold with this, as the hub's own folds do
+    (:func:`~syncserver.reduce.aggregate.fold`): the same updates in the same order give the same
+    bits, however many of them each call folds."""
+    mean, copied = held, own
     for wire, weight in updates:
         decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))
         if mean is None:  # the first fold: the mean *is* the update

@@ -41,7 +41,16 @@ import httpx
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from syncserver.reduce.engine import Merge, NonFinite, Step, apply_slice, merge_slice, run_slices
+from syncserver.reduce.engine import (
+    Merge,
+    NonFinite,
+    Partial,
+    Step,
+    apply_slice,
+    fold_slice,
+    merge_slice,
+    run_slices,
+)
 from syncserver.reduce.plan import PART_MIN, Piece, Span, byte_range, itemsizes, multi_part, pieces, plan
 from syncserver.storage.objectfile import WINDOW, ObjectTensorFile, TensorReader
 from syncserver.storage.s3 import ObjectStore
@@ -52,6 +61,7 @@ from syncwire.format import TensorFile
 __all__ = [
     "BuildJob",
     "Done",
+    "FoldJob",
     "Job",
     "LeaseStopped",
     "ObjectOutput",
@@ -60,10 +70,12 @@ __all__ = [
     "StepModel",
     "UpdateSource",
     "build_jobs",
+    "fold_jobs",
     "highest",
     "jobs",
     "work",
     "work_build",
+    "work_fold",
 ]
 
 MAX_DETAIL = 2000
@@ -167,6 +179,9 @@ class Job(BaseModel):
     residual: str | None = Field(description="The hub's residual of version v (topk) on the hub's disk, if any.")
     momentum_object: str | None = Field(None, description="DiLoCo's momentum of version v in the bucket, if any.")
     residual_object: str | None = Field(None, description="The hub's residual of version v in the bucket, if any.")
+    partial: str | None = Field(None, description="The round's mean folded ahead (float32) on the hub's disk, if any.")
+    partial_object: str | None = Field(None, description="The round's mean folded ahead in the bucket, if any.")
+    folded: float = Field(0.0, ge=0, description="The weight that mean holds: the updates are folded after it.")
     updates: list[UpdateSource] = Field(description="The updates and their weights, folded in this order.")
     slices: list[SliceJob]
     result: Output
@@ -222,6 +237,28 @@ class BuildJob(BaseModel):
     )
     version: Output = Field(description="Where this lease's range of version v+1 goes (part URLs).")
     reads: int = Field(description="Bytes of the result this lease reads.")
+
+
+class FoldJob(BaseModel):
+    """A fold lease: a span of round ``round``'s running mean folded ahead, as its updates are
+    acknowledged: the mean so far (``partial``/``partial_object``, float32, holding weight
+    ``folded``; none before the first fold) with ``updates`` folded after it, in this order,
+    written as this span's range of the next mean (``out``: its staged file, or its run of parts)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["fold"] = "fold"
+    lease: str = Field(description="The lease's id: renew it and report it done by this id.")
+    run: str
+    round: int = Field(ge=0)
+    seconds: float = Field(description="The lease's length: renew it within this many seconds.")
+    codec: str = Field(description="The updates' codec: the slices' parts are its.")
+    partial: str | None = Field(None, description="The mean so far on the hub's disk.")
+    partial_object: str | None = Field(None, description="The mean so far in the bucket.")
+    folded: float = Field(0.0, ge=0, description="The weight the mean so far holds.")
+    updates: list[UpdateSource] = Field(min_length=1, description="Folded after it, in this order.")
+    slices: list[SliceJob]
+    out: Output = Field(description="Where this span's range of the next mean goes (float32, a version's layout).")
+    reads: int = Field(description="Bytes of one update this lease reads.")
 
 
 class LeaseStopped(Exception):
@@ -315,6 +352,51 @@ def build_jobs(
     return made
 
 
+def fold_jobs(
+    schema: Schema,
+    codec: Codec,
+    out: str | ObjectOutput,
+    at: dict[str, int],
+    k: int,
+    held: Partial | None,
+    folded: float,
+    updates: list[UpdateSource],
+) -> list[FoldJob]:
+    """The fold leases of one step ahead: ``updates`` (in ``codec``, in acknowledgement order)
+    folded after the mean ``held`` (weighing ``folded``; None: the round's first fold) into the
+    next mean ``out`` (float32, a version's layout: ``at``, each tensor's byte offset; the path of
+    a staged file, written whole and pre-sized, or a multipart upload with its header written),
+    cut into at most ``k``
+    spans balanced by the updates' bytes (in a bucket each span writes at least
+    :data:`~syncserver.reduce.plan.PART_MIN` but the last, as its run of parts)."""
+    items = pieces(codec, get_codec("fp32"), schema)  # the mean's values lie at their own places
+    in_parts = isinstance(out, ObjectOutput)
+    spans = plan(items, k, whole_tensors=False, min_writes=PART_MIN if in_parts else 0)
+    if isinstance(out, ObjectOutput):
+        _cut_parts(out, items, spans, at, None)
+    made = []
+    for number, span in enumerate(spans, 1):
+        chosen = items[span.first : span.stop]
+        where = {name: at[name] for name in dict.fromkeys(p.name for p in chosen)}
+        made.append(
+            FoldJob(
+                lease="",
+                run="",
+                round=0,
+                seconds=0.0,
+                codec=codec.spec,
+                partial=held.path if held is not None else None,
+                partial_object=held.object if held is not None else None,
+                folded=folded,
+                updates=updates,
+                slices=[SliceJob(name=p.name, start=p.start, stop=p.stop, parts=p.parts, out_parts={}) for p in chosen],
+                out=_part(out, number, where) if isinstance(out, ObjectOutput) else Output(path=out, at=where),
+                reads=span.reads,
+            )
+        )
+    return made
+
+
 def _part(out: ObjectOutput, number: int, at: dict[str, int]) -> Output:
     """Lease ``number``'s range of ``out`` as it writes it: its parts' presigned URLs, its byte
     range, and the file's header if it is the first."""
@@ -385,6 +467,9 @@ def _job(merge: Merge, items: list[Piece], span: Span, number: int) -> Job:
         residual=merge.residual.path if isinstance(merge.residual, TensorFile) else None,
         momentum_object=merge.momentum.name if isinstance(merge.momentum, ObjectTensorFile) else None,
         residual_object=merge.residual.name if isinstance(merge.residual, ObjectTensorFile) else None,
+        partial=merge.partial.path if isinstance(merge.partial, TensorFile) else None,
+        partial_object=merge.partial.name if isinstance(merge.partial, ObjectTensorFile) else None,
+        folded=merge.folded,
         updates=[
             UpdateSource(path=f.path, weight=w) if isinstance(f, TensorFile) else UpdateSource(object=f.name, weight=w)
             for f, w in merge.updates
@@ -469,41 +554,16 @@ def work(
     with contextlib.ExitStack() as files:
 
         def opened(path: str | None, name: str | None, what: str, reads: list[tuple[str, int, int]]) -> TensorReader:
-            """A file on the hub's disk (``path``), or an object in the bucket read in this lease's ranges."""
-            if path is not None:
-                if not os.path.exists(path):
-                    raise RuntimeError(
-                        f"lease {job.lease} reads {path} on the hub's disk (DiLoCo's momentum, topk's residual or "
-                        "a hub without a store): run this reducer on the hub's machine"
-                    )
-                return files.enter_context(TensorFile(path))
-            assert name is not None
-            wire = _remote(_bucket(objects, job.lease, what), name, reads)
-            files.callback(wire.close)
-            return wire
+            return _opened(files, job.lease, objects, path, name, what, reads)
 
         def state(path: str | None, name: str | None, what: str) -> TensorReader | None:
             return None if path is None and name is None else opened(path, name, what, values)
 
-        def sink(out: Output | None) -> BlobWriter | _Part | None:
-            if out is None:
-                return None
-            if out.parts:
-                parts.append(_Part(out))
-                return parts[-1]
-            assert out.path is not None
-            if not os.path.exists(out.path):
-                raise RuntimeError(
-                    f"lease {job.lease} writes {out.path} on the hub's disk: run this reducer on the hub's machine"
-                )
-            fd = os.open(out.path, os.O_WRONLY)
-            files.callback(os.close, fd)
-            return BlobWriter(fd)
-
         # the files on the hub's disk first: a reducer elsewhere fails before any request
         momentum = state(job.momentum, job.momentum_object, "DiLoCo's momentum")
         residual = state(job.residual, job.residual_object, "the hub's residual")
-        result = sink(job.result)
+        partial = state(job.partial, job.partial_object, "the round's mean folded ahead")
+        result = _sink(files, job.lease, job.result, parts)
         assert result is not None
         merge = Merge(
             step=Step(**job.step.model_dump()),
@@ -513,12 +573,14 @@ def work(
             residual=residual,
             result=result,
             result_at=job.result.at,
-            next_momentum=sink(job.next_momentum),
+            next_momentum=_sink(files, job.lease, job.next_momentum, parts),
             momentum_at=job.next_momentum.at if job.next_momentum is not None else {},
-            next_residual=sink(job.next_residual),
+            next_residual=_sink(files, job.lease, job.next_residual, parts),
             residual_at=job.next_residual.at if job.next_residual is not None else {},
             bound=job.bound,
             peaks=[],
+            partial=partial,
+            folded=job.folded,
         )
 
         def one(s: SliceJob) -> None:
@@ -539,10 +601,91 @@ def work(
     for part in parts:
         part.send()
     count = sum(s.stop - s.start for s in job.slices)
-    outputs = sum(o is not None for o in (job.next_momentum, job.next_residual))
+    outputs = sum(o is not None for o in (job.next_momentum, job.next_residual, job.partial or job.partial_object))
     nbytes = job.reads * len(job.updates) + job.writes + 4 * count * outputs
     assert merge.peaks is not None
     return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes, peaks=highest(merge.peaks))
+
+
+def work_fold(
+    job: FoldJob,
+    reducer: str,
+    stop: Callable[[], bool] = lambda: False,
+    pool: ThreadPoolExecutor | None = None,
+    objects: Callable[[], ObjectStore] | None = None,
+) -> Done:
+    """Fold a fold lease's updates into its span of the round's mean (read, a slice at a time,
+    from the mean so far) and write the span of the next mean, as its range of the hub's staged
+    file or its run of parts. The next mean is a new file: the one it folds onto stays whole, so
+    a fold cut short (a reducer killed, a lease lost) is redone from it, to the same bits."""
+    started = time.monotonic()
+    parts: list[_Part] = []
+    codec = get_codec(job.codec)
+    with contextlib.ExitStack() as files:
+        values, reads = _values(job.slices), _wire_reads(job.slices)
+        held = (
+            _opened(files, job.lease, objects, job.partial, job.partial_object, "the round's mean", values)
+            if job.partial is not None or job.partial_object is not None
+            else None
+        )
+        out = _sink(files, job.lease, job.out, parts)
+        assert out is not None
+        updates = [
+            (_opened(files, job.lease, objects, u.path, u.object, "updates", reads), u.weight) for u in job.updates
+        ]
+
+        def one(s: SliceJob) -> None:
+            _going(stop, job.lease)
+            mean = held.read(s.name, s.start, s.stop) if held is not None else None
+            mean = fold_slice(s.name, s.start, s.stop, s.parts, mean, job.folded, updates, codec, own=True)
+            out.write_at(mean, job.out.at[s.name] + s.start * 4)
+
+        run_slices(pool, [(s,) for s in job.slices], one)
+    _going(stop, job.lease)
+    for part in parts:
+        part.send()
+    count = sum(s.stop - s.start for s in job.slices)
+    nbytes = job.reads * len(job.updates) + 4 * count * (2 if held is not None else 1)
+    return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes)
+
+
+def _opened(
+    files: contextlib.ExitStack,
+    lease: str,
+    objects: Callable[[], ObjectStore] | None,
+    path: str | None,
+    name: str | None,
+    what: str,
+    reads: list[tuple[str, int, int]],
+) -> TensorReader:
+    """A file on the hub's disk (``path``), or an object in the bucket read in this lease's ranges."""
+    if path is not None:
+        if not os.path.exists(path):
+            raise RuntimeError(
+                f"lease {lease} reads {path} on the hub's disk ({what}; DiLoCo's momentum, topk's residual or "
+                "a hub without a store): run this reducer on the hub's machine"
+            )
+        return files.enter_context(TensorFile(path))
+    assert name is not None
+    wire = _remote(_bucket(objects, lease, what), name, reads)
+    files.callback(wire.close)
+    return wire
+
+
+def _sink(files: contextlib.ExitStack, lease: str, out: Output | None, parts: list[_Part]) -> BlobWriter | _Part | None:
+    """Where a lease writes an output: its range built in memory (PUT as parts after the slices,
+    collected in ``parts``), or its own descriptor of the hub's staged file."""
+    if out is None:
+        return None
+    if out.parts:
+        parts.append(_Part(out))
+        return parts[-1]
+    assert out.path is not None
+    if not os.path.exists(out.path):
+        raise RuntimeError(f"lease {lease} writes {out.path} on the hub's disk: run this reducer on the hub's machine")
+    fd = os.open(out.path, os.O_WRONLY)
+    files.callback(os.close, fd)
+    return BlobWriter(fd)
 
 
 def work_build(

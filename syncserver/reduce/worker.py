@@ -12,7 +12,9 @@ files of the hub's), renews it from a thread while working, and reports it done.
 (``kind: check``, an update a peer uploaded to the bucket: :mod:`syncserver.reduce.checklease`) is
 streamed from the bucket and checked, and reported to ``/checked``; a build lease (``kind:
 build``, :func:`syncserver.reduce.lease.work_build`) adds a committed result to version v by
-ranges and PUTs its part of version v+1. One lease at a time, one thread:
+ranges and PUTs its part of version v+1; a fold lease (``kind: fold``,
+:func:`syncserver.reduce.lease.work_fold`) folds the updates acknowledged since the last one
+into its span of the round's mean, ahead of the close. One lease at a time, one thread:
 K reducers are K processes, so a slow or killed one costs its own lease only. A hub that
 cannot be reached or refuses the token at the start is a one-line error (exit 2); later, a
 hub that went away is waited for (it may be restarting), a lease found lost is dropped.
@@ -33,7 +35,7 @@ import httpx
 from pydantic import ValidationError
 
 from syncserver.reduce.checklease import CheckJob, work_check
-from syncserver.reduce.lease import BuildJob, Done, Job, LeaseStopped, work, work_build
+from syncserver.reduce.lease import BuildJob, Done, FoldJob, Job, LeaseStopped, work, work_build, work_fold
 from syncserver.storage.s3 import ObjectStore
 
 __all__ = ["ReducerError", "Reducer"]
@@ -72,7 +74,7 @@ class Reducer:
     def stop(self) -> None:
         self._stop.set()
 
-    def check(self) -> Job | BuildJob | CheckJob | None:
+    def check(self) -> Job | BuildJob | FoldJob | CheckJob | None:
         """One lease request without waiting: :class:`ReducerError` unless the hub takes us;
         the lease it gave, if one was waiting (to be worked first)."""
         try:
@@ -93,7 +95,7 @@ class Reducer:
             if job is not None:
                 self.do(job)
 
-    def do(self, job: Job | BuildJob | CheckJob) -> None:
+    def do(self, job: Job | BuildJob | FoldJob | CheckJob) -> None:
         """Work one lease, renewing it meanwhile, and report it."""
         if isinstance(job, CheckJob):
             self.do_check(job)
@@ -102,6 +104,8 @@ class Reducer:
             try:
                 if isinstance(job, BuildJob):
                     done = work_build(job, self.name, stop=lost.is_set, pool=self._pool, objects=self._store)
+                elif isinstance(job, FoldJob):
+                    done = work_fold(job, self.name, stop=lost.is_set, pool=self._pool, objects=self._store)
                 else:
                     done = work(job, self.name, stop=lost.is_set, pool=self._pool, objects=self._store)
             except LeaseStopped:
@@ -124,7 +128,7 @@ class Reducer:
             )
 
     @contextlib.contextmanager
-    def _renewing(self, job: Job | BuildJob | CheckJob) -> Iterator[threading.Event]:
+    def _renewing(self, job: Job | BuildJob | FoldJob | CheckJob) -> Iterator[threading.Event]:
         """Renew ``job``'s lease on a thread while the body runs; the event is set once the
         hub says the lease is lost (and, on the way out, to stop the renewer)."""
         lost = threading.Event()
@@ -159,7 +163,7 @@ class Reducer:
             self._objects = ObjectStore.from_url(url)
         return self._objects
 
-    def _renew(self, job: Job | BuildJob | CheckJob, lost: threading.Event) -> None:
+    def _renew(self, job: Job | BuildJob | FoldJob | CheckJob, lost: threading.Event) -> None:
         every = max(0.05, job.seconds / 3)
         while not lost.wait(every):
             try:
@@ -169,7 +173,7 @@ class Reducer:
             if answer.status_code in (404, 409):
                 lost.set()
 
-    def _take(self, wait: float, strict: bool = False) -> Job | BuildJob | CheckJob | None:
+    def _take(self, wait: float, strict: bool = False) -> Job | BuildJob | FoldJob | CheckJob | None:
         answer = self._http.post("/v1/reduce/lease", json={"reducer": self.name, "wait": wait})
         if answer.status_code == 204:
             return None
@@ -187,6 +191,8 @@ class Reducer:
                 return CheckJob.model_validate(lease)
             if kind == "build":
                 return BuildJob.model_validate(lease)
+            if kind == "fold":
+                return FoldJob.model_validate(lease)
             return Job.model_validate(lease)
         except (ValueError, ValidationError) as exc:
             raise ReducerError(f"the hub at {self.hub} answered a lease request with no lease: {exc}") from None

@@ -24,10 +24,13 @@ Names in the bucket, under the store's prefix::
 
     runs/<run>/rounds/<round:08d>/result.safetensors
     runs/<run>/versions/<version:08d>/model.safetensors
-    runs/<run>/updates/<round:08d>/<peer>/<key>.safetensors    (round: the update's base)
+    runs/<run>/updates/<round:08d>/<peer>/<key>.<attempt>.safetensors    (round: the update's base)
 
 An update's name carries the key its peer chose for the upload (``Upload-Key``'s rule), under
-a folder of its own peer: no peer can name another's object.
+a folder of its own peer (no peer can name another's object), and the hub's random id of the
+upload attempt: every attempt writes an object of its own, and the acknowledgement records the
+one that was checked. That record is the only place the name lives (the merge reads it from
+there); no request path writes or deletes an object a record names.
 
 Threads: :meth:`upload`, :meth:`delete_unnamed` and :meth:`delete` make requests (worker
 threads) and touch no record; the record methods (:meth:`recover`, :meth:`prune`,
@@ -43,7 +46,7 @@ import logging
 import threading
 import time
 
-from syncserver.storage.s3 import URL_SECONDS, ObjectStore, StoreError, StoreUnavailable
+from syncserver.storage.s3 import CONTROL_SECONDS, URL_SECONDS, ObjectStore, StoreError, StoreUnavailable
 from syncserver.storage.store import (
     Missing,
     MomentumKey,
@@ -63,12 +66,13 @@ DOWN_SECONDS = 30.0
 """After a failure, how long the store is left alone before it is tried again."""
 
 
-def open_store(url: str, url_seconds: int = URL_SECONDS) -> ObjectStore:
+def open_store(url: str, url_seconds: int = URL_SECONDS, control_seconds: float = CONTROL_SECONDS) -> ObjectStore:
     """The store ``SYNC_STORE`` names, checked (:meth:`ObjectStore.check`: it lists, writes and
-    deletes there). Every trouble, a malformed URL or missing credentials included, is a
+    deletes there), its control calls bounded by ``control_seconds`` (``SYNC_STORE_CONTROL_SECONDS``).
+    Every trouble, a malformed URL or missing credentials included, is a
     :class:`StoreUnavailable` with one line that names it: the hub does not start without it."""
     try:
-        objects = ObjectStore.from_url(url, url_seconds=url_seconds)
+        objects = ObjectStore.from_url(url, url_seconds=url_seconds, control_seconds=control_seconds)
     except ValueError as exc:
         raise StoreUnavailable(str(exc)) from None
     try:
@@ -90,9 +94,10 @@ def object_name(key: Stored) -> str:
     return f"runs/{key.run}/versions/{key.number:08d}/model.safetensors"
 
 
-def update_name(run: str, round_: int, peer: str, key: str) -> str:
-    """Where a peer's update computed from version ``round_`` goes, named by the upload's key."""
-    return f"runs/{run}/updates/{round_:08d}/{peer}/{key}.safetensors"
+def update_name(run: str, round_: int, peer: str, key: str, attempt: str) -> str:
+    """Where one upload ``attempt`` (the hub's random id of it) of a peer's update computed from
+    version ``round_`` goes, named by the upload's key: a name no other attempt ever writes."""
+    return f"runs/{run}/updates/{round_:08d}/{peer}/{key}.{attempt}.safetensors"
 
 
 class Bucket:

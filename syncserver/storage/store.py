@@ -906,6 +906,12 @@ class Store:
         rows = self._db.execute("SELECT object FROM updates WHERE run = ? AND object IS NOT NULL", (run,))
         return {name for (name,) in rows}
 
+    @_translated
+    def names_update_object(self, run: str, name: str) -> bool:
+        """Does an update record of ``run`` name the object ``name``? (Then no clean-up deletes it.)"""
+        row = self._db.execute("SELECT 1 FROM updates WHERE run = ? AND object = ? LIMIT 1", (run, name)).fetchone()
+        return row is not None
+
     def forget_update_objects(self, run: str, below: int) -> list[str]:
         """Drop the object names of ``run``'s updates merged in rounds before ``below`` (pruned
         with their round, as the hub prunes its files); the names, for the caller to delete."""

@@ -325,6 +325,7 @@
     }
     let deadline;
     if (o.closing) deadline = h("span", {}, "aggregating…");
+    else if (o.waiting_on_floor) deadline = h("span", { class: "chip wait" }, `waiting for min_merge_peers: ${o.submitted.length} of ${o.merge_floor} updates`);
     else if (o.seconds_left === null) deadline = h("span", { class: "muted" }, `starts with the first update (${fmtSecs(cfg.round_timeout)} timeout)`);
     else deadline = h("span", { "data-countdown": o.seconds_left }, `in ${fmtSecs(o.seconds_left)}`);
     const samples = cfg.policy === "samples"
@@ -338,8 +339,8 @@
       h("dt", {}, "stragglers dropped"), h("dd", {}, deadline),
       h("dt", {}, "lease"), h("dd", {}, `${fmtSecs(run.lease_seconds)} without a request and a peer is gone`),
     ), h("p", { class: "note" }, cfg.policy === "samples"
-      ? `The round is due once the peers together trained ${fmtNum(cfg.round_samples)} samples; it closes when every live peer that trained has sent what it has, or at the deadline with at least ${cfg.min_peers} update(s).`
-      : `The round closes when every live peer has submitted, or at its deadline with at least ${cfg.min_peers} update(s).`));
+      ? `The round is due once the peers together trained ${fmtNum(cfg.round_samples)} samples; it closes when every live peer that trained has sent what it has, or at the deadline; never with fewer than ${o.merge_floor} update(s) (min_merge_peers). A gone peer is not waited for.`
+      : `The round closes when every live peer has submitted, or at its deadline; never with fewer than ${o.merge_floor} update(s) (min_merge_peers). A gone peer is not waited for.`));
   }
 
   // ---- the timeline: phases of every peer, stacked like a trace viewer -------------------------
