@@ -100,7 +100,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from subprocess import PIPE
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -108,6 +108,9 @@ BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
 import round as rb  # noqa: E402 (bench/round.py: peers, hub process, model shapes)
+
+if TYPE_CHECKING:
+    from syncserver.process import ServerProcess
 
 # -----------------------------------------------------------------------------
 # settings
@@ -304,6 +307,21 @@ class Net:
         for ns in reversed(self.created):
             sh("ip", "netns", "del", ns, check=False)
         self.created = []
+
+
+def serve_in_ns(net: Net, data_dir: Path, log: Path, *flags: str) -> ServerProcess:
+    """A started ``syncserver serve`` in ``net``'s hub namespace on ``HUB_IP`` (without this
+    process's ``SYNC_*`` variables), for benchmarks that drive the reference job or the SDK
+    through the namespaces (bench/ttq.py, bench/utilization.py); its URL is ``.url``."""
+    from syncserver.process import ServerProcess  # the hub's package: imported when used
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCH.parent), env.get("PYTHONPATH", "")])
+    serve = [sys.executable, "-m", "syncserver", "serve", "--host", HUB_IP, "--data-dir", str(data_dir),
+             "--log-level", "warning", *flags]  # fmt: skip
+    hub = ServerProcess(in_ns(net.hub, None, *serve), log=log, env=env, cwd=BENCH.parent)
+    hub.start()
+    return hub
 
 
 class StorePeer(rb.Peer):

@@ -260,6 +260,24 @@ def test_wire_benchmark_removes_its_namespaces_when_terminated(tmp_path: Path, n
     assert _namespaces(netns_prefix) == []
 
 
+def test_utilization_benchmark_measures_every_interval_and_a_killed_peer(tmp_path: Path, netns_prefix: str) -> None:
+    """bench/utilization.py --quick: peers in namespaces over shaped links, a row per H with its
+    utilization from the timed intervals, the killed peer's survivor too, namespaces gone."""
+    args = ["--quick", "--ns-prefix", netns_prefix]
+    stdout, result = run_bench("utilization", tmp_path / "results", *args, timeout=180)
+    rows = {(r["kill"], r["h"]): r for r in result["rows"]}
+    assert set(rows) == {(False, 4), (False, 8), (True, 4)}
+    for (kill, h), row in rows.items():
+        assert row["codec"] == "int8" and row["link"] == "1gbit"
+        assert row["compute_s"] == pytest.approx(h * row["step_s"] * row["syncs"])
+        assert 0 < row["utilization"] <= 1 and row["wall_s"] >= row["compute_s"]
+        assert row["mb_up"] > 0 and row["mb_down"] > 0, "every timed sync moved an update and a result"
+        assert len(row["per_interval"]) == (1 if kill else 2), "the killed peer's intervals are not counted"
+    assert rows[True, 4]["syncs"] == 3
+    assert "| int8 (1 peer killed) | 1gbit | 4 |" in stdout
+    assert _namespaces(netns_prefix) == []
+
+
 def test_failures_benchmark_measures_a_sigkill_from_the_hubs_records(tmp_path: Path) -> None:
     """bench/failures.py --quick, SIGKILL on loopback: the round without the victim closes, the
     restarted peer is back, nothing acknowledged is lost, and every figure is in its row."""
@@ -284,6 +302,28 @@ def test_failures_benchmark_cuts_a_link_and_leaves_no_namespace(tmp_path: Path, 
     assert row["kill"] == "vanish" and row["gone_reason"] == "lease_expired" and not row["victim_in_failure_round"]
     assert row["idle_s"] > 0 and row["lost"] == 0 and row["rounds_after_join"] is not None
     assert result["namespaces"] == netns_prefix
+    assert _namespaces(netns_prefix) == []
+
+
+@needs_data
+def test_ttq_benchmark_times_serial_and_peers_to_serials_perplexity(tmp_path: Path, netns_prefix: str) -> None:
+    """bench/ttq.py --quick: serial on one core, 2 peers of the reference job in namespaces
+    through a real hub; serial's target and time, the peers' time (or not reached), namespaces gone."""
+    stdout, result = run_bench("ttq", tmp_path / "results", "--quick", "--ns-prefix", netns_prefix, timeout=300)
+    (serial,) = result["serial"]
+    assert serial["target"] > 1 and 0 < serial["time_s"] <= serial["wall_s"]
+    assert serial["curve"][-1][2] == pytest.approx(serial["target"]), "the target is serial's last evaluation"
+    (row,) = result["rows"]
+    assert (row["variant"], row["link"], row["peers"]) == ("fp32", "1gbit", 2)
+    assert row["curve"] and row["mb_up"] > 0 and all(s > 0 for s in row["sync_s"])
+    if row["reached"]:
+        assert row["x_serial"] == pytest.approx(row["time_s"] / serial["time_s"])
+        assert min(p for _, _, p in row["curve"]) <= serial["target"]
+    else:
+        assert row["best_ppl"] > serial["target"]
+    (target,) = result["targets"]
+    assert target["configuration"] == "fp32" and target["threshold"] == 0.55
+    assert result["table"] in stdout
     assert _namespaces(netns_prefix) == []
 
 
