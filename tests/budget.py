@@ -34,7 +34,7 @@ BUDGETS: dict[str, float] = {
     "tests/test_bench_smoke.py::test_utilization_benchmark_measures_every_interval_and_a_killed_peer": 16,
     # root only: the reference job serial, then as 2 peers in namespaces through a hub (issue 40; load 5)
     "tests/test_bench_smoke.py::test_ttq_benchmark_times_serial_and_peers_to_serials_perplexity": 33,
-    # issue 36: 3 peer processes (torch), a SIGKILL, its 2 s grace, a restart (18 s at load 14)
+    # issue 36: 3 peer processes (torch), a SIGKILL, its 1.5 s grace, a restart (18 s at load 14)
     "tests/test_bench_smoke.py::test_failures_benchmark_measures_a_sigkill_from_the_hubs_records": 10,
     "tests/test_bench_smoke.py::test_failures_benchmark_cuts_a_link_and_leaves_no_namespace": 9,  # root; a 3 s lease
     # 3 processes of the reference job (transformers, datasets), one SIGKILLed and restarted (60 s at load 14)
