@@ -414,3 +414,20 @@ def test_make_policy_names_each_and_wants_a_target() -> None:
         make_policy("samples", round_samples=None, **common)
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("gossip", round_samples=8, **common)
+
+
+def test_the_next_loss_is_the_earliest_live_lease_end_so_the_hub_looks_then() -> None:
+    """The hub's ticker sleeps until :meth:`next_loss`: a hung peer is gone at its lease's end,
+    not up to a tick after it (bench/failures.py measured 0.2-0.5 s over the lease at a 0.5 s tick)."""
+    policy = started("a", "b", "c")
+    policy.seen("a", 3.0)
+    policy.seen("b", 1.0)
+    policy.seen("c", 2.0)
+    assert policy.next_loss() == 1.0 + LEASE
+    assert policy.expire(1.0 + LEASE) == {}, "a lease is lost once strictly older than the lease"
+    assert policy.expire(1.0 + LEASE + 0.005) == {"b": Lost.LEASE_EXPIRED}
+    assert policy.next_loss() == 2.0 + LEASE, "a gone member is no longer looked after"
+    policy.leave("c", 2.5)
+    assert policy.next_loss() == 3.0 + LEASE
+    policy.leave("a", 4.0)
+    assert policy.next_loss() is None, "nobody live: the ticker keeps its interval"
