@@ -54,6 +54,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
+import record  # noqa: E402 (bench/record.py: the targets table)
 import round as rb  # noqa: E402 (bench/round.py: the hub process, the result file)
 from failures import Records, cell, hub_default  # noqa: E402 (the hub's records, read as it writes them)
 from wire import terminated_as_exit  # noqa: E402
@@ -290,9 +291,7 @@ def markdown(runs: list[dict[str, Any]], targets: list[dict[str, Any]]) -> str:
                          f"({'yes' if f['restarted_in_it'] else 'no'}) | "
                          f"{cell(f['idle_s'])} | {cell(f['to_first_round_s'])} | {restart} "
                          f"| {after} |")  # fmt: skip
-    lines += ["", "| target | measured | threshold | met |", "|---|---|---|---|"]
-    for t in targets:
-        lines.append(f"| {t['target']} | {t['value']} | {t['threshold']} | {'yes' if t['met'] else '**no**'} |")
+    lines += ["", *record.targets_table(targets)]
     return "\n".join(lines)
 
 

@@ -68,6 +68,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
+import record  # noqa: E402 (bench/record.py: the targets table)
 import round as rb  # noqa: E402 (bench/round.py: the hub process, the result file)
 from wire import HUB_IP, Net, enter_netns, sh, terminated_as_exit  # noqa: E402 (the namespaces)
 
@@ -403,9 +404,7 @@ def markdown(rows: list[dict[str, Any]], targets: list[dict[str, Any]]) -> str:
             f"| {cell(r['restart_to_first_round_s'])} ({cell(r['restart_join_s'])}) | {r['rounds_after_join']} "
             f"| {r['lost']} / {r['acked']} |"
         )
-    lines += ["", "| target | measured | threshold | met |", "|---|---|---|---|"]
-    for t in targets:
-        lines.append(f"| {t['target']} | {t['value']} | {t['threshold']} | {'yes' if t['met'] else '**no**'} |")
+    lines += ["", *record.targets_table(targets)]
     return "\n".join(lines)
 
 

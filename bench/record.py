@@ -22,3 +22,15 @@ def save(path: Path, started: datetime.datetime, **fields: Any) -> None:
     }
     path.write_text(json.dumps(record, indent=1))
     print(f"\nwrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+
+
+def targets_table(targets: list[dict[str, Any]], fmt: str = "{}") -> list[str]:
+    """The lines of the "target | measured | threshold | met" table every benchmark ends with.
+
+    Each target is ``{"target", "value", "threshold", "met"}``; ``met`` None is "not measured".
+    ``fmt`` formats ``value`` and ``threshold`` (e.g. ``"{:.1%}"``)."""
+    lines = ["| target | measured | threshold | met |", "|---|---|---|---|"]
+    for t in targets:
+        met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        lines.append(f"| {t['target']} | {fmt.format(t['value'])} | {fmt.format(t['threshold'])} | {met} |")
+    return lines

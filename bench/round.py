@@ -66,6 +66,8 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
+import record  # noqa: E402 (bench/record.py: the targets table)
+
 # -----------------------------------------------------------------------------
 # settings
 parser = argparse.ArgumentParser(description="One sync round through the real hub, with baselines.")
@@ -880,10 +882,7 @@ def markdown(rows: list[dict[str, Any]], base: dict[int, dict[str, Any]], target
                 f"{f('origin_hub_peak_rss', 1e9)} | {f('origin_bytes_up', 1e6, '{:.1f}')} | "
                 f"{f('origin_bytes_down', 1e6, '{:.1f}')} |"
             )
-    lines += ["", "| target | measured | threshold | met |", "|---|---|---|---|"]
-    for t in targets:
-        met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
-        lines.append(f"| {t['target']} | {t['value']} | {t['threshold']} | {met} |")
+    lines += ["", *record.targets_table(targets)]
     return "\n".join(lines)
 
 

@@ -68,6 +68,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
+import record  # noqa: E402 (bench/record.py: the targets table)
 import round as rb  # noqa: E402 (bench/round.py: model shapes, memory, the result file)
 import wire  # noqa: E402 (bench/wire.py: namespaces, links, pinning)
 
@@ -303,9 +304,7 @@ def markdown(rows: list[dict[str, Any]], targets: list[dict[str, Any]]) -> str:
             f"| {r['encode_s']:.2f} | {r['apply_s']:.2f} | {r['wait_s']:.2f} | {r['overrun_s']:.2f} "
             f"| {r['round_s']:.2f} | {r['mb_up']:.1f} / {r['mb_down']:.1f} | {per} |"
         )
-    lines += ["", "| target | measured | threshold | met |", "|---|---|---|---|"]
-    lines += [f"| {t['target']} | {t['value']:.2%} | {t['threshold']:.0%} | {'yes' if t['met'] else '**no**'} |"
-              for t in targets]  # fmt: skip
+    lines += ["", *record.targets_table(targets, "{:.2%}")]
     return "\n".join(lines)
 
 

@@ -107,6 +107,7 @@ import numpy as np
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
+import record  # noqa: E402 (bench/record.py: the targets table)
 import round as rb  # noqa: E402 (bench/round.py: peers, hub process, model shapes)
 
 if TYPE_CHECKING:
@@ -857,9 +858,7 @@ def markdown(rows: list[dict[str, Any]], targets: list[dict[str, Any]]) -> str:
             f"{r['hub_link_x_model']:.3f} | {r['hub_peak_rss_x_model']:.2f} | {r['hub_cpu_s']:.2f} | {r['hub_cpus']} | "
             f"{r['bytes_up'] / 1e6:.1f} | {r['bytes_down'] / 1e6:.1f} | {r['load']:.2f} |"
         )
-    lines += ["", "| target | measured | threshold | met |", "|---|---|---|---|"]
-    for t in targets:
-        lines.append(f"| {t['target']} | {t['value']} | {t['threshold']} | {'yes' if t['met'] else '**no**'} |")
+    lines += ["", *record.targets_table(targets)]
     return "\n".join(lines)
 
 
