@@ -58,6 +58,11 @@ class SyncSchedule:
             step += self.interval_at(step)
         return step
 
+    def from_step(self, step: int) -> SyncSchedule:
+        """The same schedule seen from a sync at global ``step`` on, by a Trainer that counts
+        from 0 there (a late joiner): it then syncs at the same steps as the others."""
+        return SyncSchedule(tuple((e, u - step) for e, u in self.phases if u > step), self.last)
+
     def __str__(self) -> str:
         return ",".join([*(f"{e}:{u}" for e, u in self.phases), str(self.last)])
 

@@ -20,6 +20,10 @@ def test_parse_and_the_steps_it_syncs_at() -> None:
     three = SyncSchedule.parse("2:10,5:40,20")
     assert [three.step_of_sync(n) for n in (5, 6, 11, 12)] == [10, 15, 40, 60]
     assert SyncSchedule.parse("15") == SyncSchedule((), 15)
+    # A late joiner whose Trainer counts from 0 at the run's 12th sync (step 60) or 4th (step 20).
+    later, sooner = plan.from_step(60), plan.from_step(20)
+    assert later == SyncSchedule((), 15) and [later.step_of_sync(n) + 60 for n in (1, 2)] == [75, 90]
+    assert [sooner.step_of_sync(n) + 20 for n in range(1, 11)] == steps[4:14]
 
 
 @pytest.mark.parametrize(

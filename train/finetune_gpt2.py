@@ -442,11 +442,11 @@ def train_peer(args: argparse.Namespace) -> int:
         # A peer that (re)joins a barrier run at version v > 0 (restarted after a crash) finds the
         # run v rounds of --sync-every steps (or of --sync-schedule's) in: it trains only the steps
         # the others have left, so that it ends in the run's last round instead of training on alone after it.
-        max_steps = args.max_steps
+        max_steps, plan = args.max_steps, schedule(args)
         if policy == "barrier" and version:
             total = args.max_steps or math.ceil(epochs * math.ceil(per_peer / batch))
-            plan = schedule(args)
             done = plan.step_of_sync(version) if plan else version * args.sync_every
+            plan = plan.from_step(done) if plan else None  # this Trainer counts its steps from 0 there
             max_steps = total - done
             if max_steps < 1:
                 client.leave()
@@ -517,7 +517,7 @@ def train_peer(args: argparse.Namespace) -> int:
 
             callback = SyncCallback(
                 client=client,
-                sync_every=schedule(args) or args.sync_every or None,
+                sync_every=plan or args.sync_every or None,
                 on_sync=on_sync,
                 lr_scaling=args.lr_scaling,
                 lr_scaling_warmup=args.lr_scaling_warmup,
