@@ -26,10 +26,11 @@ start of ``bench/pretrain.py``, fine-tuned on ``--train-samples`` IMDB reviews a
 
 **Variants** (``--variants``), each against the baseline ``fp32`` (sync every ``--sync-every`` steps,
 serial's rate) on the same seed and link: ``lr2x`` (the peers' rate doubled), ``int8-short`` (int8
-every third of the interval), ``linear`` (the rate decays linearly to 0 over ``--max-epochs``). One
-is **kept** only if it reaches the target sooner than the baseline on every seed; the targets are
-judged on the fastest kept one (the baseline if none). A sync interval that changes over the run
-is not a setting of the job (``--sync-every`` is one number), so it is not tried here.
+every third of the interval), ``linear`` (the rate decays linearly to 0 over ``--max-epochs``),
+``schedule`` (``--sync-schedule``: every third of the interval for two intervals, then every 5/3
+of it: 5:30,25 at 15, no more syncs than the baseline over 2 epochs). One is **kept** only if it
+reaches the target sooner than the baseline on every seed; the targets are judged on the fastest
+kept one (the baseline if none).
 
 Namespaces ``<prefix>-...`` are removed in ``finally`` and on SIGTERM. Needs root (``ip netns``).
 Results: markdown tables and ``bench/results/ttq-<date>.json`` (``--out``).
@@ -66,10 +67,12 @@ TRAIN = REPO / "train" / "finetune_gpt2.py"
 @dataclass(frozen=True)
 class Variant:
     """The peers' settings beside the baseline's: a name, the interval as a share of the
-    baseline's, the codec and extra flags of the reference job."""
+    baseline's (after ``schedule``'s phases: (interval, until step) as shares of it), the codec
+    and extra flags of the reference job."""
 
     name: str
     interval: float = 1.0
+    schedule: tuple[tuple[float, float], ...] = ()
     codec: str = "fp32"
     flags: dict[str, str] = field(default_factory=dict)
 
@@ -81,6 +84,7 @@ VARIANTS = {
         Variant("lr2x", flags={"lr": "6e-4"}),
         Variant("int8-short", interval=1 / 3, codec="int8"),
         Variant("linear", flags={"lr-schedule": "linear"}),
+        Variant("schedule", interval=5 / 3, schedule=((1 / 3, 2.0),)),
     )
 }
 #: the grid's regime (bench/quality.py FULL_COMMON) on fewer reviews: one serial epoch is 90 steps
@@ -153,6 +157,8 @@ def run_peers(args: argparse.Namespace, common: dict[str, Any], model: Path | No
     """N peers of the job over ``link`` until rank 0 logs a sync at or below serial's final perplexity."""
     name = f"{variant.name}-{link}-seed{serial['seed']}"
     every = max(1, round(args.sync_every * variant.interval))
+    phases = [f"{max(1, round(args.sync_every * e))}:{round(args.sync_every * u)}" for e, u in variant.schedule]
+    interval = ["--sync-schedule", ",".join([*phases, str(every)])] if phases else ["--sync-every", str(every)]
     cores = sorted(os.sched_getaffinity(0))
     net.shape(wire.Link("peer", link))
     procs, folders = [], []
@@ -162,7 +168,7 @@ def run_peers(args: argparse.Namespace, common: dict[str, Any], model: Path | No
             folders.append(out)
             flags = common | {"seed": serial["seed"]} | variant.flags
             argv = job(flags, model, out, "--hub", url, "--run", name, "--peer", f"p{k}", "--min-peers",
-                       str(args.peers), "--sync-every", str(every), "--codec", variant.codec, "--eval-every", "0",
+                       str(args.peers), *interval, "--codec", variant.codec, "--eval-every", "0",
                        "--epochs", str(args.max_epochs))  # fmt: skip
             out.mkdir(parents=True)
             log = (out / "log.txt").open("wb")
@@ -195,7 +201,8 @@ def run_peers(args: argparse.Namespace, common: dict[str, Any], model: Path | No
     # batch): the peers have seen at most serial's samples there, so the gap is not flattered
     equal = next((r for r in reversed(rows) if r["step"] <= serial["steps"]), None)
     return {
-        "variant": variant.name, "link": link, "seed": serial["seed"], "peers": args.peers, "sync_every": every,
+        "variant": variant.name, "link": link, "seed": serial["seed"], "peers": args.peers,
+        "sync_every": interval[1] if phases else every,
         "codec": variant.codec, "flags": variant.flags, "reached": reached is not None,
         "time_s": reached["elapsed"] if reached else None,
         "x_serial": reached["elapsed"] / serial["time_s"] if reached else None,

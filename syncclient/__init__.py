@@ -36,6 +36,7 @@ from syncclient.exceptions import (  # the standard library only: cheap to impor
 if TYPE_CHECKING:
     from syncclient.callbacks import SyncCallback
     from syncclient.client import JoinInfo, PendingSync, SyncClient, SyncResult
+    from syncclient.schedule import SyncSchedule
 
 __all__ = [
     "AuthError",
@@ -51,12 +52,14 @@ __all__ = [
     "SyncCallback",
     "SyncClient",
     "SyncResult",
+    "SyncSchedule",
     "SyncError",
 ]
 
 _HOMES = {
     **dict.fromkeys(["JoinInfo", "PendingSync", "SyncClient", "SyncResult"], "syncclient.client"),
     "SyncCallback": "syncclient.callbacks",
+    "SyncSchedule": "syncclient.schedule",
 }
 
 

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 import torch
 
 from syncclient.client import JoinInfo, SyncClient
+from syncclient.schedule import SyncSchedule
 
 __all__ = ["callback_client", "join_at_train_begin"]
 
@@ -17,12 +18,17 @@ logger = logging.getLogger(__name__)
 
 
 def callback_client(
-    hub: str | None, *, sync_every: int | None, client: SyncClient | None, client_kwargs: dict[str, Any]
+    hub: str | None,
+    *,
+    sync_every: int | SyncSchedule | None,
+    client: SyncClient | None,
+    client_kwargs: dict[str, Any],
 ) -> SyncClient:
     """``client`` itself, or a new ``SyncClient(hub, **client_kwargs)``; ``ValueError`` with the
     reason when the arguments do not make a callback."""
-    if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
-        raise ValueError(f"sync_every must be an int >= 1 (optimizer steps), got {sync_every!r}")
+    bad_int = isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1
+    if sync_every is not None and not isinstance(sync_every, SyncSchedule) and bad_int:
+        raise ValueError(f"sync_every must be an int >= 1 (optimizer steps) or a SyncSchedule, got {sync_every!r}")
     if sync_every is None and client is None and client_kwargs.get("round_samples") is None:
         raise ValueError("give sync_every=N (optimizer steps between syncs) or round_samples=S (samples per round)")
     if (hub is None) == (client is None):
@@ -42,7 +48,9 @@ def callback_client(
     return SyncClient(hub, **client_kwargs)
 
 
-def join_at_train_begin(client: SyncClient, model: torch.nn.Module, sync_every: int | None) -> JoinInfo | None:
+def join_at_train_begin(
+    client: SyncClient, model: torch.nn.Module, sync_every: int | SyncSchedule | None
+) -> JoinInfo | None:
     """Join (unless the client has: one passed in after joining, to learn the rank before
     sharding), and check that the run's policy fits what the callback was given."""
     info = None

@@ -84,6 +84,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from syncclient._callback import callback_client, join_at_train_begin
 from syncclient.client import PendingSync, SyncClient, SyncResult
 from syncclient.peerlr import DEFAULT_PEER_LR, LRScaler, PeerLR
+from syncclient.schedule import SyncSchedule, interval_after
 
 __all__ = ["SyncCallback"]
 
@@ -100,7 +101,9 @@ class SyncCallback(TrainerCallback):
 
     Args:
         hub: the hub's base URL (``http://`` or ``https://``). Give ``hub`` or ``client``.
-        sync_every: optimizer steps between syncs (an int >= 1): barrier and async runs.
+        sync_every: optimizer steps between syncs (an int >= 1), or a
+            :class:`~syncclient.schedule.SyncSchedule` (e.g. every 5 until step 60, then every
+            15; the same on every peer): barrier and async runs.
         round_samples: samples per round for the run (an int >= 1), which makes it a samples
             run when this peer creates it; a keyword of ``SyncClient`` too.
         client: a :class:`SyncClient` you built yourself; joined already or not. The callback
@@ -115,7 +118,7 @@ class SyncCallback(TrainerCallback):
             at the global batch) x 1 (``"none"``, default), x ``sqrt(N)`` (``"sqrt"``) or x ``N``
             (``"linear"``); the scheduler keeps its own rates (:mod:`syncclient.peerlr`).
         lr_scaling_warmup: optimizer steps over which that factor ramps in from 1 (default:
-            one round, ``sync_every`` steps).
+            one round, ``sync_every`` steps; a schedule's first interval).
         **client_kwargs: passed to ``SyncClient(hub, ...)``: ``run`` (required), ``peer``,
             ``token``, ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``outer_warmup``, ``min_peers``,
             ``round_timeout``, ``timeout``, ...
@@ -131,7 +134,7 @@ class SyncCallback(TrainerCallback):
         self,
         hub: str | None = None,
         *,
-        sync_every: int | None = None,
+        sync_every: int | SyncSchedule | None = None,
         client: SyncClient | None = None,
         on_sync: Callable[[SyncResult], None] | None = None,
         overlap: bool = False,
@@ -210,7 +213,7 @@ class SyncCallback(TrainerCallback):
             due = since > 0 and self.client.due
         else:
             assert self.sync_every is not None
-            due = since >= self.sync_every
+            due = since >= interval_after(self.sync_every, self._last_sync_step)
         if due or (last_step and since > 0):
             # Decide here, act in on_log: asking for a log makes the Trainer report the loss of
             # the steps since its last log, which we send with the update. Evaluation at this

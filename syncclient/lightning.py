@@ -57,6 +57,7 @@ import torch
 from syncclient._callback import callback_client, join_at_train_begin
 from syncclient.client import SyncClient, SyncResult
 from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR, scale_each_step
+from syncclient.schedule import SyncSchedule, interval_after
 
 __all__ = ["SyncCallback", "callback_class"]
 
@@ -72,7 +73,7 @@ class _Sync:
         self,
         hub: str | None = None,
         *,
-        sync_every: int | None = None,
+        sync_every: int | SyncSchedule | None = None,
         client: SyncClient | None = None,
         lr_scaling: str = DEFAULT_PEER_LR.scaling,
         lr_scaling_warmup: int | None = DEFAULT_PEER_LR.warmup,
@@ -121,7 +122,7 @@ class _Sync:
             due = since > 0 and self.client.due
         else:
             assert self.sync_every is not None
-            due = since >= self.sync_every
+            due = since >= interval_after(self.sync_every, self._last_sync_step)
         last_step = 0 < trainer.max_steps <= trainer.global_step
         if due or (last_step and since > 0):
             self._sync(trainer, pl_module, final=last_step)
@@ -174,13 +175,15 @@ class SyncCallback(_Sync, Callback):  # type: ignore[misc]  # Callback: Any when
 
     Args:
         hub: the hub's base URL (``http://`` or ``https://``). Give ``hub`` or ``client``.
-        sync_every: optimizer steps between syncs (an int >= 1): barrier and async runs.
+        sync_every: optimizer steps between syncs (an int >= 1), or a
+            :class:`~syncclient.schedule.SyncSchedule` (e.g. every 5 until step 60, then every
+            15; the same on every peer): barrier and async runs.
         client: a :class:`SyncClient` you built yourself; joined already or not.
         lr_scaling: each peer's learning rate with N peers: the optimizers' own (serial's, at the
             global batch) x 1 (``"none"``, default), x ``sqrt(N)`` (``"sqrt"``) or x ``N`` (``"linear"``),
             applied to each step through torch's optimizer hooks (:mod:`syncclient.peerlr`).
         lr_scaling_warmup: optimizer steps over which that factor ramps in from 1 (default:
-            one round, ``sync_every`` steps).
+            one round, ``sync_every`` steps; a schedule's first interval).
         **client_kwargs: passed to ``SyncClient(hub, ...)``: ``run`` (required), ``peer``,
             ``token``, ``codec``, ``round_samples``, ...
     """

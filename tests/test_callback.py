@@ -14,6 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from syncclient import SyncClient
 from syncclient.callbacks import SyncCallback
 from syncclient.peerlr import PeerLR
+from syncclient.schedule import SyncSchedule
 from tests.conftest import Hub
 from tests.harness import hub_model, run_peers
 from tests.models import Blocks
@@ -153,6 +154,35 @@ def test_two_peers_sync_every_k_steps_and_end_identical(hub: Hub, tmp_path: Path
         params = dict(model.named_parameters())
         assert set(params) == set(final)
         for name, p in params.items():
+            np.testing.assert_array_equal(p.detach().numpy(), final[name], err_msg=name)
+
+
+def test_two_peers_on_a_sync_schedule_sync_at_the_same_steps_and_end_identical(hub: Hub, tmp_path: Path) -> None:
+    run, steps = "schedule", 6
+    plan = SyncSchedule(((1, 2),), 3)  # every step until step 2, then every 3: syncs at 1, 2, 5 and 6 (the end)
+    events: list[list[tuple[Any, ...]]] = [[], []]
+    models = [tiny_model(seed=10), tiny_model(seed=11)]
+    clients = [RecordingClient(hub.url, run=run, peer=f"peer-{i}", min_peers=2, events=events[i]) for i in range(2)]
+    callbacks = [SyncCallback(client=clients[i], sync_every=plan) for i in range(2)]
+    trainers = [
+        Trainer(
+            model=models[i],
+            args=training_args(tmp_path / f"peer-{i}", steps=steps),
+            train_dataset=Blocks(64, seed=i, vocab=1000),
+            callbacks=[callbacks[i], Recorder(events[i])],
+        )
+        for i in range(2)
+    ]
+    run_peers(2, lambda i: trainers[i].train())
+
+    for i in range(2):
+        at = [events[i][k - 1][1] for k, e in enumerate(events[i]) if e[0] == "sync"]  # the step before each sync
+        assert at == [1, 2, 5, 6], events[i]
+        assert [e[1] for e in events[i] if e[0] == "sync"] == [1 * BATCH, 1 * BATCH, 3 * BATCH, 1 * BATCH]
+        assert clients[i].finals == [False, False, False, True] and callbacks[i].syncs == 4
+    final = hub_model(hub, run)
+    for model in models:
+        for name, p in model.named_parameters():
             np.testing.assert_array_equal(p.detach().numpy(), final[name], err_msg=name)
 
 

@@ -15,6 +15,7 @@ import torch
 L = pytest.importorskip("lightning", reason="PyTorch Lightning is not installed: pip install '.[lightning]'")
 
 from syncclient.lightning import SyncCallback  # noqa: E402  (after the skip)
+from syncclient.schedule import SyncSchedule  # noqa: E402
 from tests.conftest import Hub  # noqa: E402
 from tests.harness import hub_model, run_peers, status  # noqa: E402
 
@@ -56,7 +57,7 @@ def quiet_trainer(callback: SyncCallback, **limits: int) -> L.Trainer:
     )
 
 
-def fit(hub: Hub, i: int, sync_every: int) -> tuple[Regression, SyncCallback]:
+def fit(hub: Hub, i: int, sync_every: int | SyncSchedule) -> tuple[Regression, SyncCallback]:
     module = Regression(seed=i)
     callback = SyncCallback(hub.url, sync_every=sync_every, run="pl", peer=f"peer-{i}")
     trainer = quiet_trainer(callback, max_epochs=1)
@@ -80,6 +81,19 @@ def test_two_lightning_peers_end_on_the_hubs_last_version(hub_factory: Any) -> N
             np.testing.assert_array_equal(tensor.numpy(), last[name], err_msg=name)
     # the samples the peers reported: 16, 16 and 8 each
     assert [r["samples"] for r in rounds] == [32, 32, 16]
+
+
+def test_two_lightning_peers_on_a_sync_schedule_sync_at_the_same_steps(hub_factory: Any) -> None:
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    hub = hub_factory("--min-peers", "2")
+    plan = SyncSchedule(((2, 4),), 5)  # 10 steps: syncs at 2, 4, 9 and the last at fit end (1 step since)
+    (a, cb_a), (b, cb_b) = run_peers(2, lambda i: fit(hub, i, sync_every=plan))
+    rounds = status(hub, "pl")["rounds"]
+    assert [r["samples"] for r in rounds] == [16, 16, 40, 8] and cb_a.syncs == cb_b.syncs == 4
+    last = hub_model(hub, "pl")
+    for module in (a, b):
+        for name, tensor in module.state_dict().items():
+            np.testing.assert_array_equal(tensor.numpy(), last[name], err_msg=name)
 
 
 def test_several_devices_are_refused_at_fit_start(hub: Hub) -> None:

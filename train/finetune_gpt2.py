@@ -88,6 +88,7 @@ from pathlib import Path
 from typing import Any
 
 from syncclient.peerlr import DEFAULT_PEER_LR, LR_SCALINGS  # the standard library only
+from syncclient.schedule import SyncSchedule
 
 OFFLINE_HINT = (
     "use local files instead, e.g. --dataset ../shared/data/imdb --tokenizer ../shared/data/gpt2-tokenizer "
@@ -122,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--sync-every",
         type=int,
         help="optimizer steps between syncs; 0 = serial baseline (default: 1000, or none with --round-samples)",
+    )
+    g.add_argument(
+        "--sync-schedule",
+        metavar="EVERY:UNTIL,...,EVERY",
+        help="instead of --sync-every: an interval that changes over the run, e.g. 5:60,15 = every 5 "
+        "optimizer steps until step 60, then every 15 (frequent early, sparse late)",
     )
     g.add_argument(
         "--round-samples",
@@ -227,13 +234,25 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def schedule(args: argparse.Namespace) -> SyncSchedule | None:
+    """``--sync-schedule`` parsed (the flag stays text, for config.json); ``Fail`` when it is bad."""
+    try:
+        return SyncSchedule.parse(args.sync_schedule) if args.sync_schedule else None
+    except ValueError as exc:
+        raise Fail(f"--sync-schedule: {exc}") from None
+
+
 def check_args(args: argparse.Namespace) -> None:
     # Not an argparse default: --help would print it.
     args.token = args.token or os.environ.get("WEIGHTSYNC_TOKEN") or os.environ.get("SYNC_TOKEN")
     if (args.round_samples or 0) < 0 or (args.max_staleness or 0) < 0:
         raise Fail("--round-samples and --max-staleness must be >= 0")
+    if args.sync_schedule is not None:  # a schedule stands for --sync-every: its first interval
+        if args.sync_every is not None:
+            raise Fail("--sync-schedule and --sync-every exclude each other: give one")
+        args.sync_every = schedule(args).first  # type: ignore[union-attr]
     if args.no_hub or args.sync_every == 0:  # the serial baseline: no hub, no rounds
-        args.sync_every, args.round_samples, args.policy = 0, None, None
+        args.sync_every, args.sync_schedule, args.round_samples, args.policy = 0, None, None, None
     else:
         args.policy = args.policy or ("samples" if args.round_samples else "barrier")
         if args.policy != "barrier" and not args.round_samples:
@@ -421,16 +440,18 @@ def train_peer(args: argparse.Namespace) -> int:
         budget = round(args.epochs * len(train_blocks)) if policy in ("samples", "async") else None
         epochs = args.epochs * world_size if budget else args.epochs
         # A peer that (re)joins a barrier run at version v > 0 (restarted after a crash) finds the
-        # run v rounds of --sync-every steps in: it trains only the steps the others have left, so
-        # that it ends in the run's last round instead of training on alone after it.
-        max_steps = args.max_steps
+        # run v rounds of --sync-every steps (or of --sync-schedule's) in: it trains only the steps
+        # the others have left, so that it ends in the run's last round instead of training on alone after it.
+        max_steps, plan = args.max_steps, schedule(args)
         if policy == "barrier" and version:
             total = args.max_steps or math.ceil(epochs * math.ceil(per_peer / batch))
-            max_steps = total - version * args.sync_every
+            done = plan.step_of_sync(version) if plan else version * args.sync_every
+            plan = plan.from_step(done) if plan else None  # this Trainer counts its steps from 0 there
+            max_steps = total - done
             if max_steps < 1:
                 client.leave()
                 raise Fail(f"run {args.run!r} is at version {version}, past the {total} steps of this command line")
-            note(f"the run is {version * args.sync_every} steps in: {max_steps} of {total} steps left")
+            note(f"the run is {done} steps in: {max_steps} of {total} steps left")
 
         cfg = dict(vars(args))
         cfg.update(
@@ -496,7 +517,7 @@ def train_peer(args: argparse.Namespace) -> int:
 
             callback = SyncCallback(
                 client=client,
-                sync_every=args.sync_every or None,
+                sync_every=plan or args.sync_every or None,
                 on_sync=on_sync,
                 lr_scaling=args.lr_scaling,
                 lr_scaling_warmup=args.lr_scaling_warmup,
@@ -883,6 +904,7 @@ def plot(series: dict[str, dict[str, Any]], path: Path, args: argparse.Namespace
     ax.set_ylabel("validation perplexity")
     peers = sum(1 for res in series.values() if res["rounds"])
     every = f"every {args.sync_every} steps" if args.sync_every else f"every {args.round_samples} samples"
+    every = f"on the schedule {args.sync_schedule}" if args.sync_schedule else every
     title = f"GPT-2 on IMDB: {peers} peer(s), sync {every} (grey)" if peers else "GPT-2 on IMDB"
     if "serial" in series and peers:
         title += " vs serial"
