@@ -98,8 +98,8 @@ def start_run(
 ) -> dict[str, np.ndarray]:
     """``peers`` join, then the first uploads version 0; returns version 0.
 
-    ``min_peers`` is 2, below the world size: a round may close without a refused peer.
-    (With ``min_peers`` = world size it waits until that peer sends a sane update.)
+    The merge floor is the default (``min_merge_peers`` 1): a round may close without a refused
+    peer. (With ``min_merge_peers`` = world size it waits until that peer sends a sane update.)
     """
     rng = np.random.default_rng(1)
     model = {n: rng.standard_normal(s).astype(np.float32) for n, s in schema.items()}
@@ -199,7 +199,7 @@ def test_hub_default_and_join_config(hub_factory: Callable[..., Hub]) -> None:
 
 
 def test_sdk_peer_with_a_broken_update_gets_poisoned_update(hub: Hub) -> None:
-    """Three SyncClients (min_peers = 3); one breaks its weights and is refused; it pulls the
+    """Three SyncClients (min_peers = min_merge_peers = 3); one breaks its weights and is refused; it pulls the
     global model and sends a sane (here: empty) update, and the round closes with all three."""
     errors: list[BaseException] = []
     refused: list[HubError] = []
@@ -209,7 +209,9 @@ def test_sdk_peer_with_a_broken_update_gets_poisoned_update(hub: Hub) -> None:
     def peer(i: int) -> None:
         try:
             model = tiny_gpt2(seed=i)
-            client = SyncClient(hub.url, run="sdk-guard", peer=f"p{i}", min_peers=3, norm_guard=10, retry_seconds=30)
+            client = SyncClient(
+                hub.url, run="sdk-guard", peer=f"p{i}", min_peers=3, min_merge_peers=3, norm_guard=10, retry_seconds=30
+            )
             info = client.join(model)
             assert info.config["norm_guard"] == 10
             with torch.no_grad():
