@@ -24,11 +24,12 @@ import httpx
 import numpy as np
 import pytest
 
+import syncserver.core.leases
 import syncwire.codecs
 from syncserver.core.leases import Board, FoldAhead, LeaseFailed
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer, RoundMerge, merge_slice
-from syncserver.reduce.lease import Done, FoldJob, highest, jobs, work, work_fold
+from syncserver.reduce.lease import MEANS, Done, FoldJob, highest, jobs, work, work_fold
 from syncserver.reduce.plan import pieces
 from syncserver.storage.objectfile import TensorReader
 from syncserver.storage.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
@@ -102,9 +103,11 @@ def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
     """K = 1, 2, 3 leases, worked last first, one of them twice (an expired lease redone), give
     the in-process merge's result, momentum and residual, over two rounds (the second reads
     the first's momentum and residual); the in-process one folded one update before its close.
-    The reducers fold ahead too (:class:`FoldAhead`, its fold leases cut K ways): K = 1 two steps
-    of one update, K = 2 one step of one, K = 3 one step of two; the merge leases fold the rest
-    after that mean: the same bits however the folds are grouped, and no mean file is left."""
+    The reducers fold ahead too (:class:`FoldAhead`, its fold leases cut K ways, the mean held in
+    memory): K = 1 two steps of one update, K = 2 one step of one, K = 3 one step of two; the
+    merge leases fold the rest after that mean (the lease redone folds its slices from the first
+    update; at K = 3 the mean is dropped before the merge, as a restarted reducer lacks it): the
+    same bits however the folds are grouped, and no mean is left held."""
     codec, outer_ = get_codec(spec), Outer(outer, 0.7, 0.9)
     stores = _stores(tmp_path, spec, 4)
     written: list[list[bytes]] = []
@@ -120,7 +123,7 @@ def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
                     RoundMerge("r", v, acc, codec, outer_, total=30.0, fraction=1.0, final=last, unfolded=keys[1:])
                 )
             else:
-                ahead = FoldAhead(Board(lease_seconds=0.01), i, engine, tmp_path / "means")
+                ahead = FoldAhead(Board(lease_seconds=0.01), i, engine)
                 steps = {1: [keys[:1], keys[1:2]], 2: [keys[:1]], 3: [keys[:2]]}[i]
 
                 async def fold_ahead(
@@ -131,7 +134,10 @@ def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
 
                 asyncio.run(fold_ahead())
                 assert acc.mean is None and acc.partial is not None and len(acc.folded) == sum(map(len, steps))
-                assert len(os.listdir(tmp_path / "means")) == 1  # the means it folded onto are gone
+                held = 4 * sum(math.prod(shape) for shape in SCHEMA.values())
+                assert MEANS.nbytes() == held  # the mean it folded onto went as the new one was made
+                if i == 3:
+                    MEANS.start("r", [])  # a reducer restarted: every slice folded from the first update
                 with contextlib.ExitStack() as files:
                     rest = keys[len(acc.folded) :]
                     merge = engine.open_merge(
@@ -144,8 +150,7 @@ def test_leases_worked_in_any_order_give_the_bits_of_the_in_process_merge(
                     with ThreadPoolExecutor(2) as pool:  # a reducer's --threads 2
                         for job in [*reversed(leases), leases[0]]:
                             assert work(job, "t", pool=pool if i == 2 else None).error is None
-                asyncio.run(ahead.forget("r", v))  # the round committed
-                assert not os.listdir(tmp_path / "means")
+                assert MEANS.nbytes() == 0  # the merge took every slice it held
             engine.build_versions("r", v + 1, codec, SCHEMA)
             written.append(_outputs(store, v))
         engine.close()
@@ -283,12 +288,15 @@ def _fake_jobs(tmp_path: Path, n: int) -> list:  # type: ignore[type-arg]
     return out
 
 
-def test_a_fold_lease_lost_mid_fold_is_redone_from_the_mean_before_it(tmp_path: Path) -> None:
-    """Two steps ahead (p0, then p1 and p2 at once), K = 2. In the second a reducer takes a
-    fold lease, writes garbage over its range of the new mean (a pwrite cut short) and dies:
-    its lease expires, another redoes it from the first step's mean, which no lease writes
-    (a step writes a new file); the merge after that mean gives the bits of the hub alone
-    folding as updates arrive, and the dead reducer's late report is refused."""
+def test_a_fold_lease_lost_mid_fold_is_redone_from_the_updates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two steps ahead (p0, then p1 and p2 at once), K = 2, the mean held in the reducers'
+    memory. "doomed" folds the first step, so the second's leases are offered to it first: a
+    reducer that asks meanwhile gets none. It takes one, takes its slices of the mean (folding
+    them in place) and dies: its lease expires, and once it is not heard from the rescuer takes
+    both leases, folding the dead one's slices again from the first update and the others after
+    the mean it holds. The merge gives the bits of the hub alone folding as updates arrive, and
+    the dead reducer's late report is refused."""
+    monkeypatch.setattr(syncserver.core.leases, "AFFINITY_SECONDS", 0.2)
     codec, outer = get_codec("int8"), Outer("diloco", 0.7, 0.9)
     (alone, keys), (store, _) = _stores(tmp_path, "int8", 2)
     engine = MergeEngine(alone, threads=1)
@@ -302,20 +310,20 @@ def test_a_fold_lease_lost_mid_fold_is_redone_from_the_mean_before_it(tmp_path: 
 
     async def scenario() -> None:
         board = Board(lease_seconds=0.3)
-        ahead = FoldAhead(board, 2, engine, tmp_path / "means")
+        ahead = FoldAhead(board, 2, engine)
         first = asyncio.create_task(ahead.fold("r", 0, acc, codec, [("p0", *keys[0])]))
         while not first.done():
-            job = await board.take("good", wait=0.05)
+            job = await board.take("doomed", wait=0.05)
             if job is not None:
-                board.done(job.lease, await asyncio.to_thread(work_fold, job, "good"))  # type: ignore[arg-type]
+                board.done(job.lease, await asyncio.to_thread(work_fold, job, "doomed"))  # type: ignore[arg-type]
         before = acc.partial
-        assert before is not None and before.path is not None
+        assert before is not None and set(before.holders.values()) == {"doomed"}
         second = asyncio.create_task(ahead.fold("r", 0, acc, codec, [(k.peer, k, w) for k, w in keys[1:]]))
         doomed = await board.take("doomed", wait=5)
-        assert isinstance(doomed, FoldJob) and doomed.partial == before.path
-        with open(doomed.out.path or "", "r+b") as f:  # half a pwrite, then the reducer is gone
-            f.seek(min(doomed.out.at.values()))
-            f.write(b"\xff" * 4096)
+        assert isinstance(doomed, FoldJob) and doomed.base == before.id and doomed.held == 1
+        assert await board.take("rescuer", wait=0.05) is None  # the other lease waits for its holder
+        for s in doomed.slices:  # folded in place, then the reducer is gone with its memory
+            assert MEANS.take(before.id, s.name, s.start) is not None
         while not second.done():
             job = await board.take("rescuer", wait=0.05)
             if job is not None:
@@ -323,7 +331,7 @@ def test_a_fold_lease_lost_mid_fold_is_redone_from_the_mean_before_it(tmp_path: 
         await second
         with pytest.raises(LeaseLost):
             board.done(doomed.lease, Done(reducer="doomed", seconds=0.1, bytes=1))
-        assert not Path(before.path).exists()  # the mean it folded onto: read, then dropped once the next counts
+        assert acc.partial is not None and set(acc.partial.holders.values()) == {"rescuer"}
         assert acc.folded == ["p0", "p1", "p2"] and board.reducers["doomed"].expired == 1
 
     asyncio.run(scenario())
@@ -333,6 +341,7 @@ def test_a_fold_lease_lost_mid_fold_is_redone_from_the_mean_before_it(tmp_path: 
             assert work(job, "t").error is None
     assert _bytes(store, ResultKey("r", 0)) == _bytes(alone, ResultKey("r", 0))
     assert _bytes(store, MomentumKey("r", 1)) == _bytes(alone, MomentumKey("r", 1))
+    assert MEANS.nbytes() == 0
     engine.close()
 
 
@@ -612,9 +621,8 @@ def test_reducers_merge_updates_that_peers_uploaded_to_the_bucket(
 ) -> None:
     """With SYNC_STORE the peers' updates go to the bucket; `--store ... --reducers 2`: the local
     reducers read them there (the store from serve, the credentials from the environment), fold
-    the first two of three updates ahead into a mean in the bucket (not one alone, nor int8 ones
-    under a mean's weight: FoldAhead.due), and close every round to the
-    bits of a hub without a store merging alone; no mean is left in the bucket."""
+    the updates ahead as they are acknowledged into a mean held in their memory, and close every
+    round to the bits of a hub without a store merging alone; no mean goes to the bucket."""
     env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
     options, names = FP32_IN_ORDER, ("a", "b", "c")
     expected = _train_in_order(hub_factory(env=env).url, "barrier", options, 2, names)
@@ -622,13 +630,8 @@ def test_reducers_merge_updates_that_peers_uploaded_to_the_bucket(
         "--store", f"s3://{seaweedfs.bucket}/reducers", "--reducers", "2", env={**env, **seaweedfs.env()}
     )
     assert _train_in_order(stored.url, "barrier", options, 2, names) == expected
-    assert "kind=fold" in stored.log()  # a and b, once b is in (unless c's close came before a reducer took it)
-    int8, fp32 = (len(_update_file(get_codec(spec), _zeros())) for spec in ("int8", "fp32"))
-    assert not FoldAhead.due(SCHEMA, Accumulator(SCHEMA), [int8] * 3)  # int8: four at a time
-    assert not FoldAhead.due(SCHEMA, Accumulator(SCHEMA), [fp32])  # a mean of one update: the update again
-    assert FoldAhead.due(SCHEMA, Accumulator(SCHEMA), [fp32] * 2)
-    objects = seaweedfs.store("reducers/")
-    wait_for(lambda: not list(objects.list("runs/barrier/partials/")), "the rounds' means to be deleted")
+    assert "kind=fold" in stored.log()  # a, then b (unless c's close came before a reducer took it)
+    assert not [o for o in seaweedfs.store("reducers/").list("runs/barrier/") if "/partials/" in o.name]
     samples = scrape(stored, TOKEN)
     assert samples["weightsync_upload_bytes_total", (("run", "barrier"), ("via", "store"))] > 0
     assert samples.get(("weightsync_upload_bytes_total", (("run", "barrier"), ("via", "hub"))), 0) == 0
@@ -721,20 +724,23 @@ def test_bad_reducer_requests_get_a_json_reason_and_bad_hubs_a_one_line_error(
 def test_a_hub_killed_mid_fold_loses_no_acknowledged_update_and_gives_the_same_bits(
     hub_factory: Callable[..., Hub], tmp_path: Path
 ) -> None:
-    """Four peers one after the other, no reducer yet: the first two updates' fold ahead waits
-    on the board, its mean staged; the hub is SIGKILLed then, restarted, a reducer comes, and the
+    """Four peers one after the other, no reducer yet: the first updates' fold ahead waits on the
+    board; the hub is SIGKILLed once two are acknowledged, restarted, a reducer comes, and the
     round closes with all four updates, folded again from the records, to the bits of a hub
-    merging alone; the killed hub's mean is gone."""
+    merging alone."""
     env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
     options, names = FP32_IN_ORDER, ("a", "b", "c", "d")
     expected = _train_in_order(hub_factory(env=env).url, "barrier", options, 1, names)
     hub = hub_factory("--reducers", "2", "--local-reducers", "0", env=env)
-    means = hub.data_dir / "tmp" / "means"
     results: list[dict[str, str]] = []
     peers = threading.Thread(target=lambda: results.append(_train_in_order(hub.url, "barrier", options, 1, names)))
     peers.start()
-    wait_for(lambda: means.is_dir() and any(means.iterdir()), "the first two updates' fold to wait on the board")
-    staged = next(means.iterdir())
+
+    def two_acked() -> bool:
+        state = httpx.get(f"{hub.url}/v1/runs/barrier", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        return len(state.get("open_round", {}).get("submitted", [])) >= 2
+
+    wait_for(two_acked, "two updates acknowledged, their fold waiting on the board")
     hub.kill()
     hub.start()
     reducer = _reducer(hub.url, ADMIN, tmp_path / "reducer.log")
@@ -744,7 +750,6 @@ def test_a_hub_killed_mid_fold_loses_no_acknowledged_update_and_gives_the_same_b
     finally:
         reducer.kill()
         reducer.wait()
-    assert not staged.exists()
 
 
 def test_a_hub_killed_while_its_leases_wait_closes_the_round_again_after_a_restart(

@@ -47,15 +47,28 @@ HELD = ("--reducers", "1", "--local-reducers", "0", "--reduce-lease-seconds", "3
 
 
 def lease(hub: Hub, wait: float = 20.0) -> dict[str, Any] | None:
-    """Take the next lease as the reducer REDUCER (None: none within ``wait``)."""
-    r = httpx.post(
-        f"{hub.url}/v1/reduce/lease",
-        json={"reducer": REDUCER, "wait": wait},
-        headers={"Authorization": f"Bearer {ADMIN}"},
-        timeout=wait + 30,
-    )
-    assert r.status_code in (200, 204), r.text
-    return r.json() if r.status_code == 200 else None
+    """Take the next check lease as the reducer REDUCER (None: none within ``wait``). A fold
+    lease (an acknowledged update folded ahead) is reported failed: this reducer only checks,
+    and the round's merge folds what no step did."""
+    until = time.monotonic() + wait
+    while True:
+        r = httpx.post(
+            f"{hub.url}/v1/reduce/lease",
+            json={"reducer": REDUCER, "wait": max(0.0, until - time.monotonic())},
+            headers={"Authorization": f"Bearer {ADMIN}"},
+            timeout=wait + 30,
+        )
+        assert r.status_code in (200, 204), r.text
+        if r.status_code == 204 or r.json().get("kind") != "fold":
+            return r.json() if r.status_code == 200 else None
+        failed = {"reducer": REDUCER, "seconds": 0.0, "bytes": 0, "error": "failed", "detail": "checks only"}
+        done = httpx.post(
+            f"{hub.url}/v1/reduce/leases/{r.json()['lease']}/done",
+            json=failed,
+            headers={"Authorization": f"Bearer {ADMIN}"},
+            timeout=30,
+        )
+        assert done.status_code == 204, done.text
 
 
 def report(hub: Hub, job: dict[str, Any], **outcome: Any) -> None:

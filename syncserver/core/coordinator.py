@@ -113,11 +113,7 @@ class Coordinator:
             else None
         )
         # and they fold each round's updates ahead of its close, as they are acknowledged
-        ahead = (
-            FoldAhead(self.board, settings.reducers, self.engine, settings.data_dir / "tmp" / "means")
-            if self.board is not None
-            else None
-        )
+        ahead = FoldAhead(self.board, settings.reducers, self.engine) if self.board is not None else None
         self.view.board = self.board
         self.rounds = Rounds(settings, store, self.engine, self.view, bucket, leased, built, ahead)
         # SYNC_STORE: peers upload their updates there too

@@ -30,20 +30,17 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
-import os
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from anyio import to_thread
 
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.checklease import CheckJob, CheckReport
-from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Partial, RoundMerge, version_layout
+from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Resident, RoundMerge, version_layout
 from syncserver.reduce.lease import (
     BuildJob,
     Done,
@@ -87,6 +84,9 @@ HUB = "hub"
 LEASE_POLL_MAX = 60.0
 #: a check lease taken and lost this many times (reducers dying on that body?) is checked by the hub
 CHECK_TRIES = 3
+#: a lease over a mean's slices waits this long for the reducer that holds them (heard from
+#: within it, or holding a lease) before another takes it and folds those slices again
+AFFINITY_SECONDS = 2.0
 
 
 class LeaseFailed(RuntimeError):
@@ -119,6 +119,7 @@ class _Lease:
     deadline: float = 0.0
     taken: float = 0.0
     report: Done | None = None  # once done
+    prefer: str | None = None  # the reducer that holds its slices of the round's mean, offered it first
 
 
 @dataclass
@@ -157,6 +158,7 @@ class Board:
         self._offered = asyncio.Condition()
         self._changed = asyncio.Event()  # a lease was done or failed: the merges look again
         self._polling = 0  # reducers waiting for a lease right now
+        self._waiting: dict[str, int] = {}  # the same, by name
         self._stopping = False  # the server is shutting down: polls answer at once (end_polls)
         self._waking: asyncio.Task[None] | None = None  # end_polls' wake-up
         self._active = time.monotonic()  # when a reducer last asked, renewed or reported
@@ -190,20 +192,25 @@ class Board:
         loop = asyncio.get_running_loop()
         until = loop.time() + wait
         self._polling += 1
+        self._waiting[reducer] = self._waiting.get(reducer, 0) + 1
         try:
             async with self._offered:
-                while not self._pending and not self._checks:
+                while (lease := self._next(reducer)) is None and not self._checks:
                     left = until - loop.time()
                     if left <= 0 or self._stopping:
                         self._seen(reducer)  # it was there all along
                         return None
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._offered.wait(), left)
+                    with contextlib.suppress(TimeoutError):  # a holder that goes quiet frees its leases
+                        await asyncio.wait_for(self._offered.wait(), min(left, AFFINITY_SECONDS / 4))
                 if self._checks:
                     return self._take_check(reducer, self._checks.popleft())
-                lease = self._pending.popleft()
+                assert lease is not None
+                self._pending.remove(lease)
         finally:
             self._polling -= 1
+            self._waiting[reducer] -= 1
+            if not self._waiting[reducer]:
+                del self._waiting[reducer]
         stats = self._seen(reducer)
         lease.job = lease.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
         lease.holder, lease.taken = reducer, time.monotonic()
@@ -223,6 +230,23 @@ class Board:
             (job.reads if isinstance(job, BuildJob) else job.reads * len(job.updates)) / 1e6,
         )
         return lease.job
+
+    def _next(self, reducer: str) -> _Lease | None:
+        """The lease to give ``reducer``: the first on offer that prefers it, else the first that
+        prefers nobody or a reducer not around (not asking, holding nothing, not heard from
+        within :data:`AFFINITY_SECONDS`): that one folds the slices again from the updates."""
+        mine = next((x for x in self._pending if x.prefer == reducer), None)
+        if mine is not None:
+            return mine
+        return next((x for x in self._pending if x.prefer is None or not self._around(x.prefer)), None)
+
+    def _around(self, reducer: str) -> bool:
+        stats = self.reducers.get(reducer)
+        return (
+            reducer in self._waiting
+            or any(x.holder == reducer for x in self._held.values())
+            or (stats is not None and time.time() - stats.last_seen <= AFFINITY_SECONDS)
+        )
 
     def _take_check(self, reducer: str, check: _Check) -> CheckJob:
         stats = self._seen(reducer)
@@ -364,13 +388,23 @@ class Board:
         check.holder = None
 
     # ---- the merge's side ----------------------------------------------------------------
-    async def run(self, run: str, round_: int, offered: Sequence[Job | BuildJob | FoldJob]) -> list[Done]:
+    async def run(
+        self,
+        run: str,
+        round_: int,
+        offered: Sequence[Job | BuildJob | FoldJob],
+        prefer: Sequence[str | None] | None = None,
+    ) -> list[Done]:
         """Offer these leases and wait until every lease of it is done; their reports, in order.
-        An expired lease is offered again (first in line). Raises what a lease reported
-        (:class:`NonFinite`, :class:`LeaseFailed`); either way, or cancelled, nothing of these
-        leases stays on the board."""
+        ``prefer``: per lease, the reducer it is offered to first (it holds the lease's slices of
+        the round's mean). An expired lease is offered again (first in line). Raises what a lease
+        reported (:class:`NonFinite`, :class:`LeaseFailed`); either way, or cancelled, nothing of
+        these leases stays on the board."""
         merge = _Merge(run, round_)
-        merge.leases = [_Lease(job.model_copy(update={"run": run}), merge) for job in offered]
+        merge.leases = [
+            _Lease(job.model_copy(update={"run": run}), merge, prefer=who)
+            for job, who in zip(offered, prefer or [None] * len(offered), strict=True)
+        ]
         await self._offer(merge.leases)
         try:
             while merge.failure is None and not all(lease.report is not None for lease in merge.leases):
@@ -497,9 +531,10 @@ async def merge_leased(
     the reducers wrote (none on local disk) and their bound on ``|version v+1|`` per tensor
     (``m.bound``: the one on ``|version v|``, if known, see :meth:`MergeEngine.open_merge`). The
     hub holds no mean in its memory: the reducers folded the updates acknowledged before the
-    close into ``m.acc.partial`` (:class:`FoldAhead`), and the merge leases fold the rest
-    (``m.unfolded``) after it, in acknowledgement order: the same folds in the same order, the
-    same bits as the hub alone.
+    close into ``m.acc.partial``, which they hold (:class:`FoldAhead`), and each merge lease,
+    offered first to the reducer holding its slices, folds the rest (``m.unfolded``) after it,
+    in acknowledgement order: the same folds in the same order, the same bits as the hub alone
+    (a slice held by no reducer that takes it is folded from the first update).
 
     With an object store (the board's ``objects``) the result, and DiLoCo's momentum and the
     hub's residual if any, are multipart uploads that each lease writes its run of parts of
@@ -516,7 +551,7 @@ async def merge_leased(
         into = _into_bucket(objects(), outputs) if objects is not None else None
         merge = await to_thread.run_sync(engine.open_merge, files, m, into)
         leases = await to_thread.run_sync(jobs, merge, m.acc.schema, reducers)
-        reports = await board.run(m.run, m.round, leases)
+        reports = await board.run(m.run, m.round, leases, _holders(leases, m.acc.partial))
         records = [await to_thread.run_sync(_complete, objects, key, out) for key, out in outputs] if objects else []
     except BaseException as exc:
         await to_thread.run_sync(files.__exit__, type(exc), exc, exc.__traceback__)
@@ -611,92 +646,64 @@ def _abort(objects: ObjectStore, outputs: list[ObjectOutput]) -> None:
             log.warning("abort_multipart_failed object=%s: %s (cleaned up at the next start)", out.name, exc)
 
 
+def _holders(leases: Sequence[Job | FoldJob], mean: Resident | None) -> list[str | None]:
+    """Per lease, the reducer holding most of its slices of ``mean`` (None: no mean, or none known)."""
+    if mean is None:
+        return [None] * len(leases)
+    out: list[str | None] = []
+    for job in leases:
+        counts = Counter(mean.holders.get((s.name, s.start)) for s in job.slices)
+        counts.pop(None, None)
+        out.append(counts.most_common(1)[0][0] if counts else None)
+    return out
+
+
 class FoldAhead:
     """The reducers fold each round's updates **ahead**, as they are acknowledged, as the hub
     alone folds them into its accumulator: the close's merge leases then fold only what came
     after the last step (the last update, when peers finish apart).
 
     A step folds every update acknowledged and not folded yet, in acknowledgement order, after
-    the round's mean so far (none before the first), into a **new** file of the mean (float32,
-    a version's layout): a staged file under ``scratch`` on the hub's disk, or, with a store, a
-    multipart upload at ``runs/<run>/partials/<round>/<id>.safetensors`` that each fold lease
-    writes its run of parts of (:func:`~syncserver.reduce.lease.fold_jobs`). Only once every
-    lease is done (and the upload completed) does the accumulator name the new file, its
-    peers and its weight (record before it counts); the file it folded onto is deleted then.
-    A reducer killed mid-fold loses its lease, which is redone from the same mean to the same
-    bits; a step that fails leaves the accumulator as it was, and the merge folds the rest.
-    The files are not durable: a restarted hub folds the round again from the acknowledged
-    updates (their records), as the hub alone does, and its start deletes them (``tmp/``; an
-    object no record names)."""
+    the round's mean so far (none before the first) into a **new** mean, cut into K fold leases
+    as the merge's leases are cut (:func:`~syncserver.reduce.lease.fold_jobs`). The mean is kept
+    in the memory of the reducers that fold it (:data:`~syncserver.reduce.lease.MEANS`), slice
+    by slice, as the hub alone keeps its accumulator: nothing is written to a disk or a bucket,
+    so a step reads only the new updates' bytes and the close reads no mean back. Each lease of
+    the next step, and each merge lease, is offered first to the reducer that holds its slices.
 
-    def __init__(self, board: Board, reducers: int, engine: MergeEngine, scratch: Path) -> None:
-        self.board, self.reducers, self.engine, self.scratch = board, reducers, engine, scratch
-        self._made: dict[tuple[str, int], list[Partial]] = {}  # each open round's files, to drop
+    Only once every lease of a step is done does the accumulator name the new mean, its updates,
+    who holds which slices and its weight (record before it counts). A mean is a cache of its
+    updates' fold: a reducer that lacks a slice (it was killed and restarted, another reducer
+    took its lease, the hub restarted) folds it again from the updates, to the same bits, so a
+    reducer or a hub killed mid-fold loses nothing acknowledged; a step that fails leaves the
+    accumulator as it was, and the merge folds the rest."""
 
-    @staticmethod
-    def due(schema: Schema, acc: Accumulator, pending: Sequence[int]) -> bool:
-        """Is a step worth its bytes, with updates of these sizes not folded yet? A step writes a
-        float32 mean (4 bytes a value) that the close's merge reads back instead of the updates
-        it folded: it pays once they weigh as much, and the first step (no mean yet) once it
-        folds two updates or more (a mean of one fp32 update is that update again). So fp32
-        updates are folded ahead from the second on, int8 ones (~0.27x a mean) four at a time,
-        and the close reads at most about two means' worth, whatever the number of peers.
-        (Folding every update ahead, the close of 2 int8 peers with a store and a reducer took
-        2.69 s against 0.56 s for today's hub, and of 2 fp32 peers with 1 local reducer 4.3x the
-        hub alone's: bench/RESULTS.md, "Fold ahead".)"""
-        first = acc.partial is None
-        return (len(pending) >= 2 or not first) and sum(pending) >= 4 * sum(math.prod(s) for s in schema.values())
+    def __init__(self, board: Board, reducers: int, engine: MergeEngine) -> None:
+        self.board, self.reducers, self.engine = board, reducers, engine
 
     async def fold(
         self, run: str, round_: int, acc: Accumulator, codec: Codec, updates: Sequence[tuple[str, UpdateKey, float]]
     ) -> None:
         """One step: fold ``updates`` ((peer, key, weight), in acknowledgement order) after
-        ``acc``'s mean; ``acc`` names the new mean once it is whole (then it counts)."""
+        ``acc``'s mean; ``acc`` names the new mean once every lease is done (then it counts)."""
         if acc.mean is not None:
-            raise ValueError("the reducers fold ahead into files: the hub's accumulator must stay empty")
-        head, at, size = version_layout(acc.schema, round_)
-        sources = await to_thread.run_sync(self._sources, [(key, weight) for _, key, weight in updates])
-        objects = self.board.objects
-        out: ObjectOutput | None = None
-        made: Partial
-        if objects is None:
-            path = self.scratch / f"mean-{run}-{round_:08d}-{uuid.uuid4().hex}.safetensors"
-            await to_thread.run_sync(_staged, path, head, size)
-            made = Partial(path=str(path))
-        else:
-            store = objects()
-            name = f"runs/{run}/partials/{round_:08d}/{uuid.uuid4().hex}.safetensors"
-            upload_id = await to_thread.run_sync(store.create_multipart, name)
-            out = ObjectOutput(name, size, upload_id, functools.partial(store.presign_part, name, upload_id))
-            out.write(head)
-            made = Partial(object=name)
-        self._made.setdefault((run, round_), []).append(made)
-        try:
-            target = out if out is not None else str(made.path)
-            leases = fold_jobs(acc.schema, codec, target, at, self.reducers, acc.partial, acc.weight, sources)
-            for lease in leases:
-                lease.round = round_
-            await self.board.run(run, round_, leases)
-            if out is not None:
-                assert objects is not None
-                await to_thread.run_sync(_completed, objects(), out)
-        except BaseException:
-            if out is not None:
-                assert objects is not None
-                await to_thread.run_sync(_abort, objects(), [out])
-            await self._drop(run, round_, [made])
-            raise
-        old = acc.partial
-        acc.partial = made  # the new mean counts from here: whole, and named
+            raise ValueError("the reducers fold ahead in their memory: the hub's accumulator must stay empty")
+        base = acc.partial
+        folds = (*(base.updates if base is not None else ()), *((key, weight) for _, key, weight in updates))
+        sources = await to_thread.run_sync(self._sources, list(folds))
+        mean = uuid.uuid4().hex
+        held = len(base.updates) if base is not None else 0
+        leases = fold_jobs(acc.schema, codec, self.reducers, mean, base.id if base else None, held, acc.weight, sources)
+        for lease in leases:
+            lease.round = round_
+        reports = await self.board.run(run, round_, leases, _holders(leases, base))
+        holders = {
+            (s.name, s.start): done.reducer for job, done in zip(leases, reports, strict=True) for s in job.slices
+        }
+        acc.partial = Resident(mean, folds, holders)  # the new mean counts from here
         for peer, _, weight in updates:
             acc.folded.append(peer)
             acc.weight += weight  # summed fold by fold, as the merge sums them
-        if old is not None:
-            await self._drop(run, round_, [old])
-
-    async def forget(self, run: str, round_: int) -> None:
-        """Round ``round_`` committed (or its mean was dropped): delete every file of its means."""
-        await self._drop(run, round_, list(self._made.get((run, round_), [])))
 
     def _sources(self, updates: list[tuple[UpdateKey, float]]) -> list[UpdateSource]:
         """Worker thread: where each update lies, as its record names it (a file of the hub's, or
@@ -709,33 +716,3 @@ class FoldAhead:
                 else:
                     out.append(UpdateSource(path=wire.path, weight=weight))
         return out
-
-    async def _drop(self, run: str, round_: int, partials: list[Partial]) -> None:
-        made = self._made.get((run, round_), [])
-        for partial in partials:
-            if partial in made:
-                made.remove(partial)
-        if not made:
-            self._made.pop((run, round_), None)
-        objects = self.board.objects
-        names = [p.object for p in partials if p.object is not None]
-        paths = [p.path for p in partials if p.path is not None]
-        try:
-            if names and objects is not None:
-                await to_thread.run_sync(objects().delete_names, names)
-            for path in paths:
-                await to_thread.run_sync(functools.partial(os.unlink, path))
-        except (OSError, StoreError) as exc:  # garbage the next start deletes
-            log.warning("partial_mean_not_deleted run=%s round=%d: %s", run, round_, exc)
-
-
-def _staged(path: Path, head: bytes, size: int) -> None:
-    """Worker thread: a file of ``size`` bytes starting with ``head``, for the fold leases to
-    ``pwrite`` their ranges into."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.pwrite(fd, head, 0)
-        os.ftruncate(fd, size)
-    finally:
-        os.close(fd)

@@ -461,15 +461,14 @@ class Rounds:
     async def _fold_ahead(self, run: Run, ahead: FoldAhead) -> None:
         """The reducers fold every acknowledged, not yet folded update, in acknowledgement order,
         a step at a time (:class:`~syncserver.core.leases.FoldAhead`; a step folds all that came
-        meanwhile, once they weigh a mean: :meth:`~syncserver.core.leases.FoldAhead.due`), until
-        the round closes: its merge leases fold the rest. A step that fails costs nothing but
-        time: the merge folds what it did not."""
+        meanwhile), until the round closes: its merge leases fold the rest. A step that fails
+        costs nothing but time: the merge folds what it did not."""
         async with run.fold_lock:
             while not run.closing and run.schema is not None:
                 acc = run.accumulator()
                 pending = [u for u in sorted(run.acked.values(), key=lambda u: u.seq) if u.peer not in acc.folded]
-                if not ahead.due(run.schema, acc, [u.nbytes for u in pending]):
-                    return  # not worth a mean yet: the next acknowledgement looks again
+                if not pending:
+                    return  # the next acknowledgement starts the next step
                 updates = [
                     (u.peer, UpdateKey.of(run.name, u), run.policy.weight(u.samples, u.base, u.round)) for u in pending
                 ]
@@ -549,8 +548,6 @@ class Rounds:
         run.version = close.round + 1
         run.peaks = (run.version, peaks) if peaks else None
         run.acked, run.acc, run.opened = {}, None, None
-        if self.ahead is not None:
-            self._spawn(self.ahead.forget(run.name, close.round))
         if run.norms:
             # the guard's reference: this round's norms and the previous round's; async rounds
             # hold one update or a few, so there the last ASYNC_NORMS accepted ones

@@ -56,7 +56,7 @@ from syncserver.storage.store import (
 )
 from syncwire import Codec, FormatError, Schema, get_codec, layout_bytes, wire_layout, wire_name
 from syncwire.codecs import slices
-from syncwire.format import TensorFile, encode_header
+from syncwire.format import encode_header
 
 __all__ = [
     "Accumulator",
@@ -64,7 +64,7 @@ __all__ = [
     "MergeEngine",
     "NonFinite",
     "Outer",
-    "Partial",
+    "Resident",
     "RoundMerge",
     "SAFE",
     "Sink",
@@ -102,26 +102,31 @@ class NonFinite(ArithmeticError):
 
 
 @dataclass(frozen=True)
-class Partial:
-    """Where the reducers keep a round's running mean, folded ahead (float32, a version's layout):
-    a staged file on the hub's disk (``path``) or an object in the bucket (``object``)."""
+class Resident:
+    """A round's running mean as the reducers fold it ahead: held in their memory, slice by
+    slice, under ``id`` (:data:`syncserver.reduce.lease.MEANS`), never written anywhere.
+    ``updates``: the updates it holds (their keys and weights), in fold order: a lease whose
+    reducer lacks a slice of it folds that slice from them again, to the same bits.
+    ``holders``: which reducer holds each slice ((tensor, first value) -> name), so that the
+    next lease over it is offered to that reducer first."""
 
-    path: str | None = None
-    object: str | None = None
+    id: str
+    updates: tuple[tuple[UpdateKey, float], ...]
+    holders: dict[tuple[str, int], str] = field(default_factory=dict)
 
 
 @dataclass
 class Accumulator:
     """The open round's running weighted mean of ``decode(update)`` over folded updates
     (:func:`syncserver.reduce.aggregate.fold`), and the sum of the weights it holds: in the
-    hub's memory (``mean``), or, with reducers, in a file they folded it into (``partial``,
-    :func:`syncserver.core.leases.fold_leased`)."""
+    hub's memory (``mean``), or, with reducers, in theirs (``partial``,
+    :class:`syncserver.core.leases.FoldAhead`)."""
 
     schema: Schema
     mean: dict[str, np.ndarray] | None = None  # allocated at the first fold
     folded: list[str] = field(default_factory=list)  # peers, in fold (= acknowledgement) order
     weight: float = 0.0  # the folded updates' weights, summed (exact: at most 2^53, whole for a barrier)
-    partial: Partial | None = None  # the reducers': the mean of ``folded`` (then ``mean`` stays None)
+    partial: Resident | None = None  # the reducers': the mean of ``folded`` (then ``mean`` stays None)
 
 
 @dataclass(frozen=True)
@@ -364,9 +369,14 @@ class MergeEngine:
         return Merge(
             step=step,
             base=base,
-            partial=self._partial(files, acc.partial) if acc.partial is not None else None,
+            mean=acc.partial.id if acc.partial is not None else None,
+            held=len(acc.partial.updates) if acc.partial is not None else 0,
             folded=acc.weight,
-            updates=[(self._opened(files, key), w) for key, w in unfolded],
+            # a reducer lacking a slice of the mean folds it again from every update
+            updates=[
+                (self._opened(files, key), w)
+                for key, w in [*(acc.partial.updates if acc.partial is not None else ()), *unfolded]
+            ],
             momentum=old_momentum,
             residual=old_residual,
             result=result,
@@ -378,17 +388,6 @@ class MergeEngine:
             result_size=result_size,
             bound=m.bound,
         )
-
-    def _partial(self, files: contextlib.ExitStack, partial: Partial) -> TensorReader:
-        """The reducers' running mean of a round, closed with ``files``: named in the merge's
-        leases, read by them (the hub reads none of it but an object's header, lazily)."""
-        if partial.path is not None:
-            return files.enter_context(TensorFile(partial.path))
-        if self.objects is None or partial.object is None:
-            raise Missing(f"a partial mean in an object store ({partial.object}): start the hub with it")
-        wire = ObjectTensorFile(self.objects, partial.object, window=WINDOW)
-        files.callback(wire.close)
-        return wire
 
     def _version(self, files: contextlib.ExitStack, run: str, v: int) -> TensorReader:
         """Version ``v``, closed with ``files``: its file on the hub's disk, or else its object in
@@ -542,8 +541,10 @@ class Merge:
     result_size: int = 0
     bound: dict[str, float] | None = None  # a bound on |version v| per tensor (see MergeEngine.open_merge)
     peaks: list[tuple[str, float]] | None = None  # if kept: (tensor, a bound on |version v+1|) per slice
-    partial: TensorReader | None = None  # the reducers' running mean of the updates folded ahead
-    folded: float = 0.0  # the weight it holds (the updates are folded after it)
+    mean: str | None = None  # the id of the reducers' running mean folded ahead (Resident), if any
+    held: int = 0  # how many of ``updates`` that mean holds (the first ones)
+    folded: float = 0.0  # and their weight
+    take: Callable[[str, str, int], np.ndarray | None] | None = None  # a reducer's: its slice of a mean, if held
 
 
 def merge_slice(
@@ -574,13 +575,16 @@ def merge_slice(
     if step.empty:  # every update was left out: this round changes nothing
         update, m_new = np.zeros(n, np.float32), m_old
     else:
+        updates = merge.updates
+        held: np.ndarray | None
         if acc is not None and acc.mean is not None:  # the hub's own accumulator: left as it is
             held, before, own = acc.mean[name].reshape(-1)[start:stop], acc.weight, False
-        elif merge.partial is not None:  # the reducers' running mean, folded ahead: a fresh copy
-            held, before, own = merge.partial.read(name, start, stop), merge.folded, True
-        else:
-            held, before, own = None, 0.0, False
-        mean = fold_slice(name, start, stop, parts, held, before, merge.updates, run_codec, own=own)
+        else:  # the reducers' running mean, if this reducer holds the slice: its own to change
+            held = merge.take(merge.mean, name, start) if merge.mean is not None and merge.take else None
+            before, own = (merge.folded, True) if held is not None else (0.0, False)
+            if held is not None:
+                updates = updates[merge.held :]
+        mean = fold_slice(name, start, stop, parts, held, before, updates, run_codec, own=own)
         if step.scale is not None:
             with np.errstate(over="ignore"):  # an overflow is refused below
                 mean = mean * np.float32(step.scale)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +45,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from syncserver.reduce.engine import (
     Merge,
     NonFinite,
-    Partial,
     Step,
     apply_slice,
     fold_slice,
@@ -64,6 +64,8 @@ __all__ = [
     "FoldJob",
     "Job",
     "LeaseStopped",
+    "MEANS",
+    "Means",
     "ObjectOutput",
     "Output",
     "SliceJob",
@@ -179,10 +181,14 @@ class Job(BaseModel):
     residual: str | None = Field(description="The hub's residual of version v (topk) on the hub's disk, if any.")
     momentum_object: str | None = Field(None, description="DiLoCo's momentum of version v in the bucket, if any.")
     residual_object: str | None = Field(None, description="The hub's residual of version v in the bucket, if any.")
-    partial: str | None = Field(None, description="The round's mean folded ahead (float32) on the hub's disk, if any.")
-    partial_object: str | None = Field(None, description="The round's mean folded ahead in the bucket, if any.")
-    folded: float = Field(0.0, ge=0, description="The weight that mean holds: the updates are folded after it.")
-    updates: list[UpdateSource] = Field(description="The updates and their weights, folded in this order.")
+    mean: str | None = Field(
+        None, description="The id of the round's mean folded ahead, if any: held in the reducers' memory."
+    )
+    held: int = Field(0, ge=0, description="How many of the updates (the first ones) that mean holds.")
+    folded: float = Field(0.0, ge=0, description="The weight that mean holds: the rest are folded after it.")
+    updates: list[UpdateSource] = Field(
+        description="Every update and its weight, folded in this order (a slice of the mean not held: from the first)."
+    )
     slices: list[SliceJob]
     result: Output
     next_momentum: Output | None
@@ -241,9 +247,10 @@ class BuildJob(BaseModel):
 
 class FoldJob(BaseModel):
     """A fold lease: a span of round ``round``'s running mean folded ahead, as its updates are
-    acknowledged: the mean so far (``partial``/``partial_object``, float32, holding weight
-    ``folded``; none before the first fold) with ``updates`` folded after it, in this order,
-    written as this span's range of the next mean (``out``: its staged file, or its run of parts)."""
+    acknowledged, in the reducer's memory: the mean so far (``base``, holding the first
+    ``held`` of ``updates``, weighing ``folded``; none before the first fold) with the rest of
+    ``updates`` folded after it, in this order, kept as mean ``mean``. A slice of ``base`` the
+    reducer does not hold (it restarted, or another held it) is folded from the first update."""
 
     model_config = ConfigDict(extra="forbid")
     kind: Literal["fold"] = "fold"
@@ -252,13 +259,59 @@ class FoldJob(BaseModel):
     round: int = Field(ge=0)
     seconds: float = Field(description="The lease's length: renew it within this many seconds.")
     codec: str = Field(description="The updates' codec: the slices' parts are its.")
-    partial: str | None = Field(None, description="The mean so far on the hub's disk.")
-    partial_object: str | None = Field(None, description="The mean so far in the bucket.")
+    mean: str = Field(min_length=1, max_length=64, description="The id the new mean is kept under.")
+    base: str | None = Field(None, max_length=64, description="The id of the mean so far, if any.")
+    held: int = Field(0, ge=0, description="How many of the updates (the first ones) the mean so far holds.")
     folded: float = Field(0.0, ge=0, description="The weight the mean so far holds.")
-    updates: list[UpdateSource] = Field(min_length=1, description="Folded after it, in this order.")
+    updates: list[UpdateSource] = Field(min_length=1, description="Every update of the new mean, in fold order.")
     slices: list[SliceJob]
-    out: Output = Field(description="Where this span's range of the next mean goes (float32, a version's layout).")
     reads: int = Field(description="Bytes of one update this lease reads.")
+
+
+class Means:
+    """The running means a process holds for the fold leases and merge leases it works, by id
+    and by slice ((tensor, first value) -> float32 values): the reducers' share of the hub
+    alone's accumulator, kept between leases so that no mean is written anywhere or read back.
+
+    Every entry is exact (a mean id names one fold of given updates, whoever computed it), so a
+    lease may use whatever it finds and fold the rest from the updates. A slice is *taken* (the
+    lease folds into it in place; if the lease dies, the next one folds that slice again), and a
+    lease that starts on a mean drops this process's other means of the run: superseded
+    (an expired lease's, a restarted hub's), they would otherwise stay."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._means: dict[str, tuple[str, dict[tuple[str, int], np.ndarray]]] = {}  # id -> (run, slices)
+
+    def start(self, run: str, keep: Iterable[str | None]) -> None:
+        """A lease of ``run`` works on these means: drop the run's others."""
+        keep = set(keep)
+        with self._lock:
+            for mean in [m for m, (r, _) in self._means.items() if r == run and m not in keep]:
+                del self._means[mean]
+
+    def has(self, mean: str, name: str, start: int) -> bool:
+        with self._lock:
+            return (name, start) in self._means.get(mean, ("", {}))[1]
+
+    def take(self, mean: str, name: str, start: int) -> np.ndarray | None:
+        """The slice of ``mean`` starting at value ``start`` of ``name``, now the caller's; None if not held."""
+        with self._lock:
+            held = self._means.get(mean)
+            return held[1].pop((name, start), None) if held is not None else None
+
+    def put(self, run: str, mean: str, name: str, start: int, values: np.ndarray) -> None:
+        with self._lock:
+            self._means.setdefault(mean, (run, {}))[1][(name, start)] = values
+
+    def nbytes(self) -> int:
+        """Bytes held, every mean together."""
+        with self._lock:
+            return sum(a.nbytes for _, slices in self._means.values() for a in slices.values())
+
+
+#: this process's means (a reducer's; the hub's when it works leases itself)
+MEANS = Means()
 
 
 class LeaseStopped(Exception):
@@ -355,46 +408,40 @@ def build_jobs(
 def fold_jobs(
     schema: Schema,
     codec: Codec,
-    out: str | ObjectOutput,
-    at: dict[str, int],
     k: int,
-    held: Partial | None,
+    mean: str,
+    base: str | None,
+    held: int,
     folded: float,
     updates: list[UpdateSource],
 ) -> list[FoldJob]:
-    """The fold leases of one step ahead: ``updates`` (in ``codec``, in acknowledgement order)
-    folded after the mean ``held`` (weighing ``folded``; None: the round's first fold) into the
-    next mean ``out`` (float32, a version's layout: ``at``, each tensor's byte offset; the path of
-    a staged file, written whole and pre-sized, or a multipart upload with its header written),
-    cut into at most ``k``
-    spans balanced by the updates' bytes (in a bucket each span writes at least
-    :data:`~syncserver.reduce.plan.PART_MIN` but the last, as its run of parts)."""
-    items = pieces(codec, get_codec("fp32"), schema)  # the mean's values lie at their own places
-    in_parts = isinstance(out, ObjectOutput)
-    spans = plan(items, k, whole_tensors=False, min_writes=PART_MIN if in_parts else 0)
-    if isinstance(out, ObjectOutput):
-        _cut_parts(out, items, spans, at, None)
-    made = []
-    for number, span in enumerate(spans, 1):
-        chosen = items[span.first : span.stop]
-        where = {name: at[name] for name in dict.fromkeys(p.name for p in chosen)}
-        made.append(
-            FoldJob(
-                lease="",
-                run="",
-                round=0,
-                seconds=0.0,
-                codec=codec.spec,
-                partial=held.path if held is not None else None,
-                partial_object=held.object if held is not None else None,
-                folded=folded,
-                updates=updates,
-                slices=[SliceJob(name=p.name, start=p.start, stop=p.stop, parts=p.parts, out_parts={}) for p in chosen],
-                out=_part(out, number, where) if isinstance(out, ObjectOutput) else Output(path=out, at=where),
-                reads=span.reads,
-            )
+    """The fold leases of one step ahead: ``updates`` (in ``codec``, in fold order) of which the
+    mean ``base`` holds the first ``held`` (weighing ``folded``; None: the round's first step)
+    folded into mean ``mean``, cut as the merge's leases are cut (:func:`plan`, by the updates'
+    bytes, at tensor boundaries where the codec writes a slice into two wire parts), so that each
+    merge lease finds its slices of the mean with the reducer that folded them."""
+    items = pieces(codec, codec, schema)
+    spans = plan(items, k, whole_tensors=multi_part(codec))
+    return [
+        FoldJob(
+            lease="",
+            run="",
+            round=0,
+            seconds=0.0,
+            codec=codec.spec,
+            mean=mean,
+            base=base,
+            held=held if base is not None else 0,
+            folded=folded if base is not None else 0.0,
+            updates=updates,
+            slices=[
+                SliceJob(name=p.name, start=p.start, stop=p.stop, parts=p.parts, out_parts={})
+                for p in items[span.first : span.stop]
+            ],
+            reads=span.reads,
         )
-    return made
+        for span in spans
+    ]
 
 
 def _part(out: ObjectOutput, number: int, at: dict[str, int]) -> Output:
@@ -467,8 +514,8 @@ def _job(merge: Merge, items: list[Piece], span: Span, number: int) -> Job:
         residual=merge.residual.path if isinstance(merge.residual, TensorFile) else None,
         momentum_object=merge.momentum.name if isinstance(merge.momentum, ObjectTensorFile) else None,
         residual_object=merge.residual.name if isinstance(merge.residual, ObjectTensorFile) else None,
-        partial=merge.partial.path if isinstance(merge.partial, TensorFile) else None,
-        partial_object=merge.partial.name if isinstance(merge.partial, ObjectTensorFile) else None,
+        mean=merge.mean,
+        held=merge.held,
         folded=merge.folded,
         updates=[
             UpdateSource(path=f.path, weight=w) if isinstance(f, TensorFile) else UpdateSource(object=f.name, weight=w)
@@ -562,8 +609,9 @@ def work(
         # the files on the hub's disk first: a reducer elsewhere fails before any request
         momentum = state(job.momentum, job.momentum_object, "DiLoCo's momentum")
         residual = state(job.residual, job.residual_object, "the hub's residual")
-        partial = state(job.partial, job.partial_object, "the round's mean folded ahead")
         result = _sink(files, job.lease, job.result, parts)
+        if job.mean is not None:
+            MEANS.start(job.run, [job.mean])
         assert result is not None
         merge = Merge(
             step=Step(**job.step.model_dump()),
@@ -579,8 +627,10 @@ def work(
             residual_at=job.next_residual.at if job.next_residual is not None else {},
             bound=job.bound,
             peaks=[],
-            partial=partial,
+            mean=job.mean,
+            held=job.held,
             folded=job.folded,
+            take=MEANS.take,
         )
 
         def one(s: SliceJob) -> None:
@@ -601,8 +651,8 @@ def work(
     for part in parts:
         part.send()
     count = sum(s.stop - s.start for s in job.slices)
-    outputs = sum(o is not None for o in (job.next_momentum, job.next_residual, job.partial or job.partial_object))
-    nbytes = job.reads * len(job.updates) + job.writes + 4 * count * outputs
+    outputs = sum(o is not None for o in (job.next_momentum, job.next_residual))
+    nbytes = job.reads * (len(job.updates) - job.held) + job.writes + 4 * count * outputs
     assert merge.peaks is not None
     return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes, peaks=highest(merge.peaks))
 
@@ -614,38 +664,38 @@ def work_fold(
     pool: ThreadPoolExecutor | None = None,
     objects: Callable[[], ObjectStore] | None = None,
 ) -> Done:
-    """Fold a fold lease's updates into its span of the round's mean (read, a slice at a time,
-    from the mean so far) and write the span of the next mean, as its range of the hub's staged
-    file or its run of parts. The next mean is a new file: the one it folds onto stays whole, so
-    a fold cut short (a reducer killed, a lease lost) is redone from it, to the same bits."""
+    """Fold a fold lease's updates into its span of the round's mean, in this process's memory
+    (:data:`MEANS`): each slice of the mean so far that it holds, taken and folded in place with
+    the updates after it; any other slice folded from the first update. Nothing is written: the
+    hub records who holds which slices once the lease is reported, and a lease lost mid-fold
+    leaves slices that the next lease over them folds again, to the same bits."""
     started = time.monotonic()
-    parts: list[_Part] = []
     codec = get_codec(job.codec)
+    MEANS.start(job.run, [job.base, job.mean])
+    whole = job.base is not None and all(MEANS.has(job.base, s.name, s.start) for s in job.slices)
+    first = job.held if whole else 0  # the updates any slice may need
     with contextlib.ExitStack() as files:
-        values, reads = _values(job.slices), _wire_reads(job.slices)
-        held = (
-            _opened(files, job.lease, objects, job.partial, job.partial_object, "the round's mean", values)
-            if job.partial is not None or job.partial_object is not None
-            else None
-        )
-        out = _sink(files, job.lease, job.out, parts)
-        assert out is not None
+        reads = _wire_reads(job.slices)
         updates = [
-            (_opened(files, job.lease, objects, u.path, u.object, "updates", reads), u.weight) for u in job.updates
+            (_opened(files, job.lease, objects, u.path, u.object, "updates", reads), u.weight)
+            for u in job.updates[first:]
         ]
 
         def one(s: SliceJob) -> None:
             _going(stop, job.lease)
-            mean = held.read(s.name, s.start, s.stop) if held is not None else None
-            mean = fold_slice(s.name, s.start, s.stop, s.parts, mean, job.folded, updates, codec, own=True)
-            out.write_at(mean, job.out.at[s.name] + s.start * 4)
+            held = MEANS.take(job.base, s.name, s.start) if job.base is not None else None
+            if held is not None:
+                after = updates[job.held - first :]
+                mean = fold_slice(s.name, s.start, s.stop, s.parts, held, job.folded, after, codec, own=True)
+            elif first:
+                raise RuntimeError(f"lease {job.lease}: a slice of mean {job.base} went from this process mid-lease")
+            else:
+                mean = fold_slice(s.name, s.start, s.stop, s.parts, None, 0.0, updates, codec, own=True)
+            MEANS.put(job.run, job.mean, s.name, s.start, mean)
 
         run_slices(pool, [(s,) for s in job.slices], one)
     _going(stop, job.lease)
-    for part in parts:
-        part.send()
-    count = sum(s.stop - s.start for s in job.slices)
-    nbytes = job.reads * len(job.updates) + 4 * count * (2 if held is not None else 1)
+    nbytes = job.reads * (len(job.updates) - (job.held if whole else 0))
     return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes)
 
 
