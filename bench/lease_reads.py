@@ -5,10 +5,11 @@
 
 For each codec and K, the leases the hub would cut (``plan`` with S3's part floor, as a bucket's
 round has them) each read their slices' wire parts of an update through the reducers' own reader
-(:func:`syncserver.reduce.lease._remote`, the windowed :class:`ObjectTensorFile`), from a store
-stand-in that counts each ``read`` (one ranged GET) and ``head`` and the bytes they move. Beside
-them: the contiguous byte runs the lease needs (its slices' parts merged), the floor a reader
-with one GET per run would reach. ``--threads`` reads the slices from that many threads, as a
+(:func:`syncserver.reduce.lease._remote` as a lease opens an update: each run one streamed GET;
+``--windowed``: the 8 MiB windows it used before, which version v and the momentum still use),
+from a store stand-in that counts each ``read`` and ``stream`` (one ranged GET each) and ``head``
+and the bytes they move. Beside them: the contiguous byte runs the lease needs (its slices' parts
+merged), the floor: one GET per run. ``--threads`` reads the slices from that many threads, as a
 lease's fold pool does (the count then varies from run to run: windows race). No network, no
 store: seconds on any machine.
 """
@@ -37,6 +38,7 @@ parser.add_argument("--model", choices=sorted(rb.MODELS), default="gpt2")
 parser.add_argument("--codecs", nargs="+", default=["int8", "fp32"])
 parser.add_argument("--reducers", type=int, nargs="+", default=[1, 2], help="K values")
 parser.add_argument("--threads", type=int, default=1, help="threads reading a lease's slices")
+parser.add_argument("--windowed", action="store_true", help="8 MiB windows instead of one streamed GET per run")
 
 
 class CountingStore:
@@ -60,6 +62,11 @@ class CountingStore:
         piece = self.head_bytes[start:end]
         out[: len(piece)] = piece
         return out
+
+    def stream(self, name: str, start: int = 0, end: int | None = None) -> Any:
+        data = self.read(name, start, end)
+        for at in range(0, len(data), 1 << 20):
+            yield bytes(data[at : at + (1 << 20)])
 
 
 def runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -92,7 +99,7 @@ def main() -> None:
                 slices = items[span.first : span.stop]
                 reads = [(wire_name(p.name, s), f, f + c) for p in slices for s, (f, c) in p.parts.items()]
                 store = CountingStore(size, head)
-                wire = _remote(store, "update", reads)  # type: ignore[arg-type]
+                wire = _remote(store, "update", reads, stream=not args.windowed)  # type: ignore[arg-type]
 
                 def one(p: Any, wire: Any = wire) -> None:
                     for s, (f, c) in p.parts.items():
@@ -100,6 +107,7 @@ def main() -> None:
 
                 with ThreadPoolExecutor(args.threads) as pool:
                     list(pool.map(one, slices))
+                wire.close()
                 need = runs([(where[n][0] + a * where[n][1], where[n][0] + b * where[n][1]) for n, a, b in reads])
                 print(
                     f"| {spec} | {k} | {j} | {len(slices)} | {len(reads)} | {store.heads} + {store.gets} "

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
@@ -28,12 +29,14 @@ from botocore.session import get_session
 from syncclient.exceptions import HubError, HubUnreachable
 from syncclient.objects import PartedUpload, download, upload_parts
 from syncclient.transport import Transport
+from syncserver.storage import objectfile
 from syncserver.storage.objectfile import ObjectTensorFile
 from syncserver.storage.s3 import KeyRefused, ObjectStore, StoreRefused, StoreUnavailable
 from syncserver.storage.sigv4 import Credentials, presign
 from syncwire import FormatError, iter_chunks
 from syncwire.format import TensorFile
 from tests.faultproxy import FaultProxy
+from tests.harness import wait_for
 from tests.s3server import SeaweedFS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -258,6 +261,27 @@ class _CountedReads:
         self.reads.append((start, end))
         return self.store.read(name, start, end)
 
+    def stream(self, name: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+        self.reads.append((start, end))
+        return self.store.stream(name, start, end)
+
+
+class _CutStream(_CountedReads):
+    """The same, and the first streamed GET fails after 100 kB (a link that breaks)."""
+
+    cut = True
+
+    def stream(self, name: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+        self.reads.append((start, end))
+        sent = 0
+        for chunk in self.store.stream(name, start, end):
+            if self.cut and sent + len(chunk) > 100_000:
+                self.cut = False
+                yield chunk[: 100_000 - sent]
+                raise StoreUnavailable("the link broke")
+            sent += len(chunk)
+            yield chunk
+
 
 def test_a_reader_with_a_window_reads_ahead_within_what_it_was_told_it_will_read(
     store: ObjectStore, tmp_path: Path
@@ -307,6 +331,52 @@ def test_a_slice_that_straddles_two_windows_is_served_by_both(store: ObjectStore
     assert len(ranged) == 8, ranged  # 1.2 MB of 160 kB windows
     assert all(a[1] == b[0] for a, b in itertools.pairwise(ranged)), ranged  # no byte twice
     assert ranged[-1][1] == len(data)
+
+
+def test_a_streamed_reader_reads_each_run_with_one_get_and_resumes_a_cut_one(
+    store: ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``stream=True`` (a lease over an update): c's values and s's scales read in turn, as a
+    quantized slice reads them, from two threads: one GET for each contiguous run said (after
+    the header's), each byte read once; a read of bytes read before, or of bytes not said, is its
+    own GET. A stream cut after 100 kB is asked again from where it stopped, and the values are
+    the file's. A stream holds at most 64 kB unread here (but goes on while a reader waits for
+    s's scales past c's values), and ``close`` stops the stream of a run nobody finished."""
+    monkeypatch.setattr(objectfile, "STREAM_AHEAD", 64_000)
+    rng = np.random.default_rng(6)
+    arrays = {"c": rng.standard_normal(300_000).astype(np.float32), "s": rng.standard_normal(3_000).astype(np.float32)}
+    data = b"".join(bytes(c) for c in iter_chunks(((k, v, None) for k, v in arrays.items()), {}))
+    store.put("w", data)
+    first = len(data) - sum(a.nbytes for a in arrays.values())  # c's first byte
+    for counted in (_CountedReads(store), _CutStream(store)):
+        remote = ObjectTensorFile(counted, "w", len(data), stream=True)  # type: ignore[arg-type]
+        remote.expect([("c", 0, 300_000), ("s", 0, 3_000)])  # one run: c then s, adjacent
+
+        def one(k: int, remote: ObjectTensorFile = remote) -> None:
+            assert np.array_equal(remote.read("c", 1000 * k, 1000 * (k + 1)), arrays["c"][1000 * k : 1000 * (k + 1)])
+            assert np.array_equal(remote.read("s", 10 * k, 10 * (k + 1)), arrays["s"][10 * k : 10 * (k + 1)])
+
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(one, range(300)))
+        ranged = counted.reads[1:]  # after the header's GET, whose bytes serve the run's start
+        after = objectfile._FIRST_READ
+        if isinstance(counted, _CutStream):
+            assert ranged == [(after, len(data)), (after + 100_000, len(data))], ranged
+        else:
+            assert ranged == [(after, len(data))], ranged
+        assert np.array_equal(remote.read("c", 100_000, 100_004), arrays["c"][100_000:100_004])  # its own GET
+        assert counted.reads[-1] == (first + 400_000, first + 400_016)
+        remote.close()
+    remote = ObjectTensorFile(store, "w", len(data), stream=True)
+    remote.expect([("c", 0, 300_000)])
+    assert np.array_equal(remote.read("c", 20_000, 20_010), arrays["c"][20_000:20_010])
+    (run,) = remote._streams.values()
+    wait_for(lambda: run._held >= 64_000, "the stream to read ahead as far as it may")
+    time.sleep(0.2)
+    assert run._held < 64_000 + (1 << 20) and run._thread.is_alive()  # it waits for a reader
+    remote.close()  # the rest of the run is not read: its GET stops
+    run._thread.join(10)
+    assert not run._thread.is_alive()
 
 
 def test_the_hubs_own_upload_from_a_file_in_one_request_or_in_parts(store: ObjectStore) -> None:

@@ -717,7 +717,8 @@ def _opened(
             )
         return files.enter_context(TensorFile(path))
     assert name is not None
-    wire = _remote(_bucket(objects, lease, what), name, reads)
+    # an update's slices are all read, in order: each run of them one streamed GET
+    wire = _remote(_bucket(objects, lease, what), name, reads, stream=what == "updates")
     files.callback(wire.close)
     return wire
 
@@ -787,9 +788,13 @@ def _bucket(objects: Callable[[], ObjectStore] | None, lease: str, what: str) ->
     return objects()
 
 
-def _remote(store: ObjectStore, name: str, reads: list[tuple[str, int, int]]) -> ObjectTensorFile:
-    """An object read in windows, never ahead past this lease's ranges (``reads``) into the next's."""
-    wire = ObjectTensorFile(store, name, window=WINDOW)
+def _remote(
+    store: ObjectStore, name: str, reads: list[tuple[str, int, int]], *, stream: bool = False
+) -> ObjectTensorFile:
+    """An object read in windows, never ahead past this lease's ranges (``reads``) into the next's;
+    ``stream``: every one of those ranges is read, about in order (an update's): each contiguous
+    run of them is one streamed GET."""
+    wire = ObjectTensorFile(store, name, window=0 if stream else WINDOW, stream=stream)
     wire.expect(reads)
     return wire
 

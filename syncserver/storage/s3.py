@@ -422,13 +422,20 @@ class ObjectStore:
         finally:
             response.close()
 
-    def stream(self, name: str) -> Generator[bytes, None, None]:
-        """The whole of ``name``, 1 MiB at a time, from one GET (a check reads an update once, in
-        order, and keeps none of it). Nothing is requested before the first ``next``; closing the
-        iterator early closes the answer. A body shorter than the store announced, or a link
-        that fails on the way, is a :class:`StoreUnavailable`."""
-        response = self._request("GET", self.key(name), stream=True)
+    def stream(self, name: str, start: int = 0, end: int | None = None) -> Generator[bytes, None, None]:
+        """Bytes ``[start, end)`` of ``name`` (the whole object by default), 1 MiB at a time, from
+        one GET (a check reads an update once, in order, and keeps none of it; a reducer reads
+        its run of an update as it folds it). Nothing is requested before the first ``next``;
+        closing the iterator early closes the answer. A body shorter than the store announced,
+        or a link that fails on the way, is a :class:`StoreUnavailable`."""
+        if start < 0 or (end is not None and end <= start):
+            raise ValueError(f"bad range [{start}, {end})")
+        ranged = start > 0 or end is not None
+        headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"} if ranged else {}
+        response = self._request("GET", self.key(name), headers=headers, stream=True)
         try:
+            if ranged and response.status_code != 206:
+                raise StoreUnavailable(f"{self.endpoint} ignored a Range request ({response.status_code})")
             announced, filled = int(response.headers["content-length"]), 0
             for chunk in response.iter_raw(_READ_BYTES):
                 filled += len(chunk)
