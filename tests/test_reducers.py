@@ -25,11 +25,12 @@ import numpy as np
 import pytest
 
 import syncserver.core.leases
+import syncserver.reduce.lease
 import syncwire.codecs
 from syncserver.core.leases import Board, FoldAhead, LeaseFailed
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer, RoundMerge, merge_slice
-from syncserver.reduce.lease import MEANS, Done, FoldJob, highest, jobs, work, work_fold
+from syncserver.reduce.lease import MEANS, Done, FoldJob, Means, highest, jobs, work, work_fold
 from syncserver.reduce.plan import pieces
 from syncserver.storage.objectfile import TensorReader
 from syncserver.storage.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
@@ -776,3 +777,22 @@ def test_a_hub_killed_while_its_leases_wait_closes_the_round_again_after_a_resta
         reducer.kill()
         reducer.wait()
     assert not list(staged.glob("*.tmp"))
+
+
+def test_a_process_keeps_only_the_means_its_leases_still_need(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slice of a mean is taken once (then the lease folds into it); a lease that starts on a
+    mean drops the run's other means (superseded) but not other runs' in use, and any mean no
+    lease started on for MEAN_IDLE_SECONDS."""
+    means = Means()
+    for run, mean in (("r", "old"), ("r", "new"), ("s", "other")):
+        means.put(run, mean, "w", 0, np.ones(4, np.float32))
+    means.start("s", ["other"])
+    taken = means.take("new", "w", 0)
+    assert taken is not None and means.take("new", "w", 0) is None  # taken once
+    means.put("r", "new", "w", 0, taken)
+    means.start("r", ["new"])
+    assert not means.has("old", "w", 0) and means.has("new", "w", 0) and means.has("other", "w", 0)
+    assert means.nbytes() == 32
+    monkeypatch.setattr(syncserver.reduce.lease, "MEAN_IDLE_SECONDS", -1.0)
+    means.start("r", ["new"])  # "other" was last started on before now: idle
+    assert not means.has("other", "w", 0) and means.has("new", "w", 0)

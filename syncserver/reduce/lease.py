@@ -276,19 +276,26 @@ class Means:
     Every entry is exact (a mean id names one fold of given updates, whoever computed it), so a
     lease may use whatever it finds and fold the rest from the updates. A slice is *taken* (the
     lease folds into it in place; if the lease dies, the next one folds that slice again), and a
-    lease that starts on a mean drops this process's other means of the run: superseded
-    (an expired lease's, a restarted hub's), they would otherwise stay."""
+    lease that starts on a mean drops this process's other means of the run (superseded: an
+    expired lease's, a restarted hub's) and any mean no lease started on for
+    :data:`MEAN_IDLE_SECONDS` (a run that ended, its merge worked elsewhere): they would
+    otherwise stay."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._means: dict[str, tuple[str, dict[tuple[str, int], np.ndarray]]] = {}  # id -> (run, slices)
+        self._used: dict[str, float] = {}  # id -> when a lease last started on it
 
     def start(self, run: str, keep: Iterable[str | None]) -> None:
-        """A lease of ``run`` works on these means: drop the run's others."""
-        keep = set(keep)
+        """A lease of ``run`` works on these means: drop the run's others, and the idle ones."""
+        kept, now = {m for m in keep if m is not None}, time.monotonic()
         with self._lock:
-            for mean in [m for m, (r, _) in self._means.items() if r == run and m not in keep]:
-                del self._means[mean]
+            for mean in kept:
+                self._used[mean] = now
+            for mean, (r, _) in list(self._means.items()):
+                if mean not in kept and (r == run or now - self._used.get(mean, now) > MEAN_IDLE_SECONDS):
+                    del self._means[mean]
+            self._used = {m: t for m, t in self._used.items() if m in self._means or m in kept}
 
     def has(self, mean: str, name: str, start: int) -> bool:
         with self._lock:
@@ -312,6 +319,8 @@ class Means:
 
 #: this process's means (a reducer's; the hub's when it works leases itself)
 MEANS = Means()
+#: a mean no lease started on for this long is dropped at the next lease's start
+MEAN_IDLE_SECONDS = 3600.0
 
 
 class LeaseStopped(Exception):
