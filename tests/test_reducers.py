@@ -440,12 +440,8 @@ def _train(
     return _digests(url, run)
 
 
-#: fp32 updates weigh a mean each: every one is folded ahead (FoldAhead.due), DiLoCo on top
+#: every update is folded ahead as it is acknowledged; fp32 and DiLoCo on top
 FP32_IN_ORDER: dict[str, object] = {"codec": "fp32", "outer": "diloco"}
-
-
-def _zeros() -> dict[str, np.ndarray]:
-    return {name: np.zeros(shape, np.float32) for name, shape in SCHEMA.items()}
 
 
 def _train_in_order(
