@@ -48,7 +48,8 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
     version objects are the lone hub's files. Round 1 (a final one: its result is fp32) merges
     under the bound the build of version 1 reported, and so without reading version 1 at all
     (the object is away while it merges); the build reads it from the bucket (the hub's disk has
-    no version file at all). A small result is one part (S3's parts are 5 MiB but the last)."""
+    no version file but version 0, which the leases read in the bucket too: a reducer on another
+    machine could not read the hub's). A small result is one part (S3's parts are 5 MiB but the last)."""
     codec, outer = get_codec(spec), Outer("avg", 1.0, 0.0)
     rng = np.random.default_rng(3)
     model = _update_file(get_codec("fp32"), {k: rng.standard_normal(s, dtype=np.float32) for k, s in schema.items()})
@@ -63,8 +64,11 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
     with alone.write(VersionKey("r", 0)) as f:
         f.write(model)
     objects = seaweedfs.store(f"parts-{spec}/")
-    objects.put(object_name(VersionKey("r", 0)), model)
-    hub = Store(tmp_path / "hub")  # holds no model file: everything is in the bucket
+    info = objects.put(object_name(VersionKey("r", 0)), model)
+    hub = Store(tmp_path / "hub")  # version 0 on its disk, uploaded for the reducers; nothing else
+    with hub.write(VersionKey("r", 0)) as f:
+        f.write(model)
+    hub.record_object(ObjectRecord(VersionKey("r", 0), info.size, info.etag))
     engines = MergeEngine(alone, threads=2), MergeEngine(hub, threads=2, objects=objects)
     board = Board(0.05, lambda: objects)  # no reducer: the hub works each lease, as a reducer would
     taken: list[Job] = []
@@ -130,7 +134,7 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
             assert bound == truth  # the build's peaks are exact
             assert all(truth[n] <= after[n] <= truth[n] + 1 for n in schema)  # the merge's: a bound
         assert not objects.uploads("runs/")  # every multipart upload completed
-        assert not list((tmp_path / "hub").rglob("*.safetensors"))  # the hub's disk holds no model bytes
+        assert [p.name for p in (tmp_path / "hub").rglob("*.safetensors")] == ["00000000.safetensors"]  # version 0
         # a lease names nothing on the hub's disk: a reducer on another machine can do it
         assert len(taken) == 2 * parts
         for job in taken:

@@ -330,7 +330,8 @@ class MergeEngine:
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
         result_head, result_at = _header(result_layout, meta)
         old_momentum = self._state(files, MomentumKey(run, v)) if diloco else None
-        base = self._version(files, run, v)
+        # the reducers' leases (``into``) read version v where any reducer can: in the bucket
+        base = self._version(files, run, v, bucket=into is not None)
         # Delayed Nesterov's clock: the part of an outer step done before this round
         clock = self._clock(run, v, old_momentum)
         done, steps = float(clock.get("progress", "0")), int(clock.get("steps", "0"))
@@ -389,11 +390,14 @@ class MergeEngine:
             bound=m.bound,
         )
 
-    def _version(self, files: contextlib.ExitStack, run: str, v: int) -> TensorReader:
+    def _version(self, files: contextlib.ExitStack, run: str, v: int, *, bucket: bool = False) -> TensorReader:
         """Version ``v``, closed with ``files``: its file on the hub's disk, or else its object in
-        the bucket (written there by the reducers that merged round v-1)."""
+        the bucket (written there by the reducers that merged round v-1). ``bucket``: the object
+        first if the bucket holds it (version 0, uploaded for the reducers: a lease that named the
+        hub's file would fail on a reducer of another machine)."""
         key = VersionKey(run, v)
-        if self.store.exists(key) or self.objects is None:
+        on_disk = self.store.exists(key)
+        if self.objects is None or (on_disk and not (bucket and self.store.stored_object(key) is not None)):
             return files.enter_context(self.store.read(key))
         wire = ObjectTensorFile(self.objects, object_name(key), window=WINDOW)
         files.callback(wire.close)
