@@ -146,6 +146,9 @@ parser.add_argument("--ns-prefix", default=None, help="namespace name prefix (de
 parser.add_argument("--out", type=Path, default=BENCH / "results", help="folder for the JSON")
 parser.add_argument("--data-root", type=Path, default=None, help="where the hub's data dir goes")
 parser.add_argument(
+    "--keep", action="store_true", help="keep the work folder (the hubs', reducers' and store's logs) and print it"
+)
+parser.add_argument(
     "--store",
     action="store_true",
     help="run every case against a hub with an object store too (SeaweedFS in a namespace of its own)",
@@ -993,7 +996,10 @@ def main() -> None:
                     continue
                 rows += run_peers(args, n, links, work)
         finally:
-            shutil.rmtree(work, ignore_errors=True)
+            if args.keep:
+                print(f"kept {work}", flush=True)
+            else:
+                shutil.rmtree(work, ignore_errors=True)
     targets = check_targets(rows)
     table = markdown(rows, targets)
     print(table)
