@@ -7,6 +7,7 @@ hub on local disk, for fp32 and int8."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import syncserver.core.leases
 from syncserver.core.leases import Board, build_leased, merge_leased
 from syncserver.errors import LeaseLost
 from syncserver.reduce.engine import Accumulator, MergeEngine, Outer, RoundMerge
-from syncserver.reduce.lease import Done, Job, work
+from syncserver.reduce.lease import MEANS, Done, Job, SliceJob, UpdateSource, _updates, work
 from syncserver.storage.bucket import object_name, update_name
 from syncserver.storage.store import ObjectRecord, ResultKey, Store, UpdateKey, VersionKey
 from syncwire import get_codec
@@ -333,3 +334,23 @@ def test_a_dead_reducer_s_part_is_sent_again_a_dead_hub_s_aborted(
             rescuer.kill()
             rescuer.wait()
     assert "lease_expired" in hub.log() and "object_store_orphans_deleted" in hub.log()
+
+
+def test_a_lease_streams_of_the_updates_a_mean_holds_only_the_slices_it_lacks(seaweedfs: SeaweedFS) -> None:
+    """A lease over a mean that holds the first two of three updates, with one of its two slices
+    held here: its readers of those two updates expect (and so stream) only the slice it lacks,
+    the third update's every slice; nothing is read before a slice asks (no request at all)."""
+    slices = [
+        SliceJob(name="w", start=0, stop=4096, parts={"": (0, 4096)}, out_parts={}),
+        SliceJob(name="w", start=4096, stop=8192, parts={"": (4096, 4096)}, out_parts={}),
+    ]
+    updates = [UpdateSource(object=f"u{i}", weight=1.0) for i in range(3)]
+    MEANS.put("parts-run", "m", "w", 4096, np.zeros(4096, np.float32))
+    objects = seaweedfs.store("lease-updates/")
+    before = objects.bytes_read
+    with contextlib.ExitStack() as files:
+        readers = _updates(files, "L", lambda: objects, updates, slices, "m", 2)
+        expected = [wire._expected for wire, _ in readers]  # type: ignore[union-attr]
+    assert expected == [[("w", 0, 4096)], [("w", 0, 4096)], [("w", 0, 4096), ("w", 4096, 8192)]]
+    assert objects.bytes_read == before
+    MEANS.start("parts-run", [])

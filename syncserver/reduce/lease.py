@@ -625,7 +625,7 @@ def work(
         merge = Merge(
             step=Step(**job.step.model_dump()),
             base=opened(job.base, job.base_object, "version v", values),
-            updates=[(opened(u.path, u.object, "updates", _wire_reads(job.slices)), u.weight) for u in job.updates],
+            updates=_updates(files, job.lease, objects, job.updates, job.slices, job.mean, job.held),
             momentum=momentum,
             residual=residual,
             result=result,
@@ -682,22 +682,15 @@ def work_fold(
     codec = get_codec(job.codec)
     MEANS.start(job.run, [job.base, job.mean])
     whole = job.base is not None and all(MEANS.has(job.base, s.name, s.start) for s in job.slices)
-    first = job.held if whole else 0  # the updates any slice may need
     with contextlib.ExitStack() as files:
-        reads = _wire_reads(job.slices)
-        updates = [
-            (_opened(files, job.lease, objects, u.path, u.object, "updates", reads), u.weight)
-            for u in job.updates[first:]
-        ]
+        updates = _updates(files, job.lease, objects, job.updates, job.slices, job.base, job.held)
 
         def one(s: SliceJob) -> None:
             _going(stop, job.lease)
             held = MEANS.take(job.base, s.name, s.start) if job.base is not None else None
             if held is not None:
-                after = updates[job.held - first :]
+                after = updates[job.held :]
                 mean = fold_slice(s.name, s.start, s.stop, s.parts, held, job.folded, after, codec, own=True)
-            elif first:
-                raise RuntimeError(f"lease {job.lease}: a slice of mean {job.base} went from this process mid-lease")
             else:
                 mean = fold_slice(s.name, s.start, s.stop, s.parts, None, 0.0, updates, codec, own=True)
             MEANS.put(job.run, job.mean, s.name, s.start, mean)
@@ -708,6 +701,30 @@ def work_fold(
     return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes)
 
 
+def _updates(
+    files: contextlib.ExitStack,
+    lease: str,
+    objects: Callable[[], ObjectStore] | None,
+    updates: list[UpdateSource],
+    slices: list[SliceJob],
+    mean: str | None,
+    held: int,
+) -> list[tuple[TensorReader, float]]:
+    """A lease's readers of its updates (opened lazily: nothing is read before a slice asks),
+    each told what it will read: the first ``held`` updates, which the mean holds, only for the
+    slices this process does not hold of it (folded again from the first update), the others
+    for every slice. In the bucket each run of that is one streamed GET (a read outside it, a
+    slice that went meanwhile, is its own GET): a stream over slices that nobody reads would
+    hold their bytes until the lease ends."""
+    every = _wire_reads(slices)
+    lacking = _wire_reads(s for s in slices if mean is None or not MEANS.has(mean, s.name, s.start))
+    opened = [
+        _opened(files, lease, objects, u.path, u.object, "updates", lacking if i < held else every, stream=True)
+        for i, u in enumerate(updates)
+    ]
+    return [(wire, u.weight) for wire, u in zip(opened, updates, strict=True)]
+
+
 def _opened(
     files: contextlib.ExitStack,
     lease: str,
@@ -716,8 +733,11 @@ def _opened(
     name: str | None,
     what: str,
     reads: list[tuple[str, int, int]],
+    *,
+    stream: bool = False,
 ) -> TensorReader:
-    """A file on the hub's disk (``path``), or an object in the bucket read in this lease's ranges."""
+    """A file on the hub's disk (``path``), or an object in the bucket read in this lease's ranges
+    (``stream``: every range is read, about in order, as an update's: see :func:`_remote`)."""
     if path is not None:
         if not os.path.exists(path):
             raise RuntimeError(
@@ -726,8 +746,7 @@ def _opened(
             )
         return files.enter_context(TensorFile(path))
     assert name is not None
-    # an update's slices are all read, in order: each run of them one streamed GET
-    wire = _remote(_bucket(objects, lease, what), name, reads, stream=what == "updates")
+    wire = _remote(_bucket(objects, lease, what), name, reads, stream=stream)
     files.callback(wire.close)
     return wire
 
