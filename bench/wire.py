@@ -32,7 +32,7 @@ last peer holding the new version: what a training loop waits. ``put``: from the
 instead, as bench/round.py counts it. Seconds are the best of ``--rounds`` rounds. After every round
 every peer and the hub's version file must agree bit for bit (sha-256). Hub peak RSS: VmHWM of the
 hub process, reset before each round. Hub CPU-s: the hub process's own user + system seconds per
-round (``/proc/<pid>/stat``; not its children, not the other processes on the machine), the median
+round (its CPU clock, ``round.cpu_seconds``; not its children, not the other processes on the machine), the median
 of the rounds; with ``--store``, beside today's hub's in the same run (the relay limit's and the
 origin pickle hub's are bench/round.py's, on loopback).
 
