@@ -396,14 +396,15 @@ def launch(
     check = check_final(final, hub)
     for name, log in logs.items():
         print(f"{name}: {_last_line(log)}", flush=True)
-    results = {"command": list(command), "run": run, "metric": metric, "rounds": rows, "final": final}
-    results |= {"hub_version": hub[0], "hub_weights_sha256": hub[1], **check, "wall_seconds": wall}
+    results: dict[str, Any] = {"command": list(command), "run": run, "metric": metric, "rounds": rows}
+    results |= {"final": final, "hub_version": hub[0], "hub_weights_sha256": hub[1], **check, "wall_seconds": wall}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     curves = {p: curve(out / p) if curve else _table_curve(rows, p, metric) for p in logs}
-    plotted = plot(curves, [r["step"] for r in rows if r["step"] is not None], out / f"{metric}.png", metric)
-    serial_s = f" (serial {wall['serial']:.0f} s)" if "serial" in wall else ""
-    print(f"wall time {wall['peers']:.0f} s{serial_s}; results in {out / 'results.json'}"
-          + (f", plot {plotted}" if plotted else ""), flush=True)  # fmt: skip
+    plotted = _plot(curves, [r["step"] for r in rows if r["step"] is not None], out / f"{metric}.png", metric)
+    took = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in wall.items())
+    print(
+        f"wall time: {took}; results in {out / 'results.json'}" + (f", plot {plotted}" if plotted else ""), flush=True
+    )
     return PEER_EXIT if check.get("weights_equal_hub") is False else 0
 
 
@@ -428,8 +429,8 @@ def check_final(final: dict[str, dict[str, Any] | None], hub: tuple[int, str]) -
     }
     yes = {k: "yes" if v else "NO" for k, v in check.items()}
     early = "".join(f"; {p} left at version {f['version']}" for p, f in left.items() if f["version"] != hub[0])
-    print(f"final weights identical across peers: {yes['weights_identical']}; "
-          f"equal to the hub's version {hub[0]}: {yes['weights_equal_hub']}{early}", flush=True)  # fmt: skip
+    line = f"final weights identical across peers: {yes['weights_identical']}; equal to the hub's version {hub[0]}: "
+    print(line + yes["weights_equal_hub"] + early, flush=True)
     return check
 
 
@@ -455,7 +456,7 @@ def _table_curve(rows: list[dict[str, Any]], peer: str, metric: str) -> list[tup
     return [(step, value) for step, value in values if step is not None and value is not None]
 
 
-def plot(curves: dict[str, list[tuple[int, float]]], syncs: list[int], path: Path, metric: str) -> Path | None:
+def _plot(curves: dict[str, list[tuple[int, float]]], syncs: list[int], path: Path, metric: str) -> Path | None:
     """``metric`` against the step, a line per process (the serial baseline dashed), syncs in grey;
     log scale when it spans a decade (perplexity). None when there is nothing to draw, or no matplotlib."""
     curves = {name: points for name, points in curves.items() if points}
