@@ -314,8 +314,9 @@ def run_config(cfg: Config, common: dict[str, Any], out: Path, cores: int, reuse
 
 def summarise(cfg: Config, out: Path, wall: float) -> dict[str, Any]:
     """Final perplexities, curves and bytes of one configuration from its results.json files."""
-    top = json.loads((out / "results.json").read_text())
-    seed = top["config"]["seed"]
+    top = json.loads((out / "results.json").read_text())  # the serial run's, or the launcher's
+    peers = {p: json.loads((out / p / "results.json").read_text()) for p in top.get("final", {})}
+    seed = (top if cfg.peers == 0 else next(iter(peers.values())))["config"]["seed"]
     row: dict[str, Any] = {
         "config": asdict(cfg),
         "seed": seed,
@@ -331,7 +332,6 @@ def summarise(cfg: Config, out: Path, wall: float) -> dict[str, Any]:
             "mb_up": 0.0,
         }
         return row
-    peers = {p: json.loads((out / p / "results.json").read_text()) for p in top["final"]}
     vals = [r["final_val_ppl"] for r in peers.values()]
     tests = [r["final_test_ppl"] for r in peers.values()]
     row |= {

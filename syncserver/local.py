@@ -2,13 +2,13 @@
 
     weightsync-run --local-peers 2 --out runs/try --metric eval_loss -- python train.py --epochs 1
 
-(``weightsync_run/cli.py``; ``train/finetune_gpt2.py --local-peers`` uses it too.) The hub runs as
-``syncserver serve --port 0`` in a child process (the OS picks the port, the hub writes its URL
-to ``OUT/hub.url``), keeps its data in ``OUT/hub`` and logs to ``OUT/hub.log``. Each peer runs
-COMMAND in the caller's working directory (so relative paths in COMMAND mean what they mean at
-the prompt), or with ``peer_folders`` in its own folder ``OUT/<peer>`` (so relative paths it
-writes to do not collide), with its output in ``OUT/<peer>.log`` and these environment
-variables (over ``env``, if given, else the caller's):
+(``weightsync_run/cli.py``; ``train/finetune_gpt2.py --local-peers`` uses it too, through
+:func:`launch`.) The hub runs as ``syncserver serve --port 0`` in a child process (the OS picks
+the port, the hub writes its URL to ``OUT/hub.url``), keeps its data in ``OUT/hub`` and logs to
+``OUT/hub.log``. Each peer runs COMMAND in the caller's working directory (so relative paths in
+COMMAND mean what they mean at the prompt), or with ``peer_folders`` in its own folder
+``OUT/<peer>`` (so relative paths it writes to do not collide), with its output in
+``OUT/<peer>.log`` and these environment variables (over ``env``, if given, else the caller's):
 
 =========================  =============================================================
 ``WEIGHTSYNC_HUB``         the hub's URL, e.g. ``http://127.0.0.1:41723``
@@ -21,14 +21,19 @@ variables (over ``env``, if given, else the caller's):
 =========================  =============================================================
 
 plus ``OMP_NUM_THREADS`` = cores // K unless it is set already (as ``torchrun`` does), so K
-peers do not each start a thread per core. The hub's rendezvous waits for all K peers. Its
-state stays in ``OUT/hub``: launching again with the same ``--out`` continues that run (remove
-the folder, or pick another ``--out``, to start afresh; ``weightsync-run`` removes it).
+peers do not each start a thread per core. The hub's rendezvous waits for all K peers.
 
 While they run, the launcher prints one row per closed round, read from the hub's run status:
 round, step (the SDK sends it), peers, samples, each peer's ``--metric`` from its update of that
 round, megabytes up and down, the round's seconds. Any program that syncs through the hub fills
 it; nothing is read from the peers' files.
+
+When they are done, :func:`launch` checks the run, for any program: it downloads the hub's last
+version and compares its digest with the one each peer printed as it left
+(:func:`syncwire.digest.left_line`: the hooks print it, and so does the reference job), so that
+every launch shows whether the peers ended bit-identical to the hub. Then it runs the serial
+baseline if asked (the command alone, no hub, in ``OUT/serial``), writes ``OUT/results.json``
+and plots ``--metric`` per peer against the step (``OUT/<metric>.png``, with matplotlib).
 
 Supervision: a peer that fails (non-zero exit or a signal) or a hub that exits stops the whole
 run: the other peers get SIGINT (Python raises KeyboardInterrupt, so they leave the run), then
@@ -42,6 +47,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,20 +58,25 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+import safetensors.numpy
 from pydantic import SecretStr
 
 import syncserver
 from syncserver.process import ServerProcess, ServerStartError
 from syncserver.settings import HubSettings, SettingsInputError, hub_settings
+from syncwire.digest import LEFT, weights_sha256
 
 __all__ = [
     "PEER_EXIT",
     "HUB_EXIT",
     "SETTINGS_EXIT",
+    "INTERRUPTED_EXIT",
     "LaunchError",
     "LocalRun",
     "RoundTable",
     "hub_settings_for",
+    "check_final",
+    "launch",
     "settings_env",
 ]
 
@@ -73,14 +84,15 @@ log = logging.getLogger(__name__)
 
 PEER_EXIT, HUB_EXIT = 1, 3  # the launcher's exit codes for "a peer failed" and "the hub failed"
 SETTINGS_EXIT = 2  # a hub setting (a SYNC_* variable) that does not hold: bad input
+INTERRUPTED_EXIT = 130  # Ctrl-C or SIGTERM: the shell's code for SIGINT
 HUB_START_SECONDS = 60.0
 GRACE_SECONDS = 10.0  # per stopping signal: time to leave the run, flush logs, save
 
 
 class LaunchError(Exception):
-    """A child of the launcher failed; ``exit_code`` says which kind (PEER_EXIT, HUB_EXIT)."""
+    """A launch that failed; ``exit_code`` says how (a child, a hub setting, an interrupt)."""
 
-    def __init__(self, message: str, exit_code: int) -> None:
+    def __init__(self, message: str, exit_code: int) -> None:  # PEER_EXIT, HUB_EXIT, SETTINGS_EXIT, INTERRUPTED_EXIT
         super().__init__(message)
         self.exit_code = exit_code
 
@@ -191,7 +203,6 @@ class LocalRun:
         settings: HubSettings,
         run: str,
         metric: str = "loss",
-        echo: Callable[[str], None] | None = None,
         env: Mapping[str, str] | None = None,
         peer_folders: bool = False,
     ) -> None:
@@ -205,7 +216,7 @@ class LocalRun:
         self.peers = [f"peer-{i:0{digits}d}" for i in range(peers)]
         self.token = _token_for(settings, run)
         self.t0 = time.time()
-        self.table = RoundTable(self.peers, metric, echo or _print, self.t0)
+        self.table = RoundTable(self.peers, metric, _print, self.t0)
         self.hub_url = ""
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, Path] = {}
@@ -246,8 +257,7 @@ class LocalRun:
             ) from None
 
     def _start_peers(self) -> None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores // self.k)
+        threads = max(1, _cores() // self.k)
         _note(f"hub and dashboard at {self.hub_url}/ ; {self.k} peers of: {' '.join(self.command)}")
         _note(f"logs: {self.logs['hub']}, {self.out}/peer-*.log")
         for rank, name in enumerate(self.peers):
@@ -298,9 +308,8 @@ class LocalRun:
         return self.table.rows
 
     def _show_rounds(self) -> None:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         try:
-            response = httpx.get(f"{self.hub_url}/v1/runs/{self.run}", headers=headers, timeout=10)
+            response = httpx.get(f"{self.hub_url}/v1/runs/{self.run}", headers=self._auth(), timeout=10)
         except httpx.HTTPError as exc:  # the hub's health is _check's business; try again next time
             log.debug("run status: %s", exc)
             return
@@ -319,6 +328,17 @@ class LocalRun:
                 HUB_EXIT if is_hub else PEER_EXIT,
             )
 
+    def final_weights(self) -> tuple[int, str] | None:
+        """The hub's last version of the run and its digest; None when no peer created the run."""
+        response = httpx.get(f"{self.hub_url}/v1/runs/{self.run}/model", headers=self._auth(), timeout=120)
+        if response.status_code == 404:
+            return None
+        response.raise_for_status()
+        return int(response.headers["X-Sync-Version"]), weights_sha256(safetensors.numpy.load(response.content))
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
     # -- stop -------------------------------------------------------------------------------------
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -330,6 +350,143 @@ class LocalRun:
         for signum, handler in self._handlers.items():
             signal.signal(signum, handler)
         self._handlers.clear()
+
+
+def launch(
+    command: Sequence[str],
+    *,
+    peers: int,
+    out: Path,
+    run: str,
+    token: str | None = None,
+    metric: str = "loss",
+    env: Mapping[str, str] | None = None,
+    peer_folders: bool = False,
+    serial: Sequence[str] | None = None,
+    curve: Callable[[Path], list[tuple[int, float]]] | None = None,
+) -> int:
+    """A fresh run (``out/hub`` removed first) of ``peers`` peers of ``command``, then its check and
+    report: each peer's final weights against the hub's last version, ``serial`` alone if given
+    (the serial baseline: no hub, its folder ``out/serial``, every core), ``out/results.json`` and
+    the plot of ``metric``: ``curve(folder)`` of each process if given (evaluations between syncs
+    too), else the values each peer sent with its updates. Returns 0, or :data:`PEER_EXIT` when a
+    peer's final weights differ from the hub's; raises :class:`LaunchError` when a child fails,
+    on a bad hub setting and when interrupted."""
+    t0 = time.time()
+    settings = hub_settings_for(out, peers, token)
+    shutil.rmtree(out / "hub", ignore_errors=True)
+    try:
+        with LocalRun(
+            command, peers=peers, out=out, settings=settings, run=run, metric=metric, env=env, peer_folders=peer_folders
+        ) as launched:
+            rows = launched.wait()
+            hub = launched.final_weights()
+        wall = {"peers": round(time.time() - t0, 2)}
+        logs = {p: launched.logs[p] for p in launched.peers}
+        if serial is not None:
+            logs["serial"] = _run_serial(serial, out, env, peer_folders)
+            wall["serial"] = round(time.time() - t0 - wall["peers"], 2)
+    except KeyboardInterrupt:
+        raise LaunchError("interrupted: stopped the hub and the peers", INTERRUPTED_EXIT) from None
+    if hub is None:
+        _note(f"no run {run!r} on the hub: no peer joined it")
+        return 0
+    print(f"hub: run {run!r} ended at version {hub[0]}; weights sha256 {hub[1]}", flush=True)
+    final = {p: _left(logs[p]) for p in launched.peers}
+    check = check_final(final, hub)
+    for name, log in logs.items():
+        print(f"{name}: {_last_line(log)}", flush=True)
+    results: dict[str, Any] = {"command": list(command), "run": run, "metric": metric, "rounds": rows}
+    results |= {"final": final, "hub_version": hub[0], "hub_weights_sha256": hub[1], **check, "wall_seconds": wall}
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    curves = {p: curve(out / p) if curve else _table_curve(rows, p, metric) for p in logs}
+    plotted = _plot(curves, [r["step"] for r in rows if r["step"] is not None], out / f"{metric}.png", metric)
+    took = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in wall.items())
+    print(
+        f"wall time: {took}; results in {out / 'results.json'}" + (f", plot {plotted}" if plotted else ""), flush=True
+    )
+    return PEER_EXIT if check.get("weights_equal_hub") is False else 0
+
+
+def _left(log: Path) -> dict[str, Any] | None:
+    """The version and weights digest a peer printed as it left the run (its last such line), if it did."""
+    found = LEFT.findall(log.read_text(errors="replace"))
+    return {"version": int(found[-1][2]), "weights_sha256": found[-1][3]} if found else None
+
+
+def check_final(final: dict[str, dict[str, Any] | None], hub: tuple[int, str]) -> dict[str, bool]:
+    """Whether the peers that printed their digest as they left (``final``: peer -> version and
+    digest, or None; the hooks print it, the reference job too) hold identical weights, and those
+    that left at the hub's last version (``hub``: version, digest) hold exactly it; printed. A peer
+    that left earlier is named, not failed: it stopped before the others. ``{}`` when none printed."""
+    left = {p: f for p, f in final.items() if f is not None}
+    if not left:
+        return {}
+    at_last = {f["weights_sha256"] for f in left.values() if f["version"] == hub[0]}
+    check = {
+        "weights_identical": len({f["weights_sha256"] for f in left.values()}) == 1,
+        "weights_equal_hub": at_last == {hub[1]},
+    }
+    yes = {k: "yes" if v else "NO" for k, v in check.items()}
+    early = "".join(f"; {p} left at version {f['version']}" for p, f in left.items() if f["version"] != hub[0])
+    line = f"final weights identical across peers: {yes['weights_identical']}; equal to the hub's version {hub[0]}: "
+    print(line + yes["weights_equal_hub"] + early, flush=True)
+    return check
+
+
+def _run_serial(command: Sequence[str], out: Path, env: Mapping[str, str] | None, own_folder: bool) -> Path:
+    """The serial baseline: ``command`` alone, no hub, with every core; its log."""
+    folder, log = (out / "serial").absolute(), out / "serial.log"
+    folder.mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("WEIGHTSYNC_")}
+    base |= {"WEIGHTSYNC_PEER_DIR": str(folder), "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", str(_cores()))}
+    _note(f"serial baseline: one process, in {folder} (log: {log}) ...")
+    with log.open("wb") as f:
+        code = subprocess.run(
+            command, stdout=f, stderr=subprocess.STDOUT, env=_child_env(base), cwd=folder if own_folder else None
+        ).returncode
+    if code != 0:
+        raise LaunchError(f"the serial baseline exited with code {code}: {_last_line(log)} (log: {log})", PEER_EXIT)
+    return log
+
+
+def _table_curve(rows: list[dict[str, Any]], peer: str, metric: str) -> list[tuple[int, float]]:
+    """``metric`` as ``peer`` sent it with each update (none for the serial baseline)."""
+    values = ((r["step"], (r["metrics"].get(peer) or {}).get(metric)) for r in rows)
+    return [(step, value) for step, value in values if step is not None and value is not None]
+
+
+def _plot(curves: dict[str, list[tuple[int, float]]], syncs: list[int], path: Path, metric: str) -> Path | None:
+    """``metric`` against the step, a line per process (the serial baseline dashed), syncs in grey;
+    log scale when it spans a decade (perplexity). None when there is nothing to draw, or no matplotlib."""
+    curves = {name: points for name, points in curves.items() if points}
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        return None
+    if not curves:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for name, points in curves.items():
+        serial = name == "serial"
+        style = {"ls": "--", "color": "black"} if serial else {"marker": "."}
+        ax.plot(*zip(*points, strict=True), alpha=0.8, label=name, **style)  # type: ignore[arg-type]
+    for step in sorted(set(syncs)):
+        ax.axvline(step, color="grey", lw=0.5, alpha=0.4)
+    values = [v for points in curves.values() for _, v in points]
+    if min(values) > 0 and max(values) > 10 * min(values):
+        ax.set_yscale("log")
+    peers = sum(name != "serial" for name in curves)
+    ax.set(xlabel="optimizer step (per peer)", ylabel=metric, title=f"{metric}: {peers} peer(s), syncs in grey")
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], signals: list[signal.Signals]) -> None:
@@ -349,6 +506,10 @@ def _stop(procs: list[subprocess.Popen[bytes]], signals: list[signal.Signals]) -
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _child_env(env: dict[str, str]) -> dict[str, str]:

@@ -41,8 +41,11 @@ BUDGETS: dict[str, float] = {
     "tests/test_bench_smoke.py::test_chaos_benchmark_kills_and_restarts_a_reference_job_peer": 25,
     "tests/test_finetune.py::test_a_samples_run_trains_until_the_run_has_seen_its_epochs": 33,
     "tests/test_finetune.py::test_serial_baseline": 11,
-    "tests/test_finetune.py::test_two_local_peers_end_identical_and_learn": 16,
+    # issue 44: the serial baseline after the peers (+1 process, ~7 s), one plot instead of three (-1 s);
+    # estimated from those parts, not timed on a quiet VM
+    "tests/test_finetune.py::test_two_local_peers_end_identical_and_learn": 22,
     "tests/test_local.py::test_a_failed_peer_stops_the_others_and_the_hub": 12,
+    "tests/test_local.py::test_sdk_peers_print_a_row_per_round": 9,  # + the launcher's plot: matplotlib, ~1.3 CPU-s
     # 12 MB objects in SeaweedFS: two rounds' updates, results and versions
     "tests/test_reducer_parts.py::test_leases_written_as_parts_give_the_bits_of_the_hub_alone": 9,
     # two hubs, 3 peers, two runs; far reducers (own processes) against SeaweedFS

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +23,7 @@ from syncclient import SyncClient
 from syncclient.exceptions import AuthError
 from syncserver.api.factory import redact
 from tests.conftest import Hub
+from tests.harness import run_peers
 from tests.models import tiny_gpt2
 
 # distinctive values, so that a grep of the log finds any of them
@@ -51,31 +51,19 @@ def hub(hub_factory: Callable[..., Hub]) -> Hub:
 
 def sync_two_peers(hub: Hub, run: str, token: str, rounds: int = 2) -> list[int]:
     """Two real SyncClients join ``run`` with ``token`` and sync; returns their final versions."""
-    versions: list[int] = []
-    errors: list[BaseException] = []
 
-    def peer(i: int) -> None:
-        try:
-            model = tiny_gpt2(seed=i)
-            with SyncClient(hub.url, run=run, peer=f"p{i}", token=token, min_peers=2, retry_seconds=30) as client:
-                client.join(model)
-                for _ in range(rounds):
-                    with torch.no_grad():
-                        for p in model.parameters():
-                            p.add_(0.01 * (i + 1))
-                    result = client.sync(model, samples=10 + i, metrics={"loss": 1.0})
-                versions.append(result.version)
-        except BaseException as exc:
-            errors.append(exc)
+    def peer(i: int) -> int:
+        model = tiny_gpt2(seed=i)
+        with SyncClient(hub.url, run=run, peer=f"p{i}", token=token, min_peers=2, retry_seconds=30) as client:
+            client.join(model)
+            for _ in range(rounds):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.01 * (i + 1))
+                result = client.sync(model, samples=10 + i, metrics={"loss": 1.0})
+        return result.version
 
-    threads = [threading.Thread(target=peer, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return versions
+    return run_peers(2, peer, timeout=120)
 
 
 def test_run_token_syncs_its_own_run(hub: Hub) -> None:

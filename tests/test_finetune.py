@@ -53,18 +53,22 @@ def load_script() -> ModuleType:
 
 @needs_data
 def test_two_local_peers_end_identical_and_learn(tmp_path: Path, small_vocab_data: Path) -> None:
+    """Under the launcher, with the serial baseline after the peers: its check, results and plot."""
     out = tmp_path / "run"
-    proc = run_script("--local-peers", "2", "--sync-every", "4", "--output-dir", str(out), *small(small_vocab_data))
+    flags = ["--local-peers", "2", "--serial-baseline", "--sync-every", "4", "--threads", "1"]
+    proc = run_script(*flags, "--output-dir", str(out), *small(small_vocab_data))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads((out / "results.json").read_text())
+    peers = {p: json.loads((out / p / "results.json").read_text()) for p in ("peer-0", "peer-1")}
 
     # Every peer's final weights are bit-identical, and equal to the hub's last version.
     assert results["weights_identical"] and results["weights_equal_hub"]
-    assert len(set(results["weights_sha256"].values())) == 1
-    assert set(results["weights_sha256"].values()) == {results["hub_weights_sha256"]}
+    assert {f["weights_sha256"] for f in results["final"].values()} == {results["hub_weights_sha256"]}
+    assert {p["weights_sha256"] for p in peers.values()} == {results["hub_weights_sha256"]}
     assert results["hub_version"] == 3  # 12 steps, a sync every 4
-    assert all(f["final_version"] == 3 and f["steps"] == 12 for f in results["final"].values())
-    assert {f["rank"] for f in results["final"].values()} == {0, 1}
+    assert all(f["version"] == 3 for f in results["final"].values())
+    assert all(p["final_version"] == 3 and p["steps"] == 12 for p in peers.values())
+    assert {p["rank"] for p in peers.values()} == {0, 1}
 
     # One row per round, from the hub: each peer's validation perplexity rides with its update.
     rows = results["rounds"]
@@ -74,20 +78,22 @@ def test_two_local_peers_end_identical_and_learn(tmp_path: Path, small_vocab_dat
 
     # At a sync both peers evaluate the same weights on the same set; between syncs they drift
     # apart (different shards).
-    evals = {p: json.loads((out / p / "results.json").read_text())["evals"] for p in ("peer-0", "peer-1")}
+    evals = {p: r["evals"] for p, r in peers.items()}
     pairs = [(a["step"], a["val_ppl"], b["val_ppl"]) for a, b in zip(evals["peer-0"], evals["peer-1"], strict=True)]
     assert [step for step, a, b in pairs if a == b] == [0, 4, 8, 12]
     assert any(step % 4 for step, _, _ in pairs)
     assert evals["peer-0"][-1]["val_ppl"] < evals["peer-0"][0]["val_ppl"]  # it learned
 
-    # The table goes to stdout as rounds complete, the summary follows.
+    # The table goes to stdout as rounds complete; the check and each process's last line follow.
     assert "identical across peers: yes" in proc.stdout and "equal to the hub's version 3: yes" in proc.stdout
     assert sum(1 for line in proc.stdout.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])) == 3
-    assert (out / "val_ppl.png").stat().st_size > 10_000
-    assert (out / "config.json").exists()
-    for peer in ("peer-0", "peer-1"):
+    assert "peer-1: final: validation perplexity" in proc.stdout and "serial: final: validation" in proc.stdout
+    assert (out / "eval_ppl.png").stat().st_size > 10_000  # the peers' curves and the serial one
+    for peer in ("peer-0", "peer-1", "serial"):
         assert (out / peer / "model" / "model.safetensors").exists()
-        assert (out / peer / "model" / "config.json").exists()
+        assert (out / peer / "model" / "config.json").exists() and (out / peer / "config.json").exists()
+    serial = json.loads((out / "serial" / "results.json").read_text())
+    assert serial["world_size"] == 1 and serial["steps"] == 12 and results["wall_seconds"]["serial"] > 0
 
 
 @needs_data
@@ -110,6 +116,7 @@ def test_a_samples_run_trains_until_the_run_has_seen_its_epochs(tmp_path: Path, 
     assert sum(samples[:-1]) < budget <= sum(samples)
     assert all(r["samples"] >= 64 for r in results["rounds"])  # each round closed on its target
     assert {p["final_version"] for p in peers} == {results["hub_version"]} == {len(results["rounds"])}
+    assert {f["version"] for f in results["final"].values()} == {results["hub_version"]}
 
 
 @needs_data
@@ -126,7 +133,10 @@ def test_serial_baseline(tmp_path: Path, small_vocab_data: Path) -> None:
     assert results["final_test_ppl"] > 1
     config = json.loads((out / "config.json").read_text())
     assert config["per_peer_batch"] == 16 and config["model_config"] == "tiny" and config["threads"] == 1
-    assert (out / "model" / "model.safetensors").exists() and (out / "val_ppl.png").exists()
+    assert (out / "model" / "model.safetensors").exists()
+    assert [r["step"] for r in map(json.loads, (out / "rounds.jsonl").read_text().splitlines()) if "val_ppl" in r] == [
+        e["step"] for e in evals
+    ]  # the evaluations, written as training goes (the launcher's plot draws them)
 
 
 @pytest.mark.parametrize(

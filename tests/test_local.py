@@ -7,6 +7,7 @@ and plain Python ones that fail, get killed or wait, to check the supervision.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import signal
 import subprocess
@@ -17,13 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from syncserver.local import SETTINGS_EXIT, LaunchError, RoundTable, hub_settings_for
+from syncserver.local import SETTINGS_EXIT, LaunchError, RoundTable, check_final, hub_settings_for
 from tests.conftest import REPO
 from tests.harness import wait_for
 
 SDK_PEER = """
-import os, torch
+import os, sys, torch
 from syncclient import SyncClient
+from syncwire.digest import left_line, weights_sha256
 
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 2)
@@ -38,6 +40,9 @@ for step in (1, 2, 3):
     client.sync(model, samples=8, metrics={"acc": 0.5 + info.rank / 10 + step / 100, "step": step})
 client.leave()
 open(os.path.join(env["WEIGHTSYNC_PEER_DIR"], "done"), "w").write(str(info.rank))
+digest = weights_sha256({k: v.detach().numpy() for k, v in model.named_parameters()})
+print(left_line(client.peer, client.run, client.version, digest), file=sys.stderr)  # what the launcher checks
+print(f"rank {info.rank} done")
 """
 
 # A peer that records its pid, then does what the test's MODE says.
@@ -99,6 +104,31 @@ def test_sdk_peers_print_a_row_per_round(tmp_path: Path) -> None:
     assert "hub-secret" not in stdout + stderr
     assert (out / "hub.log").stat().st_size > 0 and (out / "hub").is_dir()
     assert all((out / f"{p}.log").exists() for p in ("peer-0", "peer-1"))
+    # Then the check, for any program whose peers print their digest as they leave, and each one's last line.
+    assert "final weights identical across peers: yes; equal to the hub's version 3: yes" in stdout
+    assert "peer-0: rank 0 done" in stdout and "peer-1: rank 1 done" in stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["weights_identical"] and results["weights_equal_hub"] and results["hub_version"] == 3
+    assert {f["weights_sha256"] for f in results["final"].values()} == {results["hub_weights_sha256"]}
+    assert [r["metrics"]["peer-1"]["acc"] for r in results["rounds"]] == [0.61, 0.62, 0.63]
+    assert (out / "acc.png").stat().st_size > 10_000  # --metric per peer against the step
+
+
+def test_the_final_check_names_a_peer_that_left_early_and_fails_one_that_differs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    a, b = "a" * 64, "b" * 64
+    assert check_final({"p0": {"version": 3, "weights_sha256": a}, "p1": None}, (3, a)) == {
+        "weights_identical": True,
+        "weights_equal_hub": True,
+    }
+    early = {"p0": {"version": 3, "weights_sha256": a}, "p1": {"version": 2, "weights_sha256": b}}
+    assert check_final(early, (3, a)) == {"weights_identical": False, "weights_equal_hub": True}
+    assert capsys.readouterr().out.splitlines()[-1].endswith("equal to the hub's version 3: yes; p1 left at version 2")
+    differs = {"p0": {"version": 3, "weights_sha256": a}, "p1": {"version": 3, "weights_sha256": b}}
+    assert check_final(differs, (3, a)) == {"weights_identical": False, "weights_equal_hub": False}
+    assert "identical across peers: NO; equal to the hub's version 3: NO" in capsys.readouterr().out
+    assert check_final({"p0": None}, (3, a)) == {}  # no peer printed its digest: nothing to check
 
 
 @pytest.mark.parametrize(

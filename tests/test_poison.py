@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
-import threading
 import time
 from collections.abc import Callable
 
@@ -26,6 +25,7 @@ from syncclient.exceptions import HubError
 from syncserver.reduce.aggregate import global_norm, norm_outlier
 from syncwire import encode_model, get_codec, iter_chunks
 from tests.conftest import Hub
+from tests.harness import run_peers
 from tests.models import tiny_gpt2
 
 SCHEMA = {"w": (16, 8), "b": (8,)}
@@ -201,42 +201,32 @@ def test_hub_default_and_join_config(hub_factory: Callable[..., Hub]) -> None:
 def test_sdk_peer_with_a_broken_update_gets_poisoned_update(hub: Hub) -> None:
     """Three SyncClients (min_peers = min_merge_peers = 3); one breaks its weights and is refused; it pulls the
     global model and sends a sane (here: empty) update, and the round closes with all three."""
-    errors: list[BaseException] = []
     refused: list[HubError] = []
-    finals: dict[int, dict[str, torch.Tensor]] = {}
     http = httpx.Client(base_url=hub.url, timeout=30)
 
-    def peer(i: int) -> None:
-        try:
-            model = tiny_gpt2(seed=i)
-            client = SyncClient(
-                hub.url, run="sdk-guard", peer=f"p{i}", min_peers=3, min_merge_peers=3, norm_guard=10, retry_seconds=30
-            )
-            info = client.join(model)
-            assert info.config["norm_guard"] == 10
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(torch.randn_like(p) * (10.0 if i == 2 else 0.01))
-            if i == 2:  # wait until the two honest updates are in: they are the reference
-                while len(http.get("/v1/runs/sdk-guard").json()["open_round"]["submitted"]) < 2:
-                    time.sleep(0.05)
-                try:
-                    client.sync(model, samples=8)
-                except HubError as exc:
-                    refused.append(exc)
-                client.pull(model)  # back to the global model, as a peer that hit this would
-            assert client.sync(model, samples=8).version == 1
-            finals[i] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            client.leave()
-        except BaseException as exc:
-            errors.append(exc)
+    def peer(i: int) -> dict[str, torch.Tensor]:
+        model = tiny_gpt2(seed=i)
+        client = SyncClient(
+            hub.url, run="sdk-guard", peer=f"p{i}", min_peers=3, min_merge_peers=3, norm_guard=10, retry_seconds=30
+        )
+        info = client.join(model)
+        assert info.config["norm_guard"] == 10
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * (10.0 if i == 2 else 0.01))
+        if i == 2:  # wait until the two honest updates are in: they are the reference
+            while len(http.get("/v1/runs/sdk-guard").json()["open_round"]["submitted"]) < 2:
+                time.sleep(0.05)
+            try:
+                client.sync(model, samples=8)
+            except HubError as exc:
+                refused.append(exc)
+            client.pull(model)  # back to the global model, as a peer that hit this would
+        assert client.sync(model, samples=8).version == 1
+        client.leave()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    threads = [threading.Thread(target=peer, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    finals = run_peers(3, peer, timeout=120)
     assert len(refused) == 1 and refused[0].status == 422 and refused[0].code == "poisoned_update"
     for name, value in finals[0].items():
         assert torch.equal(value, finals[1][name]) and torch.equal(value, finals[2][name]), name

@@ -17,7 +17,6 @@ import os
 import random
 import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from syncwire import Codec, FormatError, decode_tensor, get_codec, iter_chunks, 
 from syncwire.codecs import slices
 from syncwire.format import TensorFile
 from tests.conftest import REPO, Hub
-from tests.harness import version_file
+from tests.harness import run_peers, version_file
 
 CODECS = ["fp32", "bf16", "int8", "int4", "int8:block=100", "int4:block=6"]
 
@@ -230,32 +229,22 @@ def test_sliced_fold_and_merge_give_the_exact_mean(hub: Hub, codec: str) -> None
     run, samples = f"big-{codec}", {"a": 3, "b": 5}
     deltas: dict[str, dict[str, np.ndarray]] = {}
     models: dict[str, torch.nn.Module] = {}
-    errors: list[BaseException] = []
 
     def peer(name: str) -> None:
-        try:
-            model = models[name] = _Big()
-            client = SyncClient(hub.url, run=run, peer=name, codec=codec, min_peers=2, retry_seconds=60)
-            client.join(model)
-            view = ModelView(model)
-            base = {k: v.copy() for k, v in view.export().items()}
-            gen = torch.Generator().manual_seed(ord(name))
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=gen) * 0.01)
-            deltas[name] = {k: v - base[k] for k, v in view.export().items()}
-            assert client.sync(model, samples=samples[name]).version == 1
-            client.leave()
-        except BaseException as exc:
-            errors.append(exc)
+        model = models[name] = _Big()
+        client = SyncClient(hub.url, run=run, peer=name, codec=codec, min_peers=2, retry_seconds=60)
+        client.join(model)
+        view = ModelView(model)
+        base = {k: v.copy() for k, v in view.export().items()}
+        gen = torch.Generator().manual_seed(ord(name))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+        deltas[name] = {k: v - base[k] for k, v in view.export().items()}
+        assert client.sync(model, samples=samples[name]).version == 1
+        client.leave()
 
-    threads = [threading.Thread(target=peer, args=(name,)) for name in samples]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    if errors:
-        raise errors[0]
+    run_peers(len(samples), lambda i: peer(list(samples)[i]), timeout=180)
     before, after = version_file(hub, run, 0), version_file(hub, run, 1)
     for name, model in models.items():
         for key, value in model.state_dict().items():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import ssl
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,7 @@ from syncclient import SyncClient
 from syncclient._model import ModelView
 from syncclient.exceptions import HubUnreachable
 from tests.conftest import Hub
+from tests.harness import run_peers
 from tests.models import tiny_gpt2
 
 TOKEN = "tls-test-token"
@@ -118,29 +118,19 @@ def test_two_peers_sync_over_tls(hub_factory: Callable[..., Hub], pki: tuple[Pat
     ca, certfile, keyfile = pki
     hub = https_hub(hub_factory, certfile, keyfile)
     assert hub.url.startswith("https://")
-    weights: dict[int, dict[str, torch.Tensor]] = {}
-    errors: list[BaseException] = []
 
-    def peer(i: int) -> None:
-        try:
-            model = tiny_gpt2(seed=i)
-            with SyncClient(hub.url, run="tls", peer=f"p{i}", token=TOKEN, min_peers=2, verify=str(ca)) as client:
-                client.join(model)
-                for r in range(2):
-                    with torch.no_grad():
-                        for p in model.parameters():
-                            p.add_(0.001 * (i + 1) * (r + 1))
-                    assert client.sync(model, samples=4 + i).version == r + 1
-            weights[i] = {k: torch.from_numpy(v.copy()) for k, v in ModelView(model).export().items()}
-        except BaseException as exc:
-            errors.append(exc)
+    def peer(i: int) -> dict[str, torch.Tensor]:
+        model = tiny_gpt2(seed=i)
+        with SyncClient(hub.url, run="tls", peer=f"p{i}", token=TOKEN, min_peers=2, verify=str(ca)) as client:
+            client.join(model)
+            for r in range(2):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.001 * (i + 1) * (r + 1))
+                assert client.sync(model, samples=4 + i).version == r + 1
+        return {k: torch.from_numpy(v.copy()) for k, v in ModelView(model).export().items()}
 
-    threads = [threading.Thread(target=peer, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    weights = run_peers(2, peer, timeout=120)
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:
         assert torch.equal(weights[0][name], weights[1][name]), name

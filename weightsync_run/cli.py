@@ -23,11 +23,13 @@ takes for a new run is a flag here, with the same bounds. Every option is also a
 (``--sync-every`` is ``WEIGHTSYNC_SYNC_EVERY``; a flag beats its variable), so a job scheduler
 can set them. With ``--hub`` the command *becomes* COMMAND (``exec``): same process, signals,
 exit code. With ``--local-peers K`` it runs an embedded hub and K copies of COMMAND on this
-machine through the one launcher, :class:`syncserver.local.LocalRun` (it needs
+machine through the one launcher, :func:`syncserver.local.launch` (it needs
 ``weightsync[server]``): each peer runs in its own folder ``OUT/peer-k`` (so relative paths it
 writes to do not collide), with its console in ``OUT/peer-k.log``; the hub keeps its state in
 ``OUT/hub`` (each launch starts a fresh run) and logs to ``OUT/hub.log``, and takes its
-settings from ``SYNC_*`` variables (docs: Reference, Hub settings). Words of COMMAND that name a file or
+settings from ``SYNC_*`` variables (docs: Reference, Hub settings). At the end it checks that
+every peer left with the hub's last version, bit for bit, and writes ``OUT/results.json`` and a
+plot of ``--metric``. Words of COMMAND that name a file or
 folder that exists where you launch (the script, a data folder) are made absolute so that they
 still name it from a peer's folder; other relative paths (outputs) land in the peer's folder.
 With ``python -m``, the folder you launch from goes on ``PYTHONPATH``, where ``-m`` looks.
@@ -38,7 +40,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a training program unchanged, its model averaged with other peers' through a weightsync hub.",
         epilog="Exit code: 2 bad input (one line on stderr); with --hub 3 when the hub does not answer, 126/127 "
         "when COMMAND cannot run, else COMMAND's own; with --local-peers 0 when all peers succeeded, 1 a peer "
-        "failed, 3 the hub failed, 130 interrupted.",
+        "failed (or ended with weights other than the hub's), 3 the hub failed, 130 interrupted.",
         allow_abbrev=False,  # every flag spelled out: COMMAND's own flags follow
     )
     g = p.add_argument_group("the run")
@@ -197,21 +198,12 @@ def exec_peer(settings: HookSettings, command: list[str]) -> NoReturn:
 
 
 def run_local(settings: HookSettings, command: list[str], *, peers: int, out: Path, metric: str) -> int:
-    """An embedded hub and ``peers`` hooked copies of COMMAND, each in ``out/peer-k``."""
+    """An embedded hub and ``peers`` hooked copies of COMMAND, each in ``out/peer-k``; then the
+    launcher's check (each peer's final weights against the hub's), results.json and plot."""
     try:
-        import httpx
-        import safetensors.numpy
-
-        from syncserver.local import LaunchError, LocalRun, hub_settings_for
+        from syncserver.local import LaunchError, launch
     except ModuleNotFoundError as exc:
         _fail(f"--local-peers runs a hub, which needs {exc.name}: pip install 'weightsync[server]'", 2)
-    from syncwire.digest import weights_sha256
-
-    try:
-        hub = hub_settings_for(out, peers, settings.token)
-    except LaunchError as exc:
-        _fail(str(exc), exc.exit_code)
-    shutil.rmtree(out / "hub", ignore_errors=True)  # a fresh run, not the previous launch's
     command, moved = absolute_paths(command, Path.cwd())
     if moved:
         _note(f"each peer runs in its own folder {out}/peer-k; made absolute: {' '.join(moved)}")
@@ -219,24 +211,18 @@ def run_local(settings: HookSettings, command: list[str], *, peers: int, out: Pa
     if "-m" in command[1:]:
         env["PYTHONPATH"] += os.pathsep + str(Path.cwd())  # where `python -m` looks at the prompt
     try:
-        with LocalRun(
-            command, peers=peers, out=out, settings=hub, run=settings.run, metric=metric, env=env, peer_folders=True
-        ) as launched:
-            launched.wait()
-            headers = {"Authorization": f"Bearer {launched.token}"} if launched.token else {}
-            response = httpx.get(f"{launched.hub_url}/v1/runs/{settings.run}/model", headers=headers, timeout=120)
+        return launch(
+            command,
+            peers=peers,
+            out=out,
+            run=settings.run,
+            token=settings.token,
+            metric=metric,
+            env=env,
+            peer_folders=True,
+        )
     except LaunchError as exc:
         _fail(str(exc), exc.exit_code)
-    except KeyboardInterrupt:
-        _note("interrupted: stopped the hub and the peers")
-        return 130
-    if response.status_code != 200:
-        _note(f"no run {settings.run!r} on the hub: no peer joined it (the hooks found nothing to sync?)")
-        return 0
-    digest = weights_sha256(safetensors.numpy.load(response.content))
-    version = response.headers.get("X-Sync-Version", "?")
-    print(f"hub: run {settings.run!r} ended at version {version}; weights sha256 {digest}", flush=True)
-    return 0
 
 
 def absolute_paths(command: Sequence[str], cwd: Path) -> tuple[list[str], list[str]]:

@@ -141,7 +141,7 @@ def _at_exit() -> None:
     if client is None or model is None or client.version < 0:
         return
     from syncclient._model import ModelView
-    from syncwire.digest import weights_sha256
+    from syncwire.digest import left_line, weights_sha256
 
     digest = weights_sha256(ModelView(model).export())
-    note(f"{client.peer} left run {client.run!r} at version {client.version}; weights sha256 {digest}")
+    print(left_line(client.peer, client.run, client.version, digest), file=sys.stderr, flush=True)
