@@ -14,6 +14,7 @@ they always did.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,6 @@ from typing import Any
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, stop_any
 from tenacity import stop_never as never
 from tenacity.stop import stop_base
-from tenacity.wait import wait_exponential_jitter
 
 __all__ = ["retrying"]
 
@@ -49,12 +49,14 @@ def retrying(
     ``Event.wait`` lets a stop cut the wait short); ``stopped()``: no more tries once it says so.
     ``before_sleep(exc, attempt)``: say so in the log.
     """
-    backoff = wait_exponential_jitter(initial=first, max=most, jitter=first if jitter is None else jitter)
+    spread = first if jitter is None else jitter
 
     def wait(state: RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome is not None else None
         asked = hint(exc) if hint is not None and exc is not None else None
-        return min(asked, 3 * most) if asked is not None else float(backoff(state))
+        if asked is not None:
+            return min(asked, 3 * most)
+        return min(most, first * 2.0 ** (state.attempt_number - 1)) + random.uniform(0, spread)
 
     stops: list[stop_base] = []
     if attempts is not None:
