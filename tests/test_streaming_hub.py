@@ -147,6 +147,36 @@ def test_the_scan_refuses_nan_and_inf_wherever_they_fall(tmp_path: Path, seed: i
         assert not list((tmp_path / "tmp").iterdir()), "a refused body leaves no file"
 
 
+def test_a_wrong_header_is_refused_at_the_header_not_after_the_rest(tmp_path: Path) -> None:
+    """The header's bytes are checked as they come: a body with the wrong tensors is refused
+    while its sender still holds the rest (here: never sends it), not at the end of the body."""
+    data = _body({"a": np.zeros(300_000, np.float32)})
+    header = 8 + int.from_bytes(data[:8], "little")
+
+    async def header_then_nothing() -> AsyncIterator[bytes]:
+        for i in range(0, header + 100, 7):  # in small pieces, as a slow link brings them
+            yield data[i : i + 7]
+        await asyncio.Event().wait()  # the rest never comes
+
+    def refuse(infos: Mapping[str, object]) -> None:
+        raise FormatError("tensors do not match the run's schema: unexpected ['a']")
+
+    async def go() -> None:
+        got = receive(
+            header_then_nothing(),
+            Store(tmp_path).fresh_upload(),
+            max_bytes=len(data),
+            content_length=None,
+            check_header=refuse,
+            idle_seconds=60,
+        )
+        await asyncio.wait_for(got, 30)
+
+    with pytest.raises(InvalidUpdate, match="do not match the run's schema"):
+        asyncio.run(go())
+    assert not list((tmp_path / "tmp").iterdir()), "a refused body leaves no file"
+
+
 async def _nothing() -> AsyncIterator[bytes]:
     return
     yield

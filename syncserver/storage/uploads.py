@@ -225,9 +225,9 @@ async def _receive(
     complete: bool,
 ) -> Received | Held:
     """The I/O of :func:`receive`: chunks batched to the writer thread, which checks and writes
-    one batch while the event loop receives the next; the header's first chunks go one by one,
-    so a body with the wrong tensors is refused after a few kB (its JSON, megabytes for 100,000
-    tensors, is parsed in the thread: never on the event loop)."""
+    one batch while the event loop receives the next. The header's first chunks go one at a
+    time, so a body with the wrong tensors is refused after a few kB, and its JSON (megabytes
+    for 100,000 tensors) is parsed in the thread, never on the event loop."""
     started = time.monotonic()
     batch: list[bytes] = []  # chunks not yet handed to the writer thread
     batched = 0  # their bytes
