@@ -1,25 +1,19 @@
-"""Receiving a safetensors body: streamed to disk and checked on the way; the I/O only.
+"""Receiving a safetensors body: streamed to disk and checked on the way; the checks are
+:class:`~syncserver.storage.body.BodyCheck`'s, this module moves the bytes.
 
-No HTTP here: the input is any async iterator of byte chunks. The checks are the body's
-(:class:`~syncserver.storage.body.BodyCheck`: sizes, header, layout, NaN/Inf, sha-256); this
-module moves the bytes. The body is never held in memory: chunks are batched to a few MiB and
-checked and written in a worker thread while the event loop receives the next batch. The header
-is checked as soon as its bytes are in, so a body with the wrong tensors is refused after a few
-kB, not after 500 MB.
-
-In the worker thread each byte is touched once, while it is still hot: hashed, scanned for
-NaN/Inf (float parts, by the layout the header gave) and written; and the kernel is told
-to start writing it back to disk at once (:mod:`syncserver.storage.writeback`), so the fsync that
-acknowledges an update waits for the last few MiB, not for 500 MB. The ``bytes`` chunks the
-server hands us go to the thread as they are: no copy in Python.
+No HTTP here: the input is any async iterator of byte chunks, never held in memory whole: they
+are batched to a few MiB, and a worker thread checks and writes one batch while the event loop
+receives the next. Each byte is touched once there, while it is still hot: hashed, scanned for
+NaN/Inf and written; and the kernel is told to start writing it back to disk at once
+(:mod:`syncserver.storage.writeback`), so the fsync that acknowledges an update waits for the
+last few MiB, not for 500 MB.
 
 Resumable bodies (updates): the bytes gather in a *partial* file named after the upload
 (run, round, peer, digest). When the body stops arriving (link cut, client gone, stalled
 past ``idle_seconds``) the partial is kept, so the client's retry sends only the rest, from
 ``offset`` (the file's size). A resumed body is checked exactly like a whole one: its first
-``offset`` bytes are read back from the partial to parse the header and hash the whole body,
-so the size limits, the header check and the final digest still cover every byte. A bad
-body (refused header, too long, digest mismatch) or a disk error removes the partial.
+``offset`` bytes are read back from the partial through the check, so every check covers every
+byte. A bad body (refused header, too long, digest mismatch) or a disk error removes the partial.
 One request at a time writes a partial: a newer one (the client's retry, or its HEAD)
 supersedes the older, which may still look connected on a stalled link. The older one is
 cancelled, and lets go of the partial only once the write its worker thread has in flight is
@@ -76,12 +70,6 @@ class Held:
 
 _KEPT_MAX = 64  # held bodies whose check (hash state: O(tensors)) is kept; past that the oldest is read back
 _kept: dict[str, BodyCheck] = {}  # by upload ident; taken by whoever writes that upload next
-
-
-def _keep(ident: str, check: BodyCheck) -> None:
-    _kept[ident] = check
-    while len(_kept) > _KEPT_MAX:
-        del _kept[next(iter(_kept))]
 
 
 class BodyInterrupted(Exception):
@@ -288,7 +276,9 @@ async def _receive(
         digest = check.finish()
         if not complete:
             upload.close()
-            _keep(upload.ident, check)
+            _kept[upload.ident] = check
+            while len(_kept) > _KEPT_MAX:
+                del _kept[next(iter(_kept))]
             return Held(check.received)
         try:
             staged = await to_thread.run_sync(upload.finish)
