@@ -29,7 +29,7 @@ import syncwire.codecs
 from syncclient import SyncClient
 from syncclient._model import ModelView
 from syncserver.core.coordinator import Coordinator
-from syncserver.errors import InvalidUpdate
+from syncserver.errors import BadRequest, InvalidUpdate
 from syncserver.reduce.engine import Accumulator, MergeEngine, Outer, RoundMerge
 from syncserver.settings import HubSettings, default_fold_threads
 from syncserver.storage import uploads as uploads_module
@@ -144,6 +144,35 @@ def test_the_scan_refuses_nan_and_inf_wherever_they_fall(tmp_path: Path, seed: i
         with pytest.raises(InvalidUpdate, match="NaN or Inf"):
             _receive(_body(poisoned), store, seed)
         assert not list((tmp_path / "tmp").iterdir()), "a refused body leaves no file"
+
+
+@pytest.mark.parametrize("fault", ["wrong tensors", "one byte too many"])
+def test_a_fault_is_refused_as_it_arrives_not_after_the_rest(tmp_path: Path, fault: str) -> None:
+    """The header's bytes are checked as they come, and so is a chunk past the body's end: the
+    refusal comes while the sender still holds the rest (here: never sends it)."""
+    data = _body({"a": np.zeros(300_000, np.float32)})
+    header = 8 + int.from_bytes(data[:8], "little")
+    sent = data[: header + 100] if fault == "wrong tensors" else data + b"!"
+
+    async def then_nothing() -> AsyncIterator[bytes]:
+        step = 7 if fault == "wrong tensors" else 65536  # a slow link's pieces, or a socket's
+        for i in range(0, len(sent), step):
+            yield sent[i : i + step]
+        await asyncio.Event().wait()  # the rest never comes
+
+    def layout(infos: Mapping[str, object]) -> None:
+        if fault == "wrong tensors":
+            raise FormatError("tensors do not match the run's schema: unexpected ['a']")
+
+    async def go() -> None:
+        upload = Store(tmp_path).fresh_upload()
+        got = receive(then_nothing(), upload, max_bytes=len(data) + 10, content_length=None, check_header=layout)
+        await asyncio.wait_for(got, 30)
+
+    error, said = (InvalidUpdate, "schema") if fault == "wrong tensors" else (BadRequest, "longer than")
+    with pytest.raises(error, match=said):
+        asyncio.run(go())
+    assert not list((tmp_path / "tmp").iterdir()), "a refused body leaves no file"
 
 
 async def _nothing() -> AsyncIterator[bytes]:

@@ -24,6 +24,7 @@ thread of its own from the run's first read, each chunk kept until every byte of
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import struct
 import threading
@@ -35,6 +36,7 @@ import numpy as np
 from syncserver.storage.s3 import ObjectStore
 from syncwire import FormatError
 from syncwire.format import MAX_HEADER_BYTES, TensorFile, TensorInfo, parse_header
+from syncwire.retry import retrying
 
 __all__ = ["STREAM_AHEAD", "WINDOW", "ObjectTensorFile", "TensorReader"]
 
@@ -282,9 +284,10 @@ TensorReader = TensorFile | ObjectTensorFile
 
 class _Run:
     """One run of bytes ``[lo, hi)`` of an object, read by one streamed GET on a thread of its own
-    (asked again from where it stopped if the link fails, :data:`STREAM_TRIES` times), each
-    chunk kept until every byte of it was read. It stops reading ahead once
-    :data:`STREAM_AHEAD` unread bytes are held, unless a reader waits for bytes further on."""
+    (asked again from where it stopped if the link fails: :data:`STREAM_TRIES` tries in all, with
+    :func:`~syncwire.retry.retrying`'s backoff), each chunk kept until every byte of it was read.
+    It stops reading ahead once :data:`STREAM_AHEAD` unread bytes are held, unless a reader
+    waits for bytes further on."""
 
     def __init__(self, objects: ObjectStore, name: str, lo: int, hi: int) -> None:
         self.objects, self.name, self.lo, self.hi = objects, name, lo, hi
@@ -300,35 +303,37 @@ class _Run:
         self._thread.start()
 
     def _pump(self) -> None:
-        tries = 0
-        while True:
+        try:
+            for attempt in retrying(lambda exc: isinstance(exc, Exception), attempts=STREAM_TRIES, stopped=self._done):
+                with attempt:
+                    self._get()
+        except Exception as exc:
             with self._cond:
-                if self._closed or self._come >= self.hi:
-                    return
-                at = self._come
-            chunks = self.objects.stream(self.name, at, self.hi)
-            try:
-                for chunk in chunks:
-                    with self._cond:
-                        while self._held >= STREAM_AHEAD and self._wanted <= self._come and not self._closed:
-                            self._cond.wait()
-                        if self._closed:
-                            return
-                        self._starts.append(self._come)
-                        self._chunks[self._come] = (chunk, len(chunk))
-                        self._come += len(chunk)
-                        self._held += len(chunk)
-                        self._cond.notify_all()
-                return
-            except Exception as exc:
-                tries += 1
-                if tries >= STREAM_TRIES:
-                    with self._cond:
-                        self._error = exc
-                        self._cond.notify_all()
-                    return
-            finally:
-                chunks.close()
+                if not self._closed:
+                    self._error = exc
+                    self._cond.notify_all()
+
+    def _done(self) -> bool:
+        """Closed, or every byte came: nothing more to ask for."""
+        with self._cond:
+            return self._closed or self._come >= self.hi
+
+    def _get(self) -> None:
+        """One GET of the bytes not come yet, kept as they come."""
+        if self._done():
+            return
+        with contextlib.closing(self.objects.stream(self.name, self._come, self.hi)) as chunks:
+            for chunk in chunks:
+                with self._cond:
+                    while self._held >= STREAM_AHEAD and self._wanted <= self._come and not self._closed:
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                    self._starts.append(self._come)
+                    self._chunks[self._come] = (chunk, len(chunk))
+                    self._come += len(chunk)
+                    self._held += len(chunk)
+                    self._cond.notify_all()
 
     def read(self, first: int, end: int) -> bytearray | None:
         """Bytes ``[first, end)`` once they came (None: some of them were read, and dropped, before)."""

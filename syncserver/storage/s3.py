@@ -44,7 +44,6 @@ import logging
 import os
 import re
 import threading
-import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from syncserver.storage.sigv4 import MAX_EXPIRES, Credentials, presign
+from syncwire.retry import retrying
 
 __all__ = [
     "CONTROL_SECONDS",
@@ -84,7 +84,7 @@ _SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 _KEY_BYTES = 1024  # S3's longest key
 _READ_BYTES = 1 << 20
 _SINGLE_MAX = 64 << 20  # put_from: bigger bodies go up in parts of this size (or more: part_size)
-_TRIES = 3  # attempts of an idempotent request on transport trouble or a 5xx, 0.25 s then 1 s apart
+_TRIES = 3  # attempts of an idempotent request on transport trouble or a 5xx (syncwire.retry's backoff)
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _PROBE = ".weightsync-check"  # what check() writes and deletes
 
@@ -300,34 +300,22 @@ class ObjectStore:
 
     def uploads(self, prefix: str = "") -> list[Upload]:
         """Multipart uploads open under ``prefix`` (a name, or a name ending in ``/``)."""
-        found: list[Upload] = []
         query = {"uploads": "", "prefix": self._prefix(prefix)}
-        while True:
-            root = _xml(self._request("GET", "", query, control=True).content)
-            for item in _all(root, "Upload"):
-                found.append(Upload(_text(item, "Key")[len(self.prefix) :], _text(item, "UploadId")))
-            if _text(root, "IsTruncated", "false") != "true":
-                return found
-            query = {
-                **query,
-                "key-marker": _text(root, "NextKeyMarker"),
-                "upload-id-marker": _text(root, "NextUploadIdMarker"),
-            }
+        pages = self._pages("", query, {"key-marker": "NextKeyMarker", "upload-id-marker": "NextUploadIdMarker"})
+        return [
+            Upload(_text(i, "Key")[len(self.prefix) :], _text(i, "UploadId")) for p in pages for i in _all(p, "Upload")
+        ]
 
     def list_parts(self, name: str, upload_id: str) -> dict[int, ObjectInfo]:
         """The parts the store holds of multipart upload ``upload_id`` of ``name``: number ->
         its size and ETag (a peer resuming sends only the others). :class:`ObjectMissing` when
         the upload is gone (completed, aborted, or cleaned up by a restarted hub)."""
-        found: dict[int, ObjectInfo] = {}
-        query = {"uploadId": upload_id}
-        while True:
-            root = _xml(self._request("GET", self.key(name), query, control=True).content)
-            for item in _all(root, "Part"):
-                number = int(_text(item, "PartNumber"))
-                found[number] = ObjectInfo(name, int(_text(item, "Size")), _text(item, "ETag", "").strip('"'))
-            if _text(root, "IsTruncated", "false") != "true":
-                return found
-            query = {**query, "part-number-marker": _text(root, "NextPartNumberMarker")}
+        pages = self._pages(self.key(name), {"uploadId": upload_id}, {"part-number-marker": "NextPartNumberMarker"})
+        return {
+            int(_text(i, "PartNumber")): ObjectInfo(name, int(_text(i, "Size")), _text(i, "ETag", "").strip('"'))
+            for page in pages
+            for i in _all(page, "Part")
+        }
 
     # ---- objects, as the hub and reducers see them --------------------------------------------
     def head(self, name: str) -> ObjectInfo | None:
@@ -339,28 +327,22 @@ class ObjectStore:
         return ObjectInfo(name, int(response.headers["content-length"]), response.headers.get("etag", "").strip('"'))
 
     def put(self, name: str, data: bytes | memoryview) -> ObjectInfo:
-        """Write ``data`` at ``name`` in one request (the hub's own small objects; peers upload
-        through presigned URLs). Streamed 1 MiB at a time: httpx given one big ``bytes`` body
-        copies its rest after every partial write (docs: DESIGN.md, pitfalls)."""
+        """Write ``data`` at ``name`` (the hub's own small objects; peers upload through presigned
+        URLs), streamed as :meth:`put_from` streams."""
         view = memoryview(data).cast("B")
-        response = self._request(
-            "PUT",
-            self.key(name),
-            content=lambda: (view[i : i + _READ_BYTES] for i in range(0, len(view), _READ_BYTES)),
-            headers={"Content-Length": str(len(view))},
-        )
-        return ObjectInfo(name, len(view), response.headers.get("etag", "").strip('"'))
+        return self.put_from(name, len(view), lambda offset, n: view[offset : offset + n])
 
     def put_from(
-        self, name: str, size: int, read: Callable[[int, int], bytes], *, single_max: int = _SINGLE_MAX
+        self, name: str, size: int, read: Callable[[int, int], bytes | memoryview], *, single_max: int = _SINGLE_MAX
     ) -> ObjectInfo:
         """Write ``size`` bytes at ``name``, taken 1 MiB at a time from ``read(offset, n)`` (a file
-        the hub publishes: a result, a version), never all in memory. Up to ``single_max`` bytes
+        the hub publishes: a result, a version), never all in memory (httpx given one big ``bytes``
+        body copies its rest after every partial write: DESIGN.md, pitfalls). Up to ``single_max`` bytes
         in one request; a bigger body as a multipart upload of :meth:`part_size` parts, each
         retried alone (a transfer cut at 90% of a 28 GB version re-sends one part, not 25 GB,
         and one PUT takes at most 5 GB), aborted if it fails (no parts left behind)."""
 
-        def chunks(start: int, end: int) -> Iterator[bytes]:
+        def chunks(start: int, end: int) -> Iterator[bytes | memoryview]:
             for offset in range(start, end, _READ_BYTES):
                 chunk = read(offset, min(_READ_BYTES, end - offset))
                 if not chunk:
@@ -403,24 +385,12 @@ class ObjectStore:
             raise ValueError(f"bad range [{start}, {end})")
         if end == start:
             return bytearray()
-        headers = {} if start == 0 and end is None else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
-        response = self._request("GET", self.key(name), headers=headers, stream=True)
-        try:
-            if headers and response.status_code != 206:
-                raise StoreUnavailable(f"{self.endpoint} ignored a Range request ({response.status_code})")
-            buffer = bytearray(int(response.headers["content-length"]))
-            filled = 0
-            for chunk in response.iter_raw(_READ_BYTES):
+        with self._get(name, start, end) as (chunks, size):
+            buffer, filled = bytearray(size), 0
+            for chunk in chunks:
                 buffer[filled : filled + len(chunk)] = chunk
                 filled += len(chunk)
-            self._count(filled)
-            if filled != len(buffer):
-                raise StoreUnavailable(f"{self.url}{name}: the body ended at {filled} of {len(buffer)} bytes")
             return buffer
-        except httpx.TransportError as exc:
-            raise StoreUnavailable(f"{self.url}{name}: {type(exc).__name__} while reading: {exc}") from exc
-        finally:
-            response.close()
 
     def stream(self, name: str, start: int = 0, end: int | None = None) -> Generator[bytes, None, None]:
         """Bytes ``[start, end)`` of ``name`` (the whole object by default), 1 MiB at a time, from
@@ -430,19 +400,32 @@ class ObjectStore:
         or a link that fails on the way, is a :class:`StoreUnavailable`."""
         if start < 0 or (end is not None and end <= start):
             raise ValueError(f"bad range [{start}, {end})")
+        with self._get(name, start, end) as (chunks, _):
+            yield from chunks
+
+    @contextlib.contextmanager
+    def _get(self, name: str, start: int, end: int | None) -> Iterator[tuple[Iterator[bytes], int]]:
+        """One GET of bytes ``[start, end)`` of ``name``: its chunks (counted in ``bytes_read``;
+        :class:`StoreUnavailable` if fewer than announced come, or the link fails on the way)
+        and the size the store announced."""
         ranged = start > 0 or end is not None
         headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"} if ranged else {}
         response = self._request("GET", self.key(name), headers=headers, stream=True)
-        try:
-            if ranged and response.status_code != 206:
-                raise StoreUnavailable(f"{self.endpoint} ignored a Range request ({response.status_code})")
-            announced, filled = int(response.headers["content-length"]), 0
+
+        def chunks(announced: int) -> Iterator[bytes]:
+            filled = 0
             for chunk in response.iter_raw(_READ_BYTES):
                 filled += len(chunk)
                 self._count(len(chunk))
                 yield chunk
             if filled != announced:
                 raise StoreUnavailable(f"{self.url}{name}: the body ended at {filled} of {announced} bytes")
+
+        try:
+            if ranged and response.status_code != 206:
+                raise StoreUnavailable(f"{self.endpoint} ignored a Range request ({response.status_code})")
+            announced = int(response.headers["content-length"])
+            yield chunks(announced), announced
         except httpx.TransportError as exc:
             raise StoreUnavailable(f"{self.url}{name}: {type(exc).__name__} while reading: {exc}") from exc
         finally:
@@ -455,14 +438,10 @@ class ObjectStore:
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object under ``prefix`` (a name, or a name ending in ``/``), in key order."""
         query = {"list-type": "2", "prefix": self._prefix(prefix)}
-        while True:
-            root = _xml(self._request("GET", "", query, control=True).content)
-            for item in _all(root, "Contents"):
+        for page in self._pages("", query, {"continuation-token": "NextContinuationToken"}):
+            for item in _all(page, "Contents"):
                 key = _text(item, "Key")
                 yield ObjectInfo(key[len(self.prefix) :], int(_text(item, "Size")), _text(item, "ETag", "").strip('"'))
-            if _text(root, "IsTruncated", "false") != "true":
-                return
-            query = {**query, "continuation-token": _text(root, "NextContinuationToken")}
 
     def delete(self, name: str) -> None:
         """Remove ``name`` (S3 answers the same whether it was there or not)."""
@@ -511,6 +490,16 @@ class ObjectStore:
         self.delete(_PROBE)
 
     # ---- internals --------------------------------------------------------------------------
+    def _pages(self, key: str, query: Mapping[str, str], marks: Mapping[str, str]) -> Iterator[ET.Element]:
+        """Each page of a listing (S3 answers 1,000 entries at a time); ``marks``: the next page's
+        query parameters, each by the element of this page that gives it."""
+        while True:
+            page = _xml(self._request("GET", key, query, control=True).content)
+            yield page
+            if _text(page, "IsTruncated", "false") != "true":
+                return
+            query = {**query, **{param: _text(page, tag) for param, tag in marks.items()}}
+
     def _prefix(self, prefix: str) -> str:
         stripped = prefix.strip("/")
         if not stripped:
@@ -550,41 +539,47 @@ class ObjectStore:
         byte (then the data timeout), and not tried again once it timed out (a store that hung
         once is not waited on three times)."""
         signed = {k: v for k, v in (headers or {}).items() if k.lower() == "content-md5"}
-        tries = 1 if method == "POST" else _TRIES
-        for attempt in range(1, tries + 1):
-            url = self._sign(method, key, query, expires=_OWN_SECONDS, headers=signed)
-            body = content() if callable(content) else content
-            try:
-                request = self._http.build_request(
-                    method,
-                    url,
-                    content=body,  # type: ignore[arg-type]
-                    headers=headers,
-                    timeout=self._control if control else httpx.USE_CLIENT_DEFAULT,
-                )
-                response = self._http.send(request, stream=stream or control)
-                if control:
-                    # the first byte came in time: the rest of the answer (a long listing, the
-                    # whitespace S3 sends while a big complete runs) gets the data timeout;
-                    # httpcore reads the read timeout from this dict when the body starts
-                    request.extensions["timeout"] = self._http.timeout.as_dict()
-                    if not stream:
-                        response.read()
-                if response.status_code >= 300 and stream:
-                    response.read()  # an error: a few hundred bytes of XML
-                    response.close()
-            except httpx.TransportError as exc:
-                if attempt == tries or (control and isinstance(exc, httpx.TimeoutException)):
-                    raise StoreUnavailable(
-                        f"object store {self.endpoint} unreachable: {type(exc).__name__}: {exc}"
-                    ) from exc
-            else:
-                if response.status_code < 300:
+
+        def again(exc: BaseException) -> bool:  # a 5xx, or trouble on the way but a control call's timeout
+            timeout = control and isinstance(exc, httpx.TimeoutException)
+            return isinstance(exc, _Failed) or (isinstance(exc, httpx.TransportError) and not timeout)
+
+        try:
+            for attempt in retrying(again, attempts=1 if method == "POST" else _TRIES):
+                with attempt:
+                    url = self._sign(method, key, query, expires=_OWN_SECONDS, headers=signed)
+                    request = self._http.build_request(
+                        method,
+                        url,
+                        content=content() if callable(content) else content,  # type: ignore[arg-type]
+                        headers=headers,
+                        timeout=self._control if control else httpx.USE_CLIENT_DEFAULT,
+                    )
+                    response = self._http.send(request, stream=stream or control)
+                    if control:
+                        # the first byte came in time: the rest of the answer (a long listing, the
+                        # whitespace S3 sends while a big complete runs) gets the data timeout;
+                        # httpcore reads the read timeout from this dict when the body starts
+                        request.extensions["timeout"] = self._http.timeout.as_dict()
+                        if not stream:
+                            response.read()
+                    if response.status_code >= 300 and stream:
+                        response.read()  # an error: a few hundred bytes of XML
+                        response.close()
+                    if response.status_code in _RETRY_STATUS:
+                        raise _Failed(response)
+                    if response.status_code >= 300:
+                        _raise(self, response, None)
                     return response
-                if response.status_code not in _RETRY_STATUS or attempt == tries:
-                    _raise(self, response, None)
-            time.sleep(0.25 * 4 ** (attempt - 1))
+        except httpx.TransportError as exc:
+            raise StoreUnavailable(f"object store {self.endpoint} unreachable: {type(exc).__name__}: {exc}") from exc
+        except _Failed as exc:
+            _raise(self, exc.args[0], None)
         raise AssertionError("unreachable")
+
+
+class _Failed(Exception):
+    """A 5xx answer (``args[0]``): the store may serve the next try."""
 
 
 def _name(name: str, what: str) -> str:
