@@ -73,26 +73,20 @@ samples, which overcounts by less than one batch when an epoch ends on a short b
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from syncclient._callback import callback_client, join_at_train_begin
+from syncclient.adapters import callback_client, join_at_train_begin, sync_metrics
 from syncclient.client import PendingSync, SyncClient, SyncResult
 from syncclient.peerlr import DEFAULT_PEER_LR, LRScaler, PeerLR
-from syncclient.schedule import SyncSchedule, interval_after
+from syncclient.schedule import SyncSchedule
 
 __all__ = ["SyncCallback"]
 
 logger = logging.getLogger(__name__)
-
-#: Bytes of JSON metrics sent with an update; beyond it (many ``compute_metrics`` values) only
-#: ``loss`` and ``eval_loss`` go, leaving room for what the SDK adds itself.
-_METRICS_BUDGET = 2048
 
 
 class SyncCallback(TrainerCallback):
@@ -159,10 +153,9 @@ class SyncCallback(TrainerCallback):
         self.last_result: SyncResult | None = None
         self.syncs = 0
         self._active = False  # joined and not yet left: the events below act only then
-        self._last_sync_step = 0
         self._pending = False  # a sync is due; done at the next on_log (or the next step at the latest)
-        self._loss: float | None = None  # training loss logged since the last sync
-        self._eval_metrics: dict[str, float] = {}
+        self._loss: Any = None  # training loss logged since the last sync
+        self._eval_metrics: dict[str, Any] = {}
         self._inflight: PendingSync | None = None  # overlap: started, not yet applied
         self._inflight_steps = 0  # the steps that sync carries
 
@@ -174,10 +167,9 @@ class SyncCallback(TrainerCallback):
         # Checked on every rank, so that a DDP job fails everywhere instead of hanging on rank 1.
         if args.world_size > 1:
             self._serve_the_group(args)
-        self.join_info = join_at_train_begin(self.client, _model(kwargs), self.sync_every) or self.join_info
+        self.join_info = join_at_train_begin(self.client, _model(kwargs), state.global_step) or self.join_info
         self._peers = self.client.world_size or 1
         self._active = True
-        self._last_sync_step = state.global_step
         self._pending = False
         self._loss = None
         self._eval_metrics = {}
@@ -204,17 +196,11 @@ class SyncCallback(TrainerCallback):
     ) -> TrainerControl:
         if not self._active:
             return control
+        self.client.progress(int(args.train_batch_size * args.gradient_accumulation_steps), step=state.global_step)
         if self._inflight is not None and self._inflight.done():
-            self._land(state, _model(kwargs))
-        since = state.global_step - self._last_sync_step
+            self._land(state, _model(kwargs))  # (a late peer's clock counts from this step again)
         last_step = state.max_steps > 0 and state.global_step >= state.max_steps
-        if self.client.policy == "samples":
-            self.client.progress(_samples_per_step(args, self.client))
-            due = since > 0 and self.client.due
-        else:
-            assert self.sync_every is not None
-            due = since >= interval_after(self.sync_every, self._last_sync_step)
-        if due or (last_step and since > 0):
+        if self.client.due or (last_step and self.client.clock.unsynced):
             # Decide here, act in on_log: asking for a log makes the Trainer report the loss of
             # the steps since its last log, which we send with the update. Evaluation at this
             # step runs after the log, so it sees the merged weights.
@@ -232,8 +218,8 @@ class SyncCallback(TrainerCallback):
     ) -> None:
         if not self._active:
             return
-        if logs and _is_number(logs.get("loss")):
-            self._loss = float(logs["loss"])
+        if logs and logs.get("loss") is not None:
+            self._loss = logs["loss"]
         if self._pending:
             self._sync(args, state, _model(kwargs))
 
@@ -246,7 +232,7 @@ class SyncCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         if self._active and metrics:
-            self._eval_metrics.update({k: float(v) for k, v in metrics.items() if _is_number(v)})
+            self._eval_metrics.update(metrics)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -255,7 +241,7 @@ class SyncCallback(TrainerCallback):
             return
         try:
             self._land(state, _model(kwargs))
-            if self._pending or state.global_step > self._last_sync_step:
+            if self._pending or self.client.clock.unsynced:
                 self._sync(args, state, _model(kwargs), blocking=True)
         finally:
             self._active = False
@@ -269,7 +255,7 @@ class SyncCallback(TrainerCallback):
         """Several processes train this peer: the client must serve their process group."""
         if self.overlap:
             raise ValueError(f"overlap=True is for one process per peer; this peer has {args.world_size} ranks")
-        if self.client._group is not None:
+        if self.client.group is not None:
             return
         if not self._owns_client:
             raise ValueError(
@@ -280,22 +266,15 @@ class SyncCallback(TrainerCallback):
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(f"args.world_size is {args.world_size} but torch.distributed is not initialised")
         self.client.close()  # never joined: made before the Trainer set torch.distributed up
-        self.client = SyncClient(self._hub, group=dist.group.WORLD, **self._client_kwargs)  # type: ignore[arg-type]
+        self.client = SyncClient(self._hub, group=dist.group.WORLD, sync_every=self.sync_every, **self._client_kwargs)  # type: ignore[arg-type]
 
     def _sync(self, args: TrainingArguments, state: TrainerState, model: Any, *, blocking: bool = False) -> None:
         self._land(state, model)  # the previous overlapped sync, if still out: wait for it here
-        steps = state.global_step - self._last_sync_step
-        self._pending = False
-        if steps == 0:  # it was late: its apply dropped every local step, nothing left to send
+        clock, self._pending = self.client.clock, False
+        if not clock.unsynced:  # it was late: its apply dropped every local step, nothing left to send
             return
-        samples = steps * _samples_per_step(args, self.client)
-        metrics = dict(self._eval_metrics)
-        if self._loss is not None:
-            metrics["loss"] = self._loss
-        if len(json.dumps(metrics)) > _METRICS_BUDGET:  # the hub caps the metrics header (4 KiB)
-            metrics = {k: v for k, v in metrics.items() if k in ("loss", "eval_loss")}
-        metrics["step"] = float(state.global_step)
-        self._last_sync_step = state.global_step
+        steps, samples = clock.step - clock.last, self.client.pending_samples
+        metrics = sync_metrics({**self._eval_metrics, "loss": self._loss}, state.global_step)
         self._loss = None
         self._eval_metrics = {}
         last_step = state.max_steps > 0 and state.global_step >= state.max_steps
@@ -312,10 +291,7 @@ class SyncCallback(TrainerCallback):
         if self._inflight is None:
             return
         pending, self._inflight = self._inflight, None
-        result = pending.apply(model)
-        if result.caught_up:  # the steps since its snapshot were dropped too: count from here
-            self._last_sync_step = state.global_step
-        self._finish(state, result, self._inflight_steps)
+        self._finish(state, pending.apply(model), self._inflight_steps)
 
     def _finish(self, state: TrainerState, result: SyncResult, steps: int) -> None:
         self.last_result = result
@@ -333,18 +309,8 @@ class SyncCallback(TrainerCallback):
             self.on_sync(result)
 
 
-def _samples_per_step(args: TrainingArguments, client: SyncClient) -> int:
-    """The samples one optimizer step trains: a group's client sums its ranks' own."""
-    per_rank = int(args.train_batch_size * args.gradient_accumulation_steps)
-    return per_rank if client._group is not None else per_rank * int(args.world_size)
-
-
 def _model(kwargs: dict[str, Any]) -> Any:
     model = kwargs.get("model")
     if model is None:
         raise ValueError("SyncCallback needs the model: the Trainer passes it as kwargs['model']")
     return model
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from syncclient import SyncClient, SyncError
-from syncclient._model import ModelView
+from syncclient.weights import ModelView
 from tests.conftest import Hub
 from tests.harness import perturb, run_peers, status, version_file, wait_for, weighted_mean64
 from tests.models import tiny_gpt2

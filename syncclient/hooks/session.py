@@ -140,7 +140,7 @@ def _at_exit() -> None:
     client, model = _report[0](), _report[1]()
     if client is None or model is None or client.version < 0:
         return
-    from syncclient._model import ModelView
+    from syncclient.weights import ModelView
     from syncwire.digest import weights_sha256
 
     digest = weights_sha256(ModelView(model).export())

@@ -11,20 +11,33 @@ hooks read these in every Python process of the command, training or not.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR
-from syncclient.runconfig import RUN_SETTINGS, name_problem
+from syncclient.schedule import SyncSchedule
+from syncwire.runsettings import RUN_SETTINGS, settle
 
-__all__ = ["DEFAULT_SYNC_EVERY", "ENV", "HookSettings", "SettingsError", "env_name", "flag_name"]
+__all__ = ["DEFAULT_SYNC_EVERY", "ENV", "HookSettings", "SettingsError", "env_name", "flag_name", "name_problem"]
 
 DEFAULT_SYNC_EVERY = 100  # optimizer steps; docs/concepts/outer.md, "The interval", says how to pick it
 
-#: field -> variable: the launcher's own settings, every run setting of the SDK
-#: (:data:`syncclient.runconfig.RUN_SETTINGS`, ``min_peers`` -> ``WEIGHTSYNC_MIN_PEERS``), and
+# A run or peer name, as the hub allows it (syncserver.names; a test holds them together): names
+# travel in URL paths and the hub's data folder.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NAME_RULE = "1-64 letters, digits, '.', '_', '-', starting with a letter or digit"
+
+
+def name_problem(value: str) -> str | None:
+    """Why ``value`` cannot name a run or a peer (None: it can)."""
+    return None if _NAME.fullmatch(value) else f"expected {NAME_RULE}, got {value!r}"
+
+
+#: field -> variable: the launcher's own settings, every run setting
+#: (:data:`syncwire.runsettings.RUN_SETTINGS`, ``min_peers`` -> ``WEIGHTSYNC_MIN_PEERS``), and
 #: the peer's name and rank (``--local-peers`` sets those three itself).
 ENV = {
     name: "WEIGHTSYNC_" + name.upper()
@@ -59,16 +72,17 @@ def flag_name(field: str) -> str:
 @dataclass(frozen=True)
 class HookSettings:
     """How a hooked program syncs. ``config`` holds the run settings given (those of
-    :data:`~syncclient.runconfig.RUN_SETTINGS`, parsed and checked), which go to ``SyncClient``
-    as they are. ``sync_every`` and a samples run's ``round_samples`` exclude each other; with
-    neither, ``sync_every`` is :data:`DEFAULT_SYNC_EVERY` (an async run takes both). ``rank`` and
+    :data:`~syncwire.runsettings.RUN_SETTINGS`, parsed and checked), which go to ``SyncClient``
+    as they are. ``sync_every`` (steps, or a :class:`~syncclient.schedule.SyncSchedule` such as
+    ``5:60,15``) and a samples run's ``round_samples`` exclude each other; with neither,
+    ``sync_every`` is :data:`DEFAULT_SYNC_EVERY` (an async run takes both). ``rank`` and
     ``world_size`` (set by ``--local-peers``, or by you for peers on several machines) are what
     the data is sharded by; without them nothing is sharded."""
 
     hub: str  # "" until a launcher gives it
     run: str
     token: str | None = None
-    sync_every: int | None = DEFAULT_SYNC_EVERY
+    sync_every: int | SyncSchedule | None = DEFAULT_SYNC_EVERY
     shard: bool = True
     peer: str | None = None
     rank: int | None = None
@@ -103,6 +117,15 @@ class HookSettings:
                 raise SettingsError(f"{source}: must be >= {low}, got {parsed}")
             return parsed
 
+        def every() -> int | SyncSchedule | None:
+            value, source = raw("sync_every")
+            if value is not None and (":" in value or "," in value):
+                try:
+                    return SyncSchedule.parse(value)
+                except ValueError as exc:
+                    raise SettingsError(f"{source}: {exc}") from None
+            return number("sync_every")
+
         def name(field: str) -> str | None:
             value, source = raw(field)
             problem = None if value is None else name_problem(value)
@@ -130,12 +153,11 @@ class HookSettings:
                     config[setting.name] = setting.parse(value)
                 except ValueError as exc:
                     raise SettingsError(f"{source}: {exc}") from None
-        if config.get("policy") == "barrier" and "round_samples" in config:
-            raise SettingsError(
-                f"{raw('round_samples')[1]} goes with {raw('policy')[1]} samples or async, not barrier "
-                "(a barrier round is N steps)"
-            )
-        sync_every = number("sync_every")
+        try:
+            settle(config, config, say=lambda name: raw(name)[1])
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        sync_every = every()
         by_samples = "round_samples" in config and config.get("policy") != "async"
         if sync_every is not None and by_samples:
             raise SettingsError(
