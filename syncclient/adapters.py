@@ -1,6 +1,7 @@
-"""What the Hugging Face and the Lightning ``SyncCallback`` share: the checks of their arguments,
-the client they sync through, joining at train begin, and the metrics an update carries. One set
-of rules and messages; when to sync is the client's (:class:`~syncclient.schedule.SyncClock`)."""
+"""What the Hugging Face and the Lightning ``SyncCallback`` share (:class:`Adapter`): the checks
+of their arguments, the client they sync through, joining at train begin, the metrics an update
+carries, what a sync leaves behind. One set of rules and messages; when to sync is the client's
+(:class:`~syncclient.schedule.SyncClock`): the callbacks only tell it each step."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from urllib.parse import urlsplit
 
 import torch
 
-from syncclient.client import JoinInfo, SyncClient
+from syncclient.client import JoinInfo, SyncClient, SyncResult
+from syncclient.peerlr import PeerLR
 from syncclient.schedule import SyncClock, SyncSchedule
 
-__all__ = ["callback_client", "join_at_train_begin", "sync_metrics"]
+__all__ = ["Adapter", "callback_client", "join_at_train_begin", "sync_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,3 +85,45 @@ def sync_metrics(logged: Mapping[str, Any], step: int) -> dict[str, float]:
     if len(json.dumps(metrics)) > METRICS_BUDGET:
         metrics = {k: v for k, v in metrics.items() if "loss" in k}
     return {**metrics, "step": float(step)}
+
+
+class Adapter:
+    """A Trainer callback's sync state: the client (:func:`callback_client`), each peer's
+    learning rate (:mod:`syncclient.peerlr`), what ``join`` returned, the last result and the
+    syncs made. ``on_sync(result)``, if given, is called after each."""
+
+    def __init__(
+        self,
+        hub: str | None,
+        sync_every: int | SyncSchedule | None,
+        client: SyncClient | None,
+        lr_scaling: str,
+        lr_scaling_warmup: int | None,
+        client_kwargs: dict[str, Any],
+    ) -> None:
+        self.client = callback_client(hub, sync_every=sync_every, client=client, client_kwargs=client_kwargs)
+        self.peer_lr = PeerLR(lr_scaling, lr_scaling_warmup).for_rounds(sync_every)
+        self.join_info: JoinInfo | None = None
+        self.last_result: SyncResult | None = None
+        self.syncs = 0
+        self.on_sync: Any = None
+        self._active = False  # joined and not yet left: the events act only then
+        self._loss: Any = None  # the training loss since the last sync, as the Trainer gave it
+
+    def _begin(self, model: torch.nn.Module, step: int) -> None:
+        self.join_info = join_at_train_begin(self.client, model, step) or self.join_info
+        self._active = True
+
+    def _due(self, step: int, max_steps: int) -> tuple[bool, bool]:
+        """Whether to sync now, and whether ``step`` is the last (a sync there is the peer's last)."""
+        last = 0 < max_steps <= step
+        return self.client.due or (last and self.client.clock.unsynced), last
+
+    def _synced(self, result: SyncResult, step: int, steps: int) -> None:
+        self.last_result = result
+        self.syncs += 1
+        logger.info("step %d: synced %d steps -> version %d in %.2f s (%.2f s of it stalled training)%s", step,
+                    *(steps, result.version, result.seconds, result.stall_seconds),
+                    " (late: caught up, local steps dropped)" if result.caught_up else "")  # fmt: skip
+        if self.on_sync is not None:
+            self.on_sync(result)

@@ -11,23 +11,13 @@ a sync is due, for every integration (:meth:`SyncClient.progress`, :attr:`SyncCl
 
 A sync sends ``encode(local - base + residual)``, waits for the round's merged update ``U`` and
 sets the model to ``base + decode(U)``: the very sum the hub computes, so every peer and the
-hub hold bit-identical weights afterwards.
-
-Overlap (:meth:`SyncClient.sync_async`, as in Streaming DiLoCo's eager updates): the peer
-snapshots its weights ``x_t`` and encodes ``x_t - base + residual`` on the caller's thread,
-then uploads it and waits for ``U`` on one background thread while training goes on.
-:meth:`PendingSync.apply` sets ``base' = base + decode(U)`` (bit-identical on every peer and
-the hub, as above) and ``model = base' + (model - x_t)``: the steps taken since the snapshot
-stay on top of the merged version, and since the next delta is taken against ``base'`` they
-count in the next round. So right after an overlapped sync only ``base`` is identical across
-peers (each keeps its own in-flight steps); a blocking ``sync`` makes the weights identical
-again. ``sync`` is the same code: ``sync_async``, wait, apply with no local steps to keep.
+hub hold bit-identical weights afterwards. ``sync`` is :meth:`SyncClient.sync_async` (overlap,
+as in Streaming DiLoCo's eager updates), waited for and applied with no local steps to keep.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import math
 import os
@@ -115,11 +105,9 @@ class PendingSync:
         started: float,
         stall: float,
         update: EncodedUpdate,
-        local: bool,
     ) -> None:
         self._client, self._future, self.round = client, future, round_
-        self._snapshot = snapshot  # x_t (None for a blocking sync, or a catch-up: nothing to keep)
-        self._local = local  # overlap: training goes on meanwhile
+        self._snapshot = snapshot  # x_t; None: a blocking sync ({}: a catch-up while training goes on)
         self._started, self._stall = started, stall
         self._update = update  # its ratio and error are known once the worker sent it
 
@@ -288,14 +276,8 @@ class SyncClient:
         self._transport.max_download = max(fp32, layout_bytes(wire_layout(self.codec, schema)))
         self.rank, self.world_size = int(state["rank"]), int(state["world_size"])
         self._adopt(view, self._flows.latest())
-        log.info(
-            "run %s: joined as %s (rank %d of %d) at version %d",
-            self.run,
-            self.peer,
-            self.rank,
-            self.world_size,
-            self.version,
-        )
+        log.info("run %s: joined as %s (rank %d of %d) at version %d", *(self.run, self.peer, self.rank),
+                 *(self.world_size, self.version))  # fmt: skip
         config = state["config"]
         self.policy = config.get("policy", "barrier")
         if self.policy == "samples" and self._progress is None:
@@ -486,12 +468,14 @@ class SyncClient:
         result: dict[str, Any] = self._transport.call("GET", self._runs).json()
         return result
 
-    def leave(self) -> None:
+    def leave(self, *, retry: bool = True) -> None:
         """Tell the hub this peer is done (it stops waiting for it), then close. (In a process
-        group, rank 0 tells it; the other ranks only close.)"""
+        group, rank 0 tells it; the other ranks only close.) ``retry=False``: one quick try (a
+        process going away)."""
         if self._heartbeat is not None:
             try:
-                self._transport.call("POST", f"{self._runs}/peers/{self.peer}/leave")
+                quick: dict[str, Any] = {} if retry else {"timeout": 5}
+                self._transport.call("POST", f"{self._runs}/peers/{self.peer}/leave", retry=retry, **quick)
             except SyncError as exc:
                 log.warning("run %s: leaving failed (%s); the hub will drop us when our lease expires", self.run, exc)
         self.close()
@@ -536,11 +520,7 @@ class SyncClient:
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     def _exit(self) -> None:
-        if self._heartbeat is None:  # left or closed already
-            return
-        with contextlib.suppress(SyncError):  # one quick try: the process is going away
-            self._transport.call("POST", f"{self._runs}/peers/{self.peer}/leave", retry=False, timeout=5)
-        self.close()
+        self.leave(retry=False)  # (left or closed already: nothing to tell)
 
     def _check_clock(self) -> None:
         if self.policy != "samples" and self.clock.every is None:
@@ -579,7 +559,7 @@ class SyncClient:
             log.warning("run %s: the last result did not arrive whole; catching up to the latest version", self.run)
             future = self._worker.submit(self._flows.catch_up)
             nothing = EncodedUpdate([], [], 0, lambda: None)
-            self._inflight = PendingSync(self, future, self.version, None, started, 0.0, nothing, keep_local)
+            self._inflight = PendingSync(self, future, self.version, {} if keep_local else None, started, 0.0, nothing)
             return self._inflight
         local = view.export()  # on CPU float32 these share memory with the model: copy to keep
         snapshot = {name: x.copy() for name, x in local.items()} if keep_local else None
@@ -590,8 +570,7 @@ class SyncClient:
         future = self._worker.submit(
             self._flows.exchange, self.version, update, samples, sent_metrics, self._state, final
         )
-        stall = time.monotonic() - started
-        self._inflight = PendingSync(self, future, self.version, snapshot, started, stall, update, keep_local)
+        self._inflight = PendingSync(self, future, self.version, snapshot, started, time.monotonic() - started, update)
         return self._inflight
 
     def _apply(self, pending: PendingSync, view: ModelView | ArrayView) -> SyncResult:
@@ -610,7 +589,7 @@ class SyncClient:
         snapshot, pending._snapshot = pending._snapshot, None
         if outcome.latest is not None:
             self._adopt(view, outcome.latest)
-            if pending._local:  # the steps trained meanwhile were dropped too: count from here
+            if snapshot is not None:  # the steps trained meanwhile were dropped too: count from here
                 self.clock.start(self.clock.step)
         else:
             assert self._state is not None

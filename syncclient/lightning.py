@@ -52,9 +52,9 @@ except ModuleNotFoundError as exc:
 
 import torch
 
-from syncclient.adapters import callback_client, join_at_train_begin, sync_metrics
-from syncclient.client import SyncClient, SyncResult
-from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR, scale_each_step
+from syncclient.adapters import Adapter, sync_metrics
+from syncclient.client import SyncClient
+from syncclient.peerlr import DEFAULT_PEER_LR, scale_each_step
 from syncclient.schedule import SyncSchedule
 
 __all__ = ["SyncCallback", "callback_class"]
@@ -62,7 +62,7 @@ __all__ = ["SyncCallback", "callback_class"]
 logger = logging.getLogger(__name__)
 
 
-class _Sync:
+class _Sync(Adapter):
     """The callback's behaviour, apart from the ``Callback`` base it is mixed into."""
 
     def __init__(
@@ -75,13 +75,7 @@ class _Sync:
         lr_scaling_warmup: int | None = DEFAULT_PEER_LR.warmup,
         **client_kwargs: Any,
     ) -> None:
-        self.peer_lr = PeerLR(lr_scaling, lr_scaling_warmup).for_rounds(sync_every)
-        self.client = callback_client(hub, sync_every=sync_every, client=client, client_kwargs=client_kwargs)
-        self.join_info: Any = None
-        self.last_result: SyncResult | None = None
-        self.syncs = 0
-        self._active = False
-        self._loss: Any = None  # the last batch's, as training_step returned it
+        super().__init__(hub, sync_every, client, lr_scaling, lr_scaling_warmup, client_kwargs)
         self._unhook: list[Any] = []  # removes the learning-rate scaling of each optimizer
 
     # -- hooks ------------------------------------------------------------------------------------
@@ -92,12 +86,11 @@ class _Sync:
                 f"SyncCallback supports one training process per peer, got a Trainer on {trainer.world_size} "
                 "processes: run one peer per process (DDP peers are not supported yet)"
             )
-        self.join_info = join_at_train_begin(self.client, pl_module, trainer.global_step) or self.join_info
+        self._begin(pl_module, trainer.global_step)
         peers = self.client.world_size or 1
         self._unhook = [
             scale_each_step(opt, self.peer_lr, peers, lambda: trainer.global_step) for opt in trainer.optimizers
         ]
-        self._active = True
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: torch.nn.Module, outputs: Any, batch: Any, batch_idx: int
@@ -107,8 +100,8 @@ class _Sync:
         self._loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs  # read at the sync
         # a batch end is an optimizer step's only when the step advanced (gradient accumulation)
         self.client.progress(_batch_size(batch) or 1, step=trainer.global_step)
-        last_step = 0 < trainer.max_steps <= trainer.global_step
-        if self.client.due or (last_step and self.client.clock.unsynced):
+        due, last_step = self._due(trainer.global_step, trainer.max_steps)
+        if due:
             self._sync(trainer, pl_module, final=last_step)
 
     def on_train_end(self, trainer: Any, pl_module: torch.nn.Module) -> None:
@@ -131,16 +124,8 @@ class _Sync:
         metrics = sync_metrics({"loss": self._loss, **trainer.callback_metrics}, trainer.global_step)
         steps = self.client.clock.step - self.client.clock.last
         samples = max(1, self.client.pending_samples)
-        result = self.client.sync(pl_module, samples=samples, metrics=metrics, final=final)
-        self.last_result = result
-        self.syncs += 1
-        logger.info(
-            "step %d: synced %d steps -> version %d in %.2f s%s",
-            trainer.global_step,
-            steps,
-            result.version,
-            result.seconds,
-            " (late: caught up, local steps dropped)" if result.caught_up else "",
+        self._synced(
+            self.client.sync(pl_module, samples=samples, metrics=metrics, final=final), trainer.global_step, steps
         )
 
     def _leave(self) -> None:

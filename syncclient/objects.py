@@ -1,7 +1,7 @@
 """Uploads straight to an object store, through the presigned URLs a hub hands out.
 
 A hub with an object store (``SYNC_STORE``) says ``uploads: store`` when a peer starts, and
-the SDK then sends its updates there (:class:`~syncclient.flows.RunProtocol`). A presigned
+the SDK then sends its updates there (:class:`~syncclient.flows.RunFlows`). A presigned
 URL is plain HTTPS that carries its own short-lived signature for one key (and, for a multipart
 upload, one part number of one upload), so a peer needs no S3 library and holds no bucket
 credential.
@@ -30,13 +30,10 @@ refuses a request signed twice): ``hub_transport.store()``.
 
 from __future__ import annotations
 
-import contextlib
-import re
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import cast
 
 from syncclient.exceptions import HubError
 from syncclient.transport import Transport
@@ -147,35 +144,12 @@ def _put_part(transport: Transport, upload: PartedUpload, number: int, views: li
     start, end = upload.span(number)
     url = upload.urls[number]
     where = url.split("?", 1)[0] + f" (part {number})"  # no signature in messages
-    with _store_errors():
-        response = transport.call(
-            "PUT",
-            url,
-            content=lambda: cast("Iterator[bytes]", iter(views)),
-            headers={"Content-Length": str(end - start)},
-            where=where,
-        )
+    headers = {"Content-Length": str(end - start)}
+    response = transport.call("PUT", url, content=lambda: iter(views), headers=headers, where=where)
     etag = response.headers.get("etag", "").strip('"')
     if not etag:
         raise HubError(response.status_code, "no_etag", f"{where}: the store answered without an ETag")
     return etag
-
-
-@contextlib.contextmanager
-def _store_errors() -> Iterator[None]:
-    """Say an S3 error answer (XML) as the SDK says a hub's (JSON): with its code and message."""
-    try:
-        yield
-    except HubError as exc:
-        if exc.code != "error" or not exc.detail.lstrip().startswith("<"):
-            raise
-        code = _tag(exc.detail, "Code") or "error"
-        raise HubError(exc.status, code, _tag(exc.detail, "Message") or code) from None
-
-
-def _tag(xml: str, name: str) -> str:
-    found = re.search(f"<{name}>([^<]{{0,500}})</{name}>", xml)
-    return found.group(1) if found else ""
 
 
 def _parts(

@@ -35,6 +35,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import secrets
 import socket
 import ssl
@@ -42,7 +43,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import httpcore
 import httpx
@@ -76,6 +77,7 @@ _READ_BYTES = 1 << 20  # socket reads of a plain-HTTP connection (1 MiB beat 64 
 STORE_RETRY_SECONDS = 10.0
 
 Parts = list[tuple[str, np.ndarray, str]]  # (wire name, numpy array, safetensors dtype), see syncwire.iter_chunks
+Chunk = TypeVar("Chunk", bytes, bytes | memoryview)
 
 
 @dataclass
@@ -103,7 +105,6 @@ class _Fetch:
     fresh: bool = False
     since: float | None = None  # the first 307 (monotonic)
     direct: bool = False  # the store failed: the hub serves its own copy
-    bar: Any = None
 
     def resume(self, etag: str | None) -> dict[str, str]:
         """The headers that ask for the rest of the body (none at 0). ``If-Range`` when the
@@ -185,14 +186,7 @@ class Transport:
     def sibling(self) -> Transport:
         """A transport to the same hub with connections of its own (the heartbeat's watch, which
         :meth:`abort` can end while another thread waits on it)."""
-        return Transport(
-            self.hub,
-            run=self.run,
-            token=self._token,
-            verify=self._verify,
-            timeout=self._timeout,
-            retry_seconds=self.retry_seconds,
-        )
+        return self._twin(self.hub, self._token, self.retry_seconds)
 
     def abort(self) -> None:
         """Shut this transport's sockets down now: a request another thread is waiting on ends
@@ -205,15 +199,14 @@ class Transport:
         the hub's 307s): this one's TLS settings and timeouts, no token (a bucket must never see
         the hub's, and S3 refuses a request signed twice), :data:`STORE_RETRY_SECONDS` of retries."""
         if self._store is None:
-            self._store = Transport(
-                "",
-                run=self.run,
-                token=None,
-                verify=self._verify,
-                timeout=self._timeout,
-                retry_seconds=min(self.retry_seconds, STORE_RETRY_SECONDS),
-            )
+            self._store = self._twin("", None, min(self.retry_seconds, STORE_RETRY_SECONDS))
         return self._store
+
+    def _twin(self, hub: str, token: str | None, retry_seconds: float) -> Transport:
+        """A transport with connections of its own and this one's TLS settings and timeouts."""
+        return Transport(
+            hub, run=self.run, token=token, verify=self._verify, timeout=self._timeout, retry_seconds=retry_seconds
+        )
 
     def call(
         self,
@@ -333,17 +326,13 @@ class Transport:
         hub with ``direct=1``, which serves its own copy from there on. :meth:`_fetch` picks the
         source; :meth:`_from_hub` and :meth:`_from_store` make one request each."""
         got = _Fetch(StreamReader(self.max_download, on_tensor), on_tensor)
-        try:
-            with self._errors(path.split("?", 1)[0]):
-                for attempt in self._retrying():
-                    with attempt:
-                        if not self._fetch(path, params, got):
-                            return None
-                        if not got.reader.done:
-                            raise httpx.RemoteProtocolError("body ended early")
-        finally:
-            if got.bar is not None:
-                got.bar.close()
+        with self._errors(path.split("?", 1)[0]):
+            for attempt in self._retrying():
+                with attempt:
+                    if not self._fetch(path, params, got):
+                        return None
+                    if not got.reader.done:
+                        raise httpx.RemoteProtocolError("body ended early")
         seconds = time.monotonic() - got.since if got.since is not None else None
         return Download(got.reader, got.version, got.run_samples, seconds)
 
@@ -398,7 +387,7 @@ class Transport:
                 return "again"
             if r.status_code not in (200, 206):
                 r.read()
-                raise _StoreFailed(f"{r.status_code} {_s3_code(r.text)}".rstrip())
+                raise _StoreFailed(f"{r.status_code} {_s3_error(r.text)[0]}".rstrip())
             got.store_etag = r.headers.get("etag")
             self._take(r, got, got.url.split("?", 1)[0])
         return "body"
@@ -409,13 +398,8 @@ class Transport:
             if got.on_tensor is not None:
                 raise SyncError(f"{path} changed while it downloaded")
             got.reader = StreamReader(self.max_download)
-        total = got.reader.received + int(r.headers.get("content-length", 0))
-        if got.bar is None and total >= _PROGRESS_BYTES and log.isEnabledFor(logging.INFO):
-            got.bar = tqdm(total=total, unit="B", unit_scale=True, desc="download", leave=False)
-        for chunk in r.iter_bytes(1 << 20):
+        for chunk in self._progress(r.iter_bytes(1 << 20), int(r.headers.get("content-length", 0)), "download"):
             got.reader.feed(chunk)
-            if got.bar is not None:
-                got.bar.update(len(chunk))
 
     # ---- internals -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -457,7 +441,8 @@ class Transport:
         offset = response.headers.get("upload-offset", "")
         return int(offset) if response.is_success and offset.isdigit() else 0
 
-    def _progress(self, chunks: Iterator[bytes | memoryview], total: int, what: str) -> Iterator[bytes | memoryview]:
+    def _progress(self, chunks: Iterator[Chunk], total: int, what: str) -> Iterator[Chunk]:
+        """``chunks`` as they are, with a progress bar (at log level INFO) when ``total`` is big."""
         if total < _PROGRESS_BYTES or not log.isEnabledFor(logging.INFO):
             yield from chunks
             return
@@ -534,9 +519,10 @@ class _LargeReadStream(httpcore.NetworkStream):
         return self._stream.get_extra_info(info)
 
 
-def _s3_code(text: str) -> str:
-    start = text.find("<Code>")
-    return text[start + 6 : text.find("</Code>", start)][:60] if start >= 0 else ""
+def _s3_error(text: str) -> tuple[str, str]:
+    """An object store's error answer (S3's XML), as its ``Code`` and ``Message`` ("" if none)."""
+    found = [re.search(f"<{tag}>([^<]{{0,500}})</{tag}>", text) for tag in ("Code", "Message")]
+    return (found[0].group(1) if found[0] else "", found[1].group(1) if found[1] else "")
 
 
 def body_size(parts: Parts) -> int:
@@ -580,8 +566,9 @@ def _hub_error(response: httpx.Response) -> HubError:
     try:
         body = response.json()
         code, detail = str(body.get("error", "error")), str(body.get("detail", response.text))
-    except (ValueError, AttributeError):
-        body, code, detail = {}, "error", response.text[:500]
+    except (ValueError, AttributeError):  # not JSON: an object store's XML, or plain text
+        xml_code, message = _s3_error(response.text)
+        body, code, detail = {}, xml_code or "error", message or xml_code or response.text[:500]
     status = response.status_code
     if status == 401:
         return AuthError(status, code, detail, body)

@@ -49,9 +49,9 @@ class RunSetting:
     name: str
     kind: type
     default: Any
+    metavar: str
     help: str
     hub: str
-    metavar: str
     choices: tuple[str, ...] = ()
     gt: float | None = None
     ge: float | None = None
@@ -117,134 +117,50 @@ def normal_codec(spec: str) -> str:
     return get_codec(spec).spec
 
 
-#: In the order of the run's config on the wire (join request, answers).
+#: In the order of the run's config on the wire (join request, answers). Each row: name, type,
+#: the hub's default, the flag's metavar (a word's choices: theirs), the peer's help, the hub's.
+# fmt: off
 RUN_SETTINGS: tuple[RunSetting, ...] = (
-    RunSetting(
-        "codec",
-        str,
-        "fp32",
-        "wire codec: fp32, bf16, int8, int4, topk (e.g. int8:block=64)",
-        "Default codec of new runs: fp32, bf16, int8, int4, topk, with parameters: int8:block=128.",
-        "CODEC",
-    ),
-    RunSetting(
-        "outer",
-        str,
-        "avg",
-        "outer optimizer: avg (average the peers) or diloco (Nesterov)",
-        "Default outer optimizer of new runs.",
-        "|".join(get_args(Outer)),
-        choices=get_args(Outer),
-    ),
-    RunSetting(
-        "outer_lr",
-        float,
-        0.7,
-        "DiLoCo outer learning rate (0.7 in the paper)",
-        "DiLoCo outer learning rate (default of new runs; at most 10).",
-        "LR",
-        gt=0,
-        le=10,
-    ),
-    RunSetting(
-        "outer_momentum",
-        float,
-        0.9,
-        "DiLoCo Nesterov momentum",
-        "DiLoCo Nesterov momentum (default).",
-        "M",
-        ge=0,
-        lt=1,
-    ),
-    RunSetting(
-        "outer_warmup",
-        int,
-        20,
-        "DiLoCo: outer steps over which momentum ramps up (0: none)",
-        "DiLoCo: outer steps over which momentum ramps from 0 to outer_momentum, with outer lr 1/(1+momentum) "
-        "meanwhile (default of new runs; 0: DiLoCo as published).",
-        "STEPS",
-        ge=0,
-        le=1_000_000,
-    ),
-    RunSetting(
-        "min_peers",
-        int,
-        1,
-        "peers the run waits for before it starts (its rendezvous)",
-        "Peers a new run waits for before it starts (its rendezvous).",
-        "N",
-        ge=1,
-        le=MAX_PEERS,
-    ),
-    RunSetting(
-        "min_merge_peers",
-        int,
-        1,
-        "the fewest updates a round merges (fewer once peers left); 1: a dead peer never holds a round",
-        "Default of new runs: the fewest updates a round merges (torchft's min_replica_size; fewer once peers "
-        "left the run). A round whose live peers are all in waits for more while it has fewer, and status and "
-        "the dashboard say so. 1: a gone peer never holds a round.",
-        "K",
-        ge=1,
-        le=MAX_PEERS,
-    ),
-    RunSetting(
-        "round_timeout",
-        float,
-        600.0,
-        "seconds after a round's first update before stragglers are dropped",
-        "Seconds after a round's first update before stragglers are dropped.",
-        "SECONDS",
-        gt=0,
-        le=MAX_SECONDS,
-    ),
-    RunSetting(
-        "norm_guard",
-        float,
-        None,
-        "refuse an update whose norm is over this many times the median of the round's (e.g. 10)",
-        "Default of new runs: refuse (422 poisoned_update) an update whose L2 norm is over this many times the "
-        "median norm of the updates accepted in this round and the previous one (e.g. 10). Unset: off.",
-        "F",
-        gt=1,
-        le=1e6,
-        nullable=True,
-    ),
-    RunSetting(
-        "policy",
-        str,
-        "barrier",
-        "when a round closes: barrier (every peer sent its N steps), samples (the peers together trained "
-        "round_samples), async (no rounds: each update is applied as it comes)",
-        "Default of new runs: when a round closes. barrier: every live peer sent its N steps; samples: the peers' "
-        "reported samples reached round_samples; async: no rounds, each update is applied as it comes.",
-        "|".join(get_args(Policy)),
-        choices=get_args(Policy),
-    ),
-    RunSetting(
-        "round_samples",
-        int,
-        None,
-        "samples per round (policy samples, which it alone implies) or per outer step (async)",
-        "Default of new runs: samples per round (policy samples) or per outer step (async). Setting it alone "
-        "makes the default policy samples.",
-        "S",
-        ge=1,
-        le=MAX_SAMPLES,
-        nullable=True,
-    ),
-    RunSetting(
-        "max_staleness",
-        int,
-        32,
-        "async: refuse an update whose base is more than this many versions old",
-        "Default of new async runs: refuse an update whose base is older (versions).",
-        "VERSIONS",
-        ge=0,
-        le=100_000,
-    ),
+    RunSetting("codec", str, "fp32", "CODEC", "wire codec: fp32, bf16, int8, int4, topk (e.g. int8:block=64)",
+               "Default codec of new runs: fp32, bf16, int8, int4, topk, with parameters: int8:block=128."),
+    RunSetting("outer", str, "avg", "", "outer optimizer: avg (average the peers) or diloco (Nesterov)",
+               "Default outer optimizer of new runs.", choices=get_args(Outer)),
+    RunSetting("outer_lr", float, 0.7, "LR", "DiLoCo outer learning rate (0.7 in the paper)",
+               "DiLoCo outer learning rate (default of new runs; at most 10).", gt=0, le=10),
+    RunSetting("outer_momentum", float, 0.9, "M", "DiLoCo Nesterov momentum", "DiLoCo Nesterov momentum (default).",
+               ge=0, lt=1),
+    RunSetting("outer_warmup", int, 20, "STEPS", "DiLoCo: outer steps over which momentum ramps up (0: none)",
+               "DiLoCo: outer steps over which momentum ramps from 0 to outer_momentum, with outer lr 1/(1+momentum) "
+               "meanwhile (default of new runs; 0: DiLoCo as published).", ge=0, le=1_000_000),
+    RunSetting("min_peers", int, 1, "N", "peers the run waits for before it starts (its rendezvous)",
+               "Peers a new run waits for before it starts (its rendezvous).", ge=1, le=MAX_PEERS),
+    RunSetting("min_merge_peers", int, 1, "K",
+               "the fewest updates a round merges (fewer once peers left); 1: a dead peer never holds a round",
+               "Default of new runs: the fewest updates a round merges (torchft's min_replica_size; fewer once peers "
+               "left the run). A round whose live peers are all in waits for more while it has fewer, and status and "
+               "the dashboard say so. 1: a gone peer never holds a round.", ge=1, le=MAX_PEERS),
+    RunSetting("round_timeout", float, 600.0, "SECONDS", "seconds after a round's first update before stragglers are "
+               "dropped", "Seconds after a round's first update before stragglers are dropped.", gt=0, le=MAX_SECONDS),
+    RunSetting("norm_guard", float, None, "F",
+               "refuse an update whose norm is over this many times the median of the round's (e.g. 10)",
+               "Default of new runs: refuse (422 poisoned_update) an update whose L2 norm is over this many times the "
+               "median norm of the updates accepted in this round and the previous one (e.g. 10). Unset: off.",
+               gt=1, le=1e6, nullable=True),
+    RunSetting("policy", str, "barrier", "",
+               "when a round closes: barrier (every peer sent its N steps), samples (the peers together trained "
+               "round_samples), async (no rounds: each update is applied as it comes)",
+               "Default of new runs: when a round closes. barrier: every live peer sent its N steps; samples: the "
+               "peers' reported samples reached round_samples; async: no rounds, each update is applied as it comes.",
+               choices=get_args(Policy)),
+    RunSetting("round_samples", int, None, "S",
+               "samples per round (policy samples, which it alone implies) or per outer step (async)",
+               "Default of new runs: samples per round (policy samples) or per outer step (async). Setting it alone "
+               "makes the default policy samples.", ge=1, le=MAX_SAMPLES, nullable=True),
+    RunSetting("max_staleness", int, 32, "VERSIONS", "async: refuse an update whose base is more than this many "
+               "versions old", "Default of new async runs: refuse an update whose base is older (versions).",
+               ge=0, le=100_000),
 )
+# fmt: on
 
 _BY_NAME = {setting.name: setting for setting in RUN_SETTINGS}
 

@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         "gives. Unset: the run's, or for a new run the hub's default (its SYNC_* settings)",
     )
     for setting in RUN_SETTINGS:
-        g.add_argument(flag_name(setting.name), metavar=setting.metavar, help=f"{setting.help} [{ENV[setting.name]}]")
+        metavar = setting.metavar or "|".join(setting.choices)
+        g.add_argument(flag_name(setting.name), metavar=metavar, help=f"{setting.help} [{ENV[setting.name]}]")
     g = p.add_argument_group("on this machine")
     g.add_argument(
         "--local-peers", metavar="K", help="run an embedded hub and K peers of COMMAND [WEIGHTSYNC_LOCAL_PEERS]"

@@ -42,7 +42,7 @@ def _attach(trainer: Any, settings: HookSettings) -> None:
     from syncclient.callbacks import SyncCallback  # the SDK, only now: see session.uses_sdk
 
     trainer.train_dataset = shard.shard_dataset(trainer.train_dataset, settings, f"{name}'s train_dataset")
-    callback = SyncCallback(settings.hub, sync_every=settings.sync_every, **settings.callback_kwargs())
+    callback = SyncCallback(settings.hub, **settings.callback_kwargs())
     trainer.add_callback(callback)
     trainer.add_callback(_JoinCheck(callback, settings))
     session.attached(lambda: callback.client, lambda: trainer.model)

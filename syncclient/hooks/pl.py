@@ -41,7 +41,7 @@ def _callbacks(package: str, settings: HookSettings, trainer: Any) -> list[Any]:
     from syncclient.lightning import callback_class  # the SDK, only now: see session.uses_sdk
 
     base = importlib.import_module(package).Callback
-    sync = callback_class(base)(settings.hub, sync_every=settings.sync_every, **settings.callback_kwargs())
+    sync = callback_class(base)(settings.hub, **settings.callback_kwargs())
 
     def check(self: Any, trainer: Any, pl_module: Any) -> None:  # after the sync callback joined
         session.check_rank(settings, sync.client)

@@ -39,22 +39,9 @@ def name_problem(value: str) -> str | None:
 #: field -> variable: the launcher's own settings, every run setting
 #: (:data:`syncwire.runsettings.RUN_SETTINGS`, ``min_peers`` -> ``WEIGHTSYNC_MIN_PEERS``), and
 #: the peer's name and rank (``--local-peers`` sets those three itself).
-ENV = {
-    name: "WEIGHTSYNC_" + name.upper()
-    for name in (
-        "hub",
-        "run",
-        "token",
-        "sync_every",
-        "shard",
-        "lr_scaling",
-        "lr_scaling_warmup",
-        *(s.name for s in RUN_SETTINGS),
-        "peer",
-        "rank",
-        "world_size",
-    )
-}
+_OWN = ("hub", "run", "token", "sync_every", "shard", "lr_scaling", "lr_scaling_warmup")
+_PEER = ("peer", "rank", "world_size")
+ENV = {name: "WEIGHTSYNC_" + name.upper() for name in (*_OWN, *(s.name for s in RUN_SETTINGS), *_PEER)}
 
 
 class SettingsError(ValueError):
@@ -204,19 +191,8 @@ class HookSettings:
 
     def to_env(self) -> dict[str, str]:
         """The variables that give a child these settings (tokens stay off command lines)."""
-        values = {
-            "hub": self.hub,
-            "run": self.run,
-            "token": self.token,
-            "sync_every": self.sync_every,
-            "shard": "1" if self.shard else "0",
-            "peer": self.peer,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "lr_scaling": self.lr_scaling,
-            "lr_scaling_warmup": self.lr_scaling_warmup,
-            **self.config,
-        }
+        values = {name: getattr(self, name) for name in (*_OWN, *_PEER)}
+        values |= {"shard": "1" if self.shard else "0", **self.config}
         return {env_name(k): str(v) for k, v in values.items() if v not in (None, "")}
 
     @property
@@ -230,7 +206,7 @@ class HookSettings:
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keywords for ``SyncClient`` (and the callbacks, which pass them on)."""
-        return {"run": self.run, "peer": self.peer, "token": self.token, **self.config}
+        return {"run": self.run, "peer": self.peer, "token": self.token, "sync_every": self.sync_every, **self.config}
 
     @property
     def shards(self) -> bool:
