@@ -107,11 +107,14 @@ class Adapter:
         self.last_result: SyncResult | None = None
         self.syncs = 0
         self.on_sync: Any = None
+        self.after_join: Any = None  # weightsync-run's check of the rank the data was sharded by
         self._active = False  # joined and not yet left: the events act only then
         self._loss: Any = None  # the training loss since the last sync, as the Trainer gave it
 
     def _begin(self, model: torch.nn.Module, step: int) -> None:
         self.join_info = join_at_train_begin(self.client, model, step) or self.join_info
+        if self.after_join is not None:
+            self.after_join(self.client)
         self._active = True
 
     def _due(self, step: int, max_steps: int) -> tuple[bool, bool]:

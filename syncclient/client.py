@@ -285,6 +285,8 @@ class SyncClient:
                 self._transport,
                 f"{self._runs}/peers/{self.peer}/progress",
                 poll=min(0.5, self._poll),
+                # a group's leader counts for its ranks (equal batches)
+                count=lambda: self.clock.samples * (self._group.size if self._group is not None else 1),
                 version=lambda: self.version,
                 syncing=lambda: self._inflight is not None,
                 run=self.run,
@@ -407,8 +409,6 @@ class SyncClient:
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
         self.clock.tick(samples, step)
-        if self._progress is not None:  # a group's leader counts for its ranks (equal batches)
-            self._progress.add(samples * (self._group.size if self._group is not None else 1))
 
     @property
     def due(self) -> bool:
@@ -553,6 +553,8 @@ class SyncClient:
         started = time.monotonic()
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
+        if self._progress is not None:
+            self._progress.pause()  # (before the count starts afresh: the reporter never sends the 0)
         self.clock.sent()
         self._unflushed = None if final else samples
         if self._state.torn:  # the last result stopped arriving midway: no delta from this base
@@ -565,8 +567,6 @@ class SyncClient:
         snapshot = {name: x.copy() for name, x in local.items()} if keep_local else None
         update = self._state.encode(snapshot or local)  # encodes while it uploads, on other threads
         sent_metrics = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(float(v))}
-        if self._progress is not None:
-            self._progress.sent()  # what is counted from here on goes into the next round
         future = self._worker.submit(
             self._flows.exchange, self.version, update, samples, sent_metrics, self._state, final
         )

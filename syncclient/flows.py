@@ -2,7 +2,7 @@
 version 0. No model and no torch here: the client hands in encoded parts and an
 :class:`~syncclient.update.UpdateState`, and gets back what happened (:class:`Outcome`).
 
-The network half of a sync (:meth:`RunProtocol.exchange`) runs on the client's worker thread:
+The network half of a sync (:meth:`RunFlows.exchange`) runs on the client's worker thread:
 upload the update; the hub answers with the round it went into (the round it was computed
 from, or in an async run a later one, when versions were applied since its base); long-poll that
 round's merged update; then fold into the base every round's result from the update's base to
@@ -19,23 +19,19 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from syncclient.exceptions import ConflictError, HubError, HubUnreachable, RoundClosed, StaleUpdate, SyncError
 from syncclient.objects import PartedUpload, upload_parts
-from syncclient.transport import Digest, Download, Transport, body_size
+from syncclient.transport import Digest, Download, OnTensor, Parts, Transport, body_size
 from syncclient.update import EncodedUpdate, UpdateState
 from syncwire import iter_chunks
 
 __all__ = ["Outcome", "RunFlows"]
 
 log = logging.getLogger(__name__)
-
-Parts = list[tuple[str, np.ndarray, str]]  # (wire name, array, safetensors dtype), in order
 
 
 class _StoreTrouble(Exception):
@@ -244,7 +240,7 @@ class RunFlows:
         round_: int,
         *,
         wait: bool,
-        on_tensor: Callable[[str, np.ndarray, Mapping[str, str]], None] | None = None,
+        on_tensor: OnTensor | None = None,
     ) -> Download:
         """Round ``round_``'s merged update (with ``wait``, long-polling while the round is open);
         ``on_tensor``: see :meth:`~syncclient.transport.Transport.download`."""

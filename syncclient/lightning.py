@@ -7,26 +7,15 @@ trainer = L.Trainer(max_epochs=3, callbacks=[SyncCallback("http://hub:8000", syn
 trainer.fit(model, train_loader)
 ```
 
-What it does (as :class:`syncclient.SyncCallback` does for Hugging Face):
-
-- **fit start** (the model is on its device, the optimizers exist): join the run and load the
-  global version into the ``LightningModule``, so every peer starts from the same weights;
-- **every ``sync_every`` optimizer steps** (``trainer.global_step``, so
-  ``accumulate_grad_batches`` needs nothing special), at a batch's end: send the update with the
-  samples of the batches since the last sync, the last batch's ``loss`` and the metrics the
-  module logged (``trainer.callback_metrics``: ``self.log("val_acc", ...)`` shows in the dashboard), then
-  train on from the merged version;
-- **or, with ``round_samples=S``** (a samples run): count each batch's samples for the hub and
-  sync at the first batch end after the hub says the round is due;
-- **train end**: a last sync if there were steps since the previous one (every peer then holds
-  the same weights), then leave. **On an exception** (Ctrl-C included): leave, so the others
-  stop waiting.
-
-A batch's samples are the length of its first tensor (the batch dimension). One process per
-peer: it raises at fit start when the Trainer runs on several devices (DDP peers are not
-supported yet), as the Hugging Face callback does. The optimizers' state is kept across syncs
-(local SGD / DiLoCo's inner optimizer); with ``lr_scaling`` each optimizer step runs at
-``sqrt(N)`` or ``N`` times its own rate with N peers, as with the Hugging Face callback.
+It does what :class:`syncclient.SyncCallback` does for Hugging Face, at a batch's end: join at
+fit start (the model is on its device, the optimizers exist), tell the client each step
+(``trainer.global_step``, so ``accumulate_grad_batches`` needs nothing special; a batch's samples
+are the length of its first tensor) and sync when its clock says a sync is due, with the last
+batch's ``loss`` and the metrics the module logged (``trainer.callback_metrics``:
+``self.log("val_acc", ...)`` shows in the dashboard), a last sync at train end, then leave; on an
+exception (Ctrl-C included) it leaves, so the others stop waiting. One process per peer: it
+raises at fit start when the Trainer runs on several devices (DDP peers are not supported yet).
+``lr_scaling`` scales each optimizer step through torch's optimizer hooks.
 
 Works with ``lightning`` (``import lightning as L``) and, if that is not installed, with the
 older ``pytorch_lightning`` package; :func:`callback_class` gives the class for the other one.

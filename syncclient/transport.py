@@ -64,7 +64,7 @@ from syncclient.exceptions import (
 from syncwire import StreamReader, iter_chunks
 from syncwire.retry import retrying
 
-__all__ = ["STORE_RETRY_SECONDS", "Digest", "Download", "Transport", "body_size"]
+__all__ = ["STORE_RETRY_SECONDS", "Digest", "Download", "OnTensor", "Parts", "Transport", "body_size"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ _READ_BYTES = 1 << 20  # socket reads of a plain-HTTP connection (1 MiB beat 64 
 STORE_RETRY_SECONDS = 10.0
 
 Parts = list[tuple[str, np.ndarray, str]]  # (wire name, numpy array, safetensors dtype), see syncwire.iter_chunks
+OnTensor = Callable[[str, np.ndarray, Mapping[str, str]], None]  # each tensor of a body as it arrives
 Chunk = TypeVar("Chunk", bytes, bytes | memoryview)
 
 
@@ -96,7 +97,7 @@ class _Fetch:
     once the hub sent it there (``fresh``: in this attempt, so a 403 is no expiry)."""
 
     reader: StreamReader
-    on_tensor: Callable[[str, np.ndarray, Mapping[str, str]], None] | None
+    on_tensor: OnTensor | None
     version: int = -1
     run_samples: int = -1
     hub_etag: str | None = None
@@ -309,7 +310,7 @@ class Transport:
         self,
         path: str,
         params: dict[str, Any] | None,
-        on_tensor: Callable[[str, np.ndarray, Mapping[str, str]], None] | None = None,
+        on_tensor: OnTensor | None = None,
     ) -> Download | None:
         """GET a safetensors body into arrays, resuming with Range after a cut; None on 204
         (a long poll still open). ``params`` None: ``path`` is a whole URL (a presigned GET),

@@ -10,6 +10,7 @@ process they sit in, and must not import numpy there.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -36,34 +37,15 @@ if TYPE_CHECKING:
         read_tensors,
     )
 
-__all__ = [
-    "Codec",
-    "FormatError",
-    "HeaderReader",
-    "Schema",
-    "StreamReader",
-    "TensorInfo",
-    "available_codecs",
-    "check_layout",
-    "decode_tensor",
-    "encode_model",
-    "get_codec",
-    "iter_chunks",
-    "layout_bytes",
-    "parse_header",
-    "read_tensors",
-    "register_codec",
-    "wire_layout",
-    "wire_name",
-]
-_FORMAT = {"FormatError", "HeaderReader", "StreamReader", "TensorInfo", "iter_chunks", "parse_header", "read_tensors"}
+__all__ = ["Codec", "Schema", "available_codecs", "check_layout", "decode_tensor", "encode_model", "get_codec"]
+__all__ += ["layout_bytes", "register_codec", "wire_layout", "wire_name"]
+__all__ += ["FormatError", "HeaderReader", "StreamReader", "TensorInfo", "iter_chunks", "parse_header", "read_tensors"]
 
 
 def __getattr__(name: str) -> Any:
-    """Each public name from its module (the codecs or the format), on first use; then a plain
-    attribute."""
+    """Each public name from its module, on first use; then a plain attribute."""
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    home = "syncwire.format" if name in _FORMAT else "syncwire.codecs"
-    value = globals()[name] = getattr(importlib.import_module(home), name)
+    codecs = importlib.import_module("syncwire.codecs")  # which imports syncwire.format
+    value = globals()[name] = getattr(codecs if hasattr(codecs, name) else sys.modules["syncwire.format"], name)
     return value

@@ -45,8 +45,9 @@ Refusals (no single model, a second model, the hub rank disagreeing with ``WEIGH
 a failed sync) end the program with one line on stderr and exit code 1 (``SystemExit``), not a
 traceback through the training loop.
 
-Cost per step between syncs: a weak reference call, a counter, a comparison (bench/hooks.py);
-per ``state_dict()`` call of any module, an identity check.
+Cost per step between syncs: a weak reference call, and the clock's count and comparison
+(``progress``, ``due``): 2.6-3.2 µs with the DataLoader's count (bench/hooks.py, mlp, at load
+9); per ``state_dict()`` call of any module, an identity check.
 """
 
 from __future__ import annotations
