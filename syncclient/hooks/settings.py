@@ -153,13 +153,9 @@ class HookSettings:
             )
         if sync_every is None and not by_samples:
             sync_every = DEFAULT_SYNC_EVERY
-        lr_scaling, lr_source = raw("lr_scaling")
-        lr_scaling_warmup = number("lr_scaling_warmup", low=0)
-        try:
-            peer_lr = PeerLR(
-                lr_scaling or DEFAULT_PEER_LR.scaling,
-                DEFAULT_PEER_LR.warmup if lr_scaling_warmup is None else lr_scaling_warmup,
-            )
+        (lr_scaling, lr_source), warmup = raw("lr_scaling"), number("lr_scaling_warmup", low=0)
+        try:  # (a warm-up not given, None, is one round)
+            peer_lr = PeerLR(lr_scaling or DEFAULT_PEER_LR.scaling, warmup)
         except ValueError as exc:  # only the scaling can be wrong here: the warm-up is a number >= 0
             raise SettingsError(f"{lr_source}: {exc}") from None
         shard, shard_source = raw("shard")
