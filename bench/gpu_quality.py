@@ -91,7 +91,7 @@ def copies_and_codecs(settings: dict[str, Any], device: str) -> dict[str, Any]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from syncclient._model import ModelView
+    from syncclient.weights import ModelView
     from syncwire import get_codec
 
     shape = load("finetune_gpt2").MODEL_CONFIGS[settings["model_config"]]

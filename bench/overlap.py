@@ -89,7 +89,7 @@ PEER_SETTINGS = (
 
 
 def weights_digest(model: Any) -> str:
-    from syncclient._model import ModelView
+    from syncclient.weights import ModelView
 
     h = hashlib.sha256()
     for name, array in sorted(ModelView(model).export().items()):

@@ -42,9 +42,9 @@ sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
 import round as rb  # noqa: E402 (bench/round.py: the model's schema)
 
-from syncclient import state as state_module  # noqa: E402
 from syncclient import transport as transport_module  # noqa: E402
-from syncclient.state import UpdateState  # noqa: E402
+from syncclient import update as update_module  # noqa: E402
+from syncclient.update import UpdateState  # noqa: E402
 from syncwire import StreamReader, get_codec, iter_chunks  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def timed(work: Callable[[], object]) -> tuple[float, float]:
 
 def _digest(parts: list, spec: str) -> str:
     """The body's digest, taken as the SDK takes it while the body goes out."""
-    digest = transport_module._Digest()
+    digest = transport_module.Digest()
     size = sum(len(chunk) for chunk in digest.watch(iter_chunks(parts, {"codec": spec})))
     return digest.value(size)
 
@@ -143,9 +143,9 @@ def measure(spec: str, base: dict[str, np.ndarray], local: dict[str, np.ndarray]
         try:
             plain = httpx.Client(timeout=60)
             sdk = transport_module.Transport(url, run="bench", token=None, verify=True, timeout=60, retry_seconds=10)
-            threads = state_module._pool()._max_workers
+            threads = update_module._pool()._max_workers
             for _ in range(reps):
-                with mock.patch.object(state_module, "_pool", lambda: one_thread):
+                with mock.patch.object(update_module, "_pool", lambda: one_thread):
                     samples.setdefault("encode, 1 thread", []).append(timed(lambda: state.encode(local).wait()))
                 samples.setdefault(f"encode, {threads} threads", []).append(timed(lambda: state.encode(local).wait()))
                 digest = timed(lambda: _digest(parts, codec.spec))

@@ -192,7 +192,7 @@ class Peer:
     """Commands from the benchmark, run in a peer process (see :func:`peer_main`)."""
 
     def __init__(self, rank: int, schema: dict[str, tuple[int, ...]]) -> None:
-        from syncclient._model import ModelView
+        from syncclient.weights import ModelView
 
         self.rank, self.schema = rank, schema
         self.model = _lean_model(schema, seed=1000 + rank)

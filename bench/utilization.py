@@ -104,7 +104,7 @@ def peer(spec: dict[str, Any]) -> None:
     import torch
 
     from syncclient import PendingSync, SyncClient
-    from syncclient._model import ModelView
+    from syncclient.weights import ModelView
 
     torch.set_num_threads(1)
     # GPT-2's synced tensors by shape (the tie sent once), without transformers' import and init:

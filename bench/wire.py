@@ -56,7 +56,7 @@ what a hub that carries no bytes could reach; the local-disk hub's floor on it i
 Before the store hub's timed rounds, the **store ceiling**: N clients in the peers' namespaces each
 PUT an object of their update's size through presigned part URLs (``syncclient.objects.upload_parts``,
 then complete), then all GET one object of the result's size through a presigned URL
-(``syncclient.objects.download``): the store alone on the same links, with the byte counts of the
+(``syncclient.transport.Transport.download``): the store alone on the same links, with the byte counts of the
 local-disk hub's best round of the same case (its headers may differ by a few bytes). Per row:
 **hub link** bytes per round (the hub namespace's ``eth0`` counters, both ways, round by round) as
 a share of the fp32 model, and the hub's ``Cpus_allowed_list``. The bit-for-bit check compares the
@@ -383,12 +383,11 @@ class StorePeer(rb.Peer):
 
     def ceiling_get(self, go: float) -> float:
         """GET the result object through a presigned URL at ``go`` (as a peer reads a result)."""
-        from syncclient.objects import download
-
         objects, transport, *_ = self._ceiling
         url = objects.presign_get("result")
         rb._sleep_until(go)
-        if not download(transport, url).reader.done:
+        got = transport.download(url, None)  # the URL whole: its query is the signature
+        if got is None or not got.reader.done:
             raise AssertionError("the store's result came short")
         return rb._now() - go
 

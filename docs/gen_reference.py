@@ -177,8 +177,10 @@ def settings_page() -> str:
         "Checks across settings (the hub refuses to start otherwise): `SYNC_VIEW_TOKEN` needs a token that",
         "closes the hub; `SYNC_MIN_PEERS` is at most `SYNC_MAX_PEERS_PER_RUN`; `SYNC_POLICY=samples` or",
         "`async` needs `SYNC_ROUND_SAMPLES`, which alone makes the default policy `samples`;",
-        "`SYNC_LONG_POLL_SECONDS` is cut to half of `SYNC_LEASE_SECONDS` (a peer in a long poll must not",
-        "look dead). The validators are in `syncserver/settings.py`.",
+        "`SYNC_MIN_MERGE_PEERS` is at most `SYNC_MIN_PEERS`; `SYNC_LONG_POLL_SECONDS` is cut to half of",
+        "`SYNC_LEASE_SECONDS` (a peer in a long poll must not look dead). The validators are in",
+        "`syncserver/settings.py`; the rules between run settings, the same for a peer's join, in",
+        "`syncwire/runsettings.py` (`settle`).",
         "",
     ]
     return "\n".join(lines)

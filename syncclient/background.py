@@ -99,7 +99,8 @@ class ProgressReporter(_Daemon):
     when the round is due. A new count goes out at once (at most every ``REPORT_SECONDS``, one
     request at a time), so the hub's sum lags by about a round trip; with nothing new to say it
     long-polls for ``poll`` seconds, so that it hears the round is due while the peer is in the
-    middle of a long step. While ``syncing()``, the round is no longer the peer's to report."""
+    middle of a long step. While ``syncing()``, the round is no longer the peer's to report.
+    ``count()``: the samples since the last sync began (the client's clock counts them)."""
 
     REPORT_SECONDS = 0.05
 
@@ -109,27 +110,24 @@ class ProgressReporter(_Daemon):
         path: str,
         *,
         poll: float,
+        count: Callable[[], int],
         version: Callable[[], int],
         syncing: Callable[[], bool],
         run: str,
         peer: str,
     ) -> None:
         self._transport, self._path, self._poll, self._run = transport, path, poll, run
-        self._version, self._syncing = version, syncing
+        self._count, self._version, self._syncing = count, version, syncing
         self._lock = threading.Lock()
-        self.count = 0  # samples since the last sync began
         self._paused = False  # a sync is under way
         self._due_round = -1  # the round the hub said was due
         super().__init__(self._report, f"weightsync-progress-{peer}")
 
-    def add(self, samples: int) -> None:
+    def pause(self) -> None:
+        """A sync begins with what was counted (before the count starts afresh): report again
+        once it is done."""
         with self._lock:
-            self.count += samples
-
-    def sent(self) -> None:
-        """A sync began with what was counted: count afresh, and report again once it is done."""
-        with self._lock:
-            self.count, self._paused = 0, True
+            self._paused = True
 
     def due(self, version: int) -> bool:
         return self._due_round == version
@@ -138,7 +136,7 @@ class ProgressReporter(_Daemon):
         said = (-1, -1)
         while not self._stop.is_set():
             with self._lock:
-                round_, count = self._version(), self.count
+                round_, count = self._version(), self._count()
                 if self._paused and not self._syncing():
                     self._paused = False
                 paused = self._paused

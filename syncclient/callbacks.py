@@ -13,51 +13,33 @@ trainer.train()
 What it does, on the main process of the peer:
 
 - **train begin**: join the run and load the global version into the model, so every peer
-  starts from the same weights. If you pass a ``client`` that has already joined (to learn your
-  rank and world size before you shard the data), it does not join again.
-- **every ``sync_every`` optimizer steps** (``state.global_step``, so gradient accumulation needs
-  nothing special): send the update with the number of samples seen since the last sync and
-  the training loss of those steps (it asks the Trainer to log at that step, so the loss is
-  fresh), then train on from the merged version.
-- **or, with ``round_samples=S``** (a run whose rounds close on a global sample count, the
-  ``samples`` policy): count each step's samples for the hub and sync at the first step end
-  after the hub says the round is due (the peers together trained S samples). A fast peer syncs
-  after more steps than a slow one; nobody waits for more than the step another peer is in.
-  Whichever the callback was given, it follows the run's policy as the hub reports it at join.
-- **evaluate**: the eval metrics ride along with the next update.
+  starts from the same weights (a ``client`` that joined already, to learn its rank and world
+  size before sharding the data, is not joined again).
+- **after each optimizer step** it tells the client (``state.global_step``, so gradient
+  accumulation needs nothing special; each step's samples are ``args.train_batch_size x
+  args.gradient_accumulation_steps``), whose clock says when a sync is due: every
+  ``sync_every`` steps (an int or a :class:`~syncclient.schedule.SyncSchedule`), or in a
+  ``round_samples`` run once the hub says the peers together trained that many (a fast peer then
+  syncs after more steps than a slow one). Whichever it was given, it follows the run's policy as
+  the hub reports it at join. It then asks the Trainer to log, and syncs in ``on_log`` with the
+  fresh training loss, the eval metrics since the last sync and ``step`` (the dashboard plots
+  against it); an evaluation at that step runs after the log, on the merged weights.
 - **train end**: a last sync if there were steps since the previous one, then leave.
 
-Every update carries ``step`` (``state.global_step``) in its metrics: the dashboard plots
-against it.
-
-**Overlap** (``overlap=True``; Streaming DiLoCo's eager updates): at a sync step the callback
-starts :meth:`SyncClient.sync_async` (snapshot ``x_t`` and encoding on the training thread,
-upload and waiting on a background thread) and training goes on. At each later step end it
-checks whether the round's merged update ``U`` is in; once it is, it applies it:
-``base' = base + decode(U)`` (identical on every peer) and ``model = base' + (model - x_t)``,
-keeping the steps taken meanwhile, which then count in the next update. If the result is still
-out at the next sync step, it waits for it there before starting the next one; at train end it
-applies the pending one, then makes a final *blocking* sync (if any step was taken since the
-snapshot), so every peer ends with identical weights. In between, peers differ by their own
-in-flight steps. A sync due at the last step (``max_steps``) is blocking. Costs and caveats:
-one more float32 copy of the model while a sync is in flight; an evaluation at a sync step
-sees this peer's own weights (the merge lands a step or more later); a late peer (the round
-closed without it) is caught up when the result is applied, as with a blocking sync: its
-weights become the latest version and its local steps, in-flight ones included, are dropped.
+**Overlap** (``overlap=True``; Streaming DiLoCo's eager updates, :meth:`SyncClient.sync_async`):
+training goes on while a sync travels; at each later step end the callback applies the merged
+update once it is in, keeping the steps taken meanwhile (they count in the next update), and at
+the next sync step it waits for it if need be. A sync due at the last step (``max_steps``) and
+the one at train end are blocking, so every peer ends with identical weights; in between, peers
+differ by their own in-flight steps. It costs one more float32 copy of the model while a sync is
+in flight; an evaluation at a sync step sees this peer's own weights; a late peer (the round
+closed without it) drops its local steps, in-flight ones included, when the result is applied.
 
 The Trainer's optimizer state (Adam's moments, the learning-rate schedule) is kept across
-syncs on purpose. After a sync the weights jump to the merged version while the moments still
-describe this peer's recent gradients; that is what local SGD and DiLoCo do (the inner
-optimizer is local, only weights are averaged). Resetting Adam at every sync restarts its bias
-correction and measured worse; averaging the first moment at each sync helped a little, for
-twice the bytes, and less than scaling the learning rate (bench/RESULTS.md, issue 27).
-
-**Each peer's learning rate** is the Trainer's, or with ``lr_scaling`` that times ``sqrt(N)`` or
-``N`` with N peers, ramped in over the first round: a peer trains on 1/N of the global batch,
-Adam steps each peer about as far as serial steps on the whole batch, and the average of N such
-noisier steps is shorter than serial's. It is off by default: at serial's best rate it did not
-win (bench/RESULTS.md, issue 27). The factor is applied for each optimizer step and undone right
-after it, so the scheduler (and a checkpoint of it) keeps the rates it set (:mod:`syncclient.peerlr`).
+syncs on purpose: that is what local SGD and DiLoCo do (the inner optimizer is local, only
+weights are averaged). Resetting Adam at every sync restarts its bias correction and measured
+worse; averaging the first moment at each sync helped a little, for twice the bytes, and less
+than scaling the learning rate (bench/RESULTS.md, issue 27; ``lr_scaling``: :mod:`syncclient.peerlr`).
 
 **A peer with several GPUs** (``torchrun --nproc-per-node P``, DDP or FSDP, ``args.world_size >
 1``): every rank runs the callback; the client serves the process group
@@ -65,37 +47,27 @@ after it, so the scheduler (and a checkpoint of it) keeps the rates it set (:mod
 callback made the client): rank 0 alone talks to the hub and the merged weights reach every
 rank after each sync (:mod:`syncclient.group`). Overlap is not available there (the ranks would
 have to agree at every step on whether the result is in).
-
-The sample count of an update is ``steps * args.train_batch_size *
-args.gradient_accumulation_steps * args.world_size``: the nominal number of training
-samples, which overcounts by less than one batch when an epoch ends on a short batch.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from syncclient._callback import callback_client, join_at_train_begin
+from syncclient.adapters import Adapter, sync_metrics
 from syncclient.client import PendingSync, SyncClient, SyncResult
-from syncclient.peerlr import DEFAULT_PEER_LR, LRScaler, PeerLR
-from syncclient.schedule import SyncSchedule, interval_after
+from syncclient.peerlr import DEFAULT_PEER_LR, LRScaler
+from syncclient.schedule import SyncSchedule
 
 __all__ = ["SyncCallback"]
 
 logger = logging.getLogger(__name__)
 
-#: Bytes of JSON metrics sent with an update; beyond it (many ``compute_metrics`` values) only
-#: ``loss`` and ``eval_loss`` go, leaving room for what the SDK adds itself.
-_METRICS_BUDGET = 2048
 
-
-class SyncCallback(TrainerCallback):
+class SyncCallback(Adapter, TrainerCallback):
     """Average this Trainer's model with the other peers of a run every ``sync_every`` steps,
     or whenever the peers together trained ``round_samples`` samples.
 
@@ -120,8 +92,7 @@ class SyncCallback(TrainerCallback):
         lr_scaling_warmup: optimizer steps over which that factor ramps in from 1 (default:
             one round, ``sync_every`` steps; a schedule's first interval).
         **client_kwargs: passed to ``SyncClient(hub, ...)``: ``run`` (required), ``peer``,
-            ``token``, ``codec``, ``outer``, ``outer_lr``, ``outer_momentum``, ``outer_warmup``, ``min_peers``,
-            ``round_timeout``, ``timeout``, ...
+            ``token``, the run settings (``codec``, ``min_peers``, ...), ``timeout``, ...
 
     Attributes:
         client: the :class:`SyncClient` in use.
@@ -146,23 +117,14 @@ class SyncCallback(TrainerCallback):
             raise ValueError(f"on_sync must be callable, got {on_sync!r}")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
-        self.client = callback_client(hub, sync_every=sync_every, client=client, client_kwargs=client_kwargs)
+        super().__init__(hub, sync_every, client, lr_scaling, lr_scaling_warmup, client_kwargs)
         self._owns_client = client is None
         self._hub, self._client_kwargs = hub, client_kwargs  # to remake the client for a process group
-        self.sync_every = sync_every
-        self.on_sync = on_sync
-        self.overlap = overlap
-        self.peer_lr = PeerLR(lr_scaling, lr_scaling_warmup).for_rounds(sync_every)
+        self.sync_every, self.on_sync, self.overlap = sync_every, on_sync, overlap
         self._scaler = LRScaler()
         self._peers = 1  # the run's world size, known once joined
-        self.join_info: Any = None
-        self.last_result: SyncResult | None = None
-        self.syncs = 0
-        self._active = False  # joined and not yet left: the events below act only then
-        self._last_sync_step = 0
         self._pending = False  # a sync is due; done at the next on_log (or the next step at the latest)
-        self._loss: float | None = None  # training loss logged since the last sync
-        self._eval_metrics: dict[str, float] = {}
+        self._eval_metrics: dict[str, Any] = {}
         self._inflight: PendingSync | None = None  # overlap: started, not yet applied
         self._inflight_steps = 0  # the steps that sync carries
 
@@ -174,10 +136,8 @@ class SyncCallback(TrainerCallback):
         # Checked on every rank, so that a DDP job fails everywhere instead of hanging on rank 1.
         if args.world_size > 1:
             self._serve_the_group(args)
-        self.join_info = join_at_train_begin(self.client, _model(kwargs), self.sync_every) or self.join_info
+        self._begin(_model(kwargs), state.global_step)
         self._peers = self.client.world_size or 1
-        self._active = True
-        self._last_sync_step = state.global_step
         self._pending = False
         self._loss = None
         self._eval_metrics = {}
@@ -204,17 +164,10 @@ class SyncCallback(TrainerCallback):
     ) -> TrainerControl:
         if not self._active:
             return control
+        self.client.progress(int(args.train_batch_size * args.gradient_accumulation_steps), step=state.global_step)
         if self._inflight is not None and self._inflight.done():
-            self._land(state, _model(kwargs))
-        since = state.global_step - self._last_sync_step
-        last_step = state.max_steps > 0 and state.global_step >= state.max_steps
-        if self.client.policy == "samples":
-            self.client.progress(_samples_per_step(args, self.client))
-            due = since > 0 and self.client.due
-        else:
-            assert self.sync_every is not None
-            due = since >= interval_after(self.sync_every, self._last_sync_step)
-        if due or (last_step and since > 0):
+            self._land(state, _model(kwargs))  # (a late peer's clock counts from this step again)
+        if self._due(state.global_step, state.max_steps)[0]:
             # Decide here, act in on_log: asking for a log makes the Trainer report the loss of
             # the steps since its last log, which we send with the update. Evaluation at this
             # step runs after the log, so it sees the merged weights.
@@ -232,8 +185,8 @@ class SyncCallback(TrainerCallback):
     ) -> None:
         if not self._active:
             return
-        if logs and _is_number(logs.get("loss")):
-            self._loss = float(logs["loss"])
+        if logs and logs.get("loss") is not None:
+            self._loss = logs["loss"]
         if self._pending:
             self._sync(args, state, _model(kwargs))
 
@@ -246,7 +199,7 @@ class SyncCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         if self._active and metrics:
-            self._eval_metrics.update({k: float(v) for k, v in metrics.items() if _is_number(v)})
+            self._eval_metrics.update(metrics)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -255,7 +208,7 @@ class SyncCallback(TrainerCallback):
             return
         try:
             self._land(state, _model(kwargs))
-            if self._pending or state.global_step > self._last_sync_step:
+            if self._pending or self.client.clock.unsynced:
                 self._sync(args, state, _model(kwargs), blocking=True)
         finally:
             self._active = False
@@ -269,7 +222,7 @@ class SyncCallback(TrainerCallback):
         """Several processes train this peer: the client must serve their process group."""
         if self.overlap:
             raise ValueError(f"overlap=True is for one process per peer; this peer has {args.world_size} ranks")
-        if self.client._group is not None:
+        if self.client.group is not None:
             return
         if not self._owns_client:
             raise ValueError(
@@ -280,63 +233,32 @@ class SyncCallback(TrainerCallback):
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(f"args.world_size is {args.world_size} but torch.distributed is not initialised")
         self.client.close()  # never joined: made before the Trainer set torch.distributed up
-        self.client = SyncClient(self._hub, group=dist.group.WORLD, **self._client_kwargs)  # type: ignore[arg-type]
+        self.client = SyncClient(self._hub, group=dist.group.WORLD, sync_every=self.sync_every, **self._client_kwargs)  # type: ignore[arg-type]
 
     def _sync(self, args: TrainingArguments, state: TrainerState, model: Any, *, blocking: bool = False) -> None:
         self._land(state, model)  # the previous overlapped sync, if still out: wait for it here
-        steps = state.global_step - self._last_sync_step
-        self._pending = False
-        if steps == 0:  # it was late: its apply dropped every local step, nothing left to send
+        clock, self._pending = self.client.clock, False
+        if not clock.unsynced:  # it was late: its apply dropped every local step, nothing left to send
             return
-        samples = steps * _samples_per_step(args, self.client)
-        metrics = dict(self._eval_metrics)
-        if self._loss is not None:
-            metrics["loss"] = self._loss
-        if len(json.dumps(metrics)) > _METRICS_BUDGET:  # the hub caps the metrics header (4 KiB)
-            metrics = {k: v for k, v in metrics.items() if k in ("loss", "eval_loss")}
-        metrics["step"] = float(state.global_step)
-        self._last_sync_step = state.global_step
+        steps, samples = clock.step - clock.last, self.client.pending_samples
+        metrics = sync_metrics({**self._eval_metrics, "loss": self._loss}, state.global_step)
         self._loss = None
         self._eval_metrics = {}
-        last_step = state.max_steps > 0 and state.global_step >= state.max_steps
+        last_step = self._due(state.global_step, state.max_steps)[1]
         if self.overlap and not blocking and not last_step:  # at the last step nothing would overlap
             self._inflight = self.client.sync_async(model, samples=samples, metrics=metrics)
             self._inflight_steps = steps
             return
         # the last step's sync, or the one at train end: the peer's last (see SyncClient.sync)
         final = last_step or blocking
-        self._finish(state, self.client.sync(model, samples=samples, metrics=metrics, final=final), steps)
+        self._synced(self.client.sync(model, samples=samples, metrics=metrics, final=final), state.global_step, steps)
 
     def _land(self, state: TrainerState, model: Any) -> None:
         """Apply the overlapped sync in flight, if any (waiting for its result if need be)."""
         if self._inflight is None:
             return
         pending, self._inflight = self._inflight, None
-        result = pending.apply(model)
-        if result.caught_up:  # the steps since its snapshot were dropped too: count from here
-            self._last_sync_step = state.global_step
-        self._finish(state, result, self._inflight_steps)
-
-    def _finish(self, state: TrainerState, result: SyncResult, steps: int) -> None:
-        self.last_result = result
-        self.syncs += 1
-        logger.info(
-            "step %d: synced %d steps -> version %d in %.2f s (%.2f s of it stalled training)%s",
-            state.global_step,
-            steps,
-            result.version,
-            result.seconds,
-            result.stall_seconds,
-            " (late: caught up, local steps dropped)" if result.caught_up else "",
-        )
-        if self.on_sync is not None:
-            self.on_sync(result)
-
-
-def _samples_per_step(args: TrainingArguments, client: SyncClient) -> int:
-    """The samples one optimizer step trains: a group's client sums its ranks' own."""
-    per_rank = int(args.train_batch_size * args.gradient_accumulation_steps)
-    return per_rank if client._group is not None else per_rank * int(args.world_size)
+        self._synced(pending.apply(model), state.global_step, self._inflight_steps)
 
 
 def _model(kwargs: dict[str, Any]) -> Any:
@@ -344,7 +266,3 @@ def _model(kwargs: dict[str, Any]) -> Any:
     if model is None:
         raise ValueError("SyncCallback needs the model: the Trainer passes it as kwargs['model']")
     return model
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

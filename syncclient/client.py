@@ -1,32 +1,23 @@
 """SyncClient: join a run, sync every few thousand steps, leave.
 
-The client orchestrates; other modules do the work. :mod:`syncclient.state` holds the update
+The client orchestrates; other modules do the work. :mod:`syncclient.update` holds the update
 maths (numpy): the base version, the error-feedback residual, encoding a delta, folding the
-merged update in, the overlap correction. :mod:`syncclient.protocol` is the request flows of a
+merged update in, the overlap correction. :mod:`syncclient.flows` is the request flows of a
 sync (upload, wait, fold the results in). :mod:`syncclient.transport` moves the bytes (httpx):
 retries, resumable uploads and downloads, and the one map from HTTP trouble to
 :mod:`syncclient.exceptions`. :mod:`syncclient.background` keeps the lease (and in samples
-runs reports progress) from daemon threads.
+runs reports progress) from daemon threads. :class:`~syncclient.schedule.SyncClock` says when
+a sync is due, for every integration (:meth:`SyncClient.progress`, :attr:`SyncClient.due`).
 
 A sync sends ``encode(local - base + residual)``, waits for the round's merged update ``U`` and
 sets the model to ``base + decode(U)``: the very sum the hub computes, so every peer and the
-hub hold bit-identical weights afterwards.
-
-Overlap (:meth:`SyncClient.sync_async`, as in Streaming DiLoCo's eager updates): the peer
-snapshots its weights ``x_t`` and encodes ``x_t - base + residual`` on the caller's thread,
-then uploads it and waits for ``U`` on one background thread while training goes on.
-:meth:`PendingSync.apply` sets ``base' = base + decode(U)`` (bit-identical on every peer and
-the hub, as above) and ``model = base' + (model - x_t)``: the steps taken since the snapshot
-stay on top of the merged version, and since the next delta is taken against ``base'`` they
-count in the next round. So right after an overlapped sync only ``base`` is identical across
-peers (each keeps its own in-flight steps); a blocking ``sync`` makes the weights identical
-again. ``sync`` is the same code: ``sync_async``, wait, apply with no local steps to keep.
+hub hold bit-identical weights afterwards. ``sync`` is :meth:`SyncClient.sync_async` (overlap,
+as in Streaming DiLoCo's eager updates), waited for and applied with no local steps to keep.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import math
 import os
@@ -43,15 +34,16 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from syncclient._model import ArrayView, ModelView
 from syncclient.background import Heartbeat, ProgressReporter
 from syncclient.exceptions import SchemaMismatch, SyncError
+from syncclient.flows import Outcome, RunFlows
 from syncclient.group import PeerGroup
-from syncclient.protocol import Outcome, RunProtocol
-from syncclient.runconfig import check_run_settings
-from syncclient.state import EncodedUpdate, UpdateState
+from syncclient.schedule import SyncClock, SyncSchedule
 from syncclient.transport import Download, Transport
+from syncclient.update import EncodedUpdate, UpdateState
+from syncclient.weights import ArrayView, ModelView
 from syncwire import Codec, get_codec, layout_bytes, wire_layout
+from syncwire.runsettings import RUN_SETTINGS, check_run_settings
 
 __all__ = ["JoinInfo", "PendingSync", "SyncClient", "SyncResult"]
 
@@ -115,7 +107,7 @@ class PendingSync:
         update: EncodedUpdate,
     ) -> None:
         self._client, self._future, self.round = client, future, round_
-        self._snapshot = snapshot  # x_t (None for a blocking sync: nothing to keep)
+        self._snapshot = snapshot  # x_t; None: a blocking sync ({}: a catch-up while training goes on)
         self._started, self._stall = started, stall
         self._update = update  # its ratio and error are known once the worker sent it
 
@@ -167,7 +159,7 @@ class SyncClient:
     >>> client.leave()
 
     ``codec`` ... ``max_staleness`` configure the run if this peer creates it, and must match an
-    existing run's (None: accept it); :data:`syncclient.runconfig.RUN_SETTINGS` says what each
+    existing run's (None: accept it); :data:`syncwire.runsettings.RUN_SETTINGS` says what each
     means and checks it here, so a typo fails at once and not at the hub. ``min_peers`` is also
     the rendezvous size: the run starts once that many peers joined, and ranks follow sorted peer
     names, not join order. ``round_samples`` alone makes a *samples* run (rounds close once the
@@ -176,6 +168,10 @@ class SyncClient:
     outer step, ``max_staleness`` the most versions an update's base may lag). In a samples run
     report what each step trained with :meth:`progress` and send when :attr:`due` (or let
     :meth:`step` do both).
+
+    ``sync_every``: optimizer steps between syncs (an int, or a
+    :class:`~syncclient.schedule.SyncSchedule`), for :attr:`due` and :meth:`step` in barrier and
+    async runs: the client's :attr:`clock` counts the steps :meth:`progress` reports.
 
     ``group``: a torch.distributed process group whose ranks train this peer together (DDP or
     FSDP under ``torchrun``; ``torch.distributed.group.WORLD``): every rank makes the same calls,
@@ -207,33 +203,21 @@ class SyncClient:
         policy: str | None = None,
         round_samples: int | None = None,
         max_staleness: int | None = None,
+        sync_every: int | SyncSchedule | None = None,
         verify: bool | str | ssl.SSLContext = True,
         timeout: float = 60.0,
         retry_seconds: float = 600.0,
         group: Any = None,
     ) -> None:
+        given = locals()  # the run settings' keywords are the table's names
+        self._config = check_run_settings({setting.name: given[setting.name] for setting in RUN_SETTINGS})
         if not hub.startswith(("http://", "https://")):
             raise ValueError(f"hub must be an http:// or https:// URL, got {hub!r}")
         self.hub = hub.rstrip("/")
         self.run = run
         self.peer = peer or f"{socket.gethostname()}-{os.getpid()}"
         self.retry_seconds = retry_seconds
-        self._config = check_run_settings(
-            {
-                "codec": codec,
-                "outer": outer,
-                "outer_lr": outer_lr,
-                "outer_momentum": outer_momentum,
-                "outer_warmup": outer_warmup,
-                "min_peers": min_peers,
-                "min_merge_peers": min_merge_peers,
-                "round_timeout": round_timeout,
-                "norm_guard": norm_guard,
-                "policy": policy,
-                "round_samples": round_samples,
-                "max_staleness": max_staleness,
-            }
-        )
+        self.clock = SyncClock(sync_every)
         self._transport = Transport(
             self.hub, run=run, token=token, verify=verify, timeout=timeout, retry_seconds=retry_seconds
         )
@@ -242,7 +226,7 @@ class SyncClient:
         # round would look like a dead hub: retried with backoff, then HubUnreachable
         self._poll = max(1.0, min(20.0, timeout / 2))
         self._group = PeerGroup(group) if group is not None else None
-        self._protocol = RunProtocol(self._transport, run=run, peer=self.peer, poll=self._poll)
+        self._flows = RunFlows(self._transport, run=run, peer=self.peer, poll=self._poll)
         self.version = -1
         self.rank: int | None = None
         self.world_size: int | None = None
@@ -253,6 +237,7 @@ class SyncClient:
         self._inflight: PendingSync | None = None  # started, not yet applied: the state is the worker's
         self.policy: str | None = None  # the run's round policy, from join on
         self._progress: ProgressReporter | None = None  # samples runs: tells the hub how far this peer is
+        self._unflushed: int | None = None  # the last sync's weight, if an ordinary one: its residual waits
 
     # ---- the public surface --------------------------------------------------------------
     def join(self, model: torch.nn.Module) -> JoinInfo:
@@ -279,7 +264,7 @@ class SyncClient:
             return [(name, a, "F32") for name, a in view.export().items()]
 
         group_size = {"group_size": self._group.size} if self._group is not None else {}
-        state = self._protocol.join({**self._config, **group_size}, version0=version0, joined=joined)
+        state = self._flows.join({**self._config, **group_size}, version0=version0, joined=joined)
         schema = {name: tuple(shape) for name, shape in state["schema"].items()}
         if schema != view.schema:
             self.close()
@@ -290,15 +275,9 @@ class SyncClient:
         fp32 = 4 * sum(math.prod(s) for s in schema.values())
         self._transport.max_download = max(fp32, layout_bytes(wire_layout(self.codec, schema)))
         self.rank, self.world_size = int(state["rank"]), int(state["world_size"])
-        self._adopt(view, self._protocol.latest())
-        log.info(
-            "run %s: joined as %s (rank %d of %d) at version %d",
-            self.run,
-            self.peer,
-            self.rank,
-            self.world_size,
-            self.version,
-        )
+        self._adopt(view, self._flows.latest())
+        log.info("run %s: joined as %s (rank %d of %d) at version %d", *(self.run, self.peer, self.rank),
+                 *(self.world_size, self.version))  # fmt: skip
         config = state["config"]
         self.policy = config.get("policy", "barrier")
         if self.policy == "samples" and self._progress is None:
@@ -306,6 +285,8 @@ class SyncClient:
                 self._transport,
                 f"{self._runs}/peers/{self.peer}/progress",
                 poll=min(0.5, self._poll),
+                # a group's leader counts for its ranks (equal batches)
+                count=lambda: self.clock.samples * (self._group.size if self._group is not None else 1),
                 version=lambda: self.version,
                 syncing=lambda: self._inflight is not None,
                 run=self.run,
@@ -342,6 +323,8 @@ class SyncClient:
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0 (this rank's), got {samples!r}")
         total = self._group.total(samples)  # the group's update weighs all its ranks' samples
+        if not self._group.leader:
+            self.clock.sent()  # as the leader's clock does in _start
 
         def call(view: ArrayView) -> SyncResult:
             return self._final_sync(view, total, metrics, final)
@@ -362,6 +345,11 @@ class SyncClient:
         return result
 
     @property
+    def group(self) -> PeerGroup | None:
+        """The process group this client serves (None: one process per peer)."""
+        return self._group
+
+    @property
     def flushes(self) -> bool:
         """Whether this run's last sync sends what error feedback held back in one more round
         (a lossy codec that flushes, in a barrier run: see :meth:`sync`). False before join."""
@@ -370,7 +358,7 @@ class SyncClient:
         codec = self._state.codec
         return not codec.lossless and codec.flush and self.policy == "barrier"
 
-    def flush(self, model: torch.nn.Module, *, samples: int = 1) -> SyncResult | None:
+    def flush(self, model: torch.nn.Module, *, samples: int | None = None) -> SyncResult | None:
         """The second round of a final :meth:`sync`, alone: send what error feedback held back
         (the last sync's quantisation error) as a final update, and load the merged version.
 
@@ -378,18 +366,19 @@ class SyncClient:
         plain loop syncs right after a step, before the program says whether it stops there, and
         flushes at exit if it trained nothing since. Its peers then make the same last round as
         a peer whose last sync was marked final. ``model`` must hold the version of the last
-        sync (nothing trained since); ``samples`` is that sync's weight. None, and no round,
-        when the run has nothing to flush: a lossless codec, ``topk`` (see :meth:`sync`), a
-        policy other than barrier. One process per peer (a group's last ``sync(final=True)``
-        flushes)."""
+        sync (nothing trained since); ``samples``: that sync's weight, unless given. None, and no
+        round, when nothing waits: a lossless codec, ``topk`` (see :meth:`sync`), a policy other
+        than barrier, a last sync that was final or flushed already. One process per peer (a
+        group's last ``sync(final=True)`` flushes)."""
         if self._state is None:
             raise SyncError("join(model) before flush()")
         if self._group is not None:
             raise SyncError("flush() is for one process per peer: in a process group, mark the last sync final")
-        if not self.flushes:
+        if not self.flushes or self._unflushed is None:
             return None
         view = ModelView(model)
-        return self._apply(self._start(view, samples, None, keep_local=False, final=True), view)
+        weight = self._unflushed if samples is None else samples
+        return self._apply(self._start(view, weight, None, keep_local=False, final=True), view)
 
     def sync_async(
         self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None
@@ -412,46 +401,52 @@ class SyncClient:
             raise SyncError("sync_async() with a process group is not supported: use sync() (see syncclient.group)")
         return self._start(ModelView(model), samples, metrics, keep_local=True)
 
-    def progress(self, samples: int) -> None:
-        """Count ``samples`` more samples trained since the last sync (cheap: no I/O here). In a
-        samples run a background thread reports the count, and :attr:`due` says when to send."""
+    def progress(self, samples: int, *, step: int | None = None) -> None:
+        """After each optimizer step: count it and the ``samples`` it trained (cheap: no I/O
+        here). ``step``: the global step reached (a Trainer's); None: one more than the last.
+        Then :attr:`due` says whether to sync now. In a samples run a background thread reports
+        the count to the hub."""
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
-        if self._progress is not None:  # a group's leader counts for its ranks (equal batches)
-            self._progress.add(samples * (self._group.size if self._group is not None else 1))
+        self.clock.tick(samples, step)
 
     @property
     def due(self) -> bool:
-        """Samples runs: the hub asked for this round's update (the peers' samples reached
-        ``round_samples``, or the round closed without us): sync now. In a process group every
-        rank must ask, at the same points: the leader's answer is broadcast."""
-        due = self._progress is not None and self._progress.due(self.version)
+        """Whether a sync is due now: in a samples run, the hub asked for this round's update (the
+        peers' samples reached ``round_samples``, or the round closed without us) and a step was
+        trained since the last sync; else the :attr:`clock` reached ``sync_every``'s next step.
+        In a process group every rank must ask, at the same points: the leader's answer to a
+        samples run is broadcast."""
+        if self.policy != "samples":
+            return self.clock.on_time
+        due = self.clock.unsynced and self._progress is not None and self._progress.due(self.version)
         return self._group.flag(due) if self._group is not None else due
 
     @property
     def pending_samples(self) -> int:
-        """Samples counted with :meth:`progress` since the last sync began."""
-        return self._progress.count if self._progress is not None else 0
+        """Samples counted with :meth:`progress` since the last sync began (this process's)."""
+        return self.clock.samples
+
+    def count_from(self, step: int) -> None:
+        """Count steps from global optimizer ``step`` (a Trainer starting there, maybe resumed
+        from a checkpoint); :class:`SyncError` when nothing says when this run syncs."""
+        self._check_clock()
+        self.clock.start(step)
 
     def step(
         self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None
     ) -> SyncResult | None:
-        """For a samples run's training loop, after each optimizer step: count ``samples`` and,
-        when the round is due, sync what was counted since the last sync. Returns the sync's
-        result, or None when no sync was due.
+        """After each optimizer step of a training loop (torchft's post-step hook): count
+        ``samples`` and, when a sync is :attr:`due`, sync what was counted since the last one.
+        Returns the sync's result, or None when none was due.
 
         >>> for batch in loader:
         ...     train_step(batch)
         ...     client.step(model, samples=len(batch))
         """
-        if self.policy != "samples":
-            raise SyncError(f"step() is for runs whose rounds close on samples; run {self.run} is {self.policy!r}")
+        self._check_clock()
         self.progress(samples)
-        counted = self.pending_samples  # the leader's count covers its group; the others send 0
-        ready = self._progress is not None and self._progress.due(self.version) and counted > 0
-        if not (self._group.flag(ready) if self._group is not None else ready):
-            return None
-        return self.sync(model, samples=counted, metrics=metrics)
+        return self.sync(model, samples=max(1, self.pending_samples), metrics=metrics) if self.due else None
 
     def pull(self, model: torch.nn.Module) -> int:
         """Load the run's latest version into ``model`` (dropping local changes); return it."""
@@ -460,7 +455,7 @@ class SyncClient:
         self._check_idle()
 
         def call(view: ModelView | ArrayView) -> int:
-            self._adopt(view, self._protocol.latest())
+            self._adopt(view, self._flows.latest())
             return self.version
 
         self.version = self._in_group(model, call, int)
@@ -473,12 +468,14 @@ class SyncClient:
         result: dict[str, Any] = self._transport.call("GET", self._runs).json()
         return result
 
-    def leave(self) -> None:
+    def leave(self, *, retry: bool = True) -> None:
         """Tell the hub this peer is done (it stops waiting for it), then close. (In a process
-        group, rank 0 tells it; the other ranks only close.)"""
+        group, rank 0 tells it; the other ranks only close.) ``retry=False``: one quick try (a
+        process going away)."""
         if self._heartbeat is not None:
             try:
-                self._transport.call("POST", f"{self._runs}/peers/{self.peer}/leave")
+                quick: dict[str, Any] = {} if retry else {"timeout": 5}
+                self._transport.call("POST", f"{self._runs}/peers/{self.peer}/leave", retry=retry, **quick)
             except SyncError as exc:
                 log.warning("run %s: leaving failed (%s); the hub will drop us when our lease expires", self.run, exc)
         self.close()
@@ -500,7 +497,6 @@ class SyncClient:
             self._progress = None
         atexit.unregister(self._exit)
         self._transport.close()
-        self._protocol.close()
 
     def __enter__(self) -> SyncClient:
         return self
@@ -524,11 +520,14 @@ class SyncClient:
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     def _exit(self) -> None:
-        if self._heartbeat is None:  # left or closed already
-            return
-        with contextlib.suppress(SyncError):  # one quick try: the process is going away
-            self._transport.call("POST", f"{self._runs}/peers/{self.peer}/leave", retry=False, timeout=5)
-        self.close()
+        self.leave(retry=False)  # (left or closed already: nothing to tell)
+
+    def _check_clock(self) -> None:
+        if self.policy != "samples" and self.clock.every is None:
+            raise SyncError(
+                f"run {self.run!r} is a {self.policy} run, whose rounds do not close on samples: "
+                "give sync_every=N (optimizer steps between syncs)"
+            )
 
     def _check_idle(self) -> None:
         if self._inflight is not None:
@@ -554,20 +553,22 @@ class SyncClient:
         started = time.monotonic()
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
+        if self._progress is not None:
+            self._progress.pause()  # (before the count starts afresh: the reporter never sends the 0)
+        self.clock.sent()
+        self._unflushed = None if final else samples
         if self._state.torn:  # the last result stopped arriving midway: no delta from this base
             log.warning("run %s: the last result did not arrive whole; catching up to the latest version", self.run)
-            future = self._worker.submit(self._protocol.catch_up)
+            future = self._worker.submit(self._flows.catch_up)
             nothing = EncodedUpdate([], [], 0, lambda: None)
-            self._inflight = PendingSync(self, future, self.version, None, started, 0.0, nothing)
+            self._inflight = PendingSync(self, future, self.version, {} if keep_local else None, started, 0.0, nothing)
             return self._inflight
         local = view.export()  # on CPU float32 these share memory with the model: copy to keep
         snapshot = {name: x.copy() for name, x in local.items()} if keep_local else None
         update = self._state.encode(snapshot or local)  # encodes while it uploads, on other threads
         sent_metrics = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(float(v))}
-        if self._progress is not None:
-            self._progress.sent()  # what is counted from here on goes into the next round
         future = self._worker.submit(
-            self._protocol.exchange, self.version, update, samples, sent_metrics, self._state, final
+            self._flows.exchange, self.version, update, samples, sent_metrics, self._state, final
         )
         self._inflight = PendingSync(self, future, self.version, snapshot, started, time.monotonic() - started, update)
         return self._inflight
@@ -588,6 +589,8 @@ class SyncClient:
         snapshot, pending._snapshot = pending._snapshot, None
         if outcome.latest is not None:
             self._adopt(view, outcome.latest)
+            if snapshot is not None:  # the steps trained meanwhile were dropped too: count from here
+                self.clock.start(self.clock.step)
         else:
             assert self._state is not None
             if outcome.fresh_base is not None:
@@ -600,7 +603,7 @@ class SyncClient:
         """Make a downloaded full model the base and load it (local work is dropped)."""
         assert self.codec is not None
         # a new state: the residual belonged to work that was just dropped
-        self._state = UpdateState(self.codec, _tensors(view, download, self.run))
+        self._state, self._unflushed = UpdateState(self.codec, _tensors(view, download, self.run)), None
         view.load(self._state.base)
         self.version = download.version
 

@@ -42,8 +42,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from syncclient._model import ModelView, unwrap
 from syncclient.exceptions import SyncError
+from syncclient.weights import ModelView, unwrap
 
 __all__ = ["GroupError", "PeerGroup"]
 

@@ -7,26 +7,15 @@ trainer = L.Trainer(max_epochs=3, callbacks=[SyncCallback("http://hub:8000", syn
 trainer.fit(model, train_loader)
 ```
 
-What it does (as :class:`syncclient.SyncCallback` does for Hugging Face):
-
-- **fit start** (the model is on its device, the optimizers exist): join the run and load the
-  global version into the ``LightningModule``, so every peer starts from the same weights;
-- **every ``sync_every`` optimizer steps** (``trainer.global_step``, so
-  ``accumulate_grad_batches`` needs nothing special), at a batch's end: send the update with the
-  samples of the batches since the last sync, the last batch's ``loss`` and the metrics the
-  module logged (``trainer.callback_metrics``: ``self.log("val_acc", ...)`` shows in the dashboard), then
-  train on from the merged version;
-- **or, with ``round_samples=S``** (a samples run): count each batch's samples for the hub and
-  sync at the first batch end after the hub says the round is due;
-- **train end**: a last sync if there were steps since the previous one (every peer then holds
-  the same weights), then leave. **On an exception** (Ctrl-C included): leave, so the others
-  stop waiting.
-
-A batch's samples are the length of its first tensor (the batch dimension). One process per
-peer: it raises at fit start when the Trainer runs on several devices (DDP peers are not
-supported yet), as the Hugging Face callback does. The optimizers' state is kept across syncs
-(local SGD / DiLoCo's inner optimizer); with ``lr_scaling`` each optimizer step runs at
-``sqrt(N)`` or ``N`` times its own rate with N peers, as with the Hugging Face callback.
+It does what :class:`syncclient.SyncCallback` does for Hugging Face, at a batch's end: join at
+fit start (the model is on its device, the optimizers exist), tell the client each step
+(``trainer.global_step``, so ``accumulate_grad_batches`` needs nothing special; a batch's samples
+are the length of its first tensor) and sync when its clock says a sync is due, with the last
+batch's ``loss`` and the metrics the module logged (``trainer.callback_metrics``:
+``self.log("val_acc", ...)`` shows in the dashboard), a last sync at train end, then leave; on an
+exception (Ctrl-C included) it leaves, so the others stop waiting. One process per peer: it
+raises at fit start when the Trainer runs on several devices (DDP peers are not supported yet).
+``lr_scaling`` scales each optimizer step through torch's optimizer hooks.
 
 Works with ``lightning`` (``import lightning as L``) and, if that is not installed, with the
 older ``pytorch_lightning`` package; :func:`callback_class` gives the class for the other one.
@@ -34,9 +23,7 @@ older ``pytorch_lightning`` package; :func:`callback_class` gives the class for 
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,19 +41,17 @@ except ModuleNotFoundError as exc:
 
 import torch
 
-from syncclient._callback import callback_client, join_at_train_begin
-from syncclient.client import SyncClient, SyncResult
-from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR, scale_each_step
-from syncclient.schedule import SyncSchedule, interval_after
+from syncclient.adapters import Adapter, sync_metrics
+from syncclient.client import SyncClient
+from syncclient.peerlr import DEFAULT_PEER_LR, scale_each_step
+from syncclient.schedule import SyncSchedule
 
 __all__ = ["SyncCallback", "callback_class"]
 
 logger = logging.getLogger(__name__)
 
-_METRICS_BUDGET = 2048  # bytes of JSON metrics per update, as the Hugging Face callback sends
 
-
-class _Sync:
+class _Sync(Adapter):
     """The callback's behaviour, apart from the ``Callback`` base it is mixed into."""
 
     def __init__(
@@ -79,16 +64,7 @@ class _Sync:
         lr_scaling_warmup: int | None = DEFAULT_PEER_LR.warmup,
         **client_kwargs: Any,
     ) -> None:
-        self.peer_lr = PeerLR(lr_scaling, lr_scaling_warmup).for_rounds(sync_every)
-        self.client = callback_client(hub, sync_every=sync_every, client=client, client_kwargs=client_kwargs)
-        self.sync_every = sync_every
-        self.join_info: Any = None
-        self.last_result: SyncResult | None = None
-        self.syncs = 0
-        self._active = False
-        self._last_sync_step = 0
-        self._samples = 0  # since the last sync
-        self._loss: Any = None  # the last batch's, as training_step returned it
+        super().__init__(hub, sync_every, client, lr_scaling, lr_scaling_warmup, client_kwargs)
         self._unhook: list[Any] = []  # removes the learning-rate scaling of each optimizer
 
     # -- hooks ------------------------------------------------------------------------------------
@@ -99,39 +75,29 @@ class _Sync:
                 f"SyncCallback supports one training process per peer, got a Trainer on {trainer.world_size} "
                 "processes: run one peer per process (DDP peers are not supported yet)"
             )
-        self.join_info = join_at_train_begin(self.client, pl_module, self.sync_every) or self.join_info
+        self._begin(pl_module, trainer.global_step)
         peers = self.client.world_size or 1
         self._unhook = [
             scale_each_step(opt, self.peer_lr, peers, lambda: trainer.global_step) for opt in trainer.optimizers
         ]
-        self._active = True
-        self._last_sync_step = trainer.global_step
-        self._samples = 0
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: torch.nn.Module, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if not self._active:
             return
-        samples = _batch_size(batch) or 1
-        self._samples += samples
         self._loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs  # read at the sync
-        since = trainer.global_step - self._last_sync_step
-        if self.client.policy == "samples":
-            self.client.progress(samples)
-            due = since > 0 and self.client.due
-        else:
-            assert self.sync_every is not None
-            due = since >= interval_after(self.sync_every, self._last_sync_step)
-        last_step = 0 < trainer.max_steps <= trainer.global_step
-        if due or (last_step and since > 0):
+        # a batch end is an optimizer step's only when the step advanced (gradient accumulation)
+        self.client.progress(_batch_size(batch) or 1, step=trainer.global_step)
+        due, last_step = self._due(trainer.global_step, trainer.max_steps)
+        if due:
             self._sync(trainer, pl_module, final=last_step)
 
     def on_train_end(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         if not self._active:
             return
         try:
-            if trainer.global_step > self._last_sync_step:
+            if self.client.clock.unsynced:
                 self._sync(trainer, pl_module, final=True)
         finally:
             self._leave()
@@ -144,20 +110,11 @@ class _Sync:
 
     def _sync(self, trainer: Any, pl_module: torch.nn.Module, *, final: bool = False) -> None:
         """One blocking sync; ``final``: training ends here (see ``SyncClient.sync``)."""
-        metrics = _metrics({"loss": self._loss, **trainer.callback_metrics})
-        metrics["step"] = float(trainer.global_step)
-        steps = trainer.global_step - self._last_sync_step
-        result = self.client.sync(pl_module, samples=max(1, self._samples), metrics=metrics, final=final)
-        self._last_sync_step, self._samples = trainer.global_step, 0
-        self.last_result = result
-        self.syncs += 1
-        logger.info(
-            "step %d: synced %d steps -> version %d in %.2f s%s",
-            trainer.global_step,
-            steps,
-            result.version,
-            result.seconds,
-            " (late: caught up, local steps dropped)" if result.caught_up else "",
+        metrics = sync_metrics({"loss": self._loss, **trainer.callback_metrics}, trainer.global_step)
+        steps = self.client.clock.step - self.client.clock.last
+        samples = max(1, self.client.pending_samples)
+        self._synced(
+            self.client.sync(pl_module, samples=samples, metrics=metrics, final=final), trainer.global_step, steps
         )
 
     def _leave(self) -> None:
@@ -213,16 +170,3 @@ def _batch_size(batch: Any) -> int:
             if size:
                 return size
     return 0
-
-
-def _metrics(logged: Mapping[str, Any]) -> dict[str, float]:
-    """The module's logged scalars, as floats, within the hub's header budget."""
-    metrics: dict[str, float] = {}
-    for name, value in logged.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            metrics[name] = float(value)
-    if len(json.dumps(metrics)) > _METRICS_BUDGET:
-        metrics = {k: v for k, v in metrics.items() if "loss" in k}
-    return metrics

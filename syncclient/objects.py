@@ -1,7 +1,7 @@
 """Uploads straight to an object store, through the presigned URLs a hub hands out.
 
 A hub with an object store (``SYNC_STORE``) says ``uploads: store`` when a peer starts, and
-the SDK then sends its updates there (:class:`~syncclient.protocol.RunProtocol`). A presigned
+the SDK then sends its updates there (:class:`~syncclient.flows.RunFlows`). A presigned
 URL is plain HTTPS that carries its own short-lived signature for one key (and, for a multipart
 upload, one part number of one upload), so a peer needs no S3 library and holds no bucket
 credential.
@@ -10,43 +10,35 @@ A body goes up in parts (:class:`PartedUpload`: part ``n`` is bytes ``[(n-1)*par
 n*part_size)``), up to :data:`PART_STREAMS` of them at once on their own connections (as S3
 clients do: one TCP stream rarely fills a far-apart link), each PUT with its
 ``Content-Length`` (S3 takes no chunked body) and retried alone as the SDK retries anything
-(:meth:`~syncclient.transport.Transport._retrying`: connect errors, timeouts, 5xx, 429/503
-with ``Retry-After``). The store answers each part with its ETag; they are kept in the upload
+(:meth:`~syncclient.transport.Transport.call`: connect errors, timeouts, 5xx, 429/503 with
+``Retry-After``). The store answers each part with its ETag; they are kept in the upload
 by part number, so after a failure (a URL that expired, a store gone for longer than the retry
 budget) calling :func:`upload_parts` again, with renewed URLs where the old ones expired,
 sends only the parts not yet acknowledged. The hub completes the upload with the ETags (the
 object appears whole, at once). One part whose URL is a presigned PUT is a plain
 single-request upload: the same code.
 
-Downloads are the SDK's own (:meth:`~syncclient.transport.Transport.download`: safetensors
-into arrays, a cut transfer resumed with ``Range``), given the presigned URL by :func:`download`.
-A hub's ``307`` to its object store is followed there too, by its own token-free client.
-They stay one GET: the body is parsed as it streams (:class:`~syncwire.StreamReader`) and a
-result's tensors are folded into the base as they arrive, in file order, while the download
-goes on; ranges fetched at once would land out of order, to be held until the bytes before
-them came, and the resume, the expiry and the fall-back to the hub would each count per range.
+Downloads are the SDK's own (:meth:`~syncclient.transport.Transport.download`, which follows
+a hub's ``307`` to its object store): one GET, parsed as it streams, its tensors folded into the
+base as they arrive, in file order; ranges fetched at once would land out of order, to be held
+until the bytes before them came, and the resume, the expiry and the fall-back to the hub would
+each count per range.
 
 The transport must carry no bearer token: the hub's token must never reach a bucket (and S3
-refuses a request signed twice): ``hub_transport.without_token(retry_seconds)``.
+refuses a request signed twice): ``hub_transport.store()``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import cast
-from urllib.parse import parse_qsl
-
-import numpy as np
 
 from syncclient.exceptions import HubError
-from syncclient.transport import Download, Transport, _check
+from syncclient.transport import Transport
 
-__all__ = ["PartedUpload", "download", "upload_parts"]
+__all__ = ["PartedUpload", "upload_parts"]
 
 #: parts in flight at once: S3 clients upload on several connections (boto3's s3transfer: 10),
 #: as one TCP stream's window rarely fills a far-apart link; bench/RESULTS.md, "Parallel parts"
@@ -152,52 +144,12 @@ def _put_part(transport: Transport, upload: PartedUpload, number: int, views: li
     start, end = upload.span(number)
     url = upload.urls[number]
     where = url.split("?", 1)[0] + f" (part {number})"  # no signature in messages
-    with _store_errors(), transport._errors(where):
-        for attempt in transport._retrying():
-            with attempt:
-                response = transport.http.put(
-                    url,
-                    content=cast("Iterator[bytes]", iter(views)),
-                    headers={"Content-Length": str(end - start)},
-                )
-                _check(response)
+    headers = {"Content-Length": str(end - start)}
+    response = transport.call("PUT", url, content=lambda: iter(views), headers=headers, where=where)
     etag = response.headers.get("etag", "").strip('"')
     if not etag:
         raise HubError(response.status_code, "no_etag", f"{where}: the store answered without an ETag")
     return etag
-
-
-def download(
-    transport: Transport,
-    url: str,
-    on_tensor: Callable[[str, np.ndarray, Mapping[str, str]], None] | None = None,
-) -> Download:
-    """A safetensors object through a presigned GET URL, as :meth:`Transport.download` reads a
-    hub's (resumed with ``Range`` after a cut). The signature goes as the request's parameters:
-    httpx replaces a URL's query with them, and the transport always passes some."""
-    base, _, query = url.partition("?")
-    with _store_errors():
-        got = transport.download(base, dict(parse_qsl(query, keep_blank_values=True)), on_tensor)
-    if got is None:  # 204: a hub's long poll, never a store's answer
-        raise HubError(204, "no_content", f"{base}: the store answered 204 No Content")
-    return got
-
-
-@contextlib.contextmanager
-def _store_errors() -> Iterator[None]:
-    """Say an S3 error answer (XML) as the SDK says a hub's (JSON): with its code and message."""
-    try:
-        yield
-    except HubError as exc:
-        if exc.code != "error" or not exc.detail.lstrip().startswith("<"):
-            raise
-        code = _tag(exc.detail, "Code") or "error"
-        raise HubError(exc.status, code, _tag(exc.detail, "Message") or code) from None
-
-
-def _tag(xml: str, name: str) -> str:
-    found = re.search(f"<{name}>([^<]{{0,500}})</{name}>", xml)
-    return found.group(1) if found else ""
 
 
 def _parts(

@@ -1,17 +1,18 @@
-"""A sync interval that changes over the run: frequent early, when the peers' models drift apart
-fastest, sparse late, when each sync buys less and costs the same.
+"""When a sync is due: the sync interval (an int, or a :class:`SyncSchedule` that changes over
+the run) and :class:`SyncClock`, the one place that decides from the steps taken.
 
 ``SyncSchedule.parse("5:60,15")`` syncs every 5 optimizer steps until step 60, then every 15
-(steps 5, 10, ..., 60, 75, 90, ...). Pass it as ``SyncCallback(sync_every=...)``. The interval
-after a sync depends only on that sync's global step, so every peer with the same schedule syncs
-at the same steps and the rounds agree, as with an int.
+(steps 5, 10, ..., 60, 75, 90, ...): frequent early, when the peers' models drift apart
+fastest, sparse late, when each sync buys less and costs the same. The interval after a sync
+depends only on that sync's global step, so every peer with the same schedule syncs at the
+same steps and the rounds agree, as with an int.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SyncSchedule", "interval_after"]
+__all__ = ["SyncClock", "SyncSchedule", "interval_after"]
 
 
 @dataclass(frozen=True)
@@ -70,3 +71,70 @@ class SyncSchedule:
 def interval_after(sync_every: int | SyncSchedule, step: int) -> int:
     """The steps from a sync at global ``step`` to the next one, for either form of ``sync_every``."""
     return sync_every.interval_at(step) if isinstance(sync_every, SyncSchedule) else sync_every
+
+
+class SyncClock:
+    """The steps and samples a peer trained, and the step its next sync is due at: the one
+    decision every integration asks (as torchft's ``_step_post_hook`` counts steps and syncs
+    at the interval). :class:`~syncclient.SyncClient` keeps one; the callbacks and the plain
+    loop's hooks only report each step to it (``SyncClient.progress``) and act on its answer.
+
+    Steps fall in windows of ``every`` steps from the clock's start (steps 1-N, N+1-2N, ...;
+    a schedule's own intervals), and each window makes at most one round, which is how peers of
+    any kind agree on their rounds: a sync at a window's end is on time; a sync inside a window
+    (a final one, at a read of the model's state) takes that window's round, so the next is
+    due at the end of the next window; a flush round takes the next window's. ``next`` is the
+    one place a later rule would set (a step the hub picks, a preemption making a sync due now).
+
+    Attributes:
+        every: the interval (None: the hub says when, in runs whose rounds close on samples).
+        step: the global optimizer step reached; ``last``: the step of the last sync (or start).
+        samples: trained since the last sync began.
+        next: the step the next sync is due at (None without ``every``).
+    """
+
+    def __init__(self, every: int | SyncSchedule | None = None) -> None:
+        bad_int = isinstance(every, bool) or not isinstance(every, int) or every < 1
+        if every is not None and not isinstance(every, SyncSchedule) and bad_int:
+            raise ValueError(f"sync_every must be an int >= 1 (optimizer steps) or a SyncSchedule, got {every!r}")
+        self.every = every
+        self.start(0)
+
+    def start(self, step: int) -> None:
+        """Count from global ``step``: a Trainer starting there, a late peer whose local steps
+        were dropped. The window that ends at the first sync opens here."""
+        self.step = self.last = self._opened = step
+        self.samples = 0
+        self.next = self._after(step)
+
+    def tick(self, samples: int, step: int | None = None) -> None:
+        """Training reached global ``step`` (None: one step more), with ``samples`` more."""
+        self.step = self.step + 1 if step is None else step
+        self.samples += samples
+
+    def sent(self) -> None:
+        """A sync (or a flush) began at the current step: what is counted from here goes into the
+        next round, and this one takes a window's round (this window's, or at its end the next)."""
+        self.last, self.samples = self.step, 0
+        if self.next is not None:
+            self._opened = self.step if self.step >= self.next else self.next
+            self.next = self._after(self._opened)
+
+    @property
+    def on_time(self) -> bool:
+        """The interval's sync is due (a schedule's step reached)."""
+        return self.next is not None and self.step >= self.next
+
+    @property
+    def unsynced(self) -> bool:
+        """Steps were trained since the last sync."""
+        return self.step > self.last
+
+    @property
+    def window_open(self) -> bool:
+        """Steps were trained since the last sync in a window whose round is not taken yet: a
+        sync now takes it (by an interval: a samples run's rounds are no windows)."""
+        return self.next is not None and self.unsynced and self.step > self._opened
+
+    def _after(self, step: int) -> int | None:
+        return None if self.every is None else step + interval_after(self.every, step)

@@ -1,7 +1,7 @@
 """How the SDK talks to a hub: one httpx client, retries, resumable transfers, one error map.
 
 Retries: connect errors, timeouts, 5xx, 429 and 503 are retried with capped exponential
-backoff and jitter (tenacity), honouring ``Retry-After``, for ``retry_seconds`` in all;
+backoff and jitter (:func:`syncwire.retry.retrying`), honouring ``Retry-After``, for ``retry_seconds`` in all;
 uploads are idempotent per (peer, round) on the hub, so a retried upload is never applied
 twice. Then :class:`~syncclient.exceptions.HubUnreachable`. A TLS setup error (an untrusted
 certificate, https:// to a plain-HTTP hub) is not retried: it fails at once with what to do.
@@ -35,6 +35,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import secrets
 import socket
 import ssl
@@ -42,12 +43,12 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import httpcore
 import httpx
 import numpy as np
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_exponential_jitter
+from tenacity import Retrying
 from tqdm.auto import tqdm
 
 from syncclient.exceptions import (
@@ -61,16 +62,23 @@ from syncclient.exceptions import (
     SyncError,
 )
 from syncwire import StreamReader, iter_chunks
+from syncwire.retry import retrying
 
-__all__ = ["Download", "Transport", "body_size"]
+__all__ = ["STORE_RETRY_SECONDS", "Digest", "Download", "OnTensor", "Parts", "Transport", "body_size"]
 
 log = logging.getLogger(__name__)
 
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 _PROGRESS_BYTES = 32 << 20  # transfers at least this big get a progress bar (at log level INFO)
 _READ_BYTES = 1 << 20  # socket reads of a plain-HTTP connection (1 MiB beat 64 KiB, 256 KiB, 2 and 4 MiB)
+#: How long a request to the object store is retried before the SDK turns to the hub instead (a
+#: part's PUT: the update then goes to the hub; a download falls back at once): a store that is
+#: down, or an endpoint only the hub reaches, should cost a round seconds, not the whole budget.
+STORE_RETRY_SECONDS = 10.0
 
 Parts = list[tuple[str, np.ndarray, str]]  # (wire name, numpy array, safetensors dtype), see syncwire.iter_chunks
+OnTensor = Callable[[str, np.ndarray, Mapping[str, str]], None]  # each tensor of a body as it arrives
+Chunk = TypeVar("Chunk", bytes, bytes | memoryview)
 
 
 @dataclass
@@ -78,27 +86,34 @@ class Download:
     """A safetensors body, read into arrays."""
 
     reader: StreamReader
-    version: int  # X-Sync-Version: the model version the body is (or leads to)
+    version: int = -1  # X-Sync-Version: the model version the body is (or leads to)
     run_samples: int = -1  # X-Sync-Run-Samples: samples the run had trained by that version
     store_seconds: float | None = None  # from the hub's 307 to the last byte, when it came from the object store
 
 
 @dataclass
-class _Source:
-    """Where a download stands: the hub's headers, and the object store's URL if it sent us there."""
+class _Fetch:
+    """A download on its way: the body so far, the hub's headers, and the object store's URL
+    once the hub sent it there (``fresh``: in this attempt, so a 403 is no expiry)."""
 
+    reader: StreamReader
+    on_tensor: OnTensor | None
     version: int = -1
     run_samples: int = -1
     hub_etag: str | None = None
-    url: str | None = None  # the presigned GET of the hub's 307
+    url: str | None = None
     store_etag: str | None = None
-    fresh: bool = False  # the URL came in this attempt: a 403 is no expiry
+    fresh: bool = False
     since: float | None = None  # the first 307 (monotonic)
+    direct: bool = False  # the store failed: the hub serves its own copy
 
-    def redirected(self, url: str) -> None:
-        self.url, self.fresh = url, True
-        if self.since is None:
-            self.since = time.monotonic()
+    def resume(self, etag: str | None) -> dict[str, str]:
+        """The headers that ask for the rest of the body (none at 0). ``If-Range`` when the
+        source's ETag is known: objects of the store never change under a key, so its first
+        ranged GET after the hub's part may go without one."""
+        if not self.reader.received:
+            return {}
+        return {"Range": f"bytes={self.reader.received}-", **({"If-Range": etag} if etag else {})}
 
 
 class _StoreFailed(Exception):
@@ -154,10 +169,11 @@ class Transport:
         self._backend = _LargeReads(pool._network_backend)
         pool._network_backend = self._backend
         self._verify = verify
-        self._store_http: httpx.Client | None = None  # presigned URLs of the hub's object store
+        self._store: Transport | None = None  # presigned URLs of the hub's object store
         self.http = httpx.Client(
             base_url=hub,
-            headers={"Authorization": f"Bearer {token}"} if token else {},
+            # bodies are read, and resumed, by the byte: never compressed
+            headers={"Accept-Encoding": "identity", **({"Authorization": f"Bearer {token}"} if token else {})},
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
             transport=transport,
         )
@@ -165,20 +181,13 @@ class Transport:
 
     def close(self) -> None:
         self.http.close()
-        if self._store_http is not None:
-            self._store_http.close()
+        if self._store is not None:
+            self._store.close()
 
     def sibling(self) -> Transport:
         """A transport to the same hub with connections of its own (the heartbeat's watch, which
         :meth:`abort` can end while another thread waits on it)."""
-        return Transport(
-            self.hub,
-            run=self.run,
-            token=self._token,
-            verify=self._verify,
-            timeout=self._timeout,
-            retry_seconds=self.retry_seconds,
-        )
+        return self._twin(self.hub, self._token, self.retry_seconds)
 
     def abort(self) -> None:
         """Shut this transport's sockets down now: a request another thread is waiting on ends
@@ -186,11 +195,19 @@ class Transport:
         connection close, as it would if this process died."""
         self._backend.shutdown()
 
-    def without_token(self, retry_seconds: float) -> Transport:
-        """A transport with this one's TLS settings and timeout and no token, for presigned
-        URLs (:mod:`syncclient.objects`): a bucket must never see the hub's token."""
-        read = self.http.timeout.read or 60.0
-        return Transport("", run=self.run, token=None, verify=self._verify, timeout=read, retry_seconds=retry_seconds)
+    def store(self) -> Transport:
+        """The transport for the object store's presigned URLs (:mod:`syncclient.objects`, and
+        the hub's 307s): this one's TLS settings and timeouts, no token (a bucket must never see
+        the hub's, and S3 refuses a request signed twice), :data:`STORE_RETRY_SECONDS` of retries."""
+        if self._store is None:
+            self._store = self._twin("", None, min(self.retry_seconds, STORE_RETRY_SECONDS))
+        return self._store
+
+    def _twin(self, hub: str, token: str | None, retry_seconds: float) -> Transport:
+        """A transport with connections of its own and this one's TLS settings and timeouts."""
+        return Transport(
+            hub, run=self.run, token=token, verify=self._verify, timeout=self._timeout, retry_seconds=retry_seconds
+        )
 
     def call(
         self,
@@ -201,9 +218,11 @@ class Transport:
         content: Callable[[], Iterator[bytes | memoryview]] | None = None,
         resume: Callable[[], int] | None = None,
         offset: int = 0,
+        where: str | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
-        """One request, retried unless ``retry=False``; an error answer raises the SDK's exception.
+        """One request, retried unless ``retry=False``; an error answer raises the SDK's exception
+        (naming the request ``where``, or its path: a presigned URL's signature stays out).
 
         ``content`` makes a fresh body iterator per attempt (see :meth:`upload` for bodies).
 
@@ -212,7 +231,7 @@ class Transport:
         ``offset``: the first attempt too starts there (the hub holds the bytes before it).
         """
         headers = kwargs.pop("headers", None) or {}
-        with self._errors(path):
+        with self._errors(where or path):
             for attempt in self._retrying(retry):
                 with attempt:
                     if resume is not None and attempt.retry_state.attempt_number > 1:
@@ -260,7 +279,7 @@ class Transport:
                 "PUT", path, params=params, headers=headers, content=lambda: self._progress(body(), size, what)
             )
             return size, response.json()
-        digest = _Digest()
+        digest = Digest()
 
         def hashed() -> Iterator[memoryview | bytes]:
             return digest.watch(iter_chunks(parts, ready=ready))
@@ -290,124 +309,98 @@ class Transport:
     def download(
         self,
         path: str,
-        params: dict[str, Any],
-        on_tensor: Callable[[str, np.ndarray, Mapping[str, str]], None] | None = None,
+        params: dict[str, Any] | None,
+        on_tensor: OnTensor | None = None,
     ) -> Download | None:
         """GET a safetensors body into arrays, resuming with Range after a cut; None on 204
-        (a long poll still open). A body that declares more than ``max_download`` bytes of data
-        is refused before anything is allocated. ``on_tensor``: each tensor goes there as it
-        arrives instead (see :class:`~syncwire.StreamReader`); what it took cannot be taken
-        back, so a body that changed under a resumed download is then an error, not a restart.
+        (a long poll still open). ``params`` None: ``path`` is a whole URL (a presigned GET),
+        query and all. A body that declares more than ``max_download`` bytes of data is refused
+        before anything is allocated. ``on_tensor``: each tensor goes there as it arrives
+        instead (see :class:`~syncwire.StreamReader`); what it took cannot be taken back, so a
+        body that changed under a resumed download is then an error, not a restart.
 
         A hub with an object store answers ``307`` with a presigned GET of its copy: the body
-        then comes from the store (:meth:`_store_client`, which never carries the hub's token),
+        then comes from the store (:meth:`store`'s client, which never carries the hub's token),
         resumed there with Range after a cut. A URL that has expired by then (403) sends the
         download back to the hub for a fresh one, at the byte it had reached; a store that
         gives nothing (cannot be reached, resets, 5xx, a fresh URL refused) makes it ask the
-        hub with ``direct=1``, which serves its own copy from there on."""
-        reader = StreamReader(self.max_download, on_tensor)
-        got = _Source()
-        bar: Any = None
-        try:
-            with self._errors(path):
-                for attempt in self._retrying():
-                    with attempt:
-                        got.fresh = False  # a URL from an earlier attempt may have expired since
-                        while True:
-                            to_store, before = got.url is not None, reader.received
-                            try:
-                                if to_store:
-                                    assert got.url is not None
-                                    # the URL whole: httpx would replace its query with params=
-                                    stream = self._store_client().stream(
-                                        "GET", got.url, headers=_resume(reader, got.store_etag)
-                                    )
-                                else:
-                                    stream = self.http.stream(
-                                        "GET", path, params=params, headers=_resume(reader, got.hub_etag)
-                                    )
-                                with stream as r:
-                                    if to_store:
-                                        if r.status_code == 403 and not got.fresh:  # expired: ask the hub again
-                                            r.read()
-                                            got.url = None
-                                            continue
-                                        if r.status_code not in (200, 206):
-                                            r.read()
-                                            raise _StoreFailed(f"{r.status_code} {_s3_code(r.text)}".rstrip())
-                                        got.store_etag = r.headers.get("etag")
-                                    else:
-                                        if r.status_code >= 400:
-                                            r.read()
-                                            _check(r)
-                                        if r.status_code == 204:
-                                            return None
-                                        got.version = int(r.headers.get("x-sync-version", -1))
-                                        got.run_samples = int(r.headers.get("x-sync-run-samples", -1))
-                                        got.hub_etag = r.headers.get("etag")
-                                        if r.status_code == 307 and r.headers.get("location"):
-                                            got.redirected(r.headers["location"])
-                                            continue
-                                    reader, bar = self._take(r, reader, bar, on_tensor, path)
-                            except (httpx.TransportError, _StoreFailed) as exc:
-                                # a cut after some bytes is resumed there (a retry); a store that
-                                # gives nothing (down, refusing) is left for the hub's own copy
-                                cut = isinstance(exc, httpx.TransportError) and reader.received > before
-                                if not to_store or cut:
-                                    raise
-                                log.warning(
-                                    "run %s: the object store failed (%s: %s); downloading from the hub",
-                                    self.run,
-                                    type(exc).__name__,
-                                    exc,
-                                )
-                                got.url, got.since, params = None, None, {**params, "direct": 1}
-                                continue  # (the hub then sees the download end itself: no report)
-                            break
-                        if not reader.done:
-                            raise httpx.RemoteProtocolError("body ended early")
-        finally:
-            if bar is not None:
-                bar.close()
+        hub with ``direct=1``, which serves its own copy from there on. :meth:`_fetch` picks the
+        source; :meth:`_from_hub` and :meth:`_from_store` make one request each."""
+        got = _Fetch(StreamReader(self.max_download, on_tensor), on_tensor)
+        with self._errors(path.split("?", 1)[0]):
+            for attempt in self._retrying():
+                with attempt:
+                    if not self._fetch(path, params, got):
+                        return None
+                    if not got.reader.done:
+                        raise httpx.RemoteProtocolError("body ended early")
         seconds = time.monotonic() - got.since if got.since is not None else None
-        return Download(reader, got.version, got.run_samples, seconds)
+        return Download(got.reader, got.version, got.run_samples, seconds)
 
-    def _take(
-        self,
-        r: httpx.Response,
-        reader: StreamReader,
-        bar: Any,
-        on_tensor: Callable[[str, np.ndarray, Mapping[str, str]], None] | None,
-        path: str,
-    ) -> tuple[StreamReader, Any]:
-        """Feed a 200/206 answer's body to ``reader`` (a fresh one if a resume got the whole body)."""
-        if r.status_code == 200 and reader.received:  # the file changed: start over
-            if on_tensor is not None:
+    def _fetch(self, path: str, params: dict[str, Any] | None, got: _Fetch) -> bool:
+        """One attempt: requests to the hub, or to the store it sent us to, until a body came
+        (True) or the long poll ended without one (False). A cut after some bytes is raised,
+        to be resumed where it was; a store that gave nothing is left for the hub's own copy."""
+        got.fresh = False  # a URL from an earlier attempt may have expired since
+        while True:
+            before, store = got.reader.received, got.url is not None
+            try:
+                went = self._from_store(got) if store else self._from_hub(path, params, got)
+            except (httpx.TransportError, _StoreFailed) as exc:
+                if not store or (isinstance(exc, httpx.TransportError) and got.reader.received > before):
+                    raise
+                log.warning("run %s: the object store failed (%s: %s); downloading from the hub", self.run,
+                            type(exc).__name__, exc)  # fmt: skip
+                got.url, got.since, got.direct = None, None, True  # (the hub sees that download end itself)
+                continue
+            if went != "again":
+                return went == "body"
+
+    def _from_hub(self, path: str, params: dict[str, Any] | None, got: _Fetch) -> str:
+        """One GET of the hub's copy from where the body stands: ``"body"``, ``"none"`` (204)
+        or ``"again"`` (a 307: the URL is in ``got``)."""
+        if got.direct:
+            params = {**(params or {}), "direct": 1}
+        with self.http.stream("GET", path, params=params, headers=got.resume(got.hub_etag)) as r:
+            if r.status_code >= 400:
+                r.read()
+                _check(r)
+            if r.status_code == 204:
+                return "none"
+            got.version = int(r.headers.get("x-sync-version", -1))
+            got.run_samples = int(r.headers.get("x-sync-run-samples", -1))
+            got.hub_etag = r.headers.get("etag")
+            if r.status_code == 307 and r.headers.get("location"):
+                got.url, got.fresh = r.headers["location"], True
+                got.since = time.monotonic() if got.since is None else got.since
+                return "again"
+            self._take(r, got, path)
+        return "body"
+
+    def _from_store(self, got: _Fetch) -> str:
+        """One GET of the store's copy through the hub's presigned URL (whole: httpx would
+        replace its query with params): ``"body"``, or ``"again"`` when it expired (ask the hub)."""
+        assert got.url is not None
+        with self.store().http.stream("GET", got.url, headers=got.resume(got.store_etag)) as r:
+            if r.status_code == 403 and not got.fresh:
+                r.read()
+                got.url = None
+                return "again"
+            if r.status_code not in (200, 206):
+                r.read()
+                raise _StoreFailed(f"{r.status_code} {_s3_error(r.text)[0]}".rstrip())
+            got.store_etag = r.headers.get("etag")
+            self._take(r, got, got.url.split("?", 1)[0])
+        return "body"
+
+    def _take(self, r: httpx.Response, got: _Fetch, path: str) -> None:
+        """Feed a 200/206 answer's body to the reader (a fresh one if a resume got the whole body)."""
+        if r.status_code == 200 and got.reader.received:  # the file changed: start over
+            if got.on_tensor is not None:
                 raise SyncError(f"{path} changed while it downloaded")
-            reader = StreamReader(self.max_download)
-        total = reader.received + int(r.headers.get("content-length", 0))
-        if bar is None and total >= _PROGRESS_BYTES and log.isEnabledFor(logging.INFO):
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc="download", leave=False)
-        for chunk in r.iter_bytes(1 << 20):
-            reader.feed(chunk)
-            if bar is not None:
-                bar.update(len(chunk))
-        return reader, bar
-
-    def _store_client(self) -> httpx.Client:
-        """The client for presigned URLs: the hub's TLS settings and timeouts, no token (a bucket
-        must never see the hub's bearer token, and S3 refuses a request signed twice), no
-        redirects followed."""
-        if self._store_http is None:
-            transport = httpx.HTTPTransport(
-                verify=self._verify, limits=httpx.Limits(max_connections=8, max_keepalive_connections=4)
-            )
-            pool = transport._pool
-            pool._network_backend = _LargeReads(pool._network_backend)
-            self._store_http = httpx.Client(
-                timeout=self.http.timeout, transport=transport, headers={"Accept-Encoding": "identity"}
-            )
-        return self._store_http
+            got.reader = StreamReader(self.max_download)
+        for chunk in self._progress(r.iter_bytes(1 << 20), int(r.headers.get("content-length", 0)), "download"):
+            got.reader.feed(chunk)
 
     # ---- internals -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -424,25 +417,20 @@ class Transport:
             raise HubUnreachable(f"{self.hub}{path}: {type(exc).__name__}: {exc} ({why})") from exc
 
     def _retrying(self, retry: bool = True) -> Retrying:
-        backoff = wait_exponential_jitter(multiplier=0.5, max=20.0, jitter=1.0)
+        """Tries of one request (:func:`syncwire.retry.retrying`): waits from 0.5 s doubling to
+        20 s, plus up to 1 s of jitter, or what ``Retry-After`` asks (up to 60 s), for
+        ``retry_seconds`` in all; a TLS setup error is not retried (see :func:`_retryable`)."""
 
-        def wait(state: RetryCallState) -> float:
-            exc = state.outcome.exception() if state.outcome else None
-            if isinstance(exc, _Retry) and exc.retry_after is not None:
-                return min(exc.retry_after, 60.0)
-            return float(backoff(state))
+        def said(exc: BaseException, attempt: int) -> None:
+            log.warning("run %s: hub trouble (%s: %s); retry %d", self.run, type(exc).__name__, exc, attempt)
 
-        def before_sleep(state: RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome else None
-            name, number = type(exc).__name__, state.attempt_number
-            log.warning("run %s: hub trouble (%s: %s); retry %d", self.run, name, exc, number)
-
-        return Retrying(
-            retry=retry_if_exception(_retryable),
-            wait=wait,
-            stop=stop_after_delay(self.retry_seconds if retry else 0),
-            before_sleep=before_sleep,
-            reraise=True,
+        return retrying(
+            _retryable,
+            seconds=self.retry_seconds if retry else 0,
+            first=0.5,
+            jitter=1.0,
+            hint=lambda exc: exc.retry_after if isinstance(exc, _Retry) else None,
+            before_sleep=said,
         )
 
     def _upload_offset(self, path: str, headers: dict[str, str]) -> int:
@@ -454,7 +442,8 @@ class Transport:
         offset = response.headers.get("upload-offset", "")
         return int(offset) if response.is_success and offset.isdigit() else 0
 
-    def _progress(self, chunks: Iterator[bytes | memoryview], total: int, what: str) -> Iterator[bytes | memoryview]:
+    def _progress(self, chunks: Iterator[Chunk], total: int, what: str) -> Iterator[Chunk]:
+        """``chunks`` as they are, with a progress bar (at log level INFO) when ``total`` is big."""
         if total < _PROGRESS_BYTES or not log.isEnabledFor(logging.INFO):
             yield from chunks
             return
@@ -531,18 +520,10 @@ class _LargeReadStream(httpcore.NetworkStream):
         return self._stream.get_extra_info(info)
 
 
-def _resume(reader: StreamReader, etag: str | None) -> dict[str, str]:
-    """The headers that ask for the rest of a body after ``reader.received`` bytes (none at 0).
-    ``If-Range`` when the source's ETag is known: objects of the store never change under a
-    key, so its first ranged GET after the hub's part may go without one."""
-    if not reader.received:
-        return {}
-    return {"Range": f"bytes={reader.received}-", **({"If-Range": etag} if etag else {})}
-
-
-def _s3_code(text: str) -> str:
-    start = text.find("<Code>")
-    return text[start + 6 : text.find("</Code>", start)][:60] if start >= 0 else ""
+def _s3_error(text: str) -> tuple[str, str]:
+    """An object store's error answer (S3's XML), as its ``Code`` and ``Message`` ("" if none)."""
+    found = [re.search(f"<{tag}>([^<]{{0,500}})</{tag}>", text) for tag in ("Code", "Message")]
+    return (found[0].group(1) if found[0] else "", found[1].group(1) if found[1] else "")
 
 
 def body_size(parts: Parts) -> int:
@@ -586,8 +567,9 @@ def _hub_error(response: httpx.Response) -> HubError:
     try:
         body = response.json()
         code, detail = str(body.get("error", "error")), str(body.get("detail", response.text))
-    except (ValueError, AttributeError):
-        body, code, detail = {}, "error", response.text[:500]
+    except (ValueError, AttributeError):  # not JSON: an object store's XML, or plain text
+        xml_code, message = _s3_error(response.text)
+        body, code, detail = {}, xml_code or "error", message or xml_code or response.text[:500]
     status = response.status_code
     if status == 401:
         return AuthError(status, code, detail, body)
@@ -609,7 +591,7 @@ def _is_offset_mismatch(response: httpx.Response) -> bool:
         return False
 
 
-class _Digest:
+class Digest:
     """The sha-256 of a body, taken as its bytes first go out: attempts after a cut see the
     same chunks again (same parts, same cut), and only those past what was hashed are added."""
 

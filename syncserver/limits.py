@@ -1,8 +1,7 @@
 """The bounds of every number the hub takes from outside, in one place.
 
-A run setting must mean the same whether it came from a ``SYNC_*`` variable, a flag of
-``syncserver serve`` or a peer's join, so :class:`~syncserver.settings.HubSettings` and the
-join request both declare their fields with the types below. Every bound is finite: pydantic
+The run settings' bounds are in their table (:mod:`syncwire.runsettings`, which both the hub
+and the SDK take them from); the reasons for them are here. Every bound is finite: pydantic
 refuses NaN and ±Inf (``allow_inf_nan=False``; JSON's ``1e999`` parses as Inf) and anything out
 of range with a 422 that names the field. Integers from paths and headers are bounded here too,
 before sqlite (64-bit), ``struct`` or numpy ever see them.
@@ -22,38 +21,16 @@ from typing import Annotated
 
 from pydantic import Field
 
-__all__ = [
-    "MAX_BYTES",
-    "MAX_PEERS",
-    "MAX_ROUND",
-    "MAX_SAMPLES",
-    "MAX_SECONDS",
-    "MinPeers",
-    "NormGuard",
-    "OuterLR",
-    "OuterMomentum",
-    "OuterWarmup",
-    "RoundNumber",
-    "Seconds",
-    "header_int",
-]
+from syncwire.runsettings import MAX_PEERS, MAX_SAMPLES, MAX_SECONDS
 
-MAX_SECONDS = 7 * 24 * 3600.0
+__all__ = ["MAX_BYTES", "MAX_PEERS", "MAX_ROUND", "MAX_SAMPLES", "MAX_SECONDS", "RoundNumber", "Seconds", "header_int"]
+
 #: Bytes of any body or offset (16 TiB; ``SYNC_MAX_BODY_BYTES`` is at most this).
 MAX_BYTES = 2**44
-#: Peers a run may ever have (the ``SYNC_MAX_PEERS_PER_RUN`` setting is at most this).
-MAX_PEERS = 2**13
-#: An update's weight (``X-Sync-Samples``): ~1.1e12 samples since the last sync.
-MAX_SAMPLES = 2**40
 #: Round numbers and versions: one merge at a time will never get there, and it is exact in JSON.
 MAX_ROUND = 2**53
 
-OuterLR = Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)]
-OuterMomentum = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
-OuterWarmup = Annotated[int, Field(ge=0, le=1_000_000)]
-MinPeers = Annotated[int, Field(ge=1, le=MAX_PEERS)]
 Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
-NormGuard = Annotated[float, Field(gt=1, le=1e6, allow_inf_nan=False)]
 RoundNumber = Annotated[int, Field(ge=0, le=MAX_ROUND)]
 
 

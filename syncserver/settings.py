@@ -5,24 +5,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal, get_origin
+from typing import Annotated, Any, Literal, get_origin
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
-from syncserver.limits import (
-    MAX_BYTES,
-    MAX_PEERS,
-    MAX_SAMPLES,
-    MinPeers,
-    NormGuard,
-    OuterLR,
-    OuterMomentum,
-    OuterWarmup,
-    Seconds,
-)
+from syncserver.limits import MAX_BYTES, MAX_PEERS, Seconds
 from syncserver.names import NAME_RULE, is_name
-from syncwire import get_codec
+from syncwire.runsettings import RUN_SETTINGS, Outer, Policy, RunSetting, normal_codec, settle
 
 #: the default lease, from bench/lease.py (bench/RESULTS.md, Leases): see docs/RELIABILITY.md
 LEASE_SECONDS = 10.0
@@ -32,16 +22,32 @@ LEASE_SECONDS = 10.0
 #: under 2 s (bench/failures.py: the grace + 0.06 s to decide and close)
 DISCONNECT_GRACE = 1.5
 
-Outer = Literal["avg", "diloco"]
-Policy = Literal["barrier", "samples", "async"]
+#: A codec spec, in its one spelling (``int8:block=64`` is ``int8``): runs compare codecs, not strings.
+CodecSpec = Annotated[str, AfterValidator(normal_codec)]
+_SETTINGS = {setting.name: setting for setting in RUN_SETTINGS}
 
 
-def normal_codec(spec: str) -> str:
-    """The codec's one spelling (``int8:block=64`` is ``int8``), so that runs compare codecs,
-    not strings. ValueError, with the list of codecs, for one that does not exist."""
-    if len(spec) > 64:
-        raise ValueError("a codec spec is at most 64 characters, e.g. 'int8:block=128'")
-    return get_codec(spec).spec
+def run_type(setting: RunSetting, *, checked: bool = True) -> Any:
+    """A run setting's type for pydantic, from the table: its kind or choices, None allowed when
+    it may be unset; ``checked``: bounded, and the codec in its one spelling (what the hub takes
+    in, not what it answers)."""
+    kind: Any = Literal[setting.choices] if setting.choices else setting.kind
+    if checked:
+        kind = CodecSpec if setting.name == "codec" else kind
+        kind = Annotated[kind, Field(**_limits(setting))] if setting.bounds else kind
+    return kind | None if setting.nullable else kind
+
+
+def run_default(name: str) -> Any:
+    """A ``HubSettings`` field for a run setting: the table's default of new runs, its bounds
+    and the hub's help (the annotation, beside it, is the setting's type)."""
+    setting = _SETTINGS[name]
+    return Field(setting.default, description=setting.hub, **_limits(setting))
+
+
+def _limits(setting: RunSetting) -> dict[str, Any]:
+    """The setting's bounds as pydantic takes them; a float is finite (JSON's 1e999 is Inf)."""
+    return {**setting.bounds, **({"allow_inf_nan": False} if setting.kind is float else {})}
 
 
 def default_fold_threads() -> int:
@@ -78,16 +84,9 @@ class HubSettings(BaseSettings):
         description='Per-run bearer tokens, JSON: SYNC_RUN_TOKENS=\'{"imdb-gpt2": "..."}\'. A run token '
         "opens /v1/runs/<its run>/... only (it may create that run), nothing else.",
     )
-    min_peers: MinPeers = Field(1, description="Peers a new run waits for before it starts (its rendezvous).")
-    min_merge_peers: MinPeers = Field(
-        1,
-        description="Default of new runs: the fewest updates a round merges (torchft's min_replica_size; fewer "
-        "once peers left the run). A round whose live peers are all in waits for more while it has fewer, and "
-        "status and the dashboard say so. 1: a gone peer never holds a round.",
-    )
-    round_timeout: Seconds = Field(
-        600.0, description="Seconds after a round's first update before stragglers are dropped."
-    )
+    min_peers: int = run_default("min_peers")
+    min_merge_peers: int = run_default("min_merge_peers")
+    round_timeout: float = run_default("round_timeout")
     lease_seconds: Seconds = Field(
         LEASE_SECONDS,
         description="A peer not heard from for this long is gone (a hung or vanished machine); the SDK's "
@@ -187,44 +186,15 @@ class HubSettings(BaseSettings):
         description="A reducer that has not renewed its merge lease for this long has lost it: it is offered "
         "to another reducer, and its late report is refused.",
     )
-    codec: str = Field(
-        "fp32", description="Default codec of new runs: fp32, bf16, int8, int4, topk, with parameters: int8:block=128."
-    )
-    outer: Outer = Field("avg", description="Default outer optimizer of new runs.")
-    outer_lr: OuterLR = Field(0.7, description="DiLoCo outer learning rate (default of new runs; at most 10).")
-    outer_momentum: OuterMomentum = Field(0.9, description="DiLoCo Nesterov momentum (default).")
-    outer_warmup: OuterWarmup = Field(
-        20,
-        description="DiLoCo: outer steps over which momentum ramps from 0 to outer_momentum, with outer lr "
-        "1/(1+momentum) meanwhile (default of new runs; 0: DiLoCo as published).",
-    )
-    norm_guard: NormGuard | None = Field(
-        None,
-        description="Default of new runs: refuse (422 poisoned_update) an update whose L2 norm is over this "
-        "many times the median norm of the updates accepted in this round and the previous one (e.g. 10). "
-        "Unset: off.",
-    )
-
-    policy: Policy = Field(
-        "barrier",
-        description="Default of new runs: when a round closes. barrier: every live peer sent its N steps; samples: "
-        "the peers' reported samples reached round_samples; async: no rounds, each update is applied as it comes.",
-    )
-    round_samples: int | None = Field(
-        None,
-        ge=1,
-        le=MAX_SAMPLES,
-        description="Default of new runs: samples per round (policy samples) or per outer step (async). Setting it "
-        "alone makes the default policy samples.",
-    )
-    max_staleness: int = Field(
-        32, ge=0, le=100_000, description="Default of new async runs: refuse an update whose base is older (versions)."
-    )
-
-    @field_validator("codec")
-    @classmethod
-    def _known_codec(cls, value: str) -> str:
-        return normal_codec(value)
+    codec: CodecSpec = run_default("codec")
+    outer: Outer = run_default("outer")
+    outer_lr: float = run_default("outer_lr")
+    outer_momentum: float = run_default("outer_momentum")
+    outer_warmup: int = run_default("outer_warmup")
+    norm_guard: float | None = run_default("norm_guard")
+    policy: Policy = run_default("policy")
+    round_samples: int | None = run_default("round_samples")
+    max_staleness: int = run_default("max_staleness")
 
     @field_validator("run_tokens")
     @classmethod
@@ -269,22 +239,10 @@ class HubSettings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _merge_floor_within_start(self) -> HubSettings:
-        if self.min_merge_peers > self.min_peers:
-            raise ValueError(
-                f"min_merge_peers {self.min_merge_peers} is over min_peers {self.min_peers}: a run could start "
-                "with fewer peers than any of its rounds needs"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _policy_has_its_target(self) -> HubSettings:
-        if self.round_samples is not None and "policy" not in self.model_fields_set and self.policy == "barrier":
-            self.policy = "samples"
-        if self.policy != "barrier" and self.round_samples is None:
-            raise ValueError(f"SYNC_POLICY={self.policy} needs SYNC_ROUND_SAMPLES (samples per round)")
-        if self.policy == "barrier" and self.round_samples is not None:
-            raise ValueError("SYNC_ROUND_SAMPLES goes with SYNC_POLICY=samples or async, not barrier")
+    def _run_defaults_hold_together(self) -> HubSettings:
+        """The rules between run settings (syncwire.runsettings.settle): a sample target set
+        alone makes the default policy samples."""
+        self.policy = settle({s.name: getattr(self, s.name) for s in RUN_SETTINGS}, self.model_fields_set)["policy"]
         return self
 
     @model_validator(mode="after")

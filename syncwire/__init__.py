@@ -1,52 +1,51 @@
-"""The wire format weightsync speaks: safetensors framing and the codecs. numpy only.
+"""The wire format weightsync speaks: safetensors framing and the codecs (numpy), and the run
+settings both sides take (:mod:`syncwire.runsettings`, plain Python).
 
 Shared by the hub (:mod:`syncserver`, which must not need torch) and the SDK
-(:mod:`syncclient`), so that both sides encode and decode with the very same code.
+(:mod:`syncclient`), so that both sides encode and decode with the very same code. Every name
+here loads on first use: ``weightsync-run``'s hooks read the run settings in every Python
+process they sit in, and must not import numpy there.
 """
 
 from __future__ import annotations
 
-from syncwire import quant, sparse  # noqa: F401  (register the int8, int4 and topk codecs)
-from syncwire.codecs import (
-    Codec,
-    Schema,
-    available_codecs,
-    check_layout,
-    decode_tensor,
-    encode_model,
-    get_codec,
-    layout_bytes,
-    register_codec,
-    wire_layout,
-    wire_name,
-)
-from syncwire.format import (
-    FormatError,
-    HeaderReader,
-    StreamReader,
-    TensorInfo,
-    iter_chunks,
-    parse_header,
-    read_tensors,
-)
+import importlib
+import sys
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "Codec",
-    "FormatError",
-    "HeaderReader",
-    "Schema",
-    "StreamReader",
-    "TensorInfo",
-    "available_codecs",
-    "check_layout",
-    "decode_tensor",
-    "encode_model",
-    "get_codec",
-    "iter_chunks",
-    "layout_bytes",
-    "parse_header",
-    "read_tensors",
-    "register_codec",
-    "wire_layout",
-    "wire_name",
-]
+if TYPE_CHECKING:
+    from syncwire.codecs import (
+        Codec,
+        Schema,
+        available_codecs,
+        check_layout,
+        decode_tensor,
+        encode_model,
+        get_codec,
+        layout_bytes,
+        register_codec,
+        wire_layout,
+        wire_name,
+    )
+    from syncwire.format import (
+        FormatError,
+        HeaderReader,
+        StreamReader,
+        TensorInfo,
+        iter_chunks,
+        parse_header,
+        read_tensors,
+    )
+
+__all__ = ["Codec", "Schema", "available_codecs", "check_layout", "decode_tensor", "encode_model", "get_codec"]
+__all__ += ["layout_bytes", "register_codec", "wire_layout", "wire_name"]
+__all__ += ["FormatError", "HeaderReader", "StreamReader", "TensorInfo", "iter_chunks", "parse_header", "read_tensors"]
+
+
+def __getattr__(name: str) -> Any:
+    """Each public name from its module, on first use; then a plain attribute."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    codecs = importlib.import_module("syncwire.codecs")  # which imports syncwire.format
+    value = globals()[name] = getattr(codecs if hasattr(codecs, name) else sys.modules["syncwire.format"], name)
+    return value

@@ -33,7 +33,7 @@ import safetensors.numpy
 import torch
 
 from syncclient import SyncClient
-from syncclient._model import ModelView
+from syncclient.weights import ModelView
 from tests.conftest import Hub
 from tests.models import perturb, tiny_gpt2
 

@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:  # run as a script
 import safetensors.numpy  # noqa: E402
 
 from syncclient import SyncClient  # noqa: E402
-from syncclient._model import ModelView  # noqa: E402
+from syncclient.weights import ModelView  # noqa: E402
 from tests.models import perturb, tiny_bigram  # noqa: E402
 
 

@@ -27,7 +27,7 @@ import pytest
 import safetensors.numpy
 import torch
 
-from syncclient._model import ModelView
+from syncclient.weights import ModelView
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
 from tests.harness import Peers, assert_exact_mean, result_file, round_record, version_file, wait_for

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from syncclient import SchemaMismatch, SyncClient
-from syncclient._model import ModelView
+from syncclient.weights import ModelView
 from syncserver.reduce.aggregate import diloco_step, warmup
 from syncwire import get_codec
 from tests.conftest import Hub

@@ -27,7 +27,7 @@ import pytest
 import safetensors.numpy
 import torch
 
-from syncclient._model import ModelView
+from syncclient.weights import ModelView
 from syncwire import iter_chunks
 from tests.conftest import REPO, Hub
 from tests.faultproxy import FaultProxy

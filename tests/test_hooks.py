@@ -12,7 +12,6 @@ import subprocess
 import sys
 import weakref
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,7 +24,9 @@ from syncclient.hooks.plain import PlainLoop
 from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, HookSettings, SettingsError
 from syncclient.hooks.shard import ShardSampler
 from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR
-from syncclient.runconfig import RUN_SETTINGS
+from syncclient.schedule import SyncSchedule
+from syncwire.runsettings import RUN_SETTINGS
+from tests.conftest import Hub
 from weightsync_run import cli as launcher
 from weightsync_run.cli import absolute_paths, build_parser, main
 
@@ -150,7 +151,7 @@ def test_every_run_setting_reaches_the_client_through_a_flag_or_its_variable() -
     flags = {name: raw for name, (raw, _) in EVERY_RUN_SETTING.items()}
     settings = HookSettings.resolve({"hub": "http://h:1", "run": "r", "peer": "gpu-1", "sync_every": "5", **flags}, {})
     wanted = {name: value for name, (_, value) in EVERY_RUN_SETTING.items()}
-    assert settings.client_kwargs() == {"run": "r", "peer": "gpu-1", "token": None, **wanted}
+    assert settings.client_kwargs() == {"run": "r", "peer": "gpu-1", "token": None, "sync_every": 5, **wanted}
     assert settings.sync_every == 5  # an async run takes both: when to send, and the size of an outer step
     env = settings.to_env()
     assert env["WEIGHTSYNC_MIN_PEERS"] == "2" and env["WEIGHTSYNC_OUTER_LR"] == "0.5"
@@ -356,28 +357,42 @@ def test_a_program_python_cannot_start_gets_no_note_from_the_hooks(tmp_path: Pat
 # -- when a plain loop syncs ---------------------------------------------------------------------------
 
 
-class RecordingClient:
-    """What the plain loop asks of its SyncClient, in order with the loop's own events."""
+class RecordingClient(SyncClient):
+    """A real SyncClient that also notes what the plain loop asked of it (the rounds it made), in
+    order with the loop's own events."""
 
-    flushes = True  # a lossy codec in a barrier run
-
-    def __init__(self, events: list[str]) -> None:
+    def __init__(self, *args: Any, events: list[str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.events = events
 
-    def sync(self, model: torch.nn.Module, *, samples: int, metrics: dict[str, float], final: bool = False) -> Any:
+    def sync(self, model: torch.nn.Module, *, samples: int, metrics: Any = None, final: bool = False) -> Any:
         self.events.append(f"{'final ' if final else ''}sync {int(metrics['step'])}")
-        return SimpleNamespace(caught_up=False)
+        return super().sync(model, samples=samples, metrics=metrics, final=final)
 
-    def flush(self, model: torch.nn.Module, *, samples: int) -> Any:
-        self.events.append("flush")
-        return SimpleNamespace(caught_up=False)
+    def flush(self, model: torch.nn.Module, *, samples: int | None = None) -> Any:
+        result = super().flush(model, samples=samples)
+        if result is not None:
+            self.events.append("flush")
+        return result
 
     def leave(self) -> None:
         self.events.append("leave")
+        super().leave()
+
+
+def joined_loop(hub: Hub, run: str, sync_every: str, events: list[str], lead: Any, net: Net) -> PlainLoop:
+    """A plain loop as the hooks leave it once joined (int8: a lossy codec, whose residual flushes)."""
+    loop = PlainLoop(HookSettings.resolve({"hub": hub.url, "run": run, "sync_every": sync_every}, {}))
+    client = RecordingClient(hub.url, run=run, codec="int8", sync_every=loop.settings.sync_every, events=events)
+    client.join(net)
+    client.count_from(0)
+    loop.model, loop.client, loop._lead = net, client, weakref.ref(lead)
+    plain._watch_state_reads(loop)
+    return loop
 
 
 def test_a_plain_loop_syncs_after_the_iterations_last_optimizer_and_at_a_read_once_a_window(
-    monkeypatch: pytest.MonkeyPatch,
+    hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two optimizers over one model (Muon + AdamW's shape), sync every 2: the sync due after the
     lead's 2nd step is made after the other optimizer's step of that iteration; a read of the
@@ -390,9 +405,7 @@ def test_a_plain_loop_syncs_after_the_iterations_last_optimizer_and_at_a_read_on
     lead = torch.optim.SGD(matrices, lr=0.1)
     other = torch.optim.SGD([p for p in net.parameters() if p.dim() == 1], lr=0.1)
     events: list[str] = []
-    loop = PlainLoop(HookSettings.resolve({"hub": "http://h:1", "run": "r", "sync_every": "2"}, {}))
-    loop.model, loop.client, loop._lead = net, RecordingClient(events), weakref.ref(lead)
-    plain._watch_state_reads(loop)
+    loop = joined_loop(hub, "windows", "2", events, lead, net)
     try:
         for step in range(1, 8):
             for name, optimizer in (("lead", lead), ("other", other)):
@@ -408,3 +421,25 @@ def test_a_plain_loop_syncs_after_the_iterations_last_optimizer_and_at_a_read_on
     steps = [e for e in events if not e.startswith(("lead", "other"))]
     assert steps == ["sync 2", "flush", "sync 6", "final sync 7", "leave"]
     assert events[events.index("sync 2") - 1] == "other 2" and events[events.index("sync 6") - 1] == "other 6"
+
+
+def test_a_plain_loop_follows_a_sync_schedule(hub: Hub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--sync-every 1:3,2``: every step until step 3, then every 2 (5, 7, ...); a read after
+    step 4 syncs it, final, which takes the round of steps 4-5 and its flush that of 6-7: none is
+    due before the last sync at exit."""
+    monkeypatch.setattr(torch.nn.Module, "state_dict", torch.nn.Module.state_dict)
+    net = Net()
+    lead = torch.optim.SGD(net.parameters(), lr=0.1)
+    events: list[str] = []
+    loop = joined_loop(hub, "schedule", "1:3,2", events, lead, net)
+    assert loop.settings.sync_every == SyncSchedule(((1, 3),), 2)
+    assert HookSettings.from_env(loop.settings.to_env()) == loop.settings  # WEIGHTSYNC_SYNC_EVERY=1:3,2
+    try:
+        for step in range(1, 7):
+            loop._after_step(lead, (), {})
+            if step == 4:
+                net.state_dict()
+        loop._at_exit()
+    finally:
+        loop.stop()
+    assert events == ["sync 1", "sync 2", "sync 3", "final sync 4", "final sync 6", "leave"]

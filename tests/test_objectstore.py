@@ -27,7 +27,7 @@ from botocore.config import Config
 from botocore.session import get_session
 
 from syncclient.exceptions import HubError, HubUnreachable
-from syncclient.objects import PartedUpload, download, upload_parts
+from syncclient.objects import PartedUpload, upload_parts
 from syncclient.transport import Transport
 from syncserver.storage import objectfile
 from syncserver.storage.objectfile import ObjectTensorFile
@@ -663,9 +663,9 @@ def test_sdk_download_resumes_a_range_after_a_cut(seaweedfs: SeaweedFS) -> None:
         got: dict[str, np.ndarray] = {}
         with transport() as t:
             # on_tensor: a 200 after the cut (a restart, not a resume) would be an error
-            got_all = download(t, url, on_tensor=lambda name, array, meta: got.__setitem__(name, array))
+            got_all = t.download(url, None, on_tensor=lambda name, array, meta: got.__setitem__(name, array))
         gets = proxy.matching("GET /")
-    assert got_all.reader.received == len(data)
+    assert got_all is not None and got_all.reader.received == len(data)
     assert [g.status for g in gets] == [200, 206] and gets[0].fault
     assert "range: bytes=" in gets[1].head and "range: bytes=0-" not in gets[1].head
     # the rest, not all again: the transport reads 1 MiB at a time, a cut loses the one in flight

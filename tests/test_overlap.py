@@ -19,8 +19,8 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from syncclient import PendingSync, SyncClient, SyncError, SyncResult
-from syncclient._model import ModelView
 from syncclient.callbacks import SyncCallback
+from syncclient.weights import ModelView
 from tests.conftest import Hub
 from tests.harness import hub_model, run_peers
 from tests.models import Blocks, tiny_gpt2

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from syncclient import SyncClient, SyncError
-from syncclient._model import ModelView
+from syncclient.weights import ModelView
 from tests.conftest import Hub
 from tests.harness import perturb, run_peers, status, version_file, wait_for, weighted_mean64
 from tests.models import tiny_gpt2
@@ -122,7 +122,8 @@ def test_samples_rounds_close_on_the_global_count_and_every_peer_stays_identical
 
 
 def test_step_syncs_when_the_round_is_due(hub: Hub) -> None:
-    """``client.step`` counts and syncs when due: one peer alone makes every round due itself."""
+    """``client.step`` counts and syncs when due: one peer alone makes every round due itself; in
+    a barrier run every ``sync_every`` steps, and not at all without it."""
     model = tiny_gpt2(seed=1)
     with SyncClient(hub.url, run="step", peer="solo", round_samples=10) as client:
         client.join(model)
@@ -139,6 +140,11 @@ def test_step_syncs_when_the_round_is_due(hub: Hub) -> None:
         client.join(tiny_gpt2(seed=1))
         with pytest.raises(SyncError, match="close on samples"):
             client.step(model, samples=1)
+    with SyncClient(hub.url, run="every-2", peer="c", sync_every=2) as client:  # the same clock, by steps
+        client.join(model)
+        synced = [client.step(model, samples=3) for _ in range(5)]
+        assert [r.version if r else None for r in synced] == [None, 1, None, 2, None]
+        assert client.clock.next == 6 and client.pending_samples == 3
 
 
 def async_peers(hub: Hub, run: str, sent: Sent, pushes: int, delays: list[float], **client: Any) -> None:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from syncclient import HubUnreachable, SyncClient, SyncError
-from syncclient._model import ModelView
+from syncclient.weights import ModelView
 from syncwire import iter_chunks
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy

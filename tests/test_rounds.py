@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from syncclient import SyncClient
-from syncclient._model import ModelView
+from syncclient.weights import ModelView
 from tests.conftest import Hub
 from tests.harness import status, wait_for
 from tests.models import tiny_gpt2

@@ -1,10 +1,12 @@
-"""The run settings are written once on the peer's side (``syncclient.runconfig``) and once on
-the hub's (its join request and its settings). These tests hold the two together: the same
-names, and the same values accepted and refused, probed at and around every bound; and
-``SyncClient`` takes exactly those keywords and refuses a bad value before it talks to a hub."""
+"""The run settings are written once (``syncwire.runsettings``), and the peer's checks and the
+hub's models (its join request, its settings, the run's config) are made from that table. These
+tests hold what is made together: the same names, and the same values accepted and refused,
+probed at and around every bound; and ``SyncClient`` takes exactly those keywords and refuses a
+bad value before it talks to a hub."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from typing import Any
@@ -13,10 +15,13 @@ import pytest
 from pydantic import ValidationError
 
 from syncclient import SyncClient
-from syncclient.runconfig import RUN_SETTINGS, RunSetting, check_run_settings, name_problem
+from syncclient.hooks.settings import name_problem
 from syncserver.api.routes import JoinRequest
+from syncserver.api.schemas import RunConfig as ConfigAnswer
+from syncserver.core.state import RunConfig
 from syncserver.names import is_name
 from syncserver.settings import HubSettings
+from syncwire.runsettings import RUN_SETTINGS, RunSetting, check_run_settings
 
 NAMES = [s.name for s in RUN_SETTINGS]
 
@@ -53,10 +58,13 @@ def probes(setting: RunSetting) -> list[Any]:
 
 
 def test_the_same_settings_on_both_sides() -> None:
-    assert set(JoinRequest.model_fields) - {"peer", "group_size"} == set(NAMES)
+    assert list(JoinRequest.model_fields) == ["peer", *NAMES, "group_size"]  # the wire's order
+    assert list(ConfigAnswer.model_fields) == NAMES == [f.name for f in dataclasses.fields(RunConfig)]
     assert set(NAMES) <= set(HubSettings.model_fields)  # each has the hub's default
+    assert {n: HubSettings.model_fields[n].default for n in NAMES} == {s.name: s.default for s in RUN_SETTINGS}
     keywords = set(inspect.signature(SyncClient).parameters)
-    assert keywords - {"hub", "run", "peer", "token", "verify", "timeout", "retry_seconds", "group"} == set(NAMES)
+    fixed = {"hub", "run", "peer", "token", "sync_every", "verify", "timeout", "retry_seconds", "group"}
+    assert keywords - fixed == set(NAMES)
 
 
 @pytest.mark.parametrize("setting", RUN_SETTINGS, ids=NAMES)
@@ -84,3 +92,21 @@ def test_check_run_settings_keeps_what_was_given() -> None:
     assert check_run_settings(given) == {"min_peers": 2, "outer": "diloco"}
     with pytest.raises(ValueError, match="no run setting 'min_peer'"):
         check_run_settings({"min_peer": 2})
+
+
+def test_a_run_recorded_before_the_newer_settings_loads_as_it_ran() -> None:
+    old = {"codec": "fp32", "outer": "avg", "outer_lr": 0.7, "outer_momentum": 0.9, "min_peers": 2, "round_timeout": 60}
+    config = RunConfig.load(old)
+    assert (config.policy, config.outer_warmup, config.min_merge_peers, config.norm_guard) == ("barrier", 0, 1, None)
+    assert config.__dict__ == RunConfig(**config.__dict__).__dict__ and config.min_peers == 2
+
+
+def test_the_rules_between_settings_are_one_function_for_every_side() -> None:
+    """A sample target alone implies policy samples; the other rules refuse, naming each side's way."""
+    hub = HubSettings(round_samples=64)
+    assert hub.policy == "samples" and HubSettings(round_samples=64, policy="async").policy == "async"
+    with pytest.raises(ValidationError, match="min_merge_peers 3 is over min_peers 2"):
+        HubSettings(min_peers=2, min_merge_peers=3)
+    with pytest.raises(ValueError, match=r"^min_merge_peers 3 is over min_peers 2"):
+        SyncClient("http://127.0.0.1:9", run="r", min_peers=2, min_merge_peers=3)
+    check_run_settings({"policy": "samples"})  # round_samples unknown here: the hub's default may give it

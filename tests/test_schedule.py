@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from syncclient.peerlr import PeerLR
-from syncclient.schedule import SyncSchedule, interval_after
+from syncclient.schedule import SyncClock, SyncSchedule, interval_after
 from tests.test_finetune import load_script
 
 
@@ -64,3 +64,37 @@ def test_the_reference_job_takes_a_schedule_instead_of_sync_every() -> None:
         argv = [*base, *extra] if "--sync-schedule" in extra else [*base, "--sync-schedule", "5:60,15", *extra]
         with pytest.raises(script.Fail, match=reason):
             script.check_args(script.build_parser().parse_args(argv))
+
+
+def test_the_clock_says_when_a_sync_is_due() -> None:
+    """SyncClock, the one rule every integration asks: on time at each window's end; a sync inside
+    a window takes that window's round, a flush round the next one's; a restart counts afresh."""
+    clock, due = SyncClock(2), []
+    for _ in range(6):
+        clock.tick(3)
+        if clock.on_time:
+            due.append((clock.step, clock.samples))
+            clock.sent()
+    assert due == [(2, 6), (4, 6), (6, 6)] and not clock.unsynced
+    clock = SyncClock(4)
+    for _ in range(3):
+        clock.tick(1)
+    assert clock.window_open and not clock.on_time
+    clock.sent()  # a final sync at step 3 (a read of the model's state): the round of steps 1-4
+    clock.tick(1)
+    assert not clock.on_time and not clock.window_open and clock.unsynced  # step 4: that round was taken
+    clock.sent()  # a flush: the round of steps 5-8
+    assert clock.next == 12
+    clock.start(5)  # a late peer whose steps were dropped counts from step 5
+    assert (clock.next, clock.samples, clock.unsynced) == (9, 0, False)
+    steps = SyncClock(SyncSchedule.parse("1:3,2"))
+    seen = []
+    for _ in range(8):
+        steps.tick(1)
+        if steps.on_time:
+            seen.append(steps.step)
+            steps.sent()
+    assert seen == [1, 2, 3, 5, 7] and SyncClock().next is None  # a samples run: the hub says when
+    for bad in (0, -1, 1.5, True, "10"):
+        with pytest.raises(ValueError, match="sync_every must be an int >= 1"):
+            SyncClock(bad)  # type: ignore[arg-type]

@@ -21,7 +21,7 @@ import safetensors.numpy
 from safetensors import safe_open
 
 from syncclient import SyncClient
-from syncclient._model import ModelView
+from syncclient.weights import ModelView
 from syncserver.reduce.engine import Accumulator, MergeEngine, Outer, RoundMerge
 from syncserver.storage.store import ResidualKey, ResultKey, Store, VersionKey
 from syncwire import Codec, FormatError, encode_model, get_codec, iter_chunks, layout_bytes, wire_layout

@@ -13,7 +13,7 @@ import pytest
 
 import syncwire.codecs
 from syncclient.exceptions import SyncError
-from syncclient.state import UpdateState
+from syncclient.update import UpdateState
 from syncwire import Codec, StreamReader, decode_tensor, encode_model, get_codec, iter_chunks
 
 STEP = np.float32(1 / 128)  # the int8:block=2 scale of a block whose absmax is 127/128

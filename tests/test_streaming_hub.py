@@ -27,7 +27,7 @@ import torch
 
 import syncwire.codecs
 from syncclient import SyncClient
-from syncclient._model import ModelView
+from syncclient.weights import ModelView
 from syncserver.core.coordinator import Coordinator
 from syncserver.errors import BadRequest, InvalidUpdate
 from syncserver.reduce.engine import Accumulator, MergeEngine, Outer, RoundMerge

@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from syncclient import SyncClient
-from syncclient._model import ModelView
 from syncclient.exceptions import HubUnreachable
+from syncclient.weights import ModelView
 from tests.conftest import Hub
 from tests.harness import run_peers
 from tests.models import tiny_gpt2

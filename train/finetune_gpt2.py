@@ -432,7 +432,7 @@ def train(args: argparse.Namespace) -> int:
         raise
 
     # -- final: test perplexity, the model, the results, the weights' digest ------------------------------
-    from syncclient._model import ModelView
+    from syncclient.weights import ModelView
     from syncwire.digest import left_line, weights_sha256
 
     test_loss = trainer.evaluate(eval_dataset=test_blocks, metric_key_prefix="test")["test_loss"]

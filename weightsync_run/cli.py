@@ -17,9 +17,9 @@ Hugging Face ``Trainer`` gets ``SyncCallback``, a Lightning ``Trainer`` gets
 ``syncclient.lightning``'s, a plain PyTorch loop syncs through torch's optimizer hooks. A program
 in which none of them is found runs unchanged, says so on stderr and exits with its own code.
 
-The run settings (``--min-peers``, ``--policy``, ``--outer``, ...) are generated from the SDK's
-own table of them (:data:`syncclient.runconfig.RUN_SETTINGS`), so each keyword ``SyncClient``
-takes for a new run is a flag here, with the same bounds. Every option is also a variable
+The run settings (``--min-peers``, ``--policy``, ``--outer``, ...) are generated from the table
+both sides read (:data:`syncwire.runsettings.RUN_SETTINGS`), so each keyword ``SyncClient``
+takes for a new run is a flag here, with the hub's bounds. Every option is also a variable
 (``--sync-every`` is ``WEIGHTSYNC_SYNC_EVERY``; a flag beats its variable), so a job scheduler
 can set them. With ``--hub`` the command *becomes* COMMAND (``exec``): same process, signals,
 exit code. With ``--local-peers K`` it runs an embedded hub and K copies of COMMAND on this
@@ -50,7 +50,7 @@ from syncclient.hooks import SITE
 from syncclient.hooks.session import MARKER
 from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, ENV, HookSettings, SettingsError, flag_name
 from syncclient.peerlr import DEFAULT_PEER_LR, LR_SCALINGS
-from syncclient.runconfig import RUN_SETTINGS
+from syncwire.runsettings import RUN_SETTINGS
 
 __all__ = ["build_parser", "main"]
 
@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--sync-every",
         metavar="N",
-        help=f"sync every N optimizer steps [WEIGHTSYNC_SYNC_EVERY; default {DEFAULT_SYNC_EVERY}; "
-        "not with --round-samples, but in an async run]",
+        help="sync every N optimizer steps, or on a schedule EVERY:UNTIL,...,EVERY (5:60,15: every 5 until step "
+        f"60, then every 15) [WEIGHTSYNC_SYNC_EVERY; default {DEFAULT_SYNC_EVERY}; not with --round-samples, but in "
+        "an async run]",
     )
     g.add_argument(
         "--lr-scaling",
@@ -113,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         "gives. Unset: the run's, or for a new run the hub's default (its SYNC_* settings)",
     )
     for setting in RUN_SETTINGS:
-        g.add_argument(flag_name(setting.name), metavar=setting.metavar, help=f"{setting.help} [{ENV[setting.name]}]")
+        metavar = setting.metavar or "|".join(setting.choices)
+        g.add_argument(flag_name(setting.name), metavar=metavar, help=f"{setting.help} [{ENV[setting.name]}]")
     g = p.add_argument_group("on this machine")
     g.add_argument(
         "--local-peers", metavar="K", help="run an embedded hub and K peers of COMMAND [WEIGHTSYNC_LOCAL_PEERS]"

@@ -14,8 +14,6 @@ import functools
 from types import ModuleType
 from typing import Any
 
-from transformers import TrainerCallback
-
 from syncclient.hooks import session, shard
 from syncclient.hooks.settings import HookSettings
 
@@ -42,22 +40,6 @@ def _attach(trainer: Any, settings: HookSettings) -> None:
     from syncclient.callbacks import SyncCallback  # the SDK, only now: see session.uses_sdk
 
     trainer.train_dataset = shard.shard_dataset(trainer.train_dataset, settings, f"{name}'s train_dataset")
-    callback = SyncCallback(settings.hub, sync_every=settings.sync_every, **settings.callback_kwargs())
+    callback = SyncCallback(settings.hub, **settings.callback_kwargs())
     trainer.add_callback(callback)
-    trainer.add_callback(_JoinCheck(callback, settings))
-    session.attached(lambda: callback.client, lambda: trainer.model)
-    every = f"every {settings.sync_every} steps" if settings.sync_every else "when rounds are due"
-    session.note(f"{name} will sync its model in run {settings.run!r} {every}")
-
-
-class _JoinCheck(TrainerCallback):
-    """After ``SyncCallback`` joined (callbacks run in order): the hub's rank must be the one the
-    data was sharded by."""
-
-    def __init__(self, sync: Any, settings: HookSettings) -> None:
-        self.sync, self.settings = sync, settings
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        client = self.sync.client
-        if client.rank is not None:
-            session.check_rank(self.settings, client)
+    session.synced_by(callback, settings, f"{name} will sync its model", lambda: trainer.model)

@@ -41,13 +41,7 @@ def _callbacks(package: str, settings: HookSettings, trainer: Any) -> list[Any]:
     from syncclient.lightning import callback_class  # the SDK, only now: see session.uses_sdk
 
     base = importlib.import_module(package).Callback
-    sync = callback_class(base)(settings.hub, sync_every=settings.sync_every, **settings.callback_kwargs())
-
-    def check(self: Any, trainer: Any, pl_module: Any) -> None:  # after the sync callback joined
-        session.check_rank(settings, sync.client)
-
-    check_class = type("_JoinCheck", (base,), {"on_fit_start": check})
-    session.attached(lambda: sync.client, lambda: trainer.lightning_module)
-    every = f"every {settings.sync_every} steps" if settings.sync_every else "when rounds are due"
-    session.note(f"{type(trainer).__name__} will sync its LightningModule in run {settings.run!r} {every}")
-    return [sync, check_class()]
+    sync = callback_class(base)(settings.hub, **settings.callback_kwargs())
+    what = f"{type(trainer).__name__} will sync its LightningModule"
+    session.synced_by(sync, settings, what, lambda: trainer.lightning_module)
+    return [sync]

@@ -4,11 +4,12 @@
 every optimizer in the process, whatever the loop looks like. At the first step (before it
 updates anything) the pre-hook finds the model the optimizer trains (:mod:`.model`), joins the
 run, which loads the run's version into it (so all peers start from the same weights), and
-removes itself. After every step the post-hook counts.
+removes itself. After every step the post-hook reports it to the client, whose clock says
+whether a sync is due (:class:`~syncclient.schedule.SyncClock`).
 
-**When a sync is made.** Steps fall in windows of ``sync_every`` (steps 1-N, N+1-2N, ...), and
-each window makes at most one round, so peers of any kind (a Trainer's callback syncs at every
-N-th step) agree on their rounds:
+**When a sync is made.** Steps fall in windows of ``sync_every`` (steps 1-N, N+1-2N, ...; a
+schedule's intervals), and each window makes at most one round, so peers of any kind (a
+Trainer's callback syncs at every N-th step) agree on their rounds:
 
 - right after the window's last step (step kN), as the callbacks make theirs after the
   optimizer step; with two optimizers over one model (Muon + AdamW) after the iteration's last
@@ -44,8 +45,9 @@ Refusals (no single model, a second model, the hub rank disagreeing with ``WEIGH
 a failed sync) end the program with one line on stderr and exit code 1 (``SystemExit``), not a
 traceback through the training loop.
 
-Cost per step between syncs: a weak reference call, a counter, a comparison (bench/hooks.py);
-per ``state_dict()`` call of any module, an identity check.
+Cost per step between syncs: a weak reference call, and the clock's count and comparison
+(``progress``, ``due``): 2.6-3.2 µs with the DataLoader's count (bench/hooks.py, mlp, at load
+9); per ``state_dict()`` call of any module, an identity check.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from typing import Any, NoReturn
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from syncclient.exceptions import SyncError  # the standard library only
 from syncclient.hooks import session, shard
 from syncclient.hooks.model import AmbiguousModel, describe, find_model
 from syncclient.hooks.settings import HookSettings
@@ -81,19 +84,12 @@ class PlainLoop:
     def __init__(self, settings: HookSettings) -> None:
         self.settings = settings
         self.model: torch.nn.Module | None = None
-        self.client: Any = None  # a SyncClient, once joined
-        self.steps = 0  # the lead optimizer's steps since join
-        self.last_sync = 0  # self.steps at the last sync
-        self.samples = 0  # trained since the last sync
-        self.synced_window = -1  # the last window (of sync_every steps, from 0) that made its sync
+        self.client: Any = None  # a SyncClient, once joined: its clock counts the lead's steps
         self._lead: Any = _dead  # a weakref to the lead optimizer (a dead one returns None)
         self._latest: Any = _dead  # the optimizer that stepped last
         self._tail: Any = _dead  # the last optimizer to step before the lead's latest step
         self._others: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
-        self._by_samples = False
         self._due = False  # a sync waits for the iteration's last optimizer (or the lead's next step)
-        self._unflushed = False  # the last sync was an ordinary one of a run whose codec flushes
-        self._last_samples = 1  # the last sync's weight, which its flush weighs too
         self._syncing = False
         self._pid = os.getpid()
         self._thread = threading.get_ident()  # the training thread (reads from others do not sync)
@@ -156,15 +152,8 @@ class PlainLoop:
             self._latest = self._lead
         elif self._tail is not self._lead:  # the lead stepped last: its step ends the iteration
             self._tail = self._lead
-        samples = shard.take_samples() or 1  # a loop without a DataLoader counts steps
-        self.steps += 1
-        self.samples += samples
-        if self._by_samples:
-            self.client.progress(samples)
-            due = self.client.due
-        else:
-            due = self.steps % self.settings.sync_every == 0 and self.synced_window < self._window()  # type: ignore[operator]
-        if not due:
+        self.client.progress(shard.take_samples() or 1)  # a loop without a DataLoader counts steps
+        if not self.client.due:
             return
         if self._tail() in (None, optimizer):  # one optimizer: its step ends the iteration
             self._sync()
@@ -184,16 +173,10 @@ class PlainLoop:
             return
         if self._due:
             self._sync()
-        if self._by_samples:
-            return
-        if self.steps > self.last_sync and self.synced_window < self._window():
+        if self.client.clock.window_open:
             self._sync(final=True)
-        elif self._unflushed:
+        else:
             self._flush()
-
-    def _window(self) -> int:
-        """The window of the lead's latest step: steps 1..N are window 0."""
-        return (self.steps - 1) // self.settings.sync_every  # type: ignore[operator]
 
     def _adopt(self, optimizer: torch.optim.Optimizer) -> bool:
         """Another optimizer stepped: is it over our model, and is it the lead now?"""
@@ -220,15 +203,15 @@ class PlainLoop:
         from syncclient.peerlr import scale_each_step
 
         self._unscale()
+        clock = self.client.clock
         self._unscale = scale_each_step(
-            optimizer, self.settings.peer_lr, self.client.world_size or 1, lambda: self.steps
+            optimizer, self.settings.peer_lr, self.client.world_size or 1, lambda: clock.step
         )
 
     # -- the run ----------------------------------------------------------------------------------
 
     def _join(self, model: torch.nn.Module) -> None:
         from syncclient.client import SyncClient  # only now: the program does not use the SDK itself
-        from syncclient.exceptions import SyncError
 
         settings = self.settings
         client = SyncClient(settings.hub, **settings.client_kwargs())
@@ -238,15 +221,17 @@ class PlainLoop:
             client.close()
             raise SystemExit(f"weightsync: cannot join run {settings.run!r} at {settings.hub}: {exc}") from None
         session.check_rank(settings, client)  # on a mismatch it leaves and stops the program
-        if client.policy != "samples" and settings.sync_every is None:
+        try:
+            client.count_from(0)
+        except SyncError as exc:
             client.leave()
-            raise SystemExit(f"weightsync: run {settings.run!r} is a {client.policy} run: give --sync-every N")
-        self.model, self.client, self._by_samples = model, client, client.policy == "samples"
+            raise SystemExit(f"weightsync: {exc} (--sync-every N)") from None
+        self.model, self.client = model, client
         session.attached(lambda: self.client, lambda: self.model)
         session.note(
             f"syncing {describe([_inner(self.model)])} as {info.peer} (rank {info.rank} of {info.world_size}) "
             f"in run {settings.run!r}, "
-            + ("when rounds are due" if self._by_samples else f"every {settings.sync_every} optimizer steps")
+            + ("when rounds are due" if client.policy == "samples" else f"every {settings.sync_every} optimizer steps")
         )
         _watch_state_reads(self)
         _at_main_thread_exit(self._at_exit)
@@ -254,38 +239,27 @@ class PlainLoop:
     def _sync(self, *, final: bool = False) -> None:
         """Sync the steps since the last sync; ``final``: with a lossy codec, flush the residual
         in one more round, which takes the next window's round."""
-        from syncclient.exceptions import SyncError
-
         self._due, self._syncing = False, True
-        samples = max(1, self.samples)
+        clock = self.client.clock
         try:
-            result = self.client.sync(self.model, samples=samples, metrics={"step": float(self.steps)}, final=final)
+            metrics = {"step": float(clock.step)}
+            self.client.sync(self.model, samples=max(1, clock.samples), metrics=metrics, final=final)
         except SyncError as exc:
             if final:
                 raise
-            self._refuse(f"the sync at step {self.steps} failed: {exc}")
+            self._refuse(f"the sync at step {clock.step} failed: {exc}")
         finally:
             self._syncing = False
-        flushed = final and self.client.flushes and not result.caught_up
-        self._last_samples, self._unflushed = samples, self.client.flushes and not final
-        self.last_sync, self.samples = self.steps, 0
-        if not self._by_samples and self.steps:
-            self.synced_window = self._window() + int(flushed)
 
     def _flush(self) -> None:
-        """Send the residual the last (ordinary) sync held back, in the next window's round."""
-        from syncclient.exceptions import SyncError
-
+        """Send the residual an ordinary last sync held back (if any), in the next window's round."""
         self._syncing = True
         try:
-            result = self.client.flush(self.model, samples=self._last_samples)
+            self.client.flush(self.model)
         except SyncError as exc:
-            self._refuse(f"the flush at step {self.steps} failed: {exc}")
+            self._refuse(f"the flush at step {self.client.clock.step} failed: {exc}")
         finally:
             self._syncing = False
-        self._unflushed = False
-        if result is not None and not result.caught_up:
-            self.synced_window += 1
 
     def _refuse(self, why: str) -> NoReturn:
         """Leave the run (no last sync at exit) and end the program with one line."""
@@ -297,15 +271,13 @@ class PlainLoop:
     def _at_exit(self) -> None:
         if os.getpid() != self._pid or self.client is None:
             return
-        from syncclient.exceptions import SyncError
-
         try:
             if session.crashed():
                 session.note("the program failed: leaving the run without a last sync")
-            elif self.steps > self.last_sync:
+            elif self.client.clock.unsynced:
                 self._sync(final=True)
-            elif self._unflushed:
-                self.client.flush(self.model, samples=self._last_samples)
+            else:
+                self.client.flush(self.model)
         except SyncError as exc:
             session.note(f"the last sync failed ({exc}): this peer's weights may differ from the others'")
         finally:
@@ -335,7 +307,7 @@ def _model_of(optimizer: torch.optim.Optimizer) -> torch.nn.Module:
 
 
 def _inner(model: Any) -> Any:
-    from syncclient._model import unwrap
+    from syncclient.weights import unwrap  # the SDK (torch, numpy), only once the program uses torch
 
     return unwrap(model)
 

@@ -28,7 +28,18 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["attached", "check_rank", "claim", "crashed", "note", "on_claimed", "owner", "start", "uses_sdk"]
+__all__ = [
+    "attached",
+    "check_rank",
+    "claim",
+    "crashed",
+    "note",
+    "on_claimed",
+    "owner",
+    "start",
+    "synced_by",
+    "uses_sdk",
+]
 
 _owner: str | None = None  # "torch", "transformers", "lightning", or "sdk"
 _pid: int | None = None  # the process the hooks were installed in
@@ -100,6 +111,20 @@ def attached(client: Callable[[], Any], model: Callable[[], Any]) -> None:
     _report = (client, model)
 
 
+def synced_by(callback: Any, settings: Any, what: str, model: Callable[[], Any]) -> None:
+    """A Trainer's ``SyncCallback`` syncs this process: once it joined, the hub's rank must be
+    the one the data was sharded by; at exit its client and ``model()`` are reported on."""
+
+    def joined(client: Any) -> None:
+        if client.rank is not None:
+            check_rank(settings, client)
+
+    callback.after_join = joined
+    attached(lambda: callback.client, model)
+    every = f"every {settings.sync_every} steps" if settings.sync_every else "when rounds are due"
+    note(f"{what} in run {settings.run!r} {every}")
+
+
 def check_rank(settings: Any, client: Any) -> None:
     """After join: the data was sharded by the launcher's rank (``WEIGHTSYNC_RANK``); if the hub
     ranked this peer otherwise, two peers would train on the same share. Leave and stop."""
@@ -140,7 +165,7 @@ def _at_exit() -> None:
     client, model = _report[0](), _report[1]()
     if client is None or model is None or client.version < 0:
         return
-    from syncclient._model import ModelView
+    from syncclient.weights import ModelView
     from syncwire.digest import left_line, weights_sha256
 
     digest = weights_sha256(ModelView(model).export())

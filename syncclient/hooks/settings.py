@@ -11,37 +11,37 @@ hooks read these in every Python process of the command, training or not.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR
-from syncclient.runconfig import RUN_SETTINGS, name_problem
+from syncclient.schedule import SyncSchedule
+from syncwire.runsettings import RUN_SETTINGS, settle
 
-__all__ = ["DEFAULT_SYNC_EVERY", "ENV", "HookSettings", "SettingsError", "env_name", "flag_name"]
+__all__ = ["DEFAULT_SYNC_EVERY", "ENV", "HookSettings", "SettingsError", "env_name", "flag_name", "name_problem"]
 
 DEFAULT_SYNC_EVERY = 100  # optimizer steps; docs/concepts/outer.md, "The interval", says how to pick it
 
-#: field -> variable: the launcher's own settings, every run setting of the SDK
-#: (:data:`syncclient.runconfig.RUN_SETTINGS`, ``min_peers`` -> ``WEIGHTSYNC_MIN_PEERS``), and
+# A run or peer name, as the hub allows it (syncserver.names; a test holds them together): names
+# travel in URL paths and the hub's data folder.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NAME_RULE = "1-64 letters, digits, '.', '_', '-', starting with a letter or digit"
+
+
+def name_problem(value: str) -> str | None:
+    """Why ``value`` cannot name a run or a peer (None: it can)."""
+    return None if _NAME.fullmatch(value) else f"expected {NAME_RULE}, got {value!r}"
+
+
+#: field -> variable: the launcher's own settings, every run setting
+#: (:data:`syncwire.runsettings.RUN_SETTINGS`, ``min_peers`` -> ``WEIGHTSYNC_MIN_PEERS``), and
 #: the peer's name and rank (``--local-peers`` sets those three itself).
-ENV = {
-    name: "WEIGHTSYNC_" + name.upper()
-    for name in (
-        "hub",
-        "run",
-        "token",
-        "sync_every",
-        "shard",
-        "lr_scaling",
-        "lr_scaling_warmup",
-        *(s.name for s in RUN_SETTINGS),
-        "peer",
-        "rank",
-        "world_size",
-    )
-}
+_OWN = ("hub", "run", "token", "sync_every", "shard", "lr_scaling", "lr_scaling_warmup")
+_PEER = ("peer", "rank", "world_size")
+ENV = {name: "WEIGHTSYNC_" + name.upper() for name in (*_OWN, *(s.name for s in RUN_SETTINGS), *_PEER)}
 
 
 class SettingsError(ValueError):
@@ -59,16 +59,17 @@ def flag_name(field: str) -> str:
 @dataclass(frozen=True)
 class HookSettings:
     """How a hooked program syncs. ``config`` holds the run settings given (those of
-    :data:`~syncclient.runconfig.RUN_SETTINGS`, parsed and checked), which go to ``SyncClient``
-    as they are. ``sync_every`` and a samples run's ``round_samples`` exclude each other; with
-    neither, ``sync_every`` is :data:`DEFAULT_SYNC_EVERY` (an async run takes both). ``rank`` and
+    :data:`~syncwire.runsettings.RUN_SETTINGS`, parsed and checked), which go to ``SyncClient``
+    as they are. ``sync_every`` (steps, or a :class:`~syncclient.schedule.SyncSchedule` such as
+    ``5:60,15``) and a samples run's ``round_samples`` exclude each other; with neither,
+    ``sync_every`` is :data:`DEFAULT_SYNC_EVERY` (an async run takes both). ``rank`` and
     ``world_size`` (set by ``--local-peers``, or by you for peers on several machines) are what
     the data is sharded by; without them nothing is sharded."""
 
     hub: str  # "" until a launcher gives it
     run: str
     token: str | None = None
-    sync_every: int | None = DEFAULT_SYNC_EVERY
+    sync_every: int | SyncSchedule | None = DEFAULT_SYNC_EVERY
     shard: bool = True
     peer: str | None = None
     rank: int | None = None
@@ -103,6 +104,15 @@ class HookSettings:
                 raise SettingsError(f"{source}: must be >= {low}, got {parsed}")
             return parsed
 
+        def every() -> int | SyncSchedule | None:
+            value, source = raw("sync_every")
+            if value is not None and (":" in value or "," in value):
+                try:
+                    return SyncSchedule.parse(value)
+                except ValueError as exc:
+                    raise SettingsError(f"{source}: {exc}") from None
+            return number("sync_every")
+
         def name(field: str) -> str | None:
             value, source = raw(field)
             problem = None if value is None else name_problem(value)
@@ -130,12 +140,11 @@ class HookSettings:
                     config[setting.name] = setting.parse(value)
                 except ValueError as exc:
                     raise SettingsError(f"{source}: {exc}") from None
-        if config.get("policy") == "barrier" and "round_samples" in config:
-            raise SettingsError(
-                f"{raw('round_samples')[1]} goes with {raw('policy')[1]} samples or async, not barrier "
-                "(a barrier round is N steps)"
-            )
-        sync_every = number("sync_every")
+        try:
+            settle(config, config, say=lambda name: raw(name)[1])
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        sync_every = every()
         by_samples = "round_samples" in config and config.get("policy") != "async"
         if sync_every is not None and by_samples:
             raise SettingsError(
@@ -144,13 +153,9 @@ class HookSettings:
             )
         if sync_every is None and not by_samples:
             sync_every = DEFAULT_SYNC_EVERY
-        lr_scaling, lr_source = raw("lr_scaling")
-        lr_scaling_warmup = number("lr_scaling_warmup", low=0)
-        try:
-            peer_lr = PeerLR(
-                lr_scaling or DEFAULT_PEER_LR.scaling,
-                DEFAULT_PEER_LR.warmup if lr_scaling_warmup is None else lr_scaling_warmup,
-            )
+        (lr_scaling, lr_source), warmup = raw("lr_scaling"), number("lr_scaling_warmup", low=0)
+        try:  # (a warm-up not given, None, is one round)
+            peer_lr = PeerLR(lr_scaling or DEFAULT_PEER_LR.scaling, warmup)
         except ValueError as exc:  # only the scaling can be wrong here: the warm-up is a number >= 0
             raise SettingsError(f"{lr_source}: {exc}") from None
         shard, shard_source = raw("shard")
@@ -182,19 +187,8 @@ class HookSettings:
 
     def to_env(self) -> dict[str, str]:
         """The variables that give a child these settings (tokens stay off command lines)."""
-        values = {
-            "hub": self.hub,
-            "run": self.run,
-            "token": self.token,
-            "sync_every": self.sync_every,
-            "shard": "1" if self.shard else "0",
-            "peer": self.peer,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "lr_scaling": self.lr_scaling,
-            "lr_scaling_warmup": self.lr_scaling_warmup,
-            **self.config,
-        }
+        values = {name: getattr(self, name) for name in (*_OWN, *_PEER)}
+        values |= {"shard": "1" if self.shard else "0", **self.config}
         return {env_name(k): str(v) for k, v in values.items() if v not in (None, "")}
 
     @property
@@ -208,7 +202,7 @@ class HookSettings:
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keywords for ``SyncClient`` (and the callbacks, which pass them on)."""
-        return {"run": self.run, "peer": self.peer, "token": self.token, **self.config}
+        return {"run": self.run, "peer": self.peer, "token": self.token, "sync_every": self.sync_every, **self.config}
 
     @property
     def shards(self) -> bool:

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, create_model
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
@@ -45,18 +45,13 @@ from syncserver.limits import (
     MAX_BYTES,
     MAX_ROUND,
     MAX_SAMPLES,
-    MinPeers,
-    NormGuard,
-    OuterLR,
-    OuterMomentum,
-    OuterWarmup,
-    Seconds,
     header_int,
 )
 from syncserver.names import NAME_PATTERN
-from syncserver.settings import Outer, Policy, normal_codec
+from syncserver.settings import run_type
 from syncserver.storage.store import Blob
 from syncserver.storage.uploads import BodyInterrupted, Held, Received, partial_offset, receive
+from syncwire.runsettings import RUN_SETTINGS
 
 #: ``?peer=``: who downloads (for the dashboard's download log); absent for other clients.
 Downloader = Annotated[str | None, Query(pattern=NAME_PATTERN)]
@@ -69,30 +64,20 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 view_router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate_view)])
 
 
-class JoinRequest(BaseModel):
+class _Peer(BaseModel):
+    peer: str = Field(pattern=NAME_PATTERN)
+
+
+# the run settings, from their table (syncwire.runsettings): each optional, with the table's bounds
+_JOIN_FIELDS: dict[str, Any] = {s.name: (run_type(s) | None, None) for s in RUN_SETTINGS}
+_JoinSettings = create_model("_JoinSettings", __base__=_Peer, **_JOIN_FIELDS)
+
+
+class JoinRequest(_JoinSettings):  # a base made from the table
     """Join a run. The first peer of a new run may set its config; later peers that set a
     field must agree with the run's value (409 otherwise). Unset fields accept the run's."""
 
-    peer: str = Field(pattern=NAME_PATTERN)
-    codec: str | None = None
-    outer: Outer | None = None
-    # the same bounds as the hub's defaults (syncserver.limits): finite, and sane
-    outer_lr: OuterLR | None = None
-    outer_momentum: OuterMomentum | None = None
-    outer_warmup: OuterWarmup | None = None
-    min_peers: MinPeers | None = None
-    min_merge_peers: MinPeers | None = None
-    round_timeout: Seconds | None = None
-    norm_guard: NormGuard | None = None
-    policy: Policy | None = None
-    round_samples: int | None = Field(None, ge=1, le=MAX_SAMPLES)
-    max_staleness: int | None = Field(None, ge=0, le=100_000)
     group_size: int = Field(1, ge=1, le=65_536, description="Ranks of the torch.distributed group this peer is.")
-
-    @field_validator("codec")
-    @classmethod
-    def _known_codec(cls, value: str | None) -> str | None:
-        return None if value is None else normal_codec(value)
 
 
 def parse_digest(value: str) -> str:

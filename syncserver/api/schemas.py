@@ -12,12 +12,13 @@ unannounced. They also read attributes (``from_attributes``), so that the core's
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from syncserver.core.policy import PeerState
-from syncserver.settings import Outer, Policy
+from syncserver.settings import run_type
+from syncwire.runsettings import RUN_SETTINGS, Outer
 
 __all__ = [
     "Answer",
@@ -74,21 +75,14 @@ class Health(Answer):
 
 
 # ---- a run's configuration and its members' start -------------------------------------------------
-class RunConfig(Answer):
-    """What a run is, fixed at creation (the first peer may choose; later peers must agree)."""
+_CONFIG_FIELDS: dict[str, Any] = {
+    s.name: (run_type(s, checked=False), Field(description=s.help[0].upper() + s.help[1:] + ".")) for s in RUN_SETTINGS
+}
+_RunFields = create_model("_RunFields", __base__=Answer, **_CONFIG_FIELDS)
 
-    codec: str
-    outer: Outer
-    outer_lr: float
-    outer_momentum: float
-    outer_warmup: int = Field(description="diloco: outer steps of momentum warm-up (0: none).")
-    min_peers: int = Field(description="Peers the run waited for before it started.")
-    min_merge_peers: int = Field(description="The fewest updates a round merges (fewer once peers left).")
-    round_timeout: float = Field(description="Seconds after a round's first update before stragglers are dropped.")
-    norm_guard: float | None = Field(description="Refuse an update whose norm is over this many times the median.")
-    policy: Policy = Field(description="When a round closes: barrier, samples or async.")
-    round_samples: int | None = Field(description="samples: the samples of a round; async: of an outer step.")
-    max_staleness: int = Field(description="async: the most versions an update's base may lag behind.")
+
+class RunConfig(_RunFields):  # a base made from the run settings' table
+    """What a run is, fixed at creation (the first peer may choose; later peers must agree)."""
 
 
 class _Start(Answer):

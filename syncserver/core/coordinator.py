@@ -33,7 +33,7 @@ from syncserver.core.presigned import Plan, PresignedUploads, UploadReport
 from syncserver.core.quotas import check_new_peer, check_new_run
 from syncserver.core.rounds import Acknowledgement, InitialVersion, Rounds, Ticket
 from syncserver.core.shape import RunShape
-from syncserver.core.state import CONFIG_FIELDS, Peer, Run, RunConfig, Via, now
+from syncserver.core.state import Peer, Run, RunConfig, Via, now
 from syncserver.core.view import HubView
 from syncserver.errors import Conflict, InvalidUpdate, NoStore, NotFound, Unavailable
 from syncserver.reduce.engine import MergeEngine
@@ -42,6 +42,7 @@ from syncserver.storage.bucket import Bucket
 from syncserver.storage.store import Blob, Missing, Published, ResultKey, Store, VersionKey
 from syncserver.storage.uploads import Received
 from syncwire import get_codec
+from syncwire.runsettings import RUN_SETTINGS, settle
 
 __all__ = ["Coordinator", "Redirect", "RoundProgress", "Start"]
 
@@ -128,7 +129,7 @@ class Coordinator:
         """Load every run from disk, drop what a crash left half-done, start the ticker."""
         self.store.clear_tmp()
         for record in self.store.runs():
-            config = RunConfig(**record.config)
+            config = RunConfig.load(record.config)
             policy = config.make_policy(self.settings.lease_seconds, self.settings.disconnect_grace, record.version)
             run = Run(record.name, config, get_codec(config.codec), policy, record.version)
             run.schema, run.sealed, run.creator = record.schema, record.sealed, record.creator
@@ -253,19 +254,10 @@ class Coordinator:
         return self._start_state(run, peer)
 
     def _create(self, name: str, requested: dict[str, Any], creator: str) -> Run:
-        values = {key: getattr(self.settings, key) for key in CONFIG_FIELDS}
-        values.update({k: v for k, v in requested.items() if v is not None})
-        if values["policy"] == "barrier" and requested.get("round_samples") and not requested.get("policy"):
-            values["policy"] = "samples"  # a sample target asks for rounds that close on it
-        config = RunConfig(**values)
-        if config.policy == "barrier" and config.round_samples is not None:
-            raise InvalidUpdate("round_samples goes with policy 'samples' or 'async' (a barrier round is N steps)")
-        if config.min_merge_peers > config.min_peers:
-            raise InvalidUpdate(
-                f"min_merge_peers {config.min_merge_peers} is over min_peers {config.min_peers}: the run could "
-                "start with fewer peers than any of its rounds needs"
-            )
+        chosen = {k: v for k, v in requested.items() if v is not None}
         try:
+            defaults = {s.name: getattr(self.settings, s.name) for s in RUN_SETTINGS}
+            config = RunConfig(**settle({**defaults, **chosen}, chosen))
             codec = get_codec(config.codec)
             policy = config.make_policy(self.settings.lease_seconds, self.settings.disconnect_grace, -1)
         except ValueError as exc:

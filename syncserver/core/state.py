@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Literal
 
 from syncserver.core.policy import RoundPolicy, make_policy
 from syncserver.core.shape import RunShape
@@ -14,44 +14,24 @@ from syncserver.records import UpdateRecord
 from syncserver.reduce.engine import Accumulator, Outer
 from syncserver.storage.store import PeerRecord
 from syncwire import Codec, Schema
+from syncwire.runsettings import RUN_SETTINGS
 
-__all__ = ["CONFIG_FIELDS", "Peer", "Run", "RunConfig", "Traffic", "Via"]
+__all__ = ["Peer", "Run", "RunConfig", "Traffic", "Via"]
 
-CONFIG_FIELDS = (
-    "codec",
-    "outer",
-    "outer_lr",
-    "outer_momentum",
-    "outer_warmup",
-    "min_peers",
-    "min_merge_peers",
-    "round_timeout",
-    "norm_guard",
-    "policy",
-    "round_samples",
-    "max_staleness",
-)
+#: What a run created before a setting existed had instead (its record lacks the setting).
+BEFORE = {"norm_guard": None, "policy": "barrier", "round_samples": None, "max_staleness": 32, "outer_warmup": 0}
+BEFORE["min_merge_peers"] = 1
+_RunFields = make_dataclass("_RunFields", [(s.name, Any) for s in RUN_SETTINGS], kw_only=True)
 
 
-@dataclass
-class RunConfig:
-    """What a run is, fixed at creation (the first peer may choose; later peers must agree)."""
+class RunConfig(_RunFields):  # type: ignore[misc,valid-type]  # fields made from the run settings table
+    """What a run is, fixed at creation (the first peer may choose; later peers must agree): one
+    field per run setting (:mod:`syncwire.runsettings`)."""
 
-    codec: str
-    outer: str
-    outer_lr: float
-    outer_momentum: float
-    min_peers: int
-    round_timeout: float
-    # refuse an update whose norm is over norm_guard x the median of accepted ones; None: off
-    # (defaults from here on, so that runs created before these existed load as they were)
-    norm_guard: float | None = None
-    policy: str = "barrier"  # when rounds close: barrier, samples or async (syncserver.core.policy)
-    round_samples: int | None = None  # samples and async: the samples of a round (of an outer step)
-    max_staleness: int = 32  # async: versions an update's base may lag the open version by
-    outer_warmup: int = 0  # diloco: outer steps of momentum warm-up (0 for runs made before it existed)
-    # a round merges no fewer updates (fewer once members left); 1: any live peers' updates do
-    min_merge_peers: int = 1
+    @classmethod
+    def load(cls, recorded: dict[str, Any]) -> RunConfig:
+        """A run's config as its record holds it (one made before some settings existed too)."""
+        return cls(**{**BEFORE, **recorded})
 
     def make_policy(self, lease_seconds: float, disconnect_grace: float, version: int) -> RoundPolicy:
         """This run's round policy, with round ``version`` open; the hub's liveness settings."""

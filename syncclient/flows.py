@@ -1,8 +1,8 @@
 """One peer's requests to one run, as flows: the network half of a sync, the latest version,
 version 0. No model and no torch here: the client hands in encoded parts and an
-:class:`~syncclient.state.UpdateState`, and gets back what happened (:class:`Outcome`).
+:class:`~syncclient.update.UpdateState`, and gets back what happened (:class:`Outcome`).
 
-The network half of a sync (:meth:`RunProtocol.exchange`) runs on the client's worker thread:
+The network half of a sync (:meth:`RunFlows.exchange`) runs on the client's worker thread:
 upload the update; the hub answers with the round it went into (the round it was computed
 from, or in an async run a later one, when versions were applied since its base); long-poll that
 round's merged update; then fold into the base every round's result from the update's base to
@@ -19,29 +19,19 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from syncclient.exceptions import ConflictError, HubError, HubUnreachable, RoundClosed, StaleUpdate, SyncError
 from syncclient.objects import PartedUpload, upload_parts
-from syncclient.state import EncodedUpdate, UpdateState
-from syncclient.transport import Download, Transport, _Digest, body_size
+from syncclient.transport import Digest, Download, OnTensor, Parts, Transport, body_size
+from syncclient.update import EncodedUpdate, UpdateState
 from syncwire import iter_chunks
 
-__all__ = ["Outcome", "RunProtocol"]
+__all__ = ["Outcome", "RunFlows"]
 
 log = logging.getLogger(__name__)
-
-Parts = list[tuple[str, np.ndarray, str]]  # (wire name, array, safetensors dtype), in order
-
-
-#: How long a part's PUT is retried before the round's update goes to the hub instead: a store
-#: that is down (or an endpoint only the hub reaches) should cost a round seconds, not the hub's
-#: whole retry budget; a download from the store falls back at once.
-STORE_RETRY_SECONDS = 10.0
 
 
 class _StoreTrouble(Exception):
@@ -65,14 +55,13 @@ class Outcome:
     fresh_base: Download | None = None
 
 
-class RunProtocol:
+class RunFlows:
     """The request flows of one peer in one run, over a :class:`~syncclient.transport.Transport`."""
 
     def __init__(self, transport: Transport, *, run: str, peer: str, poll: float) -> None:
         self.transport, self.run, self.peer, self.poll = transport, run, peer, poll
         self.path = f"/v1/runs/{run}"
         self.uploads = "hub"  # where updates go, as the hub's ready answer says (hub or store)
-        self._store: Transport | None = None  # presigned URLs: no token (see syncclient.objects)
 
     def join(
         self, settings: dict[str, Any], *, version0: Callable[[], Parts], joined: Callable[[float], None]
@@ -94,10 +83,6 @@ class RunProtocol:
             state = self.transport.call("GET", start, params={"wait": self.poll}).json()
         self.uploads = state.get("uploads", "hub")
         return state
-
-    def close(self) -> None:
-        if self._store is not None:
-            self._store.close()
 
     def exchange(
         self,
@@ -193,7 +178,7 @@ class RunProtocol:
         when the store path fails; the hub's refusals (round closed, bad update) raise as ever."""
         size = body_size(update.parts)
         key = secrets.token_urlsafe(24)
-        digest = _Digest()
+        digest = Digest()
 
         def content() -> Iterator[bytes | memoryview]:
             return digest.watch(iter_chunks(update.parts, ready=update.ready))
@@ -213,7 +198,7 @@ class RunProtocol:
             done = {int(n): etag for n, etag in got["done"].items()}
             upload = PartedUpload(size, got["part_size"], {int(n): u for n, u in got["urls"].items()}, done)
             try:
-                etags = upload_parts(self._store_transport(), upload, content)
+                etags = upload_parts(self.transport.store(), upload, content)
             except HubUnreachable as exc:
                 raise _StoreTrouble(f"uploading the parts: {exc}") from exc
             except HubError as exc:  # 403: an expired URL; 404: an upload the hub aborted
@@ -250,18 +235,12 @@ class RunProtocol:
             self.uploads = "hub"
             raise _StoreTrouble(exc.detail) from exc
 
-    def _store_transport(self) -> Transport:
-        """The SDK's retries and errors for presigned URLs, without the hub's token."""
-        if self._store is None:
-            self._store = self.transport.without_token(min(self.transport.retry_seconds, STORE_RETRY_SECONDS))
-        return self._store
-
     def result(
         self,
         round_: int,
         *,
         wait: bool,
-        on_tensor: Callable[[str, np.ndarray, Mapping[str, str]], None] | None = None,
+        on_tensor: OnTensor | None = None,
     ) -> Download:
         """Round ``round_``'s merged update (with ``wait``, long-polling while the round is open);
         ``on_tensor``: see :meth:`~syncclient.transport.Transport.download`."""
