@@ -315,7 +315,7 @@ def test_no_clean_up_deletes_an_object_a_record_names(tmp_path: Path) -> None:
         abort_multipart=lambda name, upload_id: calls.append(("abort", name)),
         delete=lambda name: calls.append(("delete", name)),
     )
-    plane = SimpleNamespace(bucket=lambda run: SimpleNamespace(objects=objects))
+    plane = SimpleNamespace(uploads_to=lambda run: SimpleNamespace(objects=objects))
     uploads = PresignedUploads(SimpleNamespace(store=store), plane, tmp_path, None)  # type: ignore[arg-type]
     for name in (named, other):
         asyncio.run(uploads._drop(SimpleNamespace(name="r"), _Open(0, "the-key-xxxxxxxxxx", name, "u", 10, 8 << 20)))  # type: ignore[arg-type]

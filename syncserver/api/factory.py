@@ -36,7 +36,7 @@ from syncserver.core.workers import BucketReducers, Reducers, Threads, Workers
 from syncserver.errors import HubError
 from syncserver.reduce.engine import MergeEngine
 from syncserver.settings import HubSettings
-from syncserver.storage.bucket import Bucket, open_store
+from syncserver.storage.bucket import open_store
 from syncserver.storage.s3 import StoreUnavailable
 from syncserver.storage.store import Store, storage_error
 
@@ -140,7 +140,7 @@ async def choose_modes(settings: HubSettings, store: Store) -> tuple[LocalPlane,
     except StoreUnavailable as exc:
         log.error("SYNC_STORE: %s", exc.reason)
         raise RuntimeError(f"SYNC_STORE: {exc.reason}") from None
-    bucket = BucketPlane(store, settings.keep_versions, Bucket(objects, store))
+    bucket = BucketPlane(store, settings.keep_versions, objects)
     engine = MergeEngine(store, settings.fold_threads, objects)
     if not reducers:
         return bucket, Threads(engine, bucket)

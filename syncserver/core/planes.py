@@ -3,20 +3,24 @@ the core calls its plane and never asks which one it has.
 
 - :class:`LocalPlane`: the hub's disk alone. Peers PUT their updates to the hub and download
   results and versions from it.
-- :class:`BucketPlane` (``SYNC_STORE``): the hub's disk and an S3-API bucket. Peers upload their
-  updates straight to the bucket through presigned part URLs (:mod:`syncserver.core.presigned`)
-  and are sent there (a 307 to a presigned GET) for results and versions, so the hub's link
-  carries each object once, up to the bucket, instead of once per peer. The hub uploads each
-  result before its commit announces it, and each version on its first download (a version
-  nobody asks for is never sent). A store that fails leaves every download to the hub's disk
-  for a while (:meth:`Bucket.failed <syncserver.storage.bucket.Bucket.failed>`); the bucket
-  keeps what the disk keeps (pruned together), and what a crash left in it that no record names
-  is deleted at start.
+- :class:`BucketPlane` (``SYNC_STORE``): the hub's disk and an S3-API bucket
+  (:mod:`syncserver.storage.bucket` names its objects). Peers upload their updates straight to
+  the bucket through presigned part URLs (:mod:`syncserver.core.presigned`), and the bucket
+  then holds the only copy; they are sent there (a 307 to a presigned GET) for results and
+  versions, so the hub's link carries each object once, up to the bucket, instead of once per
+  peer. The hub uploads each result before its commit announces it and each version on its
+  first download (a version nobody asks for is never sent); its disk keeps its own copy
+  (downloads fall back to it). The bucket keeps what the disk keeps (pruned together, records
+  first), and what a crash left in it that no record names is deleted at start.
+
+  A store that fails is *down* for :data:`DOWN_SECONDS`: no upload and no redirect is tried
+  meanwhile, every download is served from the hub's disk, and one warning per run says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,11 +29,15 @@ from anyio import to_thread
 
 from syncserver.core.state import Run, Via
 from syncserver.errors import NoStore, Unavailable
-from syncserver.storage.bucket import Bucket
-from syncserver.storage.s3 import ObjectStore
+from syncserver.storage.bucket import object_name
+from syncserver.storage.s3 import ObjectStore, StoreError
 from syncserver.storage.store import Blob, Missing, ObjectRecord, Published, ResultKey, Store, VersionKey
 
-__all__ = ["BucketPlane", "LocalPlane", "Redirect"]
+__all__ = ["DOWN_SECONDS", "BucketPlane", "LocalPlane", "Redirect"]
+
+log = logging.getLogger(__name__)
+
+DOWN_SECONDS = 30.0  # after a failure, how long the store is left alone before it is tried again
 
 
 @dataclass(frozen=True)
@@ -48,13 +56,13 @@ class LocalPlane:
     def __init__(self, store: Store, keep_versions: int) -> None:
         self.store = store
         self.keep_versions = keep_versions
-        self.url: str | None = None  # the bucket as status and the dashboard show it
+        self.url: str | None = None  # the bucket as status and the dashboard show it (no credential)
         self.objects: ObjectStore | None = None  # where the engine and the reducers read what lives in the bucket
         self.reads: Callable[[], int] | None = None  # bytes the hub read from the bucket (/metrics)
         self.stored: list[Callable[[str, int], None]] = []  # told of each upload of the hub's: (run, bytes)
 
-    def bucket(self, run: Run) -> Bucket:
-        """The bucket peers upload their updates to; :class:`NoStore` here (its peers' SDKs PUT instead)."""
+    def uploads_to(self, run: Run) -> BucketPlane:
+        """The bucket peers upload their updates to: :class:`NoStore` here (their SDKs PUT instead)."""
         raise NoStore("this hub has no object store: PUT the update to the hub", current_version=run.version)
 
     async def recover(self, run: Run) -> None:
@@ -88,32 +96,89 @@ class LocalPlane:
 
 
 class BucketPlane(LocalPlane):
-    """The hub's disk and a bucket (see the module docstring)."""
+    """The hub's disk and a bucket (see the module docstring). Everything here runs on the event
+    loop, as every sqlite call of the hub does; the store's requests go to worker threads."""
 
     uploads: Via = "store"
+    objects: ObjectStore
 
-    def __init__(self, store: Store, keep_versions: int, bucket: Bucket) -> None:
+    def __init__(self, store: Store, keep_versions: int, objects: ObjectStore) -> None:
         super().__init__(store, keep_versions)
-        self._bucket = bucket
-        self.url, self.objects = bucket.url, bucket.objects
-        self.reads = lambda: bucket.objects.bytes_read
+        self.url, self.objects = objects.url, objects
+        self.reads = lambda: objects.bytes_read
         self._copies: dict[VersionKey, asyncio.Task[None]] = {}  # versions being copied to the bucket
+        self._down_until = 0.0
+        self._warned: set[str] = set()  # runs told the store is down, since it last worked
 
-    def bucket(self, run: Run) -> Bucket:
-        return self._bucket
+    def uploads_to(self, run: Run) -> BucketPlane:
+        return self
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def failed(self, run: str, why: str) -> None:
+        """The store failed for ``run``: leave it alone for a while, say so once per run."""
+        self._down_until = time.monotonic() + DOWN_SECONDS
+        if run not in self._warned:
+            self._warned.add(run)
+            log.warning(
+                "object_store_down run=%s store=%s: %s; serving results and versions from the hub's disk",
+                run,
+                self.url,
+                why,
+            )
 
     async def recover(self, run: Run) -> None:
-        named = self._bucket.recover(run.name, run.version)
-        await to_thread.run_sync(self._bucket.delete_unnamed, run.name, named)
+        """Forget the records past the committed state (a version past it, a result of a round
+        not closed), then delete every object of the run that no record names and abort every
+        multipart upload open there (a peer's update or a result a crash cut). A store that
+        fails keeps them for the next start."""
+        v = run.version
+        records = self.store.stored_objects(run.name)
+        self.store.forget_objects(
+            [r.key for r in records if (r.key.round >= v if isinstance(r.key, ResultKey) else r.key.number > v)]
+        )
+        named = {object_name(r.key) for r in self.store.stored_objects(run.name)} | self.store.update_objects(run.name)
+
+        def delete_unnamed() -> tuple[int, int]:
+            unnamed = [info.name for info in self.objects.list(f"runs/{run.name}/") if info.name not in named]
+            self.objects.delete_names(unnamed)
+            uploads = self.objects.uploads(f"runs/{run.name}/")
+            for upload in uploads:
+                self.objects.abort_multipart(upload.name, upload.upload_id)
+            return len(unnamed), len(uploads)
+
+        try:
+            objects, uploads = await to_thread.run_sync(delete_unnamed)
+        except StoreError as exc:
+            self.failed(run.name, f"cleaning up after a restart: {exc}")
+            return
+        if objects or uploads:  # a crash cut uploads before their records: worth a line in the log
+            log.warning("object_store_orphans_deleted run=%s objects=%d uploads=%d", run.name, objects, uploads)
 
     async def upload(self, run: Run, key: Published) -> ObjectRecord | None:
         """Copy ``key``'s file to the bucket; its record (the caller writes it: commit is the
         database's), or None if the store failed (then the hub serves it from disk)."""
-        record = await to_thread.run_sync(self._bucket.upload, key)
-        if record is not None:
-            for listener in self.stored:
-                listener(run.name, record.size)
-        return record
+        if not self.up:
+            return None
+        try:
+            blob = self.store.serve(key)
+        except Missing:
+            return None
+        try:
+            info = await to_thread.run_sync(self.objects.put_from, object_name(key), blob.size, blob.read)
+        except Exception as exc:  # a second copy: nothing the store does may fail a round
+            self.failed(key.run, f"uploading {object_name(key)}: {exc}")
+            return None
+        finally:
+            blob.close()
+        if self._warned:
+            log.info("object_store_back store=%s", self.url)
+            self._warned.clear()
+        for listener in self.stored:
+            listener(run.name, info.size)
+        return ObjectRecord(key, info.size, info.etag)
 
     async def publish(
         self, run: Run, key: ResultKey, copies: list[ObjectRecord]
@@ -130,13 +195,13 @@ class BucketPlane(LocalPlane):
         concurrent ask waits for the same upload); ``direct``: the peer was sent there and could
         not fetch it, so the hub's file."""
         if direct:
-            self._bucket.failed(run.name, f"peer {peer or '?'} could not download from it")
-        else:
-            if isinstance(key, VersionKey) and self._bucket.up and self.store.exists(key):
+            self.failed(run.name, f"peer {peer or '?'} could not download from it")
+        elif self.up:
+            if isinstance(key, VersionKey) and self.store.exists(key):
                 await self._copy(run, key)
-            found = self._bucket.presign(key)
-            if found is not None:
-                return Redirect(found[0], found[1].size)
+            record = self.store.stored_object(key)
+            if record is not None:
+                return Redirect(self.objects.presign_get(object_name(key)), record.size)
         return await super().serve(run, key, direct=direct, peer=peer)
 
     async def _copy(self, run: Run, key: VersionKey) -> None:
@@ -154,12 +219,24 @@ class BucketPlane(LocalPlane):
             self.store.record_object(record)  # the copy counts from here on
 
     async def prune(self, run: Run, version: int) -> None:
-        """The bucket keeps what the disk keeps: records first, then the objects."""
+        """The bucket keeps what the disk keeps: versions below the kept ones, results and the
+        updates merged in their rounds as the results are. Records go first: a crash in between
+        leaves garbage that the next start deletes, never a record of a deleted object."""
         await super().prune(run, version)
         keep = self.keep_versions
-        gone = self._bucket.prune(run.name, version - keep + 1, version - max(keep, run.keep_results or 0) + 1)
-        if gone:
-            await to_thread.run_sync(self._bucket.delete, run.name, gone)
+        floor, results = version - keep + 1, version - max(keep, run.keep_results or 0) + 1
+        gone = [
+            r.key
+            for r in self.store.stored_objects(run.name)
+            if (r.key.round < results if isinstance(r.key, ResultKey) else r.key.number < floor)
+        ]
+        self.store.forget_objects(gone)
+        names = [object_name(key) for key in gone] + self.store.forget_update_objects(run.name, results)
+        if names:
+            try:
+                await to_thread.run_sync(self.objects.delete_names, names)
+            except StoreError as exc:
+                self.failed(run.name, f"pruning: {exc}")
 
     def close(self) -> None:
-        self._bucket.close()
+        self.objects.close()

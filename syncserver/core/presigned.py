@@ -151,7 +151,7 @@ class PresignedUploads:
         Everything that can change while the request waits (the round, an acknowledgement of
         this peer's, the open upload) is checked under the peer's lock, which ``uploaded`` holds
         from its report to its acknowledgement: a presign racing an acknowledgement sees it."""
-        bucket = self.plane.bucket(run)
+        bucket = self.plane.uploads_to(run)
         assert run.shape is not None
         if size > run.shape.max_update_bytes:
             raise PayloadTooLarge(f"body of {size} bytes is over the {run.shape.max_update_bytes}-byte limit")
@@ -194,7 +194,7 @@ class PresignedUploads:
     async def uploaded(self, run: Run, round_: int, peer: str, report: UploadReport) -> Acknowledgement:
         """The peer says it uploaded every part of ``key``'s upload: complete, check, acknowledge
         (see the module docstring). The same update acknowledged before: its acknowledgement."""
-        self.plane.bucket(run)
+        self.plane.uploads_to(run)
         async with self._lock(run.name, peer):
             opened = self._open.get((run.name, peer))
             if opened is None or (opened.round, opened.key) != (round_, report.key):
@@ -217,7 +217,7 @@ class PresignedUploads:
             return ack
 
     async def _settle(self, run: Run, opened: _Open, peer: str, report: UploadReport) -> Acknowledgement:
-        objects = self.plane.bucket(run).objects
+        objects = self.plane.uploads_to(run).objects
         size, digest, etags = report.size, report.digest, report.etags
         seconds = time.monotonic() - opened.began  # the upload phase: from the plan to the report
         if size != opened.size:
@@ -265,7 +265,7 @@ class PresignedUploads:
             digest=digest,
             rules=CheckRules.of(rules),
         )
-        objects = self.plane.bucket(run).objects
+        objects = self.plane.uploads_to(run).objects
 
         def check() -> Checked:
             with contextlib.closing(objects.stream(opened.name)) as chunks:
@@ -279,7 +279,7 @@ class PresignedUploads:
         was recorded (the peer went away) keeps what it acknowledged."""
         keep = self.rounds.store.names_update_object(run.name, opened.name)
 
-        objects = self.plane.bucket(run).objects
+        objects = self.plane.uploads_to(run).objects
 
         def drop() -> None:
             objects.abort_multipart(opened.name, opened.upload_id)
@@ -300,7 +300,7 @@ class PresignedUploads:
         except StoreRefused as exc:  # a part the store does not hold with that ETag: the peer's word is false
             raise BadRequest(f"the object store refused to complete the upload: {exc}") from None
         except StoreError as exc:
-            self.plane.bucket(run).failed(run.name, f"an update upload: {exc}")
+            self.plane.uploads_to(run).failed(run.name, f"an update upload: {exc}")
             raise StoreDown(f"the object store failed ({exc}): PUT the update to the hub") from None
 
     def _lock(self, run: str, peer: str) -> asyncio.Lock:

@@ -195,11 +195,12 @@ class MergeEngine:
     ) -> TensorReader | None:
         """Version v, or the momentum or residual that goes with it, closed with ``files``: on the
         hub's disk, or else in the bucket (written there by the reducers that merged the round
-        before); None if neither. ``shared``: the bucket's copy first (version 0, uploaded for the
-        reducers: a lease that named the hub's file would fail on a reducer of another machine)."""
+        before); None for a momentum or residual not made yet. ``shared``: the bucket's copy first
+        (version 0, uploaded for the reducers: a lease that named the hub's file would fail on a
+        reducer of another machine)."""
         if self.store.exists(key) and not (shared and self.store.stored_object(key) is not None):
             return files.enter_context(self.store.read(key))
-        if self.store.stored_object(key) is None:
+        if not isinstance(key, VersionKey) and self.store.stored_object(key) is None:
             return None
         wire = self._object(object_name(key), None, str(key))
         files.callback(wire.close)
@@ -350,8 +351,7 @@ class MergeEngine:
         old_momentum = self._opened(files, MomentumKey(run, v)) if diloco else None
         # the reducers' leases (``into``) read version v where any reducer can: in the bucket
         base = self._opened(files, VersionKey(run, v), shared=into is not None)
-        if base is None:
-            raise Missing(f"version {v} of run {run!r} is not stored")
+        assert base is not None  # a version is on the disk or else in the bucket
         # Delayed Nesterov's clock: the part of an outer step done before this round
         clock = self._clock(run, v, old_momentum)
         done, steps = float(clock.get("progress", "0")), int(clock.get("steps", "0"))

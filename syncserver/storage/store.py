@@ -894,6 +894,8 @@ class Store:
 
     def forget_objects(self, keys: list[Stored]) -> None:
         """Drop the records of copies about to be deleted from the store (pruned, or past a crash)."""
+        if not keys:
+            return
         with self._tx() as db:
             db.executemany(
                 "DELETE FROM objects WHERE run = ? AND kind = ? AND number = ?",
