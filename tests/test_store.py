@@ -14,8 +14,8 @@ from syncserver.core.planes import BucketPlane
 from syncserver.errors import Unavailable
 from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.storage.bucket import object_name
+from syncserver.storage.spares import SPARES
 from syncserver.storage.store import (
-    SPARES,
     Missing,
     MomentumKey,
     ObjectRecord,

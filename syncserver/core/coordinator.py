@@ -36,7 +36,7 @@ from syncserver.core.shape import RunShape
 from syncserver.core.state import CONFIG_FIELDS, Peer, Run, RunConfig, Via, now
 from syncserver.core.view import HubView
 from syncserver.core.workers import Workers
-from syncserver.errors import Conflict, InvalidUpdate, NotFound
+from syncserver.errors import Conflict, Gone, InvalidUpdate, NotFound
 from syncserver.settings import HubSettings
 from syncserver.storage.store import Blob, Missing, ResultKey, Store, VersionKey
 from syncserver.storage.uploads import Received
@@ -420,7 +420,7 @@ class Coordinator:
         try:
             return await self.plane.serve(run, ResultKey(run.name, round_), direct=direct, peer=peer_name)
         except Missing:
-            raise self.rounds.gone(run, round_) from None
+            raise Gone(f"round {round_}'s result was pruned; pull the model", current_version=run.version) from None
 
     async def model(
         self, run_name: str, *, direct: bool = False, peer_name: str | None = None

@@ -24,24 +24,20 @@ is this attempt's own (no other upload, a retry of the same key included, is eve
 it), its upload is completed (its part URLs are dead), and the record names it; no clean-up
 here deletes a name a record holds (:meth:`PresignedUploads._drop`). Every check of what can
 change while a request waits (the round, an acknowledgement, the open upload) is made under
-the peer's lock, which ``uploaded`` holds from the report to the acknowledgement.
+the peer's lock, which ``uploaded`` holds from the report to the acknowledgement; so a retried
+``uploaded`` waits for the first and then gets its acknowledgement.
 
 Anything refused (a lie about the size, the digest or the parts; a body that fails a check; the
 round closed meanwhile) is a 4xx with its reason, and the object is deleted: nothing is
-recorded, the round is unchanged. A store that fails is a 503 ``store_unavailable`` (the peer
-then PUTs its update to the hub) and the store is left alone for a while
-(:meth:`Bucket.failed`); a store that hangs fails within ``SYNC_STORE_CONTROL_SECONDS``.
+recorded, the round is unchanged. A store that fails (or hangs past
+``SYNC_STORE_CONTROL_SECONDS``) is a 503 ``store_unavailable``: the peer PUTs its update to the
+hub instead, and the store is left alone for a while. The open uploads are kept in memory only:
+a restarted hub aborts every multipart upload no record names, and a peer that reports one gets
+409 ``upload_unknown`` and uploads again, under a new name.
 
-The open uploads are kept in memory only: a hub that restarts aborts every multipart upload no
-record names (:meth:`Bucket.delete_unnamed`), and a peer that reports one then gets 409
-``upload_unknown`` and uploads again, under a new name. One request at a time per peer runs
-here, so a retried ``uploaded`` waits for the first and then gets its acknowledgement.
-
-With reducers too (``SYNC_REDUCERS``), a reducer may check the body instead, reading it where
-the hub would (:meth:`Reducers.check <syncserver.core.workers.Reducers.check>`): no reducer's
-word alone ever refuses a peer.
-
-Everything runs on the event loop; the store's requests and the check run in worker threads.
+With reducers too (``SYNC_REDUCERS``), a reducer may check the body instead of the hub
+(:meth:`Reducers.check <syncserver.core.workers.Reducers.check>`): no reducer's word alone ever
+refuses a peer.
 """
 
 from __future__ import annotations
@@ -198,7 +194,7 @@ class PresignedUploads:
         async with self._lock(run.name, peer):
             opened = self._open.get((run.name, peer))
             if opened is None or (opened.round, opened.key) != (round_, report.key):
-                repeat = self.rounds.acknowledged_before(run, round_, peer, report.digest)
+                repeat = self.rounds.acknowledged(run, round_, peer, report.digest)
                 if repeat is not None:  # a retry whose first attempt was acknowledged
                     return repeat
                 raise UploadUnknown(

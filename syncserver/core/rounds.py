@@ -32,7 +32,6 @@ from syncserver.core.workers import Workers
 from syncserver.errors import (
     BadRequest,
     Conflict,
-    Gone,
     InvalidUpdate,
     PoisonedUpdate,
     RoundClosed,
@@ -185,7 +184,7 @@ class Rounds:
         updates for this round goes: it gave up on them."""
         if not 1 <= samples <= MAX_SAMPLES:
             raise InvalidUpdate(f"samples must be a count from 1 to {MAX_SAMPLES}, got {samples}")
-        repeat = self._acknowledged(run, round_, peer, digest)
+        repeat = self.acknowledged(run, round_, peer, digest)
         if repeat is not None:
             return Ticket(run.name, round_, peer, digest, samples, metrics, 0, _refuse_body, acknowledged=repeat)
         await self.check_open(run, round_)
@@ -202,7 +201,7 @@ class Rounds:
             run.name, round_, peer, digest, samples, metrics, run.shape.max_update_bytes, check, upload, final=final
         )
 
-    def _acknowledged(self, run: Run, round_: int, peer: str, digest: str | None) -> Acknowledgement | None:
+    def acknowledged(self, run: Run, round_: int, peer: str, digest: str | None) -> Acknowledgement | None:
         """Idempotency: the same update again is harmless, a different one is a conflict. An
         update is named by the version it was computed from (``round_``), which is also the round
         it is merged in but in async runs. A body without its digest yet cannot tell: None."""
@@ -219,10 +218,6 @@ class Rounds:
                 current_version=run.version,
             )
         return Acknowledgement.of(previous, repeat=True)
-
-    def acknowledged_before(self, run: Run, round_: int, peer: str, digest: str) -> Acknowledgement | None:
-        """The acknowledgement of this very update if it was acknowledged before (a retry)."""
-        return self._acknowledged(run, round_, peer, digest)
 
     async def check_open(self, run: Run, round_: int) -> None:
         """Raise unless the open round takes an update computed from version ``round_``."""
@@ -299,7 +294,7 @@ class Rounds:
         """The checks a checked body passes before it counts (the round still takes it, the norm
         guard): its record to store, or the acknowledgement of the same update stored before."""
         assert ticket.digest is not None
-        repeat = self._acknowledged(run, ticket.round, ticket.peer, ticket.digest)
+        repeat = self.acknowledged(run, ticket.round, ticket.peer, ticket.digest)
         if repeat is not None:
             return repeat
         await self.check_open(run, ticket.round)
@@ -487,6 +482,3 @@ class Rounds:
             )
         run.policy.abandoned()
         self.view.changed(run)
-
-    def gone(self, run: Run, round_: int) -> Gone:
-        return Gone(f"round {round_}'s result was pruned; pull the model", current_version=run.version)

@@ -24,7 +24,7 @@ bucket that no record names is garbage, deleted at start.
 from __future__ import annotations
 
 from syncserver.storage.s3 import CONTROL_SECONDS, URL_SECONDS, ObjectStore, StoreError, StoreUnavailable
-from syncserver.storage.store import MomentumKey, ResidualKey, ResultKey, Stored
+from syncserver.storage.store import ResultKey, Stored, VersionKey
 
 __all__ = ["object_name", "open_store", "update_name"]
 
@@ -50,11 +50,9 @@ def object_name(key: Stored) -> str:
     """Where ``key`` lives in the bucket (relative to the store's prefix)."""
     if isinstance(key, ResultKey):
         return f"runs/{key.run}/rounds/{key.round:08d}/result.safetensors"
-    if isinstance(key, MomentumKey):
-        return f"runs/{key.run}/momentum/{key.number:08d}.safetensors"
-    if isinstance(key, ResidualKey):
-        return f"runs/{key.run}/residual/{key.number:08d}.safetensors"
-    return f"runs/{key.run}/versions/{key.number:08d}/model.safetensors"
+    if isinstance(key, VersionKey):
+        return f"runs/{key.run}/versions/{key.number:08d}/model.safetensors"
+    return f"runs/{key.run}/{key.kind}/{key.number:08d}.safetensors"  # momentum, residual
 
 
 def update_name(run: str, round_: int, peer: str, key: str, attempt: str) -> str:
