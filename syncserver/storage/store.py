@@ -200,6 +200,11 @@ _KINDS: dict[str, type[VersionKey | MomentumKey | ResidualKey]] = {
 }
 
 
+def _row(run: str, record: UpdateRecord | RoundRecord) -> tuple[Any, ...]:
+    """A record's row: its run, then its fields in order (its table's columns), lists and dicts as JSON."""
+    return (run, *(json.dumps(v) if isinstance(v, dict | list) else v for v in vars(record).values()))
+
+
 def _kind(key: Stored) -> tuple[str, int]:
     return ("result", key.round) if isinstance(key, ResultKey) else (key.kind, key.number)
 
@@ -607,22 +612,7 @@ class Store:
         self._refuse_second(run, update)
         with self._tx() as db:
             db.execute(
-                f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    run,
-                    update.peer,
-                    update.round,
-                    update.seq,
-                    update.digest,
-                    update.samples,
-                    json.dumps(update.metrics),
-                    update.nbytes,
-                    update.received,
-                    update.seconds,
-                    update.base,
-                    int(update.final),
-                    update.object,
-                ),
+                f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES ({','.join('?' * 13)})", _row(run, update)
             )
 
     def _refuse_second(self, run: str, update: UpdateRecord) -> None:
@@ -641,15 +631,9 @@ class Store:
         ).fetchall()
         return [
             RunRecord(
-                name,
-                json.loads(config),
-                {k: tuple(v) for k, v in json.loads(schema).items()} if schema else None,
-                version,
-                created,
-                bool(sealed),
-                creator,
+                n, json.loads(c), {k: tuple(v) for k, v in json.loads(s).items()} if s else None, v, t, bool(x), by
             )
-            for name, config, schema, version, created, sealed, creator in rows
+            for n, c, s, v, t, x, by in rows
         ]
 
     def create_run(self, name: str, config: dict[str, Any], creator: str | None = None) -> None:
@@ -720,21 +704,7 @@ class Store:
         with self._tx() as db:
             for copy in objects:
                 self._insert_object(db, run, copy)
-            db.execute(
-                "INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (
-                    run,
-                    record.round,
-                    record.opened,
-                    record.closed,
-                    json.dumps(record.participants),
-                    json.dumps(record.dropped),
-                    record.samples,
-                    record.bytes_in,
-                    record.result_bytes,
-                    json.dumps(record.timings),
-                ),
-            )
+            db.execute("INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?)", _row(run, record))
             db.execute("UPDATE runs SET version = ? WHERE name = ?", (record.round + 1, run))
 
     # ---- copies in the object store ------------------------------------------------------
