@@ -249,11 +249,15 @@ class Reducers(Workers):
 
     def end_polls(self) -> None:
         self.board.end_polls()
+        self._drop_folds()
 
     async def stop(self) -> None:
+        self._drop_folds()
+        await super().stop()
+
+    def _drop_folds(self) -> None:
         for task in self._folding.values():  # a fold ahead is dropped, not waited for: nothing of it counts yet
             task.cancel()
-        await super().stop()
 
 
 class BucketReducers(Reducers):
