@@ -230,7 +230,7 @@ def test_a_last_sync_not_marked_final_is_flushed_in_the_same_round(hub: Hub) -> 
 
 def test_files_written_over_pruned_ones_change_no_bit(hub_factory: Callable[..., Hub]) -> None:
     """A hub that prunes every round writes its results, versions, uploads, DiLoCo momentum and
-    topk residual over the files it pruned (store.Spares); with ``--spare-files 0`` it writes
+    topk residual over the files it pruned (spares.Spares); with ``--spare-files 0`` it writes
     every file new. The same peers' run ends bit for bit the same on both."""
     rounds, ends = 6, []
     for spare_files in ("6", "0"):

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from syncserver.core.planes import BucketPlane
 from syncserver.errors import Unavailable
 from syncserver.records import RoundRecord, UpdateRecord
-from syncserver.storage.bucket import Bucket, object_name
+from syncserver.storage.bucket import object_name
+from syncserver.storage.spares import SPARES
 from syncserver.storage.store import (
-    SPARES,
     Missing,
     MomentumKey,
     ObjectRecord,
@@ -251,13 +254,19 @@ def test_momentum_and_residual_copies_are_recorded_recovered_and_pruned_as_versi
         store.commit_round("r", RoundRecord(v, 0.0, 1.0, ["a"], [], 4, 10, 10, {}), copies)
     store.record_object(ObjectRecord(MomentumKey("r", 4), 40, "late"))  # past version 3: a crash's
     assert store.stored_object(MomentumKey("r", 2)) == ObjectRecord(MomentumKey("r", 2), 40, "m1")
-    bucket = Bucket(None, store)  # type: ignore[arg-type]  # records only: no request is made
-    named = bucket.recover("r", 3)
-    assert object_name(MomentumKey("r", 4)) not in named
-    assert {object_name(MomentumKey("r", 3)), object_name(ResidualKey("r", 3))} <= named
+    listed = {object_name(r.key) for r in store.stored_objects("r")}
+    deleted: list[str] = []
+    objects = SimpleNamespace(
+        url="s3://b", list=lambda prefix: [SimpleNamespace(name=n) for n in sorted(listed)], uploads=lambda prefix: []
+    )
+    objects.delete_names = deleted.extend
+    plane = BucketPlane(store, 1, objects)  # type: ignore[arg-type]  # lists and deletes, no request is made
+    asyncio.run(plane.recover(SimpleNamespace(name="r", version=3)))  # type: ignore[arg-type]
+    assert deleted == [object_name(MomentumKey("r", 4))]  # the others are named: momentum and residual 3 too
     assert len({object_name(r.key) for r in store.stored_objects("r")}) == 9  # names of their own
-    gone = bucket.prune("r", 3, 3)
-    assert {object_name(k("r", n)) for k in (MomentumKey, ResidualKey) for n in (1, 2)} <= set(gone)
+    deleted.clear()
+    asyncio.run(plane.prune(SimpleNamespace(name="r", version=3, keep_results=None), 3))  # type: ignore[arg-type]
+    assert {object_name(k("r", n)) for k in (MomentumKey, ResidualKey) for n in (1, 2)} <= set(deleted)
     assert [r.key for r in store.stored_objects("r")] == [MomentumKey("r", 3), ResidualKey("r", 3)]
 
 

@@ -315,7 +315,8 @@ def test_no_clean_up_deletes_an_object_a_record_names(tmp_path: Path) -> None:
         abort_multipart=lambda name, upload_id: calls.append(("abort", name)),
         delete=lambda name: calls.append(("delete", name)),
     )
-    uploads = PresignedUploads(SimpleNamespace(store=store), SimpleNamespace(objects=objects), tmp_path)  # type: ignore[arg-type]
+    plane = SimpleNamespace(uploads_to=lambda run: SimpleNamespace(objects=objects))
+    uploads = PresignedUploads(SimpleNamespace(store=store), plane, tmp_path, None)  # type: ignore[arg-type]
     for name in (named, other):
         asyncio.run(uploads._drop(SimpleNamespace(name="r"), _Open(0, "the-key-xxxxxxxxxx", name, "u", 10, 8 << 20)))  # type: ignore[arg-type]
     assert calls == [("abort", named), ("abort", other), ("delete", other)]

@@ -28,7 +28,7 @@ import torch
 import syncwire.codecs
 from syncclient import SyncClient
 from syncclient.weights import ModelView
-from syncserver.core.coordinator import Coordinator
+from syncserver.api.factory import choose_modes
 from syncserver.errors import BadRequest, InvalidUpdate
 from syncserver.reduce.engine import Accumulator, MergeEngine, Outer, RoundMerge
 from syncserver.settings import HubSettings, default_fold_threads
@@ -359,12 +359,12 @@ def test_the_fold_threads_setting_sizes_the_engines_pool(tmp_path: Path) -> None
     for threads in (3, None):
         settings = HubSettings(data_dir=tmp_path, **({"fold_threads": threads} if threads else {}))
         store = Store(tmp_path)
-        coordinator = Coordinator(settings, store)
+        _, workers = asyncio.run(choose_modes(settings, store))
         try:
             expected = threads or default_fold_threads()
-            assert coordinator.engine.threads == expected == coordinator.engine._pool._max_workers
+            assert workers.engine.threads == expected == workers.engine._pool._max_workers
         finally:
-            coordinator.engine.close()
+            workers.engine.close()
             store.close()
     assert default_fold_threads() == min(4, os.cpu_count() or 1)
 

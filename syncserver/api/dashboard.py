@@ -37,6 +37,7 @@ from syncserver import __version__
 from syncserver.api import answers
 from syncserver.api.deps import Hub, RunQuery, Viewer, Wait
 from syncserver.api.schemas import DashboardData, DashboardRun
+from syncserver.core.changes import until
 from syncserver.core.view import HubView
 from syncserver.records import RoundRecord, UpdateRecord
 
@@ -182,13 +183,9 @@ async def dashboard_data(
     wait: Wait = 0.0,
 ) -> DashboardData:
     view = hub.view
-    deadline = time.monotonic() + min(wait, hub.settings.long_poll_seconds)
-    # every change the page shows wakes the view (acknowledgements, uploads, closes, leases)
-    while since is not None and view.fingerprint(view.find(run)) == since:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or view.stopping:
-            break
-        await view.wait(remaining)
+    if since is not None:  # every change the page shows wakes the view (acknowledgements, uploads, closes, leases)
+        seconds = min(wait, hub.settings.long_poll_seconds)
+        await until(lambda: view.fingerprint(view.find(run)) != since, view.changes, seconds, lambda: view.stopping)
     return snapshot(view, run, only)
 
 

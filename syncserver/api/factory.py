@@ -30,9 +30,13 @@ from syncserver.api.reduce import view_router as reduce_view_router
 from syncserver.api.routes import router, view_router
 from syncserver.api.schemas import ErrorBody, Health
 from syncserver.core.coordinator import Coordinator
+from syncserver.core.leases import Board
+from syncserver.core.planes import BucketPlane, LocalPlane
+from syncserver.core.workers import BucketReducers, Reducers, Threads, Workers
 from syncserver.errors import HubError
+from syncserver.reduce.engine import MergeEngine
 from syncserver.settings import HubSettings
-from syncserver.storage.bucket import Bucket, open_store
+from syncserver.storage.bucket import open_store
 from syncserver.storage.s3 import StoreUnavailable
 from syncserver.storage.store import Store, storage_error
 
@@ -120,6 +124,29 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 }
 
 
+async def choose_modes(settings: HubSettings, store: Store) -> tuple[LocalPlane, Workers]:
+    """The hub's two modes, chosen here once: where the bytes live (the hub's disk; with
+    ``SYNC_STORE`` a bucket too) and who does the tensor work (the hub's threads; with
+    ``SYNC_REDUCERS`` leased reducers, through the bucket when there is one)."""
+    seconds, reducers = settings.reduce_lease_seconds, settings.reducers
+    if not settings.store:
+        plane = LocalPlane(store, settings.keep_versions)
+        engine = MergeEngine(store, settings.fold_threads)
+        return plane, Reducers(engine, plane, Board(seconds), reducers) if reducers else Threads(engine, plane)
+    try:  # `syncserver serve` checked it already (one line, exit 2); plain uvicorn lands here
+        objects = await to_thread.run_sync(
+            open_store, settings.store, settings.store_url_seconds, settings.store_control_seconds
+        )
+    except StoreUnavailable as exc:
+        log.error("SYNC_STORE: %s", exc.reason)
+        raise RuntimeError(f"SYNC_STORE: {exc.reason}") from None
+    bucket = BucketPlane(store, settings.keep_versions, objects)
+    engine = MergeEngine(store, settings.fold_threads, objects)
+    if not reducers:
+        return bucket, Threads(engine, bucket)
+    return bucket, BucketReducers(engine, bucket, Board(seconds, lambda: objects), reducers)
+
+
 def create_app(settings: HubSettings | None = None) -> FastAPI:
     """Build a hub. Its state lives in ``settings.data_dir`` and is recovered on start."""
     settings = settings or HubSettings()
@@ -130,19 +157,8 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # before the server listens, however it was started (what one client can hold: docs/SECURITY.md)
         connections = guard_uvicorn(settings.header_timeout, settings.idle_timeout)
-        bucket = None
-        if settings.store:
-            try:  # `syncserver serve` checked it already (one line, exit 2); plain uvicorn lands here
-                objects = await to_thread.run_sync(
-                    open_store, settings.store, settings.store_url_seconds, settings.store_control_seconds
-                )
-            except StoreUnavailable as exc:
-                log.error("SYNC_STORE: %s", exc.reason)
-                raise RuntimeError(f"SYNC_STORE: {exc.reason}") from None
         store = Store(settings.data_dir, spares=settings.spare_files)
-        if settings.store:
-            bucket = Bucket(objects, store)
-        coordinator = Coordinator(settings, store, bucket)
+        coordinator = Coordinator(settings, store, *await choose_modes(settings, store))
         await coordinator.start()
         _redact_logs()
         metrics.attach(coordinator.view)
@@ -150,7 +166,7 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
         log.info(
             "hub ready: data in %s%s, %s; connections: %s",
             store.describe(),
-            f", updates, results and versions through {bucket.url}" if bucket else "",
+            f", updates, results and versions through {coordinator.plane.url}" if coordinator.plane.url else "",
             "token required" if settings.auth_required else "open (no token)",
             connections,
         )
@@ -161,8 +177,7 @@ def create_app(settings: HubSettings | None = None) -> FastAPI:
             undo()
             await coordinator.stop()
             store.close()
-            if bucket is not None:
-                bucket.close()
+            coordinator.plane.close()
 
     app = FastAPI(
         title="weightsync hub",

@@ -36,7 +36,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from syncserver.api.deps import authenticate_view
-from syncserver.core.leases import ReducerStats
 from syncserver.core.policy import PeerState
 from syncserver.core.view import HubView
 from syncserver.records import RoundRecord, UpdateRecord
@@ -120,58 +119,40 @@ class _StateCollector(Collector):
         yield from _reducer_metrics(view)
 
 
+_C, _G = CounterMetricFamily, GaugeMetricFamily
+#: per reducer: (the ReducerStats field, counter or gauge, metric, help)
+_REDUCER_SERIES: list[tuple[str, type[CounterMetricFamily | GaugeMetricFamily], str, str]] = [
+    ("leases", _C, "weightsync_reducer_leases", "Merge and version-build leases the reducer did."),
+    ("seconds", _C, "weightsync_reducer_lease_seconds", "Seconds of work in the reducer's leases, summed."),
+    ("last_seconds", _G, "weightsync_reducer_last_lease_seconds", "Seconds the reducer's last lease took."),
+    ("expired", _C, "weightsync_reducer_leases_expired", "Leases the reducer took and lost (not renewed)."),
+    ("bytes", _C, "weightsync_reducer_bytes", "Bytes the reducer's leases read and wrote."),
+    # the reducers' check leases (SYNC_STORE)
+    ("checks", _C, "weightsync_reducer_checks", "Uploaded update bodies the reducer checked."),
+    ("check_seconds", _C, "weightsync_reducer_check_seconds", "Seconds of the reducer's checks, summed."),
+    (
+        "check_failures",
+        _C,
+        "weightsync_reducer_check_failures",
+        "The reducer's check reports the hub did not take (failed, not holding up, or contradicted by the hub's "
+        "own check of the body, which then answered the peer).",
+    ),
+]
+
+
 def _reducer_metrics(view: HubView | None) -> Iterator[Metric]:
     """Per-reducer lease timings (SYNC_REDUCERS), for the reducers heard from lately: a
     restarted reducer is a new name, and the old one leaves the list (and the series)."""
     known = view.reducers() if view is not None else []
     count = GaugeMetricFamily("weightsync_reducers", "Reducers heard from lately (SYNC_REDUCERS).")
     count.add_metric([], len(known))
-    leases = CounterMetricFamily(
-        "weightsync_reducer_leases", "Merge and version-build leases the reducer did.", labels=["reducer"]
-    )
-    seconds = CounterMetricFamily(
-        "weightsync_reducer_lease_seconds", "Seconds of work in the reducer's leases, summed.", labels=["reducer"]
-    )
-    last = GaugeMetricFamily(
-        "weightsync_reducer_last_lease_seconds", "Seconds the reducer's last lease took.", labels=["reducer"]
-    )
-    expired = CounterMetricFamily(
-        "weightsync_reducer_leases_expired", "Leases the reducer took and lost (not renewed).", labels=["reducer"]
-    )
-    nbytes = CounterMetricFamily(
-        "weightsync_reducer_bytes", "Bytes the reducer's leases read and wrote.", labels=["reducer"]
-    )
-    for r in known:
-        leases.add_metric([r.name], r.leases)
-        seconds.add_metric([r.name], r.seconds)
-        if r.last_seconds is not None:
-            last.add_metric([r.name], r.last_seconds)
-        expired.add_metric([r.name], r.expired)
-        nbytes.add_metric([r.name], r.bytes)
-    yield from (count, leases, seconds, last, expired, nbytes)
-    yield from _check_metrics(known)
-
-
-def _check_metrics(known: list[ReducerStats]) -> Iterator[Metric]:
-    """The reducers' check leases (SYNC_STORE): bodies checked, the seconds it took, and the
-    reports the hub did not take."""
-    checks = CounterMetricFamily(
-        "weightsync_reducer_checks", "Uploaded update bodies the reducer checked.", labels=["reducer"]
-    )
-    seconds = CounterMetricFamily(
-        "weightsync_reducer_check_seconds", "Seconds of the reducer's checks, summed.", labels=["reducer"]
-    )
-    failures = CounterMetricFamily(
-        "weightsync_reducer_check_failures",
-        "The reducer's check reports the hub did not take (failed, not holding up, or contradicted by the hub's "
-        "own check of the body, which then answered the peer).",
-        labels=["reducer"],
-    )
-    for r in known:
-        checks.add_metric([r.name], r.checks)
-        seconds.add_metric([r.name], r.check_seconds)
-        failures.add_metric([r.name], r.check_failures)
-    yield from (checks, seconds, failures)
+    yield count
+    for field, family, name, text in _REDUCER_SERIES:
+        series = family(name, text, labels=["reducer"])
+        for r in known:
+            if getattr(r, field) is not None:
+                series.add_metric([r.name], getattr(r, field))
+        yield series
 
 
 class HubMetrics:

@@ -36,7 +36,8 @@ from syncserver.api.schemas import (
     UploadPlan,
     VersionZero,
 )
-from syncserver.core.coordinator import Coordinator, Redirect, Start
+from syncserver.core.coordinator import Coordinator, Start
+from syncserver.core.planes import Redirect
 from syncserver.core.presigned import UploadReport
 from syncserver.core.rounds import Ticket
 from syncserver.core.state import Via
@@ -252,7 +253,7 @@ async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) 
 async def put_initial(
     run: RunName, request: Request, hub: Hub, peer: Annotated[str, Query(pattern=NAME_PATTERN)]
 ) -> VersionZero:
-    ticket = hub.init_ticket(run, peer)
+    ticket = hub.rounds.init_ticket(hub.seen(run, peer), peer)
     received = await _receive(request, hub, ticket)
     assert isinstance(received, Received)  # version 0 is not held
     return answers.initial_version(await hub.commit_init(ticket, received))
@@ -351,16 +352,14 @@ async def put_update(
 ) -> UpdateAck | Response:
     try:
         whole = parse_flag(complete, "Upload-Complete", default=True)
-        ticket = await hub.update_ticket(
-            run,
-            round,
-            peer,
+        hex_digest, numbers, last = (
             update_digest(digest, key, complete=whole),
-            samples,
             parse_metrics(metrics),
-            key=key,
-            supersede=True,
-            final=parse_flag(final, "X-Sync-Final"),
+            parse_flag(final, "X-Sync-Final"),
+        )
+        the_run = hub.seen(run, peer)
+        ticket = await hub.rounds.update_ticket(
+            the_run, round, peer, hex_digest, samples, numbers, key=key, supersede=True, final=last
         )
     except HubError:
         await _drain(request, hub.settings.max_body_bytes)
@@ -368,15 +367,22 @@ async def put_update(
     if ticket.acknowledged is not None:  # the same update again: answer as the first time
         await _drain(request, hub.settings.max_body_bytes)
         return answers.update_ack(ticket.acknowledged)
-    with hub.uploading(ticket):
+    with hub.rounds.uploading(the_run, peer):
         try:
             received = await _receive(request, hub, ticket, offset, complete=whole)
         except (Incomplete, Superseded):
             # the round may have closed while the body streamed: then say so (409 round_closed,
             # or the ack of this very update, which a newer attempt may have brought), so that
             # the peer catches up
-            again = await hub.update_ticket(
-                run, round, peer, ticket.digest, ticket.samples, ticket.metrics, key=key, final=ticket.final
+            again = await hub.rounds.update_ticket(
+                hub.seen(run, peer),
+                round,
+                peer,
+                ticket.digest,
+                ticket.samples,
+                ticket.metrics,
+                key=key,
+                final=ticket.final,
             )
             if again.acknowledged is not None:
                 return answers.update_ack(again.acknowledged)
@@ -384,7 +390,7 @@ async def put_update(
         if isinstance(received, Held):
             held = UploadHeld(held=received.nbytes)
             return Response(held.model_dump_json(), status_code=202, media_type="application/json")
-        return answers.update_ack(await hub.commit_update(ticket, received))
+        return answers.update_ack(await hub.rounds.commit_update(the_run, ticket, received))
 
 
 @router.head(
@@ -406,9 +412,8 @@ async def update_offset(
     rest is to send with ``Upload-Offset`` set); ``Upload-Complete: ?1`` when the update is
     already acknowledged (a PUT from that offset, with an empty body, gets its ack again).
     Asking supersedes an attempt still streaming on the hub: the client has given up on it."""
-    ticket = await hub.update_ticket(
-        run, round, peer, update_digest(digest, key, complete=False), samples, parse_metrics(metrics), key=key
-    )
+    hex_digest, numbers = update_digest(digest, key, complete=False), parse_metrics(metrics)
+    ticket = await hub.rounds.update_ticket(hub.seen(run, peer), round, peer, hex_digest, samples, numbers, key=key)
     if ticket.acknowledged is not None:
         held, complete = ticket.acknowledged.nbytes, "?1"
     else:
@@ -430,7 +435,7 @@ class PresignRequest(BaseModel):
     summary="Presigned part URLs to upload the peer's update straight to the object store (hubs with SYNC_STORE)",
 )
 async def presign_update(run: RunName, round: Round, peer: PeerName, body: PresignRequest, hub: Hub) -> UploadPlan:
-    return answers.upload_plan(await hub.presign(run, round, peer, body.key, body.size))
+    return answers.upload_plan(await hub.presigned.presign(hub.seen(run, peer), round, peer, body.key, body.size))
 
 
 #: sha-256 in hex, as the object store's update is named by nothing else once uploaded
@@ -459,7 +464,7 @@ class UploadedReport(BaseModel):
 async def update_uploaded(run: RunName, round: Round, peer: PeerName, body: UploadedReport, hub: Hub) -> UpdateAck:
     metrics = parse_metrics(json.dumps(body.metrics))
     report = UploadReport(body.key, body.size, body.digest, body.etags, body.samples, metrics, body.final)
-    return answers.update_ack(await hub.uploaded(run, round, peer, report))
+    return answers.update_ack(await hub.presigned.uploaded(hub.seen(run, peer), round, peer, report))
 
 
 #: ``?direct=1``: the peer was redirected to the object store and could not fetch from there.
@@ -522,7 +527,7 @@ async def get_result(
     headers = {
         "ETag": f'"{run}-r{round}"',
         "X-Sync-Version": str(round + 1),
-        "X-Sync-Run-Samples": str(hub.samples_through(run, round)),
+        "X-Sync-Run-Samples": str(hub.view.samples_through(run, round)),
     }
     # runs once the whole body is sent: the end of the peer's download phase (from the store,
     # the peer reports it: POST .../downloaded)
@@ -543,7 +548,7 @@ async def get_model(
     headers = {
         "ETag": f'"{run}-v{version}"',
         "X-Sync-Version": str(version),
-        "X-Sync-Run-Samples": str(hub.samples_through(run, version - 1)),
+        "X-Sync-Run-Samples": str(hub.view.samples_through(run, version - 1)),
     }
     return _answer(request, hub, run, peer, found, headers)
 

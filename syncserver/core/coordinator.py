@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Awaitable
@@ -27,24 +26,24 @@ from typing import Any, Literal
 
 from anyio import to_thread
 
-from syncserver.core.leases import Board, FoldAhead, build_leased, merge_leased
+from syncserver.core.changes import until
+from syncserver.core.planes import LocalPlane, Redirect
 from syncserver.core.policy import SamplesPolicy
-from syncserver.core.presigned import Plan, PresignedUploads, UploadReport
+from syncserver.core.presigned import PresignedUploads
 from syncserver.core.quotas import check_new_peer, check_new_run
-from syncserver.core.rounds import Acknowledgement, InitialVersion, Rounds, Ticket
+from syncserver.core.rounds import InitialVersion, Rounds, Ticket
 from syncserver.core.shape import RunShape
 from syncserver.core.state import Peer, Run, RunConfig, Via, now
 from syncserver.core.view import HubView
-from syncserver.errors import Conflict, InvalidUpdate, NoStore, NotFound, Unavailable
-from syncserver.reduce.engine import MergeEngine
+from syncserver.core.workers import Workers
+from syncserver.errors import Conflict, Gone, InvalidUpdate, NotFound
 from syncserver.settings import HubSettings
-from syncserver.storage.bucket import Bucket
-from syncserver.storage.store import Blob, Missing, Published, ResultKey, Store, VersionKey
+from syncserver.storage.store import Blob, Missing, ResultKey, Store, VersionKey
 from syncserver.storage.uploads import Received
 from syncwire import get_codec
 from syncwire.runsettings import RUN_SETTINGS, settle
 
-__all__ = ["Coordinator", "Redirect", "RoundProgress", "Start"]
+__all__ = ["Coordinator", "RoundProgress", "Start"]
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +69,6 @@ class Start:
 
 
 @dataclass(frozen=True)
-class Redirect:
-    """A download to send to the object store: a presigned GET of the copy, and its size."""
-
-    url: str
-    size: int
-
-
-@dataclass(frozen=True)
 class RoundProgress:
     """Where the open round stands after a progress report (``due``: send your update now)."""
 
@@ -91,37 +82,16 @@ class RoundProgress:
 class Coordinator:
     """All runs of one hub."""
 
-    def __init__(self, settings: HubSettings, store: Store, bucket: Bucket | None = None) -> None:
+    def __init__(self, settings: HubSettings, store: Store, plane: LocalPlane, workers: Workers) -> None:
         self.settings = settings
         self.store = store
-        self.bucket = bucket  # SYNC_STORE: results and versions also go out through it
+        self.plane = plane  # where the bytes live
+        self.workers = workers  # who does the tensor work
+        self.board = workers.board  # the reducers' leases, for their routes
         self.runs: dict[str, Run] = {}
-        reads = (lambda: bucket.objects.bytes_read) if bucket else None
-        self.view = HubView(self.runs, store, settings.lease_seconds, bucket.url if bucket else None, reads)
-        self.engine = MergeEngine(store, settings.fold_threads, bucket.objects if bucket else None)
-        # SYNC_REDUCERS: each round's merge is cut into leases that reducer processes work
-        objects = (lambda: bucket.objects) if bucket else None
-        self.board = Board(settings.reduce_lease_seconds, objects) if settings.reducers else None
-        leased = (
-            functools.partial(merge_leased, self.board, settings.reducers, self.engine)
-            if self.board is not None
-            else None
-        )
-        # with a store too, the reducers build each version in the bucket after its commit
-        built = (
-            functools.partial(build_leased, self.board, settings.reducers)
-            if self.board is not None and bucket is not None
-            else None
-        )
-        # and they fold each round's updates ahead of its close, as they are acknowledged
-        ahead = FoldAhead(self.board, settings.reducers, self.engine) if self.board is not None else None
-        self.view.board = self.board
-        self.rounds = Rounds(settings, store, self.engine, self.view, bucket, leased, built, ahead)
-        # SYNC_STORE: peers upload their updates there too
-        self.presigned = (
-            PresignedUploads(self.rounds, bucket, settings.data_dir / "tmp", self.board) if bucket else None
-        )
-        self._copies: dict[Published, asyncio.Task[None]] = {}  # versions being copied to the bucket
+        self.view = HubView(self.runs, store, settings.lease_seconds, plane, workers)
+        self.rounds = Rounds(settings, store, self.view, plane, workers)
+        self.presigned = PresignedUploads(self.rounds, plane, settings.data_dir / "tmp", workers)
         self._ticker: asyncio.Task[None] | None = None
 
     # ---- life ----------------------------------------------------------------------------
@@ -136,9 +106,7 @@ class Coordinator:
             if run.schema is not None:
                 run.shape = await to_thread.run_sync(RunShape.of, run.schema, run.codec, self.settings.max_body_bytes)
             self.store.recover(run.name, run.version)
-            if self.bucket is not None:  # what a crash left in the bucket past the commit
-                named = self.bucket.recover(run.name, run.version)
-                await to_thread.run_sync(self.bucket.delete_unnamed, run.name, named)
+            await self.plane.recover(run)
             for p in self.store.peers(run.name):
                 # every peer gets a fresh lease: they ride through the restart on retries
                 run.peers[p.name] = Peer(p.name, p.rank, p.joined, p.group_size)
@@ -158,10 +126,9 @@ class Coordinator:
         or back."""
         self.view.stopping = True
         for run in self.runs.values():
-            run.notify()
+            run.changed.notify()
         self.view.changed()
-        if self.board is not None:
-            self.board.end_polls()
+        self.workers.end_polls()
 
     async def stop(self) -> None:
         if self._ticker:
@@ -169,7 +136,7 @@ class Coordinator:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
         await self.rounds.stop()
-        self.engine.close()
+        await self.workers.stop()
 
     async def _tick_forever(self) -> None:
         """Tick every ``interval`` and at each live peer's lease end: a hung peer costs the
@@ -198,6 +165,12 @@ class Coordinator:
     # ---- lookups -------------------------------------------------------------------------
     def run(self, name: str) -> Run:
         return self.view.get(name)
+
+    def seen(self, run_name: str, peer_name: str) -> Run:
+        """A request from ``peer_name`` begins: its run, the peer's lease renewed (:meth:`peer`)."""
+        run = self.run(run_name)
+        self.peer(run, peer_name)
+        return run
 
     def peer(self, run: Run, name: str) -> Peer:
         """The peer, with its lease renewed: a request from a peer that begins proves it alive.
@@ -307,30 +280,28 @@ class Coordinator:
             world_size=run.world_size(),
             version=run.version,
             shape=run.shape,
-            uploads="store" if self.presigned is not None else "hub",
+            uploads=self.plane.uploads,
         )
+
+    def _poll(self, wait: float) -> float:
+        """A long poll's seconds: what the client asked, at most ``SYNC_LONG_POLL_SECONDS``."""
+        return min(wait, self.settings.long_poll_seconds)
+
+    def _stopping(self) -> bool:
+        return self.view.stopping
 
     async def wait_start(self, run_name: str, peer_name: str, wait: float) -> Start:
         """Long poll until the peer may start (or must initialise); at most ``wait`` seconds."""
-        run = self.run(run_name)
-        self.peer(run, peer_name)
-        deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
-        while True:
-            state = self._start_state(run, self.member(run, peer_name))
-            remaining = deadline - time.monotonic()
-            if state.state != "waiting" or remaining <= 0 or self.view.stopping:
-                return state
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(run.changed.wait(), remaining)
+        run = self.seen(run_name, peer_name)
 
-    # ---- bodies: version 0 and updates (the work is :class:`~syncserver.core.rounds.Rounds`') -----
-    def init_ticket(self, run_name: str, peer_name: str) -> Ticket:
-        """May this peer upload version 0? Any float32 tensors will do: they define the schema."""
-        run = self.run(run_name)
-        self.peer(run, peer_name)
-        return self.rounds.init_ticket(run, peer_name)
+        def state() -> Start:
+            return self._start_state(run, self.member(run, peer_name))
+
+        await until(lambda: state().state != "waiting", run.changed, self._poll(wait), self._stopping)
+        return state()
 
     async def commit_init(self, ticket: Ticket, received: Received) -> InitialVersion:
+        """Version 0 is in (:meth:`Rounds.init_ticket` let it come): the run's schema, and maybe its start."""
         run = self.run(ticket.run)
         # O(schema): in a worker thread, so that a run of 100,000 tensors stalls no other run
         shape = await to_thread.run_sync(RunShape.of_infos, received.infos, run.codec, self.settings.max_body_bytes)
@@ -338,52 +309,6 @@ class Coordinator:
         self._maybe_seal(run)
         self.view.changed(run)
         return ack
-
-    async def update_ticket(
-        self,
-        run_name: str,
-        round_: int,
-        peer_name: str,
-        digest: str | None,
-        samples: int,
-        metrics: dict[str, float],
-        *,
-        key: str | None = None,
-        supersede: bool = False,
-        final: bool = False,
-    ) -> Ticket:
-        """May this update be sent? A ticket with ``acknowledged`` set: it was, answer that."""
-        run = self.run(run_name)
-        self.peer(run, peer_name)
-        return await self.rounds.update_ticket(
-            run, round_, peer_name, digest, samples, metrics, key=key, supersede=supersede, final=final
-        )
-
-    def uploading(self, ticket: Ticket) -> contextlib.AbstractContextManager[None]:
-        """While the ticket's body streams in."""
-        return self.rounds.uploading(self.run(ticket.run), ticket.peer)
-
-    async def commit_update(self, ticket: Ticket, received: Received) -> Acknowledgement:
-        """Acknowledge a fully received update: verify, make durable, record, fold."""
-        return await self.rounds.commit_update(self.run(ticket.run), ticket, received)
-
-    # ---- updates through the object store (:mod:`syncserver.core.presigned`) ------------------
-    async def presign(self, run_name: str, round_: int, peer_name: str, key: str, size: int) -> Plan:
-        """Presigned URLs to upload an update straight to the object store."""
-        run = self.run(run_name)
-        self.peer(run, peer_name)
-        return await self._presigned(run).presign(run, round_, peer_name, key, size)
-
-    async def uploaded(self, run_name: str, round_: int, peer_name: str, report: UploadReport) -> Acknowledgement:
-        """A peer uploaded its update to the object store: check it, acknowledge it."""
-        run = self.run(run_name)
-        self.peer(run, peer_name)
-        return await self._presigned(run).uploaded(run, round_, peer_name, report)
-
-    def _presigned(self, run: Run) -> PresignedUploads:
-        if self.presigned is None:  # e.g. restarted without SYNC_STORE: its peers' SDKs PUT instead
-            raise NoStore("this hub has no object store: PUT the update to the hub", current_version=run.version)
-        return self.presigned
 
     # ---- progress --------------------------------------------------------------------------
     async def progress(self, run_name: str, peer_name: str, round_: int, samples: int, wait: float) -> RoundProgress:
@@ -402,13 +327,13 @@ class Coordinator:
         if run.policy.due != was_due:
             log.info("round_due run=%s round=%d samples=%d", run.name, run.version, run.policy.round_total())
             self.view.changed(run)
-        deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
-        while isinstance(run.policy, SamplesPolicy) and not run.policy.due and run.version == round_:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or self.view.stopping:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(run.changed.wait(), remaining)
+        samples_run = isinstance(run.policy, SamplesPolicy)
+        await until(
+            lambda: not samples_run or run.policy.due or run.version != round_,
+            run.changed,
+            self._poll(wait),
+            self._stopping,
+        )
         closed = run.version > round_ and run.config.policy != "async"
         return RoundProgress(
             round=round_,
@@ -426,30 +351,21 @@ class Coordinator:
 
         With ``wait`` and ``dropped`` (what completes when the peer's side closes the request's
         connection), the request is the peer's *watch*: held until there is news (the peer
-        left, the hub stops) or ``wait`` seconds (at most a third of the
-        lease, so that the peer asks again, renewing it, well within it). A watch that drops
-        starts the peer's ``disconnect_grace``: with no request from it by then, it is gone.
+        left, the hub stops) or ``wait`` seconds (at most a third of the lease, so that the peer
+        asks again, renewing it, well within it). A watch that drops starts the peer's
+        ``disconnect_grace``: with no request from it by then, it is gone.
         """
-        run = self.run(run_name)
-        self.peer(run, peer_name)
+        run = self.seen(run_name, peer_name)
         if wait <= 0 or dropped is None:
             return run.version
         run.policy.watch(peer_name, now())
         lost = asyncio.ensure_future(dropped)
-        closed = False
         try:
-            deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds, self.settings.lease_seconds / 3)
-            while not self.view.stopping and not run.policy.members[peer_name].left:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                news = asyncio.ensure_future(run.changed.wait())
-                done, _ = await asyncio.wait({lost, news}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-                news.cancel()
-                if lost in done:
-                    closed = True
-                    break
+            seconds = min(self._poll(wait), self.settings.lease_seconds / 3)
+            members = run.policy.members
+            await until(lambda: lost.done() or members[peer_name].left, run.changed, seconds, self._stopping, lost)
         finally:
+            closed = lost.done()
             lost.cancel()
             run.policy.unwatch(peer_name, now(), dropped=closed)
         if closed:
@@ -460,8 +376,7 @@ class Coordinator:
                 self.settings.disconnect_grace,
             )
             # decide at the grace's end, not at the next tick: the survivors wait for this
-            loop = asyncio.get_running_loop()
-            loop.call_later(self.settings.disconnect_grace + 0.01, self._tick, run)
+            asyncio.get_running_loop().call_later(self.settings.disconnect_grace + 0.01, self._tick, run)
         return run.version
 
     def leave(self, run_name: str, peer_name: str) -> None:
@@ -478,90 +393,44 @@ class Coordinator:
         self, run_name: str, round_: int, peer_name: str | None, wait: float, *, direct: bool = False
     ) -> Blob | Redirect | None:
         """Long poll for round ``round_``'s merged update; None if it is still open after ``wait``.
-        Its copy in the object store if there is one (``direct``: the peer could not reach the
-        store, serve it from disk)."""
+        Where the plane serves it from (``direct``: the peer could not fetch it where it was sent)."""
         run = self.run(run_name)
         if peer_name is not None:
             self.peer(run, peer_name)
-        deadline = time.monotonic() + min(wait, self.settings.long_poll_seconds)
-        while True:
+
+        def ended() -> bool:
             if peer_name is not None:
-                self.member(run, peer_name)
-            if round_ < run.version:
-                key = ResultKey(run.name, round_)
-                copy = self._redirect(run, key, direct, peer_name)
-                if copy is not None:
-                    return copy
-                try:
-                    return self.store.serve(key)
-                except Missing:
-                    if self.store.stored_object(key) is not None:  # reducers wrote it to the bucket only
-                        raise _only_in_bucket(f"round {round_}'s result") from None
-                    raise self.rounds.gone(run, round_) from None
-            if round_ > run.version or run.version < 0:
-                raise Conflict(
-                    f"round {round_} is not open; the run is at version {run.version}", current_version=run.version
-                )
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or self.view.stopping:
-                return None
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(run.changed.wait(), remaining)
+                self.member(run, peer_name)  # a peer gone meanwhile stops waiting
+            return round_ != run.version or run.version < 0
+
+        if not await until(ended, run.changed, self._poll(wait), self._stopping):
+            return None
+        if round_ > run.version or run.version < 0:
+            raise Conflict(
+                f"round {round_} is not open; the run is at version {run.version}", current_version=run.version
+            )
+        try:
+            return await self.plane.serve(run, ResultKey(run.name, round_), direct=direct, peer=peer_name)
+        except Missing:
+            raise Gone(f"round {round_}'s result was pruned; pull the model", current_version=run.version) from None
 
     async def model(
         self, run_name: str, *, direct: bool = False, peer_name: str | None = None
     ) -> tuple[int, Blob | Redirect]:
-        """The run's current version and its file, once that file is written; with an object
-        store, its copy there (made on the first ask: a version nobody asks for is never sent)."""
+        """The run's current version and where the plane serves it from, once it is built."""
         run = self.run(run_name)
         if run.version < 0:
             raise Conflict(f"run {run_name!r} has no version 0 yet", current_version=-1)
         while True:
             version = run.version
-            key = VersionKey(run.name, version)
-            if self.bucket is not None and not direct and self.bucket.up and self.store.exists(key):
-                await self._copy(run, key)
-            copy = self._redirect(run, key, direct, peer_name)
-            if copy is not None:
-                return version, copy
-            with contextlib.suppress(Missing):
-                return version, self.store.serve(key)
-            if self.rounds.versions.only_in_bucket(run, version):
-                raise _only_in_bucket(f"version {version}")
-            await self.rounds.versions.written(run)
+            try:
+                return version, await self.plane.serve(
+                    run, VersionKey(run.name, version), direct=direct, peer=peer_name
+                )
+            except Missing:
+                await self.workers.written(run)
 
-    def _redirect(self, run: Run, key: Published, direct: bool, peer_name: str | None) -> Redirect | None:
-        if self.bucket is None:
-            return None
-        if direct:  # the peer was sent to the store and could not fetch from it
-            self.bucket.failed(run.name, f"peer {peer_name or '?'} could not download from it")
-            return None
-        found = self.bucket.presign(key)
-        return None if found is None else Redirect(found[0], found[1].size)
-
-    async def _copy(self, run: Run, key: VersionKey) -> None:
-        """Copy a version to the bucket once (every concurrent ask waits for the same upload)."""
-        assert self.bucket is not None
-        if self.store.stored_object(key) is not None:
-            return
-        task = self._copies.get(key)
-        if task is None:
-            task = asyncio.ensure_future(self._upload(run, key))
-            self._copies[key] = task
-            task.add_done_callback(lambda _: self._copies.pop(key, None))
-        await asyncio.shield(task)
-
-    async def _upload(self, run: Run, key: VersionKey) -> None:
-        assert self.bucket is not None
-        record = await to_thread.run_sync(self.bucket.upload, key)
-        if record is not None:
-            self.store.record_object(record)  # the copy counts from here on
-            self.view.stored(run, record.size)
-
-    def samples_through(self, run_name: str, round_: int) -> int:
-        """Samples the run had trained by the end of round ``round_``: a peer stops on a budget."""
-        return self.store.samples_through(run_name, round_)
-
+    # ---- downloads (the dashboard's timeline, the metrics) ---------------------------------
     def count_download(self, run_name: str, peer_name: str | None, nbytes: int, via: Via) -> None:
         """A download answered: ``nbytes`` served by the hub, or redirected to the store."""
         run = self.runs.get(run_name)
@@ -588,8 +457,7 @@ class Coordinator:
     def downloaded(self, run_name: str, peer_name: str, round_: int, seconds: float) -> None:
         """A peer reports that it fetched round ``round_``'s result from the object store in
         ``seconds`` (the hub does not see that download end; the report is its end)."""
-        run = self.run(run_name)
-        self.peer(run, peer_name)
+        run = self.seen(run_name, peer_name)
         if not 0 <= round_ < run.version:
             raise Conflict(f"round {round_} has no result yet; the run is at version {run.version}")
         self.record_download(run_name, round_, peer_name, time.time() - seconds)
@@ -599,8 +467,3 @@ def _configured(run: Run, key: str) -> Any:
     """A run's setting as a join compares it: its codec in the codec's one spelling (the join
     request is normalised, and runs created before that stored the spec as it was given)."""
     return run.codec.spec if key == "codec" else getattr(run.config, key)
-
-
-def _only_in_bucket(what: str) -> Unavailable:
-    """A download the hub cannot serve itself: the reducers wrote it to the object store only."""
-    return Unavailable(f"{what} lives only in the object store (written there by the reducers), which failed: retry")

@@ -24,26 +24,27 @@ from syncserver.core.state import Run
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, RoundMerge
 from syncserver.storage.store import ObjectRecord, UpdateKey
 
-__all__ = ["Leased", "merge_finite"]
+__all__ = ["Merged", "merge_finite"]
 
-#: A round's merge, awaited (the reducers' leases): the result's size, the records of the
-#: objects the merge wrote to the bucket (none but there) and the reducers' bound on
-#: ``|version v+1|`` per tensor (none in process)
-Leased = Callable[[RoundMerge], Awaitable[tuple[int, list[ObjectRecord], dict[str, float]]]]
+#: A round's merge as done: the result's size, the records of the objects it wrote to the bucket
+#: (none but there) and the reducers' bound on ``|version v+1|`` per tensor (none in process)
+Merged = tuple[int, list[ObjectRecord], dict[str, float]]
 
 log = logging.getLogger(__name__)
 
 
 async def merge_finite(
-    engine: MergeEngine, run: Run, round_: int, participants: Sequence[str], leased: Leased | None = None
+    engine: MergeEngine,
+    run: Run,
+    round_: int,
+    participants: Sequence[str],
+    merge: Callable[[RoundMerge], Awaitable[Merged]],
 ) -> tuple[int, list[str], list[ObjectRecord], dict[str, float]]:
-    """Merge ``run``'s open round ``round_``: its accumulator, with every acknowledged update
-    not folded yet folded by the merge itself (:meth:`MergeEngine.merge`, or the reducers'
-    leases: ``leased``, :func:`syncserver.core.leases.merge_leased` bound to the board);
-    return the result's size, the peers whose updates were left out, in that order, the
-    records of the objects the merge wrote (the reducers' parts of the result) and the
-    reducers' bound on ``|version v+1|`` (``run.peaks`` is the one on ``|version v|``). The
-    divisor and the outer step's share are the policy's, of the participants' samples."""
+    """Merge ``run``'s open round ``round_`` with ``merge`` (the workers'): its accumulator, with
+    every acknowledged update not folded yet folded by the merge itself. The result's size, the
+    peers whose updates were left out, in that order, and what ``merge`` said of the objects it
+    wrote and of ``|version v+1|`` (``run.peaks`` is the bound on ``|version v|``). The divisor
+    and the outer step's share are the policy's, of the participants' samples."""
     assert run.schema is not None
     acc = run.accumulator()
     order = [u.peer for u in sorted(run.acked.values(), key=lambda u: u.seq)]
@@ -53,7 +54,7 @@ async def merge_finite(
     while True:
         samples = sum(run.acked[name].samples for name in participants if name not in left_out)
         unfolded = [peer for peer in order if peer not in acc.folded and peer not in left_out]
-        merge = RoundMerge(
+        m = RoundMerge(
             run.name,
             round_,
             acc,
@@ -67,7 +68,7 @@ async def merge_finite(
             bound=bound,
         )
         try:
-            size, objects, after = await (leased or _threaded(engine))(merge)
+            size, objects, after = await merge(m)
             return size, left_out, objects, after
         except NonFinite as exc:
             merged = list(dict.fromkeys([*acc.folded, *unfolded]))  # a final round's merge folds into acc
@@ -88,15 +89,6 @@ async def merge_finite(
             left_out.append(worst)
             if worst in acc.folded:  # the others are folded again by the next merge, in order
                 acc = run.acc = Accumulator(run.schema)
-
-
-def _threaded(engine: MergeEngine) -> Leased:
-    """The in-process merge, in a worker thread, with a leased merge's signature."""
-
-    async def merge(m: RoundMerge) -> tuple[int, list[ObjectRecord], dict[str, float]]:
-        return await to_thread.run_sync(engine.merge, m), [], {}
-
-    return merge
 
 
 def _key(run: Run, peer: str) -> UpdateKey:

@@ -24,28 +24,20 @@ is this attempt's own (no other upload, a retry of the same key included, is eve
 it), its upload is completed (its part URLs are dead), and the record names it; no clean-up
 here deletes a name a record holds (:meth:`PresignedUploads._drop`). Every check of what can
 change while a request waits (the round, an acknowledgement, the open upload) is made under
-the peer's lock, which ``uploaded`` holds from the report to the acknowledgement.
+the peer's lock, which ``uploaded`` holds from the report to the acknowledgement; so a retried
+``uploaded`` waits for the first and then gets its acknowledgement.
 
 Anything refused (a lie about the size, the digest or the parts; a body that fails a check; the
 round closed meanwhile) is a 4xx with its reason, and the object is deleted: nothing is
-recorded, the round is unchanged. A store that fails is a 503 ``store_unavailable`` (the peer
-then PUTs its update to the hub) and the store is left alone for a while
-(:meth:`Bucket.failed`); a store that hangs fails within ``SYNC_STORE_CONTROL_SECONDS``.
+recorded, the round is unchanged. A store that fails (or hangs past
+``SYNC_STORE_CONTROL_SECONDS``) is a 503 ``store_unavailable``: the peer PUTs its update to the
+hub instead, and the store is left alone for a while. The open uploads are kept in memory only:
+a restarted hub aborts every multipart upload no record names, and a peer that reports one gets
+409 ``upload_unknown`` and uploads again, under a new name.
 
-The open uploads are kept in memory only: a hub that restarts aborts every multipart upload no
-record names (:meth:`Bucket.delete_unnamed`), and a peer that reports one then gets 409
-``upload_unknown`` and uploads again, under a new name. One request at a time per peer runs
-here, so a retried ``uploaded`` waits for the first and then gets its acknowledgement.
-
-With reducers too (``SYNC_REDUCERS``), the body check is a lease on the board
-(:meth:`Board.check <syncserver.core.leases.Board.check>`): a reducer streams the object and
-checks it, and the hub takes a pass that holds up against what it can verify cheaply
-(:func:`~syncserver.reduce.checklease.accept`) and the peer's declared digest, reading no body.
-With no reducer alive, or any other report (a refusal, another digest, a failure, one that
-does not hold up), the hub checks the body itself as above: no reducer's word alone ever
-refuses a peer, and a report the hub's check contradicts counts as that reducer's failure.
-
-Everything runs on the event loop; the store's requests and the check run in worker threads.
+With reducers too (``SYNC_REDUCERS``), a reducer may check the body instead of the hub
+(:meth:`Reducers.check <syncserver.core.workers.Reducers.check>`): no reducer's word alone ever
+refuses a peer.
 """
 
 from __future__ import annotations
@@ -64,13 +56,14 @@ from typing import TypeVar
 import anyio
 from anyio import to_thread
 
-from syncserver.core.leases import Board
+from syncserver.core.planes import LocalPlane
 from syncserver.core.rounds import Acknowledgement, Rounds, Ticket
 from syncserver.core.state import Run
-from syncserver.errors import BadRequest, Conflict, HubError, PayloadTooLarge, StoreDown, UploadUnknown
+from syncserver.core.workers import Workers
+from syncserver.errors import BadRequest, Conflict, PayloadTooLarge, StoreDown, UploadUnknown
 from syncserver.reduce.check import Checked, UpdateRules, check_update
-from syncserver.reduce.checklease import CheckJob, CheckReport, CheckRules, accept
-from syncserver.storage.bucket import Bucket, update_name
+from syncserver.reduce.checklease import CheckJob, CheckRules
+from syncserver.storage.bucket import update_name
 from syncserver.storage.s3 import ObjectMissing, StoreError, StoreRefused
 from syncwire import FormatError, TensorInfo
 
@@ -139,10 +132,10 @@ class _Open:
 class PresignedUploads:
     """The uploads into the object store that the hub handed out, one per (run, peer)."""
 
-    def __init__(self, rounds: Rounds, bucket: Bucket, scratch: Path, board: Board | None = None) -> None:
+    def __init__(self, rounds: Rounds, plane: LocalPlane, scratch: Path, workers: Workers) -> None:
         self.rounds = rounds
-        self.bucket = bucket
-        self.board = board  # SYNC_REDUCERS: the reducers check the bodies
+        self.plane = plane  # no bucket: every request is 409 no_store
+        self.workers = workers  # who checks the bodies
         self.scratch = scratch  # where a check that takes a norm spools the body (the hub's tmp/)
         self._open: dict[tuple[str, str], _Open] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -154,10 +147,11 @@ class PresignedUploads:
         Everything that can change while the request waits (the round, an acknowledgement of
         this peer's, the open upload) is checked under the peer's lock, which ``uploaded`` holds
         from its report to its acknowledgement: a presign racing an acknowledgement sees it."""
+        bucket = self.plane.uploads_to(run)
         assert run.shape is not None
         if size > run.shape.max_update_bytes:
             raise PayloadTooLarge(f"body of {size} bytes is over the {run.shape.max_update_bytes}-byte limit")
-        objects = self.bucket.objects
+        objects = bucket.objects
         async with self._lock(run.name, peer):
             await self.rounds.check_open(run, round_)
             if self.rounds.store.update_from(run.name, peer, round_) is not None:
@@ -165,8 +159,8 @@ class PresignedUploads:
                     f"peer {peer!r} already has an update acknowledged for round {round_}",
                     current_version=run.version,
                 )
-            if not self.bucket.up:
-                raise StoreDown(f"the object store {self.bucket.url} is down: PUT the update to the hub")
+            if not bucket.up:
+                raise StoreDown(f"the object store {bucket.url} is down: PUT the update to the hub")
             opened = self._open.get((run.name, peer))
             done: dict[int, str] = {}
             if opened is not None and (opened.round, opened.key, opened.size) == (round_, key, size):
@@ -196,10 +190,11 @@ class PresignedUploads:
     async def uploaded(self, run: Run, round_: int, peer: str, report: UploadReport) -> Acknowledgement:
         """The peer says it uploaded every part of ``key``'s upload: complete, check, acknowledge
         (see the module docstring). The same update acknowledged before: its acknowledgement."""
+        self.plane.uploads_to(run)
         async with self._lock(run.name, peer):
             opened = self._open.get((run.name, peer))
             if opened is None or (opened.round, opened.key) != (round_, report.key):
-                repeat = self.rounds.acknowledged_before(run, round_, peer, report.digest)
+                repeat = self.rounds.acknowledged(run, round_, peer, report.digest)
                 if repeat is not None:  # a retry whose first attempt was acknowledged
                     return repeat
                 raise UploadUnknown(
@@ -218,7 +213,7 @@ class PresignedUploads:
             return ack
 
     async def _settle(self, run: Run, opened: _Open, peer: str, report: UploadReport) -> Acknowledgement:
-        objects = self.bucket.objects
+        objects = self.plane.uploads_to(run).objects
         size, digest, etags = report.size, report.digest, report.etags
         seconds = time.monotonic() - opened.began  # the upload phase: from the plan to the report
         if size != opened.size:
@@ -253,67 +248,26 @@ class PresignedUploads:
         return await self.rounds.commit_object(run, ticket, opened.name, checked.nbytes, seconds, checked.norm)
 
     async def _check(self, run: Run, opened: _Open, peer: str, digest: str, rules: UpdateRules) -> Checked:
-        """The body's check: by a reducer when one is alive (the hub reads no body), else here.
+        """The body's check: the workers', or the hub's own (one GET, closed as soon as the
+        check stops reading)."""
+        job = CheckJob(
+            lease="",
+            run=run.name,
+            round=opened.round,
+            peer=peer,
+            seconds=0.0,
+            object=opened.name,
+            size=opened.size,
+            digest=digest,
+            rules=CheckRules.of(rules),
+        )
+        objects = self.plane.uploads_to(run).objects
 
-        A reducer's report is taken only when it is a pass that agrees with everything the hub
-        can compare without the body (:func:`accept`) and with the digest the peer declared. A
-        refusal, a digest other than the peer's, a report that does not hold up, or a failure
-        is never the peer's answer on a reducer's word: the hub checks the body itself, and a
-        report that its own check contradicts counts as that reducer's failure
-        (:meth:`Board.check_failed`)."""
-        report: CheckReport | None = None
-        taken: Checked | None = None
-        if self.board is not None:
-            job = CheckJob(
-                lease="",
-                run=run.name,
-                round=opened.round,
-                peer=peer,
-                seconds=0.0,
-                object=opened.name,
-                size=opened.size,
-                digest=digest,
-                rules=CheckRules.of(rules),
-            )
-            report = await self.board.check(job)
-            taken = accept(report, job) if report is not None else None
-            if taken is not None and taken.digest == digest:
-                return taken
-        objects = self.bucket.objects
-
-        def check() -> Checked:  # one GET, closed as soon as the check stops reading
+        def check() -> Checked:
             with contextlib.closing(objects.stream(opened.name)) as chunks:
                 return check_update(chunks, rules, spool=self.scratch)
 
-        try:
-            mine = await self._store(run, check)
-        except HubError as exc:
-            if report is not None and not isinstance(exc, StoreDown | UploadUnknown):
-                self._judge(run, opened, report, taken, None)
-            raise
-        if report is not None:
-            self._judge(run, opened, report, taken, mine)
-        return mine
-
-    def _judge(self, run: Run, opened: _Open, report: CheckReport, taken: Checked | None, mine: Checked | None) -> None:
-        """Set a reducer's report against the hub's own check of the same body (``mine``; None:
-        the hub refused it): count the report as the reducer's failure unless they agree."""
-        assert self.board is not None
-        if report.failed is not None:
-            why = f"it could not check the body: {report.failed}"
-        elif report.refused is not None:
-            if mine is None:
-                return  # the hub refuses it too: the peer's answer is the hub's own
-            why = f"it refused a body that passes the hub's check: {report.refused.detail}"
-        elif mine is None:
-            why = "it passed a body that fails the hub's check"
-        elif taken is None:
-            why = "its report does not match the object (size, or norm)"
-        elif taken.digest != mine.digest:
-            why = f"it reported sha-256 {taken.digest} for a body of {mine.digest}"
-        else:
-            return  # the body is not what the peer declared, as the reducer said
-        self.board.check_failed(report.reducer, run.name, opened.name, why)
+        return await self.workers.check(job, functools.partial(self._store, run, check))
 
     async def _drop(self, run: Run, opened: _Open) -> None:
         """Delete an upload's object and parts (a store that fails leaves them for the next
@@ -321,10 +275,12 @@ class PresignedUploads:
         was recorded (the peer went away) keeps what it acknowledged."""
         keep = self.rounds.store.names_update_object(run.name, opened.name)
 
+        objects = self.plane.uploads_to(run).objects
+
         def drop() -> None:
-            self.bucket.objects.abort_multipart(opened.name, opened.upload_id)
+            objects.abort_multipart(opened.name, opened.upload_id)
             if not keep:
-                self.bucket.objects.delete(opened.name)
+                objects.delete(opened.name)
 
         try:
             await to_thread.run_sync(drop)
@@ -340,7 +296,7 @@ class PresignedUploads:
         except StoreRefused as exc:  # a part the store does not hold with that ETag: the peer's word is false
             raise BadRequest(f"the object store refused to complete the upload: {exc}") from None
         except StoreError as exc:
-            self.bucket.failed(run.name, f"an update upload: {exc}")
+            self.plane.uploads_to(run).failed(run.name, f"an update upload: {exc}")
             raise StoreDown(f"the object store failed ({exc}): PUT the update to the hub") from None
 
     def _lock(self, run: str, peer: str) -> asyncio.Lock:

@@ -1,56 +1,50 @@
-"""Receiving updates and closing rounds: admission, acknowledgement, the norm guard, folding,
-the close itself and the version files written after it.
+"""Receiving updates and closing rounds: admission, acknowledgement, the norm guard, the close.
 
 An update is acknowledged once its body is complete, verified (digest, layout, finite values;
 the norm guard when on), durable and recorded in sqlite; it is then folded into the round's
 float32 accumulator in acknowledgement order (so a hub restarted after a crash rebuilds the
 very same sums from the files), or, once the round is closing, by the close's merge itself.
-The policy (:mod:`syncserver.core.policy`) says when a round closes; the engine
-(:mod:`syncserver.reduce.engine`) does the tensor work; a round commits once its result (the encoded
-merged update) is durable, and the file of version v+1 is written after that, since it is
-``version v + decode(result)``: a restarted hub rebuilds what a crash left unwritten, and pulls
-wait for it.
+The policy (:mod:`syncserver.core.policy`) says when a round closes; the workers
+(:mod:`syncserver.core.workers`) fold, merge and build; the plane (:mod:`syncserver.core.planes`)
+publishes. A round commits once its result (the encoded merged update) is durable, and version
+v+1 is built after that, since it is ``version v + decode(result)``: a restarted hub rebuilds
+what a crash left unbuilt, and pulls wait for it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from anyio import to_thread
 
-from syncserver.core.finite import Leased, merge_finite
-from syncserver.core.leases import FoldAhead
+from syncserver.core.changes import Tasks
+from syncserver.core.finite import merge_finite
+from syncserver.core.planes import LocalPlane
 from syncserver.core.policy import Close, Place
 from syncserver.core.shape import RunShape
 from syncserver.core.state import Run, now
 from syncserver.core.view import HubView
+from syncserver.core.workers import Workers
 from syncserver.errors import (
     BadRequest,
     Conflict,
-    Gone,
     InvalidUpdate,
     PoisonedUpdate,
     RoundClosed,
     StaleUpdate,
-    Unavailable,
 )
 from syncserver.limits import MAX_SAMPLES
 from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.reduce import aggregate
 from syncserver.reduce.engine import MergeEngine
-from syncserver.reduce.lease import FoldJob
 from syncserver.settings import HubSettings
-from syncserver.storage.bucket import Bucket
-from syncserver.storage.store import ObjectRecord, ResultKey, Store, UpdateKey, Upload, VersionKey
+from syncserver.storage.store import ResultKey, Store, Upload, VersionKey
 from syncserver.storage.uploads import Received
-from syncwire import Codec, FormatError, Schema, TensorInfo, check_layout
+from syncwire import FormatError, TensorInfo, check_layout
 
 __all__ = ["Acknowledgement", "InitialVersion", "Rounds", "Ticket"]
 
@@ -58,11 +52,6 @@ log = logging.getLogger(__name__)
 
 CLOSE_RETRY_MAX = 30.0  # seconds between two tries at a close that keeps failing
 ASYNC_NORMS = 8  # the norm guard's reference in async runs: the last accepted updates' norms
-
-Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
-#: Has version v+1 built in the bucket (run, v, schema, codec): its record and the bound on its
-#: values per tensor (:func:`syncserver.core.leases.build_leased` bound to the board)
-Built = Callable[[str, int, Schema, Codec], Awaitable[tuple[ObjectRecord, dict[str, float]]]]
 
 
 @dataclass
@@ -126,27 +115,13 @@ def _refuse_body(infos: dict[str, TensorInfo]) -> None:
 class Rounds:
     """The open round of every run: tickets, acknowledgements, folds, closes, version files."""
 
-    def __init__(
-        self,
-        settings: HubSettings,
-        store: Store,
-        engine: MergeEngine,
-        view: HubView,
-        bucket: Bucket | None = None,
-        leased: Leased | None = None,
-        built: Built | None = None,
-        ahead: FoldAhead | None = None,
-    ) -> None:
+    def __init__(self, settings: HubSettings, store: Store, view: HubView, plane: LocalPlane, workers: Workers) -> None:
         self.settings = settings
         self.store = store
-        self.engine = engine
         self.view = view
-        self.bucket = bucket
-        self.leased = leased  # SYNC_REDUCERS: reducers share each merge (syncserver.core.leases)
-        self.ahead = ahead  # and fold each round's updates ahead of its close
-        self._folding: dict[str, asyncio.Task[None]] = {}  # run -> its fold ahead under way
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.versions = VersionFiles(settings, store, engine, self._spawn, bucket, built)
+        self.plane = plane  # where the bytes live
+        self.workers = workers  # who folds and merges
+        self.tasks = Tasks()  # the closes under way
 
     def recover(self, run: Run) -> None:
         """Reload the open round's acknowledged updates (a restart) and rebuild missing versions."""
@@ -158,20 +133,10 @@ class Rounds:
         if run.acked:
             run.opened = min(u.received for u in run.acked.values())
         if run.version > 0 and not self.store.exists(VersionKey(run.name, run.version)):
-            self.versions.start(run)  # killed between a commit and its version's rename
+            self.workers.start_versions(run)  # killed between a commit and its version's rename
 
     async def stop(self) -> None:
-        for task in self._folding.values():  # a fold ahead is dropped, not waited for: nothing of it counts yet
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(Exception, asyncio.CancelledError):  # a fold ahead that a close stopped
-                await task
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        await self.tasks.stop()
 
     # ---- version 0 -----------------------------------------------------------------------
     def init_ticket(self, run: Run, peer: str) -> Ticket:
@@ -219,7 +184,7 @@ class Rounds:
         updates for this round goes: it gave up on them."""
         if not 1 <= samples <= MAX_SAMPLES:
             raise InvalidUpdate(f"samples must be a count from 1 to {MAX_SAMPLES}, got {samples}")
-        repeat = self._acknowledged(run, round_, peer, digest)
+        repeat = self.acknowledged(run, round_, peer, digest)
         if repeat is not None:
             return Ticket(run.name, round_, peer, digest, samples, metrics, 0, _refuse_body, acknowledged=repeat)
         await self.check_open(run, round_)
@@ -236,7 +201,7 @@ class Rounds:
             run.name, round_, peer, digest, samples, metrics, run.shape.max_update_bytes, check, upload, final=final
         )
 
-    def _acknowledged(self, run: Run, round_: int, peer: str, digest: str | None) -> Acknowledgement | None:
+    def acknowledged(self, run: Run, round_: int, peer: str, digest: str | None) -> Acknowledgement | None:
         """Idempotency: the same update again is harmless, a different one is a conflict. An
         update is named by the version it was computed from (``round_``), which is also the round
         it is merged in but in async runs. A body without its digest yet cannot tell: None."""
@@ -253,10 +218,6 @@ class Rounds:
                 current_version=run.version,
             )
         return Acknowledgement.of(previous, repeat=True)
-
-    def acknowledged_before(self, run: Run, round_: int, peer: str, digest: str) -> Acknowledgement | None:
-        """The acknowledgement of this very update if it was acknowledged before (a retry)."""
-        return self._acknowledged(run, round_, peer, digest)
 
     async def check_open(self, run: Run, round_: int) -> None:
         """Raise unless the open round takes an update computed from version ``round_``."""
@@ -333,7 +294,7 @@ class Rounds:
         """The checks a checked body passes before it counts (the round still takes it, the norm
         guard): its record to store, or the acknowledgement of the same update stored before."""
         assert ticket.digest is not None
-        repeat = self._acknowledged(run, ticket.round, ticket.peer, ticket.digest)
+        repeat = self.acknowledged(run, ticket.round, ticket.peer, ticket.digest)
         if repeat is not None:
             return repeat
         await self.check_open(run, ticket.round)
@@ -389,7 +350,7 @@ class Rounds:
         # update is folded now, behind the uploads still under way
         self.carry_out(run, run.policy.acknowledged(ticket.peer, now(), ticket.samples))
         self.view.updated(run, update)
-        await self._fold_pending(run)
+        await self.workers.fold(run)
         self.decide(run)  # the fold took time: a deadline may have passed meanwhile
         return Acknowledgement.of(update)
 
@@ -398,7 +359,7 @@ class Rounds:
         assert run.schema is not None
         with received.staged.reader() as wire:
             try:
-                return self.engine.norm(wire, run.codec, run.schema)
+                return MergeEngine.norm(wire, run.codec, run.schema)
             except FormatError as exc:
                 raise InvalidUpdate(str(exc)) from None
 
@@ -430,67 +391,7 @@ class Rounds:
             factor=factor,
         )
 
-    # ---- folding and closing -------------------------------------------------------------
-    async def _fold_pending(self, run: Run) -> None:
-        """Fold every acknowledged, not yet folded update, in acknowledgement order, until the
-        round closes: from then on its merge folds the rest. With reducers they fold ahead, in
-        a task of its own: an acknowledgement never waits on a reducer."""
-        if self.ahead is not None:
-            under_way = self._folding.get(run.name)
-            if under_way is None or under_way.done():  # else it folds what came meanwhile, next
-                self._folding[run.name] = self._spawn(self._fold_ahead(run, self.ahead))
-            return
-
-        def closing() -> bool:
-            return run.closing
-
-        async with run.fold_lock:
-            acc = run.accumulator()
-            for update in sorted(run.acked.values(), key=lambda u: u.seq):
-                if run.closing:
-                    return
-                if update.peer not in acc.folded:
-                    key = UpdateKey.of(run.name, update)
-                    weight = run.policy.weight(update.samples, update.base, update.round)
-                    # a first fold stops when the round closes: the merge then folds every update
-                    stop = closing if not acc.folded else None
-                    fold = functools.partial(self.engine.fold, acc, key, weight, run.codec, stop=stop)
-                    if not await to_thread.run_sync(fold):
-                        return
-
-    async def _fold_ahead(self, run: Run, ahead: FoldAhead) -> None:
-        """The reducers fold every acknowledged, not yet folded update, in acknowledgement order,
-        a step at a time (:class:`~syncserver.core.leases.FoldAhead`; a step folds all that came
-        meanwhile), until the round closes: its merge leases fold the rest. A step that fails
-        costs nothing but time: the merge folds what it did not."""
-        async with run.fold_lock:
-            while not run.closing and run.schema is not None:
-                acc = run.accumulator()
-                pending = [u for u in sorted(run.acked.values(), key=lambda u: u.seq) if u.peer not in acc.folded]
-                if not pending:
-                    return  # the next acknowledgement starts the next step
-                updates = [
-                    (u.peer, UpdateKey.of(run.name, u), run.policy.weight(u.samples, u.base, u.round)) for u in pending
-                ]
-                try:
-                    await ahead.fold(run.name, run.version, acc, run.codec, updates)
-                except Exception as exc:
-                    log.warning(
-                        "fold_ahead_failed run=%s round=%d (the merge folds the rest): %r", run.name, run.version, exc
-                    )
-                    return
-
-    async def _stop_folding_ahead(self, run: Run) -> None:
-        """The round closes: wait for the reducers' fold step under way (the merge then folds
-        less), but stop it while any of its leases waits for a reducer (none free, or none at
-        all: the merge's own leases are next in line, and nothing folded is lost)."""
-        task = self._folding.get(run.name)
-        assert self.ahead is not None
-        while task is not None and not task.done():
-            if self.ahead.board.offered(run.name, FoldJob):
-                task.cancel()
-            await asyncio.wait({task}, timeout=0.05)
-
+    # ---- closing ------------------------------------------------------------------------
     def decide(self, run: Run) -> None:
         """Ask the policy again (time passed); not while a failed close waits to retry."""
         if now() >= run.close_retry_at:
@@ -498,29 +399,20 @@ class Rounds:
 
     def carry_out(self, run: Run, close: Close | None) -> None:
         if close is not None:
-            self._spawn(self._close(run, close))
+            self.tasks.spawn(self._close(run, close))
 
     async def _close(self, run: Run, close: Close) -> None:
         started = time.monotonic()
         try:
-            if self.ahead is not None:
-                await self._stop_folding_ahead(run)
+            await self.workers.settle(run)
             async with run.fold_lock:  # a fold under way ends (a first fold stops); the merge folds the rest
                 folded = time.monotonic()
-                if self.bucket is not None and self.leased is not None:
-                    await self._version_in_bucket(run, close.round)  # the reducers read it there
-                elif not self.store.exists(VersionKey(run.name, close.round)):
-                    await self.versions.written(run)  # the merge checks version v + its result
+                await self.workers.base(run, close.round)  # the merge checks version v + its result
                 result_bytes, left_out, copies, peaks = await merge_finite(
-                    self.engine, run, close.round, close.participants, self.leased
+                    self.workers.engine, run, close.round, close.participants, self.workers.merge
                 )
             merged = time.monotonic()
-            # the copy peers will fetch goes up before the commit announces the result (unless the
-            # reducers wrote it there); if the store fails, the round closes all the same and peers
-            # get the hub's copy
-            uploaded = None
-            if self.bucket is not None and not copies:
-                uploaded = await to_thread.run_sync(self.bucket.upload, ResultKey(run.name, close.round))
+            copies, publish = await self.plane.publish(run, ResultKey(run.name, close.round), copies)
             participants = [name for name in close.participants if name not in left_out]
             updates = [run.acked[name] for name in participants]
             assert run.opened is not None
@@ -533,13 +425,9 @@ class Rounds:
                 samples=sum(u.samples for u in updates),
                 bytes_in=sum(u.nbytes for u in updates),
                 result_bytes=result_bytes,
-                timings={
-                    "fold": folded - started,
-                    "merge": merged - folded,
-                    **({"publish": time.monotonic() - merged} if self.bucket is not None else {}),
-                },
+                timings={"fold": folded - started, "merge": merged - folded, **publish},
             )
-            self.store.commit_round(run.name, record, [uploaded] if uploaded is not None else copies)
+            self.store.commit_round(run.name, record, copies)
         except Exception as exc:
             self._close_failed(run, close, exc)
             return
@@ -571,27 +459,8 @@ class Rounds:
             record.timings["merge"],
             record.closed - record.opened,
         )
-        if uploaded is not None:
-            self.view.stored(run, uploaded.size)
-        self.versions.start(run)
+        self.workers.start_versions(run)
         self.view.closed(run, record)
-
-    async def _version_in_bucket(self, run: Run, v: int) -> None:
-        """Version ``v`` has a copy in the bucket, where reducers on other machines read it: the
-        reducers built it after the last commit (every round but the first; waited for here, in
-        the rare case that the build is still going), or the hub uploads it now (version 0).
-        :class:`Unavailable` if the store fails (the close is tried again after its backoff)."""
-        assert self.bucket is not None
-        key = VersionKey(run.name, v)
-        if self.store.stored_object(key) is None and not self.store.exists(key):
-            await self.versions.written(run)
-        if self.store.stored_object(key) is not None:
-            return
-        record = await to_thread.run_sync(self.bucket.upload, key)
-        if record is None:
-            raise Unavailable(f"the object store {self.bucket.url} is down: version {v} cannot reach the reducers")
-        self.store.record_object(record)
-        self.view.stored(run, record.size)
 
     def _close_failed(self, run: Run, close: Close, exc: Exception) -> None:
         """The round stays open (say the disk is full) and is decided again after a backoff
@@ -613,92 +482,3 @@ class Rounds:
             )
         run.policy.abandoned()
         self.view.changed(run)
-
-    def gone(self, run: Run, round_: int) -> Gone:
-        return Gone(f"round {round_}'s result was pruned; pull the model", current_version=run.version)
-
-
-class VersionFiles:
-    """Writes the file of each committed version after its commit (``version v + decode(result
-    v)``), then prunes; pulls of a version wait for its file. With a store and reducers
-    (``built``), the reducers build each version in the bucket instead (build leases) and the
-    hub records it: the hub's disk holds no version but the first."""
-
-    def __init__(
-        self,
-        settings: HubSettings,
-        store: Store,
-        engine: MergeEngine,
-        spawn: Spawn,
-        bucket: Bucket | None = None,
-        built: Built | None = None,
-    ) -> None:
-        self.settings = settings
-        self.store = store
-        self.engine = engine
-        self._spawn = spawn
-        self.bucket = bucket
-        self.built = built
-
-    def start(self, run: Run) -> None:
-        """Start writing the files of the committed versions that have none (after a commit,
-        or at start after a crash between a commit and its version's rename), then prune."""
-        if run.writing is None or run.writing.done():
-            run.writing = self._spawn(self._write(run))
-            run.writing.add_done_callback(_log_version_failure)
-
-    async def _write(self, run: Run) -> None:
-        assert run.schema is not None
-        while True:
-            target = run.version
-            if self.built is not None:
-                await self._build_in_bucket(run, target)
-            elif not self.only_in_bucket(run, target):
-                await to_thread.run_sync(self.engine.build_versions, run.name, target, run.codec, run.schema)
-            with contextlib.suppress(Exception):  # housekeeping: a failure here loses nothing
-                self.store.prune(run.name, target, self.settings.keep_versions, run.keep_results)
-                if self.bucket is not None:  # the bucket keeps what the disk keeps
-                    keep = self.settings.keep_versions
-                    floor = target - keep + 1
-                    gone = self.bucket.prune(run.name, floor, target - max(keep, run.keep_results or 0) + 1)
-                    if gone:
-                        await to_thread.run_sync(self.bucket.delete, run.name, gone)
-            if run.version == target:  # else rounds closed meanwhile
-                return
-
-    async def _build_in_bucket(self, run: Run, target: int) -> None:
-        """Have the reducers build every version up to ``target`` that the bucket lacks, from the
-        last one it has and the rounds' results there, each recorded once built (it counts from
-        then on; a hub killed before that builds it again at its start)."""
-        assert self.built is not None and run.schema is not None
-        first = target
-        while first > 0 and self.store.stored_object(VersionKey(run.name, first)) is None:
-            first -= 1
-        for v in range(first, target):
-            record, peaks = await self.built(run.name, v, run.schema, run.codec)
-            self.store.record_object(record)
-            run.peaks = (v + 1, peaks)  # exact: the next merge's bound
-            log.info("version_built run=%s version=%d mb=%.1f by=reducers", run.name, v + 1, record.size / 1e6)
-
-    def only_in_bucket(self, run: Run, v: int) -> bool:
-        """Is version ``v`` in the bucket only (reducers wrote it there, and the hub has not the
-        result it would build it from)? Then the hub has no file of it to write, nor to serve."""
-        return (
-            self.bucket is not None
-            and v > 0
-            and not self.store.exists(VersionKey(run.name, v))
-            and not self.store.exists(ResultKey(run.name, v - 1))
-            and self.store.stored_object(VersionKey(run.name, v)) is not None
-        )
-
-    async def written(self, run: Run) -> None:
-        """Until the version files being written are (re-raising the failure of that write)."""
-        self.start(run)
-        assert run.writing is not None
-        await asyncio.shield(run.writing)
-
-
-def _log_version_failure(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        # the results are durable, so nothing is lost: the next pull or commit retries
-        log.error("version_write_failed: %r (will retry)", task.exception())

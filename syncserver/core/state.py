@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
+from syncserver.core.changes import Changes
 from syncserver.core.policy import RoundPolicy, make_policy
 from syncserver.core.shape import RunShape
 from syncserver.records import UpdateRecord
@@ -126,12 +127,7 @@ class Run:
     # (n, a bound on |version n| per tensor) that the reducers reported: the next leased merge
     # checks its slices against it instead of reading version n. In memory: a restart reads it once
     peaks: tuple[int, dict[str, float]] | None = None
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def notify(self) -> None:
-        """Wake every waiter of this run (they re-check what they wait for)."""
-        self.changed.set()
-        self.changed = asyncio.Event()
+    changed: Changes = field(default_factory=Changes)  # wakes every waiter of this run (they look again)
 
     @property
     def closing(self) -> bool:

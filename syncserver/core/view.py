@@ -10,8 +10,6 @@ the HTTP layer turns into response models.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import json
 import time
@@ -19,9 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from syncserver.core.leases import LEASE_POLL_MAX, Board, ReducerStats
+from syncserver.core.changes import Changes
+from syncserver.core.planes import LocalPlane
 from syncserver.core.policy import PeerState
 from syncserver.core.state import Run, Via
+from syncserver.core.workers import Workers
 from syncserver.errors import NotFound
 from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.storage.store import Store
@@ -116,65 +116,38 @@ class Listeners:
 class HubView:
     """Read the runs of one hub; be told when they change."""
 
-    def __init__(
-        self,
-        runs: dict[str, Run],
-        store: Store,
-        lease_seconds: float,
-        store_url: str | None = None,
-        store_reads: Callable[[], int] | None = None,
-    ) -> None:
+    def __init__(self, runs: dict[str, Run], store: Store, lease_seconds: float, plane: LocalPlane, workers: Workers):
         self._runs = runs
         self._store = store
-        self.store_url = store_url  # SYNC_STORE, as ObjectStore.url says it: no credential
-        self.store_reads = store_reads  # SYNC_STORE: bytes the hub has read from it (checks, merges)
+        self.store_url = plane.url  # SYNC_STORE, as ObjectStore.url says it: no credential
+        self.store_reads = plane.reads  # SYNC_STORE: bytes the hub has read from it (checks, merges)
+        self.reducers = workers.live  # the reducers heard from lately (SYNC_REDUCERS)
         self.lease_seconds = lease_seconds
-        self.listeners = Listeners()
-        self._changed = asyncio.Event()
+        self.listeners = Listeners(stored=plane.stored)  # the plane tells of its uploads itself
+        self.changes = Changes()  # every change a reader shows (the dashboard's long poll)
         self.stopping = False  # the server is shutting down: long polls answer at once
-        self.board: Board | None = None  # SYNC_REDUCERS: the merge leases (the coordinator's)
-
-    def reducers(self) -> list[ReducerStats]:
-        """The reducers heard from in the last three lease lengths and a long poll, by name
-        (none without SYNC_REDUCERS)."""
-        return self.board.live(3 * self.board.lease_seconds + LEASE_POLL_MAX) if self.board is not None else []
 
     # ---- events (from the coordinator) -------------------------------------------------
     def changed(self, run: Run | None = None) -> None:
         """Something a reader shows changed: wake the run's waiters and the view's."""
         if run is not None:
-            run.notify()
-        self._changed.set()
-        self._changed = asyncio.Event()
+            run.changed.notify()
+        self.changes.notify()
 
     def updated(self, run: Run, update: UpdateRecord) -> None:
-        if self.listeners.update:
-            facts = update
-            for listener in self.listeners.update:
-                listener(run.name, facts)
+        for listener in self.listeners.update:
+            listener(run.name, update)
         self.changed(run)
 
     def closed(self, run: Run, record: RoundRecord) -> None:
-        if self.listeners.round:
-            facts = record
-            for listener in self.listeners.round:
-                listener(run.name, facts)
+        for listener in self.listeners.round:
+            listener(run.name, record)
         self.changed(run)
 
     def downloaded(self, run: Run, round_: int, peer: str, seconds: float) -> None:
         for listener in self.listeners.download:
             listener(run.name, round_, peer, seconds)
         self.changed(run)
-
-    def stored(self, run: Run, nbytes: int) -> None:
-        """The hub uploaded ``nbytes`` of ``run``'s result or version to the object store."""
-        for listener in self.listeners.stored:
-            listener(run.name, nbytes)
-
-    async def wait(self, timeout: float) -> None:
-        """Until the next change, or ``timeout`` seconds."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout)
 
     # ---- reading -------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -196,6 +169,10 @@ class HubView:
             RunLine(r.name, r.version, len(r.policy.live), r.config.codec, r.config.outer)
             for r in (self._runs[name] for name in names)
         ]
+
+    def samples_through(self, run: str, round_: int) -> int:
+        """Samples the run had trained by the end of round ``round_``: a peer stops on a budget."""
+        return self._store.samples_through(run, round_)
 
     def rounds(self, run: str, limit: int = 50) -> list[RoundRecord]:
         """The latest ``limit`` closed rounds of ``run``, oldest first."""

@@ -177,13 +177,32 @@ class MergeEngine:
         in the store (``key.object``), read with ranged GETs a slice at a time. Close it."""
         if key.object is None:
             return self.store.read(key)
-        if self.objects is None:
-            raise Missing(f"update {key.peer!r} of round {key.round} is in an object store: start the hub with it")
-        return ObjectTensorFile(self.objects, key.object, key.size, window=WINDOW)
+        return self._object(key.object, key.size, f"update {key.peer!r} of round {key.round}")
 
-    def _opened(self, files: contextlib.ExitStack, key: UpdateKey) -> TensorReader:
+    def _object(self, name: str, size: int | None, what: str) -> ObjectTensorFile:
+        if self.objects is None:
+            raise Missing(f"{what} is in an object store: start the hub with it")
+        return ObjectTensorFile(self.objects, name, size, window=WINDOW)
+
+    def _update(self, files: contextlib.ExitStack, key: UpdateKey) -> TensorReader:
         """:meth:`open_update`, closed with ``files``."""
         wire = self.open_update(key)
+        files.callback(wire.close)
+        return wire
+
+    def _opened(
+        self, files: contextlib.ExitStack, key: VersionKey | MomentumKey | ResidualKey, *, shared: bool = False
+    ) -> TensorReader | None:
+        """Version v, or the momentum or residual that goes with it, closed with ``files``: on the
+        hub's disk, or else in the bucket (written there by the reducers that merged the round
+        before); None for a momentum or residual not made yet. ``shared``: the bucket's copy first
+        (version 0, uploaded for the reducers: a lease that named the hub's file would fail on a
+        reducer of another machine)."""
+        if self.store.exists(key) and not (shared and self.store.stored_object(key) is not None):
+            return files.enter_context(self.store.read(key))
+        if not isinstance(key, VersionKey) and self.store.stored_object(key) is None:
+            return None
+        wire = self._object(object_name(key), None, str(key))
         files.callback(wire.close)
         return wire
 
@@ -329,9 +348,10 @@ class MergeEngine:
         result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
         result_head, result_at = _header(result_layout, meta)
-        old_momentum = self._state(files, MomentumKey(run, v)) if diloco else None
+        old_momentum = self._opened(files, MomentumKey(run, v)) if diloco else None
         # the reducers' leases (``into``) read version v where any reducer can: in the bucket
-        base = self._version(files, run, v, bucket=into is not None)
+        base = self._opened(files, VersionKey(run, v), shared=into is not None)
+        assert base is not None  # a version is on the disk or else in the bucket
         # Delayed Nesterov's clock: the part of an outer step done before this round
         clock = self._clock(run, v, old_momentum)
         done, steps = float(clock.get("progress", "0")), int(clock.get("steps", "0"))
@@ -375,7 +395,7 @@ class MergeEngine:
             folded=acc.weight,
             # a reducer lacking a slice of the mean folds it again from every update
             updates=[
-                (self._opened(files, key), w)
+                (self._update(files, key), w)
                 for key, w in [*(acc.partial.updates if acc.partial is not None else ()), *unfolded]
             ],
             momentum=old_momentum,
@@ -390,19 +410,6 @@ class MergeEngine:
             bound=m.bound,
         )
 
-    def _version(self, files: contextlib.ExitStack, run: str, v: int, *, bucket: bool = False) -> TensorReader:
-        """Version ``v``, closed with ``files``: its file on the hub's disk, or else its object in
-        the bucket (written there by the reducers that merged round v-1). ``bucket``: the object
-        first if the bucket holds it (version 0, uploaded for the reducers: a lease that named the
-        hub's file would fail on a reducer of another machine)."""
-        key = VersionKey(run, v)
-        on_disk = self.store.exists(key)
-        if self.objects is None or (on_disk and not (bucket and self.store.stored_object(key) is not None)):
-            return files.enter_context(self.store.read(key))
-        wire = ObjectTensorFile(self.objects, object_name(key), window=WINDOW)
-        files.callback(wire.close)
-        return wire
-
     def _clock(self, run: str, v: int, momentum: TensorReader | None) -> dict[str, str]:
         """The metadata of the momentum that goes with version ``v`` (its clock): as the merge
         that wrote it left it, or from its header (the hub's own file; an object in the bucket
@@ -413,18 +420,6 @@ class MergeEngine:
         if known is not None and known[0] == v and isinstance(momentum, ObjectTensorFile):
             return known[1]
         return momentum.metadata
-
-    def _state(self, files: contextlib.ExitStack, key: MomentumKey | ResidualKey) -> TensorReader | None:
-        """DiLoCo's momentum or the hub's residual that goes with a version, closed with
-        ``files``: its file on the hub's disk, or its object in the bucket (written there by the
-        reducers that merged the round before), or None (none yet)."""
-        if self.store.exists(key):
-            return files.enter_context(self.store.read(key))
-        if self.objects is None or self.store.stored_object(key) is None:
-            return None
-        wire = ObjectTensorFile(self.objects, object_name(key), window=WINDOW)
-        files.callback(wire.close)
-        return wire
 
     def _residuals(
         self,
@@ -443,7 +438,7 @@ class MergeEngine:
         leaves nothing out) and its tensors' offsets. Nothing for other codecs."""
         if not codec.hub_feedback:
             return None, None, {}
-        old = self._state(files, ResidualKey(run, v))
+        old = self._opened(files, ResidualKey(run, v))
         if not keep:
             return old, None, {}
         head, at = _header(_fp32_layout(schema), {"version": str(v + 1)})

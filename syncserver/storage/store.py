@@ -25,14 +25,7 @@ Layout under ``data_dir``::
     tmp/spares/<id>.spare                   pruned tensor files, kept to write the next ones into
     tmp/partials/<run>/<v>/<peer>/<name>.part  an update cut mid-body or held for its digest
 
-Pruned tensor files are not deleted but kept, a few (:data:`SPARES`), to be written over by
-the next files :meth:`Store.write` makes (:class:`Spares`): their pages are still in the page
-cache. A round writes half a GB of result and half a GB of version for GPT-2 in fp32, and
-writing into fresh page-cache pages cost 0.8-1.1 s per 500 MB on the 2-core VM of
-bench/RESULTS.md, against 0.08 s over a file whose pages are cached (a VM hands memory the
-guest frees back to its host, so every fresh page is a fault there as well). A spare is taken
-only while nothing else has it open, which the kernel says (a write lease, ``F_SETLEASE``):
-a pruned version still being served to a late peer is never written over.
+Pruned tensor files are kept to be written over (:mod:`syncserver.storage.spares`).
 
 Peer names are chosen by peers, so they get a folder of their own: no peer name can be a file
 of the hub's (a peer called ``result`` once stored its update at the round's result path, and
@@ -44,8 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
-import functools
 import json
 import os
 import shutil
@@ -53,15 +44,16 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from syncserver.errors import Unavailable
 from syncserver.records import RoundRecord, UpdateRecord
+from syncserver.storage.spares import SPARES, Spares
 from syncserver.storage.writeback import start_writeback
 from syncwire.format import TensorFile
 
@@ -78,8 +70,6 @@ __all__ = [
     "ResultKey",
     "RoundRecord",
     "RunRecord",
-    "SPARES",
-    "Spares",
     "Staged",
     "Store",
     "Upload",
@@ -138,27 +128,28 @@ class PeerRecord:
 
 # ---- keys ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class VersionKey:
+class _Numbered:
+    run: str
+    number: int
+    kind: ClassVar[str]  # its name in the objects table and its folder (versions, momentum, residual)
+
+
+class VersionKey(_Numbered):
     """The model after ``number`` merges, float32."""
 
-    run: str
-    number: int
+    kind = "version"
 
 
-@dataclass(frozen=True)
-class MomentumKey:
+class MomentumKey(_Numbered):
     """DiLoCo's outer momentum that goes with version ``number``."""
 
-    run: str
-    number: int
+    kind = "momentum"
 
 
-@dataclass(frozen=True)
-class ResidualKey:
+class ResidualKey(_Numbered):
     """What the results up to version ``number`` left out, for codecs with ``hub_feedback``."""
 
-    run: str
-    number: int
+    kind = "residual"
 
 
 @dataclass(frozen=True)
@@ -205,16 +196,17 @@ class ObjectRecord:
 
 
 _KINDS: dict[str, type[VersionKey | MomentumKey | ResidualKey]] = {
-    "version": VersionKey,
-    "momentum": MomentumKey,
-    "residual": ResidualKey,
+    k.kind: k for k in (VersionKey, MomentumKey, ResidualKey)
 }
 
 
+def _row(run: str, record: UpdateRecord | RoundRecord) -> tuple[Any, ...]:
+    """A record's row: its run, then its fields in order (its table's columns), lists and dicts as JSON."""
+    return (run, *(json.dumps(v) if isinstance(v, dict | list) else v for v in vars(record).values()))
+
+
 def _kind(key: Stored) -> tuple[str, int]:
-    if isinstance(key, ResultKey):
-        return "result", key.round
-    return {VersionKey: "version", MomentumKey: "momentum", ResidualKey: "residual"}[type(key)], key.number
+    return ("result", key.round) if isinstance(key, ResultKey) else (key.kind, key.number)
 
 
 def _stored(run: str, kind: str, number: int) -> Stored:
@@ -243,25 +235,10 @@ def storage_error(exc: OSError | sqlite3.Error) -> Unavailable:
     return Unavailable(f"the hub cannot write its data dir ({exc.strerror}); nothing was stored", retry_after=30)
 
 
-P = ParamSpec("P")
-T = TypeVar("T")
-
-
-def _translated(fn: Callable[P, T]) -> Callable[P, T]:
-    """Raise :class:`Unavailable` instead of the ``OSError`` / ``sqlite3.Error`` of ``fn``."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        try:
-            return fn(*args, **kwargs)
-        except (OSError, sqlite3.Error) as exc:
-            raise storage_error(exc) from exc
-
-    return wrapper
-
-
 @contextlib.contextmanager
 def _translating() -> Iterator[None]:
+    """Raise :class:`Unavailable` instead of an ``OSError`` / ``sqlite3.Error`` (a block, or a
+    function decorated with ``@_translating()``)."""
     try:
         yield
     except (OSError, sqlite3.Error) as exc:
@@ -281,101 +258,6 @@ def _publish(tmp: Path, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-
-
-#: pruned tensor files kept to be written over (:class:`Spares`; the hub's ``SYNC_SPARE_FILES``).
-#: A round writes a result, a version, an upload per peer and, for DiLoCo and topk, a momentum
-#: and a residual, and prunes as many.
-SPARES = 6
-
-
-def _unshared(fd: int) -> bool | None:
-    """Whether ``fd`` is the only open file of its inode, in any process (a mapping counts):
-    the kernel grants a write lease only then. None where leases do not work (not Linux, a
-    file system without them, not the file's owner): then nothing can be told."""
-    setlease = getattr(fcntl, "F_SETLEASE", None)
-    if setlease is None:
-        return None
-    try:
-        fcntl.fcntl(fd, setlease, fcntl.F_WRLCK)
-    except BlockingIOError:  # EAGAIN: someone else has it open
-        return False
-    except OSError:
-        return None
-    fcntl.fcntl(fd, setlease, fcntl.F_UNLCK)
-    return True
-
-
-class Spares:
-    """Pruned tensor files, kept to write new ones into (see the module docstring).
-
-    :meth:`retire` moves a pruned file here instead of deleting it, keeping the largest
-    ``limit``; :meth:`take` hands one out for :meth:`Store.write`: the smallest that holds the
-    bytes to write, else the largest, and only one that nothing else has open (a download of
-    a pruned version may still be reading it: that one waits for a later round). Where the
-    kernel cannot tell (no leases), nothing is kept and every file is new, as before.
-    """
-
-    def __init__(self, folder: Path, limit: int = SPARES) -> None:
-        self._folder = folder
-        self._limit = limit
-        self._files: list[tuple[int, Path]] = []  # (size, path)
-        self._lock = threading.Lock()  # prune runs on the event loop, writes in worker threads
-        self._usable = limit > 0
-
-    def retire(self, path: Path) -> None:
-        """Remove ``path``'s name: keep its file as a spare, or delete it."""
-        if not self._usable:
-            path.unlink(missing_ok=True)
-            return
-        self._folder.mkdir(parents=True, exist_ok=True)
-        spare = self._folder / f"{uuid.uuid4().hex}.spare"
-        try:
-            size = path.stat().st_size
-            os.rename(path, spare)
-        except FileNotFoundError:
-            return
-        with self._lock:
-            self._files.append((size, spare))
-            self._files.sort(key=lambda f: -f[0])
-            dropped = self._files[self._limit :]
-            del self._files[self._limit :]
-        for _, extra in dropped:
-            extra.unlink(missing_ok=True)
-
-    def take(self, size: int | None, to: Path) -> int | None:
-        """A spare renamed to ``to`` and opened for writing (its old bytes still there: write
-        over them and cut it at the end), or None."""
-        with self._lock:
-            if not self._files:
-                return None
-            fits = sorted((f for f in self._files if size is not None and f[0] >= size), key=lambda f: f[0])
-            for entry in [*fits, *(f for f in self._files if f not in fits)]:
-                try:
-                    fd = os.open(entry[1], os.O_WRONLY)
-                except FileNotFoundError:  # cleared meanwhile
-                    self._files.remove(entry)
-                    continue
-                unshared = _unshared(fd)
-                if unshared is False:  # still read: a later round may have it
-                    os.close(fd)
-                    continue
-                self._files.remove(entry)
-                if unshared is None:  # the kernel cannot say who else has it open: keep none
-                    os.close(fd)
-                    self._usable = False
-                    for _, path in [entry, *self._files]:
-                        path.unlink(missing_ok=True)
-                    self._files.clear()
-                    return None
-                os.rename(entry[1], to)
-                return fd
-        return None
-
-    def clear(self) -> None:
-        with self._lock:
-            self._files.clear()
-        shutil.rmtree(self._folder, ignore_errors=True)
 
 
 # ---- handles -------------------------------------------------------------------------------
@@ -481,7 +363,7 @@ class Upload:
         except FileNotFoundError:
             return 0
 
-    @_translated
+    @_translating()
     def open(self, offset: int, size: int | None = None) -> None:
         """Open for writing from ``offset`` (0: from scratch, into a spare that holds ``size``
         bytes if there is one; the caller checked :meth:`held`)."""
@@ -500,7 +382,7 @@ class Upload:
             raise UploadClosed(f"upload {self._path.name} is closed: nothing more can be written to it")
         return self._fd
 
-    @_translated
+    @_translating()
     def append(self, chunks: list[bytes]) -> None:
         """Write ``chunks`` after the body's bytes (``pwritev``, at most IOV_MAX at a time)."""
         fd = self._writable()
@@ -518,7 +400,7 @@ class Upload:
     def writeback(self, offset: int, nbytes: int) -> None:
         start_writeback(self._writable(), offset, nbytes)
 
-    @_translated
+    @_translating()
     def read(self, offset: int, n: int) -> bytes:
         """Bytes already held (a resumed body's start is read back to hash and check it)."""
         fd = os.open(self._path, os.O_RDONLY)
@@ -527,7 +409,7 @@ class Upload:
         finally:
             os.close(fd)
 
-    @_translated
+    @_translating()
     def finish(self) -> Staged:
         """fsync and close; a partial then leaves the partials folder (so that pruning a
         closed round's partials cannot take it). :class:`FileNotFoundError` if it already did:
@@ -565,7 +447,7 @@ class Store:
     """The hub's disk. Record methods are called from the event loop thread (sqlite is fast
     here: a handful of small rows per round); bulk tensor I/O happens in worker threads."""
 
-    @_translated
+    @_translating()
     def __init__(self, data_dir: Path, spares: int = SPARES) -> None:
         self._root = Path(data_dir)
         (self._root / "runs").mkdir(parents=True, exist_ok=True)
@@ -619,15 +501,12 @@ class Store:
         return self._run_dir(run) / "rounds" / f"{round_:08d}"
 
     def _path(self, key: Key) -> Path:
-        if isinstance(key, VersionKey):
-            return self._run_dir(key.run) / "versions" / f"{key.number:08d}.safetensors"
-        if isinstance(key, MomentumKey):
-            return self._run_dir(key.run) / "momentum" / f"{key.number:08d}.safetensors"
-        if isinstance(key, ResidualKey):
-            return self._run_dir(key.run) / "residual" / f"{key.number:08d}.safetensors"
         if isinstance(key, UpdateKey):
             return self._updates_dir(key.run, key.round) / f"{key.peer}.safetensors"
-        return self._round_dir(key.run, key.round) / "result.safetensors"
+        if isinstance(key, ResultKey):
+            return self._round_dir(key.run, key.round) / "result.safetensors"
+        folder = "versions" if isinstance(key, VersionKey) else key.kind
+        return self._run_dir(key.run) / folder / f"{key.number:08d}.safetensors"
 
     def _updates_dir(self, run: str, round_: int) -> Path:
         return self._round_dir(run, round_) / "updates"
@@ -644,12 +523,12 @@ class Store:
     def exists(self, key: Key) -> bool:
         return self._path(key).exists()
 
-    @_translated
+    @_translating()
     def versions(self, run: str) -> list[int]:
         """The versions of ``run`` whose files are stored, in order."""
         return sorted(int(path.stem) for path in (self._run_dir(run) / "versions").glob("*.safetensors"))
 
-    @_translated
+    @_translating()
     def read(self, key: Key) -> TensorFile:
         """A ranged reader (``pread`` a slice at a time); close it (it is a context manager)."""
         return TensorFile(self._path(key))
@@ -680,7 +559,7 @@ class Store:
         finally:
             tmp.unlink(missing_ok=True)
 
-    @_translated
+    @_translating()
     def serve(self, key: Key) -> Blob:
         """Open ``key`` for a download; :class:`Missing` if it is not there (pruned)."""
         try:
@@ -693,7 +572,7 @@ class Store:
         """Somewhere to receive a body that is not resumable (version 0)."""
         return Upload(self._tmp / f"{uuid.uuid4().hex}.part", None, self._spares)
 
-    @_translated
+    @_translating()
     def resumable_upload(self, run: str, round_: int, peer: str, name: str, *, supersede: bool = False) -> Upload:
         """The partial upload of one update, named by the body's hex sha-256 or, for a body
         whose digest comes later, ``key-<Upload-Key>`` (both checked by the route: no path
@@ -707,7 +586,7 @@ class Store:
                     stale.unlink(missing_ok=True)
         return Upload(path, self._tmp / f"{uuid.uuid4().hex}.part", self._spares)
 
-    @_translated
+    @_translating()
     def publish_initial(self, staged: Staged, run: str, schema: dict[str, tuple[int, ...]]) -> None:
         """Version 0 of ``run``: its file, then the record that says it exists."""
         _publish(staged._path, self._path(VersionKey(run, 0)))
@@ -733,22 +612,7 @@ class Store:
         self._refuse_second(run, update)
         with self._tx() as db:
             db.execute(
-                f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    run,
-                    update.peer,
-                    update.round,
-                    update.seq,
-                    update.digest,
-                    update.samples,
-                    json.dumps(update.metrics),
-                    update.nbytes,
-                    update.received,
-                    update.seconds,
-                    update.base,
-                    int(update.final),
-                    update.object,
-                ),
+                f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES ({','.join('?' * 13)})", _row(run, update)
             )
 
     def _refuse_second(self, run: str, update: UpdateRecord) -> None:
@@ -760,22 +624,16 @@ class Store:
             raise ValueError(f"{update.peer!r} already has an update stored for round {update.round} of {run!r}")
 
     # ---- runs ----------------------------------------------------------------------------
-    @_translated
+    @_translating()
     def runs(self) -> list[RunRecord]:
         rows = self._db.execute(
             "SELECT name, config, schema, version, created, sealed, creator FROM runs ORDER BY rowid"
         ).fetchall()
         return [
             RunRecord(
-                name,
-                json.loads(config),
-                {k: tuple(v) for k, v in json.loads(schema).items()} if schema else None,
-                version,
-                created,
-                bool(sealed),
-                creator,
+                n, json.loads(c), {k: tuple(v) for k, v in json.loads(s).items()} if s else None, v, t, bool(x), by
             )
-            for name, config, schema, version, created, sealed, creator in rows
+            for n, c, s, v, t, x, by in rows
         ]
 
     def create_run(self, name: str, config: dict[str, Any], creator: str | None = None) -> None:
@@ -794,7 +652,7 @@ class Store:
             )
 
     # ---- peers ---------------------------------------------------------------------------
-    @_translated
+    @_translating()
     def peers(self, run: str) -> list[PeerRecord]:
         rows = self._db.execute(
             "SELECT name, rank, active_from, joined, left, group_size FROM peers WHERE run = ? ORDER BY joined", (run,)
@@ -817,14 +675,14 @@ class Store:
         p, r, s, d, n, m, b, t, sec, base, final, name = row
         return UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec, r if base is None else base, bool(final), name)
 
-    @_translated
+    @_translating()
     def updates(self, run: str, round_: int) -> list[UpdateRecord]:
         rows = self._db.execute(
             f"SELECT {self._UPDATE_COLUMNS} FROM updates WHERE run = ? AND round = ? ORDER BY seq", (run, round_)
         ).fetchall()
         return [self._update(row) for row in rows]
 
-    @_translated
+    @_translating()
     def update_from(self, run: str, peer: str, base: int) -> UpdateRecord | None:
         """``peer``'s update computed from version ``base``, wherever it was merged (a peer sends
         at most one per version it starts from)."""
@@ -834,7 +692,7 @@ class Store:
         ).fetchone()
         return None if row is None else self._update(row)
 
-    @_translated
+    @_translating()
     def next_seq(self, run: str) -> int:
         (seq,) = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM updates WHERE run = ?", (run,)).fetchone()
         return int(seq)
@@ -846,21 +704,7 @@ class Store:
         with self._tx() as db:
             for copy in objects:
                 self._insert_object(db, run, copy)
-            db.execute(
-                "INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (
-                    run,
-                    record.round,
-                    record.opened,
-                    record.closed,
-                    json.dumps(record.participants),
-                    json.dumps(record.dropped),
-                    record.samples,
-                    record.bytes_in,
-                    record.result_bytes,
-                    json.dumps(record.timings),
-                ),
-            )
+            db.execute("INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?)", _row(run, record))
             db.execute("UPDATE runs SET version = ? WHERE name = ?", (record.round + 1, run))
 
     # ---- copies in the object store ------------------------------------------------------
@@ -877,7 +721,7 @@ class Store:
         with self._tx() as db:
             self._insert_object(db, record.key.run, record)
 
-    @_translated
+    @_translating()
     def stored_object(self, key: Stored) -> ObjectRecord | None:
         kind, number = _kind(key)
         row = self._db.execute(
@@ -885,7 +729,7 @@ class Store:
         ).fetchone()
         return None if row is None else ObjectRecord(key, row[0], row[1])
 
-    @_translated
+    @_translating()
     def stored_objects(self, run: str) -> list[ObjectRecord]:
         rows = self._db.execute(
             "SELECT kind, number, size, etag FROM objects WHERE run = ? ORDER BY kind, number", (run,)
@@ -894,19 +738,21 @@ class Store:
 
     def forget_objects(self, keys: list[Stored]) -> None:
         """Drop the records of copies about to be deleted from the store (pruned, or past a crash)."""
+        if not keys:
+            return
         with self._tx() as db:
             db.executemany(
                 "DELETE FROM objects WHERE run = ? AND kind = ? AND number = ?",
                 [(key.run, *_kind(key)) for key in keys],
             )
 
-    @_translated
+    @_translating()
     def update_objects(self, run: str) -> set[str]:
         """The names of the updates of ``run`` that live in the object store (not pruned yet)."""
         rows = self._db.execute("SELECT object FROM updates WHERE run = ? AND object IS NOT NULL", (run,))
         return {name for (name,) in rows}
 
-    @_translated
+    @_translating()
     def names_update_object(self, run: str, name: str) -> bool:
         """Does an update record of ``run`` name the object ``name``? (Then no clean-up deletes it.)"""
         row = self._db.execute("SELECT 1 FROM updates WHERE run = ? AND object = ? LIMIT 1", (run, name)).fetchone()
@@ -924,7 +770,7 @@ class Store:
             )
         return [name for (name,) in rows]
 
-    @_translated
+    @_translating()
     def rounds(self, run: str, limit: int = 50) -> list[RoundRecord]:
         rows = self._db.execute(
             "SELECT round, opened, closed, participants, dropped, samples, bytes_in, result_bytes, timings "
@@ -936,7 +782,7 @@ class Store:
             for r, o, c, p, d, s, b, rb, t in reversed(rows)
         ]
 
-    @_translated
+    @_translating()
     def samples_through(self, run: str, round_: int) -> int:
         """Samples trained in ``run`` by the end of round ``round_`` (version ``round_ + 1``)."""
         (total,) = self._db.execute(
@@ -944,7 +790,7 @@ class Store:
         ).fetchone()
         return int(total)
 
-    @_translated
+    @_translating()
     def round_metrics(self, run: str, limit: int = 500) -> list[UpdateRecord]:
         """The latest updates of a run (their metrics feed status and the dashboard)."""
         rows = self._db.execute(
@@ -953,7 +799,7 @@ class Store:
         return [self._update(row) for row in reversed(rows)]
 
     # ---- housekeeping --------------------------------------------------------------------
-    @_translated
+    @_translating()
     def recover(self, run: str, version: int) -> None:
         """Remove what a crash may have left past the committed state of ``run``."""
         acked = {u.peer for u in self.updates(run, version)} if version >= 0 else set()
@@ -986,7 +832,7 @@ class Store:
             if f.is_file() and (f.parent == folder or f.name.startswith(".") or f.stem not in acked):
                 f.unlink()
 
-    @_translated
+    @_translating()
     def clear_tmp(self) -> None:
         """Drop uploads in flight, partials included: after a crash the peers start them again."""
         self._spares.clear()
@@ -996,7 +842,7 @@ class Store:
             else:
                 path.unlink(missing_ok=True)
 
-    @_translated
+    @_translating()
     def prune(self, run: str, version: int, keep: int, keep_results: int | None = None) -> None:
         """Keep the last ``keep`` versions and the last ``keep_results`` round results (default
         ``keep``: peers of an async run fetch the results since their base, so it keeps more);

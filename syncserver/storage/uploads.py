@@ -129,7 +129,7 @@ async def partial_offset(upload: Upload) -> int:
 class _Sink:
     """An upload fed through its body's check, from a worker thread. ``offset`` > 0 appends to a
     partial; ``size``, the bytes announced, picks the file a new upload writes over
-    (:class:`~syncserver.storage.store.Spares`)."""
+    (:class:`~syncserver.storage.spares.Spares`)."""
 
     def __init__(self, upload: Upload, check: BodyCheck, offset: int, size: int | None) -> None:
         if offset:

@@ -1,0 +1,75 @@
+"""Waiting for a change: the hub's one long poll.
+
+Every long poll of the hub (a peer waiting to start, for its round's result, for its round to
+be due, its watch; the dashboard) is the same loop: look at what it waits for, and if it is
+not there, sleep until something changes or the deadline passes, then look again. A
+:class:`Changes` is what changes wake; :func:`until` is the loop. :class:`Tasks` keeps the
+background work a request starts (a round's close, a version's file) until it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+__all__ = ["Changes", "Tasks", "until"]
+
+
+class Changes:
+    """Wakes every waiter at each :meth:`notify` (a fresh event per change, so that a waiter
+    that wakes and waits again waits for the next change, not the one it saw)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float | None = None, also: asyncio.Future[Any] | None = None) -> None:
+        """Until the next change (or ``also`` is done), at most ``timeout`` seconds."""
+        news = asyncio.ensure_future(self._event.wait())
+        try:
+            await asyncio.wait({news} if also is None else {news, also}, timeout=timeout, return_when="FIRST_COMPLETED")
+        finally:
+            news.cancel()
+
+
+async def until(
+    ready: Callable[[], bool],
+    changes: Changes,
+    seconds: float,
+    stop: Callable[[], bool] = lambda: False,
+    also: asyncio.Future[Any] | None = None,
+) -> bool:
+    """Ask ``ready`` now and after every change of ``changes`` (or once ``also`` is done) until
+    it says yes (True), or ``seconds`` pass or ``stop`` says the hub is stopping (False)."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or stop():
+            return False
+        await changes.wait(remaining, also)
+    return True
+
+
+class Tasks:
+    """Background tasks, held until done (the event loop keeps only weak references to them)."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def stop(self) -> None:
+        """Wait for every task (what failed or was cancelled was logged where it ran, or is moot)."""
+        for task in list(self._tasks):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await task

@@ -1,0 +1,305 @@
+"""Who does the tensor work, chosen once in :func:`~syncserver.api.factory.create_app`: fold each
+acknowledged update, merge a closing round, build the versions after their commits, check the
+bodies peers uploaded to the bucket. The core calls its workers and never asks which it has.
+
+- :class:`Threads`: the hub's own threads (the engine's pool). Each update is folded into the
+  round's accumulator as it is acknowledged, the close merges the rest, and the hub writes each
+  version's file after the commit; the hub checks uploaded bodies itself.
+- :class:`Reducers` (``SYNC_REDUCERS=K``): the work is cut into leases that K reducer processes
+  take from the board (:mod:`syncserver.core.leases`), the same functions on the same files, so
+  the same bits: they fold each round's updates ahead of its close, in their memory, share its
+  merge, and check uploaded bodies. They write the hub's staged files, so they run on its
+  machine; versions are still the hub's files, written by its threads.
+- :class:`BucketReducers` (``SYNC_REDUCERS`` with ``SYNC_STORE``): reducers on any machine. They
+  read version v and the updates in the bucket, write each result (and DiLoCo's momentum, the
+  hub's residual) as parts of multipart uploads that the hub completes, and build each version
+  in the bucket after its commit: the hub's disk holds no version but the first.
+
+Every mode writes the versions in one task per run, after each commit (``version v +
+decode(result v)``), then prunes; a pull of a version not written yet waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from anyio import to_thread
+
+from syncserver.core.changes import Tasks
+from syncserver.core.finite import Merged
+from syncserver.core.leases import LEASE_POLL_MAX, Board, FoldAhead, ReducerStats, build_leased, merge_leased
+from syncserver.core.planes import BucketPlane, LocalPlane
+from syncserver.core.state import Run
+from syncserver.errors import HubError, StoreDown, Unavailable, UploadUnknown
+from syncserver.reduce.check import Checked
+from syncserver.reduce.checklease import CheckJob, CheckReport, accept
+from syncserver.reduce.engine import MergeEngine, RoundMerge
+from syncserver.reduce.lease import FoldJob
+from syncserver.storage.store import ResultKey, UpdateKey, VersionKey
+
+__all__ = ["BucketReducers", "Reducers", "Threads", "Workers"]
+
+log = logging.getLogger(__name__)
+
+
+class Workers:
+    """What every mode shares: the version files, written by the hub's threads after each commit."""
+
+    board: Board | None = None  # the reducers' leases (HTTP: api/reduce.py); None: nothing is leased
+
+    def __init__(self, engine: MergeEngine, plane: LocalPlane) -> None:
+        self.engine = engine
+        self.plane = plane
+        self.store = plane.store
+        self.tasks = Tasks()
+
+    async def fold(self, run: Run) -> None:
+        """Fold every acknowledged, not yet folded update, in acknowledgement order, until the
+        round closes: from then on its merge folds the rest."""
+        raise NotImplementedError
+
+    async def settle(self, run: Run) -> None:
+        """The round closes: what folds ahead of it stops (what it folded counts)."""
+
+    async def merge(self, m: RoundMerge) -> Merged:
+        raise NotImplementedError
+
+    async def check(self, job: CheckJob, own: Callable[[], Awaitable[Checked]]) -> Checked:
+        """The check of a body a peer uploaded to the bucket; ``own``: the hub's own check of it."""
+        return await own()
+
+    def live(self) -> list[ReducerStats]:
+        """The reducers heard from lately (none here)."""
+        return []
+
+    def end_polls(self) -> None:
+        """The server stops: every long poll of a reducer answers now."""
+
+    async def stop(self) -> None:
+        await self.tasks.stop()
+        self.engine.close()
+
+    # ---- versions ---------------------------------------------------------------------------
+    def start_versions(self, run: Run) -> None:
+        """Start writing the committed versions that have no file yet (after a commit, or at
+        start after a crash between a commit and its version's rename), then prune."""
+        if run.writing is None or run.writing.done():
+            run.writing = self.tasks.spawn(self._write(run))
+            run.writing.add_done_callback(_log_version_failure)
+
+    async def written(self, run: Run) -> None:
+        """Until the versions being written are (re-raising the failure of that write)."""
+        self.start_versions(run)
+        assert run.writing is not None
+        await asyncio.shield(run.writing)
+
+    async def _write(self, run: Run) -> None:
+        while True:
+            target = run.version
+            await self.build(run, target)
+            with contextlib.suppress(Exception):  # housekeeping: a failure here loses nothing
+                await self.plane.prune(run, target)
+            if run.version == target:  # else rounds closed meanwhile
+                return
+
+    async def base(self, run: Run, v: int) -> None:
+        """Version ``v`` is where this mode's merge of round ``v`` reads it (the hub's file)."""
+        if not self.store.exists(VersionKey(run.name, v)):
+            await self.written(run)
+
+    async def build(self, run: Run, target: int) -> None:
+        """Write the files of every version up to ``target`` that lacks one: not one that lives
+        only in the bucket (the reducers built it there, and the hub has no result to build it from)."""
+        assert run.schema is not None
+        if not self.store.exists(ResultKey(run.name, target - 1)) and self.store.stored_object(
+            VersionKey(run.name, target)
+        ):
+            return
+        await to_thread.run_sync(self.engine.build_versions, run.name, target, run.codec, run.schema)
+
+
+class Threads(Workers):
+    """The hub's own threads do all the work (see the module docstring)."""
+
+    async def fold(self, run: Run) -> None:
+        def closing() -> bool:
+            return run.closing
+
+        async with run.fold_lock:
+            acc = run.accumulator()
+            for update in sorted(run.acked.values(), key=lambda u: u.seq):
+                if run.closing:
+                    return
+                if update.peer not in acc.folded:
+                    key = UpdateKey.of(run.name, update)
+                    weight = run.policy.weight(update.samples, update.base, update.round)
+                    # a first fold stops when the round closes: the merge then folds every update
+                    stop = closing if not acc.folded else None
+                    fold = functools.partial(self.engine.fold, acc, key, weight, run.codec, stop=stop)
+                    if not await to_thread.run_sync(fold):
+                        return
+
+    async def merge(self, m: RoundMerge) -> Merged:
+        return await to_thread.run_sync(self.engine.merge, m), [], {}
+
+
+class Reducers(Workers):
+    """Reducer processes on the hub's machine take the work as leases (see the module docstring)."""
+
+    board: Board
+
+    def __init__(self, engine: MergeEngine, plane: LocalPlane, board: Board, count: int) -> None:
+        super().__init__(engine, plane)
+        self.board, self.count = board, count
+        self.ahead = FoldAhead(board, count, engine)
+        self._folding: dict[str, asyncio.Task[None]] = {}  # run -> its fold ahead under way
+
+    async def fold(self, run: Run) -> None:
+        """The reducers fold ahead, in a task of their own: an acknowledgement never waits on a reducer."""
+        under_way = self._folding.get(run.name)
+        if under_way is None or under_way.done():  # else it folds what came meanwhile, next
+            self._folding[run.name] = self.tasks.spawn(self._fold_ahead(run))
+
+    async def _fold_ahead(self, run: Run) -> None:
+        """Fold every acknowledged, not yet folded update, in acknowledgement order, a step at a
+        time (:class:`~syncserver.core.leases.FoldAhead`; a step folds all that came meanwhile),
+        until the round closes: its merge leases fold the rest. A step that fails costs nothing
+        but time: the merge folds what it did not."""
+        async with run.fold_lock:
+            while not run.closing and run.schema is not None:
+                acc = run.accumulator()
+                pending = [u for u in sorted(run.acked.values(), key=lambda u: u.seq) if u.peer not in acc.folded]
+                if not pending:
+                    return  # the next acknowledgement starts the next step
+                updates = [
+                    (u.peer, UpdateKey.of(run.name, u), run.policy.weight(u.samples, u.base, u.round)) for u in pending
+                ]
+                try:
+                    await self.ahead.fold(run.name, run.version, acc, run.codec, updates)
+                except Exception as exc:
+                    log.warning(
+                        "fold_ahead_failed run=%s round=%d (the merge folds the rest): %r", run.name, run.version, exc
+                    )
+                    return
+
+    async def settle(self, run: Run) -> None:
+        """Wait for the fold step under way (the merge then folds less), but stop it while any
+        of its leases waits for a reducer (none free, or none at all: the merge's own leases are
+        next in line, and nothing folded is lost)."""
+        task = self._folding.get(run.name)
+        while task is not None and not task.done():
+            if self.board.offered(run.name, FoldJob):
+                task.cancel()
+            await asyncio.wait({task}, timeout=0.05)
+
+    async def merge(self, m: RoundMerge) -> Merged:
+        return await merge_leased(self.board, self.count, self.engine, m)
+
+    async def check(self, job: CheckJob, own: Callable[[], Awaitable[Checked]]) -> Checked:
+        """A reducer's check when one is alive (the hub reads no body), else the hub's own.
+
+        A reducer's report is taken only when it is a pass that agrees with everything the hub
+        can compare without the body (:func:`accept`) and with the digest the peer declared. A
+        refusal, a digest other than the peer's, a report that does not hold up, or a failure
+        is never the peer's answer on a reducer's word: the hub checks the body itself, and a
+        report that its own check contradicts counts as that reducer's failure
+        (:meth:`Board.check_failed`)."""
+        report = await self.board.check(job)
+        taken = accept(report, job) if report is not None else None
+        if taken is not None and taken.digest == job.digest:
+            return taken
+        if report is None:
+            return await own()
+        try:
+            mine = await own()
+        except HubError as exc:
+            if not isinstance(exc, StoreDown | UploadUnknown):
+                self._judge(job, report, taken, None)
+            raise
+        self._judge(job, report, taken, mine)
+        return mine
+
+    def _judge(self, job: CheckJob, report: CheckReport, taken: Checked | None, mine: Checked | None) -> None:
+        """Set a reducer's report against the hub's own check of the same body (``mine``; None:
+        the hub refused it): count the report as the reducer's failure unless they agree."""
+        if report.failed is not None:
+            why = f"it could not check the body: {report.failed}"
+        elif report.refused is not None:
+            if mine is None:
+                return  # the hub refuses it too: the peer's answer is the hub's own
+            why = f"it refused a body that passes the hub's check: {report.refused.detail}"
+        elif mine is None:
+            why = "it passed a body that fails the hub's check"
+        elif taken is None:
+            why = "its report does not match the object (size, or norm)"
+        elif taken.digest != mine.digest:
+            why = f"it reported sha-256 {taken.digest} for a body of {mine.digest}"
+        else:
+            return  # the body is not what the peer declared, as the reducer said
+        self.board.check_failed(report.reducer, job.run, job.object, why)
+
+    def live(self) -> list[ReducerStats]:
+        """The reducers heard from in the last three lease lengths and a long poll, by name."""
+        return self.board.live(3 * self.board.lease_seconds + LEASE_POLL_MAX)
+
+    def end_polls(self) -> None:
+        self.board.end_polls()
+        self._drop_folds()
+
+    async def stop(self) -> None:
+        self._drop_folds()
+        await super().stop()
+
+    def _drop_folds(self) -> None:
+        for task in self._folding.values():  # a fold ahead is dropped, not waited for: nothing of it counts yet
+            task.cancel()
+
+
+class BucketReducers(Reducers):
+    """Reducers on any machine, through the bucket (see the module docstring)."""
+
+    plane: BucketPlane
+
+    def __init__(self, engine: MergeEngine, plane: BucketPlane, board: Board, count: int) -> None:
+        super().__init__(engine, plane, board, count)
+        self.built = functools.partial(build_leased, board, count)
+
+    async def base(self, run: Run, v: int) -> None:
+        """Version ``v`` has a copy in the bucket, where reducers on other machines read it: the
+        reducers built it after the last commit (every round but the first; waited for here, in
+        the rare case that the build is still going), or the hub uploads it now (version 0).
+        :class:`Unavailable` if the store fails (the close is tried again after its backoff)."""
+        key = VersionKey(run.name, v)
+        if self.store.stored_object(key) is None and not self.store.exists(key):
+            await self.written(run)
+        if self.store.stored_object(key) is not None:
+            return
+        record = await self.plane.upload(run, key)
+        if record is None:
+            raise Unavailable(f"the object store {self.plane.url} is down: version {v} cannot reach the reducers")
+        self.store.record_object(record)
+
+    async def build(self, run: Run, target: int) -> None:
+        """Have the reducers build every version up to ``target`` that the bucket lacks, from the
+        last one it has and the rounds' results there, each recorded once built (it counts from
+        then on; a hub killed before that builds it again at its start)."""
+        assert run.schema is not None
+        first = target
+        while first > 0 and self.store.stored_object(VersionKey(run.name, first)) is None:
+            first -= 1
+        for v in range(first, target):
+            record, peaks = await self.built(run.name, v, run.schema, run.codec)
+            self.store.record_object(record)
+            run.peaks = (v + 1, peaks)  # exact: the next merge's bound
+            log.info("version_built run=%s version=%d mb=%.1f by=reducers", run.name, v + 1, record.size / 1e6)
+
+
+def _log_version_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        # the results are durable, so nothing is lost: the next pull or commit retries
+        log.error("version_write_failed: %r (will retry)", task.exception())

@@ -1,0 +1,114 @@
+"""Pruned tensor files, kept (a few: :data:`SPARES`) to be written over by the next files
+:meth:`Store.write <syncserver.storage.store.Store.write>` makes: their pages are still in the
+page cache. A round writes half a GB of result and half a GB of version for GPT-2 in fp32, and
+writing into fresh page-cache pages cost 0.8-1.1 s per 500 MB on the 2-core VM of
+bench/RESULTS.md, against 0.08 s over a file whose pages are cached (a VM hands memory the
+guest frees back to its host, so every fresh page is a fault there as well). A spare is taken
+only while nothing else has it open, which the kernel says (a write lease, ``F_SETLEASE``):
+a pruned version still being served to a late peer is never written over.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import threading
+import uuid
+from pathlib import Path
+
+__all__ = ["SPARES", "Spares"]
+
+#: pruned tensor files kept to be written over (:class:`Spares`; the hub's ``SYNC_SPARE_FILES``).
+#: A round writes a result, a version, an upload per peer and, for DiLoCo and topk, a momentum
+#: and a residual, and prunes as many.
+SPARES = 6
+
+
+def _unshared(fd: int) -> bool | None:
+    """Whether ``fd`` is the only open file of its inode, in any process (a mapping counts):
+    the kernel grants a write lease only then. None where leases do not work (not Linux, a
+    file system without them, not the file's owner): then nothing can be told."""
+    setlease = getattr(fcntl, "F_SETLEASE", None)
+    if setlease is None:
+        return None
+    try:
+        fcntl.fcntl(fd, setlease, fcntl.F_WRLCK)
+    except BlockingIOError:  # EAGAIN: someone else has it open
+        return False
+    except OSError:
+        return None
+    fcntl.fcntl(fd, setlease, fcntl.F_UNLCK)
+    return True
+
+
+class Spares:
+    """Pruned tensor files, kept to write new ones into (see the module docstring).
+
+    :meth:`retire` moves a pruned file here instead of deleting it, keeping the largest
+    ``limit``; :meth:`take` hands one out for :meth:`Store.write`: the smallest that holds the
+    bytes to write, else the largest, and only one that nothing else has open (a download of
+    a pruned version may still be reading it: that one waits for a later round). Where the
+    kernel cannot tell (no leases), nothing is kept and every file is new, as before.
+    """
+
+    def __init__(self, folder: Path, limit: int = SPARES) -> None:
+        self._folder = folder
+        self._limit = limit
+        self._files: list[tuple[int, Path]] = []  # (size, path)
+        self._lock = threading.Lock()  # prune runs on the event loop, writes in worker threads
+        self._usable = limit > 0
+
+    def retire(self, path: Path) -> None:
+        """Remove ``path``'s name: keep its file as a spare, or delete it."""
+        if not self._usable:
+            path.unlink(missing_ok=True)
+            return
+        self._folder.mkdir(parents=True, exist_ok=True)
+        spare = self._folder / f"{uuid.uuid4().hex}.spare"
+        try:
+            size = path.stat().st_size
+            os.rename(path, spare)
+        except FileNotFoundError:
+            return
+        with self._lock:
+            self._files.append((size, spare))
+            self._files.sort(key=lambda f: -f[0])
+            dropped = self._files[self._limit :]
+            del self._files[self._limit :]
+        for _, extra in dropped:
+            extra.unlink(missing_ok=True)
+
+    def take(self, size: int | None, to: Path) -> int | None:
+        """A spare renamed to ``to`` and opened for writing (its old bytes still there: write
+        over them and cut it at the end), or None."""
+        with self._lock:
+            if not self._files:
+                return None
+            fits = sorted((f for f in self._files if size is not None and f[0] >= size), key=lambda f: f[0])
+            for entry in [*fits, *(f for f in self._files if f not in fits)]:
+                try:
+                    fd = os.open(entry[1], os.O_WRONLY)
+                except FileNotFoundError:  # cleared meanwhile
+                    self._files.remove(entry)
+                    continue
+                unshared = _unshared(fd)
+                if unshared is False:  # still read: a later round may have it
+                    os.close(fd)
+                    continue
+                self._files.remove(entry)
+                if unshared is None:  # the kernel cannot say who else has it open: keep none
+                    os.close(fd)
+                    self._usable = False
+                    for _, path in [entry, *self._files]:
+                        path.unlink(missing_ok=True)
+                    self._files.clear()
+                    return None
+                os.rename(entry[1], to)
+                return fd
+        return None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._files.clear()
+        shutil.rmtree(self._folder, ignore_errors=True)
