@@ -25,6 +25,7 @@ from syncserver.core.leases import CHECK_TRIES, Board
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.check import UpdateRules
 from syncserver.reduce.checklease import CheckJob, CheckReport, CheckRules, accept
+from syncserver.reduce.lease import Done
 from syncwire import get_codec, wire_layout
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
@@ -114,6 +115,8 @@ def test_the_board_offers_a_check_again_then_gives_it_back_to_the_hub() -> None:
         taken = await board.take("r2", wait=5)
         assert isinstance(taken, CheckJob)
         assert board.renew(taken.lease, "r2") == 0.2
+        with pytest.raises(NotFound):  # a check lease is reported to /checked, not /done
+            board.done(taken.lease, Done(reducer="r2", seconds=0.1, bytes=1))
         report = CheckReport(reducer="r2", seconds=0.1, digest="a" * 64, nbytes=100, norm=1.0)
         board.checked(taken.lease, report)
         assert await asyncio.wait_for(answered, 10) == report

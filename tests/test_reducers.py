@@ -30,7 +30,7 @@ import syncwire.codecs
 from syncserver.core.leases import Board, FoldAhead, LeaseFailed
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer, RoundMerge, merge_slice
-from syncserver.reduce.lease import MEANS, Done, FoldJob, Means, highest, jobs, work
+from syncserver.reduce.lease import MEANS, Done, FoldJob, Means, UpdateSource, fold_jobs, highest, jobs, parse, work
 from syncserver.reduce.plan import pieces
 from syncserver.storage.objectfile import TensorReader
 from syncserver.storage.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
@@ -287,6 +287,19 @@ def _fake_jobs(tmp_path: Path, n: int) -> list:  # type: ignore[type-arg]
     engine.close()
     store.close()
     return out
+
+
+def test_a_lease_keeps_its_wire_shape_and_parses_back_as_its_kind(tmp_path: Path) -> None:
+    """A merge lease's JSON names no kind (the wire predates the other kinds), a fold lease's
+    names its own; each parses back, as the reducer parses the hub's answer, into its kind."""
+    merge = _fake_jobs(tmp_path, 1)[0]
+    fold = fold_jobs(SCHEMA, get_codec("int8"), 1, "m", None, 0, 0.0, [UpdateSource(path="u", weight=1.0)])[0]
+    for job, kind in ((merge, None), (fold, "fold")):
+        wire = job.model_dump(mode="json")
+        assert wire.get("kind") == kind
+        assert type(parse(wire)) is type(job) and parse(wire) == job
+    with pytest.raises(ValueError, match="kind"):
+        parse({**fold.model_dump(mode="json"), "kind": "sweep"})
 
 
 def test_a_fold_lease_lost_mid_fold_is_redone_from_the_updates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -565,7 +578,11 @@ def test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it(
     env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
     alone = hub_factory(env=env)
     expected = _train(alone.url, "barrier", rounds=2)
-    hub = hub_factory("--reducers", "2", "--local-reducers", "0", "--reduce-lease-seconds", "1.5", env=env)
+    # one lease per merge and per fold step: the cut one is the only one of its batch, so the close
+    # waits for it to expire (*was*: K = 2, and the close withdrew a fold step whose other lease was
+    # still on offer, the doomed one with it, unexpired, when the doomed reducer was killed before
+    # taking another lease; it failed so on a loaded machine, before and after the one board)
+    hub = hub_factory("--reducers", "1", "--local-reducers", "0", "--reduce-lease-seconds", "1.5", env=env)
     with FaultProxy(hub.port) as proxy:
         proxy.cut(after=0, match="/done")  # its first report dies on the way: the hub never hears it
         doomed = _reducer(proxy.url, ADMIN, tmp_path / "doomed.log")

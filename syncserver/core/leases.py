@@ -56,7 +56,6 @@ from syncserver.reduce.lease import (
     work,
 )
 from syncserver.storage.bucket import object_name
-from syncserver.storage.objectfile import ObjectTensorFile
 from syncserver.storage.s3 import ObjectStore, StoreError
 from syncserver.storage.store import Key, ObjectRecord, ResultKey, Stored, UpdateKey, VersionKey
 from syncwire import Codec, Schema
@@ -438,7 +437,7 @@ async def merge_leased(
         merge = await to_thread.run_sync(engine.open_merge, files, m, into)
         leases = await to_thread.run_sync(jobs, merge, m.acc.schema, reducers)
         reports = await board.run(m.run, m.round, leases, _holders(leases, m.acc.partial))
-        records = [await to_thread.run_sync(_complete, objects, key, out) for key, out in outputs] if objects else []
+        records = [await to_thread.run_sync(_complete, objects(), key, out) for key, out in outputs] if objects else []
     except BaseException as exc:
         await to_thread.run_sync(files.__exit__, type(exc), exc, exc.__traceback__)
         if outputs and board.objects is not None:
@@ -460,18 +459,15 @@ async def build_leased(
     objects = board.objects
     if objects is None:
         raise ValueError("versions are built by leases only in an object store")
-    store = objects()
-    key = VersionKey(run, v + 1)
-    name = object_name(key)
+    store, key = objects(), VersionKey(run, v + 1)
     head, at, size = version_layout(schema, v + 1)
-    result = object_name(ResultKey(run, v))
-    upload_id = await to_thread.run_sync(store.create_multipart, name)
-    out = ObjectOutput(name, size, upload_id, functools.partial(store.presign_part, name, upload_id))
+    out = await to_thread.run_sync(_upload, store, key, size)
     try:
         out.write(head)
-        leases = build_jobs(schema, codec, object_name(VersionKey(run, v)), result, out, at, reducers)
+        base, result = object_name(VersionKey(run, v)), object_name(ResultKey(run, v))
+        leases = build_jobs(schema, codec, base, result, out, at, reducers)
         reports = await board.run(run, v, leases)
-        record = await to_thread.run_sync(_complete, objects, key, out)
+        record = await to_thread.run_sync(_complete, store, key, out)
     except BaseException:
         await to_thread.run_sync(_abort, store, [out])
         raise
@@ -494,23 +490,22 @@ def _into_bucket(
     def into(key: Key, size: int) -> Iterator[ObjectOutput]:
         if isinstance(key, UpdateKey):
             raise TypeError(f"updates go to the bucket from the peers, not as a merge's parts: {key}")
-        name = object_name(key)
-        upload_id = objects.create_multipart(name)
-        out = ObjectOutput(name, size, upload_id, functools.partial(objects.presign_part, name, upload_id))
-        outputs.append((key, out))
-        yield out
+        outputs.append((key, _upload(objects, key, size)))
+        yield outputs[-1][1]
 
     return into
 
 
-def _complete(objects: Callable[[], ObjectStore], key: Stored, out: ObjectOutput) -> ObjectRecord:
-    """Worker thread: publish ``out`` (:func:`_completed`); its record, for the commit."""
-    return ObjectRecord(key, *_completed(objects(), out))
+def _upload(store: ObjectStore, key: Stored, size: int) -> ObjectOutput:
+    """Worker thread: a multipart upload opened at ``key``'s name, for the leases to write parts of."""
+    name = object_name(key)
+    upload_id = store.create_multipart(name)
+    return ObjectOutput(name, size, upload_id, functools.partial(store.presign_part, name, upload_id))
 
 
-def _completed(store: ObjectStore, out: ObjectOutput) -> tuple[int, str]:
+def _complete(store: ObjectStore, key: Stored, out: ObjectOutput) -> ObjectRecord:
     """Worker thread: publish ``out`` from the parts its leases uploaded, once each is there with
-    the size its lease was given (:class:`LeaseFailed` otherwise); its size and ETag."""
+    the size its lease was given (:class:`LeaseFailed` otherwise); its record, for the commit."""
     held = store.list_parts(out.name, out.upload_id)
     for number, size in out.parts.items():
         if number not in held or held[number].size != size:
@@ -519,7 +514,7 @@ def _completed(store: ObjectStore, out: ObjectOutput) -> tuple[int, str]:
     info = store.complete_multipart(out.name, out.upload_id, {n: held[n].etag for n in out.parts})
     if info.size != out.size:
         raise LeaseFailed(f"{out.name}: completed with {info.size} bytes, not {out.size}")
-    return info.size, info.etag
+    return ObjectRecord(key, info.size, info.etag)
 
 
 def _abort(objects: ObjectStore, outputs: list[ObjectOutput]) -> None:
@@ -595,8 +590,5 @@ class FoldAhead:
         out = []
         for key, weight in updates:
             with self.engine.open_update(key) as wire:
-                if isinstance(wire, ObjectTensorFile):
-                    out.append(UpdateSource(object=wire.name, weight=weight))
-                else:
-                    out.append(UpdateSource(path=wire.path, weight=weight))
+                out.append(UpdateSource.of(wire, weight))
         return out

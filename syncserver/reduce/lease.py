@@ -1,33 +1,24 @@
 """Work leases: what the hub hands a reducer (a span of a round's slices to merge, fold ahead or
-build, or an uploaded body to check) and the work on each, by kind (:data:`KINDS`). No HTTP here
-and no hub state. ("Lease" alone, elsewhere, is a peer's liveness; here it is a unit of work.)
+build; or an uploaded body to check, :mod:`~syncserver.reduce.checklease`) and the work on each,
+by kind (:data:`KINDS`). No HTTP here and no hub state. ("Lease" alone, elsewhere, is a peer's
+liveness; here it is a unit of work.)
 
-The hub opens the round's merge once (:meth:`MergeEngine.open_merge
-<syncserver.reduce.engine.MergeEngine.open_merge>`: the step, the files it reads, the outputs
-staged and pre-sized, their headers written) and describes each span as a :class:`MergeJob`: the
-step, where every input lies, and where each output tensor starts in its staged file. A
-reducer (on the hub's machine: the same files) ``pread``\\ s its slices of every update (or
-reads them with ranged GETs from the bucket, for updates peers uploaded there), of version v,
-of the momentum and residual, and ``pwrite``\\ s its byte ranges of each output (with a store:
-reads version v from the bucket too, where a slice needs it, and PUTs its range of the result,
-and of DiLoCo's momentum and the hub's residual, :class:`ObjectOutput`, as parts to presigned
-UploadPart URLs), through :func:`~syncserver.reduce.engine.merge_slice`, the one body the hub's
-own threads run: the same step and the same inputs give the same bits whoever runs a slice, and
-an expired lease redone by another reducer writes the very same bytes again.
-
-With a store, version v+1 is built after the round's commit by **build leases**
-(:class:`BuildJob`): version v plus the decoded result, read by ranges from the bucket, each
-lease's range of version v+1 its run of parts of a multipart upload, with
-:func:`~syncserver.reduce.engine.apply_slice`, the function the hub's own version files use. The
-close then neither reads version v (a merge lease checks each slice against the bound on
-``|version v|`` its job carries) nor writes version v+1: the peers wait on the result alone.
-Each lease reports a bound on ``|version v+1|`` per tensor (``peaks``), for the next round's jobs.
-**Fold leases** (:class:`FoldJob`) fold the updates acknowledged so far into a mean kept in the
-reducer's memory (:data:`MEANS`), ahead of the close.
-
-Every slice lease runs one skeleton (:func:`_sliced`: the clock, the stop asked before each
-slice, the slices on the reducer's threads, the report); its kind only opens it (what one slice
-does, and what follows the slices).
+A :class:`MergeJob` names a span of a round's merge, opened once by the hub
+(:meth:`MergeEngine.open_merge <syncserver.reduce.engine.MergeEngine.open_merge>`): the step,
+where every input lies, where each output tensor starts in its staged file. A reducer reads its
+slices of every update, of version v, of the momentum and residual (``pread`` on the hub's
+machine; ranged GETs for what lies in the bucket) and writes its byte ranges of each output
+(``pwrite`` into the hub's staged files, or parts PUT to presigned UploadPart URLs,
+:class:`ObjectOutput`), through :func:`~syncserver.reduce.engine.merge_slice`, the one body the
+hub's own threads run: the same step and inputs give the same bits whoever runs a slice, and an
+expired lease redone by another reducer writes the very same bytes again. A :class:`FoldJob`
+folds the updates acknowledged so far into a mean kept in the reducer's memory (:data:`MEANS`),
+ahead of the close. With a store, a :class:`BuildJob` builds version v+1 after the commit
+(version v + the decoded result, by ranges, with :func:`~syncserver.reduce.engine.apply_slice`),
+so the close neither reads version v (a merge lease checks each slice against the bound on
+``|version v|`` it carries) nor writes v+1; each lease reports a bound on ``|version v+1|``
+per tensor (``peaks``) for the next round's jobs. Every slice lease runs one skeleton
+(:func:`_sliced`); its kind only opens it.
 """
 
 from __future__ import annotations
@@ -135,6 +126,13 @@ class UpdateSource(BaseModel):
         if (self.path is None) == (self.object is None):
             raise ValueError("an update lies at a path or in an object, exactly one of them")
         return self
+
+    @classmethod
+    def of(cls, wire: TensorReader, weight: float) -> UpdateSource:
+        """Where ``wire`` (an update the hub opened) lies, as a lease names it."""
+        if isinstance(wire, ObjectTensorFile):
+            return cls(object=wire.name, weight=weight)
+        return cls(path=wire.path, weight=weight)
 
 
 class Chunk(BaseModel):
@@ -514,10 +512,7 @@ def _job(merge: Merge, items: list[Piece], span: Span, number: int) -> MergeJob:
         mean=merge.mean,
         held=merge.held,
         folded=merge.folded,
-        updates=[
-            UpdateSource(path=f.path, weight=w) if isinstance(f, TensorFile) else UpdateSource(object=f.name, weight=w)
-            for f, w in merge.updates
-        ],
+        updates=[UpdateSource.of(wire, weight) for wire, weight in merge.updates],
         slices=_slices(items, span, out_parts=True),
         result=result,
         next_momentum=output(merge.next_momentum, merge.momentum_at, names),
