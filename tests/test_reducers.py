@@ -293,7 +293,7 @@ def test_a_lease_keeps_its_wire_shape_and_parses_back_as_its_kind(tmp_path: Path
     """A merge lease's JSON names no kind (the wire predates the other kinds), a fold lease's
     names its own; each parses back, as the reducer parses the hub's answer, into its kind."""
     merge = _fake_jobs(tmp_path, 1)[0]
-    fold = fold_jobs(SCHEMA, get_codec("int8"), 1, "m", None, 0, 0.0, [UpdateSource(path="u", weight=1.0)])[0]
+    fold = fold_jobs(SCHEMA, get_codec("int8"), 1, "m", None, 0.0, [UpdateSource(path="u", weight=1.0)])[0]
     for job, kind in ((merge, None), (fold, "fold")):
         wire = job.model_dump(mode="json")
         assert wire.get("kind") == kind

@@ -1,27 +1,22 @@
-"""The hub's board of **work leases** (no HTTP here; :mod:`syncserver.api.reduce` only translates):
-units of work the reducers (``SYNC_REDUCERS``) take, renew and report. ("Lease" alone is a peer's
-liveness; these are leases of work.)
+"""The hub's board of **work leases** (no HTTP here: :mod:`syncserver.api.reduce` translates),
+units of work that reducers (``SYNC_REDUCERS``) take, renew and report; "lease" alone is a
+peer's liveness.
 
-One record (:class:`_Work`: a job of a kind, :data:`~syncserver.reduce.lease.KINDS`), one queue,
-one expiry. Work is offered in batches that one caller awaits: a round's merge cut into at most
-K spans (:func:`merge_leased`), a step of folds ahead (:class:`FoldAhead`), a version's build
-(:func:`build_leased`), or one uploaded body's check (:meth:`Board.check`, ``SYNC_STORE`` too: the
-hub then reads no update body). Reducers long-poll for work (:meth:`Board.take`: a check first,
-as a peer waits on it), renew it while they work (:meth:`Board.renew`) and report it
-(:meth:`Board.done`, :meth:`Board.checked`). A lease not renewed within
-``SYNC_REDUCE_LEASE_SECONDS`` is offered again, first in line, under a new id, so a reducer that
-died mid-slice costs one lease length and its slices are redone, to the same bits, by another;
-the old id's report is refused (:class:`~syncserver.errors.LeaseLost`, 409) and changes nothing.
-
-With no reducer at all for a lease length (none asking, none holding a lease: all dead, or
-``--local-reducers 0`` and none started), the hub works the slice leases on offer itself, through
-the same table of work (:func:`~syncserver.reduce.lease.work`), and gives a check back to its
-caller, which checks the body itself (as after :data:`CHECK_TRIES` expiries of it). Once every
-lease of a merge is done, the hub fsyncs and publishes the staged outputs and commits the round
-exactly as an in-process merge does (record last). A lease that reports the round not finite
-fails the merge with :class:`~syncserver.reduce.engine.NonFinite`, which the close handles as it
-always does (:mod:`syncserver.core.finite`); any other failure fails the close, which is tried
-again after its backoff.
+One record (:class:`_Work`: a job of a kind, worked by :data:`~syncserver.reduce.lease.KINDS`),
+one queue, one expiry. Work comes in batches that one caller awaits: a round's merge cut into at
+most K spans (:func:`merge_leased`), a fold step (:class:`FoldAhead`), a version's build
+(:func:`build_leased`), or one uploaded body's check (:meth:`Board.check`: with ``SYNC_STORE``
+the hub then reads no update body), which goes first, as a peer waits on it. A lease not renewed
+within ``SYNC_REDUCE_LEASE_SECONDS`` is offered again, first in line, under a new id: a reducer
+that died mid-slice costs one lease length, its slices are redone to the same bits by another,
+and the old id's report is refused (:class:`~syncserver.errors.LeaseLost`, 409). With no reducer
+at all for a lease length since work was (re)offered (all dead, or ``--local-reducers 0`` and
+none started) the hub works the slice leases on offer itself, by the same table, and gives a
+check back to its caller (as after :data:`CHECK_TRIES` expiries), which checks the body itself.
+A merge whose leases are all done is published and committed exactly as an in-process one
+(record last); a lease that reports the round not finite fails it with
+:class:`~syncserver.reduce.engine.NonFinite`, handled as always (:mod:`syncserver.core.finite`);
+any other failure fails the close, tried again later.
 """
 
 from __future__ import annotations
@@ -121,7 +116,7 @@ class _Batch:
     round: int
     urgent: bool = False
     work: list[_Work] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
+    offered: float = field(default_factory=time.monotonic)  # when its work was last put on offer
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # taken, reported: its caller looks again
     failure: BaseException | None = None
     expired: int = 0
@@ -305,9 +300,9 @@ class Board:
     async def _settled(self, batch: _Batch) -> bool:
         """Offer ``batch``'s work and wait until all of it is reported: True; False when urgent
         work is given back (no reducer alive, or expired :data:`CHECK_TRIES` times). An expired
-        lease is offered again, first in line; with no reducer for a lease length the hub works
-        the rest itself. Raises what a report said failed; either way, or cancelled, nothing of
-        ``batch`` stays on the board."""
+        lease is offered again, first in line; with no reducer for a lease length since the work
+        was (re)offered the hub works the rest itself. Raises what a report said failed; either
+        way, or cancelled, nothing of ``batch`` stays on the board."""
         self._offer(batch.work)
         try:
             while batch.failure is None and any(w.report is None for w in batch.work):
@@ -319,16 +314,18 @@ class Board:
                 batch.expired += len(late)
                 if batch.urgent and batch.expired >= CHECK_TRIES:
                     return False
-                self._offer(late, first=True)
+                if late:  # another reducer may come (a local one is restarted): give it a lease length
+                    self._offer(late, first=True)
+                    batch.offered = now
                 offered = any(w.batch is batch for w in self._queue)
-                if offered and not self._alive(now, since=batch.started):
+                if offered and not self._alive(now, since=batch.offered):
                     if batch.urgent:
                         return False
                     await self._work_here(batch)
                     continue
                 deadlines = [w.deadline for w in batch.work if w.holder is not None]
                 if offered:  # when to give up on the reducers
-                    deadlines.append(max(self._active, batch.started) + self.lease_seconds)
+                    deadlines.append(max(self._active, batch.offered) + self.lease_seconds)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(batch.changed.wait(), max(0.01, min(deadlines) - now) if deadlines else None)
             if batch.failure is not None:
@@ -573,8 +570,7 @@ class FoldAhead:
         folds = (*(base.updates if base is not None else ()), *((key, weight) for _, key, weight in updates))
         sources = await to_thread.run_sync(self._sources, list(folds))
         mean = uuid.uuid4().hex
-        held = len(base.updates) if base is not None else 0
-        leases = fold_jobs(acc.schema, codec, self.reducers, mean, base.id if base else None, held, acc.weight, sources)
+        leases = fold_jobs(acc.schema, codec, self.reducers, mean, base, acc.weight, sources)
         reports = await self.board.run(run, round_, leases, _holders(leases, base))
         holders = {
             (s.name, s.start): done.reducer for job, done in zip(leases, reports, strict=True) for s in job.slices

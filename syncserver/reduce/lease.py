@@ -40,7 +40,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from syncserver.reduce.checklease import MAX_DETAIL, CheckJob, CheckReport, work_check
-from syncserver.reduce.engine import Merge, NonFinite, Step, apply_slice, fold_slice, merge_slice, run_slices
+from syncserver.reduce.engine import Merge, NonFinite, Resident, Step, apply_slice, fold_slice, merge_slice, run_slices
 from syncserver.reduce.plan import PART_MIN, Piece, Span, byte_range, itemsizes, multi_part, pieces, plan
 from syncserver.storage.objectfile import WINDOW, ObjectTensorFile, TensorReader
 from syncserver.storage.s3 import ObjectStore
@@ -406,17 +406,10 @@ def build_jobs(
 
 
 def fold_jobs(
-    schema: Schema,
-    codec: Codec,
-    k: int,
-    mean: str,
-    base: str | None,
-    held: int,
-    folded: float,
-    updates: list[UpdateSource],
+    schema: Schema, codec: Codec, k: int, mean: str, base: Resident | None, folded: float, updates: list[UpdateSource]
 ) -> list[FoldJob]:
-    """The fold leases of one step ahead: ``updates`` (in ``codec``, in fold order) of which the
-    mean ``base`` holds the first ``held`` (weighing ``folded``; None: the round's first step)
+    """The fold leases of one step ahead: ``updates`` (in ``codec``, in fold order), of which the
+    mean so far (``base``, weighing ``folded``; None: the round's first step) holds the first,
     folded into mean ``mean``, cut as the merge's leases are cut (:func:`plan`, by the updates'
     bytes, at tensor boundaries where the codec writes a slice into two wire parts), so that each
     merge lease finds its slices of the mean with the reducer that folded them."""
@@ -425,8 +418,8 @@ def fold_jobs(
         FoldJob(
             codec=codec.spec,
             mean=mean,
-            base=base,
-            held=held if base is not None else 0,
+            base=base.id if base is not None else None,
+            held=len(base.updates) if base is not None else 0,
             folded=folded if base is not None else 0.0,
             updates=updates,
             slices=_slices(items, span, out_parts=False),

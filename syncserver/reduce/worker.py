@@ -119,10 +119,18 @@ class Reducer:
 
     @contextlib.contextmanager
     def _renewing(self, job: WorkJob) -> Iterator[threading.Event]:
-        """Renew ``job``'s lease on a thread while the body runs; the event is set once the
-        hub says the lease is lost (and, on the way out, to stop the renewer)."""
+        """Renew ``job``'s lease every third of its length, from a thread, while the body runs; the
+        event is set once the hub says the lease is lost (and, on the way out, to stop the renewer)."""
         lost = threading.Event()
-        renewer = threading.Thread(target=self._renew, args=(job, lost), daemon=True, name="reducer-renew")
+
+        def renew() -> None:
+            while not lost.wait(max(0.05, job.seconds / 3)):
+                with contextlib.suppress(httpx.HTTPError):  # the lease may still hold: the next renewal tries
+                    answer = self._http.post(f"/v1/reduce/leases/{job.lease}/renew", json={"reducer": self.name})
+                    if answer.status_code in (404, 409):
+                        lost.set()
+
+        renewer = threading.Thread(target=renew, daemon=True, name="reducer-renew")
         renewer.start()
         try:
             yield lost
@@ -153,16 +161,6 @@ class Reducer:
                 raise RuntimeError("a lease reads updates in the object store: set SYNC_STORE and AWS_* as the hub's")
             self._objects = ObjectStore.from_url(url)
         return self._objects
-
-    def _renew(self, job: WorkJob, lost: threading.Event) -> None:
-        every = max(0.05, job.seconds / 3)
-        while not lost.wait(every):
-            try:
-                answer = self._http.post(f"/v1/reduce/leases/{job.lease}/renew", json={"reducer": self.name})
-            except httpx.HTTPError:
-                continue  # the lease may still hold: try again at the next renewal
-            if answer.status_code in (404, 409):
-                lost.set()
 
     def _take(self, wait: float, strict: bool = False) -> WorkJob | None:
         answer = self._http.post("/v1/reduce/lease", json={"reducer": self.name, "wait": wait})
