@@ -23,7 +23,7 @@ import syncserver.core.leases
 from syncserver.core.leases import Board, build_leased, merge_leased
 from syncserver.errors import LeaseLost
 from syncserver.reduce.engine import Accumulator, MergeEngine, Outer, RoundMerge
-from syncserver.reduce.lease import MEANS, Done, MergeJob, SliceJob, UpdateSource, _updates, work
+from syncserver.reduce.lease import MEANS, Done, MergeJob, SliceJob, UpdateSource, _At, _updates, work
 from syncserver.storage.bucket import object_name, update_name
 from syncserver.storage.store import ObjectRecord, ResultKey, Store, UpdateKey, VersionKey
 from syncwire import get_codec
@@ -349,7 +349,7 @@ def test_a_lease_streams_of_the_updates_a_mean_holds_only_the_slices_it_lacks(se
     objects = seaweedfs.store("lease-updates/")
     before = objects.bytes_read
     with contextlib.ExitStack() as files:
-        readers = _updates(files, "L", lambda: objects, updates, slices, "m", 2)
+        readers = _updates(_At("L", files, lambda: objects), updates, slices, "m", 2)
         expected = [wire._expected for wire, _ in readers]  # type: ignore[union-attr]
     assert expected == [[("w", 0, 4096)], [("w", 0, 4096)], [("w", 0, 4096), ("w", 4096, 8192)]]
     assert objects.bytes_read == before

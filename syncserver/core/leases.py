@@ -411,19 +411,16 @@ async def merge_leased(
     """:meth:`MergeEngine.merge`'s work, shared by the reducers: open the merge, hand out its
     leases, wait for them, publish the outputs; the result's size, the records of the objects
     the reducers wrote (none on local disk) and their bound on ``|version v+1|`` per tensor
-    (``m.bound``: the one on ``|version v|``, if known, see :meth:`MergeEngine.open_merge`). The
-    hub holds no mean in its memory: the reducers folded the updates acknowledged before the
-    close into ``m.acc.partial``, which they hold (:class:`FoldAhead`), and each merge lease,
-    offered first to the reducer holding its slices, folds the rest (``m.unfolded``) after it,
-    in acknowledgement order: the same folds in the same order, the same bits as the hub alone
-    (a slice held by no reducer that takes it is folded from the first update).
-
-    With an object store (the board's ``objects``) the result, and DiLoCo's momentum and the
-    hub's residual if any, are multipart uploads that each lease writes its run of parts of
-    (:func:`_into_bucket`), completed here once every lease is done; the caller records them in
-    the round's commit (record last), so the hub uploads none, and has version v+1 built after
-    the commit (:func:`build_leased`). On local disk: the staged files, fsynced and published
-    (rename)."""
+    (``m.bound``: the one on ``|version v|``, if known). The reducers hold the mean of the
+    updates folded before the close (:class:`FoldAhead`); each merge lease, offered first to the
+    reducer holding its slices, folds the rest (``m.unfolded``) after it, in acknowledgement
+    order: the same folds in the same order, the same bits as the hub alone (a slice nobody
+    holds is folded from the first update). With an object store (the board's ``objects``) the
+    result, DiLoCo's momentum and the hub's residual are multipart uploads that each lease
+    writes its run of parts of, completed here once every lease is done and recorded by the
+    caller in the round's commit (record last), so the hub uploads none; version v+1 is built
+    after the commit (:func:`build_leased`). On local disk: the staged files, fsynced and
+    published (rename)."""
     if m.acc.mean is not None:
         raise ValueError("a leased merge reads the reducers' mean: the hub's accumulator must be empty")
     files = contextlib.ExitStack()

@@ -112,8 +112,9 @@ class CheckReport(BaseModel):
 
 
 def work_check(job: CheckJob, reducer: str, *, objects: Callable[[], ObjectStore] | None, **_: object) -> CheckReport:
-    """Check the job's object as ``reducer``: one streaming GET into :func:`check_update`. A
-    refusal is a report; any other failure (the store, the machine) is a report that it failed."""
+    """Check the job's object as ``reducer``: one streaming GET into :func:`check_update` (the
+    table's ``stop`` and ``pool`` do not apply). A refusal is a report; any other failure (the
+    store, the machine) is a report that it failed."""
     started = time.monotonic()
 
     def report(**outcome: object) -> CheckReport:

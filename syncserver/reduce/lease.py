@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import ClassVar, Literal, NamedTuple, TypeVar
 
 import httpx
@@ -572,6 +572,25 @@ def _hiccup(exc: BaseException) -> bool:
     return isinstance(exc, httpx.TransportError)
 
 
+@dataclass(frozen=True)
+class _At:
+    """Where a lease opens what it reads and writes: its id (errors name it), the files closed
+    when it ends, and the bucket SYNC_STORE names here, if any."""
+
+    lease: str
+    files: contextlib.ExitStack
+    objects: Objects | None
+
+    def bucket(self, what: str) -> ObjectStore:
+        """The bucket the lease reads ``what`` in (one line if there is none here)."""
+        if self.objects is None:
+            raise RuntimeError(
+                f"lease {self.lease} reads {what} in the object store: give this reducer SYNC_STORE and the "
+                "AWS_* variables, as the hub has them"
+            )
+        return self.objects()
+
+
 class _Opened(NamedTuple):
     """A slice lease, opened: its slices, the work on one, and what follows them (PUT the parts
     it built): the bytes it moved and each slice's peak."""
@@ -585,7 +604,7 @@ J = TypeVar("J", MergeJob, FoldJob, BuildJob)
 
 
 def _sliced(
-    opens: Callable[[J, contextlib.ExitStack, Objects | None], _Opened],
+    opens: Callable[[J, _At], _Opened],
     job: J,
     reducer: str,
     stop: Callable[[], bool],
@@ -599,7 +618,7 @@ def _sliced(
     as it does merging in-process)."""
     started = time.monotonic()
     with contextlib.ExitStack() as files:
-        opened = opens(job, files, objects)
+        opened = opens(job, _At(job.lease, files, objects))
 
         def one(s: SliceJob) -> None:
             _going(stop, job.lease)
@@ -615,33 +634,33 @@ def _sliced(
     return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes, peaks=highest(peaks))
 
 
-def _merge(job: MergeJob, files: contextlib.ExitStack, objects: Objects | None) -> _Opened:
+def _merge(job: MergeJob, at: _At) -> _Opened:
     """A merge lease: each slice of every update folded (after the mean folded ahead, where this
     process holds its slice), the outer step, its bytes of each output written or built for PUT."""
     values = _values(job.slices)
 
     def state(path: str | None, name: str | None, what: str) -> TensorReader | None:
-        return None if path is None and name is None else _opened(files, job.lease, objects, path, name, what, values)
+        return None if path is None and name is None else _opened(at, path, name, what, values)
 
     # the files on the hub's disk first: a reducer elsewhere fails before any request
     momentum = state(job.momentum, job.momentum_object, "DiLoCo's momentum")
     residual = state(job.residual, job.residual_object, "the hub's residual")
     parts: list[_Part] = []
-    result = _sink(files, job.lease, job.result, parts)
+    result = _sink(at, job.result, parts)
     if job.mean is not None:
         MEANS.start(job.run, [job.mean])
     assert result is not None
     merge = Merge(
         step=Step(**job.step.model_dump()),
-        base=_opened(files, job.lease, objects, job.base, job.base_object, "version v", values),
-        updates=_updates(files, job.lease, objects, job.updates, job.slices, job.mean, job.held),
+        base=_opened(at, job.base, job.base_object, "version v", values),
+        updates=_updates(at, job.updates, job.slices, job.mean, job.held),
         momentum=momentum,
         residual=residual,
         result=result,
         result_at=job.result.at,
-        next_momentum=_sink(files, job.lease, job.next_momentum, parts),
+        next_momentum=_sink(at, job.next_momentum, parts),
         momentum_at=job.next_momentum.at if job.next_momentum is not None else {},
-        next_residual=_sink(files, job.lease, job.next_residual, parts),
+        next_residual=_sink(at, job.next_residual, parts),
         residual_at=job.next_residual.at if job.next_residual is not None else {},
         bound=job.bound,
         peaks=[],
@@ -664,7 +683,7 @@ def _merge(job: MergeJob, files: contextlib.ExitStack, objects: Objects | None) 
     )
 
 
-def _fold(job: FoldJob, files: contextlib.ExitStack, objects: Objects | None) -> _Opened:
+def _fold(job: FoldJob, at: _At) -> _Opened:
     """A fold lease's updates folded into its span of the round's mean, in this process's memory
     (:data:`MEANS`): each slice of the mean so far that it holds, taken and folded in place with
     the updates after it; any other slice folded from the first update. Nothing is written: the
@@ -673,7 +692,7 @@ def _fold(job: FoldJob, files: contextlib.ExitStack, objects: Objects | None) ->
     codec = get_codec(job.codec)
     MEANS.start(job.run, [job.base, job.mean])
     whole = job.base is not None and all(MEANS.has(job.base, s.name, s.start) for s in job.slices)
-    updates = _updates(files, job.lease, objects, job.updates, job.slices, job.base, job.held)
+    updates = _updates(at, job.updates, job.slices, job.base, job.held)
 
     def one(s: SliceJob) -> None:
         held = MEANS.take(job.base, s.name, s.start) if job.base is not None else None
@@ -686,10 +705,10 @@ def _fold(job: FoldJob, files: contextlib.ExitStack, objects: Objects | None) ->
     return _Opened(job.slices, one, lambda: (job.reads * (len(job.updates) - (job.held if whole else 0)), []))
 
 
-def _build(job: BuildJob, files: contextlib.ExitStack, objects: Objects | None) -> _Opened:
+def _build(job: BuildJob, at: _At) -> _Opened:
     """A build lease's range of version v+1 (version v + the decoded result, each by ranged GETs
     of its slices), PUT as its parts; each tensor's largest ``|value|`` (the next merge's bound)."""
-    store = _bucket(objects, job.lease, f"version {job.round}")
+    store = at.bucket(f"version {job.round}")
     result = ObjectTensorFile(store, job.result_object, window=WINDOW)
     codec = get_codec(result.metadata.get("codec", job.codec))
     if codec.spec != job.codec and multi_part(codec):
@@ -765,13 +784,7 @@ def work(
 
 
 def _updates(
-    files: contextlib.ExitStack,
-    lease: str,
-    objects: Objects | None,
-    updates: list[UpdateSource],
-    slices: list[SliceJob],
-    mean: str | None,
-    held: int,
+    at: _At, updates: list[UpdateSource], slices: list[SliceJob], mean: str | None, held: int
 ) -> list[tuple[TensorReader, float]]:
     """A lease's readers of its updates (opened lazily: nothing is read before a slice asks),
     each told what it will read: the first ``held`` updates, which the mean holds, only for the
@@ -782,39 +795,31 @@ def _updates(
     every = _wire_reads(slices)
     lacking = _wire_reads(s for s in slices if mean is None or not MEANS.has(mean, s.name, s.start))
     opened = [
-        _opened(files, lease, objects, u.path, u.object, "updates", lacking if i < held else every, stream=True)
+        _opened(at, u.path, u.object, "updates", lacking if i < held else every, stream=True)
         for i, u in enumerate(updates)
     ]
     return [(wire, u.weight) for wire, u in zip(opened, updates, strict=True)]
 
 
 def _opened(
-    files: contextlib.ExitStack,
-    lease: str,
-    objects: Objects | None,
-    path: str | None,
-    name: str | None,
-    what: str,
-    reads: list[tuple[str, int, int]],
-    *,
-    stream: bool = False,
+    at: _At, path: str | None, name: str | None, what: str, reads: list[tuple[str, int, int]], *, stream: bool = False
 ) -> TensorReader:
     """A file on the hub's disk (``path``), or an object in the bucket read in this lease's ranges
     (``stream``: every range is read, about in order, as an update's: see :func:`_remote`)."""
     if path is not None:
         if not os.path.exists(path):
             raise RuntimeError(
-                f"lease {lease} reads {path} on the hub's disk ({what}; DiLoCo's momentum, topk's residual or "
+                f"lease {at.lease} reads {path} on the hub's disk ({what}; DiLoCo's momentum, topk's residual or "
                 "a hub without a store): run this reducer on the hub's machine"
             )
-        return files.enter_context(TensorFile(path))
+        return at.files.enter_context(TensorFile(path))
     assert name is not None
-    wire = _remote(_bucket(objects, lease, what), name, reads, stream=stream)
-    files.callback(wire.close)
+    wire = _remote(at.bucket(what), name, reads, stream=stream)
+    at.files.callback(wire.close)
     return wire
 
 
-def _sink(files: contextlib.ExitStack, lease: str, out: Output | None, parts: list[_Part]) -> BlobWriter | _Part | None:
+def _sink(at: _At, out: Output | None, parts: list[_Part]) -> BlobWriter | _Part | None:
     """Where a lease writes an output: its range built in memory (PUT as parts after the slices,
     collected in ``parts``), or its own descriptor of the hub's staged file."""
     if out is None:
@@ -824,20 +829,12 @@ def _sink(files: contextlib.ExitStack, lease: str, out: Output | None, parts: li
         return parts[-1]
     assert out.path is not None
     if not os.path.exists(out.path):
-        raise RuntimeError(f"lease {lease} writes {out.path} on the hub's disk: run this reducer on the hub's machine")
-    fd = os.open(out.path, os.O_WRONLY)
-    files.callback(os.close, fd)
-    return BlobWriter(fd)
-
-
-def _bucket(objects: Objects | None, lease: str, what: str) -> ObjectStore:
-    """The bucket a lease reads ``what`` in: the one SYNC_STORE names here (one line if none)."""
-    if objects is None:
         raise RuntimeError(
-            f"lease {lease} reads {what} in the object store: give this reducer SYNC_STORE and the "
-            "AWS_* variables, as the hub has them"
+            f"lease {at.lease} writes {out.path} on the hub's disk: run this reducer on the hub's machine"
         )
-    return objects()
+    fd = os.open(out.path, os.O_WRONLY)
+    at.files.callback(os.close, fd)
+    return BlobWriter(fd)
 
 
 def _remote(
