@@ -87,10 +87,6 @@ class Reducer:
         """Take, work and report leases until :meth:`stop`; a hub that does not answer (it
         restarts, say) is asked again, with backoff."""
         log.info("reducer %s working for %s", self.name, self.hub)
-
-        def said(exc: BaseException, attempt: int) -> None:
-            log.warning("reducer %s: no lease from the hub (%s), retrying", self.name, exc)
-
         while not self._stop.is_set():
             job = None
             with contextlib.suppress(httpx.HTTPError, _Busy):  # raised only once told to stop
@@ -99,7 +95,7 @@ class Reducer:
                     most=RETRY_MOST,
                     sleep=self._stop.wait,
                     stopped=self._stop.is_set,
-                    before_sleep=said,
+                    before_sleep=lambda exc, _: log.warning("reducer %s: no lease (%s), retrying", self.name, exc),
                 ):
                     with attempt:
                         job = self._take(wait=POLL_SECONDS)
