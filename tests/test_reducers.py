@@ -612,7 +612,7 @@ def test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it(
     # length (a loaded machine can start a process that slowly): never by the dead one
     redone = int(known[f"{_host()}-{rescuer.pid}"]["leases"]) >= 1  # type: ignore[call-overload]
     assert redone or "work_lease_worked_by_hub" in hub.log(), hub.log()[-3000:]
-    assert "work_lease_expired kind=merge" in hub.log()
+    assert "work_lease_expired" in hub.log()
     report = {"reducer": f"{_host()}-{doomed.pid}", "seconds": 0.1, "bytes": 1}
     r = httpx.post(f"{hub.url}{late.target}", json=report, headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 409 and r.json()["error"] == "lease_lost", r.text
