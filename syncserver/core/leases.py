@@ -37,7 +37,6 @@ from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.checklease import CheckJob, CheckReport
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Resident, RoundMerge, version_layout
 from syncserver.reduce.lease import (
-    BuildJob,
     Done,
     FoldJob,
     MergeJob,
@@ -80,8 +79,6 @@ CHECK_TRIES = 3
 #: a lease over a mean's slices waits this long for the reducer that holds them (heard from
 #: within it, or holding a lease) before another takes it and folds those slices again
 AFFINITY_SECONDS = 2.0
-
-SliceWork = MergeJob | FoldJob | BuildJob
 
 
 class LeaseFailed(RuntimeError):
@@ -284,7 +281,7 @@ class Board:
         return report if isinstance(report, CheckReport) else None
 
     async def run(
-        self, run: str, round_: int, offered: Sequence[SliceWork], prefer: Sequence[str | None] | None = None
+        self, run: str, round_: int, offered: Sequence[WorkJob], prefer: Sequence[str | None] | None = None
     ) -> list[Done]:
         """Offer these leases and wait until every one is done; their reports, in order.
         ``prefer``: per lease, the reducer it is offered to first (it holds the lease's slices of
@@ -375,7 +372,7 @@ class Board:
         )
         self._release(work)
 
-    def offered(self, run: str, kind: type[SliceWork]) -> bool:
+    def offered(self, run: str, kind: type[WorkJob]) -> bool:
         """Has ``run`` a lease of this kind on offer, taken by no reducer yet?"""
         return any(w.batch.run == run and isinstance(w.job, kind) for w in self._queue)
 
