@@ -25,6 +25,7 @@ from syncserver.core.leases import CHECK_TRIES, Board
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.check import UpdateRules
 from syncserver.reduce.checklease import CheckJob, CheckReport, CheckRules, accept
+from syncserver.reduce.lease import Done
 from syncwire import get_codec, wire_layout
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
@@ -114,11 +115,15 @@ def test_the_board_offers_a_check_again_then_gives_it_back_to_the_hub() -> None:
         taken = await board.take("r2", wait=5)
         assert isinstance(taken, CheckJob)
         assert board.renew(taken.lease, "r2") == 0.2
+        with pytest.raises(NotFound):  # a check lease is reported to /checked, not /done
+            board.done(taken.lease, Done(reducer="r2", seconds=0.1, bytes=1))
         report = CheckReport(reducer="r2", seconds=0.1, digest="a" * 64, nbytes=100, norm=1.0)
         board.checked(taken.lease, report)
         assert await asyncio.wait_for(answered, 10) == report
         assert board.reducers["r2"].checks == 1 and board.reducers["r1"].expired == CHECK_TRIES
-        assert not board._checks and not board._checks_held
+        assert await board.take("r3", wait=0) is None  # nothing left on the board
+        with pytest.raises(LeaseLost):  # reported: gone
+            board.renew(taken.lease, "r2")
 
     asyncio.run(scenario())
 
@@ -176,7 +181,7 @@ def test_lies_get_the_same_answers_from_reducers_and_the_hub_reads_no_body(
     assert answers[0] == answers[1]
     assert [status for status, _ in answers[0]] == [400, 400, 422, 422, 422]
     assert metric(scrape(alone, TOKEN), READ) > 0
-    assert shared.log().count("check_taken") == len(answers[1]) + 1
+    assert shared.log().count("work_lease_taken kind=check") == len(answers[1]) + 1
     (reducer,) = _reducers(shared).values()
     assert reducer["checks"] == len(answers[1]) + 1 and float(reducer["check_seconds"]) > 0  # type: ignore[arg-type]
     assert reducer["check_failures"] == 0 and "check_report_not_taken" not in shared.log()
@@ -200,8 +205,8 @@ def test_a_round_checked_and_merged_by_reducers_is_bit_identical(
     updates = 2 * int(expected["version"])  # 2 peers in every round
     assert metric(samples, READ) == 0
     assert metric(samples, "weightsync_upload_bytes_total", run="barrier", via="store") > 0
-    assert hub.log().count("check_taken") == updates
-    assert "lease_worked_by_hub" not in hub.log()
+    assert hub.log().count("work_lease_taken kind=check") == updates
+    assert "work_lease_worked_by_hub" not in hub.log()
 
 
 def _reducer(url: str, seaweedfs: SeaweedFS, prefix: str, log: Path) -> subprocess.Popen[bytes]:
@@ -245,7 +250,7 @@ def test_a_reducer_killed_holding_a_check_lease_loses_it_and_the_peer_is_acknowl
             rescuer.kill()
             rescuer.wait()
     log = hub.log()
-    assert "check_lease_expired" in log and f"reducer={_host()}-{rescuer.pid}" in log
+    assert "work_lease_expired kind=check" in log and f"reducer={_host()}-{rescuer.pid}" in log
     assert metric(scrape(hub, TOKEN), READ) == 0
     # one attempt, one object: the one the record names, holding the bytes checked
     with seaweedfs.store("checks-kill") as bucket:

@@ -23,7 +23,7 @@ import syncserver.core.leases
 from syncserver.core.leases import Board, build_leased, merge_leased
 from syncserver.errors import LeaseLost
 from syncserver.reduce.engine import Accumulator, MergeEngine, Outer, RoundMerge
-from syncserver.reduce.lease import MEANS, Done, Job, SliceJob, UpdateSource, _updates, work
+from syncserver.reduce.lease import MEANS, Done, MergeJob, SliceJob, UpdateSource, _At, _updates, work
 from syncserver.storage.bucket import object_name, update_name
 from syncserver.storage.store import ObjectRecord, ResultKey, Store, UpdateKey, VersionKey
 from syncwire import get_codec
@@ -72,10 +72,10 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
     hub.record_object(ObjectRecord(VersionKey("r", 0), info.size, info.etag))
     engines = MergeEngine(alone, threads=2), MergeEngine(hub, threads=2, objects=objects)
     board = Board(0.05, lambda: objects)  # no reducer: the hub works each lease, as a reducer would
-    taken: list[Job] = []
+    taken: list[MergeJob] = []
     original = syncserver.core.leases.jobs
 
-    def spy(*args: object, **kwargs: object) -> list[Job]:
+    def spy(*args: object, **kwargs: object) -> list[MergeJob]:
         made = original(*args, **kwargs)  # type: ignore[arg-type]
         taken.extend(made)
         return made
@@ -204,7 +204,7 @@ def test_a_build_lease_whose_reducer_died_is_built_again_and_a_late_report_refus
 def test_a_reducer_that_cannot_reach_a_file_of_the_hub_says_so_in_one_line(tmp_path: Path) -> None:
     """A lease that names a file on the hub's disk (DiLoCo's momentum, say) worked on another
     machine: the reducer fails it with one line naming the file and what to do."""
-    job = Job.model_validate(
+    job = MergeJob.model_validate(
         {
             "lease": "L",
             "run": "r",
@@ -227,9 +227,9 @@ def test_a_reducer_that_cannot_reach_a_file_of_the_hub_says_so_in_one_line(tmp_p
             "writes": 0,
         }
     )  # fmt: skip
-    with pytest.raises(RuntimeError) as failed:
-        work(job, "far", objects=lambda: None)  # type: ignore[arg-type,return-value]
-    said = str(failed.value)
+    report = work(job, "far", objects=lambda: None)  # type: ignore[arg-type,return-value]
+    said = report.detail  # type: ignore[union-attr]
+    assert report.error == "failed", report  # type: ignore[union-attr]
     assert "\n" not in said and "momentum.safetensors" in said and "hub's machine" in said, said
 
 
@@ -333,7 +333,7 @@ def test_a_dead_reducer_s_part_is_sent_again_a_dead_hub_s_aborted(
         finally:
             rescuer.kill()
             rescuer.wait()
-    assert "lease_expired" in hub.log() and "object_store_orphans_deleted" in hub.log()
+    assert "work_lease_expired" in hub.log() and "object_store_orphans_deleted" in hub.log()
 
 
 def test_a_lease_streams_of_the_updates_a_mean_holds_only_the_slices_it_lacks(seaweedfs: SeaweedFS) -> None:
@@ -349,7 +349,7 @@ def test_a_lease_streams_of_the_updates_a_mean_holds_only_the_slices_it_lacks(se
     objects = seaweedfs.store("lease-updates/")
     before = objects.bytes_read
     with contextlib.ExitStack() as files:
-        readers = _updates(files, "L", lambda: objects, updates, slices, "m", 2)
+        readers = _updates(_At("L", files, lambda: objects), updates, slices, "m", 2)
         expected = [wire._expected for wire, _ in readers]  # type: ignore[union-attr]
     assert expected == [[("w", 0, 4096)], [("w", 0, 4096)], [("w", 0, 4096), ("w", 4096, 8192)]]
     assert objects.bytes_read == before

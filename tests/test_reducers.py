@@ -30,7 +30,7 @@ import syncwire.codecs
 from syncserver.core.leases import Board, FoldAhead, LeaseFailed
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Outer, RoundMerge, merge_slice
-from syncserver.reduce.lease import MEANS, Done, FoldJob, Means, highest, jobs, work, work_fold
+from syncserver.reduce.lease import MEANS, Done, FoldJob, Means, UpdateSource, fold_jobs, highest, jobs, parse, work
 from syncserver.reduce.plan import pieces
 from syncserver.storage.objectfile import TensorReader
 from syncserver.storage.store import MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
@@ -289,6 +289,19 @@ def _fake_jobs(tmp_path: Path, n: int) -> list:  # type: ignore[type-arg]
     return out
 
 
+def test_a_lease_keeps_its_wire_shape_and_parses_back_as_its_kind(tmp_path: Path) -> None:
+    """A merge lease's JSON names no kind (the wire predates the other kinds), a fold lease's
+    names its own; each parses back, as the reducer parses the hub's answer, into its kind."""
+    merge = _fake_jobs(tmp_path, 1)[0]
+    fold = fold_jobs(SCHEMA, get_codec("int8"), 1, "m", None, 0.0, [UpdateSource(path="u", weight=1.0)])[0]
+    for job, kind in ((merge, None), (fold, "fold")):
+        wire = job.model_dump(mode="json")
+        assert wire.get("kind") == kind
+        assert type(parse(wire)) is type(job) and parse(wire) == job
+    with pytest.raises(ValueError, match="kind"):
+        parse({**fold.model_dump(mode="json"), "kind": "sweep"})
+
+
 def test_a_fold_lease_lost_mid_fold_is_redone_from_the_updates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two steps ahead (p0, then p1 and p2 at once), K = 2, the mean held in the reducers'
     memory. "doomed" folds the first step, so the second's leases are offered to it first: a
@@ -316,7 +329,7 @@ def test_a_fold_lease_lost_mid_fold_is_redone_from_the_updates(tmp_path: Path, m
         while not first.done():
             job = await board.take("doomed", wait=0.05)
             if job is not None:
-                board.done(job.lease, await asyncio.to_thread(work_fold, job, "doomed"))  # type: ignore[arg-type]
+                board.done(job.lease, await asyncio.to_thread(work, job, "doomed"))  # type: ignore[arg-type]
         before = acc.partial
         assert before is not None and set(before.holders.values()) == {"doomed"}
         second = asyncio.create_task(ahead.fold("r", 0, acc, codec, [(k.peer, k, w) for k, w in keys[1:]]))
@@ -328,7 +341,7 @@ def test_a_fold_lease_lost_mid_fold_is_redone_from_the_updates(tmp_path: Path, m
         while not second.done():
             job = await board.take("rescuer", wait=0.05)
             if job is not None:
-                board.done(job.lease, await asyncio.to_thread(work_fold, job, "rescuer"))  # type: ignore[arg-type]
+                board.done(job.lease, await asyncio.to_thread(work, job, "rescuer"))  # type: ignore[arg-type]
         await second
         with pytest.raises(LeaseLost):
             board.done(doomed.lease, Done(reducer="doomed", seconds=0.1, bytes=1))
@@ -517,7 +530,7 @@ def test_reducer_processes_give_the_bits_of_the_hub_alone(hub_factory: Callable[
         expected = _train(alone.url, run)
         assert _train(shared.url, run) == expected, run
         assert int(expected["version"]) >= 3
-    assert "lease_taken" in shared.log() and "lease_taken" not in alone.log()
+    assert "work_lease_taken kind=merge" in shared.log() and "work_lease_taken" not in alone.log()
     known = _reducers(shared)
     assert len(known) == 3 and sum(int(r["leases"]) for r in known.values()) >= 9  # type: ignore[call-overload]
     page = httpx.get(f"{shared.url}/v1/dashboard", headers={"Authorization": f"Bearer {TOKEN}"}).json()
@@ -565,7 +578,11 @@ def test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it(
     env = {"SYNC_TOKEN": TOKEN, "SYNC_ADMIN_TOKEN": ADMIN}
     alone = hub_factory(env=env)
     expected = _train(alone.url, "barrier", rounds=2)
-    hub = hub_factory("--reducers", "2", "--local-reducers", "0", "--reduce-lease-seconds", "1.5", env=env)
+    # one lease per merge and per fold step: the cut one is the only one of its batch, so the close
+    # waits for it to expire (*was*: K = 2, and the close withdrew a fold step whose other lease was
+    # still on offer, the doomed one with it, unexpired, when the doomed reducer was killed before
+    # taking another lease; it failed so on a loaded machine, before and after the one board)
+    hub = hub_factory("--reducers", "1", "--local-reducers", "0", "--reduce-lease-seconds", "1.5", env=env)
     with FaultProxy(hub.port) as proxy:
         proxy.cut(after=0, match="/done")  # its first report dies on the way: the hub never hears it
         doomed = _reducer(proxy.url, ADMIN, tmp_path / "doomed.log")
@@ -594,8 +611,8 @@ def test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it(
     # redone by the rescuer, or by the hub itself if the rescuer was not polling yet for a lease
     # length (a loaded machine can start a process that slowly): never by the dead one
     redone = int(known[f"{_host()}-{rescuer.pid}"]["leases"]) >= 1  # type: ignore[call-overload]
-    assert redone or "lease_worked_by_hub" in hub.log(), hub.log()[-3000:]
-    assert "lease_expired" in hub.log()
+    assert redone or "work_lease_worked_by_hub" in hub.log(), hub.log()[-3000:]
+    assert "work_lease_expired" in hub.log()
     report = {"reducer": f"{_host()}-{doomed.pid}", "seconds": 0.1, "bytes": 1}
     r = httpx.post(f"{hub.url}{late.target}", json=report, headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 409 and r.json()["error"] == "lease_lost", r.text
@@ -609,7 +626,7 @@ def test_with_no_reducer_left_the_hub_works_the_leases_itself(hub_factory: Calla
     expected = _train(hub_factory(env=env).url, "barrier", rounds=2)
     hub = hub_factory("--reducers", "2", "--local-reducers", "0", "--reduce-lease-seconds", "0.5", env=env)
     assert _train(hub.url, "barrier", rounds=2) == expected
-    assert "lease_worked_by_hub" in hub.log()
+    assert "work_lease_worked_by_hub kind=merge" in hub.log()
     assert int(_reducers(hub)["hub"]["leases"]) >= 2  # type: ignore[call-overload]
 
 
@@ -627,7 +644,7 @@ def test_reducers_merge_updates_that_peers_uploaded_to_the_bucket(
         "--store", f"s3://{seaweedfs.bucket}/reducers", "--reducers", "2", env={**env, **seaweedfs.env()}
     )
     assert _train_in_order(stored.url, "barrier", options, 2, names) == expected
-    assert "kind=fold" in stored.log()  # a, then b (unless c's close came before a reducer took it)
+    assert "work_lease_taken kind=fold" in stored.log()  # a, then b (unless c's close came before a reducer took it)
     assert not [o for o in seaweedfs.store("reducers/").list("runs/barrier/") if "/partials/" in o.name]
     samples = scrape(stored, TOKEN)
     assert samples["weightsync_upload_bytes_total", (("run", "barrier"), ("via", "store"))] > 0

@@ -1,7 +1,7 @@
-"""HTTP for reducers (``syncserver reduce``): take a lease (a merge's slices, or an uploaded
-update's body check), renew it, report it done (``/done``: merge; ``/checked``: check).
-Translation only: the board (:mod:`syncserver.core.leases`) decides. Admin token if the hub has
-one (:func:`~syncserver.api.deps.authenticate_admin`)."""
+"""HTTP for reducers (``syncserver reduce``): take a work lease (a merge's slices, a fold ahead,
+a version's build, or an uploaded update's body check), renew it, report it (``/done``; a check:
+``/checked``). Translation only: the board (:mod:`syncserver.core.leases`) decides. Admin token
+if the hub has one (:func:`~syncserver.api.deps.authenticate_admin`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from syncserver.api.deps import Hub, authenticate_admin, authenticate_view
 from syncserver.api.schemas import Reducer, Renewed
 from syncserver.core.leases import LEASE_POLL_MAX, Board
 from syncserver.errors import Conflict
-from syncserver.reduce.checklease import CheckJob, CheckReport
-from syncserver.reduce.lease import BuildJob, Done, FoldJob, Job
+from syncserver.reduce.checklease import CheckReport
+from syncserver.reduce.lease import Done, WorkJob
 
 __all__ = ["router", "view_router"]
 
@@ -47,14 +47,13 @@ def _board(hub: Hub) -> Board:
 @router.post(
     "/lease",
     summary=(
-        "Wait for a lease: a merge's, a check's (`kind: check`), a fold ahead's (`kind: fold`) or a version "
-        "build's (`kind: build`) (long poll); "
-        "204 when none came within `wait`"
+        "Wait for a work lease: a merge's (no `kind`), a check's (`kind: check`), a fold ahead's (`kind: fold`) "
+        "or a version build's (`kind: build`) (long poll); 204 when none came within `wait`"
     ),
-    response_model=Job | CheckJob | BuildJob | FoldJob,
+    response_model=WorkJob,
     responses={204: {"description": "No lease within the wait: ask again."}},
 )
-async def take_lease(body: TakeLease, hub: Hub) -> Job | BuildJob | FoldJob | CheckJob | Response:
+async def take_lease(body: TakeLease, hub: Hub) -> WorkJob | Response:
     job = await _board(hub).take(body.reducer, body.wait)
     return job if job is not None else Response(status_code=204)
 

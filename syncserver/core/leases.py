@@ -1,27 +1,22 @@
-"""Reducers share the merge: the hub's board of merge leases (no HTTP here; the routes in
-:mod:`syncserver.api.reduce` only translate).
+"""The hub's board of **work leases** (no HTTP here: :mod:`syncserver.api.reduce` translates),
+units of work that reducers (``SYNC_REDUCERS``) take, renew and report; "lease" alone is a
+peer's liveness.
 
-With ``SYNC_REDUCERS`` set, a round's close opens its merge once (:meth:`MergeEngine.open_merge
-<syncserver.reduce.engine.MergeEngine.open_merge>`), cuts its slices into at most K spans
-(:func:`syncserver.reduce.lease.jobs`) and puts one lease per span on the board. Reducers
-long-poll for a lease (:meth:`Board.take`), renew it while they work (:meth:`Board.renew`) and
-report it (:meth:`Board.done`). With no reducer at all for a lease length (none asking, none
-holding a lease: all dead, or ``--local-reducers 0`` and none started), the hub works the
-leases on offer itself, through the same function. A lease not renewed within ``SYNC_REDUCE_LEASE_SECONDS`` is
-offered again under a new id, so a reducer that died mid-slice costs one lease length and
-its slices are redone, to the same bits, by another; the old id's report is refused
-(:class:`~syncserver.errors.LeaseLost`, 409) and changes nothing. Once every lease of the
-round is done, the hub fsyncs and publishes the staged outputs and commits the round exactly
-as an in-process merge does (record last). A lease that reports the round not finite fails the
-merge with :class:`~syncserver.reduce.engine.NonFinite`, which the close handles as it
-always does (:mod:`syncserver.core.finite`); any other failure fails the close, which is
-tried again after its backoff.
-
-The same board carries **check leases** (``SYNC_STORE`` too): the body check of an update a peer
-uploaded to the bucket (:mod:`syncserver.reduce.checklease`), so that the hub reads no update
-body. A check is offered before any merge lease (a peer waits on it), renewed like one, reported
-by ``/checked``; one that expires is offered again, at most :data:`CHECK_TRIES` times; with no
-reducer alive (as above) :meth:`Board.check` answers None and the hub checks the body itself.
+One record (:class:`_Work`: a job of a kind, worked by :data:`~syncserver.reduce.lease.KINDS`),
+one queue, one expiry. Work comes in batches that one caller awaits: a round's merge cut into at
+most K spans (:func:`merge_leased`), a fold step (:class:`FoldAhead`), a version's build
+(:func:`build_leased`), or one uploaded body's check (:meth:`Board.check`: with ``SYNC_STORE``
+the hub then reads no update body), which goes first, as a peer waits on it. A lease not renewed
+within ``SYNC_REDUCE_LEASE_SECONDS`` is offered again, first in line, under a new id: a reducer
+that died mid-slice costs one lease length, its slices are redone to the same bits by another,
+and the old id's report is refused (:class:`~syncserver.errors.LeaseLost`, 409). With no reducer
+at all for a lease length since work was (re)offered (all dead, or ``--local-reducers 0`` and
+none started) the hub works the slice leases on offer itself, by the same table, and gives a
+check back to its caller (as after :data:`CHECK_TRIES` expiries), which checks the body itself.
+A merge whose leases are all done is published and committed exactly as an in-process one
+(record last); a lease that reports the round not finite fails it with
+:class:`~syncserver.reduce.engine.NonFinite`, handled as always (:mod:`syncserver.core.finite`);
+any other failure fails the close, tried again later.
 """
 
 from __future__ import annotations
@@ -42,22 +37,19 @@ from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.checklease import CheckJob, CheckReport
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Resident, RoundMerge, version_layout
 from syncserver.reduce.lease import (
-    BuildJob,
     Done,
     FoldJob,
-    Job,
+    MergeJob,
     ObjectOutput,
     UpdateSource,
+    WorkJob,
     build_jobs,
     fold_jobs,
     highest,
     jobs,
     work,
-    work_build,
-    work_fold,
 )
 from syncserver.storage.bucket import object_name
-from syncserver.storage.objectfile import ObjectTensorFile
 from syncserver.storage.s3 import ObjectStore, StoreError
 from syncserver.storage.store import Key, ObjectRecord, ResultKey, Stored, UpdateKey, VersionKey
 from syncwire import Codec, Schema
@@ -111,56 +103,46 @@ class ReducerStats:
     check_failures: int = 0  # check reports the hub could not take (its own check ruled instead)
 
 
-@dataclass
-class _Lease:
-    job: Job | BuildJob | FoldJob
-    merge: _Merge
-    holder: str | None = None
-    deadline: float = 0.0
-    taken: float = 0.0
-    report: Done | None = None  # once done
-    prefer: str | None = None  # the reducer that holds its slices of the round's mean, offered it first
-
-
-@dataclass
-class _Merge:
-    """One round's leases being worked."""
+@dataclass(eq=False)
+class _Batch:
+    """Work leases offered together and awaited by one caller: a round's merge, a fold step, a
+    version's build, or (``urgent``: a peer waits on it) one body check, which goes first and is
+    given back to its caller rather than worked by the hub or offered a fourth time."""
 
     run: str
     round: int
-    leases: list[_Lease] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
+    urgent: bool = False
+    work: list[_Work] = field(default_factory=list)
+    offered: float = field(default_factory=time.monotonic)  # when its work was last put on offer
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # taken, reported: its caller looks again
     failure: BaseException | None = None
+    expired: int = 0
 
 
-@dataclass
-class _Check:
-    """One update's body check on the board: offered, held, or answered (``answer``)."""
+@dataclass(eq=False)
+class _Work:
+    """One work lease: offered (queued), held (``holder``, until ``deadline``), or reported."""
 
-    job: CheckJob
-    answer: asyncio.Future[CheckReport]
+    job: WorkJob
+    batch: _Batch
+    prefer: str | None = None  # the reducer that holds its slices of the round's mean, offered it first
     holder: str | None = None
     deadline: float = 0.0
-    offered: float = field(default_factory=time.monotonic)
+    report: Done | CheckReport | None = None
 
 
 class Board:
-    """Every merge lease of one hub: offered, held, done."""
+    """Every work lease of one hub: offered, held, reported; and the reducers heard from."""
 
     def __init__(self, lease_seconds: float, objects: Callable[[], ObjectStore] | None = None) -> None:
         self.lease_seconds = lease_seconds
         self.objects = objects  # SYNC_STORE: where the hub reads updates in the bucket, working a lease itself
-        self._pending: deque[_Lease] = deque()
-        self._held: dict[str, _Lease] = {}  # by lease id
-        self._checks: deque[_Check] = deque()  # check leases on offer (before any merge lease)
-        self._checks_held: dict[str, _Check] = {}  # by lease id
+        self._queue: deque[_Work] = deque()  # offered
+        self._held: dict[str, _Work] = {}  # by lease id
         self._gone: dict[str, None] = {}  # ids no longer valid (insertion-ordered, bounded)
-        self._offered = asyncio.Condition()
-        self._changed = asyncio.Event()  # a lease was done or failed: the merges look again
-        self._polling = 0  # reducers waiting for a lease right now
-        self._waiting: dict[str, int] = {}  # the same, by name
+        self._offered = asyncio.Event()  # set (and replaced) when work is offered: the polls look again
+        self._waiting: Counter[str] = Counter()  # reducers waiting for a lease right now, by name
         self._stopping = False  # the server is shutting down: polls answer at once (end_polls)
-        self._waking: asyncio.Task[None] | None = None  # end_polls' wake-up
         self._active = time.monotonic()  # when a reducer last asked, renewed or reported
         self.reducers: dict[str, ReducerStats] = {}
 
@@ -179,66 +161,46 @@ class Board:
         """The server is shutting down: the reducers' polls answer "no lease" now (see
         :meth:`Coordinator.end_polls`)."""
         self._stopping = True
+        self._wake()
 
-        async def wake() -> None:
-            async with self._offered:
-                self._offered.notify_all()
+    def _wake(self) -> None:
+        self._offered.set()
+        self._offered = asyncio.Event()
 
-        self._waking = asyncio.get_running_loop().create_task(wake())  # held: a task nobody holds may vanish
-
-    async def take(self, reducer: str, wait: float) -> Job | BuildJob | FoldJob | CheckJob | None:
-        """The next lease offered (a check first), held by ``reducer`` from now; None after ``wait`` seconds."""
+    async def take(self, reducer: str, wait: float) -> WorkJob | None:
+        """The next work lease offered (:meth:`_next`), held by ``reducer`` from now; None after ``wait`` seconds."""
         self._seen(reducer)
-        loop = asyncio.get_running_loop()
-        until = loop.time() + wait
-        self._polling += 1
-        self._waiting[reducer] = self._waiting.get(reducer, 0) + 1
+        until = time.monotonic() + wait
+        self._waiting[reducer] += 1
         try:
-            async with self._offered:
-                while (lease := self._next(reducer)) is None and not self._checks:
-                    left = until - loop.time()
-                    if left <= 0 or self._stopping:
-                        self._seen(reducer)  # it was there all along
-                        return None
-                    with contextlib.suppress(TimeoutError):  # a holder that goes quiet frees its leases
-                        await asyncio.wait_for(self._offered.wait(), min(left, AFFINITY_SECONDS / 4))
-                if self._checks:
-                    return self._take_check(reducer, self._checks.popleft())
-                assert lease is not None
-                self._pending.remove(lease)
+            while (work := self._next(reducer)) is None:
+                left = until - time.monotonic()
+                if left <= 0 or self._stopping:
+                    self._seen(reducer)  # it was there all along
+                    return None
+                with contextlib.suppress(TimeoutError):  # a holder that goes quiet frees its leases
+                    await asyncio.wait_for(self._offered.wait(), min(left, AFFINITY_SECONDS / 4))
         finally:
-            self._polling -= 1
             self._waiting[reducer] -= 1
             if not self._waiting[reducer]:
                 del self._waiting[reducer]
         stats = self._seen(reducer)
-        lease.job = lease.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
-        lease.holder, lease.taken = reducer, time.monotonic()
-        lease.deadline = lease.taken + self.lease_seconds
-        self._held[lease.job.lease] = lease
-        stats.holding = lease.job.lease
-        self._changed.set()  # the merge waits on the new deadline
-        job = lease.job
-        log.info(
-            "lease_taken run=%s round=%d kind=%s lease=%s reducer=%s slices=%d mb=%.1f",
-            lease.merge.run,
-            lease.merge.round,
-            job.kind if isinstance(job, BuildJob | FoldJob) else "merge",
-            job.lease,
-            reducer,
-            len(job.slices),
-            (job.reads if isinstance(job, BuildJob) else job.reads * len(job.updates)) / 1e6,
-        )
-        return lease.job
+        self._queue.remove(work)
+        job = work.job = work.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
+        work.holder, work.deadline = reducer, time.monotonic() + self.lease_seconds
+        self._held[job.lease] = work
+        stats.holding = job.lease
+        work.batch.changed.set()  # its caller waits on the new deadline
+        log.info("work_lease_taken kind=%s run=%s round=%d lease=%s reducer=%s", *_said(job), reducer)
+        return job
 
-    def _next(self, reducer: str) -> _Lease | None:
-        """The lease to give ``reducer``: the first on offer that prefers it, else the first that
-        prefers nobody or a reducer not around (not asking, holding nothing, not heard from
-        within :data:`AFFINITY_SECONDS`): that one folds the slices again from the updates."""
-        mine = next((x for x in self._pending if x.prefer == reducer), None)
-        if mine is not None:
-            return mine
-        return next((x for x in self._pending if x.prefer is None or not self._around(x.prefer)), None)
+    def _next(self, reducer: str) -> _Work | None:
+        """The work to give ``reducer``: urgent work first (a peer waits on a check), then work
+        that prefers it, then the first that prefers nobody or a reducer not around (not asking,
+        holding nothing, not heard from within :data:`AFFINITY_SECONDS`): that one folds the
+        slices again from the updates."""
+        free = (w for w in self._queue if w.prefer in (None, reducer) or not self._around(w.prefer))
+        return min(free, key=lambda w: (not w.batch.urgent, w.prefer != reducer), default=None)
 
     def _around(self, reducer: str) -> bool:
         stats = self.reducers.get(reducer)
@@ -248,38 +210,24 @@ class Board:
             or (stats is not None and time.time() - stats.last_seen <= AFFINITY_SECONDS)
         )
 
-    def _take_check(self, reducer: str, check: _Check) -> CheckJob:
-        stats = self._seen(reducer)
-        check.job = check.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
-        check.holder, check.deadline = reducer, time.monotonic() + self.lease_seconds
-        self._checks_held[check.job.lease] = check
-        stats.holding = check.job.lease
-        log.info(
-            "check_taken run=%s round=%d peer=%s lease=%s reducer=%s mb=%.1f",
-            check.job.run,
-            check.job.round,
-            check.job.peer,
-            check.job.lease,
-            reducer,
-            check.job.size / 1e6,
-        )
-        return check.job
+    def renew(self, lease_id: str, reducer: str) -> float:
+        """Extend ``reducer``'s lease; the seconds it now has. :class:`LeaseLost` once lost."""
+        self._seen(reducer)
+        self._holding(lease_id, reducer).deadline = time.monotonic() + self.lease_seconds
+        return self.lease_seconds
+
+    def done(self, lease_id: str, report: Done) -> None:
+        """``report.reducer`` finished its slice lease (or found the round not finite, or failed)."""
+        work, stats = self._returned(lease_id, report.reducer, "done")
+        _settle(work, stats, report, f"reducer {report.reducer}")
 
     def checked(self, lease_id: str, report: CheckReport) -> None:
         """``report.reducer`` checked the body of its check lease (passed, refused or failed)."""
-        stats = self._seen(report.reducer)
-        check = self._checks_held.get(lease_id)
-        if check is None or check.holder != report.reducer or time.monotonic() > check.deadline:
-            if check is None and lease_id not in self._gone:
-                raise NotFound(f"no check lease {lease_id!r}")
-            raise LeaseLost(f"lease {lease_id!r} is not {report.reducer!r}'s any more (expired, or answered)")
-        del self._checks_held[lease_id]
-        self._forget(lease_id)
-        stats.holding = None
+        work, stats = self._returned(lease_id, report.reducer, "checked")
         stats.checks += 1
         stats.check_seconds += report.seconds
-        if not check.answer.done():
-            check.answer.set_result(report)
+        work.report = report
+        work.batch.changed.set()
 
     def check_failed(self, reducer: str, run: str, name: str, why: str) -> None:
         """``reducer``'s report of the check of object ``name`` was not taken (it failed, it does
@@ -290,218 +238,143 @@ class Board:
             stats.check_failures += 1
         log.warning("check_report_not_taken run=%s object=%s reducer=%s: %s", run, name, reducer, why)
 
-    def _holding(self, lease_id: str, reducer: str) -> _Lease:
-        lease = self._held.get(lease_id)
-        if lease is None or lease.holder != reducer or time.monotonic() > lease.deadline:
-            if lease is None and lease_id not in self._gone:
+    def _holding(self, lease_id: str, reducer: str) -> _Work:
+        work = self._held.get(lease_id)
+        if work is None or work.holder != reducer or time.monotonic() > work.deadline:
+            if work is None and lease_id not in self._gone:
                 raise NotFound(f"no lease {lease_id!r}")
             raise LeaseLost(f"lease {lease_id!r} is not {reducer!r}'s any more (expired, or its round moved on)")
-        return lease
+        return work
 
-    def renew(self, lease_id: str, reducer: str) -> float:
-        """Extend ``reducer``'s lease; the seconds it now has. :class:`LeaseLost` once lost."""
-        self._seen(reducer)
-        check = self._checks_held.get(lease_id)
-        if check is not None and check.holder == reducer and time.monotonic() <= check.deadline:
-            check.deadline = time.monotonic() + self.lease_seconds
-            return self.lease_seconds
-        lease = self._holding(lease_id, reducer)
-        lease.deadline = time.monotonic() + self.lease_seconds
-        return self.lease_seconds
+    def _returned(self, lease_id: str, reducer: str, report: str) -> tuple[_Work, ReducerStats]:
+        """``reducer``'s lease, reported to ``/report``: off the board (a second report is refused)."""
+        stats = self._seen(reducer)
+        work = self._holding(lease_id, reducer)
+        if work.job.report != report:
+            raise NotFound(f"lease {lease_id!r} is a {work.job.kind} lease: report it to /{work.job.report}")
+        self._release(work)
+        return work, stats
 
-    def done(self, lease_id: str, report: Done) -> None:
-        """``report.reducer`` finished its lease (or found the round not finite, or failed)."""
-        stats = self._seen(report.reducer)
-        lease = self._holding(lease_id, report.reducer)
-        del self._held[lease_id]
-        self._forget(lease_id)
-        stats.holding = None
-        _settle(lease, stats, report, f"reducer {report.reducer}")
-        self._changed.set()
-
-    def _forget(self, lease_id: str) -> None:
-        self._gone[lease_id] = None
+    def _release(self, work: _Work) -> None:
+        """Take held ``work`` off its holder: its id is gone (a report to it is refused from now on)."""
+        del self._held[work.job.lease]
+        self._gone[work.job.lease] = None
         while len(self._gone) > GONE_KEPT:
             del self._gone[next(iter(self._gone))]
+        stats = self.reducers.get(work.holder or "")
+        if stats is not None and stats.holding == work.job.lease:
+            stats.holding = None
+        work.holder = None
 
-    # ---- the uploads' side ----------------------------------------------------------------
-    def _alive(self, now: float) -> bool:
-        """A reducer asks, holds a lease, or was heard from within a lease length."""
-        return bool(self._polling or self._held or self._checks_held or now - self._active <= self.lease_seconds)
-
+    # ---- the callers' side ---------------------------------------------------------------
     async def check(self, job: CheckJob) -> CheckReport | None:
         """Have a reducer check an uploaded body: its report, or None when the hub must check it
-        itself (no reducer alive; or the lease lost :data:`CHECK_TRIES` times). An expired lease is
-        offered again, first in line. Cancelled (the peer went away): withdrawn from the board."""
+        itself (no reducer alive; or the lease lost :data:`CHECK_TRIES` times). Cancelled (the
+        peer went away): withdrawn from the board."""
         if not self._alive(time.monotonic()):
             return None
-        check = _Check(job, asyncio.get_running_loop().create_future())
-        tries = 0
-        await self._offer_check(check)
-        try:
-            while True:
-                now = time.monotonic()
-                if check.holder is not None and check.deadline < now:
-                    tries += 1
-                    self._expire_check(check)
-                    if tries >= CHECK_TRIES:
-                        return None
-                    await self._offer_check(check, first=True)
-                elif check.holder is None and not self._alive(now) and now - check.offered > self.lease_seconds:
-                    return None
-                until = check.deadline if check.holder is not None else max(self._active, check.offered)
-                timeout = max(0.01, until + (0 if check.holder is not None else self.lease_seconds) - now)
-                done, _ = await asyncio.wait({check.answer}, timeout=min(timeout, 1.0))
-                if done:
-                    return check.answer.result()
-        finally:
-            with contextlib.suppress(ValueError):
-                self._checks.remove(check)
-            if check.holder is not None and self._checks_held.get(check.job.lease) is check:
-                self._expire_check(check, quiet=True)
+        batch = _Batch(job.run, job.round, urgent=True)
+        batch.work = [_Work(job, batch)]
+        if not await self._settled(batch):
+            return None
+        report = batch.work[0].report
+        return report if isinstance(report, CheckReport) else None
 
-    async def _offer_check(self, check: _Check, *, first: bool = False) -> None:
-        check.offered = time.monotonic()
-        async with self._offered:
-            if first:
-                self._checks.appendleft(check)
-            else:
-                self._checks.append(check)
-            self._offered.notify_all()
-
-    def _expire_check(self, check: _Check, *, quiet: bool = False) -> None:
-        del self._checks_held[check.job.lease]
-        self._forget(check.job.lease)
-        stats = self.reducers.get(check.holder or "")
-        if stats is not None and stats.holding == check.job.lease:
-            stats.holding = None
-            stats.expired += not quiet
-        if not quiet:
-            log.warning(
-                "check_lease_expired run=%s round=%d peer=%s lease=%s reducer=%s (offered again)",
-                check.job.run,
-                check.job.round,
-                check.job.peer,
-                check.job.lease,
-                check.holder,
-            )
-        check.holder = None
-
-    # ---- the merge's side ----------------------------------------------------------------
     async def run(
-        self,
-        run: str,
-        round_: int,
-        offered: Sequence[Job | BuildJob | FoldJob],
-        prefer: Sequence[str | None] | None = None,
+        self, run: str, round_: int, offered: Sequence[WorkJob], prefer: Sequence[str | None] | None = None
     ) -> list[Done]:
-        """Offer these leases and wait until every lease of it is done; their reports, in order.
+        """Offer these leases and wait until every one is done; their reports, in order.
         ``prefer``: per lease, the reducer it is offered to first (it holds the lease's slices of
-        the round's mean). An expired lease is offered again (first in line). Raises what a lease
-        reported (:class:`NonFinite`, :class:`LeaseFailed`); either way, or cancelled, nothing of
-        these leases stays on the board."""
-        merge = _Merge(run, round_)
-        merge.leases = [
-            _Lease(job.model_copy(update={"run": run}), merge, prefer=who)
+        the round's mean). Raises what a lease reported (:class:`NonFinite`, :class:`LeaseFailed`)."""
+        batch = _Batch(run, round_)
+        batch.work = [
+            _Work(job.model_copy(update={"run": run, "round": round_}), batch, prefer=who)
             for job, who in zip(offered, prefer or [None] * len(offered), strict=True)
         ]
-        await self._offer(merge.leases)
+        await self._settled(batch)
+        return [w.report for w in batch.work if isinstance(w.report, Done)]
+
+    async def _settled(self, batch: _Batch) -> bool:
+        """Offer ``batch``'s work and wait until all of it is reported: True; False when urgent
+        work is given back (no reducer alive, or expired :data:`CHECK_TRIES` times). An expired
+        lease is offered again, first in line; with no reducer for a lease length since the work
+        was (re)offered the hub works the rest itself. Raises what a report said failed; either
+        way, or cancelled, nothing of ``batch`` stays on the board."""
+        self._offer(batch.work)
         try:
-            while merge.failure is None and not all(lease.report is not None for lease in merge.leases):
-                self._changed.clear()
+            while batch.failure is None and any(w.report is None for w in batch.work):
+                batch.changed.clear()
                 now = time.monotonic()
-                expired = [x for x in self._held.values() if x.merge is merge and x.deadline < now]
-                for lease in expired:
-                    self._expire(lease)
-                if expired:
-                    await self._offer(expired, first=True)
-                if self._deserted(merge, now):
-                    await self._work_here(merge)
+                late = [w for w in batch.work if w.holder is not None and w.deadline < now]
+                for w in late:
+                    self._expire(w)
+                batch.expired += len(late)
+                if batch.urgent and batch.expired >= CHECK_TRIES:
+                    return False
+                if late:  # another reducer may come (a local one is restarted): give it a lease length
+                    self._offer(late, first=True)
+                    batch.offered = now
+                offered = any(w.batch is batch for w in self._queue)
+                if offered and not self._alive(now, since=batch.offered):
+                    if batch.urgent:
+                        return False
+                    await self._work_here(batch)
                     continue
-                deadlines = [x.deadline for x in self._held.values() if x.merge is merge]
-                if any(x.merge is merge for x in self._pending):  # when to give up on the reducers
-                    deadlines.append(max(self._active, merge.started) + self.lease_seconds)
-                timeout = max(0.01, min(deadlines) - now) if deadlines else None
+                deadlines = [w.deadline for w in batch.work if w.holder is not None]
+                if offered:  # when to give up on the reducers
+                    deadlines.append(max(self._active, batch.offered) + self.lease_seconds)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), timeout)
-            if merge.failure is not None:
-                raise merge.failure
+                    await asyncio.wait_for(batch.changed.wait(), max(0.01, min(deadlines) - now) if deadlines else None)
+            if batch.failure is not None:
+                raise batch.failure
+            return True
         finally:
-            self._withdraw(merge)
-        return [lease.report for lease in merge.leases if lease.report is not None]
+            self._queue = deque(w for w in self._queue if w.batch is not batch)
+            for w in batch.work:
+                if w.holder is not None:
+                    self._release(w)
 
-    def _deserted(self, merge: _Merge, now: float) -> bool:
-        """No reducer for a lease length (none waiting, none holding a lease, none heard from)
-        while this merge has leases on offer: the hub works them itself."""
-        return (
-            any(x.merge is merge for x in self._pending)
-            and not self._polling
-            and not self._held
-            and now - max(self._active, merge.started) > self.lease_seconds
-        )
+    def _alive(self, now: float, since: float = 0.0) -> bool:
+        """A reducer asks, holds a lease, or was heard from within a lease length (of ``since``)."""
+        return bool(self._waiting or self._held) or now - max(self._active, since) <= self.lease_seconds
 
-    async def _work_here(self, merge: _Merge) -> None:
-        """Work the merge's next lease on offer in the hub, as a reducer would (the same function,
+    async def _work_here(self, batch: _Batch) -> None:
+        """Work the batch's next lease on offer in the hub, as a reducer would (the same function,
         the same files): rounds go on when every reducer is dead or none was started."""
-        lease = next(x for x in self._pending if x.merge is merge)
-        self._pending.remove(lease)
-        job = lease.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
+        work_ = next(w for w in self._queue if w.batch is batch)
+        self._queue.remove(work_)
+        job = work_.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
         log.warning(
-            "lease_worked_by_hub run=%s round=%d slices=%d (no reducer for %.0f s)",
-            merge.run,
-            merge.round,
-            len(job.slices),
-            self.lease_seconds,
+            "work_lease_worked_by_hub kind=%s run=%s round=%d lease=%s (no reducer for a lease length)", *_said(job)
         )
-        try:
-            if isinstance(job, BuildJob):
-                report = await to_thread.run_sync(functools.partial(work_build, job, HUB, objects=self.objects))
-            elif isinstance(job, FoldJob):
-                report = await to_thread.run_sync(functools.partial(work_fold, job, HUB, objects=self.objects))
-            else:
-                report = await to_thread.run_sync(functools.partial(work, job, HUB, objects=self.objects))
-        except Exception as exc:
-            report = Done(reducer=HUB, seconds=0, bytes=0, error="failed", detail=repr(exc)[:2000])
+        report = await to_thread.run_sync(functools.partial(work, job, HUB, objects=self.objects))
         stats = self.reducers.setdefault(HUB, ReducerStats(HUB, time.time(), time.time()))
         stats.last_seen = time.time()
-        _settle(lease, stats, report, HUB)
+        assert isinstance(report, Done)  # urgent work (a check) is given back, never worked here
+        _settle(work_, stats, report, HUB)
 
-    async def _offer(self, leases: list[_Lease], *, first: bool = False) -> None:
-        async with self._offered:
-            if first:
-                self._pending.extendleft(reversed(leases))
-            else:
-                self._pending.extend(leases)
-            self._offered.notify_all()
+    def _offer(self, work: list[_Work], *, first: bool = False) -> None:
+        if first:
+            self._queue.extendleft(reversed(work))
+        else:
+            self._queue.extend(work)
+        if work:
+            self._wake()
 
-    def _expire(self, lease: _Lease) -> None:
-        del self._held[lease.job.lease]
-        self._forget(lease.job.lease)
-        stats = self.reducers.get(lease.holder or "")
+    def _expire(self, work: _Work) -> None:
+        stats = self.reducers.get(work.holder or "")
         if stats is not None:
             stats.expired += 1
-            stats.holding = None
         log.warning(
-            "lease_expired run=%s round=%d lease=%s reducer=%s (offered again)",
-            lease.merge.run,
-            lease.merge.round,
-            lease.job.lease,
-            lease.holder,
+            "work_lease_expired kind=%s run=%s round=%d lease=%s reducer=%s (offered again)",
+            *_said(work.job),
+            work.holder,
         )
-        lease.holder = None
+        self._release(work)
 
-    def _withdraw(self, merge: _Merge) -> None:
-        self._pending = deque(x for x in self._pending if x.merge is not merge)
-        for lease_id in [i for i, x in self._held.items() if x.merge is merge]:
-            del self._held[lease_id]
-            self._forget(lease_id)
-        for stats in self.reducers.values():
-            if stats.holding is not None and stats.holding in self._gone:
-                stats.holding = None
-
-    def offered(self, run: str, kind: type[Job | BuildJob | FoldJob]) -> bool:
+    def offered(self, run: str, kind: type[WorkJob]) -> bool:
         """Has ``run`` a lease of this kind on offer, taken by no reducer yet?"""
-        return any(x.merge.run == run and isinstance(x.job, kind) for x in self._pending)
+        return any(w.batch.run == run and isinstance(w.job, kind) for w in self._queue)
 
     def live(self, within: float) -> list[ReducerStats]:
         """Reducers heard from in the last ``within`` seconds, by name."""
@@ -509,18 +382,24 @@ class Board:
         return sorted((r for r in self.reducers.values() if t - r.last_seen <= within), key=lambda r: r.name)
 
 
-def _settle(lease: _Lease, stats: ReducerStats, report: Done, who: str) -> None:
-    """Take a lease's report, from a reducer or the hub: done (counted in ``stats``), or the
-    round's merge failed with the first failure reported (non-finite or not)."""
+def _said(job: WorkJob) -> tuple[str, str, int, str]:
+    """A lease as the log names it: kind, run, round, id."""
+    return job.kind, job.run, job.round, job.lease
+
+
+def _settle(work: _Work, stats: ReducerStats, report: Done, who: str) -> None:
+    """Take a slice lease's report, from a reducer or the hub: done (counted in ``stats``), or
+    the batch failed with the first failure reported (non-finite or not)."""
     if report.error is None:
-        lease.report = report
+        work.report = report
         stats.leases += 1
         stats.seconds += report.seconds
         stats.last_seconds = report.seconds
         stats.bytes += report.bytes
-    elif lease.merge.failure is None:
+    elif work.batch.failure is None:
         failure = NonFinite if report.error == "non_finite" else LeaseFailed
-        lease.merge.failure = failure(f"{who}: {report.detail}")
+        work.batch.failure = failure(f"{who}: {report.detail}")
+    work.batch.changed.set()
 
 
 async def merge_leased(
@@ -529,19 +408,16 @@ async def merge_leased(
     """:meth:`MergeEngine.merge`'s work, shared by the reducers: open the merge, hand out its
     leases, wait for them, publish the outputs; the result's size, the records of the objects
     the reducers wrote (none on local disk) and their bound on ``|version v+1|`` per tensor
-    (``m.bound``: the one on ``|version v|``, if known, see :meth:`MergeEngine.open_merge`). The
-    hub holds no mean in its memory: the reducers folded the updates acknowledged before the
-    close into ``m.acc.partial``, which they hold (:class:`FoldAhead`), and each merge lease,
-    offered first to the reducer holding its slices, folds the rest (``m.unfolded``) after it,
-    in acknowledgement order: the same folds in the same order, the same bits as the hub alone
-    (a slice held by no reducer that takes it is folded from the first update).
-
-    With an object store (the board's ``objects``) the result, and DiLoCo's momentum and the
-    hub's residual if any, are multipart uploads that each lease writes its run of parts of
-    (:func:`_into_bucket`), completed here once every lease is done; the caller records them in
-    the round's commit (record last), so the hub uploads none, and has version v+1 built after
-    the commit (:func:`build_leased`). On local disk: the staged files, fsynced and published
-    (rename)."""
+    (``m.bound``: the one on ``|version v|``, if known). The reducers hold the mean of the
+    updates folded before the close (:class:`FoldAhead`); each merge lease, offered first to the
+    reducer holding its slices, folds the rest (``m.unfolded``) after it, in acknowledgement
+    order: the same folds in the same order, the same bits as the hub alone (a slice nobody
+    holds is folded from the first update). With an object store (the board's ``objects``) the
+    result, DiLoCo's momentum and the hub's residual are multipart uploads that each lease
+    writes its run of parts of, completed here once every lease is done and recorded by the
+    caller in the round's commit (record last), so the hub uploads none; version v+1 is built
+    after the commit (:func:`build_leased`). On local disk: the staged files, fsynced and
+    published (rename)."""
     if m.acc.mean is not None:
         raise ValueError("a leased merge reads the reducers' mean: the hub's accumulator must be empty")
     files = contextlib.ExitStack()
@@ -552,7 +428,7 @@ async def merge_leased(
         merge = await to_thread.run_sync(engine.open_merge, files, m, into)
         leases = await to_thread.run_sync(jobs, merge, m.acc.schema, reducers)
         reports = await board.run(m.run, m.round, leases, _holders(leases, m.acc.partial))
-        records = [await to_thread.run_sync(_complete, objects, key, out) for key, out in outputs] if objects else []
+        records = [await to_thread.run_sync(_complete, objects(), key, out) for key, out in outputs] if objects else []
     except BaseException as exc:
         await to_thread.run_sync(files.__exit__, type(exc), exc, exc.__traceback__)
         if outputs and board.objects is not None:
@@ -574,18 +450,15 @@ async def build_leased(
     objects = board.objects
     if objects is None:
         raise ValueError("versions are built by leases only in an object store")
-    store = objects()
-    key = VersionKey(run, v + 1)
-    name = object_name(key)
+    store, key = objects(), VersionKey(run, v + 1)
     head, at, size = version_layout(schema, v + 1)
-    result = object_name(ResultKey(run, v))
-    upload_id = await to_thread.run_sync(store.create_multipart, name)
-    out = ObjectOutput(name, size, upload_id, functools.partial(store.presign_part, name, upload_id))
+    out = await to_thread.run_sync(_upload, store, key, size)
     try:
         out.write(head)
-        leases = build_jobs(schema, codec, object_name(VersionKey(run, v)), result, out, at, reducers)
+        base, result = object_name(VersionKey(run, v)), object_name(ResultKey(run, v))
+        leases = build_jobs(schema, codec, base, result, out, at, reducers)
         reports = await board.run(run, v, leases)
-        record = await to_thread.run_sync(_complete, objects, key, out)
+        record = await to_thread.run_sync(_complete, store, key, out)
     except BaseException:
         await to_thread.run_sync(_abort, store, [out])
         raise
@@ -608,23 +481,22 @@ def _into_bucket(
     def into(key: Key, size: int) -> Iterator[ObjectOutput]:
         if isinstance(key, UpdateKey):
             raise TypeError(f"updates go to the bucket from the peers, not as a merge's parts: {key}")
-        name = object_name(key)
-        upload_id = objects.create_multipart(name)
-        out = ObjectOutput(name, size, upload_id, functools.partial(objects.presign_part, name, upload_id))
-        outputs.append((key, out))
-        yield out
+        outputs.append((key, _upload(objects, key, size)))
+        yield outputs[-1][1]
 
     return into
 
 
-def _complete(objects: Callable[[], ObjectStore], key: Stored, out: ObjectOutput) -> ObjectRecord:
-    """Worker thread: publish ``out`` (:func:`_completed`); its record, for the commit."""
-    return ObjectRecord(key, *_completed(objects(), out))
+def _upload(store: ObjectStore, key: Stored, size: int) -> ObjectOutput:
+    """Worker thread: a multipart upload opened at ``key``'s name, for the leases to write parts of."""
+    name = object_name(key)
+    upload_id = store.create_multipart(name)
+    return ObjectOutput(name, size, upload_id, functools.partial(store.presign_part, name, upload_id))
 
 
-def _completed(store: ObjectStore, out: ObjectOutput) -> tuple[int, str]:
+def _complete(store: ObjectStore, key: Stored, out: ObjectOutput) -> ObjectRecord:
     """Worker thread: publish ``out`` from the parts its leases uploaded, once each is there with
-    the size its lease was given (:class:`LeaseFailed` otherwise); its size and ETag."""
+    the size its lease was given (:class:`LeaseFailed` otherwise); its record, for the commit."""
     held = store.list_parts(out.name, out.upload_id)
     for number, size in out.parts.items():
         if number not in held or held[number].size != size:
@@ -633,7 +505,7 @@ def _completed(store: ObjectStore, out: ObjectOutput) -> tuple[int, str]:
     info = store.complete_multipart(out.name, out.upload_id, {n: held[n].etag for n in out.parts})
     if info.size != out.size:
         raise LeaseFailed(f"{out.name}: completed with {info.size} bytes, not {out.size}")
-    return info.size, info.etag
+    return ObjectRecord(key, info.size, info.etag)
 
 
 def _abort(objects: ObjectStore, outputs: list[ObjectOutput]) -> None:
@@ -646,7 +518,7 @@ def _abort(objects: ObjectStore, outputs: list[ObjectOutput]) -> None:
             log.warning("abort_multipart_failed object=%s: %s (cleaned up at the next start)", out.name, exc)
 
 
-def _holders(leases: Sequence[Job | FoldJob], mean: Resident | None) -> list[str | None]:
+def _holders(leases: Sequence[MergeJob | FoldJob], mean: Resident | None) -> list[str | None]:
     """Per lease, the reducer holding most of its slices of ``mean`` (None: no mean, or none known)."""
     if mean is None:
         return [None] * len(leases)
@@ -692,10 +564,7 @@ class FoldAhead:
         folds = (*(base.updates if base is not None else ()), *((key, weight) for _, key, weight in updates))
         sources = await to_thread.run_sync(self._sources, list(folds))
         mean = uuid.uuid4().hex
-        held = len(base.updates) if base is not None else 0
-        leases = fold_jobs(acc.schema, codec, self.reducers, mean, base.id if base else None, held, acc.weight, sources)
-        for lease in leases:
-            lease.round = round_
+        leases = fold_jobs(acc.schema, codec, self.reducers, mean, base, acc.weight, sources)
         reports = await self.board.run(run, round_, leases, _holders(leases, base))
         holders = {
             (s.name, s.start): done.reducer for job, done in zip(leases, reports, strict=True) for s in job.slices
@@ -711,8 +580,5 @@ class FoldAhead:
         out = []
         for key, weight in updates:
             with self.engine.open_update(key) as wire:
-                if isinstance(wire, ObjectTensorFile):
-                    out.append(UpdateSource(object=wire.name, weight=weight))
-                else:
-                    out.append(UpdateSource(path=wire.path, weight=weight))
+                out.append(UpdateSource.of(wire, weight))
         return out

@@ -22,7 +22,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,7 +31,7 @@ from syncserver.reduce.check import Checked, UpdateRules, check_update
 from syncserver.storage.s3 import ObjectStore
 from syncwire import get_codec, wire_layout
 
-__all__ = ["REFUSALS", "CheckJob", "CheckReport", "CheckRules", "Refusal", "accept", "work_check"]
+__all__ = ["MAX_DETAIL", "REFUSALS", "CheckJob", "CheckReport", "CheckRules", "Refusal", "accept", "work_check"]
 
 MAX_DETAIL = 2000
 #: the errors :func:`check_update` raises, by code: the only refusals a reducer may report
@@ -63,9 +63,11 @@ class CheckRules(BaseModel):
 
 
 class CheckJob(BaseModel):
-    """A check lease as the hub hands it out (``POST /v1/reduce/lease``, ``kind: "check"``)."""
+    """A check lease as the hub hands it out (``POST /v1/reduce/lease``, ``kind: "check"``),
+    reported to ``/checked`` with a :class:`CheckReport`."""
 
     model_config = ConfigDict(extra="forbid")
+    report: ClassVar[str] = "checked"
     kind: Literal["check"] = "check"
     lease: str = Field(description="The lease's id: renew it and report it by this id.")
     run: str
@@ -109,17 +111,19 @@ class CheckReport(BaseModel):
         return self
 
 
-def work_check(job: CheckJob, reducer: str, objects: Callable[[], ObjectStore]) -> CheckReport:
-    """Check the job's object as ``reducer``: one streaming GET into :func:`check_update`. A
-    refusal is a report; any other failure (the store, the machine) is a report that it failed."""
+def work_check(job: CheckJob, reducer: str, *, objects: Callable[[], ObjectStore] | None, **_: object) -> CheckReport:
+    """Check the job's object as ``reducer``: one streaming GET into :func:`check_update` (the
+    table's ``stop`` and ``pool`` do not apply). A refusal is a report; any other failure (the
+    store, the machine) is a report that it failed."""
     started = time.monotonic()
 
     def report(**outcome: object) -> CheckReport:
         return CheckReport.model_validate({"reducer": reducer, "seconds": time.monotonic() - started, **outcome})
 
     try:
-        store = objects()
-        with contextlib.closing(store.stream(job.object)) as chunks:
+        if objects is None:
+            raise RuntimeError("a check lease reads the object store: give this reducer SYNC_STORE, as the hub has")
+        with contextlib.closing(objects().stream(job.object)) as chunks:
             checked = check_update(chunks, job.rules.rules())
     except tuple(REFUSALS.values()) as exc:
         assert isinstance(exc, HubError)

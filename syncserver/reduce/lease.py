@@ -1,92 +1,86 @@
-"""A merge lease: one span of a round's slices (:mod:`syncserver.reduce.plan`), as the hub hands
-it to a reducer, and the reducer's work on it. No HTTP here and no hub state.
+"""Work leases: what the hub hands a reducer (a span of a round's slices to merge, fold ahead or
+build; or an uploaded body to check, :mod:`~syncserver.reduce.checklease`) and the work on each,
+by kind (:data:`KINDS`). No HTTP here and no hub state. ("Lease" alone, elsewhere, is a peer's
+liveness; here it is a unit of work.)
 
-The hub opens the round's merge once (:meth:`MergeEngine.open_merge
-<syncserver.reduce.engine.MergeEngine.open_merge>`: the step, the files it reads, the outputs
-staged and pre-sized, their headers written) and describes each span as a :class:`Job`: the
-step, where every input lies, and where each output tensor starts in its staged file. A
-reducer (on the hub's machine: the same files) ``pread``\\ s its slices of every update (or
-reads them with ranged GETs from the bucket, for updates peers uploaded there), of version v,
-of the momentum and residual, and ``pwrite``\\ s its byte ranges of each output (with a store:
-reads version v from the bucket too, where a slice needs it, and PUTs its range of the result,
-and of DiLoCo's momentum and the hub's residual, :class:`ObjectOutput`, as parts to presigned
-UploadPart URLs),
-through :func:`~syncserver.reduce.engine.merge_slice`, the one body the hub's own
-threads run: the same step and the same inputs give the same bits whoever runs a slice, and
-an expired lease redone by another reducer writes the very same bytes again.
-
-With a store, version v+1 is built after the round's commit by **build leases**
-(:class:`BuildJob`, :func:`work_build`): version v plus the decoded result, read by ranges from
-the bucket, each lease's range of version v+1 its run of parts of a multipart upload, with
-:func:`~syncserver.reduce.engine.apply_slice`, the function the hub's own version files use. The
-close then neither reads version v (a merge lease checks each slice against the bound on
-``|version v|`` its job carries, :meth:`MergeEngine.open_merge
-<syncserver.reduce.engine.MergeEngine.open_merge>`) nor writes version v+1: the peers wait on
-the result alone. Each lease reports a bound on ``|version v+1|`` per tensor (``peaks``), for the
-next round's jobs.
+A :class:`MergeJob` names a span of a round's merge, opened once by the hub
+(:meth:`MergeEngine.open_merge <syncserver.reduce.engine.MergeEngine.open_merge>`): the step,
+where every input lies, where each output tensor starts in its staged file. A reducer reads its
+slices of every update, of version v, of the momentum and residual (``pread`` on the hub's
+machine; ranged GETs for what lies in the bucket) and writes its byte ranges of each output
+(``pwrite`` into the hub's staged files, or parts PUT to presigned UploadPart URLs,
+:class:`ObjectOutput`), through :func:`~syncserver.reduce.engine.merge_slice`, the one body the
+hub's own threads run: the same step and inputs give the same bits whoever runs a slice, and an
+expired lease redone by another reducer writes the very same bytes again. A :class:`FoldJob`
+folds the updates acknowledged so far into a mean kept in the reducer's memory (:data:`MEANS`),
+ahead of the close. With a store, a :class:`BuildJob` builds version v+1 after the commit
+(version v + the decoded result, by ranges, with :func:`~syncserver.reduce.engine.apply_slice`),
+so the close neither reads version v (a merge lease checks each slice against the bound on
+``|version v|`` it carries) nor writes v+1; each lease reports a bound on ``|version v+1|``
+per tensor (``peaks``) for the next round's jobs. Every slice lease runs one skeleton
+(:func:`_sliced`); its kind only opens it.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import functools
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
-from typing import Literal
+from dataclasses import asdict, dataclass
+from typing import ClassVar, Literal, NamedTuple, TypeVar
 
 import httpx
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from syncserver.reduce.engine import (
-    Merge,
-    NonFinite,
-    Step,
-    apply_slice,
-    fold_slice,
-    merge_slice,
-    run_slices,
-)
+from syncserver.reduce.checklease import MAX_DETAIL, CheckJob, CheckReport, work_check
+from syncserver.reduce.engine import Merge, NonFinite, Resident, Step, apply_slice, fold_slice, merge_slice, run_slices
 from syncserver.reduce.plan import PART_MIN, Piece, Span, byte_range, itemsizes, multi_part, pieces, plan
 from syncserver.storage.objectfile import WINDOW, ObjectTensorFile, TensorReader
 from syncserver.storage.s3 import ObjectStore
 from syncserver.storage.store import BlobWriter
 from syncwire import Codec, Schema, get_codec, wire_name
 from syncwire.format import TensorFile
+from syncwire.retry import retrying
 
 __all__ = [
+    "KINDS",
+    "MEANS",
     "BuildJob",
     "Done",
     "FoldJob",
-    "Job",
-    "LeaseStopped",
-    "MEANS",
     "Means",
+    "MergeJob",
     "ObjectOutput",
     "Output",
     "SliceJob",
     "StepModel",
     "UpdateSource",
+    "WorkJob",
+    "WorkLeaseLost",
     "build_jobs",
     "fold_jobs",
     "highest",
     "jobs",
+    "parse",
     "work",
-    "work_build",
-    "work_fold",
 ]
 
-MAX_DETAIL = 2000
 #: a lease's range of an output in the bucket goes up as parts of about this size, a few at once:
 #: SeaweedFS took 2.2 s for one 200 MB part and 0.95 s for 8 of 25 MB, 4 at once
 CHUNK = 16 << 20
 CHUNKS_AT_ONCE = 4
 MAX_PEAKS = 100_000  # tensors a lease may report a peak of (a model has a few hundred)
 PUT_TRIES = 3  # a part PUT to the bucket, before the lease fails
+
+Objects = Callable[[], ObjectStore]
+log = logging.getLogger(__name__)
 
 
 class StepModel(BaseModel):
@@ -133,6 +127,13 @@ class UpdateSource(BaseModel):
             raise ValueError("an update lies at a path or in an object, exactly one of them")
         return self
 
+    @classmethod
+    def of(cls, wire: TensorReader, weight: float) -> UpdateSource:
+        """Where ``wire`` (an update the hub opened) lies, as a lease names it."""
+        if isinstance(wire, ObjectTensorFile):
+            return cls(object=wire.name, weight=weight)
+        return cls(path=wire.path, weight=weight)
+
 
 class Chunk(BaseModel):
     """One part of a multipart upload: its number, its presigned UploadPart URL, its bytes."""
@@ -166,14 +167,24 @@ class Output(BaseModel):
         return self
 
 
-class Job(BaseModel):
-    """A lease as the hub hands it out (``POST /v1/reduce/lease``)."""
+class _SliceLease(BaseModel):
+    """What every slice lease carries (the board gives its id, length, run and round when it is
+    offered and taken); reported to ``/done`` with a :class:`Done`."""
 
     model_config = ConfigDict(extra="forbid")
-    lease: str = Field(description="The lease's id: renew it and report it done by this id.")
-    run: str
-    round: int
-    seconds: float = Field(description="The lease's length: renew it within this many seconds.")
+    report: ClassVar[str] = "done"
+    lease: str = Field("", description="The lease's id: renew it and report it done by this id.")
+    run: str = ""
+    round: int = Field(0, ge=0)
+    seconds: float = Field(0.0, description="The lease's length: renew it within this many seconds.")
+    slices: list[SliceJob]
+    reads: int = Field(description="Bytes of one update (a build: of the result) this lease reads.")
+
+
+class MergeJob(_SliceLease):
+    """A merge lease (``POST /v1/reduce/lease``; its JSON names no ``kind``)."""
+
+    kind: ClassVar[Literal["merge"]] = "merge"
     step: StepModel
     base: str | None = Field(description="Version v (float32) on the hub's disk, read with pread.")
     base_object: str | None = Field(None, description="Version v in the bucket (ranged GETs), instead of base.")
@@ -189,19 +200,49 @@ class Job(BaseModel):
     updates: list[UpdateSource] = Field(
         description="Every update and its weight, folded in this order (a slice of the mean not held: from the first)."
     )
-    slices: list[SliceJob]
     result: Output
     next_momentum: Output | None
     next_residual: Output | None
     bound: dict[str, float] | None = Field(
         None, description="A bound on |version v| per tensor of the lease: slices under it skip reading version v."
     )
-    reads: int = Field(description="Bytes of one update this lease reads.")
     writes: int = Field(description="Bytes of the result it writes.")
 
 
+class BuildJob(_SliceLease):
+    """A build lease: a span of version v+1 (``round`` = v) as version v plus the decoded result
+    of round v, both objects in the bucket, written as its run of parts of version v+1's upload.
+    ``slices``' ``parts``: where each lies in a result in ``codec`` (a final fp32 one: at its values)."""
+
+    kind: Literal["build"] = "build"
+    base_object: str = Field(description="Version v in the bucket.")
+    result_object: str = Field(description="Round v's result in the bucket (its header names its codec).")
+    codec: str = Field(description="The run's codec: the slices' cuts and parts are its.")
+    version: Output = Field(description="Where this lease's range of version v+1 goes (part URLs).")
+
+
+class FoldJob(_SliceLease):
+    """A fold lease: a span of round ``round``'s running mean folded ahead, as its updates are
+    acknowledged, in the reducer's memory: the mean so far (``base``, holding the first
+    ``held`` of ``updates``, weighing ``folded``; none before the first fold) with the rest of
+    ``updates`` folded after it, in this order, kept as mean ``mean``. A slice of ``base`` the
+    reducer does not hold (it restarted, or another held it) is folded from the first update."""
+
+    kind: Literal["fold"] = "fold"
+    codec: str = Field(description="The updates' codec: the slices' parts are its.")
+    mean: str = Field(min_length=1, max_length=64, description="The id the new mean is kept under.")
+    base: str | None = Field(None, max_length=64, description="The id of the mean so far, if any.")
+    held: int = Field(0, ge=0, description="How many of the updates (the first ones) the mean so far holds.")
+    folded: float = Field(0.0, ge=0, description="The weight the mean so far holds.")
+    updates: list[UpdateSource] = Field(min_length=1, description="Every update of the new mean, in fold order.")
+
+
+#: a work lease as the hub hands it out, of any kind
+WorkJob = MergeJob | FoldJob | BuildJob | CheckJob
+
+
 class Done(BaseModel):
-    """A reducer's report of a lease (``POST /v1/reduce/leases/{lease}/done``)."""
+    """A reducer's report of a slice lease (``POST /v1/reduce/leases/{lease}/done``)."""
 
     model_config = ConfigDict(extra="forbid")
     reducer: str = Field(min_length=1, max_length=128)
@@ -223,49 +264,6 @@ class Done(BaseModel):
             if not 0 <= peak < float("inf"):
                 raise ValueError(f"peak of {name!r} must be a finite number >= 0, not {peak}")
         return self
-
-
-class BuildJob(BaseModel):
-    """A build lease: a span of version v+1 (``round`` = v) as version v plus the decoded result
-    of round v, both objects in the bucket, written as its run of parts of version v+1's upload."""
-
-    model_config = ConfigDict(extra="forbid")
-    kind: Literal["build"] = "build"
-    lease: str = Field(description="The lease's id: renew it and report it done by this id.")
-    run: str
-    round: int = Field(ge=0, description="v: this builds version v+1.")
-    seconds: float = Field(description="The lease's length: renew it within this many seconds.")
-    base_object: str = Field(description="Version v in the bucket.")
-    result_object: str = Field(description="Round v's result in the bucket (its header names its codec).")
-    codec: str = Field(description="The run's codec: the slices' cuts and parts are its.")
-    slices: list[SliceJob] = Field(
-        description="``parts``: where each slice lies in a result in ``codec`` (a final fp32 one: at its values)."
-    )
-    version: Output = Field(description="Where this lease's range of version v+1 goes (part URLs).")
-    reads: int = Field(description="Bytes of the result this lease reads.")
-
-
-class FoldJob(BaseModel):
-    """A fold lease: a span of round ``round``'s running mean folded ahead, as its updates are
-    acknowledged, in the reducer's memory: the mean so far (``base``, holding the first
-    ``held`` of ``updates``, weighing ``folded``; none before the first fold) with the rest of
-    ``updates`` folded after it, in this order, kept as mean ``mean``. A slice of ``base`` the
-    reducer does not hold (it restarted, or another held it) is folded from the first update."""
-
-    model_config = ConfigDict(extra="forbid")
-    kind: Literal["fold"] = "fold"
-    lease: str = Field(description="The lease's id: renew it and report it done by this id.")
-    run: str
-    round: int = Field(ge=0)
-    seconds: float = Field(description="The lease's length: renew it within this many seconds.")
-    codec: str = Field(description="The updates' codec: the slices' parts are its.")
-    mean: str = Field(min_length=1, max_length=64, description="The id the new mean is kept under.")
-    base: str | None = Field(None, max_length=64, description="The id of the mean so far, if any.")
-    held: int = Field(0, ge=0, description="How many of the updates (the first ones) the mean so far holds.")
-    folded: float = Field(0.0, ge=0, description="The weight the mean so far holds.")
-    updates: list[UpdateSource] = Field(min_length=1, description="Every update of the new mean, in fold order.")
-    slices: list[SliceJob]
-    reads: int = Field(description="Bytes of one update this lease reads.")
 
 
 class Means:
@@ -323,8 +321,8 @@ MEANS = Means()
 MEAN_IDLE_SECONDS = 3600.0
 
 
-class LeaseStopped(Exception):
-    """The reducer was told its lease is lost: the rest of its slices are moot."""
+class WorkLeaseLost(Exception):
+    """The reducer was told its work lease is lost: the rest of its slices are moot."""
 
 
 class ObjectOutput:
@@ -349,7 +347,7 @@ class ObjectOutput:
         raise TypeError(f"{self.name}: the reducers write this output, not the hub")
 
 
-def jobs(merge: Merge, schema: Schema, k: int, *, min_writes: int = 0) -> list[Job]:
+def jobs(merge: Merge, schema: Schema, k: int, *, min_writes: int = 0) -> list[MergeJob]:
     """The leases of an open merge: its slices cut into at most ``k`` spans (:func:`plan`).
     Staged outputs (:class:`BlobWriter` with paths, the local-disk store) are pre-sized here,
     so that writers in other processes can fill any range of them; with outputs in the bucket
@@ -390,66 +388,52 @@ def build_jobs(
     of version v+1 is its run of parts (:data:`CHUNK`; a span writes at least
     :data:`~syncserver.reduce.plan.PART_MIN` but the last).
     The hub does not read the result: a final round's is fp32, whose values the reducer finds
-    at their own places (:func:`work_build`)."""
+    at their own places (:func:`_build`)."""
     items = pieces(codec, get_codec("fp32"), schema)  # out_parts: the values' own places, as in a float32 file
     spans = plan(items, k, whole_tensors=False, min_writes=PART_MIN)
     _cut_parts(out, items, spans, at, None)
-    made = []
-    for number, span in enumerate(spans, 1):
-        chosen = items[span.first : span.stop]
-        made.append(
-            BuildJob(
-                lease="",
-                run="",
-                round=0,
-                seconds=0.0,
-                base_object=base,
-                result_object=result,
-                codec=codec.spec,
-                slices=[SliceJob(name=p.name, start=p.start, stop=p.stop, parts=p.parts, out_parts={}) for p in chosen],
-                version=_part(out, number, {name: at[name] for name in dict.fromkeys(p.name for p in chosen)}),
-                reads=span.reads,
-            )
+    return [
+        BuildJob(
+            base_object=base,
+            result_object=result,
+            codec=codec.spec,
+            slices=_slices(items, span, out_parts=False),
+            version=_part(out, number, {p.name: at[p.name] for p in items[span.first : span.stop]}),
+            reads=span.reads,
         )
-    return made
+        for number, span in enumerate(spans, 1)
+    ]
 
 
 def fold_jobs(
-    schema: Schema,
-    codec: Codec,
-    k: int,
-    mean: str,
-    base: str | None,
-    held: int,
-    folded: float,
-    updates: list[UpdateSource],
+    schema: Schema, codec: Codec, k: int, mean: str, base: Resident | None, folded: float, updates: list[UpdateSource]
 ) -> list[FoldJob]:
-    """The fold leases of one step ahead: ``updates`` (in ``codec``, in fold order) of which the
-    mean ``base`` holds the first ``held`` (weighing ``folded``; None: the round's first step)
+    """The fold leases of one step ahead: ``updates`` (in ``codec``, in fold order), of which the
+    mean so far (``base``, weighing ``folded``; None: the round's first step) holds the first,
     folded into mean ``mean``, cut as the merge's leases are cut (:func:`plan`, by the updates'
     bytes, at tensor boundaries where the codec writes a slice into two wire parts), so that each
     merge lease finds its slices of the mean with the reducer that folded them."""
     items = pieces(codec, codec, schema)
-    spans = plan(items, k, whole_tensors=multi_part(codec))
     return [
         FoldJob(
-            lease="",
-            run="",
-            round=0,
-            seconds=0.0,
             codec=codec.spec,
             mean=mean,
-            base=base,
-            held=held if base is not None else 0,
+            base=base.id if base is not None else None,
+            held=len(base.updates) if base is not None else 0,
             folded=folded if base is not None else 0.0,
             updates=updates,
-            slices=[
-                SliceJob(name=p.name, start=p.start, stop=p.stop, parts=p.parts, out_parts={})
-                for p in items[span.first : span.stop]
-            ],
+            slices=_slices(items, span, out_parts=False),
             reads=span.reads,
         )
-        for span in spans
+        for span in plan(items, k, whole_tensors=multi_part(codec))
+    ]
+
+
+def _slices(items: list[Piece], span: Span, *, out_parts: bool) -> list[SliceJob]:
+    """The span's slices, as its lease names them (``out_parts``: where they lie in the result)."""
+    return [
+        SliceJob(name=p.name, start=p.start, stop=p.stop, parts=p.parts, out_parts=p.out_parts if out_parts else {})
+        for p in items[span.first : span.stop]
     ]
 
 
@@ -492,7 +476,7 @@ def _cut_parts(
         raise ValueError(f"{out.name}: the leases end at {end}, the file at {out.size}")
 
 
-def _job(merge: Merge, items: list[Piece], span: Span, number: int) -> Job:
+def _job(merge: Merge, items: list[Piece], span: Span, number: int) -> MergeJob:
     chosen = items[span.first : span.stop]
     names = list(dict.fromkeys(p.name for p in chosen))
 
@@ -509,30 +493,20 @@ def _job(merge: Merge, items: list[Piece], span: Span, number: int) -> Job:
         merge.result, merge.result_at, list(dict.fromkeys(wire_name(p.name, s) for p in chosen for s in p.out_parts))
     )
     assert result is not None
-    step = merge.step
-    base = merge.base
-    return Job(
-        lease="",
-        run="",
-        round=step.round,
-        seconds=0.0,
-        step=StepModel(**asdict(step)),
+    base, momentum, residual = merge.base, merge.momentum, merge.residual
+    return MergeJob(
+        step=StepModel(**asdict(merge.step)),
         base=base.path if isinstance(base, TensorFile) else None,
         base_object=base.name if isinstance(base, ObjectTensorFile) else None,
-        momentum=merge.momentum.path if isinstance(merge.momentum, TensorFile) else None,
-        residual=merge.residual.path if isinstance(merge.residual, TensorFile) else None,
-        momentum_object=merge.momentum.name if isinstance(merge.momentum, ObjectTensorFile) else None,
-        residual_object=merge.residual.name if isinstance(merge.residual, ObjectTensorFile) else None,
+        momentum=momentum.path if isinstance(momentum, TensorFile) else None,
+        residual=residual.path if isinstance(residual, TensorFile) else None,
+        momentum_object=momentum.name if isinstance(momentum, ObjectTensorFile) else None,
+        residual_object=residual.name if isinstance(residual, ObjectTensorFile) else None,
         mean=merge.mean,
         held=merge.held,
         folded=merge.folded,
-        updates=[
-            UpdateSource(path=f.path, weight=w) if isinstance(f, TensorFile) else UpdateSource(object=f.name, weight=w)
-            for f, w in merge.updates
-        ],
-        slices=[
-            SliceJob(name=p.name, start=p.start, stop=p.stop, parts=p.parts, out_parts=p.out_parts) for p in chosen
-        ],
+        updates=[UpdateSource.of(wire, weight) for wire, weight in merge.updates],
+        slices=_slices(items, span, out_parts=True),
         result=result,
         next_momentum=output(merge.next_momentum, merge.momentum_at, names),
         next_residual=output(merge.next_residual, merge.residual_at, names),
@@ -575,210 +549,166 @@ class _Part:
                     done.result()
 
     def _put(self, http: httpx.Client, chunk: Chunk, offset: int) -> None:
-        """PUT one part (a few tries: a store that hiccups is not worth a lease)."""
+        """PUT one part; a store that hiccups (no answer, a 5xx) is tried again, with backoff,
+        :data:`PUT_TRIES` times in all: not worth a lease."""
         body = bytes(memoryview(self.buffer)[offset : offset + chunk.size])
-        for attempt in range(PUT_TRIES):
-            try:
-                answer = http.put(chunk.url, content=body)
-            except httpx.HTTPError as exc:
-                if attempt == PUT_TRIES - 1:
-                    raise RuntimeError(f"part {chunk.part}: cannot reach the object store: {exc}") from None
-                continue
-            if answer.status_code == 200:
-                return
-            if answer.status_code < 500 or attempt == PUT_TRIES - 1:
-                raise RuntimeError(
-                    f"part {chunk.part}: the object store answered {answer.status_code}: {answer.text[:200]}"
-                )
+        try:
+            for attempt in retrying(_hiccup, attempts=PUT_TRIES):
+                with attempt:
+                    http.put(chunk.url, content=body).raise_for_status()
+        except httpx.TransportError as exc:
+            raise RuntimeError(f"part {chunk.part}: cannot reach the object store: {exc}") from None
+        except httpx.HTTPStatusError as exc:
+            answer = exc.response
+            raise RuntimeError(
+                f"part {chunk.part}: the object store answered {answer.status_code}: {answer.text[:200]}"
+            ) from None
 
 
-def work(
-    job: Job,
+def _hiccup(exc: BaseException) -> bool:
+    """A failure a PUT to the store may get past by trying again: no answer, or a 5xx."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code >= 500
+    return isinstance(exc, httpx.TransportError)
+
+
+@dataclass(frozen=True)
+class _At:
+    """Where a lease opens what it reads and writes: its id (errors name it), the files closed
+    when it ends, and the bucket SYNC_STORE names here, if any."""
+
+    lease: str
+    files: contextlib.ExitStack
+    objects: Objects | None
+
+    def bucket(self, what: str) -> ObjectStore:
+        """The bucket the lease reads ``what`` in (one line if there is none here)."""
+        if self.objects is None:
+            raise RuntimeError(
+                f"lease {self.lease} reads {what} in the object store: give this reducer SYNC_STORE and the "
+                "AWS_* variables, as the hub has them"
+            )
+        return self.objects()
+
+
+class _Opened(NamedTuple):
+    """A slice lease, opened: its slices, the work on one, and what follows them (PUT the parts
+    it built): the bytes it moved and each slice's peak."""
+
+    slices: list[SliceJob]
+    one: Callable[[SliceJob], None]
+    finish: Callable[[], tuple[int, list[tuple[str, float]]]]
+
+
+J = TypeVar("J", MergeJob, FoldJob, BuildJob)
+
+
+def _sliced(
+    opens: Callable[[J, _At], _Opened],
+    job: J,
     reducer: str,
-    stop: Callable[[], bool] = lambda: False,
-    pool: ThreadPoolExecutor | None = None,
-    objects: Callable[[], ObjectStore] | None = None,
+    stop: Callable[[], bool],
+    pool: ThreadPoolExecutor | None,
+    objects: Objects | None,
 ) -> Done:
-    """Do a lease's slices as ``reducer``, on ``pool`` if given, as the hub's own threads do
-    (``objects``: the bucket, for updates that lie there; ``stop`` is asked before each slice:
-    :class:`LeaseStopped` once it says so) and say how it went:
-    ``error="non_finite"`` if the round would not be finite (the hub
-    then leaves an update out, as it does merging in-process); any other failure raises."""
+    """The one skeleton of a slice lease: open it (``opens``: its kind's), do its slices on
+    ``pool`` if given, as the hub's own threads do, asking ``stop`` before each
+    (:class:`WorkLeaseLost` once it says so), then finish, and say how it went:
+    ``error="non_finite"`` if the round would not be finite (the hub then leaves an update out,
+    as it does merging in-process)."""
     started = time.monotonic()
-    parts: list[_Part] = []
-    values = _values(job.slices)
     with contextlib.ExitStack() as files:
-
-        def opened(path: str | None, name: str | None, what: str, reads: list[tuple[str, int, int]]) -> TensorReader:
-            return _opened(files, job.lease, objects, path, name, what, reads)
-
-        def state(path: str | None, name: str | None, what: str) -> TensorReader | None:
-            return None if path is None and name is None else opened(path, name, what, values)
-
-        # the files on the hub's disk first: a reducer elsewhere fails before any request
-        momentum = state(job.momentum, job.momentum_object, "DiLoCo's momentum")
-        residual = state(job.residual, job.residual_object, "the hub's residual")
-        result = _sink(files, job.lease, job.result, parts)
-        if job.mean is not None:
-            MEANS.start(job.run, [job.mean])
-        assert result is not None
-        merge = Merge(
-            step=Step(**job.step.model_dump()),
-            base=opened(job.base, job.base_object, "version v", values),
-            updates=_updates(files, job.lease, objects, job.updates, job.slices, job.mean, job.held),
-            momentum=momentum,
-            residual=residual,
-            result=result,
-            result_at=job.result.at,
-            next_momentum=_sink(files, job.lease, job.next_momentum, parts),
-            momentum_at=job.next_momentum.at if job.next_momentum is not None else {},
-            next_residual=_sink(files, job.lease, job.next_residual, parts),
-            residual_at=job.next_residual.at if job.next_residual is not None else {},
-            bound=job.bound,
-            peaks=[],
-            mean=job.mean,
-            held=job.held,
-            folded=job.folded,
-            take=MEANS.take,
-        )
+        opened = opens(job, _At(job.lease, files, objects))
 
         def one(s: SliceJob) -> None:
             _going(stop, job.lease)
-            merge_slice(merge, None, s.name, s.start, s.stop, s.parts, s.out_parts)
+            opened.one(s)
 
         try:
-            run_slices(pool, [(s,) for s in job.slices], one)
+            run_slices(pool, [(s,) for s in opened.slices], one)
         except NonFinite as exc:
-            return Done(
-                reducer=reducer,
-                seconds=time.monotonic() - started,
-                bytes=0,
-                error="non_finite",
-                detail=str(exc)[:MAX_DETAIL],
-            )
+            seconds = time.monotonic() - started
+            return Done(reducer=reducer, seconds=seconds, bytes=0, error="non_finite", detail=str(exc)[:MAX_DETAIL])
     _going(stop, job.lease)
-    for part in parts:
-        part.send()
-    count = sum(s.stop - s.start for s in job.slices)
-    outputs = sum(o is not None for o in (job.next_momentum, job.next_residual))
-    nbytes = job.reads * (len(job.updates) - job.held) + job.writes + 4 * count * outputs
-    assert merge.peaks is not None
-    return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes, peaks=highest(merge.peaks))
+    nbytes, peaks = opened.finish()
+    return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes, peaks=highest(peaks))
 
 
-def work_fold(
-    job: FoldJob,
-    reducer: str,
-    stop: Callable[[], bool] = lambda: False,
-    pool: ThreadPoolExecutor | None = None,
-    objects: Callable[[], ObjectStore] | None = None,
-) -> Done:
-    """Fold a fold lease's updates into its span of the round's mean, in this process's memory
+def _merge(job: MergeJob, at: _At) -> _Opened:
+    """A merge lease: each slice of every update folded (after the mean folded ahead, where this
+    process holds its slice), the outer step, its bytes of each output written or built for PUT."""
+    values = _values(job.slices)
+
+    def state(path: str | None, name: str | None, what: str) -> TensorReader | None:
+        return None if path is None and name is None else _opened(at, path, name, what, values)
+
+    # the files on the hub's disk first: a reducer elsewhere fails before any request
+    momentum = state(job.momentum, job.momentum_object, "DiLoCo's momentum")
+    residual = state(job.residual, job.residual_object, "the hub's residual")
+    parts: list[_Part] = []
+    result = _sink(at, job.result, parts)
+    if job.mean is not None:
+        MEANS.start(job.run, [job.mean])
+    assert result is not None
+    merge = Merge(
+        step=Step(**job.step.model_dump()),
+        base=_opened(at, job.base, job.base_object, "version v", values),
+        updates=_updates(at, job.updates, job.slices, job.mean, job.held),
+        momentum=momentum,
+        residual=residual,
+        result=result,
+        result_at=job.result.at,
+        next_momentum=_sink(at, job.next_momentum, parts),
+        momentum_at=job.next_momentum.at if job.next_momentum is not None else {},
+        next_residual=_sink(at, job.next_residual, parts),
+        residual_at=job.next_residual.at if job.next_residual is not None else {},
+        bound=job.bound,
+        peaks=[],
+        mean=job.mean,
+        held=job.held,
+        folded=job.folded,
+        take=MEANS.take,
+    )
+
+    def finish() -> tuple[int, list[tuple[str, float]]]:
+        for part in parts:
+            part.send()
+        count = sum(s.stop - s.start for s in job.slices)
+        states = sum(o is not None for o in (job.next_momentum, job.next_residual))
+        assert merge.peaks is not None
+        return job.reads * (len(job.updates) - job.held) + job.writes + 4 * count * states, merge.peaks
+
+    return _Opened(
+        job.slices, lambda s: merge_slice(merge, None, s.name, s.start, s.stop, s.parts, s.out_parts), finish
+    )
+
+
+def _fold(job: FoldJob, at: _At) -> _Opened:
+    """A fold lease's updates folded into its span of the round's mean, in this process's memory
     (:data:`MEANS`): each slice of the mean so far that it holds, taken and folded in place with
     the updates after it; any other slice folded from the first update. Nothing is written: the
     hub records who holds which slices once the lease is reported, and a lease lost mid-fold
     leaves slices that the next lease over them folds again, to the same bits."""
-    started = time.monotonic()
     codec = get_codec(job.codec)
     MEANS.start(job.run, [job.base, job.mean])
     whole = job.base is not None and all(MEANS.has(job.base, s.name, s.start) for s in job.slices)
-    with contextlib.ExitStack() as files:
-        updates = _updates(files, job.lease, objects, job.updates, job.slices, job.base, job.held)
+    updates = _updates(at, job.updates, job.slices, job.base, job.held)
 
-        def one(s: SliceJob) -> None:
-            _going(stop, job.lease)
-            held = MEANS.take(job.base, s.name, s.start) if job.base is not None else None
-            if held is not None:
-                after = updates[job.held :]
-                mean = fold_slice(s.name, s.start, s.stop, s.parts, held, job.folded, after, codec, own=True)
-            else:
-                mean = fold_slice(s.name, s.start, s.stop, s.parts, None, 0.0, updates, codec, own=True)
-            MEANS.put(job.run, job.mean, s.name, s.start, mean)
+    def one(s: SliceJob) -> None:
+        held = MEANS.take(job.base, s.name, s.start) if job.base is not None else None
+        if held is not None:
+            mean = fold_slice(s.name, s.start, s.stop, s.parts, held, job.folded, updates[job.held :], codec, own=True)
+        else:
+            mean = fold_slice(s.name, s.start, s.stop, s.parts, None, 0.0, updates, codec, own=True)
+        MEANS.put(job.run, job.mean, s.name, s.start, mean)
 
-        run_slices(pool, [(s,) for s in job.slices], one)
-    _going(stop, job.lease)
-    nbytes = job.reads * (len(job.updates) - (job.held if whole else 0))
-    return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes)
+    return _Opened(job.slices, one, lambda: (job.reads * (len(job.updates) - (job.held if whole else 0)), []))
 
 
-def _updates(
-    files: contextlib.ExitStack,
-    lease: str,
-    objects: Callable[[], ObjectStore] | None,
-    updates: list[UpdateSource],
-    slices: list[SliceJob],
-    mean: str | None,
-    held: int,
-) -> list[tuple[TensorReader, float]]:
-    """A lease's readers of its updates (opened lazily: nothing is read before a slice asks),
-    each told what it will read: the first ``held`` updates, which the mean holds, only for the
-    slices this process does not hold of it (folded again from the first update), the others
-    for every slice. In the bucket each run of that is one streamed GET (a read outside it, a
-    slice that went meanwhile, is its own GET): a stream over slices that nobody reads would
-    hold their bytes until the lease ends."""
-    every = _wire_reads(slices)
-    lacking = _wire_reads(s for s in slices if mean is None or not MEANS.has(mean, s.name, s.start))
-    opened = [
-        _opened(files, lease, objects, u.path, u.object, "updates", lacking if i < held else every, stream=True)
-        for i, u in enumerate(updates)
-    ]
-    return [(wire, u.weight) for wire, u in zip(opened, updates, strict=True)]
-
-
-def _opened(
-    files: contextlib.ExitStack,
-    lease: str,
-    objects: Callable[[], ObjectStore] | None,
-    path: str | None,
-    name: str | None,
-    what: str,
-    reads: list[tuple[str, int, int]],
-    *,
-    stream: bool = False,
-) -> TensorReader:
-    """A file on the hub's disk (``path``), or an object in the bucket read in this lease's ranges
-    (``stream``: every range is read, about in order, as an update's: see :func:`_remote`)."""
-    if path is not None:
-        if not os.path.exists(path):
-            raise RuntimeError(
-                f"lease {lease} reads {path} on the hub's disk ({what}; DiLoCo's momentum, topk's residual or "
-                "a hub without a store): run this reducer on the hub's machine"
-            )
-        return files.enter_context(TensorFile(path))
-    assert name is not None
-    wire = _remote(_bucket(objects, lease, what), name, reads, stream=stream)
-    files.callback(wire.close)
-    return wire
-
-
-def _sink(files: contextlib.ExitStack, lease: str, out: Output | None, parts: list[_Part]) -> BlobWriter | _Part | None:
-    """Where a lease writes an output: its range built in memory (PUT as parts after the slices,
-    collected in ``parts``), or its own descriptor of the hub's staged file."""
-    if out is None:
-        return None
-    if out.parts:
-        parts.append(_Part(out))
-        return parts[-1]
-    assert out.path is not None
-    if not os.path.exists(out.path):
-        raise RuntimeError(f"lease {lease} writes {out.path} on the hub's disk: run this reducer on the hub's machine")
-    fd = os.open(out.path, os.O_WRONLY)
-    files.callback(os.close, fd)
-    return BlobWriter(fd)
-
-
-def work_build(
-    job: BuildJob,
-    reducer: str,
-    stop: Callable[[], bool] = lambda: False,
-    pool: ThreadPoolExecutor | None = None,
-    objects: Callable[[], ObjectStore] | None = None,
-) -> Done:
-    """Build a build lease's range of version v+1 (version v + the decoded result, each by
-    ranged GETs of its slices) and PUT it as its part; report each tensor's largest
-    ``|value|`` (the next merge's bound). Raises what fails (the store, a lost lease)."""
-    started = time.monotonic()
-    store = _bucket(objects, job.lease, f"version {job.round}")
+def _build(job: BuildJob, at: _At) -> _Opened:
+    """A build lease's range of version v+1 (version v + the decoded result, each by ranged GETs
+    of its slices), PUT as its parts; each tensor's largest ``|value|`` (the next merge's bound)."""
+    store = at.bucket(f"version {job.round}")
     result = ObjectTensorFile(store, job.result_object, window=WINDOW)
     codec = get_codec(result.metadata.get("codec", job.codec))
     if codec.spec != job.codec and multi_part(codec):
@@ -794,26 +724,117 @@ def work_build(
     peaks: list[tuple[str, float]] = []
 
     def one(s: SliceJob) -> None:
-        _going(stop, job.lease)
         new = apply_slice(base, result, codec, s.name, s.start, s.stop, s.parts)
         part.write_at(new, job.version.at[s.name] + s.start * 4)
         peaks.append((s.name, float(np.max(np.abs(new), initial=0.0))))
 
-    run_slices(pool, [(s,) for s in slices], one)
-    _going(stop, job.lease)
-    part.send()
-    nbytes = job.reads + 8 * sum(s.stop - s.start for s in job.slices)
-    return Done(reducer=reducer, seconds=time.monotonic() - started, bytes=nbytes, peaks=highest(peaks))
+    def finish() -> tuple[int, list[tuple[str, float]]]:
+        part.send()
+        return job.reads + 8 * sum(s.stop - s.start for s in job.slices), peaks
+
+    return _Opened(slices, one, finish)
 
 
-def _bucket(objects: Callable[[], ObjectStore] | None, lease: str, what: str) -> ObjectStore:
-    """The bucket a lease reads ``what`` in: the one SYNC_STORE names here (one line if none)."""
-    if objects is None:
+class Kind(NamedTuple):
+    """A kind of work lease: its job on the wire, and the function that works it."""
+
+    job: type[WorkJob]
+    work: Callable[..., Done | CheckReport]
+
+
+#: every kind of work lease, by ``kind``: the one table the reducers and the hub (working a lease
+#: itself, no reducer being left) both work leases by
+KINDS: dict[str, Kind] = {
+    "merge": Kind(MergeJob, functools.partial(_sliced, _merge)),
+    "fold": Kind(FoldJob, functools.partial(_sliced, _fold)),
+    "build": Kind(BuildJob, functools.partial(_sliced, _build)),
+    "check": Kind(CheckJob, work_check),
+}
+
+
+def parse(lease: object) -> WorkJob:
+    """A work lease as the hub answers ``POST /v1/reduce/lease`` (a merge lease names no kind);
+    ValueError (pydantic's ValidationError is one) if it is none."""
+    kind = lease.get("kind", "merge") if isinstance(lease, dict) else None
+    if kind not in KINDS:
+        raise ValueError(f"not a work lease of a known kind: {kind!r}")
+    return KINDS[kind].job.model_validate(lease)
+
+
+def work(
+    job: WorkJob,
+    reducer: str,
+    *,
+    stop: Callable[[], bool] = lambda: False,
+    pool: ThreadPoolExecutor | None = None,
+    objects: Objects | None = None,
+) -> Done | CheckReport:
+    """Work ``job`` as ``reducer`` by its kind's function (:data:`KINDS`) and say how it went: the
+    report for ``/done`` or ``/checked`` (``job.report``). ``pool``: the slices' threads;
+    ``objects``: the bucket, for what lies there; ``stop`` is asked before each slice. A failure
+    (the store, a file of the hub's out of reach) is a report that it failed: the hub fails the
+    close and tries it again later; :class:`WorkLeaseLost` leaves as itself (the rest is moot)."""
+    try:
+        return KINDS[job.kind].work(job, reducer, stop=stop, pool=pool, objects=objects)
+    except WorkLeaseLost:
+        raise
+    except Exception as exc:
+        log.exception("%s lease %s failed (reducer %s)", job.kind, job.lease, reducer)
+        return Done(reducer=reducer, seconds=0.0, bytes=0, error="failed", detail=repr(exc)[:MAX_DETAIL])
+
+
+def _updates(
+    at: _At, updates: list[UpdateSource], slices: list[SliceJob], mean: str | None, held: int
+) -> list[tuple[TensorReader, float]]:
+    """A lease's readers of its updates (opened lazily: nothing is read before a slice asks),
+    each told what it will read: the first ``held`` updates, which the mean holds, only for the
+    slices this process does not hold of it (folded again from the first update), the others
+    for every slice. In the bucket each run of that is one streamed GET (a read outside it, a
+    slice that went meanwhile, is its own GET): a stream over slices that nobody reads would
+    hold their bytes until the lease ends."""
+    every = _wire_reads(slices)
+    lacking = _wire_reads(s for s in slices if mean is None or not MEANS.has(mean, s.name, s.start))
+    opened = [
+        _opened(at, u.path, u.object, "updates", lacking if i < held else every, stream=True)
+        for i, u in enumerate(updates)
+    ]
+    return [(wire, u.weight) for wire, u in zip(opened, updates, strict=True)]
+
+
+def _opened(
+    at: _At, path: str | None, name: str | None, what: str, reads: list[tuple[str, int, int]], *, stream: bool = False
+) -> TensorReader:
+    """A file on the hub's disk (``path``), or an object in the bucket read in this lease's ranges
+    (``stream``: every range is read, about in order, as an update's: see :func:`_remote`)."""
+    if path is not None:
+        if not os.path.exists(path):
+            raise RuntimeError(
+                f"lease {at.lease} reads {path} on the hub's disk ({what}; DiLoCo's momentum, topk's residual or "
+                "a hub without a store): run this reducer on the hub's machine"
+            )
+        return at.files.enter_context(TensorFile(path))
+    assert name is not None
+    wire = _remote(at.bucket(what), name, reads, stream=stream)
+    at.files.callback(wire.close)
+    return wire
+
+
+def _sink(at: _At, out: Output | None, parts: list[_Part]) -> BlobWriter | _Part | None:
+    """Where a lease writes an output: its range built in memory (PUT as parts after the slices,
+    collected in ``parts``), or its own descriptor of the hub's staged file."""
+    if out is None:
+        return None
+    if out.parts:
+        parts.append(_Part(out))
+        return parts[-1]
+    assert out.path is not None
+    if not os.path.exists(out.path):
         raise RuntimeError(
-            f"lease {lease} reads {what} in the object store: give this reducer SYNC_STORE and the "
-            "AWS_* variables, as the hub has them"
+            f"lease {at.lease} writes {out.path} on the hub's disk: run this reducer on the hub's machine"
         )
-    return objects()
+    fd = os.open(out.path, os.O_WRONLY)
+    at.files.callback(os.close, fd)
+    return BlobWriter(fd)
 
 
 def _remote(
@@ -828,9 +849,9 @@ def _remote(
 
 
 def _going(stop: Callable[[], bool], lease: str) -> None:
-    """:class:`LeaseStopped` once the renewer found the lease lost: the rest is moot."""
+    """:class:`WorkLeaseLost` once the renewer found the lease lost: the rest is moot."""
     if stop():
-        raise LeaseStopped(f"lease {lease} was lost")
+        raise WorkLeaseLost(f"lease {lease} was lost")
 
 
 def _values(slices: Iterable[SliceJob]) -> list[tuple[str, int, int]]:

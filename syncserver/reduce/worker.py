@@ -1,23 +1,18 @@
-"""``syncserver reduce --hub URL``: a reducer, one process that works merge leases until stopped.
+"""``syncserver reduce --hub URL``: a reducer, one process that works work leases until stopped.
 
     syncserver reduce --hub http://127.0.0.1:8000 --token "$SYNC_ADMIN_TOKEN"
 
-It long-polls the hub for a lease (``POST /v1/reduce/lease``), works it
-(:func:`syncserver.reduce.lease.work`: ``pread`` of its slices of every update and of version v,
-``pwrite`` of its byte ranges of the hub's staged outputs, so on the hub's machine; with the
-hub's object store, ranged GETs of the updates (and of version v, for a slice its bound does
-not clear) and a PUT of its part of the result, so anywhere that reaches the store, given
-``SYNC_STORE`` and the ``AWS_*`` variables, but for DiLoCo's momentum and topk's residual, still
-files of the hub's), renews it from a thread while working, and reports it done. A check lease
-(``kind: check``, an update a peer uploaded to the bucket: :mod:`syncserver.reduce.checklease`) is
-streamed from the bucket and checked, and reported to ``/checked``; a build lease (``kind:
-build``, :func:`syncserver.reduce.lease.work_build`) adds a committed result to version v by
-ranges and PUTs its part of version v+1; a fold lease (``kind: fold``,
-:func:`syncserver.reduce.lease.work_fold`) folds the updates acknowledged since the last one
-into its span of the round's mean, ahead of the close. One lease at a time, one thread:
-K reducers are K processes, so a slow or killed one costs its own lease only. A hub that
-cannot be reached or refuses the token at the start is a one-line error (exit 2); later, a
-hub that went away is waited for (it may be restarting), a lease found lost is dropped.
+It long-polls the hub for a lease (``POST /v1/reduce/lease``), works it by its kind
+(:func:`syncserver.reduce.lease.work`, the table the hub works leases by when no reducer is
+left), renews it from a thread while working, and reports it (``/done``, or ``/checked`` for a
+body check). A merge lease ``pread``\\ s its slices of every update and of version v and
+``pwrite``\\ s its byte ranges of the hub's staged outputs, so on the hub's machine; with the
+hub's object store it reads by ranged GETs and PUTs its parts, so anywhere that reaches the
+store, given ``SYNC_STORE`` and the ``AWS_*`` variables (but for DiLoCo's momentum and topk's
+residual, still files of the hub's). One lease at a time, one thread: K reducers are K
+processes, so a slow or killed one costs its own lease only. A hub that cannot be reached or
+refuses the token at the start is a one-line error (exit 2); later, a hub that went away is
+waited for (it may be restarting), a lease found lost is dropped.
 """
 
 from __future__ import annotations
@@ -32,22 +27,28 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from pydantic import ValidationError
 
-from syncserver.reduce.checklease import CheckJob, work_check
-from syncserver.reduce.lease import BuildJob, Done, FoldJob, Job, LeaseStopped, work, work_build, work_fold
+from syncserver.reduce.checklease import CheckReport
+from syncserver.reduce.lease import Done, WorkJob, WorkLeaseLost, parse, work
 from syncserver.storage.s3 import ObjectStore
+from syncwire.retry import retrying
 
 __all__ = ["ReducerError", "Reducer"]
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 5.0  # the long poll for a lease (a hub that is told to stop answers it at once)
-RETRY_SECONDS = 1.0  # between tries at a hub that does not answer
+#: the longest wait between tries at a hub that does not answer: it may be restarting, and every
+#: lease waits on the reducers that come back
+RETRY_MOST = 2.0
 
 
 class ReducerError(Exception):
     """The hub cannot be used (unreachable at the start, wrong token, not a reducer's hub)."""
+
+
+class _Busy(Exception):
+    """The hub answered a lease request with an error that may pass (a 5xx, say): ask again."""
 
 
 class Reducer:
@@ -74,7 +75,7 @@ class Reducer:
     def stop(self) -> None:
         self._stop.set()
 
-    def check(self) -> Job | BuildJob | FoldJob | CheckJob | None:
+    def check(self) -> WorkJob | None:
         """One lease request without waiting: :class:`ReducerError` unless the hub takes us;
         the lease it gave, if one was waiting (to be worked first)."""
         try:
@@ -83,56 +84,49 @@ class Reducer:
             raise ReducerError(f"cannot reach the hub at {self.hub}: {exc}") from None
 
     def run_forever(self) -> None:
-        """Take, work and report leases until :meth:`stop`."""
+        """Take, work and report leases until :meth:`stop`; a hub that does not answer (it
+        restarts, say) is asked again, with backoff."""
         log.info("reducer %s working for %s", self.name, self.hub)
         while not self._stop.is_set():
-            try:
-                job = self._take(wait=POLL_SECONDS)
-            except httpx.HTTPError as exc:  # the hub restarts, say: wait for it
-                log.warning("reducer %s: hub unreachable (%s), retrying", self.name, exc)
-                self._stop.wait(RETRY_SECONDS)
-                continue
+            job = None
+            with contextlib.suppress(httpx.HTTPError, _Busy):  # raised only once told to stop
+                for attempt in retrying(
+                    lambda exc: isinstance(exc, httpx.HTTPError | _Busy),
+                    most=RETRY_MOST,
+                    sleep=self._stop.wait,
+                    stopped=self._stop.is_set,
+                    before_sleep=lambda exc, _: log.warning("reducer %s: no lease (%s), retrying", self.name, exc),
+                ):
+                    with attempt:
+                        job = self._take(wait=POLL_SECONDS)
             if job is not None:
                 self.do(job)
 
-    def do(self, job: Job | BuildJob | FoldJob | CheckJob) -> None:
+    def do(self, job: WorkJob) -> None:
         """Work one lease, renewing it meanwhile, and report it."""
-        if isinstance(job, CheckJob):
-            self.do_check(job)
-            return
         with self._renewing(job) as lost:
             try:
-                if isinstance(job, BuildJob):
-                    done = work_build(job, self.name, stop=lost.is_set, pool=self._pool, objects=self._store)
-                elif isinstance(job, FoldJob):
-                    done = work_fold(job, self.name, stop=lost.is_set, pool=self._pool, objects=self._store)
-                else:
-                    done = work(job, self.name, stop=lost.is_set, pool=self._pool, objects=self._store)
-            except LeaseStopped:
-                log.warning("reducer %s: lease %s lost mid-work, dropped", self.name, job.lease)
+                report = work(job, self.name, stop=lost.is_set, pool=self._pool, objects=self._store)
+            except WorkLeaseLost:
+                log.warning("reducer %s: %s lease %s lost mid-work, dropped", self.name, job.kind, job.lease)
                 return
-            except Exception as exc:  # the hub fails the close, and tries it again later
-                log.exception("reducer %s: lease %s failed", self.name, job.lease)
-                done = Done(reducer=self.name, seconds=0.0, bytes=0, error="failed", detail=repr(exc)[:2000])
-        if self._report(job.lease, "done", done.model_dump(mode="json")):
-            log.info("reducer %s: lease %s done in %.3f s", self.name, job.lease, done.seconds)
-
-    def do_check(self, job: CheckJob) -> None:
-        """Check one uploaded body (renewing the lease meanwhile) and report it: passed, refused or failed."""
-        with self._renewing(job):
-            report = work_check(job, self.name, self._store)
-        if self._report(job.lease, "checked", report.model_dump(mode="json")):
-            outcome = "passed" if report.digest else "refused" if report.refused else f"failed ({report.failed})"
-            log.info(
-                "reducer %s: check %s of %s %s in %.3f s", self.name, job.lease, job.object, outcome, report.seconds
-            )
+        if self._report(job, report):
+            log.info("reducer %s: %s lease %s reported in %.3f s", self.name, job.kind, job.lease, report.seconds)
 
     @contextlib.contextmanager
-    def _renewing(self, job: Job | BuildJob | FoldJob | CheckJob) -> Iterator[threading.Event]:
-        """Renew ``job``'s lease on a thread while the body runs; the event is set once the
-        hub says the lease is lost (and, on the way out, to stop the renewer)."""
+    def _renewing(self, job: WorkJob) -> Iterator[threading.Event]:
+        """Renew ``job``'s lease every third of its length, from a thread, while the body runs; the
+        event is set once the hub says the lease is lost (and, on the way out, to stop the renewer)."""
         lost = threading.Event()
-        renewer = threading.Thread(target=self._renew, args=(job, lost), daemon=True, name="reducer-renew")
+
+        def renew() -> None:
+            while not lost.wait(max(0.05, job.seconds / 3)):
+                with contextlib.suppress(httpx.HTTPError):  # the lease may still hold: the next renewal tries
+                    answer = self._http.post(f"/v1/reduce/leases/{job.lease}/renew", json={"reducer": self.name})
+                    if answer.status_code in (404, 409):
+                        lost.set()
+
+        renewer = threading.Thread(target=renew, daemon=True, name="reducer-renew")
         renewer.start()
         try:
             yield lost
@@ -140,18 +134,19 @@ class Reducer:
             lost.set()
             renewer.join()
 
-    def _report(self, lease: str, what: str, body: dict[str, object]) -> bool:
-        """POST a lease's report (``done`` or ``checked``); True once the hub took it. A report
-        that cannot be sent, or comes too late (409), is logged: the lease expires and is redone."""
+    def _report(self, job: WorkJob, report: Done | CheckReport) -> bool:
+        """POST a lease's report (to ``/done`` or ``/checked``, as its kind says); True once the
+        hub took it. A report that cannot be sent, or comes too late (409), is logged: the lease
+        expires and is redone."""
         try:
-            answer = self._http.post(f"/v1/reduce/leases/{lease}/{what}", json=body)
+            answer = self._http.post(f"/v1/reduce/leases/{job.lease}/{job.report}", json=report.model_dump(mode="json"))
         except httpx.HTTPError as exc:
-            log.warning("reducer %s: could not report lease %s (%s): it will expire", self.name, lease, exc)
+            log.warning("reducer %s: could not report lease %s (%s): it will expire", self.name, job.lease, exc)
             return False
         if answer.status_code == 409:
-            log.warning("reducer %s: lease %s was lost before its report", self.name, lease)
+            log.warning("reducer %s: lease %s was lost before its report", self.name, job.lease)
         elif answer.status_code != 204:
-            log.warning("reducer %s: report of lease %s refused: %s", self.name, lease, answer.text[:300])
+            log.warning("reducer %s: report of lease %s refused: %s", self.name, job.lease, answer.text[:300])
         return answer.status_code == 204
 
     def _store(self) -> ObjectStore:
@@ -163,38 +158,17 @@ class Reducer:
             self._objects = ObjectStore.from_url(url)
         return self._objects
 
-    def _renew(self, job: Job | BuildJob | FoldJob | CheckJob, lost: threading.Event) -> None:
-        every = max(0.05, job.seconds / 3)
-        while not lost.wait(every):
-            try:
-                answer = self._http.post(f"/v1/reduce/leases/{job.lease}/renew", json={"reducer": self.name})
-            except httpx.HTTPError:
-                continue  # the lease may still hold: try again
-            if answer.status_code in (404, 409):
-                lost.set()
-
-    def _take(self, wait: float, strict: bool = False) -> Job | BuildJob | FoldJob | CheckJob | None:
+    def _take(self, wait: float, strict: bool = False) -> WorkJob | None:
         answer = self._http.post("/v1/reduce/lease", json={"reducer": self.name, "wait": wait})
         if answer.status_code == 204:
             return None
         if answer.status_code != 200:
-            reason = _reason(answer)
             if strict or answer.status_code in (401, 403, 404, 409):
-                raise ReducerError(f"the hub at {self.hub} refused a reducer: {reason}")
-            log.warning("reducer %s: lease request refused (%s), retrying", self.name, reason)
-            self._stop.wait(RETRY_SECONDS)
-            return None
+                raise ReducerError(f"the hub at {self.hub} refused a reducer: {_reason(answer)}")
+            raise _Busy(_reason(answer))
         try:
-            lease = answer.json()
-            kind = lease.get("kind") if isinstance(lease, dict) else None
-            if kind == "check":
-                return CheckJob.model_validate(lease)
-            if kind == "build":
-                return BuildJob.model_validate(lease)
-            if kind == "fold":
-                return FoldJob.model_validate(lease)
-            return Job.model_validate(lease)
-        except (ValueError, ValidationError) as exc:
+            return parse(answer.json())
+        except ValueError as exc:  # pydantic's ValidationError is one
             raise ReducerError(f"the hub at {self.hub} answered a lease request with no lease: {exc}") from None
 
 
