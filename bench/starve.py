@@ -78,14 +78,25 @@ ROUND_LIMIT = 600.0  # seconds: a starved round gives up here rather than hang t
 
 def big_run(url: str, tensors: int) -> float:
     """Create the big run and its version 0; return the seconds its upload took."""
-    # the tensors first: this client sends no heartbeat, and making 100,000 of them took longer
-    # than the peer's lease on a loaded machine (the hub then let go of the initialiser: 409)
     rng = np.random.default_rng(0)
     items = [(f"experts.{i}.w", rng.standard_normal((8, 4)).astype(np.float32), "F32") for i in range(tensors)]
+    stop = threading.Event()
+
+    def beat() -> None:  # as the SDK's heartbeat does: on a loaded machine the upload outlasted the lease (409)
+        with httpx.Client(base_url=url, timeout=30) as http:
+            while not stop.wait(2.0):
+                http.post("/v1/runs/big/peers/big/heartbeat")
+
     with httpx.Client(base_url=url, timeout=600) as http:
         http.post("/v1/runs/big/peers", json={"peer": "big", "min_peers": 1}).raise_for_status()
+        beating = threading.Thread(target=beat, daemon=True)
+        beating.start()
         started = time.monotonic()
-        http.put("/v1/runs/big/versions/0", params={"peer": "big"}, content=iter_chunks(items)).raise_for_status()
+        try:
+            http.put("/v1/runs/big/versions/0", params={"peer": "big"}, content=iter_chunks(items)).raise_for_status()
+        finally:
+            stop.set()
+            beating.join()
         took = time.monotonic() - started
         assert http.get("/v1/runs/big/peers/big/start").json()["state"] == "ready"
     return took
