@@ -10,8 +10,8 @@ the hub then reads no update body), which goes first, as a peer waits on it. A l
 within ``SYNC_REDUCE_LEASE_SECONDS`` is offered again, first in line, under a new id: a reducer
 that died mid-slice costs one lease length, its slices are redone to the same bits by another,
 and the old id's report is refused (:class:`~syncserver.errors.LeaseLost`, 409). With no reducer
-at all for a lease length since work was (re)offered (all dead, or ``--local-reducers 0`` and
-none started) the hub works the slice leases on offer itself, by the same table, and gives a
+at all for a lease length (all dead, or ``--local-reducers 0`` and none started) the hub works
+the slice leases on offer itself, by the same table, and gives a
 check back to its caller (as after :data:`CHECK_TRIES` expiries), which checks the body itself.
 A merge whose leases are all done is published and committed exactly as an in-process one
 (record last); a lease that reports the round not finite fails it with
@@ -298,7 +298,8 @@ class Board:
         """Offer ``batch``'s work and wait until all of it is reported: True; False when urgent
         work is given back (no reducer alive, or expired :data:`CHECK_TRIES` times). An expired
         lease is offered again, first in line; with no reducer for a lease length since the work
-        was (re)offered the hub works the rest itself. Raises what a report said failed; either
+        was offered (a check: since it was offered again) the hub works the rest itself, so dead
+        reducers cost a merge one lease length. Raises what a report said failed; either
         way, or cancelled, nothing of ``batch`` stays on the board."""
         self._offer(batch.work)
         try:
@@ -311,9 +312,10 @@ class Board:
                 batch.expired += len(late)
                 if batch.urgent and batch.expired >= CHECK_TRIES:
                     return False
-                if late:  # another reducer may come (a local one is restarted): give it a lease length
+                if late:
                     self._offer(late, first=True)
-                    batch.offered = now
+                    if batch.urgent:  # a peer waits on a check: another reducer gets a lease length for it
+                        batch.offered = now
                 offered = any(w.batch is batch for w in self._queue)
                 if offered and not self._alive(now, since=batch.offered):
                     if batch.urgent:
