@@ -1,13 +1,10 @@
-"""The maths of a round: pure numpy functions over one tensor at a time. No I/O, no state.
-
-A round's merged update is computed tensor by tensor so that the hub never holds more than a
-tensor's worth of temporaries beside its accumulator (and DiLoCo's momentum).
+"""The maths of a round: pure numpy functions over one tensor (or slice) at a time. No I/O, no state.
 
 The accumulator holds the *running weighted mean* of the updates folded so far, not their
-weighted sum: each fold is a convex combination of the mean so far and the new update, so
-every value stays between the smallest and the largest input. A float32 sum of ``samples x
-delta`` overflowed with honest-looking inputs (two updates near 2e38, or 1e25 x 2^53 samples)
-and published Inf to every peer.
+weighted sum: each fold is a convex combination of the mean so far and the new update, so every
+value stays between the smallest and the largest input. A float32 sum of ``samples x delta``
+overflowed with honest-looking inputs (two updates near 2e38, or 1e25 x 2^53 samples) and
+published Inf to every peer.
 
 Outer optimizers, on the sample-weighted mean delta ``mean`` of a round:
 
@@ -46,17 +43,14 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 
 def fold(mean: np.ndarray, delta: np.ndarray, weight: float, before: float) -> None:
-    """Fold ``delta`` with ``weight`` into ``mean``, in place: ``mean`` is the weighted mean of
-    updates whose weights sum to ``before`` (0: none yet), and becomes that of all of them.
+    """Fold ``delta`` with ``weight`` into ``mean`` (the weighted mean of updates weighing
+    ``before``; 0: none yet), in place: the accumulator is the hub's one running copy.
 
-    ``mean = mean * (before / total) + delta * (weight / total)``, with ``total = before +
-    weight``: both terms are at most their input in size, so their sum is finite whenever the
-    inputs are, but for float32 rounding when both lie within a few ulps of float32's largest
-    value; then those values are summed in float64 and clipped to it (the exact mean is no
-    larger). The same inputs in the same order give the same bits: a restarted hub re-folds to
-    the very same mean. This is the only in-place function here: the accumulator is the hub's
-    one running copy.
-    """
+    ``mean = mean * (before / total) + delta * (weight / total)``, ``total = before + weight``:
+    both terms are at most their input in size, so the sum is finite whenever the inputs are, but
+    for float32 rounding within a few ulps of float32's largest value; those values are summed in
+    float64 and clipped to it (the exact mean is no larger). The same inputs in the same order
+    give the same bits: a restarted hub re-folds to the very same mean."""
     if mean.shape != delta.shape:
         raise ValueError(f"shape {delta.shape} does not match the accumulator's {mean.shape}")
     if not weight > 0 or not before >= 0:
@@ -98,18 +92,14 @@ def delayed_nesterov_step(
     mean: np.ndarray, momentum: np.ndarray, *, lr: float, mu: float, fresh: bool, complete: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """Delayed Nesterov (Liu et al., 2024, "Asynchronous Local-SGD Training for Language
-    Modeling"): with asynchronous updates, momentum is advanced once per *whole* outer step
-    instead of once per update, which is what makes it tolerate delay.
+    Modeling"): momentum advances once per *whole* outer step, not per update, so it tolerates delay.
 
-    An outer step is cut into several updates, each with its part ``g = -mean`` of the
-    pseudo-gradient. Every part is applied at once as plain SGD (``-lr * g``) and added to the
-    momentum buffer; the part that completes the step (``complete``) also applies the Nesterov
-    look-ahead ``-lr * mu * m``. ``fresh``: this part starts a step, so the buffer first decays
-    (``m = mu * m``). Over a whole step of parts ``g_1 .. g_k`` the model moves by
-    ``-lr * (G + mu * m)`` with ``m = mu * m_old + G``, ``G = g_1 + ... + g_k``: exactly one
-    Nesterov step on ``G``. A step made of one part (``fresh`` and ``complete``, every barrier
-    round) is :func:`diloco_step`, bit for bit.
-    """
+    Each part ``g = -mean`` of a step's pseudo-gradient is applied at once as plain SGD
+    (``-lr * g``) and added to the momentum; the part that completes the step (``complete``) also
+    applies the look-ahead ``-lr * mu * m``; a ``fresh`` part first decays it (``m = mu * m``).
+    Over parts ``g_1 .. g_k`` the model moves by ``-lr * (G + mu * m)``, ``m = mu * m_old + G``,
+    ``G = g_1 + ... + g_k``: one Nesterov step on ``G``. A one-part step (every barrier round) is
+    :func:`diloco_step`, bit for bit."""
     grad = -mean
     new_momentum = (np.float32(mu) * momentum if fresh else momentum) + grad
     look_ahead = grad + np.float32(mu) * new_momentum if complete else grad
@@ -163,13 +153,10 @@ def global_norm(tensors: Iterable[np.ndarray]) -> float:
 
 
 def norm_outlier(norm: float, reference: Sequence[float], factor: float) -> float | None:
-    """The poisoned-update rule: is ``norm`` over ``factor`` times the median of ``reference``
-    (norms of updates already accepted)? Returns that median if so, else None.
-
-    No verdict without at least two reference norms (the median of one update is that update)
-    or when their median is 0 (peers that did not train): the guard only ever rejects against
-    a majority of sane updates.
-    """
+    """The poisoned-update rule: that median if ``norm`` is over ``factor`` times the median of
+    ``reference`` (norms already accepted), else None. No verdict with under two reference norms
+    (the median of one is that update) or a median of 0 (peers that did not train): the guard only
+    ever rejects against a majority of sane updates."""
     if not factor > 1:
         raise ValueError(f"factor must be above 1, got {factor}")
     if len(reference) < 2:

@@ -66,8 +66,7 @@ class LocalReducers:
                     log.warning("reducer pid %d exited with %s: starting another", proc.pid, proc.returncode)
                     self.procs[i] = self._spawn(hub)
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
+            proc.terminate()  # a no-op for one that exited
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
