@@ -9,15 +9,9 @@ published Inf to every peer.
 Outer optimizers, on the sample-weighted mean delta ``mean`` of a round:
 
 - ``avg`` (FedAvg / local SGD): ``update = mean``.
-- ``diloco`` (Douillard et al., 2023): the pseudo-gradient is ``g = -mean``; Nesterov momentum
-  as in ``torch.optim.SGD(nesterov=True)``: ``m = mu * m + g`` then
-  ``update = -lr * (g + mu * m)``. The paper's defaults are ``lr = 0.7``, ``mu = 0.9``,
-  tuned for hundreds of rounds: with a few, its first steps move the weights 1.33x the mean
-  delta and its momentum overshoots with nothing trained after it (bench/RESULTS.md, Quality).
-  So the hub warms it up (:func:`warmup`): over the first ``warmup`` outer steps the momentum
-  ramps from 0 to ``mu`` with ``lr = 1 / (1 + mu_t)``, so that no step moves the weights more
-  than the mean delta at once (``lr_t * (1 + mu_t) = 1``; the first step *is* averaging), and
-  the final round of a run is plain averaging (its peers said so: nothing trains after it).
+- ``diloco`` (Douillard et al., 2023): the pseudo-gradient is ``g = -mean``; Nesterov momentum as
+  in ``torch.optim.SGD(nesterov=True)``: ``m = mu * m + g``, ``update = -lr * (g + mu * m)``, warmed
+  up (:func:`warmup`; why: docs/concepts/outer.md), and a run's final round is plain averaging.
 """
 
 from __future__ import annotations
@@ -108,9 +102,9 @@ def delayed_nesterov_step(
 
 
 def warmup(lr: float, mu: float, steps: int, length: int) -> tuple[float, float]:
-    """DiLoCo's ``(lr, mu)`` for outer step ``steps`` (0: the first) of a run that warms up over
-    ``length`` outer steps: momentum ``mu * steps / length`` and ``lr = 1 / (1 + that)`` until
-    then, the run's own ``(lr, mu)`` from step ``length`` on (0: no warm-up, DiLoCo as published)."""
+    """DiLoCo's ``(lr, mu)`` at outer step ``steps`` (0: the first) of a ``length``-step warm-up:
+    ``mu_t = mu * steps / length`` and ``lr = 1 / (1 + mu_t)`` (so ``lr_t * (1 + mu_t) = 1``), then
+    the run's own from step ``length`` on (0: no warm-up, DiLoCo as published)."""
     if steps < 0 or length < 0:
         raise ValueError(f"steps and length must be >= 0, got {steps} and {length}")
     if steps >= length:

@@ -1,15 +1,11 @@
-"""Checking an update body that arrives as a stream of bytes from anywhere (an object in the store,
-read with one GET) exactly as the hub checks a body PUT to it: a plain function, no HTTP, no hub
-state, called by whoever reads the bytes (the hub, :mod:`syncserver.core.presigned`, or a reducer,
-:mod:`syncserver.reduce.checklease`). The size, header, layout, NaN/Inf and digest checks and
-their errors are the PUT path's (:class:`~syncserver.storage.body.BodyCheck`); this adds the
-decoded L2 norm when the run needs it (its norm guard, or a codec that checks on receipt), slice by
-slice as the merge decodes, or a 422.
+"""Checking an update body that arrives as a stream of bytes from anywhere (an object read with one
+GET) exactly as the hub checks a body PUT to it, for the hub (:mod:`syncserver.core.presigned`) or a
+reducer (:mod:`syncserver.reduce.checklease`): the PUT path's checks and errors
+(:class:`~syncserver.storage.body.BodyCheck`), plus the decoded L2 norm when the run needs it.
 
 A norm needs a tensor's wire parts together (an int8 tensor's scales sit after its values, and a
 body may order its tensors as it likes), so such a body goes through a temporary file in ``spool``
-(deleted on return) read back with ``pread``: memory stays a few MiB whatever the order. Without a
-norm nothing is written.
+(deleted on return) read back with ``pread``: memory stays a few MiB whatever the order.
 """
 
 from __future__ import annotations

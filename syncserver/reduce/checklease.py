@@ -1,13 +1,6 @@
 """A check lease: the body check of an update a peer uploaded to the object store, done by a reducer
-so that the hub reads no update body (``SYNC_STORE`` with ``SYNC_REDUCERS``; the flow and the trust
-model: docs/object-store.md, docs/SECURITY.md). No HTTP here and no hub state.
-
-The hub puts a :class:`CheckJob` on its board (the object, its size, the declared digest, the run's
-:class:`CheckRules`); a reducer streams the object with one GET through
-:func:`~syncserver.reduce.check.check_update`, the hub's own check, and reports a
-:class:`CheckReport`: the body's sha-256, size and norm, the refusal the hub would give, or that
-it failed. The hub takes only a pass that holds up (:func:`accept`) and matches the peer's digest;
-anything else it checks itself, counting a report its check contradicts as that reducer's failure.
+(:func:`~syncserver.reduce.check.check_update`, the hub's own check) so that the hub reads no update
+body; the flow and the trust model: docs/object-store.md, docs/SECURITY.md. No HTTP, no hub state.
 """
 
 from __future__ import annotations
@@ -43,12 +36,8 @@ class CheckRules(BaseModel):
 
     @classmethod
     def of(cls, rules: UpdateRules) -> CheckRules:
-        return cls(
-            tensors={n: list(s) for n, s in rules.schema.items()},
-            codec=rules.codec.spec,
-            max_bytes=rules.max_bytes,
-            norm=rules.norm,
-        )
+        tensors = {name: list(shape) for name, shape in rules.schema.items()}
+        return cls(tensors=tensors, codec=rules.codec.spec, max_bytes=rules.max_bytes, norm=rules.norm)
 
     def rules(self) -> UpdateRules:
         codec = get_codec(self.codec)
@@ -85,8 +74,7 @@ class Refusal(BaseModel):
 
 class CheckReport(BaseModel):
     """A reducer's report of a check lease (``POST /v1/reduce/leases/{lease}/checked``): the body's
-    ``digest``, ``nbytes`` and ``norm`` when it passed; ``refused`` when it failed a check;
-    ``failed`` when the reducer could not check it (the hub then checks it itself)."""
+    ``digest``, ``nbytes`` and ``norm`` when it passed, ``refused``, or ``failed`` (not checked)."""
 
     model_config = ConfigDict(extra="forbid")
     reducer: str = Field(min_length=1, max_length=128)
@@ -128,11 +116,9 @@ def work_check(job: CheckJob, reducer: str, *, objects: Callable[[], ObjectStore
 
 
 def accept(report: CheckReport, job: CheckJob) -> Checked | None:
-    """The checked body of a reducer's pass that holds up; None: the hub checks the body itself.
-    A refusal or failure is never taken on a reducer's word (the hub cannot confirm a refusal
-    without reading the body, and one it cannot confirm must not turn a valid update away).
-    Cheap checks only: the size is the object's, the norm present exactly when the rules ask for
-    one, finite and not negative (the caller compares the digest with the peer's)."""
+    """The checked body of a reducer's pass that holds up; None: the hub checks the body itself (a
+    refusal it cannot confirm without reading the body must not turn a valid update away). Cheap
+    checks only (the caller compares the digest): the object's size, a norm exactly when asked, finite, >= 0."""
     norm = report.norm
     if report.digest is None or report.nbytes != job.size or job.rules.norm != (norm is not None):
         return None  # a refusal or failure (no digest with its size: one outcome a report), or a bad pass

@@ -1,26 +1,22 @@
 """The merge engine: fold updates, merge a round, build versions. Tensor work only: no HTTP, no
 *when* (:mod:`syncserver.core.policy`); files through :class:`~syncserver.storage.store.Store` keys.
 
-Everything works a slice at a time (:func:`syncwire.codecs.slices`: ``pread`` of a few MB, a few
-MB of temporaries) on one small thread pool, since numpy, ``pread`` and ``pwrite`` release the GIL.
-A round (weights and divisor are the policy's: samples and their sum for a barrier, samples
-discounted by staleness over ``round_samples`` for async)::
+Everything works a slice at a time (:func:`syncwire.codecs.slices`: a few MB read with ``pread``, a
+few MB of temporaries) on one small thread pool: numpy, ``pread`` and ``pwrite`` release the GIL.
+A round (weights and divisor are the policy's: docs/concepts/rounds.md)::
 
-    mean    = running weighted mean of decode(u) over acknowledged updates u,
-              folded in acknowledgement order                               (float32, O(1) models)
-              (those still unfolded when the round closes are folded by the merge, slice by slice)
+    mean    = running weighted mean of decode(u) over acknowledged updates u, in acknowledgement
+              order (float32; those unfolded at the close are folded by the merge, slice by slice)
     mean    = mean * (sum of the weights / total)       (1 for a barrier: its total is that sum)
-    result  = encode(outer_step(mean, momentum))                            -> ResultKey(v)
+    result  = encode(outer_step(mean, momentum) + residual(v))              -> ResultKey(v)
     v + 1   = version v + decode(result)                                    -> VersionKey(v + 1)
 
-A ``hub_feedback`` codec (``topk``: a result sends a quarter of the merged update) gets error
-feedback on the hub too: the result encodes ``outer_step(...) + residual(v)``, and
-``residual(v + 1)`` (``ResidualKey``, float32 beside the momentum, read with ``pread``) is what it
-left out: hub memory stays O(1) models, and a restarted hub goes on from the committed version's.
-
-Every peer applies the same decoded bytes, so all hold version v + 1 bit for bit. The merge checks,
-slice by slice, that the new momentum and version v + decode(result) are finite before the result
-is written whole; :class:`NonFinite` otherwise, and nothing is kept.
+``residual(v)``, for a ``hub_feedback`` codec only (``topk`` sends a quarter of the update): what
+result v-1 left out, the hub's error feedback (``ResidualKey``, float32 beside the momentum: hub
+memory stays O(1) models, and a restarted hub goes on from the committed version's). Every peer
+applies the same decoded bytes, so all hold version v + 1 bit for bit. The merge checks each slice's
+new momentum and version v + decode(result) finite before the result is written whole
+(:class:`NonFinite` otherwise: nothing is kept).
 """
 
 from __future__ import annotations
@@ -53,8 +49,6 @@ __all__ = [
     "Outer",
     "Resident",
     "RoundMerge",
-    "SAFE",
-    "Sink",
     "Step",
     "apply_slice",
     "fold_slice",
@@ -92,10 +86,9 @@ class NonFinite(ArithmeticError):
 
 @dataclass(frozen=True)
 class Resident:
-    """A round's running mean as the reducers fold it ahead, held in their memory under ``id``
-    (:data:`syncserver.reduce.lease.MEANS`), never written. ``updates``: the ones it holds, in fold
-    order (a reducer lacking a slice folds it from them again, to the same bits); ``holders``: who
-    holds each slice ((tensor, first value) -> reducer), offered the next lease over it first."""
+    """A round's mean folded ahead, in the reducers' memory under ``id`` (never written); ``updates``:
+    the ones it holds, in order (a slice not held is folded from them again, to the same bits);
+    ``holders``: who holds each slice ((tensor, first value) -> reducer), offered its next lease."""
 
     id: str
     updates: tuple[tuple[UpdateKey, float], ...]
@@ -116,12 +109,10 @@ class Accumulator:
 
 @dataclass(frozen=True)
 class RoundMerge:
-    """A round's merge as the close fixes it (for :meth:`MergeEngine.merge`, :meth:`MergeEngine.open_merge`
-    and ``merge_leased``). ``unfolded``: updates not in ``acc`` yet, folded after it in this order
-    by the merge. ``total``: the policy's divisor of the weighted sum. ``fraction``: the part of a
-    whole outer step this round is (Delayed Nesterov's clock; a barrier round: ``inf``). ``final``:
-    every update is its peer's last: plain averaging, the momentum passes on unchanged.
-    ``bound``: a bound on ``|version v|`` per tensor, if known (:meth:`MergeEngine.open_merge`)."""
+    """A round's merge as the close fixes it. ``unfolded``: updates the merge folds after ``acc``, in
+    order; ``total``: the policy's divisor; ``fraction``: the part of an outer step this round is
+    (Delayed Nesterov's clock; a barrier round: ``inf``); ``final``: every update is its peer's last
+    (plain averaging, the momentum passes on); ``bound``: on ``|version v|`` per tensor, if known."""
 
     run: str
     round: int
@@ -142,17 +133,14 @@ class MergeEngine:
         self.store = store
         self.threads = threads
         self.objects = objects  # SYNC_STORE: where the updates peers uploaded there are read
-        # the same few threads fold and merge every round: fresh threads each round would each
-        # get a fresh malloc arena, and the hub's memory crept up round after round
+        # one pool for every round: fresh threads got fresh malloc arenas, and the hub's memory crept up
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="syncserver-slices")
-        # run -> (v, the metadata of the momentum that goes with version v) as the last merge
-        # wrote it: a momentum in the bucket is then not read for its clock (only after a restart)
+        # run -> (v, version v's momentum metadata) as the last merge wrote it: read only after a restart
         self._clocks: dict[str, tuple[int, dict[str, str]]] = {}
 
     def close(self) -> None:
         self._pool.shutdown()
 
-    # ---- per update ----------------------------------------------------------------------
     def open_update(self, key: UpdateKey) -> TensorReader:
         """An acknowledged update: its file on the hub's disk, or its object (``key.object``),
         read with ranged GETs a slice at a time. Close it."""
@@ -173,10 +161,9 @@ class MergeEngine:
     def _opened(
         self, files: contextlib.ExitStack, key: VersionKey | MomentumKey | ResidualKey, *, shared: bool = False
     ) -> TensorReader | None:
-        """Version v, or its momentum or residual, closed with ``files``: on the hub's disk, else in
-        the bucket (the reducers of the round before wrote it there); None for a momentum or
-        residual not made yet. ``shared``: the bucket's copy first (version 0, uploaded for the
-        reducers: a lease naming the hub's file would fail on a reducer of another machine)."""
+        """Version v, or its momentum or residual (None: not made yet), on the hub's disk or else in
+        the bucket; ``shared``: the bucket's copy first (version 0, uploaded for the reducers: a
+        lease naming the hub's file would fail on a reducer of another machine)."""
         if self.store.exists(key) and not (shared and self.store.stored_object(key) is not None):
             return files.enter_context(self.store.read(key))
         if not isinstance(key, VersionKey) and self.store.stored_object(key) is None:
@@ -196,11 +183,10 @@ class MergeEngine:
     def fold(
         self, acc: Accumulator, key: UpdateKey, weight: float, codec: Codec, *, stop: Callable[[], bool] | None = None
     ) -> bool:
-        """Fold one acknowledged update, times ``weight``, into ``acc``, slice by slice; True once
-        folded. ``stop`` (a first fold only) is asked before each slice: once it says so the fold
-        leaves ``acc`` empty and returns False, so a round that closes meanwhile (its peers
-        finished together) folds every update in its merge (``unfolded``) instead of waiting: a
-        first fold also costs the accumulator's first touch, half a GB of fresh pages for GPT-2."""
+        """Fold one update, times ``weight``, into ``acc``; True once folded. ``stop`` (a first fold
+        only) is asked before each slice: once it says so ``acc`` is left empty (False), and a round
+        closing meanwhile folds every update in its merge instead of waiting for this one, whose
+        first touch of the accumulator alone costs half a GB of fresh pages for GPT-2."""
         if stop is not None and acc.folded:
             raise ValueError("only a first fold can be stopped: a stopped fold leaves the accumulator empty")
         if acc.mean is None:
@@ -236,27 +222,19 @@ class MergeEngine:
             self._each_slice(codec, schema, peak)
         return max(peaks, default=0.0)
 
-    # ---- per round -----------------------------------------------------------------------
     def merge(self, m: RoundMerge) -> int:
-        """Write round ``m.round``'s result (``outer_step(mean * weight / total)``) and DiLoCo
-        momentum; return the result's size. ``m.unfolded`` are folded after ``m.acc`` slice by
-        slice as the merge goes, ``acc`` left as it was: the close is the one time every peer
-        waits on the hub, and each update acknowledged just before it would otherwise be read,
-        folded and read back; here it costs one read, and a round with nothing folded before its
-        close needs no accumulator. The same folds in the same order: the same bits.
-        The clock ``m.fraction`` advances, and the count of whole outer steps DiLoCo's warm-up
-        reads, are kept in the momentum file's metadata. :class:`NonFinite` if version v + the
-        result, or the momentum, would not be finite (nothing written). With nothing folded the
-        result is zero and the momentum and its clock stay.
-
-        Version v+1 is not written here but after the commit (:meth:`build_versions`): it can be
-        rebuilt from version v and the durable result, so its 4 bytes per parameter stay off the
-        time every peer waits. The momentum is read with ``pread`` (no mapping counted in the
-        RSS); each slice's writeback starts once written, so the fsyncs before the commit wait
-        for little more than the last slices."""
+        """Write round ``m.round``'s result and DiLoCo momentum; return the result's size (version
+        v+1 comes after the commit, :meth:`build_versions`: docs/concepts/rounds.md says why).
+        ``m.unfolded`` are folded after ``m.acc`` slice by slice, ``acc`` left as it was: the close
+        is the one time every peer waits, and an update acknowledged just before it would
+        otherwise be read, folded and read back; here it costs one read, and a round with nothing
+        folded before needs no accumulator. The same folds in the same order: the same bits.
+        The momentum's metadata keeps the clock ``m.fraction`` advances and the whole outer steps
+        DiLoCo's warm-up counts. With nothing folded the result is zero and the momentum stays.
+        The momentum is read with ``pread`` (a mapping would count in the RSS); each slice's
+        writeback starts once written, so the fsyncs before the commit wait for the last few."""
         if m.unfolded and m.final and not m.codec.lossless:
-            # a final round's result is fp32, cut into slices unlike its lossy updates: they
-            # are folded into ``acc`` first (the same folds in the same order)
+            # a final round's fp32 result is cut unlike its lossy updates: they are folded into acc first
             for key, w in m.unfolded:
                 self.fold(m.acc, key, w, m.codec)
             m = dataclasses.replace(m, unfolded=())
@@ -266,18 +244,14 @@ class MergeEngine:
         return merge.result_size
 
     def open_merge(self, files: contextlib.ExitStack, m: RoundMerge, into: Into | None = None) -> Merge:
-        """Everything the merge needs but its slices: the step fixed once for the round (scale,
-        DiLoCo's clock and warm-up), the files it reads, the outputs with their headers written,
-        all entered on ``files`` (leaving it publishes them; an error discards them). The hub's
-        threads and the reducers' leases both work from it with :func:`merge_slice`: same bits.
-
-        ``into``: where the outputs go instead of the hub's staged files (the reducers' parts of a
-        multipart upload, ``merge_leased``); version v is then read from the bucket if it is there.
-
-        ``m.bound`` (the peaks the leases of round v-1 and the build of version v reported): a
-        slice whose ``bound + max|decode(result)|`` stays under :data:`SAFE` cannot overflow, so
-        its check reads no version v (its bytes stay off a close that reads the bucket); any
-        other slice reads version v and checks exactly."""
+        """Everything the merge needs but its slices, entered on ``files`` (leaving it publishes the
+        outputs, an error discards them): the step fixed once for the round (scale, DiLoCo's clock
+        and warm-up), the files it reads, the outputs with their headers. The hub's threads and
+        the reducers' leases both work from it with :func:`merge_slice`. ``into``: where the
+        outputs go instead of staged files (``merge_leased``'s parts of a multipart upload);
+        version v is then read from the bucket if it is there. ``m.bound`` (the peaks round v-1's
+        leases and version v's build reported): a slice whose ``bound + max|decode(result)|``
+        stays under :data:`SAFE` cannot overflow, so its check reads no version v."""
         run, v, acc, codec, outer = m.run, m.round, m.acc, m.codec, m.outer
         total, fraction, final, unfolded = m.total, m.fraction, m.final, m.unfolded
         schema = acc.schema
@@ -300,8 +274,13 @@ class MergeEngine:
         # the reducers' leases (``into``) read version v where any reducer can: in the bucket
         base = self._opened(files, VersionKey(run, v), shared=into is not None)
         assert base is not None  # a version is on the disk or else in the bucket
-        # Delayed Nesterov's clock: the part of an outer step done before this round
-        clock = self._clock(run, v, old_momentum)
+        # Delayed Nesterov's clock: the part of an outer step done before this round, in the metadata
+        # of version v's momentum as the last merge left it (an object's header is read after a restart)
+        known = self._clocks.get(run)
+        if known is not None and known[0] == v and isinstance(old_momentum, ObjectTensorFile):
+            clock = known[1]
+        else:
+            clock = old_momentum.metadata if old_momentum is not None else {}
         done, steps = float(clock.get("progress", "0")), int(clock.get("steps", "0"))
         fresh, complete = done == 0.0, done + fraction >= 1.0
         lr, mu = aggregate.warmup(outer.lr, outer.momentum, steps, outer.warmup)
@@ -322,8 +301,7 @@ class MergeEngine:
 
         result = output(ResultKey(run, v), result_head, result_size)
         mom = output(MomentumKey(run, v + 1), momentum_head, momentum_size) if diloco else None
-        # the hub's own error feedback (hub_feedback codecs): none before the first result, and a
-        # final round's lossless result leaves nothing out
+        # the hub's error feedback (hub_feedback codecs): none before a first result; a final one leaves none
         old_residual = self._opened(files, ResidualKey(run, v)) if run_codec.hub_feedback else None
         residual: Sink | None = None
         residual_at: dict[str, int] = {}
@@ -366,21 +344,9 @@ class MergeEngine:
             bound=m.bound,
         )
 
-    def _clock(self, run: str, v: int, momentum: TensorReader | None) -> dict[str, str]:
-        """The metadata of the momentum that goes with version ``v`` (its clock): as the merge
-        that wrote it left it, or from its header (the hub's own file; an object in the bucket
-        after a restart: its header's bytes, once)."""
-        if momentum is None:
-            return {}
-        known = self._clocks.get(run)
-        if known is not None and known[0] == v and isinstance(momentum, ObjectTensorFile):
-            return known[1]
-        return momentum.metadata
-
     def build_versions(self, run: str, target: int, codec: Codec, schema: Schema) -> None:
-        """Write every missing version up to ``target`` from the last one stored: ``version j+1 =
-        version j + decode(result j)``, each result decoded with the codec it names (a final
-        round's is fp32)."""
+        """Write every missing version up to ``target``: ``version j+1 = version j + decode(result j)``,
+        each result decoded with the codec it names (a final round's is fp32)."""
         first = max((v for v in self.store.versions(run) if v <= target), default=0)
         for v in range(first, target):
             self._next_version(run, v, codec, schema)
@@ -400,9 +366,8 @@ class MergeEngine:
             self._each_slice(codec, schema, add)
 
     def _each_slice(self, codec: Codec, schema: Schema, work: Work) -> None:
-        """``work(name, start, stop, parts)`` for every slice, on the pool: a close with one thread
-        left the other cores idle while every peer waited. Slices read and write only their own
-        values and offsets, so the threads give the same bytes as one, in any order."""
+        """``work(name, start, stop, parts)`` for every slice, on the pool (one thread left cores idle
+        while every peer waited); slices touch only their own values: the same bytes in any order."""
         jobs = [(name, *piece) for name, shape in schema.items() for piece in slices(codec, shape)]
         run_slices(self._pool if self.threads > 1 else None, jobs, work)
 
@@ -425,8 +390,7 @@ def run_slices(pool: ThreadPoolExecutor | None, jobs: Sequence[tuple[Any, ...]],
 
 
 class Sink(Protocol):
-    """Where a merge writes an output's values (a :class:`~syncserver.storage.store.BlobWriter`,
-    the hub's or over a reducer's descriptor of the hub's staged file, or a lease's parts)."""
+    """Where a merge writes an output's values (a staged file's writer, or a lease's parts)."""
 
     def write_at(self, array: np.ndarray, position: int) -> None: ...
 
@@ -483,20 +447,16 @@ def merge_slice(
     parts: dict[str, tuple[int, int]],
     out_parts: dict[str, tuple[int, int]] | None = None,
 ) -> None:
-    """Merge values ``[start, stop)`` of ``name``: fold the updates after ``acc``'s mean (if any),
-    step, add the hub's residual, encode, write the result parts, next momentum and residual;
-    :class:`NonFinite` unless they and version v + decode(result) are finite. ``parts``: where the
-    slice lies in the updates' wire parts; ``out_parts``: in the result's (None: as ``parts``; a
-    lease's final round of a lossy codec: its fp32 result's, at the values' own places). The one
-    body of every merge, in the hub's threads and the reducers alike: same inputs, same bits."""
+    """Merge values ``[start, stop)`` of ``name`` (fold after ``acc``'s mean, step, add the residual,
+    encode, write), or :class:`NonFinite`. ``parts``/``out_parts``: where the slice lies in the
+    updates' wire parts and the result's (None: the same; a lease's final round of a lossy codec:
+    at the values' own places). The one body of every merge, hub or reducer: same inputs, same bits."""
     step, n = merge.step, stop - start
     codec, run_codec = get_codec(step.codec), get_codec(step.run_codec)
     diloco = step.outer == "diloco"
-    m_old = (
-        merge.momentum.read(name, start, stop)
-        if merge.momentum is not None
-        else (np.zeros(n, np.float32) if diloco else None)
-    )
+    m_old = merge.momentum.read(name, start, stop) if merge.momentum is not None else None
+    if m_old is None and diloco:
+        m_old = np.zeros(n, np.float32)
     if step.empty:  # every update was left out: this round changes nothing
         update, m_new = np.zeros(n, np.float32), m_old
     else:
@@ -586,11 +546,10 @@ def fold_slice(
     *,
     own: bool = False,
 ) -> np.ndarray:
-    """One slice of the round's mean: ``held``, the mean of updates weighing ``before`` (None:
-    none yet), with ``updates`` folded after it in this order; into a copy unless ``own``, so the
-    hub's accumulator stays as it was for a merge refused and tried again. Every merge and fold
-    lease folds with this (:func:`~syncserver.reduce.aggregate.fold`): the same updates in the
-    same order give the same bits, however many each call folds."""
+    """One slice of the mean: ``held`` (weighing ``before``; None: none yet) with ``updates`` folded
+    after it, in order; into a copy unless ``own``, so the hub's accumulator stays as it was for a
+    merge refused and tried again. The same updates in the same order give the same bits, however
+    many each call folds."""
     mean, copied = held, own
     for wire, weight in updates:
         decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))

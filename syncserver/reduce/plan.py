@@ -1,17 +1,8 @@
-"""Cutting a round's merge into leases: contiguous, byte-balanced runs of slices (*spans*).
-
-A slice (:func:`syncwire.codecs.slices`, in schema order) costs the bytes it reads of each of the N
-updates. :func:`plan` cuts the slices greedily into at most K spans, each as near a K-th of those
-bytes as the allowed cuts let it be, as TensorFlow's parameter servers place variables by size
-(round-robin would put GPT-2's 154 MB embedding on one reducer with whatever else came its way).
-
-Contiguous, because a tensor's wire parts are adjacent in every file the hub writes, so each output
-of a span is one byte range: one ``pwrite`` region on local disk, one run of parts of a multipart
-upload. Where the result's codec writes a slice into several wire tensors (int8/int4: values and
-scales; topk: values, indices, scales), a cut inside a tensor would split each part in two, so
-spans end at tensor boundaries; a one-part codec (fp32, bf16) is cut at any slice. A span under
-``min_writes`` bytes of result (S3 wants parts of 5 MiB but the last) joins its smaller neighbour.
-Pure functions: the hub and a test get the same plan.
+"""Cutting a round's merge into leases: at most K contiguous runs of slices (*spans*) balanced by the
+bytes they read of every update (why: docs/object-store.md, "How a merge is cut"). Each output of a
+span is then one byte range; spans end at tensor boundaries where the result's codec writes a slice
+into several wire tensors, and one under ``min_writes`` bytes of result (S3 wants parts of 5 MiB but
+the last) joins its smaller neighbour. Pure functions: the hub and a test get the same plan.
 """
 
 from __future__ import annotations
@@ -31,9 +22,8 @@ PART_MIN = 5 * 1024**2
 
 @dataclass(frozen=True)
 class Piece:
-    """One slice of a round's merge: values ``[start, stop)`` of tensor ``name``, where they lie
-    in the updates' wire parts (``parts``) and in the result's (``out_parts``), and the bytes of
-    one update it reads and of the result it writes."""
+    """One slice of a round's merge: values ``[start, stop)`` of ``name``, where they lie in the
+    updates' and the result's wire parts, the bytes it reads of one update and writes of the result."""
 
     name: str
     start: int
@@ -120,10 +110,9 @@ def _span(items: list[Piece], first: int, stop: int) -> Span:
 def byte_range(
     items: list[Piece], span: Span, offsets: dict[str, int], itemsizes: dict[str, int] | None = None
 ) -> tuple[int, int]:
-    """The bytes ``[lo, hi)`` of a file that ``span`` writes. ``offsets``: each wire tensor's
-    byte offset in the file (:func:`syncwire.wire_name` names); ``itemsizes``: the result's
-    parts' value sizes, or None for a float32 file of the schema (a version, the momentum, the
-    residual), whose values lie at the tensor's own. ValueError unless the range is contiguous."""
+    """The bytes ``[lo, hi)`` of a file that ``span`` writes (ValueError unless contiguous); ``offsets``:
+    each wire tensor's in the file; ``itemsizes``: the result's parts' value sizes, or None for a
+    float32 file of the schema (a version, the momentum, the residual)."""
     ranges = []
     for p in items[span.first : span.stop]:
         where = p.out_parts if itemsizes is not None else {"": (p.start, p.stop - p.start)}

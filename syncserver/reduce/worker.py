@@ -2,14 +2,11 @@
 
     syncserver reduce --hub http://127.0.0.1:8000 --token "$SYNC_ADMIN_TOKEN"
 
-It long-polls the hub for a lease (``POST /v1/reduce/lease``), works it by its kind
-(:func:`syncserver.reduce.lease.work`), renews it from a thread meanwhile, and reports it
-(``/done``; a check: ``/checked``). A lease that names the hub's files (``pread``, ``pwrite``)
-needs the hub's machine; with the hub's object store (``SYNC_STORE`` and the ``AWS_*``
-variables) a reducer runs anywhere that reaches it. One lease at a time: K reducers are K
-processes, so a slow or killed one costs its own lease only. A hub that cannot be reached or
-refuses the token at the start is a one-line error (exit 2); later, a hub that went away is
-waited for (it may be restarting), a lease found lost is dropped.
+It takes, works (:func:`syncserver.reduce.lease.work`), renews and reports one lease at a time: K
+reducers are K processes, so a slow or killed one costs its own lease only. A lease naming the
+hub's files needs the hub's machine; with the hub's object store (``SYNC_STORE``, ``AWS_*``) it runs
+anywhere that reaches it. A hub unreachable or refusing the token at the start is a one-line error
+(exit 2); later, a hub that went away is waited for (it may be restarting).
 """
 
 from __future__ import annotations
@@ -67,19 +64,18 @@ class Reducer:
         if self._pool is not None:
             self._pool.shutdown()
 
-    def check(self) -> WorkJob | None:
-        """One lease request without waiting: :class:`ReducerError` unless the hub takes us;
-        the lease it gave, if one was waiting (to be worked first)."""
+    def run_forever(self) -> None:
+        """Ask once without waiting (:class:`ReducerError` unless the hub takes us), then take, work
+        and report leases until killed; a hub that does not answer (it restarts, say) is asked
+        again, with backoff."""
         try:
-            return self._take(wait=0.0, strict=True)
+            job = self._take(wait=0.0, strict=True)
         except httpx.HTTPError as exc:
             raise ReducerError(f"cannot reach the hub at {self.hub}: {exc}") from None
-
-    def run_forever(self) -> None:
-        """Take, work and report leases until killed; a hub that does not answer (it restarts,
-        say) is asked again, with backoff."""
         log.info("reducer %s working for %s", self.name, self.hub)
         while True:
+            if job is not None:
+                self.do(job)
             for attempt in retrying(
                 lambda exc: isinstance(exc, httpx.HTTPError | _Busy),
                 most=RETRY_MOST,
@@ -87,8 +83,6 @@ class Reducer:
             ):
                 with attempt:
                     job = self._take(wait=POLL_SECONDS)
-            if job is not None:
-                self.do(job)
 
     def do(self, job: WorkJob) -> None:
         """Work one lease, renewing it meanwhile, and report it."""
@@ -124,9 +118,8 @@ class Reducer:
             renewer.join()
 
     def _report(self, job: WorkJob, report: Done | CheckReport) -> bool:
-        """POST a lease's report (to ``/done`` or ``/checked``, as its kind says); True once the
-        hub took it. A report that cannot be sent, or comes too late (409), is logged: the lease
-        expires and is redone."""
+        """POST a lease's report; True once the hub took it. One not sent, or too late (409), is
+        logged: the lease expires and is redone."""
         try:
             answer = self._http.post(f"/v1/reduce/leases/{job.lease}/{job.report}", json=report.model_dump(mode="json"))
         except httpx.HTTPError as exc:
@@ -167,11 +160,5 @@ def _reason(answer: httpx.Response) -> str:
 
 def main(hub: str, token: str | None, threads: int = 1) -> None:
     """The ``syncserver reduce`` command's body: check the hub, then work until killed."""
-    reducer = Reducer(hub, token, threads=threads)
-    try:
-        first = reducer.check()
-        if first is not None:
-            reducer.do(first)
+    with contextlib.closing(Reducer(hub, token, threads=threads)) as reducer:
         reducer.run_forever()
-    finally:
-        reducer.close()
