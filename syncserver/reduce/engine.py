@@ -230,7 +230,7 @@ class MergeEngine:
         otherwise be read, folded and read back; here it costs one read, and a round with nothing
         folded before needs no accumulator. The same folds in the same order: the same bits.
         The momentum's metadata keeps the clock ``m.fraction`` advances and the whole outer steps
-        DiLoCo's warm-up counts. With nothing folded the result is zero and the momentum stays.
+        DiLoCo's warm-up counts. :class:`NonFinite`: nothing written. Nothing folded: a zero result.
         The momentum is read with ``pread`` (a mapping would count in the RSS); each slice's
         writeback starts once written, so the fsyncs before the commit wait for the last few."""
         if m.unfolded and m.final and not m.codec.lossless:
