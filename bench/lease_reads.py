@@ -5,7 +5,7 @@
 
 For each codec and K, the leases the hub would cut (``plan`` with S3's part floor, as a bucket's
 round has them) each read their slices' wire parts of an update through the reducers' own reader
-(:func:`syncserver.reduce.lease._remote` as a lease opens an update: each run one streamed GET;
+(:func:`syncserver.reduce.lease.object_reader` as a lease opens an update: each run one streamed GET;
 ``--windowed``: the 8 MiB windows it used before, which version v and the momentum still use),
 from a store stand-in that counts each ``read`` and ``stream`` (one ranged GET each) and ``head``
 and the bytes they move. Beside them: the contiguous byte runs the lease needs (its slices' parts
@@ -27,7 +27,7 @@ sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
 import round as rb  # noqa: E402 (model shapes)
 
-from syncserver.reduce.lease import _remote  # noqa: E402
+from syncserver.reduce.lease import object_reader  # noqa: E402
 from syncserver.reduce.plan import PART_MIN, multi_part, pieces, plan  # noqa: E402
 from syncwire import get_codec  # noqa: E402
 from syncwire.codecs import DTYPES, wire_name  # noqa: E402
@@ -99,7 +99,7 @@ def main() -> None:
                 slices = items[span.first : span.stop]
                 reads = [(wire_name(p.name, s), f, f + c) for p in slices for s, (f, c) in p.parts.items()]
                 store = CountingStore(size, head)
-                wire = _remote(store, "update", reads, stream=not args.windowed)  # type: ignore[arg-type]
+                wire = object_reader(store, "update", reads, stream=not args.windowed)  # type: ignore[arg-type]
 
                 def one(p: Any, wire: Any = wire) -> None:
                     for s, (f, c) in p.parts.items():

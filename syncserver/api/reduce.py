@@ -1,7 +1,6 @@
-"""HTTP for reducers (``syncserver reduce``): take a work lease (a merge's slices, a fold ahead,
-a version's build, or an uploaded update's body check), renew it, report it (``/done``; a check:
-``/checked``). Translation only: the board (:mod:`syncserver.core.leases`) decides. Admin token
-if the hub has one (:func:`~syncserver.api.deps.authenticate_admin`)."""
+"""HTTP for reducers (``syncserver reduce``): take a work lease of any kind, renew it, report it
+(``/done``; a check: ``/checked``). Translation only: the board (:mod:`syncserver.core.leases`)
+decides. Admin token if the hub has one."""
 
 from __future__ import annotations
 

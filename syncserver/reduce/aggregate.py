@@ -1,26 +1,17 @@
-"""The maths of a round: pure numpy functions over one tensor at a time. No I/O, no state.
-
-A round's merged update is computed tensor by tensor so that the hub never holds more than a
-tensor's worth of temporaries beside its accumulator (and DiLoCo's momentum).
+"""The maths of a round: pure numpy functions over one tensor (or slice) at a time. No I/O, no state.
 
 The accumulator holds the *running weighted mean* of the updates folded so far, not their
-weighted sum: each fold is a convex combination of the mean so far and the new update, so
-every value stays between the smallest and the largest input. A float32 sum of ``samples x
-delta`` overflowed with honest-looking inputs (two updates near 2e38, or 1e25 x 2^53 samples)
-and published Inf to every peer.
+weighted sum: each fold is a convex combination of the mean so far and the new update, so every
+value stays between the smallest and the largest input. A float32 sum of ``samples x delta``
+overflowed with honest-looking inputs (two updates near 2e38, or 1e25 x 2^53 samples) and
+published Inf to every peer.
 
 Outer optimizers, on the sample-weighted mean delta ``mean`` of a round:
 
 - ``avg`` (FedAvg / local SGD): ``update = mean``.
-- ``diloco`` (Douillard et al., 2023): the pseudo-gradient is ``g = -mean``; Nesterov momentum
-  as in ``torch.optim.SGD(nesterov=True)``: ``m = mu * m + g`` then
-  ``update = -lr * (g + mu * m)``. The paper's defaults are ``lr = 0.7``, ``mu = 0.9``,
-  tuned for hundreds of rounds: with a few, its first steps move the weights 1.33x the mean
-  delta and its momentum overshoots with nothing trained after it (bench/RESULTS.md, Quality).
-  So the hub warms it up (:func:`warmup`): over the first ``warmup`` outer steps the momentum
-  ramps from 0 to ``mu`` with ``lr = 1 / (1 + mu_t)``, so that no step moves the weights more
-  than the mean delta at once (``lr_t * (1 + mu_t) = 1``; the first step *is* averaging), and
-  the final round of a run is plain averaging (its peers said so: nothing trains after it).
+- ``diloco`` (Douillard et al., 2023): the pseudo-gradient is ``g = -mean``; Nesterov momentum as
+  in ``torch.optim.SGD(nesterov=True)``: ``m = mu * m + g``, ``update = -lr * (g + mu * m)``, warmed
+  up (:func:`warmup`; why: docs/concepts/outer.md), and a run's final round is plain averaging.
 """
 
 from __future__ import annotations
@@ -46,17 +37,14 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 
 def fold(mean: np.ndarray, delta: np.ndarray, weight: float, before: float) -> None:
-    """Fold ``delta`` with ``weight`` into ``mean``, in place: ``mean`` is the weighted mean of
-    updates whose weights sum to ``before`` (0: none yet), and becomes that of all of them.
+    """Fold ``delta`` with ``weight`` into ``mean`` (the weighted mean of updates weighing
+    ``before``; 0: none yet), in place: the accumulator is the hub's one running copy.
 
-    ``mean = mean * (before / total) + delta * (weight / total)``, with ``total = before +
-    weight``: both terms are at most their input in size, so their sum is finite whenever the
-    inputs are, but for float32 rounding when both lie within a few ulps of float32's largest
-    value; then those values are summed in float64 and clipped to it (the exact mean is no
-    larger). The same inputs in the same order give the same bits: a restarted hub re-folds to
-    the very same mean. This is the only in-place function here: the accumulator is the hub's
-    one running copy.
-    """
+    ``mean = mean * (before / total) + delta * (weight / total)``, ``total = before + weight``:
+    both terms are at most their input in size, so the sum is finite whenever the inputs are, but
+    for float32 rounding within a few ulps of float32's largest value; those values are summed in
+    float64 and clipped to it (the exact mean is no larger). The same inputs in the same order
+    give the same bits: a restarted hub re-folds to the very same mean."""
     if mean.shape != delta.shape:
         raise ValueError(f"shape {delta.shape} does not match the accumulator's {mean.shape}")
     if not weight > 0 or not before >= 0:
@@ -98,18 +86,14 @@ def delayed_nesterov_step(
     mean: np.ndarray, momentum: np.ndarray, *, lr: float, mu: float, fresh: bool, complete: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """Delayed Nesterov (Liu et al., 2024, "Asynchronous Local-SGD Training for Language
-    Modeling"): with asynchronous updates, momentum is advanced once per *whole* outer step
-    instead of once per update, which is what makes it tolerate delay.
+    Modeling"): momentum advances once per *whole* outer step, not per update, so it tolerates delay.
 
-    An outer step is cut into several updates, each with its part ``g = -mean`` of the
-    pseudo-gradient. Every part is applied at once as plain SGD (``-lr * g``) and added to the
-    momentum buffer; the part that completes the step (``complete``) also applies the Nesterov
-    look-ahead ``-lr * mu * m``. ``fresh``: this part starts a step, so the buffer first decays
-    (``m = mu * m``). Over a whole step of parts ``g_1 .. g_k`` the model moves by
-    ``-lr * (G + mu * m)`` with ``m = mu * m_old + G``, ``G = g_1 + ... + g_k``: exactly one
-    Nesterov step on ``G``. A step made of one part (``fresh`` and ``complete``, every barrier
-    round) is :func:`diloco_step`, bit for bit.
-    """
+    Each part ``g = -mean`` of a step's pseudo-gradient is applied at once as plain SGD
+    (``-lr * g``) and added to the momentum; the part that completes the step (``complete``) also
+    applies the look-ahead ``-lr * mu * m``; a ``fresh`` part first decays it (``m = mu * m``).
+    Over parts ``g_1 .. g_k`` the model moves by ``-lr * (G + mu * m)``, ``m = mu * m_old + G``,
+    ``G = g_1 + ... + g_k``: one Nesterov step on ``G``. A one-part step (every barrier round) is
+    :func:`diloco_step`, bit for bit."""
     grad = -mean
     new_momentum = (np.float32(mu) * momentum if fresh else momentum) + grad
     look_ahead = grad + np.float32(mu) * new_momentum if complete else grad
@@ -118,9 +102,9 @@ def delayed_nesterov_step(
 
 
 def warmup(lr: float, mu: float, steps: int, length: int) -> tuple[float, float]:
-    """DiLoCo's ``(lr, mu)`` for outer step ``steps`` (0: the first) of a run that warms up over
-    ``length`` outer steps: momentum ``mu * steps / length`` and ``lr = 1 / (1 + that)`` until
-    then, the run's own ``(lr, mu)`` from step ``length`` on (0: no warm-up, DiLoCo as published)."""
+    """DiLoCo's ``(lr, mu)`` at outer step ``steps`` (0: the first) of a ``length``-step warm-up:
+    ``mu_t = mu * steps / length`` and ``lr = 1 / (1 + mu_t)`` (so ``lr_t * (1 + mu_t) = 1``), then
+    the run's own from step ``length`` on (0: no warm-up, DiLoCo as published)."""
     if steps < 0 or length < 0:
         raise ValueError(f"steps and length must be >= 0, got {steps} and {length}")
     if steps >= length:
@@ -163,13 +147,10 @@ def global_norm(tensors: Iterable[np.ndarray]) -> float:
 
 
 def norm_outlier(norm: float, reference: Sequence[float], factor: float) -> float | None:
-    """The poisoned-update rule: is ``norm`` over ``factor`` times the median of ``reference``
-    (norms of updates already accepted)? Returns that median if so, else None.
-
-    No verdict without at least two reference norms (the median of one update is that update)
-    or when their median is 0 (peers that did not train): the guard only ever rejects against
-    a majority of sane updates.
-    """
+    """The poisoned-update rule: that median if ``norm`` is over ``factor`` times the median of
+    ``reference`` (norms already accepted), else None. No verdict with under two reference norms
+    (the median of one is that update) or a median of 0 (peers that did not train): the guard only
+    ever rejects against a majority of sane updates."""
     if not factor > 1:
         raise ValueError(f"factor must be above 1, got {factor}")
     if len(reference) < 2:

@@ -1,20 +1,11 @@
-"""Checking an update body that arrives as a stream of bytes from anywhere (an object in the
-store, read with one GET), exactly as the hub checks a body PUT to it.
+"""Checking an update body that arrives as a stream of bytes from anywhere (an object read with one
+GET) exactly as the hub checks a body PUT to it, for the hub (:mod:`syncserver.core.presigned`) or a
+reducer (:mod:`syncserver.reduce.checklease`): the PUT path's checks and errors
+(:class:`~syncserver.storage.body.BodyCheck`), plus the decoded L2 norm when the run needs it.
 
-A plain function: no HTTP, no hub state, no record. Whoever reads the bytes calls it: the hub,
-in a worker thread, on an update a peer uploaded to the object store
-(:mod:`syncserver.core.presigned`), or a reducer (:mod:`syncserver.reduce.checklease`), so that
-the hub reads no body at all. The size, header, layout, NaN/Inf and digest checks are the PUT
-path's own (:class:`~syncserver.storage.body.BodyCheck`), with its errors; this adds the decoded
-update's L2 norm when the run needs it (its norm guard is on, or its codec can refuse
-well-formed parts: ``check_on_receipt``), slice by slice as the merge decodes
-(:meth:`MergeEngine.norm <syncserver.reduce.engine.MergeEngine.norm>`), or a 422.
-
-A norm needs the tensors' wire parts together (an int8 tensor's scales sit after its values,
-and a body may order its tensors as it likes), so a body whose norm is taken goes through a
-temporary file (``spool``: a folder; deleted on return) and is read back with ``pread`` as the
-PUT path reads its staged file; memory stays a few MiB whatever the body's order. Without a
-norm nothing is written anywhere.
+A norm needs a tensor's wire parts together (an int8 tensor's scales sit after its values, and a
+body may order its tensors as it likes), so such a body goes through a temporary file in ``spool``
+(deleted on return) read back with ``pread``: memory stays a few MiB whatever the order.
 """
 
 from __future__ import annotations
@@ -31,18 +22,16 @@ from syncserver.errors import InvalidUpdate
 from syncserver.reduce.engine import MergeEngine
 from syncserver.storage.body import BodyCheck
 from syncwire import Codec, FormatError, Schema, check_layout
+from syncwire.codecs import Layout
 from syncwire.format import TensorFile
 
 __all__ = ["Checked", "UpdateRules", "check_update"]
 
-Layout = dict[str, tuple[str, tuple[int, ...]]]
-
 
 @dataclass(frozen=True)
 class UpdateRules:
-    """What a run asks of an update body: its wire ``layout`` (from ``schema`` and ``codec``),
-    at most ``max_bytes`` bytes, and its decoded norm when ``norm`` (norm guard, or a codec that
-    checks on receipt)."""
+    """What a run asks of an update body: its wire ``layout`` (from ``schema`` and ``codec``), at
+    most ``max_bytes`` bytes, and its decoded norm when ``norm``."""
 
     layout: Layout
     schema: Schema
@@ -53,8 +42,8 @@ class UpdateRules:
 
 @dataclass(frozen=True)
 class Checked:
-    """A body that passed: its sha-256 (hex), size, decoded L2 norm (None when not asked) and
-    the seconds the check took (reading included)."""
+    """A body that passed: its sha-256 (hex), size, decoded L2 norm (None when not asked) and the
+    seconds the check took (reading included)."""
 
     digest: str
     nbytes: int
@@ -65,10 +54,8 @@ class Checked:
 def check_update(
     chunks: Iterable[bytes | memoryview], rules: UpdateRules, *, spool: str | os.PathLike[str] | None = None
 ) -> Checked:
-    """Check the body ``chunks`` brings, in order; raise the PUT path's error for the first fault.
-
-    Stops reading at the first fault (a body with the wrong tensors is refused after its header).
-    ``spool``: the folder of the temporary file a norm needs (default: the system's)."""
+    """Check the body ``chunks`` brings; raise the PUT path's error at the first fault, reading no
+    further (wrong tensors are refused after the header). ``spool``: default, the system's."""
     started = time.monotonic()
     body = BodyCheck(lambda infos: check_layout(infos, rules.layout), rules.max_bytes)
     with contextlib.ExitStack() as stack:

@@ -1,19 +1,6 @@
-"""A check lease: the body check of one update that a peer uploaded to the object store, done by
-a reducer so that the hub reads no update body (``SYNC_STORE`` with ``SYNC_REDUCERS``). No HTTP
-here and no hub state.
-
-The hub, on ``/uploaded`` (the multipart upload completed, the object's size the declared one),
-puts a :class:`CheckJob` on its lease board (:meth:`Board.check
-<syncserver.core.leases.Board.check>`): the object's name and size, the digest the peer declared,
-and the run's rules (:class:`CheckRules`: the schema, the codec's spec, the size limit, whether a
-norm is needed; JSON, rebuilt into :class:`~syncserver.reduce.check.UpdateRules` by the reducer). A
-reducer streams the object with one GET and runs :func:`~syncserver.reduce.check.check_update`,
-the very function the hub runs, and reports a :class:`CheckReport`: the body's sha-256, size and
-norm, or the refusal the hub would give (its status, code and reason), or that it failed (the
-store, say). The hub takes a pass that holds up against what it can check cheaply
-(:func:`accept`) and the peer's declared digest; anything else (a refusal, another digest, a
-report that does not hold up) it never answers the peer on: it checks the body itself, and
-counts a report its check contradicts as that reducer's failure.
+"""A check lease: the body check of an update a peer uploaded to the object store, done by a reducer
+(:func:`~syncserver.reduce.check.check_update`, the hub's own check) so that the hub reads no update
+body; the flow and the trust model: docs/object-store.md, docs/SECURITY.md. No HTTP, no hub state.
 """
 
 from __future__ import annotations
@@ -49,12 +36,8 @@ class CheckRules(BaseModel):
 
     @classmethod
     def of(cls, rules: UpdateRules) -> CheckRules:
-        return cls(
-            tensors={n: list(s) for n, s in rules.schema.items()},
-            codec=rules.codec.spec,
-            max_bytes=rules.max_bytes,
-            norm=rules.norm,
-        )
+        tensors = {name: list(shape) for name, shape in rules.schema.items()}
+        return cls(tensors=tensors, codec=rules.codec.spec, max_bytes=rules.max_bytes, norm=rules.norm)
 
     def rules(self) -> UpdateRules:
         codec = get_codec(self.codec)
@@ -91,8 +74,7 @@ class Refusal(BaseModel):
 
 class CheckReport(BaseModel):
     """A reducer's report of a check lease (``POST /v1/reduce/leases/{lease}/checked``): the body's
-    ``digest``, ``nbytes`` and ``norm`` when it passed; ``refused`` when it failed a check;
-    ``failed`` when the reducer could not check it (the hub then checks it itself)."""
+    ``digest``, ``nbytes`` and ``norm`` when it passed, ``refused``, or ``failed`` (not checked)."""
 
     model_config = ConfigDict(extra="forbid")
     reducer: str = Field(min_length=1, max_length=128)
@@ -113,8 +95,8 @@ class CheckReport(BaseModel):
 
 def work_check(job: CheckJob, reducer: str, *, objects: Callable[[], ObjectStore] | None, **_: object) -> CheckReport:
     """Check the job's object as ``reducer``: one streaming GET into :func:`check_update` (the
-    table's ``stop`` and ``pool`` do not apply). A refusal is a report; any other failure (the
-    store, the machine) is a report that it failed."""
+    table's ``stop`` and ``pool`` do not apply). A refusal is a report, any other failure a report
+    that it failed."""
     started = time.monotonic()
 
     def report(**outcome: object) -> CheckReport:
@@ -134,20 +116,12 @@ def work_check(job: CheckJob, reducer: str, *, objects: Callable[[], ObjectStore
 
 
 def accept(report: CheckReport, job: CheckJob) -> Checked | None:
-    """What the hub takes from a reducer's report: the checked body of a pass that holds up.
-    None: the hub checks the body itself. A refusal is never taken on a reducer's word (the
-    hub cannot confirm one without reading the body, and a report it cannot confirm must not
-    turn a valid update away), nor is a failure.
-
-    Cheap checks only (the hub reads no body): the size is the object's, the digest a sha-256
-    (compared with the peer's by the caller, who checks the body itself when they differ), the
-    norm present exactly when the rules ask for one, finite and not negative."""
-    if report.failed is not None or report.refused is not None:
+    """The checked body of a reducer's pass that holds up; None: the hub checks the body itself (a
+    refusal it cannot confirm without reading the body must not turn a valid update away). Cheap
+    checks only (the caller compares the digest): the object's size, a norm exactly when asked, finite, >= 0."""
+    norm = report.norm
+    if report.digest is None or report.nbytes != job.size or job.rules.norm != (norm is not None):
+        return None  # a refusal or failure (no digest with its size: one outcome a report), or a bad pass
+    if norm is not None and not (math.isfinite(norm) and norm >= 0):
         return None
-    if report.nbytes != job.size or report.digest is None:
-        return None
-    if job.rules.norm != (report.norm is not None):
-        return None
-    if report.norm is not None and not (math.isfinite(report.norm) and report.norm >= 0):
-        return None
-    return Checked(report.digest, report.nbytes, report.norm, report.seconds)
+    return Checked(report.digest, job.size, norm, report.seconds)

@@ -40,15 +40,14 @@ class LocalReducers:
         self._thread: threading.Thread | None = None
 
     def start(self, hub: str) -> None:
-        """Start them against ``hub`` (the URL the hub listens on), from a thread that lives
-        as long as they should (the kernel kills them when their starting thread exits)."""
+        """Start them against ``hub`` from a thread that lives as long as they should (the kernel
+        kills them when their starting thread exits)."""
         self._thread = threading.Thread(target=self._supervise, args=(hub,), daemon=True, name="reducers")
         self._thread.start()
 
     def _spawn(self, hub: str) -> subprocess.Popen[bytes]:
-        env = dict(os.environ)
+        env = {**os.environ, "SYNC_STORE": self.store}  # the AWS_* variables are the hub's own, inherited
         env.pop("SYNC_REDUCE_TOKEN", None)
-        env["SYNC_STORE"] = self.store  # the AWS_* variables are the hub's own, inherited
         if self.token:
             env["SYNC_REDUCE_TOKEN"] = self.token  # not on the command line, which `ps` shows
         return subprocess.Popen(
@@ -66,8 +65,7 @@ class LocalReducers:
                     log.warning("reducer pid %d exited with %s: starting another", proc.pid, proc.returncode)
                     self.procs[i] = self._spawn(hub)
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
+            proc.terminate()  # a no-op for one that exited
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)

@@ -1,30 +1,22 @@
-"""The merge engine: fold updates, merge a round, build versions. Tensor work only.
+"""The merge engine: fold updates, merge a round, build versions. Tensor work only: no HTTP, no
+*when* (:mod:`syncserver.core.policy`); files through :class:`~syncserver.storage.store.Store` keys.
 
-Everything here runs in worker threads and works a slice at a time
-(:func:`syncwire.codecs.slices`): reads are ``pread`` of a few MB, temporaries stay a few MB,
-and the slices of a step are spread over one small thread pool, since numpy, ``pread`` and
-``pwrite`` release the GIL. Nothing here decides *when* (that is :mod:`syncserver.core.policy`)
-or touches HTTP; files are reached through :class:`~syncserver.storage.store.Store` keys.
+Everything works a slice at a time (:func:`syncwire.codecs.slices`: a few MB read with ``pread``, a
+few MB of temporaries) on one small thread pool: numpy, ``pread`` and ``pwrite`` release the GIL.
+A round (weights and divisor are the policy's: docs/concepts/rounds.md)::
 
-A round's arithmetic (the weights and the divisor are the round policy's: samples and their
-sum for a barrier, samples discounted by staleness over ``round_samples`` for async)::
-
-    mean    = running weighted mean of decode(u) over acknowledged updates u,
-              folded in acknowledgement order                               (float32, O(1) models)
-              (those still unfolded when the round closes are folded by the merge, slice by slice)
+    mean    = running weighted mean of decode(u) over acknowledged updates u, in acknowledgement
+              order (float32; those unfolded at the close are folded by the merge, slice by slice)
     mean    = mean * (sum of the weights / total)       (1 for a barrier: its total is that sum)
-    result  = encode(outer_step(mean, momentum))                            -> ResultKey(v)
+    result  = encode(outer_step(mean, momentum) + residual(v))              -> ResultKey(v)
     v + 1   = version v + decode(result)                                    -> VersionKey(v + 1)
 
-A codec with ``hub_feedback`` (``topk``: a result sends a quarter of the merged update) gets
-error feedback on the hub too, as peers keep it for their uploads: the result encodes
-``outer_step(...) + residual(v)`` and ``residual(v + 1)`` is what that result left out
-(``ResidualKey``, float32 on disk beside the momentum, read with ``pread``: hub memory stays
-O(1) models, and a restarted hub goes on from the committed version's residual).
-
-The hub and every peer apply the same decoded bytes, so all of them hold version v + 1 bit for bit.
-The merge checks, slice by slice, that the new momentum and version v + decode(result) are
-finite before the result is written whole; :class:`NonFinite` otherwise, and nothing is kept.
+``residual(v)``, for a ``hub_feedback`` codec only (``topk`` sends a quarter of the update): what
+result v-1 left out, the hub's error feedback (``ResidualKey``, float32 beside the momentum: hub
+memory stays O(1) models, and a restarted hub goes on from the committed version's). Every peer
+applies the same decoded bytes, so all hold version v + 1 bit for bit. The merge checks each slice's
+new momentum and version v + decode(result) finite before the result is written whole
+(:class:`NonFinite` otherwise: nothing is kept).
 """
 
 from __future__ import annotations
@@ -32,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -44,18 +36,9 @@ from syncserver.reduce import aggregate
 from syncserver.storage.bucket import object_name
 from syncserver.storage.objectfile import WINDOW, ObjectTensorFile, TensorReader
 from syncserver.storage.s3 import ObjectStore
-from syncserver.storage.store import (
-    Key,
-    Missing,
-    MomentumKey,
-    ResidualKey,
-    ResultKey,
-    Store,
-    UpdateKey,
-    VersionKey,
-)
+from syncserver.storage.store import Key, Missing, MomentumKey, ResidualKey, ResultKey, Store, UpdateKey, VersionKey
 from syncwire import Codec, FormatError, Schema, get_codec, layout_bytes, wire_layout, wire_name
-from syncwire.codecs import slices
+from syncwire.codecs import Layout, slices
 from syncwire.format import encode_header
 
 __all__ = [
@@ -66,8 +49,6 @@ __all__ = [
     "Outer",
     "Resident",
     "RoundMerge",
-    "SAFE",
-    "Sink",
     "Step",
     "apply_slice",
     "fold_slice",
@@ -77,6 +58,8 @@ __all__ = [
 ]
 
 Work = Callable[[str, int, int, dict[str, tuple[int, int]]], None]
+#: where a merge's outputs go: called with a key and the file's size, a context whose value takes the header
+Into = Callable[[Key, int], AbstractContextManager[Any]]
 
 #: ``|a| + |b| <= SAFE`` for float32 values a and b: their float32 sum is finite (rounded, it is at
 #: most ``2^127``, half of what float32 holds)
@@ -103,12 +86,9 @@ class NonFinite(ArithmeticError):
 
 @dataclass(frozen=True)
 class Resident:
-    """A round's running mean as the reducers fold it ahead: held in their memory, slice by
-    slice, under ``id`` (:data:`syncserver.reduce.lease.MEANS`), never written anywhere.
-    ``updates``: the updates it holds (their keys and weights), in fold order: a lease whose
-    reducer lacks a slice of it folds that slice from them again, to the same bits.
-    ``holders``: which reducer holds each slice ((tensor, first value) -> name), so that the
-    next lease over it is offered to that reducer first."""
+    """A round's mean folded ahead, in the reducers' memory under ``id`` (never written); ``updates``:
+    the ones it holds, in order (a slice not held is folded from them again, to the same bits);
+    ``holders``: who holds each slice ((tensor, first value) -> reducer), offered its next lease."""
 
     id: str
     updates: tuple[tuple[UpdateKey, float], ...]
@@ -117,10 +97,8 @@ class Resident:
 
 @dataclass
 class Accumulator:
-    """The open round's running weighted mean of ``decode(update)`` over folded updates
-    (:func:`syncserver.reduce.aggregate.fold`), and the sum of the weights it holds: in the
-    hub's memory (``mean``), or, with reducers, in theirs (``partial``,
-    :class:`syncserver.core.leases.FoldAhead`)."""
+    """The open round's running weighted mean of the folded updates and their weights' sum: in
+    the hub's memory (``mean``) or, with reducers, in theirs (``partial``, ``FoldAhead``)."""
 
     schema: Schema
     mean: dict[str, np.ndarray] | None = None  # allocated at the first fold
@@ -131,16 +109,10 @@ class Accumulator:
 
 @dataclass(frozen=True)
 class RoundMerge:
-    """A round's merge as the close fixes it: what :meth:`MergeEngine.merge`, :meth:`MergeEngine.open_merge`
-    and the reducers' :func:`~syncserver.core.leases.merge_leased` all take.
-
-    ``acc``: the updates folded before the close; ``unfolded``: those not in it yet (and their
-    weights), folded after it in this order by the merge itself. ``total``: the policy's
-    divisor of the weighted sum. ``fraction``: how much of a whole outer step this round is
-    (Delayed Nesterov's clock; a barrier round is a whole one, ``inf``). ``final``: every
-    update is its peer's last, so the round is plain averaging and the momentum passes on
-    unchanged. ``bound``: a bound on ``|version v|`` per tensor, if known
-    (:meth:`MergeEngine.open_merge`)."""
+    """A round's merge as the close fixes it. ``unfolded``: updates the merge folds after ``acc``, in
+    order; ``total``: the policy's divisor; ``fraction``: the part of an outer step this round is
+    (Delayed Nesterov's clock; a barrier round: ``inf``); ``final``: every update is its peer's last
+    (plain averaging, the momentum passes on); ``bound``: on ``|version v|`` per tensor, if known."""
 
     run: str
     round: int
@@ -161,20 +133,17 @@ class MergeEngine:
         self.store = store
         self.threads = threads
         self.objects = objects  # SYNC_STORE: where the updates peers uploaded there are read
-        # the same few threads fold and merge every round: fresh threads each round would each
-        # get a fresh malloc arena, and the hub's memory crept up round after round
+        # one pool for every round: fresh threads got fresh malloc arenas, and the hub's memory crept up
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="syncserver-slices")
-        # run -> (v, the metadata of the momentum that goes with version v) as the last merge
-        # wrote it: a momentum in the bucket is then not read for its clock (only after a restart)
+        # run -> (v, version v's momentum metadata) as the last merge wrote it: read only after a restart
         self._clocks: dict[str, tuple[int, dict[str, str]]] = {}
 
     def close(self) -> None:
         self._pool.shutdown()
 
-    # ---- per update ----------------------------------------------------------------------
     def open_update(self, key: UpdateKey) -> TensorReader:
-        """An acknowledged update, wherever it lives: its file on the hub's disk, or its object
-        in the store (``key.object``), read with ranged GETs a slice at a time. Close it."""
+        """An acknowledged update: its file on the hub's disk, or its object (``key.object``),
+        read with ranged GETs a slice at a time. Close it."""
         if key.object is None:
             return self.store.read(key)
         return self._object(key.object, key.size, f"update {key.peer!r} of round {key.round}")
@@ -185,7 +154,6 @@ class MergeEngine:
         return ObjectTensorFile(self.objects, name, size, window=WINDOW)
 
     def _update(self, files: contextlib.ExitStack, key: UpdateKey) -> TensorReader:
-        """:meth:`open_update`, closed with ``files``."""
         wire = self.open_update(key)
         files.callback(wire.close)
         return wire
@@ -193,23 +161,19 @@ class MergeEngine:
     def _opened(
         self, files: contextlib.ExitStack, key: VersionKey | MomentumKey | ResidualKey, *, shared: bool = False
     ) -> TensorReader | None:
-        """Version v, or the momentum or residual that goes with it, closed with ``files``: on the
-        hub's disk, or else in the bucket (written there by the reducers that merged the round
-        before); None for a momentum or residual not made yet. ``shared``: the bucket's copy first
-        (version 0, uploaded for the reducers: a lease that named the hub's file would fail on a
-        reducer of another machine)."""
+        """Version v, or its momentum or residual (None: not made yet), on the hub's disk or else in
+        the bucket; ``shared``: the bucket's copy first (version 0, uploaded for the reducers: a
+        lease naming the hub's file would fail on a reducer of another machine)."""
         if self.store.exists(key) and not (shared and self.store.stored_object(key) is not None):
             return files.enter_context(self.store.read(key))
         if not isinstance(key, VersionKey) and self.store.stored_object(key) is None:
             return None
-        wire = self._object(object_name(key), None, str(key))
-        files.callback(wire.close)
-        return wire
+        return files.enter_context(self._object(object_name(key), None, str(key)))
 
     @staticmethod
     def norm(wire: TensorReader, codec: Codec, schema: Schema) -> float:
-        """An update's L2 norm as decoded (for the norm guard), a slice at a time like the fold.
-        Static: a check that runs off the hub (:mod:`syncserver.reduce.check`) takes it too."""
+        """An update's decoded L2 norm (the norm guard), a slice at a time; static: a reducer's
+        check (:mod:`syncserver.reduce.check`) takes it too."""
         return aggregate.global_norm(
             codec.decode(_read_parts(wire, name, parts), (stop - start,))
             for name, shape in schema.items()
@@ -219,19 +183,10 @@ class MergeEngine:
     def fold(
         self, acc: Accumulator, key: UpdateKey, weight: float, codec: Codec, *, stop: Callable[[], bool] | None = None
     ) -> bool:
-        """Fold one acknowledged update, times ``weight``, into ``acc``, a slice at a time;
-        True once it is folded.
-
-        The file is read with ``pread`` a few MB at a time and decoded slice by slice, so
-        folding holds one slice of temporaries, whatever the model's size.
-
-        ``stop``, for a first fold only (nothing in ``acc`` yet), is asked before each slice:
-        once it says so the fold gives up, leaves ``acc`` empty and returns False. A round that
-        closes while its first update is being folded (its peers finished together) then folds
-        every update within its merge (:meth:`merge`'s ``unfolded``) instead of waiting: a
-        first fold also costs the accumulator's first touch, half a GB of fresh pages for
-        GPT-2, and nothing folded is lost by stopping it.
-        """
+        """Fold one update, times ``weight``, into ``acc``; True once folded. ``stop`` (a first fold
+        only) is asked before each slice: once it says so ``acc`` is left empty (False), and a round
+        closing meanwhile folds every update in its merge instead of waiting for this one, whose
+        first touch of the accumulator alone costs half a GB of fresh pages for GPT-2."""
         if stop is not None and acc.folded:
             raise ValueError("only a first fold can be stopped: a stopped fold leaves the accumulator empty")
         if acc.mean is None:
@@ -255,8 +210,8 @@ class MergeEngine:
         return True
 
     def peak(self, key: UpdateKey, codec: Codec, schema: Schema) -> float:
-        """The largest magnitude in an update as decoded (to tell which update a non-finite
-        merge must go without; a rare path, so not kept from the fold)."""
+        """An update's largest decoded magnitude (which update a non-finite merge goes without;
+        rare, so not kept from the fold)."""
         peaks: list[float] = []
         with self.open_update(key) as wire:
 
@@ -267,36 +222,19 @@ class MergeEngine:
             self._each_slice(codec, schema, peak)
         return max(peaks, default=0.0)
 
-    # ---- per round -----------------------------------------------------------------------
     def merge(self, m: RoundMerge) -> int:
-        """Write round ``m.round``'s result (``outer_step(mean * weight / total)``) and DiLoCo
-        momentum; return the result's size. ``m.unfolded``: updates (and their weights)
-        not in ``m.acc`` yet, folded after it, in this order, slice by slice as the merge
-        goes (``acc`` itself is left as it was, but for a ``final`` round of a lossy
-        codec: its result is fp32, cut into other slices, so the updates are folded
-        into ``acc`` first). Closing a round is the one time every peer waits on the hub,
-        and the updates acknowledged just before it (every one, when the peers upload
-        at the same pace) would otherwise each be read, folded into the accumulator and
-        read back before the merge: folded here, each costs one read of its file, and a
-        round with nothing folded before its close needs no accumulator at all. The
-        same folds in the same order: the same bits as folding first.
-        The clock ``m.fraction`` advances is kept in the momentum file's metadata with the count
-        of whole outer steps done, which DiLoCo's warm-up reads.
-        :class:`NonFinite` if version ``m.round`` + the result, or the momentum, would not be
-        finite (nothing is written then; ``m.bound``: see :meth:`open_merge`). With nothing folded,
-        the result is zero and the momentum and its clock stay: the round changes nothing.
-
-        The result is the encoded global update ``U``. Version v+1 (``version v + decode(U)``,
-        exactly what every peer computes from the same bytes) is not written here but after
-        the commit (:meth:`build_versions`): it can always be rebuilt from version v and the
-        durable result, so its 4 bytes per parameter stay off the time every peer waits.
-        The momentum is read with ``pread`` (no mapping that would count in the RSS); each
-        slice's writeback starts as soon as it is written, so the fsyncs before the commit
-        wait for little more than the last slices.
-        """
+        """Write round ``m.round``'s result and DiLoCo momentum; return the result's size (version
+        v+1 comes after the commit, :meth:`build_versions`: docs/concepts/rounds.md says why).
+        ``m.unfolded`` are folded after ``m.acc`` slice by slice, ``acc`` left as it was: the close
+        is the one time every peer waits, and an update acknowledged just before it would
+        otherwise be read, folded and read back; here it costs one read, and a round with nothing
+        folded before needs no accumulator. The same folds in the same order: the same bits.
+        The momentum's metadata keeps the clock ``m.fraction`` advances and the whole outer steps
+        DiLoCo's warm-up counts. :class:`NonFinite`: nothing written. Nothing folded: a zero result.
+        The momentum is read with ``pread`` (a mapping would count in the RSS); each slice's
+        writeback starts once written, so the fsyncs before the commit wait for the last few."""
         if m.unfolded and m.final and not m.codec.lossless:
-            # a final round's result is fp32, cut into slices unlike its lossy updates: they
-            # are folded into ``acc`` first (the same folds in the same order)
+            # a final round's fp32 result is cut unlike its lossy updates: they are folded into acc first
             for key, w in m.unfolded:
                 self.fold(m.acc, key, w, m.codec)
             m = dataclasses.replace(m, unfolded=())
@@ -305,30 +243,15 @@ class MergeEngine:
             self._each_slice(get_codec(merge.step.codec), m.acc.schema, functools.partial(merge_slice, merge, m.acc))
         return merge.result_size
 
-    def open_merge(
-        self,
-        files: contextlib.ExitStack,
-        m: RoundMerge,
-        into: Callable[[Key, int], AbstractContextManager[Any]] | None = None,
-    ) -> Merge:
-        """Everything round ``m.round``'s merge needs but its slices (see :meth:`merge`):
-        the step fixed once for the whole round (scale, DiLoCo's clock and warm-up), the files
-        it reads, and the outputs it writes with their headers written, all entered on
-        ``files`` (leaving it publishes the outputs; an error discards them). The in-process
-        merge and the reducers' leases (:mod:`syncserver.reduce.leases`) both work from it,
-        slice by slice with :func:`merge_slice`: the same step, the same files, the same bits.
-
-        ``into``: where the result goes instead of the hub's staged file (the reducers' parts of
-        a multipart upload, :func:`syncserver.core.leases.merge_leased`): called with the key and
-        the file's size, it gives a context whose value takes the header (``write``); version v
-        is then read from the hub's disk if it is there, else from the bucket. Version v+1 is
-        built after the commit, as in-process (:func:`apply_slice`).
-
-        ``m.bound``: a bound on ``|version v|`` per tensor, if the hub knows one (the peaks the
-        leases of round v-1 and the build of version v reported): a slice whose ``bound +
-        max|decode(result)|`` stays under :data:`SAFE` cannot overflow, so its check needs no
-        read of version v (the version's bytes stay off a close that reads it from the bucket);
-        any other slice reads version v and checks exactly, as without a bound."""
+    def open_merge(self, files: contextlib.ExitStack, m: RoundMerge, into: Into | None = None) -> Merge:
+        """Everything the merge needs but its slices, entered on ``files`` (leaving it publishes the
+        outputs, an error discards them): the step fixed once for the round (scale, DiLoCo's clock
+        and warm-up), the files it reads, the outputs with their headers. The hub's threads and
+        the reducers' leases both work from it with :func:`merge_slice`. ``into``: where the
+        outputs go instead of staged files (``merge_leased``'s parts of a multipart upload);
+        version v is then read from the bucket if it is there. ``m.bound`` (the peaks round v-1's
+        leases and version v's build reported): a slice whose ``bound + max|decode(result)|``
+        stays under :data:`SAFE` cannot overflow, so its check reads no version v."""
         run, v, acc, codec, outer = m.run, m.round, m.acc, m.codec, m.outer
         total, fraction, final, unfolded = m.total, m.fraction, m.final, m.unfolded
         schema = acc.schema
@@ -345,15 +268,19 @@ class MergeEngine:
         # a final round's result is lossless: the model the run ends with carries no
         # quantisation error of it (the peers flush their own residual with a last round)
         run_codec, codec = codec, get_codec("fp32") if final else codec
-        result_layout = [(wire, dtype, shape) for wire, (dtype, shape) in wire_layout(codec, schema).items()]
         meta = {"round": str(v), "version": str(v + 1), "codec": codec.spec}
-        result_head, result_at = _header(result_layout, meta)
+        result_head, result_at, result_size = _file(wire_layout(codec, schema), meta)
         old_momentum = self._opened(files, MomentumKey(run, v)) if diloco else None
         # the reducers' leases (``into``) read version v where any reducer can: in the bucket
         base = self._opened(files, VersionKey(run, v), shared=into is not None)
         assert base is not None  # a version is on the disk or else in the bucket
-        # Delayed Nesterov's clock: the part of an outer step done before this round
-        clock = self._clock(run, v, old_momentum)
+        # Delayed Nesterov's clock: the part of an outer step done before this round, in the metadata
+        # of version v's momentum as the last merge left it (an object's header is read after a restart)
+        known = self._clocks.get(run)
+        if known is not None and known[0] == v and isinstance(old_momentum, ObjectTensorFile):
+            clock = known[1]
+        else:
+            clock = old_momentum.metadata if old_momentum is not None else {}
         done, steps = float(clock.get("progress", "0")), int(clock.get("steps", "0"))
         fresh, complete = done == 0.0, done + fraction >= 1.0
         lr, mu = aggregate.warmup(outer.lr, outer.momentum, steps, outer.warmup)
@@ -364,16 +291,23 @@ class MergeEngine:
         momentum_meta = {"version": str(v + 1), "progress": repr(progress), "steps": str(steps)}
         if diloco:
             self._clocks[run] = (v + 1, momentum_meta)
-        momentum_head, momentum_at = _header(_fp32_layout(schema), momentum_meta)
-        result_size = len(result_head) + layout_bytes({n: (d, s) for n, d, s in result_layout})
+        momentum_head, momentum_at, momentum_size = _fp32(schema, momentum_meta)
         write = into or self.store.write
-        result = files.enter_context(write(ResultKey(run, v), result_size))
-        mom = files.enter_context(write(MomentumKey(run, v + 1), _fp32_size(momentum_head, schema))) if diloco else None
-        result.write(result_head)
-        if mom is not None:
-            mom.write(momentum_head)
-        # the hub's own residual (hub_feedback codecs) goes out with a final round, which leaves none
-        old_residual, residual, residual_at = self._residuals(run, v, run_codec, schema, files, write, keep=not final)
+
+        def output(key: Key, head: bytes, size: int) -> Any:
+            out = files.enter_context(write(key, size))
+            out.write(head)
+            return out
+
+        result = output(ResultKey(run, v), result_head, result_size)
+        mom = output(MomentumKey(run, v + 1), momentum_head, momentum_size) if diloco else None
+        # the hub's error feedback (hub_feedback codecs): none before a first result; a final one leaves none
+        old_residual = self._opened(files, ResidualKey(run, v)) if run_codec.hub_feedback else None
+        residual: Sink | None = None
+        residual_at: dict[str, int] = {}
+        if run_codec.hub_feedback and not final:
+            residual_head, residual_at, residual_size = version_layout(schema, v + 1)
+            residual = output(ResidualKey(run, v + 1), residual_head, residual_size)
         step = Step(
             round=v,
             outer=outer.kind,
@@ -403,53 +337,16 @@ class MergeEngine:
             result=result,
             result_at=result_at,
             next_momentum=mom,
-            momentum_at=momentum_at if mom is not None else {},
+            momentum_at=momentum_at if diloco else {},
             next_residual=residual,
             residual_at=residual_at,
             result_size=result_size,
             bound=m.bound,
         )
 
-    def _clock(self, run: str, v: int, momentum: TensorReader | None) -> dict[str, str]:
-        """The metadata of the momentum that goes with version ``v`` (its clock): as the merge
-        that wrote it left it, or from its header (the hub's own file; an object in the bucket
-        after a restart: its header's bytes, once)."""
-        if momentum is None:
-            return {}
-        known = self._clocks.get(run)
-        if known is not None and known[0] == v and isinstance(momentum, ObjectTensorFile):
-            return known[1]
-        return momentum.metadata
-
-    def _residuals(
-        self,
-        run: str,
-        v: int,
-        codec: Codec,
-        schema: Schema,
-        files: contextlib.ExitStack,
-        write: Callable[[Key, int], AbstractContextManager[Any]],
-        *,
-        keep: bool = True,
-    ) -> tuple[TensorReader | None, Sink | None, dict[str, int]]:
-        """The hub's error feedback for round ``v`` of a ``hub_feedback`` codec: the residual
-        that goes with version v (None before the first result), the writer of version v+1's
-        (its header written, opened with ``write``; none unless ``keep``: a lossless result
-        leaves nothing out) and its tensors' offsets. Nothing for other codecs."""
-        if not codec.hub_feedback:
-            return None, None, {}
-        old = self._opened(files, ResidualKey(run, v))
-        if not keep:
-            return old, None, {}
-        head, at = _header(_fp32_layout(schema), {"version": str(v + 1)})
-        new = files.enter_context(write(ResidualKey(run, v + 1), _fp32_size(head, schema)))
-        new.write(head)
-        return old, new, at
-
     def build_versions(self, run: str, target: int, codec: Codec, schema: Schema) -> None:
-        """Write every missing version file up to ``target`` from the last one stored and the
-        rounds' results: ``version j+1 = version j + decode(result j)``, each result decoded
-        with the codec it names (a final round's is fp32, see :meth:`merge`)."""
+        """Write every missing version up to ``target``: ``version j+1 = version j + decode(result j)``,
+        each result decoded with the codec it names (a final round's is fp32)."""
         first = max((v for v in self.store.versions(run) if v <= target), default=0)
         for v in range(first, target):
             self._next_version(run, v, codec, schema)
@@ -469,12 +366,8 @@ class MergeEngine:
             self._each_slice(codec, schema, add)
 
     def _each_slice(self, codec: Codec, schema: Schema, work: Work) -> None:
-        """Run ``work(name, start, stop, parts)`` for every slice of every tensor, on the pool.
-
-        Closing a round is the one time the peers all wait on the hub, and a single thread left
-        the other cores idle. Slices are independent (each reads and writes only its own values
-        and file offsets), so the threads give the same bytes as one thread, in any order.
-        """
+        """``work(name, start, stop, parts)`` for every slice, on the pool (one thread left cores idle
+        while every peer waited); slices touch only their own values: the same bytes in any order."""
         jobs = [(name, *piece) for name, shape in schema.items() for piece in slices(codec, shape)]
         run_slices(self._pool if self.threads > 1 else None, jobs, work)
 
@@ -497,16 +390,15 @@ def run_slices(pool: ThreadPoolExecutor | None, jobs: Sequence[tuple[Any, ...]],
 
 
 class Sink(Protocol):
-    """Where a merge writes an output's values: a :class:`~syncserver.storage.store.BlobWriter`
-    in the hub, the same over a reducer's own descriptor of the hub's staged file."""
+    """Where a merge writes an output's values (a staged file's writer, or a lease's parts)."""
 
     def write_at(self, array: np.ndarray, position: int) -> None: ...
 
 
 @dataclass(frozen=True)
 class Step:
-    """What a round's merge does to every slice, fixed once for the round by the hub (and sent,
-    as it is, in each reducer's lease): every slice of a round folds and steps alike."""
+    """What a round's merge does to every slice, fixed once by the hub (sent as it is in each
+    merge lease)."""
 
     round: int  # the version merged from
     outer: str  # the run's outer optimizer ("avg" or "diloco")
@@ -523,8 +415,8 @@ class Step:
 
 @dataclass
 class Merge:
-    """One round's merge, open: its step, what it reads, what it writes (see
-    :meth:`MergeEngine.open_merge`); ``*_at``: each wire tensor's byte offset in its output."""
+    """One round's merge, open (:meth:`MergeEngine.open_merge`); ``*_at``: each wire tensor's byte
+    offset in its output."""
 
     step: Step
     base: TensorReader  # version v
@@ -555,22 +447,16 @@ def merge_slice(
     parts: dict[str, tuple[int, int]],
     out_parts: dict[str, tuple[int, int]] | None = None,
 ) -> None:
-    """Merge one slice of tensor ``name`` (values ``[start, stop)``): fold the updates into the
-    mean (after ``acc``'s, if any), apply the outer step, add the hub's residual, encode, and
-    write the slice's result parts, next momentum and next residual; check that version v +
-    decode(result) is finite. ``parts``: where the slice lies in the updates' wire parts;
-    ``out_parts``: in the result's (the same but for a final round of a lossy codec read by a
-    reducer, whose fp32 result is written at the values' own places). The one body of every
-    merge, in the hub's threads and in reducers alike: the same inputs give the same bits.
-    :class:`NonFinite` if the round would make a value that is not finite."""
+    """Merge values ``[start, stop)`` of ``name`` (fold after ``acc``'s mean, step, add the residual,
+    encode, write), or :class:`NonFinite`. ``parts``/``out_parts``: where the slice lies in the
+    updates' wire parts and the result's (None: the same; a lease's final round of a lossy codec:
+    at the values' own places). The one body of every merge, hub or reducer: same inputs, same bits."""
     step, n = merge.step, stop - start
     codec, run_codec = get_codec(step.codec), get_codec(step.run_codec)
     diloco = step.outer == "diloco"
-    m_old = (
-        merge.momentum.read(name, start, stop)
-        if merge.momentum is not None
-        else (np.zeros(n, np.float32) if diloco else None)
-    )
+    m_old = merge.momentum.read(name, start, stop) if merge.momentum is not None else None
+    if m_old is None and diloco:
+        m_old = np.zeros(n, np.float32)
     if step.empty:  # every update was left out: this round changes nothing
         update, m_new = np.zeros(n, np.float32), m_old
     else:
@@ -636,10 +522,8 @@ def apply_slice(
     stop: int,
     parts: dict[str, tuple[int, int]],
 ) -> np.ndarray:
-    """One slice of version v+1: version v's values ``[start, stop)`` of ``name`` plus the
-    decoded result's (``parts``: where they lie in the result's wire parts, ``codec`` the
-    result's). The hub's version files and the reducers' build leases both add with this: what
-    every peer computes from the same bytes."""
+    """Values ``[start, stop)`` of ``name`` in version v+1: version v's plus the result's, decoded
+    with ``codec`` (``parts``: where they lie in it); the hub's versions and the build leases alike."""
     new = base.read(name, start, stop)
     np.add(new, codec.decode(_read_parts(result, name, parts), (stop - start,)), out=new)
     return new
@@ -647,8 +531,7 @@ def apply_slice(
 
 def version_layout(schema: Schema, version: int) -> tuple[bytes, dict[str, int], int]:
     """A version file's header, each tensor's byte offset in it, and its size."""
-    head, at = _header(_fp32_layout(schema), {"version": str(version)})
-    return head, at, _fp32_size(head, schema)
+    return _fp32(schema, {"version": str(version)})
 
 
 def fold_slice(
@@ -663,13 +546,10 @@ def fold_slice(
     *,
     own: bool = False,
 ) -> np.ndarray:
-    """One slice of the round's mean: ``held``, the mean of updates weighing ``before`` in all
-    (None: none yet), with ``updates`` folded after it, in this order. Into a copy unless
-    ``own`` (``held`` is the caller's to change): the hub's accumulator stays as it was, for a
-    merge that is refused and tried again. Every merge and the reducers' folds ahead
-    (:func:`syncserver.reduce.lease.work_fold`) fold with this, as the hub's own folds do
-    (:func:`~syncserver.reduce.aggregate.fold`): the same updates in the same order give the same
-    bits, however many of them each call folds."""
+    """One slice of the mean: ``held`` (weighing ``before``; None: none yet) with ``updates`` folded
+    after it, in order; into a copy unless ``own``, so the hub's accumulator stays as it was for a
+    merge refused and tried again. The same updates in the same order give the same bits, however
+    many each call folds."""
     mean, copied = held, own
     for wire, weight in updates:
         decoded = codec.decode(_read_parts(wire, name, parts), (stop - start,))
@@ -696,17 +576,12 @@ def _read_parts(wire: TensorReader, name: str, parts: dict[str, tuple[int, int]]
     }
 
 
-def _fp32_layout(schema: Schema) -> list[tuple[str, str, tuple[int, ...]]]:
-    """The layout of a version (and of a DiLoCo momentum) file: every tensor in float32."""
-    return [(name, "F32", shape) for name, shape in schema.items()]
+def _fp32(schema: Schema, meta: dict[str, str]) -> tuple[bytes, dict[str, int], int]:
+    """:func:`_file` of a float32 file of ``schema`` (a version, a momentum, a residual)."""
+    return _file({name: ("F32", shape) for name, shape in schema.items()}, meta)
 
 
-def _fp32_size(head: bytes, schema: Schema) -> int:
-    """The bytes of a float32 file of ``schema`` with header ``head`` (to pick a spare to write over)."""
-    return len(head) + layout_bytes({name: ("F32", shape) for name, shape in schema.items()})
-
-
-def _header(layout: Iterable[tuple[str, str, tuple[int, ...]]], meta: dict[str, str]) -> tuple[bytes, dict[str, int]]:
-    """A safetensors header for ``layout`` and each tensor's byte offset in the file."""
-    head, infos = encode_header(layout, meta)
-    return head, {i.name: len(head) + i.start for i in infos}
+def _file(layout: Layout, meta: dict[str, str]) -> tuple[bytes, dict[str, int], int]:
+    """A safetensors header for ``layout``, each tensor's byte offset in the file, and its size."""
+    head, infos = encode_header(((name, dtype, shape) for name, (dtype, shape) in layout.items()), meta)
+    return head, {i.name: len(head) + i.start for i in infos}, len(head) + layout_bytes(layout)

@@ -1,24 +1,16 @@
-"""Work leases: what the hub hands a reducer (a span of a round's slices to merge, fold ahead or
-build; or an uploaded body to check, :mod:`~syncserver.reduce.checklease`) and the work on each,
-by kind (:data:`KINDS`). No HTTP here and no hub state. ("Lease" alone, elsewhere, is a peer's
-liveness; here it is a unit of work.)
+"""Work leases: what the hub hands a reducer, and the work on each by kind (:data:`KINDS`, shared
+by the reducers and the hub working a lease itself); what each kind does and why:
+docs/object-store.md. No HTTP here, no hub state. ("Lease" alone, elsewhere, is a peer's liveness.)
 
-A :class:`MergeJob` names a span of a round's merge, opened once by the hub
-(:meth:`MergeEngine.open_merge <syncserver.reduce.engine.MergeEngine.open_merge>`): the step,
-where every input lies, where each output tensor starts in its staged file. A reducer reads its
-slices of every update, of version v, of the momentum and residual (``pread`` on the hub's
-machine; ranged GETs for what lies in the bucket) and writes its byte ranges of each output
-(``pwrite`` into the hub's staged files, or parts PUT to presigned UploadPart URLs,
-:class:`ObjectOutput`), through :func:`~syncserver.reduce.engine.merge_slice`, the one body the
-hub's own threads run: the same step and inputs give the same bits whoever runs a slice, and an
-expired lease redone by another reducer writes the very same bytes again. A :class:`FoldJob`
-folds the updates acknowledged so far into a mean kept in the reducer's memory (:data:`MEANS`),
-ahead of the close. With a store, a :class:`BuildJob` builds version v+1 after the commit
-(version v + the decoded result, by ranges, with :func:`~syncserver.reduce.engine.apply_slice`),
-so the close neither reads version v (a merge lease checks each slice against the bound on
-``|version v|`` it carries) nor writes v+1; each lease reports a bound on ``|version v+1|``
-per tensor (``peaks``) for the next round's jobs. Every slice lease runs one skeleton
-(:func:`_sliced`); its kind only opens it.
+- :class:`MergeJob`: a span of a round's merge (:meth:`~syncserver.reduce.engine.MergeEngine.open_merge`),
+  writing its bytes of each output into the hub's staged files or as parts of an upload (:class:`ObjectOutput`).
+- :class:`FoldJob`: a span of the round's mean folded ahead, kept in this process's memory (:data:`MEANS`).
+- :class:`BuildJob`: a span of version v+1 after the commit (version v + the decoded result).
+- :class:`~syncserver.reduce.checklease.CheckJob`: an uploaded body's check.
+
+Every slice lease runs one skeleton (:func:`_sliced`) through the hub's own per-slice functions
+(:func:`~syncserver.reduce.engine.merge_slice`, ``fold_slice``, ``apply_slice``): the same inputs give
+the same bits whoever runs a slice, and a lease redone writes the very same bytes.
 """
 
 from __future__ import annotations
@@ -26,14 +18,15 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from typing import ClassVar, Literal, NamedTuple, TypeVar
+from dataclasses import dataclass
+from typing import Annotated, ClassVar, Literal, NamedTuple, TypeVar
 
 import httpx
 import numpy as np
@@ -58,9 +51,7 @@ __all__ = [
     "Means",
     "MergeJob",
     "ObjectOutput",
-    "Output",
     "SliceJob",
-    "StepModel",
     "UpdateSource",
     "WorkJob",
     "WorkLeaseLost",
@@ -68,6 +59,7 @@ __all__ = [
     "fold_jobs",
     "highest",
     "jobs",
+    "object_reader",
     "parse",
     "work",
 ]
@@ -83,26 +75,9 @@ Objects = Callable[[], ObjectStore]
 log = logging.getLogger(__name__)
 
 
-class StepModel(BaseModel):
-    """:class:`~syncserver.reduce.engine.Step`, on the wire."""
-
-    model_config = ConfigDict(extra="forbid")
-    round: int = Field(ge=0)
-    outer: str
-    kind: str
-    lr: float
-    mu: float
-    fresh: bool
-    complete: bool
-    scale: float | None
-    empty: bool
-    codec: str
-    run_codec: str
-
-
 class SliceJob(BaseModel):
-    """One slice: values ``[start, stop)`` of ``name``; ``parts``/``out_parts``: where they lie
-    in the updates' wire parts and in the result's (suffix -> (first value, count))."""
+    """Values ``[start, stop)`` of ``name``, and where they lie in the updates' wire parts and the
+    result's (suffix -> (first value, count))."""
 
     model_config = ConfigDict(extra="forbid")
     name: str
@@ -113,8 +88,7 @@ class SliceJob(BaseModel):
 
 
 class UpdateSource(BaseModel):
-    """Where one update lies, and its weight: a file on the hub's disk (``path``) or an object
-    in the hub's bucket (``object``, read with the store's credentials from the environment)."""
+    """Where an update lies (a file on the hub's disk, or an object in its bucket), and its weight."""
 
     model_config = ConfigDict(extra="forbid")
     path: str | None = None
@@ -129,7 +103,6 @@ class UpdateSource(BaseModel):
 
     @classmethod
     def of(cls, wire: TensorReader, weight: float) -> UpdateSource:
-        """Where ``wire`` (an update the hub opened) lies, as a lease names it."""
         if isinstance(wire, ObjectTensorFile):
             return cls(object=wire.name, weight=weight)
         return cls(path=wire.path, weight=weight)
@@ -145,10 +118,9 @@ class Chunk(BaseModel):
 
 
 class Output(BaseModel):
-    """Where a lease writes its bytes of one output, and the byte offset in that output's file
-    of each tensor it writes: a staged file on the hub's disk (``path``, ``pwrite``) or parts
-    of a multipart upload in the bucket (``parts``: consecutive, together the file's bytes
-    ``[start, start + size)``; ``head``, base64, the file's header if the range starts it)."""
+    """Where a lease writes one output (a staged file on the hub's disk, or ``parts`` of an upload:
+    together the file's bytes ``[start, start + size)``, with ``head``, base64, if they start
+    it), and each tensor's byte offset in the file (``at``)."""
 
     model_config = ConfigDict(extra="forbid")
     path: str | None = None
@@ -168,8 +140,7 @@ class Output(BaseModel):
 
 
 class _SliceLease(BaseModel):
-    """What every slice lease carries (the board gives its id, length, run and round when it is
-    offered and taken); reported to ``/done`` with a :class:`Done`."""
+    """What every slice lease carries (the board sets its id, length, run, round); reported by :class:`Done`."""
 
     model_config = ConfigDict(extra="forbid")
     report: ClassVar[str] = "done"
@@ -185,7 +156,7 @@ class MergeJob(_SliceLease):
     """A merge lease (``POST /v1/reduce/lease``; its JSON names no ``kind``)."""
 
     kind: ClassVar[Literal["merge"]] = "merge"
-    step: StepModel
+    step: Step  # validated as a dataclass: no extra field either
     base: str | None = Field(description="Version v (float32) on the hub's disk, read with pread.")
     base_object: str | None = Field(None, description="Version v in the bucket (ranged GETs), instead of base.")
     momentum: str | None = Field(description="DiLoCo's momentum of version v on the hub's disk, if any.")
@@ -210,9 +181,8 @@ class MergeJob(_SliceLease):
 
 
 class BuildJob(_SliceLease):
-    """A build lease: a span of version v+1 (``round`` = v) as version v plus the decoded result
-    of round v, both objects in the bucket, written as its run of parts of version v+1's upload.
-    ``slices``' ``parts``: where each lies in a result in ``codec`` (a final fp32 one: at its values)."""
+    """A build lease: a span of version v+1 (``round`` = v), version v plus round v's decoded result,
+    both in the bucket, written as its parts of version v+1's upload."""
 
     kind: Literal["build"] = "build"
     base_object: str = Field(description="Version v in the bucket.")
@@ -222,11 +192,8 @@ class BuildJob(_SliceLease):
 
 
 class FoldJob(_SliceLease):
-    """A fold lease: a span of round ``round``'s running mean folded ahead, as its updates are
-    acknowledged, in the reducer's memory: the mean so far (``base``, holding the first
-    ``held`` of ``updates``, weighing ``folded``; none before the first fold) with the rest of
-    ``updates`` folded after it, in this order, kept as mean ``mean``. A slice of ``base`` the
-    reducer does not hold (it restarted, or another held it) is folded from the first update."""
+    """A fold lease: a span of the mean so far (``base``, holding the first ``held`` of ``updates``)
+    with the rest folded after it, kept as ``mean`` in memory (a slice not held: from the first)."""
 
     kind: Literal["fold"] = "fold"
     codec: str = Field(description="The updates' codec: the slices' parts are its.")
@@ -237,7 +204,6 @@ class FoldJob(_SliceLease):
     updates: list[UpdateSource] = Field(min_length=1, description="Every update of the new mean, in fold order.")
 
 
-#: a work lease as the hub hands it out, of any kind
 WorkJob = MergeJob | FoldJob | BuildJob | CheckJob
 
 
@@ -252,32 +218,19 @@ class Done(BaseModel):
         None, pattern="^(non_finite|failed)$", description="non_finite: the round would not be finite; failed: other."
     )
     detail: str = Field("", max_length=MAX_DETAIL)
-    peaks: dict[str, float] = Field(
+    peaks: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(
         default_factory=dict,
         max_length=MAX_PEAKS,
         description="A bound on |version v+1| per tensor the lease worked on (the next round's jobs carry it).",
     )
 
-    @model_validator(mode="after")
-    def _peaks_are_bounds(self) -> Done:
-        for name, peak in self.peaks.items():
-            if not 0 <= peak < float("inf"):
-                raise ValueError(f"peak of {name!r} must be a finite number >= 0, not {peak}")
-        return self
-
 
 class Means:
-    """The running means a process holds for the fold leases and merge leases it works, by id
-    and by slice ((tensor, first value) -> float32 values): the reducers' share of the hub
-    alone's accumulator, kept between leases so that no mean is written anywhere or read back.
-
-    Every entry is exact (a mean id names one fold of given updates, whoever computed it), so a
-    lease may use whatever it finds and fold the rest from the updates. A slice is *taken* (the
-    lease folds into it in place; if the lease dies, the next one folds that slice again), and a
-    lease that starts on a mean drops this process's other means of the run (superseded: an
-    expired lease's, a restarted hub's) and any mean no lease started on for
-    :data:`MEAN_IDLE_SECONDS` (a run that ended, its merge worked elsewhere): they would
-    otherwise stay."""
+    """This process's share of the reducers' running means, by id and slice ((tensor, first value) ->
+    float32), kept between leases so no mean is written or read back. Entries are exact (an id
+    names one fold of given updates): a lease uses what it finds, folds the rest from the updates,
+    and *takes* a slice to fold into (one that dies leaves it to be folded again). A lease drops the
+    run's other means (superseded) and any idle for :data:`MEAN_IDLE_SECONDS` (a run ended elsewhere)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -285,7 +238,7 @@ class Means:
         self._used: dict[str, float] = {}  # id -> when a lease last started on it
 
     def start(self, run: str, keep: Iterable[str | None]) -> None:
-        """A lease of ``run`` works on these means: drop the run's others, and the idle ones."""
+        """A lease of ``run`` works on the means ``keep``: drop the run's others, and idle ones."""
         kept, now = {m for m in keep if m is not None}, time.monotonic()
         with self._lock:
             for mean in kept:
@@ -300,37 +253,30 @@ class Means:
             return (name, start) in self._means.get(mean, ("", {}))[1]
 
     def take(self, mean: str, name: str, start: int) -> np.ndarray | None:
-        """The slice of ``mean`` starting at value ``start`` of ``name``, now the caller's; None if not held."""
+        """That slice of ``mean``, now the caller's; None if not held."""
         with self._lock:
-            held = self._means.get(mean)
-            return held[1].pop((name, start), None) if held is not None else None
+            return self._means.get(mean, ("", {}))[1].pop((name, start), None)
 
     def put(self, run: str, mean: str, name: str, start: int, values: np.ndarray) -> None:
         with self._lock:
             self._means.setdefault(mean, (run, {}))[1][(name, start)] = values
 
     def nbytes(self) -> int:
-        """Bytes held, every mean together."""
         with self._lock:
             return sum(a.nbytes for _, slices in self._means.values() for a in slices.values())
 
 
-#: this process's means (a reducer's; the hub's when it works leases itself)
-MEANS = Means()
-#: a mean no lease started on for this long is dropped at the next lease's start
-MEAN_IDLE_SECONDS = 3600.0
+MEANS = Means()  # this process's (a reducer's; the hub's when it works leases itself)
+MEAN_IDLE_SECONDS = 3600.0  # a mean no lease started on for this long is dropped at the next start
 
 
 class WorkLeaseLost(Exception):
-    """The reducer was told its work lease is lost: the rest of its slices are moot."""
+    """The reducer was told its work lease is lost: the rest is moot."""
 
 
 class ObjectOutput:
-    """An output of a leased merge that the reducers upload to the bucket, each lease's byte
-    range as consecutive parts of one multipart upload (the hub's side: it keeps the header,
-    hands out the part URLs and completes the upload once every lease is done).
-    ``url(number)`` presigns part ``number``; :attr:`parts`: each part's size, and
-    :attr:`leases`: each lease's parts, set by :func:`jobs`."""
+    """The hub's side of an output the reducers upload as parts of one multipart upload: the header,
+    ``url(number)``, and (set by :func:`jobs`) each part's size and each lease's parts."""
 
     def __init__(self, name: str, size: int, upload_id: str, url: Callable[[int], str]) -> None:
         self.name, self.size, self.upload_id, self.url = name, size, upload_id, url
@@ -347,48 +293,36 @@ class ObjectOutput:
         raise TypeError(f"{self.name}: the reducers write this output, not the hub")
 
 
-def jobs(merge: Merge, schema: Schema, k: int, *, min_writes: int = 0) -> list[MergeJob]:
-    """The leases of an open merge: its slices cut into at most ``k`` spans (:func:`plan`).
-    Staged outputs (:class:`BlobWriter` with paths, the local-disk store) are pre-sized here,
-    so that writers in other processes can fill any range of them; with outputs in the bucket
-    (:class:`ObjectOutput`) every span's bytes of each are one part (spans of at least
-    :data:`~syncserver.reduce.plan.PART_MIN`, as S3 wants all parts but the last)."""
-    step = merge.step
-    codec, result_codec = get_codec(step.run_codec), get_codec(step.codec)
+def jobs(merge: Merge, schema: Schema, k: int) -> list[MergeJob]:
+    """The leases of an open merge, at most ``k`` (:func:`plan`). Staged outputs are pre-sized here,
+    so that other processes can fill any range; one in the bucket (:class:`ObjectOutput`) is cut
+    into each span's parts (spans of at least :data:`~syncserver.reduce.plan.PART_MIN`, S3's)."""
+    codec, result_codec = get_codec(merge.step.run_codec), get_codec(merge.step.codec)
     items = pieces(codec, result_codec, schema)
     fp32_bytes = 4 * sum(p.stop - p.start for p in items)
-    outputs = [
-        (merge.result, merge.result_at, merge.result_size),
-        (merge.next_momentum, merge.momentum_at, min(merge.momentum_at.values(), default=0) + fp32_bytes),
-        (merge.next_residual, merge.residual_at, min(merge.residual_at.values(), default=0) + fp32_bytes),
+    in_parts = isinstance(merge.result, ObjectOutput)
+    spans = plan(items, k, whole_tensors=multi_part(result_codec), min_writes=PART_MIN if in_parts else 0)
+    outputs = [  # DiLoCo's momentum and the hub's residual are float32 files (value sizes None)
+        (merge.result, merge.result_at, merge.result_size, itemsizes(result_codec)),
+        (merge.next_momentum, merge.momentum_at, min(merge.momentum_at.values(), default=0) + fp32_bytes, None),
+        (merge.next_residual, merge.residual_at, min(merge.residual_at.values(), default=0) + fp32_bytes, None),
     ]
-    for writer, _, size in outputs:
-        if writer is not None and not isinstance(writer, ObjectOutput):
+    for writer, at, size, sizes in outputs:
+        if isinstance(writer, ObjectOutput):
+            _cut_parts(writer, items, spans, at, sizes)
+        elif writer is not None:
             if not isinstance(writer, BlobWriter) or writer.path is None:
                 raise TypeError("a leased merge writes into staged files on this machine")
             writer.reserve(size)
-    in_parts = isinstance(merge.result, ObjectOutput)
-    spans = plan(items, k, whole_tensors=multi_part(result_codec), min_writes=PART_MIN if in_parts else min_writes)
-    if in_parts:
-        assert isinstance(merge.result, ObjectOutput)
-        _cut_parts(merge.result, items, spans, merge.result_at, itemsizes(result_codec))
-        for writer, at, _ in outputs[1:]:  # DiLoCo's momentum, the hub's residual: float32, parts too
-            if writer is not None:
-                assert isinstance(writer, ObjectOutput)
-                _cut_parts(writer, items, spans, at, None)
     return [_job(merge, items, span, number) for number, span in enumerate(spans, 1)]
 
 
 def build_jobs(
     schema: Schema, codec: Codec, base: str, result: str, out: ObjectOutput, at: dict[str, int], k: int
 ) -> list[BuildJob]:
-    """The build leases of version v+1 into ``out`` (its header written; ``at``: each tensor's
-    byte offset in it): version v at ``base`` plus the result at ``result``, cut as ``codec``
-    (the run's) cuts, into at most ``k`` spans balanced by the result's bytes; each span's range
-    of version v+1 is its run of parts (:data:`CHUNK`; a span writes at least
-    :data:`~syncserver.reduce.plan.PART_MIN` but the last).
-    The hub does not read the result: a final round's is fp32, whose values the reducer finds
-    at their own places (:func:`_build`)."""
+    """The build leases of version v+1 into ``out`` (its header written; ``at``: each tensor's offset),
+    at most ``k``, cut as the run's ``codec`` cuts. The hub does not read the result: a final
+    round's is fp32, whose values the reducer finds at their own places (:func:`_build`)."""
     items = pieces(codec, get_codec("fp32"), schema)  # out_parts: the values' own places, as in a float32 file
     spans = plan(items, k, whole_tensors=False, min_writes=PART_MIN)
     _cut_parts(out, items, spans, at, None)
@@ -408,11 +342,9 @@ def build_jobs(
 def fold_jobs(
     schema: Schema, codec: Codec, k: int, mean: str, base: Resident | None, folded: float, updates: list[UpdateSource]
 ) -> list[FoldJob]:
-    """The fold leases of one step ahead: ``updates`` (in ``codec``, in fold order), of which the
-    mean so far (``base``, weighing ``folded``; None: the round's first step) holds the first,
-    folded into mean ``mean``, cut as the merge's leases are cut (:func:`plan`, by the updates'
-    bytes, at tensor boundaries where the codec writes a slice into two wire parts), so that each
-    merge lease finds its slices of the mean with the reducer that folded them."""
+    """The fold leases of one step ahead into mean ``mean``: ``updates`` after the mean so far
+    (``base``, holding the first of them; None: the first step), cut as the merge's leases are, so
+    each merge lease finds its slices of the mean with the reducer that folded them."""
     items = pieces(codec, codec, schema)
     return [
         FoldJob(
@@ -430,7 +362,7 @@ def fold_jobs(
 
 
 def _slices(items: list[Piece], span: Span, *, out_parts: bool) -> list[SliceJob]:
-    """The span's slices, as its lease names them (``out_parts``: where they lie in the result)."""
+    """The span's slices, as its lease names them (``out_parts``: with where they lie in the result)."""
     return [
         SliceJob(name=p.name, start=p.start, stop=p.stop, parts=p.parts, out_parts=p.out_parts if out_parts else {})
         for p in items[span.first : span.stop]
@@ -438,8 +370,7 @@ def _slices(items: list[Piece], span: Span, *, out_parts: bool) -> list[SliceJob
 
 
 def _part(out: ObjectOutput, number: int, at: dict[str, int]) -> Output:
-    """Lease ``number``'s range of ``out`` as it writes it: its parts' presigned URLs, its byte
-    range, and the file's header if it is the first."""
+    """Lease ``number``'s range of ``out``: its parts' URLs, its bytes, the header if it is the first."""
     numbers = out.leases[number]
     start = sum(out.parts[n] for n in range(1, numbers[0]))
     head = base64.b64encode(out.head).decode() if number == 1 else ""
@@ -450,10 +381,8 @@ def _part(out: ObjectOutput, number: int, at: dict[str, int]) -> Output:
 def _cut_parts(
     out: ObjectOutput, items: list[Piece], spans: list[Span], at: dict[str, int], sizes: dict[str, int] | None
 ) -> None:
-    """Each span's range of ``out``, the first from byte 0 (the header too), cut into parts of
-    about :data:`CHUNK` (at least S3's 5 MiB but the very last, as the spans are; at most
-    10,000 in all). ValueError unless the ranges tile the file exactly (then the completed
-    object is whole)."""
+    """Each span's range of ``out`` (the first from byte 0, the header too) cut into parts of about
+    :data:`CHUNK` (at most 10,000 in all). ValueError unless the ranges tile the file exactly."""
     chunk = max(CHUNK, -(-out.size // 9_000))
     end, number = 0, 0
     for lease, span in enumerate(spans, 1):
@@ -466,11 +395,10 @@ def _cut_parts(
             raise ValueError(f"{out.name}: lease {lease} starts at {lo}, not at {end}")
         count = max(1, (hi - lo) // chunk)  # each part at least ``chunk`` bytes when the range is
         each, extra = divmod(hi - lo, count)
-        out.leases[lease] = []
-        for k in range(count):
-            number += 1
-            out.parts[number] = each + (extra if k == count - 1 else 0)
-            out.leases[lease].append(number)
+        out.leases[lease] = list(range(number + 1, number + count + 1))
+        out.parts.update(dict.fromkeys(out.leases[lease], each))
+        number += count
+        out.parts[number] += extra
         end = hi
     if end != out.size:
         raise ValueError(f"{out.name}: the leases end at {end}, the file at {out.size}")
@@ -495,7 +423,7 @@ def _job(merge: Merge, items: list[Piece], span: Span, number: int) -> MergeJob:
     assert result is not None
     base, momentum, residual = merge.base, merge.momentum, merge.residual
     return MergeJob(
-        step=StepModel(**asdict(merge.step)),
+        step=merge.step,
         base=base.path if isinstance(base, TensorFile) else None,
         base_object=base.name if isinstance(base, ObjectTensorFile) else None,
         momentum=momentum.path if isinstance(momentum, TensorFile) else None,
@@ -517,8 +445,7 @@ def _job(merge: Merge, items: list[Piece], span: Span, number: int) -> MergeJob:
 
 
 class _Part:
-    """A reducer's range of an output in the bucket, built in memory (its slices write their
-    bytes at their places) and then PUT as its parts, a few at once."""
+    """A lease's range of an output in the bucket, built in memory and then PUT as its parts."""
 
     def __init__(self, out: Output) -> None:
         self.out = out
@@ -534,23 +461,18 @@ class _Part:
         self.buffer[first : first + view.size] = view.data
 
     def send(self) -> None:
-        """PUT the parts, :data:`CHUNKS_AT_ONCE` at once; a part sent twice (a lease redone)
-        holds the same bytes, and the hub completes with the last. The first failure raises."""
-        offsets = [0]
-        for chunk in self.out.parts:
-            offsets.append(offsets[-1] + chunk.size)
-        jobs = [(chunk, offsets[i]) for i, chunk in enumerate(self.out.parts)]
-        with httpx.Client(timeout=httpx.Timeout(30.0, write=300.0)) as http:
-            if len(jobs) == 1:
-                self._put(http, *jobs[0])
-                return
-            with ThreadPoolExecutor(CHUNKS_AT_ONCE, thread_name_prefix="reducer-parts") as pool:
-                for done in [pool.submit(self._put, http, *job) for job in jobs]:
-                    done.result()
+        """PUT the parts, :data:`CHUNKS_AT_ONCE` at once; the first failure raises. A part sent
+        twice (a lease redone) holds the same bytes, and the hub completes with the last."""
+        offsets = itertools.accumulate((chunk.size for chunk in self.out.parts), initial=0)
+        with (
+            httpx.Client(timeout=httpx.Timeout(30.0, write=300.0)) as http,
+            ThreadPoolExecutor(CHUNKS_AT_ONCE, thread_name_prefix="reducer-parts") as pool,
+        ):
+            run_slices(pool, [(http, chunk, at) for chunk, at in zip(self.out.parts, offsets, strict=False)], self._put)
 
     def _put(self, http: httpx.Client, chunk: Chunk, offset: int) -> None:
-        """PUT one part; a store that hiccups (no answer, a 5xx) is tried again, with backoff,
-        :data:`PUT_TRIES` times in all: not worth a lease."""
+        """PUT one part; a store that hiccups (no answer, a 5xx) is not worth a lease: tried
+        :data:`PUT_TRIES` times, with backoff."""
         body = bytes(memoryview(self.buffer)[offset : offset + chunk.size])
         try:
             for attempt in retrying(_hiccup, attempts=PUT_TRIES):
@@ -566,7 +488,6 @@ class _Part:
 
 
 def _hiccup(exc: BaseException) -> bool:
-    """A failure a PUT to the store may get past by trying again: no answer, or a 5xx."""
     if isinstance(exc, httpx.HTTPStatusError):
         return exc.response.status_code >= 500
     return isinstance(exc, httpx.TransportError)
@@ -574,8 +495,7 @@ def _hiccup(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class _At:
-    """Where a lease opens what it reads and writes: its id (errors name it), the files closed
-    when it ends, and the bucket SYNC_STORE names here, if any."""
+    """Where a lease opens what it reads and writes: its id (errors name it), its files, the bucket (if any)."""
 
     lease: str
     files: contextlib.ExitStack
@@ -592,8 +512,7 @@ class _At:
 
 
 class _Opened(NamedTuple):
-    """A slice lease, opened: its slices, the work on one, and what follows them (PUT the parts
-    it built): the bytes it moved and each slice's peak."""
+    """A slice lease, opened: its slices, the work on one, then its finish (bytes moved, peaks)."""
 
     slices: list[SliceJob]
     one: Callable[[SliceJob], None]
@@ -611,11 +530,8 @@ def _sliced(
     pool: ThreadPoolExecutor | None,
     objects: Objects | None,
 ) -> Done:
-    """The one skeleton of a slice lease: open it (``opens``: its kind's), do its slices on
-    ``pool`` if given, as the hub's own threads do, asking ``stop`` before each
-    (:class:`WorkLeaseLost` once it says so), then finish, and say how it went:
-    ``error="non_finite"`` if the round would not be finite (the hub then leaves an update out,
-    as it does merging in-process)."""
+    """The one skeleton of a slice lease: open it by its kind, do its slices on ``pool`` asking
+    ``stop`` before each, finish, and report (``non_finite``: the hub leaves an update out, as in-process)."""
     started = time.monotonic()
     with contextlib.ExitStack() as files:
         opened = opens(job, _At(job.lease, files, objects))
@@ -635,9 +551,9 @@ def _sliced(
 
 
 def _merge(job: MergeJob, at: _At) -> _Opened:
-    """A merge lease: each slice of every update folded (after the mean folded ahead, where this
-    process holds its slice), the outer step, its bytes of each output written or built for PUT."""
-    values = _values(job.slices)
+    """A merge lease: each slice folded (after the mean folded ahead, where this process holds the
+    slice) and stepped, its bytes of each output written or built for PUT."""
+    values = [(s.name, s.start, s.stop) for s in job.slices]  # of version v, the momentum, the residual
 
     def state(path: str | None, name: str | None, what: str) -> TensorReader | None:
         return None if path is None and name is None else _opened(at, path, name, what, values)
@@ -646,12 +562,13 @@ def _merge(job: MergeJob, at: _At) -> _Opened:
     momentum = state(job.momentum, job.momentum_object, "DiLoCo's momentum")
     residual = state(job.residual, job.residual_object, "the hub's residual")
     parts: list[_Part] = []
+    peaks: list[tuple[str, float]] = []
     result = _sink(at, job.result, parts)
     if job.mean is not None:
         MEANS.start(job.run, [job.mean])
     assert result is not None
     merge = Merge(
-        step=Step(**job.step.model_dump()),
+        step=job.step,
         base=_opened(at, job.base, job.base_object, "version v", values),
         updates=_updates(at, job.updates, job.slices, job.mean, job.held),
         momentum=momentum,
@@ -663,7 +580,7 @@ def _merge(job: MergeJob, at: _At) -> _Opened:
         next_residual=_sink(at, job.next_residual, parts),
         residual_at=job.next_residual.at if job.next_residual is not None else {},
         bound=job.bound,
-        peaks=[],
+        peaks=peaks,
         mean=job.mean,
         held=job.held,
         folded=job.folded,
@@ -675,8 +592,7 @@ def _merge(job: MergeJob, at: _At) -> _Opened:
             part.send()
         count = sum(s.stop - s.start for s in job.slices)
         states = sum(o is not None for o in (job.next_momentum, job.next_residual))
-        assert merge.peaks is not None
-        return job.reads * (len(job.updates) - job.held) + job.writes + 4 * count * states, merge.peaks
+        return job.reads * (len(job.updates) - job.held) + job.writes + 4 * count * states, peaks
 
     return _Opened(
         job.slices, lambda s: merge_slice(merge, None, s.name, s.start, s.stop, s.parts, s.out_parts), finish
@@ -684,11 +600,9 @@ def _merge(job: MergeJob, at: _At) -> _Opened:
 
 
 def _fold(job: FoldJob, at: _At) -> _Opened:
-    """A fold lease's updates folded into its span of the round's mean, in this process's memory
-    (:data:`MEANS`): each slice of the mean so far that it holds, taken and folded in place with
-    the updates after it; any other slice folded from the first update. Nothing is written: the
-    hub records who holds which slices once the lease is reported, and a lease lost mid-fold
-    leaves slices that the next lease over them folds again, to the same bits."""
+    """A fold lease, into :data:`MEANS`: a slice of the mean so far held here is taken and folded in
+    place, any other folded from the first update. Nothing is written: the hub records who holds
+    which slices once the lease is reported, and a lost lease's slices are folded again."""
     codec = get_codec(job.codec)
     MEANS.start(job.run, [job.base, job.mean])
     whole = job.base is not None and all(MEANS.has(job.base, s.name, s.start) for s in job.slices)
@@ -696,29 +610,26 @@ def _fold(job: FoldJob, at: _At) -> _Opened:
 
     def one(s: SliceJob) -> None:
         held = MEANS.take(job.base, s.name, s.start) if job.base is not None else None
-        if held is not None:
-            mean = fold_slice(s.name, s.start, s.stop, s.parts, held, job.folded, updates[job.held :], codec, own=True)
-        else:
-            mean = fold_slice(s.name, s.start, s.stop, s.parts, None, 0.0, updates, codec, own=True)
+        after, folded = (updates[job.held :], job.folded) if held is not None else (updates, 0.0)
+        mean = fold_slice(s.name, s.start, s.stop, s.parts, held, folded, after, codec, own=True)
         MEANS.put(job.run, job.mean, s.name, s.start, mean)
 
     return _Opened(job.slices, one, lambda: (job.reads * (len(job.updates) - (job.held if whole else 0)), []))
 
 
 def _build(job: BuildJob, at: _At) -> _Opened:
-    """A build lease's range of version v+1 (version v + the decoded result, each by ranged GETs
-    of its slices), PUT as its parts; each tensor's largest ``|value|`` (the next merge's bound)."""
+    """A build lease's range of version v+1 (version v + the decoded result, each by ranged GETs),
+    PUT as its parts; its peaks: each tensor's largest ``|value|`` (the next merge's bound)."""
     store = at.bucket(f"version {job.round}")
     result = ObjectTensorFile(store, job.result_object, window=WINDOW)
     codec = get_codec(result.metadata.get("codec", job.codec))
-    if codec.spec != job.codec and multi_part(codec):
-        raise RuntimeError(f"build lease {job.lease}: a result in {codec.spec} is not cut as {job.codec}")
-    # a final round's fp32 result: each slice's values at their own places
     slices = job.slices
-    if codec.spec != job.codec:
+    if codec.spec != job.codec:  # a final round's fp32 result: each slice's values at their own places
+        if multi_part(codec):
+            raise RuntimeError(f"build lease {job.lease}: a result in {codec.spec} is not cut as {job.codec}")
         suffixes = itemsizes(codec)
         slices = [s.model_copy(update={"parts": dict.fromkeys(suffixes, (s.start, s.stop - s.start))}) for s in slices]
-    base = _remote(store, job.base_object, _values(slices))
+    base = object_reader(store, job.base_object, [(s.name, s.start, s.stop) for s in slices])
     result.expect(_wire_reads(slices))
     part = _Part(job.version)
     peaks: list[tuple[str, float]] = []
@@ -742,8 +653,7 @@ class Kind(NamedTuple):
     work: Callable[..., Done | CheckReport]
 
 
-#: every kind of work lease, by ``kind``: the one table the reducers and the hub (working a lease
-#: itself, no reducer being left) both work leases by
+#: every kind of work lease: the one table the reducers and the hub (no reducer left) work leases by
 KINDS: dict[str, Kind] = {
     "merge": Kind(MergeJob, functools.partial(_sliced, _merge)),
     "fold": Kind(FoldJob, functools.partial(_sliced, _fold)),
@@ -769,11 +679,9 @@ def work(
     pool: ThreadPoolExecutor | None = None,
     objects: Objects | None = None,
 ) -> Done | CheckReport:
-    """Work ``job`` as ``reducer`` by its kind's function (:data:`KINDS`) and say how it went: the
-    report for ``/done`` or ``/checked`` (``job.report``). ``pool``: the slices' threads;
-    ``objects``: the bucket, for what lies there; ``stop`` is asked before each slice. A failure
-    (the store, a file of the hub's out of reach) is a report that it failed: the hub fails the
-    close and tries it again later; :class:`WorkLeaseLost` leaves as itself (the rest is moot)."""
+    """Work ``job`` as ``reducer`` by its kind (:data:`KINDS`): the report for ``job.report``. A
+    failure (the store, a file of the hub's out of reach) is a report that it failed (the hub
+    retries the close later); :class:`WorkLeaseLost` leaves as itself."""
     try:
         return KINDS[job.kind].work(job, reducer, stop=stop, pool=pool, objects=objects)
     except WorkLeaseLost:
@@ -786,26 +694,21 @@ def work(
 def _updates(
     at: _At, updates: list[UpdateSource], slices: list[SliceJob], mean: str | None, held: int
 ) -> list[tuple[TensorReader, float]]:
-    """A lease's readers of its updates (opened lazily: nothing is read before a slice asks),
-    each told what it will read: the first ``held`` updates, which the mean holds, only for the
-    slices this process does not hold of it (folded again from the first update), the others
-    for every slice. In the bucket each run of that is one streamed GET (a read outside it, a
-    slice that went meanwhile, is its own GET): a stream over slices that nobody reads would
-    hold their bytes until the lease ends."""
+    """A lease's readers of its updates, each told what it will read: the first ``held`` (in the
+    mean) only the slices not held here, the others every slice. In the bucket each run is one
+    streamed GET: a stream over slices nobody reads would hold their bytes to the end."""
     every = _wire_reads(slices)
     lacking = _wire_reads(s for s in slices if mean is None or not MEANS.has(mean, s.name, s.start))
-    opened = [
-        _opened(at, u.path, u.object, "updates", lacking if i < held else every, stream=True)
+    return [
+        (_opened(at, u.path, u.object, "updates", lacking if i < held else every, stream=True), u.weight)
         for i, u in enumerate(updates)
     ]
-    return [(wire, u.weight) for wire, u in zip(opened, updates, strict=True)]
 
 
 def _opened(
     at: _At, path: str | None, name: str | None, what: str, reads: list[tuple[str, int, int]], *, stream: bool = False
 ) -> TensorReader:
-    """A file on the hub's disk (``path``), or an object in the bucket read in this lease's ranges
-    (``stream``: every range is read, about in order, as an update's: see :func:`_remote`)."""
+    """A file on the hub's disk (``path``), or an object in the bucket (:func:`object_reader`)."""
     if path is not None:
         if not os.path.exists(path):
             raise RuntimeError(
@@ -814,14 +717,12 @@ def _opened(
             )
         return at.files.enter_context(TensorFile(path))
     assert name is not None
-    wire = _remote(at.bucket(what), name, reads, stream=stream)
-    at.files.callback(wire.close)
-    return wire
+    return at.files.enter_context(object_reader(at.bucket(what), name, reads, stream=stream))
 
 
 def _sink(at: _At, out: Output | None, parts: list[_Part]) -> BlobWriter | _Part | None:
-    """Where a lease writes an output: its range built in memory (PUT as parts after the slices,
-    collected in ``parts``), or its own descriptor of the hub's staged file."""
+    """Where a lease writes an output: its range built in memory (PUT after the slices, collected
+    in ``parts``), or its own descriptor of the hub's staged file."""
     if out is None:
         return None
     if out.parts:
@@ -837,30 +738,23 @@ def _sink(at: _At, out: Output | None, parts: list[_Part]) -> BlobWriter | _Part
     return BlobWriter(fd)
 
 
-def _remote(
+def object_reader(
     store: ObjectStore, name: str, reads: list[tuple[str, int, int]], *, stream: bool = False
 ) -> ObjectTensorFile:
-    """An object read in windows, never ahead past this lease's ranges (``reads``) into the next's;
-    ``stream``: every one of those ranges is read, about in order (an update's): each contiguous
-    run of them is one streamed GET."""
+    """An object as a lease reads it: in windows, never past the lease's ``reads`` into the next's;
+    ``stream``: all of them read about in order (an update's), each contiguous run one streamed GET."""
     wire = ObjectTensorFile(store, name, window=0 if stream else WINDOW, stream=stream)
     wire.expect(reads)
     return wire
 
 
 def _going(stop: Callable[[], bool], lease: str) -> None:
-    """:class:`WorkLeaseLost` once the renewer found the lease lost: the rest is moot."""
     if stop():
         raise WorkLeaseLost(f"lease {lease} was lost")
 
 
-def _values(slices: Iterable[SliceJob]) -> list[tuple[str, int, int]]:
-    """The values the slices read of a float32 file (a version, the momentum, the residual)."""
-    return [(s.name, s.start, s.stop) for s in slices]
-
-
 def _wire_reads(slices: Iterable[SliceJob]) -> list[tuple[str, int, int]]:
-    """The wire values the slices read of a file in their codec (for :meth:`ObjectTensorFile.expect`)."""
+    """What the slices read of a file in their codec (for :meth:`ObjectTensorFile.expect`)."""
     return [
         (wire_name(s.name, suffix), first, first + count) for s in slices for suffix, (first, count) in s.parts.items()
     ]

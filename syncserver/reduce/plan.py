@@ -1,21 +1,8 @@
-"""Cutting a round's merge into leases: contiguous, byte-balanced runs of slices.
-
-A round's merge works slice by slice (:func:`syncwire.codecs.slices`, in schema order), and a
-slice's cost is the bytes of every update it reads: the same few bytes from each of the N
-updates. :func:`plan` cuts the slices into at most K contiguous runs (*spans*), greedily, each
-as near a K-th of those bytes as the cuts allowed let it be, as TensorFlow's parameter servers
-place variables by size (round-robin would put GPT-2's 154 MB embedding on one reducer with
-whatever else came its way).
-
-Contiguous, because every output of a span is then one byte range of each output file (a
-tensor's wire parts are adjacent in every file the hub writes): one ``pwrite`` region per file
-on local disk, one part of a multipart upload in a bucket. Where the result's codec writes a
-slice into two or more wire tensors (int8/int4: values and scales; topk: values, indices,
-scales), a cut inside a tensor would split its parts into two ranges each, so spans end at
-tensor boundaries only; a one-part result codec (fp32, bf16, a final round's fp32) is cut at any
-slice. A span whose result is under ``min_writes`` bytes (S3 wants parts of 5 MiB but the last)
-is merged into its smaller neighbour. Pure functions of the codecs and the schema: the hub and
-a test get the same plan.
+"""Cutting a round's merge into leases: at most K contiguous runs of slices (*spans*) balanced by the
+bytes they read of every update (why: docs/object-store.md, "How a merge is cut"). Each output of a
+span is then one byte range; spans end at tensor boundaries where the result's codec writes a slice
+into several wire tensors, and one under ``min_writes`` bytes of result (S3 wants parts of 5 MiB but
+the last) joins its smaller neighbour. Pure functions: the hub and a test get the same plan.
 """
 
 from __future__ import annotations
@@ -35,9 +22,8 @@ PART_MIN = 5 * 1024**2
 
 @dataclass(frozen=True)
 class Piece:
-    """One slice of a round's merge: values ``[start, stop)`` of tensor ``name``, where they lie
-    in the updates' wire parts (``parts``) and in the result's (``out_parts``), and the bytes of
-    one update it reads and of the result it writes."""
+    """One slice of a round's merge: values ``[start, stop)`` of ``name``, where they lie in the
+    updates' and the result's wire parts, the bytes it reads of one update and writes of the result."""
 
     name: str
     start: int
@@ -68,39 +54,27 @@ def itemsizes(codec: Codec) -> dict[str, int]:
 
 
 def pieces(codec: Codec, result_codec: Codec, schema: Schema) -> list[Piece]:
-    """Every slice of a round whose updates are in ``codec`` and whose result is in
-    ``result_codec`` (``codec`` itself, or fp32 for a final round), in schema order. Slices are
-    ``codec``'s (the updates are decoded a slice at a time); a different result codec is a
-    one-part lossless one (fp32), whose part of a slice lies at the slice's own values."""
-    if result_codec.spec != codec.spec and multi_part(result_codec):
+    """Every slice, in schema order, of a round with updates in ``codec`` (its slices) and the
+    result in ``result_codec``: ``codec``, or else a one-part one (a final round's fp32) whose part
+    of a slice lies at the slice's own values."""
+    same = result_codec.spec == codec.spec
+    if not same and multi_part(result_codec):
         raise ValueError(f"a result codec other than the updates' must have one part, not {result_codec.spec}")
     read_sizes, write_sizes = itemsizes(codec), itemsizes(result_codec)
     out: list[Piece] = []
     for name, shape in schema.items():
         for start, stop, parts in slices(codec, shape):
-            out_parts = (
-                parts if result_codec.spec == codec.spec else {suffix: (start, stop - start) for suffix in write_sizes}
-            )
-            out.append(
-                Piece(
-                    name,
-                    start,
-                    stop,
-                    parts,
-                    out_parts,
-                    sum(count * read_sizes[s] for s, (_, count) in parts.items()),
-                    sum(count * write_sizes[s] for s, (_, count) in out_parts.items()),
-                )
-            )
+            out_parts = parts if same else {suffix: (start, stop - start) for suffix in write_sizes}
+            reads = sum(count * read_sizes[s] for s, (_, count) in parts.items())
+            writes = sum(count * write_sizes[s] for s, (_, count) in out_parts.items())
+            out.append(Piece(name, start, stop, parts, out_parts, reads, writes))
     return out
 
 
 def plan(items: list[Piece], k: int, *, whole_tensors: bool, min_writes: int = 0) -> list[Span]:
-    """Cut ``items`` into at most ``k`` contiguous spans balanced by the bytes they read.
-
-    Greedy: the j-th cut goes to the allowed cut nearest to j/k of the bytes (a tensor boundary
-    if ``whole_tensors``, else any slice). Then every span that writes under ``min_writes``
-    bytes joins its smaller neighbour, until none does or one span is left."""
+    """Cut ``items`` into at most ``k`` contiguous spans balanced by the bytes they read: the j-th
+    cut at the allowed cut (a tensor boundary if ``whole_tensors``, else any slice) nearest to j/k
+    of the bytes; then each span writing under ``min_writes`` bytes joins its smaller neighbour."""
     if k < 1:
         raise ValueError(f"a plan needs at least one span, not {k}")
     if not items:
@@ -119,18 +93,12 @@ def plan(items: list[Piece], k: int, *, whole_tensors: bool, min_writes: int = 0
     bounds = [0, *cuts, len(items)]
     spans = [_span(items, a, b) for a, b in itertools.pairwise(bounds)]
     while len(spans) > 1:
-        small = [i for i, s in enumerate(spans) if s.writes < min_writes]
-        if not small:
+        i = next((i for i, s in enumerate(spans) if s.writes < min_writes), None)
+        if i is None:
             break
-        i = small[0]
-        if i == 0:
-            j = 1
-        elif i == len(spans) - 1:
-            j = i - 1
-        else:
-            j = i - 1 if spans[i - 1].reads <= spans[i + 1].reads else i + 1
-        a, b = sorted((i, j))
-        spans[a : b + 1] = [_span(items, spans[a].first, spans[b].stop)]
+        # spans a and a + 1 join: i and its smaller neighbour (the one there is, at an end)
+        a = i - 1 if i == len(spans) - 1 or (i > 0 and spans[i - 1].reads <= spans[i + 1].reads) else i
+        spans[a : a + 2] = [_span(items, spans[a].first, spans[a + 1].stop)]
     return spans
 
 
@@ -142,10 +110,9 @@ def _span(items: list[Piece], first: int, stop: int) -> Span:
 def byte_range(
     items: list[Piece], span: Span, offsets: dict[str, int], itemsizes: dict[str, int] | None = None
 ) -> tuple[int, int]:
-    """The bytes ``[lo, hi)`` of a file that ``span`` writes. ``offsets``: each wire tensor's
-    byte offset in the file (:func:`syncwire.wire_name` names); ``itemsizes``: the result's
-    parts' value sizes, or None for a float32 file of the schema (a version, the momentum, the
-    residual), whose values lie at the tensor's own. ValueError unless the range is contiguous."""
+    """The bytes ``[lo, hi)`` of a file that ``span`` writes (ValueError unless contiguous); ``offsets``:
+    each wire tensor's in the file; ``itemsizes``: the result's parts' value sizes, or None for a
+    float32 file of the schema (a version, the momentum, the residual)."""
     ranges = []
     for p in items[span.first : span.stop]:
         where = p.out_parts if itemsizes is not None else {"": (p.start, p.stop - p.start)}

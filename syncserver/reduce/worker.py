@@ -1,18 +1,12 @@
-"""``syncserver reduce --hub URL``: a reducer, one process that works work leases until stopped.
+"""``syncserver reduce --hub URL``: a reducer, one process that works work leases until killed.
 
     syncserver reduce --hub http://127.0.0.1:8000 --token "$SYNC_ADMIN_TOKEN"
 
-It long-polls the hub for a lease (``POST /v1/reduce/lease``), works it by its kind
-(:func:`syncserver.reduce.lease.work`, the table the hub works leases by when no reducer is
-left), renews it from a thread while working, and reports it (``/done``, or ``/checked`` for a
-body check). A merge lease ``pread``\\ s its slices of every update and of version v and
-``pwrite``\\ s its byte ranges of the hub's staged outputs, so on the hub's machine; with the
-hub's object store it reads by ranged GETs and PUTs its parts, so anywhere that reaches the
-store, given ``SYNC_STORE`` and the ``AWS_*`` variables (but for DiLoCo's momentum and topk's
-residual, still files of the hub's). One lease at a time, one thread: K reducers are K
-processes, so a slow or killed one costs its own lease only. A hub that cannot be reached or
-refuses the token at the start is a one-line error (exit 2); later, a hub that went away is
-waited for (it may be restarting), a lease found lost is dropped.
+It takes, works (:func:`syncserver.reduce.lease.work`), renews and reports one lease at a time: K
+reducers are K processes, so a slow or killed one costs its own lease only. A lease naming the
+hub's files needs the hub's machine; with the hub's object store (``SYNC_STORE``, ``AWS_*``) it runs
+anywhere that reaches it. A hub unreachable or refusing the token at the start is a one-line error
+(exit 2); later, a hub that went away is waited for (it may be restarting).
 """
 
 from __future__ import annotations
@@ -22,7 +16,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,16 +47,15 @@ class _Busy(Exception):
 class Reducer:
     """One reducer's loop against one hub."""
 
-    def __init__(self, hub: str, token: str | None = None, name: str | None = None, threads: int = 1) -> None:
+    def __init__(self, hub: str, token: str | None = None, threads: int = 1) -> None:
         self.hub = hub.rstrip("/")
         # a lease's slices on a few threads, as the hub's own merge runs them (numpy, pread and
         # pwrite release the GIL): one reducer can use the cores it is given
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="reducer-slices") if threads > 1 else None
-        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.name = f"{socket.gethostname()}-{os.getpid()}"
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.hub, headers=headers, timeout=httpx.Timeout(10.0, read=90.0))
-        self._stop = threading.Event()
-        self._objects: ObjectStore | None = None  # the hub's bucket, for updates peers uploaded there
+        self._objects: ObjectStore | None = None  # the bucket SYNC_STORE names, opened at first use
 
     def close(self) -> None:
         self._http.close()
@@ -72,41 +64,32 @@ class Reducer:
         if self._pool is not None:
             self._pool.shutdown()
 
-    def stop(self) -> None:
-        self._stop.set()
-
-    def check(self) -> WorkJob | None:
-        """One lease request without waiting: :class:`ReducerError` unless the hub takes us;
-        the lease it gave, if one was waiting (to be worked first)."""
+    def run_forever(self) -> None:
+        """Ask once without waiting (:class:`ReducerError` unless the hub takes us), then take, work
+        and report leases until killed; a hub that does not answer (it restarts, say) is asked
+        again, with backoff."""
         try:
-            return self._take(wait=0.0, strict=True)
+            job = self._take(wait=0.0, strict=True)
         except httpx.HTTPError as exc:
             raise ReducerError(f"cannot reach the hub at {self.hub}: {exc}") from None
-
-    def run_forever(self) -> None:
-        """Take, work and report leases until :meth:`stop`; a hub that does not answer (it
-        restarts, say) is asked again, with backoff."""
         log.info("reducer %s working for %s", self.name, self.hub)
-        while not self._stop.is_set():
-            job = None
-            with contextlib.suppress(httpx.HTTPError, _Busy):  # raised only once told to stop
-                for attempt in retrying(
-                    lambda exc: isinstance(exc, httpx.HTTPError | _Busy),
-                    most=RETRY_MOST,
-                    sleep=self._stop.wait,
-                    stopped=self._stop.is_set,
-                    before_sleep=lambda exc, _: log.warning("reducer %s: no lease (%s), retrying", self.name, exc),
-                ):
-                    with attempt:
-                        job = self._take(wait=POLL_SECONDS)
+        while True:
             if job is not None:
                 self.do(job)
+            for attempt in retrying(
+                lambda exc: isinstance(exc, httpx.HTTPError | _Busy),
+                most=RETRY_MOST,
+                before_sleep=lambda exc, _: log.warning("reducer %s: no lease (%s), retrying", self.name, exc),
+            ):
+                with attempt:
+                    job = self._take(wait=POLL_SECONDS)
 
     def do(self, job: WorkJob) -> None:
         """Work one lease, renewing it meanwhile, and report it."""
         with self._renewing(job) as lost:
             try:
-                report = work(job, self.name, stop=lost.is_set, pool=self._pool, objects=self._store)
+                objects = self._store if os.environ.get("SYNC_STORE") else None
+                report = work(job, self.name, stop=lost.is_set, pool=self._pool, objects=objects)
             except WorkLeaseLost:
                 log.warning("reducer %s: %s lease %s lost mid-work, dropped", self.name, job.kind, job.lease)
                 return
@@ -135,9 +118,8 @@ class Reducer:
             renewer.join()
 
     def _report(self, job: WorkJob, report: Done | CheckReport) -> bool:
-        """POST a lease's report (to ``/done`` or ``/checked``, as its kind says); True once the
-        hub took it. A report that cannot be sent, or comes too late (409), is logged: the lease
-        expires and is redone."""
+        """POST a lease's report; True once the hub took it. One not sent, or too late (409), is
+        logged: the lease expires and is redone."""
         try:
             answer = self._http.post(f"/v1/reduce/leases/{job.lease}/{job.report}", json=report.model_dump(mode="json"))
         except httpx.HTTPError as exc:
@@ -150,12 +132,8 @@ class Reducer:
         return answer.status_code == 204
 
     def _store(self) -> ObjectStore:
-        """The bucket that SYNC_STORE names (and the AWS_* variables sign for), as the hub's."""
         if self._objects is None:
-            url = os.environ.get("SYNC_STORE", "")
-            if not url:
-                raise RuntimeError("a lease reads updates in the object store: set SYNC_STORE and AWS_* as the hub's")
-            self._objects = ObjectStore.from_url(url)
+            self._objects = ObjectStore.from_url(os.environ["SYNC_STORE"])
         return self._objects
 
     def _take(self, wait: float, strict: bool = False) -> WorkJob | None:
@@ -182,13 +160,5 @@ def _reason(answer: httpx.Response) -> str:
 
 def main(hub: str, token: str | None, threads: int = 1) -> None:
     """The ``syncserver reduce`` command's body: check the hub, then work until killed."""
-    reducer = Reducer(hub, token, threads=threads)
-    try:
-        first = reducer.check()
-        if first is not None:
-            reducer.do(first)
-        started = time.monotonic()
+    with contextlib.closing(Reducer(hub, token, threads=threads)) as reducer:
         reducer.run_forever()
-        log.info("reducer %s stopped after %.0f s", reducer.name, time.monotonic() - started)
-    finally:
-        reducer.close()
