@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -44,15 +45,17 @@ async def until(
     seconds: float,
     stop: Callable[[], bool] = lambda: False,
     also: asyncio.Future[Any] | None = None,
+    every: float = math.inf,
 ) -> bool:
-    """Ask ``ready`` now and after every change of ``changes`` (or once ``also`` is done) until
-    it says yes (True), or ``seconds`` pass or ``stop`` says the hub is stopping (False)."""
+    """Ask ``ready`` now and after every change of ``changes`` (once ``also`` is done, and at least
+    every ``every`` seconds) until it says yes (True), or ``seconds`` pass or ``stop`` says the hub
+    is stopping (False)."""
     deadline = time.monotonic() + seconds
     while not ready():
         remaining = deadline - time.monotonic()
         if remaining <= 0 or stop():
             return False
-        await changes.wait(remaining, also)
+        await changes.wait(min(remaining, every), also)
     return True
 
 

@@ -1,27 +1,21 @@
-"""The hub's board of **work leases** (no HTTP here: :mod:`syncserver.api.reduce` translates),
-units of work that reducers (``SYNC_REDUCERS``) take, renew and report; "lease" alone is a
-peer's liveness.
+"""The hub's board of **work leases** (no HTTP: :mod:`syncserver.api.reduce` translates), units of
+work that reducers (``SYNC_REDUCERS``) take, renew and report; "lease" alone is a peer's liveness.
 
-One record (:class:`_Work`: a job of a kind, worked by :data:`~syncserver.reduce.lease.KINDS`),
-one queue, one expiry. Work comes in batches that one caller awaits: a round's merge cut into at
-most K spans (:func:`merge_leased`), a fold step (:class:`FoldAhead`), a version's build
-(:func:`build_leased`), or one uploaded body's check (:meth:`Board.check`: with ``SYNC_STORE``
-the hub then reads no update body), which goes first, as a peer waits on it. A lease not renewed
-within ``SYNC_REDUCE_LEASE_SECONDS`` is offered again, first in line, under a new id: a reducer
-that died mid-slice costs one lease length, its slices are redone to the same bits by another,
-and the old id's report is refused (:class:`~syncserver.errors.LeaseLost`, 409). With no reducer
-at all for a lease length (all dead, or ``--local-reducers 0`` and none started) the hub works
-the slice leases on offer itself, by the same table, and gives a
-check back to its caller (as after :data:`CHECK_TRIES` expiries), which checks the body itself.
-A merge whose leases are all done is published and committed exactly as an in-process one
-(record last); a lease that reports the round not finite fails it with
-:class:`~syncserver.reduce.engine.NonFinite`, handled as always (:mod:`syncserver.core.finite`);
-any other failure fails the close, tried again later.
+One record (:class:`_Work`, worked by :data:`~syncserver.reduce.lease.KINDS`), one queue, one
+expiry. Work comes in batches that one caller awaits: a merge cut into at most K spans
+(:func:`merge_leased`), a fold step (:class:`FoldAhead`), a version's build (:func:`build_leased`),
+or one uploaded body's check (:meth:`Board.check`), which goes first: a peer waits on it. A lease
+not renewed within ``SYNC_REDUCE_LEASE_SECONDS`` is offered again, first, under a new id (its
+slices are redone to the same bits; the old id's report is :class:`~syncserver.errors.LeaseLost`).
+With no reducer for a lease length the hub works the slice leases itself, by the same table, and
+gives a check back to its caller (as after :data:`CHECK_TRIES` expiries). A lease that reports
+the round not finite raises :class:`~syncserver.reduce.engine.NonFinite` (:mod:`syncserver.core.finite`);
+any other failure fails the close, tried again later. docs/object-store.md and docs/RELIABILITY.md
+tell the rest.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -33,6 +27,7 @@ from dataclasses import dataclass, field
 
 from anyio import to_thread
 
+from syncserver.core.changes import Changes, until
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.checklease import CheckJob, CheckReport
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Resident, RoundMerge, version_layout
@@ -67,8 +62,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: ids of leases gone (expired, or their round's merge ended) that are remembered, to answer a
-#: late report with 409 rather than 404
+#: ids of leases gone (expired, or their merge ended) remembered, to answer a late report 409, not 404
 GONE_KEPT = 4096
 #: the name under which the hub works a lease itself (no reducer for a lease length)
 HUB = "hub"
@@ -105,16 +99,15 @@ class ReducerStats:
 
 @dataclass(eq=False)
 class _Batch:
-    """Work leases offered together and awaited by one caller: a round's merge, a fold step, a
-    version's build, or (``urgent``: a peer waits on it) one body check, which goes first and is
-    given back to its caller rather than worked by the hub or offered a fourth time."""
+    """Work leases offered together and awaited by one caller; ``urgent`` (one body check: a peer
+    waits on it) goes first and is given back rather than worked by the hub or offered a fourth time."""
 
     run: str
     round: int
     urgent: bool = False
     work: list[_Work] = field(default_factory=list)
     offered: float = field(default_factory=time.monotonic)  # when its work was last put on offer
-    changed: asyncio.Event = field(default_factory=asyncio.Event)  # taken, reported: its caller looks again
+    changed: Changes = field(default_factory=Changes)  # taken, reported: its caller looks again
     failure: BaseException | None = None
     expired: int = 0
 
@@ -140,7 +133,7 @@ class Board:
         self._queue: deque[_Work] = deque()  # offered
         self._held: dict[str, _Work] = {}  # by lease id
         self._gone: dict[str, None] = {}  # ids no longer valid (insertion-ordered, bounded)
-        self._offered = asyncio.Event()  # set (and replaced) when work is offered: the polls look again
+        self._offered = Changes()  # work offered: the polls look again
         self._waiting: Counter[str] = Counter()  # reducers waiting for a lease right now, by name
         self._stopping = False  # the server is shutting down: polls answer at once (end_polls)
         self._active = time.monotonic()  # when a reducer last asked, renewed or reported
@@ -158,47 +151,41 @@ class Board:
         return stats
 
     def end_polls(self) -> None:
-        """The server is shutting down: the reducers' polls answer "no lease" now (see
-        :meth:`Coordinator.end_polls`)."""
+        """The server is shutting down: the reducers' polls answer "no lease" now."""
         self._stopping = True
-        self._wake()
-
-    def _wake(self) -> None:
-        self._offered.set()
-        self._offered = asyncio.Event()
+        self._offered.notify()
 
     async def take(self, reducer: str, wait: float) -> WorkJob | None:
         """The next work lease offered (:meth:`_next`), held by ``reducer`` from now; None after ``wait`` seconds."""
         self._seen(reducer)
-        until = time.monotonic() + wait
         self._waiting[reducer] += 1
-        try:
-            while (work := self._next(reducer)) is None:
-                left = until - time.monotonic()
-                if left <= 0 or self._stopping:
-                    self._seen(reducer)  # it was there all along
-                    return None
-                with contextlib.suppress(TimeoutError):  # a holder that goes quiet frees its leases
-                    await asyncio.wait_for(self._offered.wait(), min(left, AFFINITY_SECONDS / 4))
+        try:  # looked at every AFFINITY_SECONDS / 4 too: a holder that goes quiet frees its leases
+            await until(
+                lambda: self._next(reducer) is not None,
+                self._offered,
+                wait,
+                lambda: self._stopping,
+                every=AFFINITY_SECONDS / 4,
+            )
         finally:
-            self._waiting[reducer] -= 1
-            if not self._waiting[reducer]:
-                del self._waiting[reducer]
-        stats = self._seen(reducer)
+            self._waiting -= Counter({reducer: 1})  # drops it at zero
+        stats = self._seen(reducer)  # it was there all along
+        work = self._next(reducer)
+        if work is None:
+            return None
         self._queue.remove(work)
         job = work.job = work.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
         work.holder, work.deadline = reducer, time.monotonic() + self.lease_seconds
         self._held[job.lease] = work
         stats.holding = job.lease
-        work.batch.changed.set()  # its caller waits on the new deadline
+        work.batch.changed.notify()  # its caller waits on the new deadline
         log.info("work_lease_taken kind=%s run=%s round=%d lease=%s reducer=%s", *_said(job), reducer)
         return job
 
     def _next(self, reducer: str) -> _Work | None:
-        """The work to give ``reducer``: urgent work first (a peer waits on a check), then work
-        that prefers it, then the first that prefers nobody or a reducer not around (not asking,
-        holding nothing, not heard from within :data:`AFFINITY_SECONDS`): that one folds the
-        slices again from the updates."""
+        """Urgent work first (a peer waits on a check), then work that prefers ``reducer``, then the
+        first that prefers nobody or a reducer not around (not asking, holding nothing, not heard
+        from within :data:`AFFINITY_SECONDS`): that one folds the slices again from the updates."""
         free = (w for w in self._queue if w.prefer in (None, reducer) or not self._around(w.prefer))
         return min(free, key=lambda w: (not w.batch.urgent, w.prefer != reducer), default=None)
 
@@ -227,12 +214,11 @@ class Board:
         stats.checks += 1
         stats.check_seconds += report.seconds
         work.report = report
-        work.batch.changed.set()
+        work.batch.changed.notify()
 
     def check_failed(self, reducer: str, run: str, name: str, why: str) -> None:
-        """``reducer``'s report of the check of object ``name`` was not taken (it failed, it does
-        not hold up, or the hub's own check of the body says otherwise): counted as its failure,
-        for /metrics and status. The peer's answer is the hub's own check's."""
+        """``reducer``'s report of the check of object ``name`` was not taken (the hub's own check
+        answers the peer): counted as its failure, for /metrics and status."""
         stats = self.reducers.get(reducer)
         if stats is not None:
             stats.check_failures += 1
@@ -299,12 +285,13 @@ class Board:
         work is given back (no reducer alive, or expired :data:`CHECK_TRIES` times). An expired
         lease is offered again, first in line; with no reducer for a lease length since the work
         was offered (a check: since it was offered again) the hub works the rest itself, so dead
-        reducers cost a merge one lease length. Raises what a report said failed; either
-        way, or cancelled, nothing of ``batch`` stays on the board."""
-        self._offer(batch.work)
+        reducers cost a merge one lease length. Raises what a report said failed; either way, or
+        cancelled, nothing of ``batch`` stays on the board. (Not :func:`until`: each look may
+        expire, offer or work leases, and the next wake is the nearest deadline.)"""
+        self._queue.extend(batch.work)
+        self._offered.notify()
         try:
             while batch.failure is None and any(w.report is None for w in batch.work):
-                batch.changed.clear()
                 now = time.monotonic()
                 late = [w for w in batch.work if w.holder is not None and w.deadline < now]
                 for w in late:
@@ -313,7 +300,8 @@ class Board:
                 if batch.urgent and batch.expired >= CHECK_TRIES:
                     return False
                 if late:
-                    self._offer(late, first=True)
+                    self._queue.extendleft(reversed(late))
+                    self._offered.notify()
                     if batch.urgent:  # a peer waits on a check: another reducer gets a lease length for it
                         batch.offered = now
                 offered = any(w.batch is batch for w in self._queue)
@@ -325,8 +313,7 @@ class Board:
                 deadlines = [w.deadline for w in batch.work if w.holder is not None]
                 if offered:  # when to give up on the reducers
                     deadlines.append(max(self._active, batch.offered) + self.lease_seconds)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(batch.changed.wait(), max(0.01, min(deadlines) - now) if deadlines else None)
+                await batch.changed.wait(max(0.01, min(deadlines) - now) if deadlines else None)
             if batch.failure is not None:
                 raise batch.failure
             return True
@@ -354,14 +341,6 @@ class Board:
         stats.last_seen = time.time()
         assert isinstance(report, Done)  # urgent work (a check) is given back, never worked here
         _settle(work_, stats, report, HUB)
-
-    def _offer(self, work: list[_Work], *, first: bool = False) -> None:
-        if first:
-            self._queue.extendleft(reversed(work))
-        else:
-            self._queue.extend(work)
-        if work:
-            self._wake()
 
     def _expire(self, work: _Work) -> None:
         stats = self.reducers.get(work.holder or "")
@@ -401,31 +380,26 @@ def _settle(work: _Work, stats: ReducerStats, report: Done, who: str) -> None:
     elif work.batch.failure is None:
         failure = NonFinite if report.error == "non_finite" else LeaseFailed
         work.batch.failure = failure(f"{who}: {report.detail}")
-    work.batch.changed.set()
+    work.batch.changed.notify()
 
 
 async def merge_leased(
     board: Board, reducers: int, engine: MergeEngine, m: RoundMerge
 ) -> tuple[int, list[ObjectRecord], dict[str, float]]:
     """:meth:`MergeEngine.merge`'s work, shared by the reducers: open the merge, hand out its
-    leases, wait for them, publish the outputs; the result's size, the records of the objects
-    the reducers wrote (none on local disk) and their bound on ``|version v+1|`` per tensor
-    (``m.bound``: the one on ``|version v|``, if known). The reducers hold the mean of the
-    updates folded before the close (:class:`FoldAhead`); each merge lease, offered first to the
-    reducer holding its slices, folds the rest (``m.unfolded``) after it, in acknowledgement
-    order: the same folds in the same order, the same bits as the hub alone (a slice nobody
-    holds is folded from the first update). With an object store (the board's ``objects``) the
-    result, DiLoCo's momentum and the hub's residual are multipart uploads that each lease
-    writes its run of parts of, completed here once every lease is done and recorded by the
-    caller in the round's commit (record last), so the hub uploads none; version v+1 is built
-    after the commit (:func:`build_leased`). On local disk: the staged files, fsynced and
-    published (rename)."""
+    leases, wait for them, publish the outputs; the result's size, the records of the objects the
+    reducers wrote (none on local disk) and their bound on ``|version v+1|`` per tensor. Each merge
+    lease, offered first to the reducer holding its slices of the mean folded ahead
+    (:class:`FoldAhead`), folds the rest (``m.unfolded``) after it in acknowledgement order: the
+    same bits as the hub alone. With a store the outputs are multipart uploads, each lease its run
+    of parts, completed here and recorded by the caller in the commit; on local disk, the staged
+    files, fsynced and published (rename)."""
     if m.acc.mean is not None:
         raise ValueError("a leased merge reads the reducers' mean: the hub's accumulator must be empty")
     files = contextlib.ExitStack()
     outputs: list[tuple[Stored, ObjectOutput]] = []
+    objects = board.objects
     try:
-        objects = board.objects
         into = _into_bucket(objects(), outputs) if objects is not None else None
         merge = await to_thread.run_sync(engine.open_merge, files, m, into)
         leases = await to_thread.run_sync(jobs, merge, m.acc.schema, reducers)
@@ -433,8 +407,8 @@ async def merge_leased(
         records = [await to_thread.run_sync(_complete, objects(), key, out) for key, out in outputs] if objects else []
     except BaseException as exc:
         await to_thread.run_sync(files.__exit__, type(exc), exc, exc.__traceback__)
-        if outputs and board.objects is not None:
-            await to_thread.run_sync(_abort, board.objects(), [out for _, out in outputs])
+        if outputs and objects is not None:
+            await to_thread.run_sync(_abort, objects(), [out for _, out in outputs])
         raise
     await to_thread.run_sync(files.close)
     return merge.result_size, records, _peaks(reports)
@@ -444,11 +418,9 @@ async def build_leased(
     board: Board, reducers: int, run: str, v: int, schema: Schema, codec: Codec
 ) -> tuple[ObjectRecord, dict[str, float]]:
     """Have the reducers build version ``v``+1 in the bucket from version v and round v's result
-    (both objects there: the reducers wrote them), as at most ``reducers`` build leases, each
-    its run of parts of one multipart upload, completed here; its record (the caller records it: the
-    version counts from then on) and each tensor's largest ``|value|``. ``codec``: the run's
-    (the reducers read a final round's fp32 from the result's header). The hub reads and writes
-    no byte of it."""
+    (both there), as at most ``reducers`` build leases, each its run of parts of one multipart
+    upload, completed here: its record (the caller records it: the version counts from then on)
+    and each tensor's largest ``|value|``. The hub reads and writes no byte of it."""
     objects = board.objects
     if objects is None:
         raise ValueError("versions are built by leases only in an object store")
@@ -458,8 +430,7 @@ async def build_leased(
     try:
         out.write(head)
         base, result = object_name(VersionKey(run, v)), object_name(ResultKey(run, v))
-        leases = build_jobs(schema, codec, base, result, out, at, reducers)
-        reports = await board.run(run, v, leases)
+        reports = await board.run(run, v, build_jobs(schema, codec, base, result, out, at, reducers))
         record = await to_thread.run_sync(_complete, store, key, out)
     except BaseException:
         await to_thread.run_sync(_abort, store, [out])
@@ -468,16 +439,14 @@ async def build_leased(
 
 
 def _peaks(reports: Sequence[Done]) -> dict[str, float]:
-    """Each tensor's largest peak over the leases' reports."""
     return highest(pair for report in reports for pair in report.peaks.items())
 
 
 def _into_bucket(
     objects: ObjectStore, outputs: list[tuple[Stored, ObjectOutput]]
 ) -> Callable[[Key, int], contextlib.AbstractContextManager[ObjectOutput]]:
-    """:meth:`MergeEngine.open_merge`'s ``into`` for a hub with an object store: each output
-    (the result; DiLoCo's next momentum and the hub's next residual, which the next round's
-    leases read by ranges) a multipart upload opened at its name, collected in ``outputs``."""
+    """:meth:`MergeEngine.open_merge`'s ``into`` with a store: each output (the result; DiLoCo's
+    momentum and the hub's residual) a multipart upload at its name, collected in ``outputs``."""
 
     @contextlib.contextmanager
     def into(key: Key, size: int) -> Iterator[ObjectOutput]:
@@ -497,8 +466,8 @@ def _upload(store: ObjectStore, key: Stored, size: int) -> ObjectOutput:
 
 
 def _complete(store: ObjectStore, key: Stored, out: ObjectOutput) -> ObjectRecord:
-    """Worker thread: publish ``out`` from the parts its leases uploaded, once each is there with
-    the size its lease was given (:class:`LeaseFailed` otherwise); its record, for the commit."""
+    """Worker thread: publish ``out`` once each part is there with the size its lease was given
+    (:class:`LeaseFailed` otherwise); its record, for the commit."""
     held = store.list_parts(out.name, out.upload_id)
     for number, size in out.parts.items():
         if number not in held or held[number].size != size:
@@ -511,8 +480,7 @@ def _complete(store: ObjectStore, key: Stored, out: ObjectOutput) -> ObjectRecor
 
 
 def _abort(objects: ObjectStore, outputs: list[ObjectOutput]) -> None:
-    """Worker thread: drop the multipart uploads of a merge that failed (a store that fails here
-    leaves them to the next start's clean-up)."""
+    """Worker thread: drop a failed merge's multipart uploads (if the store fails, the next start does)."""
     for out in outputs:
         try:
             objects.abort_multipart(out.name, out.upload_id)
@@ -522,35 +490,20 @@ def _abort(objects: ObjectStore, outputs: list[ObjectOutput]) -> None:
 
 def _holders(leases: Sequence[MergeJob | FoldJob], mean: Resident | None) -> list[str | None]:
     """Per lease, the reducer holding most of its slices of ``mean`` (None: no mean, or none known)."""
-    if mean is None:
-        return [None] * len(leases)
-    out: list[str | None] = []
-    for job in leases:
-        counts = Counter(mean.holders.get((s.name, s.start)) for s in job.slices)
-        counts.pop(None, None)
-        out.append(counts.most_common(1)[0][0] if counts else None)
-    return out
+    held = mean.holders if mean is not None else {}
+    counts = [Counter(h for s in job.slices if (h := held.get((s.name, s.start))) is not None) for job in leases]
+    return [c.most_common(1)[0][0] if c else None for c in counts]
 
 
 class FoldAhead:
-    """The reducers fold each round's updates **ahead**, as they are acknowledged, as the hub
-    alone folds them into its accumulator: the close's merge leases then fold only what came
-    after the last step (the last update, when peers finish apart).
-
-    A step folds every update acknowledged and not folded yet, in acknowledgement order, after
-    the round's mean so far (none before the first) into a **new** mean, cut into K fold leases
-    as the merge's leases are cut (:func:`~syncserver.reduce.lease.fold_jobs`). The mean is kept
-    in the memory of the reducers that fold it (:data:`~syncserver.reduce.lease.MEANS`), slice
-    by slice, as the hub alone keeps its accumulator: nothing is written to a disk or a bucket,
-    so a step reads only the new updates' bytes and the close reads no mean back. Each lease of
-    the next step, and each merge lease, is offered first to the reducer that holds its slices.
-
-    Only once every lease of a step is done does the accumulator name the new mean, its updates,
-    who holds which slices and its weight (record before it counts). A mean is a cache of its
-    updates' fold: a reducer that lacks a slice (it was killed and restarted, another reducer
-    took its lease, the hub restarted) folds it again from the updates, to the same bits, so a
-    reducer or a hub killed mid-fold loses nothing acknowledged; a step that fails leaves the
-    accumulator as it was, and the merge folds the rest."""
+    """The reducers fold each round's updates **ahead**, as they are acknowledged, as the hub alone
+    folds them into its accumulator: the close's merge leases fold only what came after the last
+    step. A step folds every update acknowledged and not folded yet, in acknowledgement order,
+    after the round's mean so far into a **new** mean, cut into K fold leases, kept slice by slice
+    in the reducers' memory (:data:`~syncserver.reduce.lease.MEANS`). Only once every lease of a
+    step is done does the accumulator name the new mean (record before it counts); a mean is a
+    cache of its updates' fold, so a reducer lacking a slice folds it again from the updates, to
+    the same bits. docs/object-store.md, "The reducers fold ahead", tells why."""
 
     def __init__(self, board: Board, reducers: int, engine: MergeEngine) -> None:
         self.board, self.reducers, self.engine = board, reducers, engine
