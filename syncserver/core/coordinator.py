@@ -1,12 +1,9 @@
 """The runs of one hub: their life, their members, and the waits peers make on them.
 
-No HTTP here (routes translate requests into these calls), no maths (:mod:`syncserver.reduce.engine`),
-no round rule (:mod:`syncserver.core.policy` decides; :mod:`syncserver.core.rounds` receives updates
-and closes rounds), no paths (:mod:`syncserver.storage.store`). Everything runs on the event loop
-thread, so state changes between two ``await`` points are atomic; tensor work goes to worker
-threads.
-
-A run's life::
+No HTTP (routes translate), no maths (:mod:`syncserver.reduce.engine`), no round rule
+(:mod:`~syncserver.core.policy` decides, :mod:`~syncserver.core.rounds` receives and closes), no
+paths (:mod:`syncserver.storage.store`). Everything runs on the event loop thread, so state changes
+between two ``await`` points are atomic; tensor work goes to worker threads. A run's life::
 
     created ──(first peer initialises)──> version 0 ──(min_peers joined)──> sealed: ranks fixed
     round v: open ──(first update)──> collecting ──(the policy says Close)──> closing
@@ -119,11 +116,9 @@ class Coordinator:
         self._ticker = asyncio.create_task(self._tick_forever())
 
     def end_polls(self) -> None:
-        """The server is shutting down: every long poll answers now with what it has, as at its
-        deadline. A server waits for the requests in flight before it stops, and a peer's or a
-        reducer's poll would otherwise hold a stop (a restart, a new version) for up to
-        ``long_poll_seconds``; the clients ask again, as after any poll, and find the hub gone
-        or back."""
+        """The server is shutting down: every long poll answers now, as at its deadline (a server
+        waits for the requests in flight, and a poll would hold a restart ``long_poll_seconds``);
+        the clients ask again, as after any poll, and find the hub gone or back."""
         self.view.stopping = True
         for run in self.runs.values():
             run.changed.notify()
@@ -167,14 +162,14 @@ class Coordinator:
         return self.view.get(name)
 
     def seen(self, run_name: str, peer_name: str) -> Run:
-        """A request from ``peer_name`` begins: its run, the peer's lease renewed (:meth:`peer`)."""
+        """A request from ``peer_name`` begins: its run, the peer's lease renewed."""
         run = self.run(run_name)
         self.peer(run, peer_name)
         return run
 
     def peer(self, run: Run, name: str) -> Peer:
-        """The peer, with its lease renewed: a request from a peer that begins proves it alive.
-        (A long poll looks again with :meth:`member`: a dead peer's poll must not renew it.)"""
+        """The peer, its lease renewed: a request that begins proves it alive (a long poll looks
+        again with :meth:`member`: a dead peer's poll must not renew it)."""
         peer = self.member(run, name)
         if run.policy.seen(name, now()):
             log.info("peer_back run=%s peer=%s", run.name, name)
@@ -191,9 +186,9 @@ class Coordinator:
     def join(
         self, run_name: str, peer_name: str, requested: dict[str, Any], *, group_size: int = 1, creator: str = "token"
     ) -> Start:
-        """Register a peer (again, after a crash: same name, same rank) and say what it must do next.
-        ``group_size``: the ranks of the torch.distributed group it is (shown, not used);
-        ``creator``: the kind of token that asks (:data:`syncserver.api.deps.Caller`), for the quotas."""
+        """Register a peer (again, after a crash: same name, same rank); what it must do next.
+        ``group_size``: its torch.distributed group's ranks (shown); ``creator``: the kind of token
+        that asks (:data:`syncserver.api.deps.Caller`), for the quotas."""
         run = self.runs.get(run_name)
         if run is None:
             check_new_run(
@@ -214,13 +209,8 @@ class Coordinator:
             peer = Peer(peer_name, run.world_size() if run.sealed else None, time.time())
             run.peers[peer_name] = peer
         peer.group_size = group_size
-        log.info(
-            "%s run=%s peer=%s rank=%s",
-            "peer_rejoined" if admit.returning else "peer_joined",
-            run_name,
-            peer_name,
-            peer.rank,
-        )
+        joined = "peer_rejoined" if admit.returning else "peer_joined"
+        log.info("%s run=%s peer=%s rank=%s", joined, run_name, peer_name, peer.rank)
         self.store.save_peer(run_name, run.record(peer))
         self._maybe_seal(run)
         self.view.changed(run)
@@ -242,8 +232,8 @@ class Coordinator:
         return run
 
     def _maybe_seal(self, run: Run) -> None:
-        """Fix ranks once version 0 exists and min_peers have joined: by sorted peer name, so
-        that data shards do not depend on who happened to join first."""
+        """Fix ranks once version 0 exists and min_peers have joined, by sorted peer name: data
+        shards do not depend on who joined first."""
         members = sorted(name for name, m in run.policy.members.items() if not m.left)
         if run.sealed or run.version < 0 or len(members) < run.config.min_peers:
             return
@@ -312,12 +302,9 @@ class Coordinator:
 
     # ---- progress --------------------------------------------------------------------------
     async def progress(self, run_name: str, peer_name: str, round_: int, samples: int, wait: float) -> RoundProgress:
-        """A peer has trained ``samples`` samples since its update to round ``round_`` began.
-
-        Renews its lease like a heartbeat. In a samples run the report may make the round due,
-        and the answer is a long poll (at most ``wait`` seconds) that returns as soon as the
-        round is due or closed: ``due`` tells the peer to send its update now.
-        """
+        """A peer has trained ``samples`` samples since its update to round ``round_`` began (a
+        heartbeat too). In a samples run it may make the round due, and the answer is a long poll
+        (at most ``wait`` seconds) until the round is due or closed: ``due``, send the update now."""
         run = self.run(run_name)
         peer = self.peer(run, peer_name)
         await self.rounds.check_open(run, round_)
@@ -348,13 +335,9 @@ class Coordinator:
         self, run_name: str, peer_name: str, wait: float = 0.0, dropped: Awaitable[object] | None = None
     ) -> int:
         """Renew the peer's lease; the run's latest version (behind it, the peer should catch up).
-
-        With ``wait`` and ``dropped`` (what completes when the peer's side closes the request's
-        connection), the request is the peer's *watch*: held until there is news (the peer
-        left, the hub stops) or ``wait`` seconds (at most a third of the lease, so that the peer
-        asks again, renewing it, well within it). A watch that drops starts the peer's
-        ``disconnect_grace``: with no request from it by then, it is gone.
-        """
+        With ``wait`` and ``dropped`` (done when the peer closes the connection) it is the peer's
+        *watch*: held until news (it left, the hub stops) or ``wait`` seconds (at most a third of
+        the lease: it asks again well within it). A watch that drops starts ``disconnect_grace``."""
         run = self.seen(run_name, peer_name)
         if wait <= 0 or dropped is None:
             return run.version
@@ -369,14 +352,10 @@ class Coordinator:
             lost.cancel()
             run.policy.unwatch(peer_name, now(), dropped=closed)
         if closed:
-            log.info(
-                "peer_disconnected run=%s peer=%s (gone in %gs unless it comes back)",
-                run.name,
-                peer_name,
-                self.settings.disconnect_grace,
-            )
+            grace = self.settings.disconnect_grace
+            log.info("peer_disconnected run=%s peer=%s (gone in %gs unless it comes back)", run.name, peer_name, grace)
             # decide at the grace's end, not at the next tick: the survivors wait for this
-            asyncio.get_running_loop().call_later(self.settings.disconnect_grace + 0.01, self._tick, run)
+            asyncio.get_running_loop().call_later(grace + 0.01, self._tick, run)
         return run.version
 
     def leave(self, run_name: str, peer_name: str) -> None:
@@ -392,8 +371,8 @@ class Coordinator:
     async def wait_result(
         self, run_name: str, round_: int, peer_name: str | None, wait: float, *, direct: bool = False
     ) -> Blob | Redirect | None:
-        """Long poll for round ``round_``'s merged update; None if it is still open after ``wait``.
-        Where the plane serves it from (``direct``: the peer could not fetch it where it was sent)."""
+        """Long poll for round ``round_``'s result; None if still open after ``wait``. Where the plane
+        serves it from (``direct``: the peer could not fetch it where it was sent)."""
         run = self.run(run_name)
         if peer_name is not None:
             self.peer(run, peer_name)
@@ -441,9 +420,8 @@ class Coordinator:
             run.peers[peer_name].bytes_down += nbytes
 
     def record_download(self, run_name: str, round_: int, peer_name: str | None, began: float) -> None:
-        """A peer has received round ``round_``'s whole result (called once the hub's response is
-        sent, or when the peer reports a download from the object store): the last phase of its
-        round, for the dashboard's timeline and the metrics."""
+        """A peer has received round ``round_``'s whole result (the hub's response sent, or the peer
+        reported a download from the store): its round's last phase, for the timeline and metrics."""
         run = self.runs.get(run_name)
         if run is None or peer_name not in run.peers:
             return
@@ -455,8 +433,8 @@ class Coordinator:
         self.view.downloaded(run, round_, peer_name, ended - began)
 
     def downloaded(self, run_name: str, peer_name: str, round_: int, seconds: float) -> None:
-        """A peer reports that it fetched round ``round_``'s result from the object store in
-        ``seconds`` (the hub does not see that download end; the report is its end)."""
+        """A peer fetched round ``round_``'s result from the store in ``seconds`` (the hub does not
+        see that download end: the report is its end)."""
         run = self.seen(run_name, peer_name)
         if not 0 <= round_ < run.version:
             raise Conflict(f"round {round_} has no result yet; the run is at version {run.version}")
@@ -464,6 +442,6 @@ class Coordinator:
 
 
 def _configured(run: Run, key: str) -> Any:
-    """A run's setting as a join compares it: its codec in the codec's one spelling (the join
-    request is normalised, and runs created before that stored the spec as it was given)."""
+    """A run's setting as a join compares it: the codec in its one spelling (the request is
+    normalised; runs created before that stored the spec as given)."""
     return run.codec.spec if key == "codec" else getattr(run.config, key)

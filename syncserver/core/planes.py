@@ -1,20 +1,15 @@
 """Where the bytes live (the data plane), chosen once in :func:`~syncserver.api.factory.create_app`:
-the core calls its plane and never asks which one it has.
+the core calls its plane and never asks which one it has (docs/object-store.md tells the bucket's).
 
-- :class:`LocalPlane`: the hub's disk alone. Peers PUT their updates to the hub and download
-  results and versions from it.
-- :class:`BucketPlane` (``SYNC_STORE``): the hub's disk and an S3-API bucket
-  (:mod:`syncserver.storage.bucket` names its objects). Peers upload their updates straight to
-  the bucket through presigned part URLs (:mod:`syncserver.core.presigned`), and the bucket
-  then holds the only copy; they are sent there (a 307 to a presigned GET) for results and
-  versions, so the hub's link carries each object once, up to the bucket, instead of once per
-  peer. The hub uploads each result before its commit announces it and each version on its
-  first download (a version nobody asks for is never sent); its disk keeps its own copy
-  (downloads fall back to it). The bucket keeps what the disk keeps (pruned together, records
-  first), and what a crash left in it that no record names is deleted at start.
-
-  A store that fails is *down* for :data:`DOWN_SECONDS`: no upload and no redirect is tried
-  meanwhile, every download is served from the hub's disk, and one warning per run says so.
+- :class:`LocalPlane`: the hub's disk alone; peers PUT updates to the hub and download from it.
+- :class:`BucketPlane` (``SYNC_STORE``): the hub's disk and an S3-API bucket. Peers upload updates
+  there (:mod:`syncserver.core.presigned`: the bucket holds the only copy) and are sent there (a
+  307 to a presigned GET) for results and versions, so the hub's link carries each object once.
+  The hub uploads each result before its commit announces it and each version on its first
+  download; its disk keeps its own copy (downloads fall back to it). The bucket keeps what the
+  disk keeps (pruned together, records first); what no record names is deleted at start. A store
+  that fails is *down* for :data:`DOWN_SECONDS`: no upload or redirect is tried, downloads come
+  from the hub's disk, and one warning per run says so.
 """
 
 from __future__ import annotations
@@ -72,13 +67,12 @@ class LocalPlane:
         self, run: Run, key: ResultKey, copies: list[ObjectRecord]
     ) -> tuple[list[ObjectRecord], dict[str, float]]:
         """Round ``key``'s result is merged: the records of its copies to commit with the round
-        (``copies``: those its merge wrote), and the seconds publishing took, as round timings."""
+        (``copies``: those its merge wrote), and the seconds publishing took (round timings)."""
         return copies, {}
 
     async def serve(self, run: Run, key: Published, *, direct: bool, peer: str | None) -> Blob | Redirect:
-        """A download of ``key``: the hub's file, or where to fetch it; :class:`Missing` if neither
-        is there. One that lives only in the bucket (the reducers wrote it there) while the store
-        fails (or the hub restarted without it): :class:`Unavailable`."""
+        """A download of ``key``: the hub's file, or where to fetch it; :class:`Missing` if neither is
+        there, :class:`Unavailable` if only the bucket has it (the reducers wrote it) and it fails."""
         try:
             return self.store.serve(key)
         except Missing:
@@ -96,8 +90,8 @@ class LocalPlane:
 
 
 class BucketPlane(LocalPlane):
-    """The hub's disk and a bucket (see the module docstring). Everything here runs on the event
-    loop, as every sqlite call of the hub does; the store's requests go to worker threads."""
+    """The hub's disk and a bucket. Runs on the event loop, as every sqlite call of the hub does;
+    the store's requests go to worker threads."""
 
     uploads: Via = "store"
     objects: ObjectStore
@@ -122,17 +116,11 @@ class BucketPlane(LocalPlane):
         self._down_until = time.monotonic() + DOWN_SECONDS
         if run not in self._warned:
             self._warned.add(run)
-            log.warning(
-                "object_store_down run=%s store=%s: %s; serving results and versions from the hub's disk",
-                run,
-                self.url,
-                why,
-            )
+            log.warning("object_store_down run=%s store=%s: %s; serving from the hub's disk", run, self.url, why)
 
     async def recover(self, run: Run) -> None:
-        """Forget the records past the committed state (a version past it, a result of a round
-        not closed), then delete every object of the run that no record names and abort every
-        multipart upload open there (a peer's update or a result a crash cut). A store that
+        """Forget the records past the committed state, then delete every object of the run that no
+        record names and abort every multipart upload open there (what a crash cut); a store that
         fails keeps them for the next start."""
         v = run.version
         records = self.store.stored_objects(run.name)
@@ -158,8 +146,8 @@ class BucketPlane(LocalPlane):
             log.warning("object_store_orphans_deleted run=%s objects=%d uploads=%d", run.name, objects, uploads)
 
     async def upload(self, run: Run, key: Published) -> ObjectRecord | None:
-        """Copy ``key``'s file to the bucket; its record (the caller writes it: commit is the
-        database's), or None if the store failed (then the hub serves it from disk)."""
+        """Copy ``key``'s file to the bucket; its record (the caller writes it), or None if the store
+        failed (the hub serves it from disk)."""
         if not self.up:
             return None
         try:
@@ -183,17 +171,15 @@ class BucketPlane(LocalPlane):
     async def publish(
         self, run: Run, key: ResultKey, copies: list[ObjectRecord]
     ) -> tuple[list[ObjectRecord], dict[str, float]]:
-        """The copy peers will fetch goes up before the commit announces the result (unless the
-        reducers wrote it there); if the store fails, the round closes all the same and peers
-        get the hub's copy."""
+        """The copy peers fetch goes up before the commit announces the result (unless the reducers
+        wrote it); if the store fails, the round closes all the same and peers get the hub's."""
         began = time.monotonic()
         uploaded = None if copies else await self.upload(run, key)
         return copies or ([uploaded] if uploaded else []), {"publish": time.monotonic() - began}
 
     async def serve(self, run: Run, key: Published, *, direct: bool, peer: str | None) -> Blob | Redirect:
-        """A presigned GET of ``key``'s copy (a version is copied on its first ask: every
-        concurrent ask waits for the same upload); ``direct``: the peer was sent there and could
-        not fetch it, so the hub's file."""
+        """A presigned GET of ``key``'s copy (a version is copied on its first ask, which concurrent
+        asks share); ``direct``: the peer could not fetch it there, so the hub's file."""
         if direct:
             self.failed(run.name, f"peer {peer or '?'} could not download from it")
         elif self.up:
@@ -219,9 +205,8 @@ class BucketPlane(LocalPlane):
             self.store.record_object(record)  # the copy counts from here on
 
     async def prune(self, run: Run, version: int) -> None:
-        """The bucket keeps what the disk keeps: versions below the kept ones, results and the
-        updates merged in their rounds as the results are. Records go first: a crash in between
-        leaves garbage that the next start deletes, never a record of a deleted object."""
+        """The bucket keeps what the disk keeps (updates as their rounds' results). Records go first:
+        a crash in between leaves garbage the next start deletes, never a record of a deleted object."""
         await super().prune(run, version)
         keep = self.keep_versions
         floor, results = version - keep + 1, version - max(keep, run.keep_results or 0) + 1

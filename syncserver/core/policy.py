@@ -1,47 +1,26 @@
 """Round policies: who is waited for, when a round closes with whom, and what each update weighs.
 
-Pure decisions: no I/O, no HTTP, no clock (every event carries ``now``, a monotonic time in
-seconds), no tensors. The coordinator feeds a policy the events of a run (a peer joins, is
-seen, reports progress, leaves; an update is acknowledged or refused; time passes) and carries
-out what it answers: :class:`Admit` for a join, :class:`Close` when a round must close, a
-:class:`Place` for an update addressed to a round. Unit tests drive each policy with hand-built
-event sequences, the way Flower tests its aggregation functions.
+Pure decisions: no I/O, HTTP, clock (each event carries ``now``, monotonic seconds) or tensors. The
+coordinator feeds a policy a run's events (a peer joins, is seen, reports progress, leaves; an
+update is acknowledged or refused; time passes) and carries out its answers (:class:`Admit`,
+:class:`Close`, :class:`Place`). One per run (``policy``; docs/concepts/rounds.md tells each):
 
-Three policies, chosen per run (``policy``):
+- :class:`BarrierPolicy` (``barrier``, the default): round v closes once every live peer waited
+  for in v is in, or at its deadline (``round_timeout`` after its first acknowledgement); the live
+  peers not in are dropped (they catch up).
+- :class:`SamplesPolicy` (``samples``, hivemind's ``target_batch_size``): *due* once the live
+  peers' reported samples reach ``round_samples``; every peer then sends what it has, and the
+  round closes when every live peer that reported samples is in (or ``round_timeout`` after due).
+- :class:`AsyncPolicy` (``async``, FedAsync / FedBuff with a buffer of one): each update goes into
+  the open version as it is acknowledged, weighted by its samples and ``(1 + late) ** -0.5``,
+  *late* the whole outer steps beyond the first since its base (with N equal peers every update
+  is N - 1 versions old, under a step: not discounted); one over ``max_staleness`` old is refused.
 
-- :class:`BarrierPolicy` (``barrier``, the default): round v closes once every live peer that is
-  waited for in v has an acknowledged update, or once the round's deadline (``round_timeout``
-  after its first acknowledgement) has passed; the live peers that did not make it are dropped
-  (they catch up). Either way it needs ``min_merge_peers`` updates (1 by default; fewer once
-  members left: :meth:`RoundPolicy.quorum`). Peers sync every N of their own steps, so
-  each round waits for the slowest peer's N steps.
-- :class:`SamplesPolicy` (``samples``, hivemind's ``target_batch_size``): peers report the
-  samples they have trained since the last round as they go; once the live peers' sum reaches
-  ``round_samples`` the round is *due*: every peer is told to send what it has, weighted by its
-  samples, and the round closes when every live peer that reported samples is in (or at the
-  deadline, ``round_timeout`` after it became due). A fast peer contributes more steps, a slow one
-  fewer, and nobody waits for more than the step a peer is in. All peers still end every round
-  bit-identical.
-- :class:`AsyncPolicy` (``async``, FedAsync / FedBuff with a buffer of one): no barrier. An update
-  computed from version b is applied as soon as it is acknowledged, into the version open then
-  (v >= b), weighted by its samples and FedAsync's polynomial staleness discount
-  ``(1 + late) ** -0.5``; an update more than ``max_staleness`` versions old is refused. Updates
-  that arrive while a version is being written go together into the next one.
-
-  *late* counts whole outer steps, not versions: ``s = v - b`` versions were applied since the
-  update's base, each about as big as this one, so ``s * samples / round_samples`` outer steps,
-  of which the first is free. With N peers of equal speed every update is naturally N - 1
-  versions old (less than one outer step); discounting that would shrink every update alike,
-  which is a smaller learning rate, not a correction. What is discounted is a peer that fell
-  behind by more than a step: one four times slower than three others, say.
-
-A peer is live while its lease is fresh (any request renews it: ``seen``) and, if it holds a
-watch (the SDK's heartbeat, a request the hub holds open: ``watch``), while that connection is
-open or was dropped less than ``disconnect_grace`` seconds ago: a crashed process closes its
-sockets, and is gone seconds after, not a lease after. A gone member holds no round: rounds wait
-for live members only. ``min_peers`` is the run's start (the coordinator's); the floor a merge
-needs is ``min_merge_peers`` (torchft's ``min_replica_size``), and a gone member counts towards
-it, since it may come back (:meth:`RoundPolicy.floor_wait` says when a round waits on it).
+Every round needs ``min_merge_peers`` updates (torchft's ``min_replica_size``,
+:meth:`RoundPolicy.quorum`). A peer is live while its lease is fresh (any request: ``seen``) and,
+holding a watch (``watch``), while that connection is open or dropped under ``disconnect_grace``
+ago: a crashed process closes its sockets, so it is gone seconds after, not a lease after. Rounds
+wait for live members only; a gone one still counts towards the floor (it may come back).
 """
 
 from __future__ import annotations
@@ -128,8 +107,6 @@ class Close:
 class RoundPolicy:
     """Membership, leases and the open round, shared by every policy; subclasses decide."""
 
-    name = ""
-
     def __init__(
         self,
         *,
@@ -163,8 +140,8 @@ class RoundPolicy:
             self.live |= {name}
 
     def join(self, name: str, now: float, *, counted: bool) -> Admit:
-        """A peer joins (or joins again). One that comes in while a round is under way waits
-        for the next round: it starts from the latest version, like any new peer."""
+        """A peer joins (again). One that comes in while a round is under way is waited for from the
+        next: it starts from the latest version, like any new peer."""
         in_round = bool(self.acked) or self.closing
         member = self.members.get(name)
         returning = member is not None
@@ -184,9 +161,8 @@ class RoundPolicy:
             self.members[name].counted = True
 
     def seen(self, name: str, now: float) -> bool:
-        """A request from a member begins: it renews its lease, and proves the process alive
-        (a dropped watch is forgiven); True if it had been gone (it is back). Only a request's
-        start says so: a long poll a dead peer left behind must not keep it alive."""
+        """A request from a member begins: a fresh lease, a dropped watch forgiven; True if it was
+        gone. Only a request's start says so: a long poll a dead peer left must not keep it alive."""
         member = self.members[name]
         member.last_seen, member.dropped = now, None
         back = name not in self.live
@@ -199,9 +175,8 @@ class RoundPolicy:
         return self.seen(name, now)
 
     def unwatch(self, name: str, now: float, *, dropped: bool) -> None:
-        """A watch of ``name`` ended: answered (the peer asks again at once), or ``dropped`` by
-        the peer's side (its process died, or its link reset). With no watch left open, the
-        peer is gone once ``disconnect_grace`` passes without a request from it (:meth:`expire`)."""
+        """A watch of ``name`` ended: answered (the peer asks again at once), or ``dropped`` by its
+        side (process dead, link reset): with none left open, gone after ``disconnect_grace``."""
         member = self.members[name]
         member.watches = max(0, member.watches - 1)
         if dropped and member.watches == 0 and not member.left:
@@ -219,10 +194,8 @@ class RoundPolicy:
         return None
 
     def next_loss(self) -> float | None:
-        """The earliest time (monotonic) at which a live member's lease runs out, if none of
-        them is heard from before it: when the hub's ticker must look again, so that a hung
-        peer is gone at its lease, not up to a tick after it. (A dropped watch's grace is
-        timed by the coordinator as it drops.)"""
+        """When (monotonic) a live member's lease runs out first, none heard from: the hub's ticker
+        looks then, so a hung peer is gone at its lease, not a tick after (a drop's grace is timed apart)."""
         due = [self.members[name].last_seen + self.lease_seconds for name in self.live]
         return min(due, default=None)
 
@@ -301,16 +274,14 @@ class RoundPolicy:
         ) - frozenset(self.refused)
 
     def quorum(self) -> int:
-        """The updates a round needs to close (its merge floor): ``min_merge_peers``, or fewer
-        once members left (they said they are done, and will send nothing more: a peer that
-        finished its training must not hold back the ones still training). A gone member still
-        counts: it may come back."""
+        """The updates a round needs to close: ``min_merge_peers``, or fewer once members left (a
+        peer done training must not hold back the others). A gone member counts: it may come back."""
         staying = sum(1 for m in self.members.values() if m.counted and not m.left)
         return max(1, min(self.min_merge_peers, staying))
 
     def floor_wait(self, now: float) -> bool:
-        """Whether the open round waits on its merge floor alone: every live member it waits for
-        is in (or its deadline passed), but it has fewer than :meth:`quorum` updates."""
+        """Whether the open round waits on its merge floor alone: every live member it waits for is
+        in (or its deadline passed), with fewer than :meth:`quorum` updates."""
         if self.closing or not self.acked or len(self.acked) >= self.quorum():
             return False
         deadline = self.deadline
@@ -345,8 +316,7 @@ class RoundPolicy:
         return float(samples)
 
     def fraction(self, samples: int) -> float:
-        """How much of an outer step a round's ``samples`` make (Delayed Nesterov's clock): a
-        barrier round is always a whole one."""
+        """How much of an outer step ``samples`` make (Delayed Nesterov's clock): a barrier round is one."""
         return math.inf
 
     # ---- reading -------------------------------------------------------------------------
@@ -365,8 +335,6 @@ class BarrierPolicy(RoundPolicy):
     """Deadline barrier: every live peer, or those in once the deadline passed; never fewer
     updates than the merge floor (``min_merge_peers``)."""
 
-    name = "barrier"
-
     def decide(self, now: float) -> Close | None:
         """Close the open round if it is complete, or overdue with a quorum; else wait."""
         if self.closing or not self.acked:
@@ -381,10 +349,8 @@ class BarrierPolicy(RoundPolicy):
 
 
 class SamplesPolicy(RoundPolicy):
-    """A round closes on a global sample count: due once the live peers' reported samples
-    reach ``round_samples``, closed once everyone who reported samples has sent them."""
-
-    name = "samples"
+    """Due once the live peers' reported samples reach ``round_samples``; closed once everyone
+    who reported samples has sent them."""
 
     def __init__(self, *, round_samples: int, **common: Any) -> None:
         super().__init__(**common)
@@ -430,8 +396,6 @@ class AsyncPolicy(RoundPolicy):
     """No barrier: each update is applied as soon as it is acknowledged, discounted by its
     staleness; ``round_samples`` is the size of a whole outer step in samples."""
 
-    name = "async"
-
     def __init__(self, *, round_samples: int, max_staleness: int, **common: Any) -> None:
         super().__init__(**common)
         if round_samples < 1 or max_staleness < 0:
@@ -468,8 +432,8 @@ class AsyncPolicy(RoundPolicy):
         return samples * (1.0 + late) ** -STALENESS_EXPONENT
 
     def total(self, samples: int) -> float:
-        """``round_samples``, or more when the updates hold more: an update of ``round_samples``
-        samples moves the model by its whole (discounted) delta, a smaller one by its share."""
+        """``round_samples``, or more: an update of ``round_samples`` samples moves the model by its
+        whole (discounted) delta, a smaller one by its share."""
         return float(max(self.round_samples, samples))
 
     def fraction(self, samples: int) -> float:

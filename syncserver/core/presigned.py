@@ -1,43 +1,24 @@
 """Updates that peers upload straight to the object store (``SYNC_STORE``), through presigned
-part URLs the hub hands out for exactly one key.
+part URLs the hub hands out for one key (routes ``.../presign`` and ``.../uploaded``; the flow,
+step by step: docs/object-store.md, "How an update goes").
 
-The flow (routes: ``POST .../updates/{peer}/presign`` and ``.../uploaded``)::
+Invariants a change must keep:
 
-    presign(key, size)  -> the size under the run's limit? then, under the peer's lock: the
-                           round takes it? no update of this peer's acknowledged for it? then
-                           a multipart upload of an object named for this attempt alone
-                           (:func:`~syncserver.storage.bucket.update_name`), a presigned PUT
-                           per part (asked again for the same key: the same upload, URLs for
-                           the parts the store lacks)
-    the peer PUTs the parts to the store (the hub sees none of those bytes)
-    uploaded(key, size, digest, etags)
-                        -> under the peer's lock: the store holds every part with the ETag the
-                           peer says; complete the upload (one object, at once); the object's
-                           size is the declared one; the body passes every check a PUT body
-                           passes (:func:`~syncserver.reduce.check.check_update`, fed by one
-                           streaming GET); its sha-256 is the declared one; then the same
-                           admission and record as a PUT (:meth:`Rounds.commit_object`), the
-                           record naming the object
-
-An acknowledged object is immutable by construction, not by the order of two checks: its name
-is this attempt's own (no other upload, a retry of the same key included, is ever opened at
-it), its upload is completed (its part URLs are dead), and the record names it; no clean-up
-here deletes a name a record holds (:meth:`PresignedUploads._drop`). Every check of what can
-change while a request waits (the round, an acknowledgement, the open upload) is made under
-the peer's lock, which ``uploaded`` holds from the report to the acknowledgement; so a retried
-``uploaded`` waits for the first and then gets its acknowledgement.
-
-Anything refused (a lie about the size, the digest or the parts; a body that fails a check; the
-round closed meanwhile) is a 4xx with its reason, and the object is deleted: nothing is
-recorded, the round is unchanged. A store that fails (or hangs past
-``SYNC_STORE_CONTROL_SECONDS``) is a 503 ``store_unavailable``: the peer PUTs its update to the
-hub instead, and the store is left alone for a while. The open uploads are kept in memory only:
-a restarted hub aborts every multipart upload no record names, and a peer that reports one gets
-409 ``upload_unknown`` and uploads again, under a new name.
-
-With reducers too (``SYNC_REDUCERS``), a reducer may check the body instead of the hub
-(:meth:`Reducers.check <syncserver.core.workers.Reducers.check>`): no reducer's word alone ever
-refuses a peer.
+- An acknowledged object is immutable by construction: its name is this attempt's own
+  (:func:`~syncserver.storage.bucket.update_name`: no other upload, a retry included, is opened
+  at it), its upload is completed (its part URLs are dead), and no clean-up here deletes a name
+  a record holds (:meth:`PresignedUploads._drop`).
+- Every check of what can change while a request waits (the round, an acknowledgement, the open
+  upload) is made under the peer's lock, which ``uploaded`` holds from the report to the
+  acknowledgement: a retried ``uploaded`` waits for the first and gets its acknowledgement.
+- Anything refused (a lie about size, digest or parts; a body failing a check; the round closed)
+  is a 4xx with its reason and the object deleted, nothing recorded. A store that fails (or hangs
+  past ``SYNC_STORE_CONTROL_SECONDS``) is 503 ``store_unavailable``: the peer PUTs to the hub.
+- Open uploads live in memory only: after a restart the hub aborts every multipart upload no
+  record names, and a peer that reports one gets 409 ``upload_unknown`` and uploads anew.
+- With reducers (``SYNC_REDUCERS``) one may check the body instead of the hub
+  (:meth:`Reducers.check <syncserver.core.workers.Reducers.check>`); no reducer's word alone
+  ever refuses a peer.
 """
 
 from __future__ import annotations
@@ -82,9 +63,9 @@ ATTEMPT_BYTES = 8
 
 @dataclass(frozen=True)
 class Plan:
-    """Where an update goes: ``object`` (its name in the store), the multipart upload, parts of
-    ``part_size`` bytes (the last one shorter), a presigned PUT for each part the store lacks
-    (``urls``) and the ETags of those it holds (``done``); the URLs expire at ``expires`` (unix time)."""
+    """Where an update goes: ``object`` (its name), the multipart upload, parts of ``part_size``
+    bytes (the last shorter), a presigned PUT per part the store lacks (``urls``), the ETags of
+    those it holds (``done``); the URLs expire at ``expires`` (unix time)."""
 
     object: str
     upload_id: str
@@ -142,11 +123,8 @@ class PresignedUploads:
 
     async def presign(self, run: Run, round_: int, peer: str, key: str, size: int) -> Plan:
         """URLs to upload an update of ``size`` bytes computed from version ``round_`` (named by
-        the peer's ``key``). Every refusal comes before any URL is made.
-
-        Everything that can change while the request waits (the round, an acknowledgement of
-        this peer's, the open upload) is checked under the peer's lock, which ``uploaded`` holds
-        from its report to its acknowledgement: a presign racing an acknowledgement sees it."""
+        the peer's ``key``), every refusal before any URL (under the peer's lock: a presign racing
+        an acknowledgement sees it)."""
         bucket = self.plane.uploads_to(run)
         assert run.shape is not None
         if size > run.shape.max_update_bytes:
@@ -173,8 +151,7 @@ class PresignedUploads:
                 await self._drop(run, opened)
                 opened = None
             if opened is None:
-                # a name of this attempt's own: no other upload, of this peer or any, ever
-                # writes it, so the object the acknowledgement records is the one checked
+                # this attempt's own name: the object the acknowledgement records is the one checked
                 name = update_name(run.name, round_, peer, key, secrets.token_hex(ATTEMPT_BYTES))
                 upload_id = await self._store(run, objects.create_multipart, name)
                 opened = _Open(round_, key, name, upload_id, size, objects.part_size(size, PART_BYTES))
@@ -232,13 +209,7 @@ class PresignedUploads:
         if info.size != size:
             raise BadRequest(f"the object holds {info.size} bytes, not the {size} declared")
         assert run.shape is not None and run.schema is not None
-        rules = UpdateRules(
-            run.shape.layout,
-            run.schema,
-            run.codec,
-            run.shape.max_update_bytes,
-            bool(run.config.norm_guard or run.codec.check_on_receipt),
-        )
+        rules = UpdateRules(run.shape.layout, run.schema, run.codec, run.shape.max_update_bytes, run.checks_norm)
         checked = await self._check(run, opened, peer, digest, rules)
         if checked.digest != digest:
             raise BadRequest(f"body digest sha-256 {checked.digest} does not match the declared {digest}")
@@ -248,8 +219,7 @@ class PresignedUploads:
         return await self.rounds.commit_object(run, ticket, opened.name, checked.nbytes, seconds, checked.norm)
 
     async def _check(self, run: Run, opened: _Open, peer: str, digest: str, rules: UpdateRules) -> Checked:
-        """The body's check: the workers', or the hub's own (one GET, closed as soon as the
-        check stops reading)."""
+        """The body's check: the workers', or the hub's own (one GET, closed once the check stops)."""
         job = CheckJob(
             lease="",
             run=run.name,
@@ -270,11 +240,9 @@ class PresignedUploads:
         return await self.workers.check(job, functools.partial(self._store, run, check))
 
     async def _drop(self, run: Run, opened: _Open) -> None:
-        """Delete an upload's object and parts (a store that fails leaves them for the next
-        start). Never an object a record names: a request cancelled after its acknowledgement
-        was recorded (the peer went away) keeps what it acknowledged."""
+        """Delete an upload's object and parts (a store that fails leaves them for the next start);
+        never an object a record names (a request cancelled after its acknowledgement keeps it)."""
         keep = self.rounds.store.names_update_object(run.name, opened.name)
-
         objects = self.plane.uploads_to(run).objects
 
         def drop() -> None:

@@ -1,5 +1,5 @@
-"""What the hub holds in memory of a run. Plain data: the coordinator changes it on the
-event loop thread, the run view (:mod:`syncserver.core.view`) reads it."""
+"""What the hub holds in memory of a run: plain data the coordinator changes on the event loop
+thread and the run view (:mod:`syncserver.core.view`) reads."""
 
 from __future__ import annotations
 
@@ -58,10 +58,8 @@ Via = Literal["hub", "store"]
 
 @dataclass
 class Traffic:
-    """A run's bytes since the hub started, by direction and way: acknowledged updates up
-    (a PUT to the hub, or presigned parts to the store), results and versions down (served by
-    the hub, or a 307 to the store). What /metrics counts as ``weightsync_{upload,download}_bytes``,
-    for the run view: with a store, the operator sees what still crosses the hub's link."""
+    """A run's bytes since the hub started: acknowledged updates up, results and versions down, by
+    way (/metrics' ``weightsync_{upload,download}_bytes``: what still crosses the hub's link)."""
 
     up: dict[Via, int] = field(default_factory=lambda: {"hub": 0, "store": 0})
     down: dict[Via, int] = field(default_factory=lambda: {"hub": 0, "store": 0})
@@ -134,10 +132,24 @@ class Run:
         return self.policy.closing
 
     @property
+    def checks_norm(self) -> bool:
+        """An update's norm is taken on receipt: for the norm guard, or to decode once a codec whose
+        decoder can refuse well-formed, finite parts (topk's offsets: a 422 now, not a failed fold)."""
+        return bool(self.config.norm_guard or self.codec.check_on_receipt)
+
+    @property
     def keep_results(self) -> int | None:
         """Round results to keep beyond the versions: an async peer fetches every result since
         its base, up to ``max_staleness`` of them."""
         return self.config.max_staleness + 1 if self.config.policy == "async" else None
+
+    def ordered(self) -> list[UpdateRecord]:
+        """The open round's acknowledged updates, in acknowledgement order."""
+        return sorted(self.acked.values(), key=lambda u: u.seq)
+
+    def weight(self, update: UpdateRecord) -> float:
+        """``update``'s weight in its round's merge (the policy's)."""
+        return self.policy.weight(update.samples, update.base, update.round)
 
     def world_size(self) -> int:
         ranks = [p.rank for p in self.peers.values() if p.rank is not None]

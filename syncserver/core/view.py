@@ -1,11 +1,9 @@
 """The read-only view of a hub's runs: what status, the dashboard and the metrics read.
 
-The coordinator tells the view of every change (:meth:`HubView.changed`) and of the events
-the metrics count (an acknowledged update, a closed round, a finished download); the view
-wakes whoever waits for a change (the dashboard's long poll) and calls its listeners. Readers
-never touch the coordinator, its policies, its locks or the store: the view answers in its own
-plain data (:class:`RunLine`, :class:`RunState`, and the records of :mod:`syncserver.records`), which
-the HTTP layer turns into response models.
+The coordinator tells it of every change (:meth:`HubView.changed`: it wakes the long polls) and of
+the events the metrics count (its listeners). Readers never touch the coordinator, its policies,
+locks or store: the view answers in plain data (:class:`RunLine`, :class:`RunState`, the records
+of :mod:`syncserver.records`), which the HTTP layer turns into response models.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -187,10 +186,8 @@ class HubView:
         return self._store.round_metrics(run, limit=limit)
 
     def peer_states(self, run: Run) -> dict[PeerState, int]:
-        states = {state: 0 for state in PeerState}
-        for name in run.peers:
-            states[run.policy.state(name)] += 1
-        return states
+        counts = Counter(run.policy.state(name) for name in run.peers)
+        return {state: counts[state] for state in PeerState}
 
     def facts(self) -> list[RunFacts]:
         return [
