@@ -103,7 +103,6 @@ class _Batch:
     waits on it) goes first and is given back rather than worked by the hub or offered a fourth time."""
 
     run: str
-    round: int
     urgent: bool = False
     work: list[_Work] = field(default_factory=list)
     offered: float = field(default_factory=time.monotonic)  # when its work was last put on offer
@@ -161,11 +160,7 @@ class Board:
         self._waiting[reducer] += 1
         try:  # looked at every AFFINITY_SECONDS / 4 too: a holder that goes quiet frees its leases
             await until(
-                lambda: self._next(reducer) is not None,
-                self._offered,
-                wait,
-                lambda: self._stopping,
-                every=AFFINITY_SECONDS / 4,
+                lambda: self._stopping or bool(self._next(reducer)), self._offered, wait, every=AFFINITY_SECONDS / 4
             )
         finally:
             self._waiting -= Counter({reducer: 1})  # drops it at zero
@@ -259,11 +254,10 @@ class Board:
         peer went away): withdrawn from the board."""
         if not self._alive(time.monotonic()):
             return None
-        batch = _Batch(job.run, job.round, urgent=True)
+        batch = _Batch(job.run, urgent=True)
         batch.work = [_Work(job, batch)]
-        if not await self._settled(batch):
-            return None
-        report = batch.work[0].report
+        await self._settled(batch)
+        report = batch.work[0].report  # None: given back
         return report if isinstance(report, CheckReport) else None
 
     async def run(
@@ -272,7 +266,7 @@ class Board:
         """Offer these leases and wait until every one is done; their reports, in order.
         ``prefer``: per lease, the reducer it is offered to first (it holds the lease's slices of
         the round's mean). Raises what a lease reported (:class:`NonFinite`, :class:`LeaseFailed`)."""
-        batch = _Batch(run, round_)
+        batch = _Batch(run)
         batch.work = [
             _Work(job.model_copy(update={"run": run, "round": round_}), batch, prefer=who)
             for job, who in zip(offered, prefer or [None] * len(offered), strict=True)
@@ -280,9 +274,9 @@ class Board:
         await self._settled(batch)
         return [w.report for w in batch.work if isinstance(w.report, Done)]
 
-    async def _settled(self, batch: _Batch) -> bool:
-        """Offer ``batch``'s work and wait until all of it is reported: True; False when urgent
-        work is given back (no reducer alive, or expired :data:`CHECK_TRIES` times). An expired
+    async def _settled(self, batch: _Batch) -> None:
+        """Offer ``batch``'s work and wait until all of it is reported, or urgent work is given back
+        unreported (no reducer alive, or expired :data:`CHECK_TRIES` times). An expired
         lease is offered again, first in line; with no reducer for a lease length since the work
         was offered (a check: since it was offered again) the hub works the rest itself, so dead
         reducers cost a merge one lease length. Raises what a report said failed; either way, or
@@ -298,7 +292,7 @@ class Board:
                     self._expire(w)
                 batch.expired += len(late)
                 if batch.urgent and batch.expired >= CHECK_TRIES:
-                    return False
+                    return
                 if late:
                     self._queue.extendleft(reversed(late))
                     self._offered.notify()
@@ -307,7 +301,7 @@ class Board:
                 offered = any(w.batch is batch for w in self._queue)
                 if offered and not self._alive(now, since=batch.offered):
                     if batch.urgent:
-                        return False
+                        return
                     await self._work_here(batch)
                     continue
                 deadlines = [w.deadline for w in batch.work if w.holder is not None]
@@ -316,7 +310,6 @@ class Board:
                 await batch.changed.wait(max(0.01, min(deadlines) - now) if deadlines else None)
             if batch.failure is not None:
                 raise batch.failure
-            return True
         finally:
             self._queue = deque(w for w in self._queue if w.batch is not batch)
             for w in batch.work:

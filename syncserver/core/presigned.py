@@ -29,6 +29,7 @@ import functools
 import logging
 import secrets
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,7 +120,7 @@ class PresignedUploads:
         self.workers = workers  # who checks the bodies
         self.scratch = scratch  # where a check that takes a norm spools the body (the hub's tmp/)
         self._open: dict[tuple[str, str], _Open] = {}
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
 
     async def presign(self, run: Run, round_: int, peer: str, key: str, size: int) -> Plan:
         """URLs to upload an update of ``size`` bytes computed from version ``round_`` (named by
@@ -130,7 +131,7 @@ class PresignedUploads:
         if size > run.shape.max_update_bytes:
             raise PayloadTooLarge(f"body of {size} bytes is over the {run.shape.max_update_bytes}-byte limit")
         objects = bucket.objects
-        async with self._lock(run.name, peer):
+        async with self._locks[run.name, peer]:
             await self.rounds.check_open(run, round_)
             if self.rounds.store.update_from(run.name, peer, round_) is not None:
                 raise Conflict(
@@ -157,18 +158,15 @@ class PresignedUploads:
                 opened = _Open(round_, key, name, upload_id, size, objects.part_size(size, PART_BYTES))
                 self._open[run.name, peer] = opened
         expires = time.time() + objects.url_seconds
-        urls = {
-            n: objects.presign_part(opened.name, opened.upload_id, n)
-            for n in range(1, opened.parts + 1)
-            if n not in done
-        }
+        lacking = (n for n in range(1, opened.parts + 1) if n not in done)
+        urls = {n: objects.presign_part(opened.name, opened.upload_id, n) for n in lacking}
         return Plan(opened.name, opened.upload_id, size, opened.part_size, urls, done, expires)
 
     async def uploaded(self, run: Run, round_: int, peer: str, report: UploadReport) -> Acknowledgement:
         """The peer says it uploaded every part of ``key``'s upload: complete, check, acknowledge
         (see the module docstring). The same update acknowledged before: its acknowledgement."""
         self.plane.uploads_to(run)
-        async with self._lock(run.name, peer):
+        async with self._locks[run.name, peer]:
             opened = self._open.get((run.name, peer))
             if opened is None or (opened.round, opened.key) != (round_, report.key):
                 repeat = self.rounds.acknowledged(run, round_, peer, report.digest)
@@ -210,16 +208,6 @@ class PresignedUploads:
             raise BadRequest(f"the object holds {info.size} bytes, not the {size} declared")
         assert run.shape is not None and run.schema is not None
         rules = UpdateRules(run.shape.layout, run.schema, run.codec, run.shape.max_update_bytes, run.checks_norm)
-        checked = await self._check(run, opened, peer, digest, rules)
-        if checked.digest != digest:
-            raise BadRequest(f"body digest sha-256 {checked.digest} does not match the declared {digest}")
-        ticket = Ticket(
-            run.name, opened.round, peer, digest, report.samples, report.metrics, size, _no_body, final=report.final
-        )
-        return await self.rounds.commit_object(run, ticket, opened.name, checked.nbytes, seconds, checked.norm)
-
-    async def _check(self, run: Run, opened: _Open, peer: str, digest: str, rules: UpdateRules) -> Checked:
-        """The body's check: the workers', or the hub's own (one GET, closed once the check stops)."""
         job = CheckJob(
             lease="",
             run=run.name,
@@ -231,13 +219,18 @@ class PresignedUploads:
             digest=digest,
             rules=CheckRules.of(rules),
         )
-        objects = self.plane.uploads_to(run).objects
 
-        def check() -> Checked:
+        def check() -> Checked:  # the hub's own: one GET, closed once the check stops reading
             with contextlib.closing(objects.stream(opened.name)) as chunks:
                 return check_update(chunks, rules, spool=self.scratch)
 
-        return await self.workers.check(job, functools.partial(self._store, run, check))
+        checked = await self.workers.check(job, functools.partial(self._store, run, check))
+        if checked.digest != digest:
+            raise BadRequest(f"body digest sha-256 {checked.digest} does not match the declared {digest}")
+        ticket = Ticket(
+            run.name, opened.round, peer, digest, report.samples, report.metrics, size, _no_body, final=report.final
+        )
+        return await self.rounds.commit_object(run, ticket, opened.name, checked.nbytes, seconds, checked.norm)
 
     async def _drop(self, run: Run, opened: _Open) -> None:
         """Delete an upload's object and parts (a store that fails leaves them for the next start);
@@ -266,9 +259,6 @@ class PresignedUploads:
         except StoreError as exc:
             self.plane.uploads_to(run).failed(run.name, f"an update upload: {exc}")
             raise StoreDown(f"the object store failed ({exc}): PUT the update to the hub") from None
-
-    def _lock(self, run: str, peer: str) -> asyncio.Lock:
-        return self._locks.setdefault((run, peer), asyncio.Lock())
 
 
 def _no_body(infos: dict[str, TensorInfo]) -> None:
