@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,7 +25,6 @@ from anyio import to_thread
 
 from syncserver.core.changes import until
 from syncserver.core.planes import LocalPlane, Redirect
-from syncserver.core.policy import SamplesPolicy
 from syncserver.core.presigned import PresignedUploads
 from syncserver.core.quotas import check_new_peer, check_new_run
 from syncserver.core.rounds import InitialVersion, Rounds, Ticket
@@ -273,12 +272,12 @@ class Coordinator:
             uploads=self.plane.uploads,
         )
 
-    def _poll(self, wait: float) -> float:
-        """A long poll's seconds: what the client asked, at most ``SYNC_LONG_POLL_SECONDS``."""
-        return min(wait, self.settings.long_poll_seconds)
-
-    def _stopping(self) -> bool:
-        return self.view.stopping
+    async def _wait(
+        self, ready: Callable[[], bool], run: Run, wait: float, also: asyncio.Future[Any] | None = None
+    ) -> bool:
+        """A long poll on ``run``: at most what the client asked and ``SYNC_LONG_POLL_SECONDS``."""
+        seconds = min(wait, self.settings.long_poll_seconds)
+        return await until(ready, run.changed, seconds, lambda: self.view.stopping, also)
 
     async def wait_start(self, run_name: str, peer_name: str, wait: float) -> Start:
         """Long poll until the peer may start (or must initialise); at most ``wait`` seconds."""
@@ -287,7 +286,7 @@ class Coordinator:
         def state() -> Start:
             return self._start_state(run, self.member(run, peer_name))
 
-        await until(lambda: state().state != "waiting", run.changed, self._poll(wait), self._stopping)
+        await self._wait(lambda: state().state != "waiting", run, wait)
         return state()
 
     async def commit_init(self, ticket: Ticket, received: Received) -> InitialVersion:
@@ -314,20 +313,15 @@ class Coordinator:
         if run.policy.due != was_due:
             log.info("round_due run=%s round=%d samples=%d", run.name, run.version, run.policy.round_total())
             self.view.changed(run)
-        samples_run = isinstance(run.policy, SamplesPolicy)
-        await until(
-            lambda: not samples_run or run.policy.due or run.version != round_,
-            run.changed,
-            self._poll(wait),
-            self._stopping,
-        )
+        samples = run.config.policy == "samples"
+        await self._wait(lambda: not samples or run.policy.due or run.version != round_, run, wait)
         closed = run.version > round_ and run.config.policy != "async"
         return RoundProgress(
             round=round_,
             version=run.version,
             due=run.policy.due or closed,
             samples=run.policy.round_total(),
-            target=run.config.round_samples if run.config.policy == "samples" else None,
+            target=run.config.round_samples if samples else None,
         )
 
     # ---- liveness ------------------------------------------------------------------------
@@ -344,9 +338,8 @@ class Coordinator:
         run.policy.watch(peer_name, now())
         lost = asyncio.ensure_future(dropped)
         try:
-            seconds = min(self._poll(wait), self.settings.lease_seconds / 3)
-            members = run.policy.members
-            await until(lambda: lost.done() or members[peer_name].left, run.changed, seconds, self._stopping, lost)
+            seconds = min(wait, self.settings.lease_seconds / 3)
+            await self._wait(lambda: lost.done() or run.policy.members[peer_name].left, run, seconds, lost)
         finally:
             closed = lost.done()
             lost.cancel()
@@ -382,7 +375,7 @@ class Coordinator:
                 self.member(run, peer_name)  # a peer gone meanwhile stops waiting
             return round_ != run.version or run.version < 0
 
-        if not await until(ended, run.changed, self._poll(wait), self._stopping):
+        if not await self._wait(ended, run, wait):
             return None
         if round_ > run.version or run.version < 0:
             raise Conflict(
@@ -401,11 +394,9 @@ class Coordinator:
         if run.version < 0:
             raise Conflict(f"run {run_name!r} has no version 0 yet", current_version=-1)
         while True:
-            version = run.version
+            key = VersionKey(run.name, run.version)
             try:
-                return version, await self.plane.serve(
-                    run, VersionKey(run.name, version), direct=direct, peer=peer_name
-                )
+                return key.number, await self.plane.serve(run, key, direct=direct, peer=peer_name)
             except Missing:
                 await self.workers.written(run)
 
@@ -423,9 +414,8 @@ class Coordinator:
         """A peer has received round ``round_``'s whole result (the hub's response sent, or the peer
         reported a download from the store): its round's last phase, for the timeline and metrics."""
         run = self.runs.get(run_name)
-        if run is None or peer_name not in run.peers:
+        if run is None or peer_name is None or peer_name not in run.peers:
             return
-        assert peer_name is not None
         ended = time.time()
         run.downloads.setdefault(round_, {})[peer_name] = (began, ended)
         while len(run.downloads) > DOWNLOADS_KEPT:
