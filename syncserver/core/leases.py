@@ -1,17 +1,14 @@
 """The hub's board of **work leases** (no HTTP: :mod:`syncserver.api.reduce` translates), units of
 work that reducers (``SYNC_REDUCERS``) take, renew and report; "lease" alone is a peer's liveness.
 
-One record (:class:`_Work`, worked by :data:`~syncserver.reduce.lease.KINDS`), one queue, one
-expiry. Work comes in batches that one caller awaits: a merge cut into at most K spans
-(:func:`merge_leased`), a fold step (:class:`FoldAhead`), a version's build (:func:`build_leased`),
-or one uploaded body's check (:meth:`Board.check`), which goes first: a peer waits on it. A lease
-not renewed within ``SYNC_REDUCE_LEASE_SECONDS`` is offered again, first, under a new id (its
-slices are redone to the same bits; the old id's report is :class:`~syncserver.errors.LeaseLost`).
-With no reducer for a lease length the hub works the slice leases itself, by the same table, and
-gives a check back to its caller (as after :data:`CHECK_TRIES` expiries). A lease that reports
-the round not finite raises :class:`~syncserver.reduce.engine.NonFinite` (:mod:`syncserver.core.finite`);
-any other failure fails the close, tried again later. docs/object-store.md and docs/RELIABILITY.md
-tell the rest.
+One record (:class:`_Work`), one queue, one expiry, for every kind of work
+(:data:`~syncserver.reduce.lease.KINDS`): a merge cut into at most K spans (:func:`merge_leased`),
+a fold step (:class:`FoldAhead`), a version's build (:func:`build_leased`), an uploaded body's
+check (:meth:`Board.check`, first in line: a peer waits on it). A lease not renewed within
+``SYNC_REDUCE_LEASE_SECONDS`` is offered again, first, under a new id (redone to the same bits; the
+old id's report is :class:`~syncserver.errors.LeaseLost`). With no reducer for a lease length the
+hub works the slice leases itself and gives a check back to its caller. docs/object-store.md and
+docs/RELIABILITY.md tell the rest.
 """
 
 from __future__ import annotations

@@ -52,7 +52,6 @@ class LocalPlane:
         self.store = store
         self.keep_versions = keep_versions
         self.url: str | None = None  # the bucket as status and the dashboard show it (no credential)
-        self.objects: ObjectStore | None = None  # where the engine and the reducers read what lives in the bucket
         self.reads: Callable[[], int] | None = None  # bytes the hub read from the bucket (/metrics)
         self.stored: list[Callable[[str, int], None]] = []  # told of each upload of the hub's: (run, bytes)
 
@@ -86,7 +85,7 @@ class LocalPlane:
         self.store.prune(run.name, version, self.keep_versions, run.keep_results)
 
     def close(self) -> None:
-        pass
+        """Release what the plane holds (the bucket's connections)."""
 
 
 class BucketPlane(LocalPlane):
@@ -94,7 +93,6 @@ class BucketPlane(LocalPlane):
     the store's requests go to worker threads."""
 
     uploads: Via = "store"
-    objects: ObjectStore
 
     def __init__(self, store: Store, keep_versions: int, objects: ObjectStore) -> None:
         super().__init__(store, keep_versions)

@@ -3,18 +3,9 @@
 Pure decisions: no I/O, HTTP, clock (each event carries ``now``, monotonic seconds) or tensors. The
 coordinator feeds a policy a run's events (a peer joins, is seen, reports progress, leaves; an
 update is acknowledged or refused; time passes) and carries out its answers (:class:`Admit`,
-:class:`Close`, :class:`Place`). One per run (``policy``; docs/concepts/rounds.md tells each):
-
-- :class:`BarrierPolicy` (``barrier``, the default): round v closes once every live peer waited
-  for in v is in, or at its deadline (``round_timeout`` after its first acknowledgement); the live
-  peers not in are dropped (they catch up).
-- :class:`SamplesPolicy` (``samples``, hivemind's ``target_batch_size``): *due* once the live
-  peers' reported samples reach ``round_samples``; every peer then sends what it has, and the
-  round closes when every live peer that reported samples is in (or ``round_timeout`` after due).
-- :class:`AsyncPolicy` (``async``, FedAsync / FedBuff with a buffer of one): each update goes into
-  the open version as it is acknowledged, weighted by its samples and ``(1 + late) ** -0.5``,
-  *late* the whole outer steps beyond the first since its base (with N equal peers every update
-  is N - 1 versions old, under a step: not discounted); one over ``max_staleness`` old is refused.
+:class:`Close`, :class:`Place`). One per run, docs/concepts/rounds.md tells each and why:
+:class:`BarrierPolicy` (``barrier``), :class:`SamplesPolicy` (``samples``, hivemind's
+``target_batch_size``), :class:`AsyncPolicy` (``async``, FedAsync / FedBuff with a buffer of one).
 
 Every round needs ``min_merge_peers`` updates (torchft's ``min_replica_size``,
 :meth:`RoundPolicy.quorum`). A peer is live while its lease is fresh (any request: ``seen``) and,
@@ -423,8 +414,9 @@ class AsyncPolicy(RoundPolicy):
         return False  # each update is applied alone: there is no floor to wait on
 
     def weight(self, samples: int, base: int, round_: int) -> float:
-        """``samples * (1 + late) ** -0.5``, ``late`` the outer steps beyond the first applied
-        since its base (see the module docstring): a stale update counts less, never nothing."""
+        """``samples * (1 + late) ** -0.5``, ``late`` the whole outer steps beyond the first applied
+        since its base (with N equal peers every update is N - 1 versions old, under a step: not
+        discounted; docs/concepts/rounds.md): a stale update counts less, never nothing."""
         staleness = round_ - base
         if staleness < 0:
             raise ValueError(f"an update from version {base} cannot go into round {round_}")
@@ -444,25 +436,8 @@ class AsyncPolicy(RoundPolicy):
         return PeerState.LIVE if state is PeerState.LATE else state  # nobody is late without rounds
 
 
-def make_policy(
-    name: str,
-    *,
-    round_timeout: float,
-    lease_seconds: float,
-    round_samples: int | None,
-    max_staleness: int,
-    disconnect_grace: float,
-    min_merge_peers: int = 1,
-    round_: int = -1,
-) -> RoundPolicy:
-    """The policy a run's config names."""
-    common: dict[str, Any] = {
-        "round_timeout": round_timeout,
-        "lease_seconds": lease_seconds,
-        "min_merge_peers": min_merge_peers,
-        "disconnect_grace": disconnect_grace,
-        "round_": round_,
-    }
+def make_policy(name: str, *, round_samples: int | None, max_staleness: int, **common: Any) -> RoundPolicy:
+    """The policy a run's config names; ``common``: :class:`RoundPolicy`'s keywords."""
     if name == "barrier":
         return BarrierPolicy(**common)
     if round_samples is None:

@@ -1,24 +1,17 @@
 """Updates that peers upload straight to the object store (``SYNC_STORE``), through presigned
-part URLs the hub hands out for one key (routes ``.../presign`` and ``.../uploaded``; the flow,
-step by step: docs/object-store.md, "How an update goes").
-
-Invariants a change must keep:
+part URLs for one key (routes ``.../presign`` and ``.../uploaded``; docs/object-store.md, "How an
+update goes"). Invariants a change must keep:
 
 - An acknowledged object is immutable by construction: its name is this attempt's own
-  (:func:`~syncserver.storage.bucket.update_name`: no other upload, a retry included, is opened
-  at it), its upload is completed (its part URLs are dead), and no clean-up here deletes a name
-  a record holds (:meth:`PresignedUploads._drop`).
+  (:func:`~syncserver.storage.bucket.update_name`), its upload is completed (its part URLs are
+  dead), and no clean-up here deletes a name a record holds (:meth:`PresignedUploads._drop`).
 - Every check of what can change while a request waits (the round, an acknowledgement, the open
-  upload) is made under the peer's lock, which ``uploaded`` holds from the report to the
-  acknowledgement: a retried ``uploaded`` waits for the first and gets its acknowledgement.
-- Anything refused (a lie about size, digest or parts; a body failing a check; the round closed)
-  is a 4xx with its reason and the object deleted, nothing recorded. A store that fails (or hangs
-  past ``SYNC_STORE_CONTROL_SECONDS``) is 503 ``store_unavailable``: the peer PUTs to the hub.
-- Open uploads live in memory only: after a restart the hub aborts every multipart upload no
-  record names, and a peer that reports one gets 409 ``upload_unknown`` and uploads anew.
-- With reducers (``SYNC_REDUCERS``) one may check the body instead of the hub
-  (:meth:`Reducers.check <syncserver.core.workers.Reducers.check>`); no reducer's word alone
-  ever refuses a peer.
+  upload) is made under the peer's lock, which ``uploaded`` holds until the acknowledgement.
+- A refusal is a 4xx with its reason, the object deleted, nothing recorded; a store that fails or
+  hangs past ``SYNC_STORE_CONTROL_SECONDS`` is 503 ``store_unavailable`` (the peer PUTs instead).
+- Open uploads live in memory only: a restarted hub aborts those no record names, and answers
+  their reports 409 ``upload_unknown``. No reducer's word alone ever refuses a peer
+  (:meth:`Reducers.check <syncserver.core.workers.Reducers.check>`).
 """
 
 from __future__ import annotations
@@ -135,8 +128,7 @@ class PresignedUploads:
             await self.rounds.check_open(run, round_)
             if self.rounds.store.update_from(run.name, peer, round_) is not None:
                 raise Conflict(
-                    f"peer {peer!r} already has an update acknowledged for round {round_}",
-                    current_version=run.version,
+                    f"peer {peer!r} already has an update acknowledged for round {round_}", current_version=run.version
                 )
             if not bucket.up:
                 raise StoreDown(f"the object store {bucket.url} is down: PUT the update to the hub")

@@ -28,14 +28,7 @@ from syncserver.core.shape import RunShape
 from syncserver.core.state import Run, Via, now
 from syncserver.core.view import HubView
 from syncserver.core.workers import Workers
-from syncserver.errors import (
-    BadRequest,
-    Conflict,
-    InvalidUpdate,
-    PoisonedUpdate,
-    RoundClosed,
-    StaleUpdate,
-)
+from syncserver.errors import BadRequest, Conflict, InvalidUpdate, PoisonedUpdate, RoundClosed, StaleUpdate
 from syncserver.limits import MAX_SAMPLES
 from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.reduce import aggregate

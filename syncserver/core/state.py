@@ -156,7 +156,6 @@ class Run:
         return max(ranks) + 1 if ranks else 0
 
     def record(self, peer: Peer) -> PeerRecord:
-        """The peer as stored."""
         member = self.policy.members[peer.name]
         return PeerRecord(peer.name, peer.rank, member.active_from, peer.joined, member.left, peer.group_size)
 

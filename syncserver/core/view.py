@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -25,15 +24,7 @@ from syncserver.errors import NotFound
 from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.storage.store import Store
 
-__all__ = [
-    "HubView",
-    "Listeners",
-    "OpenRoundState",
-    "PeerLine",
-    "RunFacts",
-    "RunLine",
-    "RunState",
-]
+__all__ = ["HubView", "Listeners", "OpenRoundState", "PeerLine", "RunFacts", "RunLine", "RunState"]
 
 
 @dataclass(frozen=True)
@@ -185,16 +176,12 @@ class HubView:
         """The latest ``limit`` updates of ``run``, oldest first (their metrics: status, the curves)."""
         return self._store.round_metrics(run, limit=limit)
 
-    def peer_states(self, run: Run) -> dict[PeerState, int]:
-        counts = Counter(run.policy.state(name) for name in run.peers)
-        return {state: counts[state] for state in PeerState}
-
     def facts(self) -> list[RunFacts]:
         return [
             RunFacts(
                 run.name,
                 run.version,
-                self.peer_states(run),
+                {state: sum(run.policy.state(name) is state for name in run.peers) for state in PeerState},
                 len(run.acked),
                 sum(p.bytes_up for p in run.peers.values()),
                 sum(p.bytes_down for p in run.peers.values()),

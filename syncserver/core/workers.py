@@ -1,15 +1,12 @@
 """Who does the tensor work (fold, merge, build versions, check bodies uploaded to the bucket),
 chosen once in :func:`~syncserver.api.factory.create_app`: the core never asks which it has.
 
-- :class:`Threads`: the hub's own threads fold each update as it is acknowledged, merge the rest
-  at the close, write each version's file after its commit and check uploaded bodies.
-- :class:`Reducers` (``SYNC_REDUCERS=K``): K reducer processes take the work as leases
-  (:mod:`syncserver.core.leases`), the same functions on the same files, so the same bits: they
-  fold ahead of the close, in their memory, share the merge and check bodies. They write the
-  hub's staged files, so they run on its machine; the hub's threads still write the versions.
-- :class:`BucketReducers` (with ``SYNC_STORE``): reducers on any machine, reading and writing the
-  bucket (results, DiLoCo's momentum, the hub's residual as parts the hub completes) and building
-  each version there after its commit: the hub's disk holds no version but the first.
+- :class:`Threads`: the hub's own threads (the hub checks uploaded bodies itself).
+- :class:`Reducers` (``SYNC_REDUCERS=K``): K reducer processes on the hub's machine take the work
+  as leases (:mod:`syncserver.core.leases`), the same functions on the same files, so the same
+  bits; they fold ahead of the close, in their memory. The hub's threads write the versions.
+- :class:`BucketReducers` (with ``SYNC_STORE``): reducers on any machine, through the bucket; they
+  build each version there after its commit, so the hub's disk holds no version but the first.
 
 Every mode writes the versions in one task per run after each commit, then prunes; a pull of a
 version not written yet waits for it.
@@ -131,7 +128,7 @@ class Threads(Workers):
                 if update.peer not in acc.folded:
                     key = UpdateKey.of(run.name, update)
                     # a first fold stops when the round closes: the merge then folds every update
-                    stop = (lambda: run.closing) if not acc.folded else None
+                    stop: Callable[[], bool] | None = (lambda: run.closing) if not acc.folded else None
                     fold = functools.partial(self.engine.fold, acc, key, run.weight(update), run.codec, stop=stop)
                     if not await to_thread.run_sync(fold):
                         return
@@ -194,11 +191,11 @@ class Reducers(Workers):
         the declared digest is taken; anything else, the hub checks the body itself, and a report
         its check contradicts counts as that reducer's failure (:meth:`Board.check_failed`)."""
         report = await self.board.check(job)
-        taken = accept(report, job) if report is not None else None
-        if taken is not None and taken.digest == job.digest:
-            return taken
         if report is None:
             return await own()
+        taken = accept(report, job)
+        if taken is not None and taken.digest == job.digest:
+            return taken
         try:
             mine = await own()
         except HubError as exc:
@@ -249,10 +246,6 @@ class BucketReducers(Reducers):
 
     plane: BucketPlane
 
-    def __init__(self, engine: MergeEngine, plane: BucketPlane, board: Board, count: int) -> None:
-        super().__init__(engine, plane, board, count)
-        self.built = functools.partial(build_leased, board, count)
-
     async def base(self, run: Run, v: int) -> None:
         """Version ``v`` has a copy in the bucket, where the reducers read it: they built it after the
         last commit (waited for here if still going), or the hub uploads it now (version 0).
@@ -275,7 +268,7 @@ class BucketReducers(Reducers):
         while first > 0 and self.store.stored_object(VersionKey(run.name, first)) is None:
             first -= 1
         for v in range(first, target):
-            record, peaks = await self.built(run.name, v, run.schema, run.codec)
+            record, peaks = await build_leased(self.board, self.count, run.name, v, run.schema, run.codec)
             self.store.record_object(record)
             run.peaks = (v + 1, peaks)  # exact: the next merge's bound
             log.info("version_built run=%s version=%d mb=%.1f by=reducers", run.name, v + 1, record.size / 1e6)
