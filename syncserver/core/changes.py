@@ -1,10 +1,7 @@
-"""Waiting for a change: the hub's one long poll.
-
-Every long poll of the hub (a peer waiting to start, for its round's result, for its round to
-be due, its watch; the dashboard) is the same loop: look at what it waits for, and if it is
-not there, sleep until something changes or the deadline passes, then look again. A
-:class:`Changes` is what changes wake; :func:`until` is the loop. :class:`Tasks` keeps the
-background work a request starts (a round's close, a version's file) until it is done.
+"""Waiting for a change: the hub's one long poll. Every long poll (a peer's start, result, due
+round and watch; a reducer's lease; the dashboard) is :func:`until`: look, and if what it waits
+for is not there, sleep until a :class:`Changes` wakes it or the deadline passes. :class:`Tasks`
+keeps the background work a request starts (a close, a version's file) until it is done.
 """
 
 from __future__ import annotations

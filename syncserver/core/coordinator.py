@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -115,9 +116,8 @@ class Coordinator:
         self._ticker = asyncio.create_task(self._tick_forever())
 
     def end_polls(self) -> None:
-        """The server is shutting down: every long poll answers now, as at its deadline (a server
-        waits for the requests in flight, and a poll would hold a restart ``long_poll_seconds``);
-        the clients ask again, as after any poll, and find the hub gone or back."""
+        """The server is shutting down: every long poll answers now, as at its deadline (a poll would
+        hold a restart ``long_poll_seconds``); the clients ask again and find the hub gone or back."""
         self.view.stopping = True
         for run in self.runs.values():
             run.changed.notify()
@@ -129,12 +129,12 @@ class Coordinator:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
-        await self.rounds.stop()
+        await self.rounds.tasks.stop()
         await self.workers.stop()
 
     async def _tick_forever(self) -> None:
-        """Tick every ``interval`` and at each live peer's lease end: a hung peer costs the
-        survivors its lease, not its lease and up to a tick more (bench/failures.py)."""
+        """Tick every ``interval`` and at each live lease's end: a hung peer costs the survivors its
+        lease, not a tick more (bench/failures.py)."""
         interval = min(0.5, self.settings.lease_seconds / 4)
         while True:
             ends = (run.policy.next_loss() for run in list(self.runs.values()))
@@ -185,14 +185,12 @@ class Coordinator:
     def join(
         self, run_name: str, peer_name: str, requested: dict[str, Any], *, group_size: int = 1, creator: str = "token"
     ) -> Start:
-        """Register a peer (again, after a crash: same name, same rank); what it must do next.
-        ``group_size``: its torch.distributed group's ranks (shown); ``creator``: the kind of token
-        that asks (:data:`syncserver.api.deps.Caller`), for the quotas."""
+        """Register a peer (again after a crash: same name, same rank); what it must do next.
+        ``group_size``: its torch group's ranks (shown); ``creator``: the token's kind, for quotas."""
         run = self.runs.get(run_name)
         if run is None:
-            check_new_run(
-                self.runs.values(), creator, requested.get("min_peers") or self.settings.min_peers, self.settings
-            )
+            min_peers = requested.get("min_peers") or self.settings.min_peers
+            check_new_run(self.runs.values(), creator, min_peers, self.settings)
             run = self._create(run_name, requested, creator)
         else:
             for key, value in requested.items():
@@ -246,24 +244,19 @@ class Coordinator:
         self.view.changed(run)
 
     def _start_state(self, run: Run, peer: Peer) -> Start:
-        lease = self.settings.lease_seconds
+        start = functools.partial(Start, run=run.name, peer=peer.name, lease_seconds=self.settings.lease_seconds)
         if run.version < 0:
             if run.init_claim is None or run.init_claim not in run.policy.live:
                 run.init_claim = peer.name
             if run.init_claim == peer.name:
-                return Start("initialise", run.name, peer.name, lease, config=run.config)
-            detail = f"waiting for {run.init_claim} to upload version 0"
-            return Start("waiting", run.name, peer.name, lease, detail=detail)
+                return start("initialise", config=run.config)
+            return start("waiting", detail=f"waiting for {run.init_claim} to upload version 0")
         if not run.sealed:
             joined = sum(not m.left for m in run.policy.members.values())
-            detail = f"{joined} of {run.config.min_peers} peers have joined"
-            return Start("waiting", run.name, peer.name, lease, detail=detail)
+            return start("waiting", detail=f"{joined} of {run.config.min_peers} peers have joined")
         assert run.shape is not None
-        return Start(
+        return start(
             "ready",
-            run.name,
-            peer.name,
-            lease,
             config=run.config,
             rank=peer.rank,
             world_size=run.world_size(),
@@ -301,9 +294,8 @@ class Coordinator:
 
     # ---- progress --------------------------------------------------------------------------
     async def progress(self, run_name: str, peer_name: str, round_: int, samples: int, wait: float) -> RoundProgress:
-        """A peer has trained ``samples`` samples since its update to round ``round_`` began (a
-        heartbeat too). In a samples run it may make the round due, and the answer is a long poll
-        (at most ``wait`` seconds) until the round is due or closed: ``due``, send the update now."""
+        """A peer trained ``samples`` since its update to round ``round_`` began (a heartbeat too). In
+        a samples run, a long poll until the round is due or closed: ``due``, send the update now."""
         run = self.run(run_name)
         peer = self.peer(run, peer_name)
         await self.rounds.check_open(run, round_)
@@ -328,10 +320,9 @@ class Coordinator:
     async def heartbeat(
         self, run_name: str, peer_name: str, wait: float = 0.0, dropped: Awaitable[object] | None = None
     ) -> int:
-        """Renew the peer's lease; the run's latest version (behind it, the peer should catch up).
-        With ``wait`` and ``dropped`` (done when the peer closes the connection) it is the peer's
-        *watch*: held until news (it left, the hub stops) or ``wait`` seconds (at most a third of
-        the lease: it asks again well within it). A watch that drops starts ``disconnect_grace``."""
+        """Renew the peer's lease; the run's latest version. With ``wait`` and ``dropped`` (done when
+        the peer closes the connection) it is the peer's *watch*, held until news or ``wait`` seconds
+        (a third of the lease at most: it asks again well within it); a drop starts the grace."""
         run = self.seen(run_name, peer_name)
         if wait <= 0 or dropped is None:
             return run.version
@@ -411,8 +402,8 @@ class Coordinator:
             run.peers[peer_name].bytes_down += nbytes
 
     def record_download(self, run_name: str, round_: int, peer_name: str | None, began: float) -> None:
-        """A peer has received round ``round_``'s whole result (the hub's response sent, or the peer
-        reported a download from the store): its round's last phase, for the timeline and metrics."""
+        """A peer has round ``round_``'s whole result (response sent, or a store download reported):
+        its round's last phase, for the timeline and metrics."""
         run = self.runs.get(run_name)
         if run is None or peer_name is None or peer_name not in run.peers:
             return

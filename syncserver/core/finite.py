@@ -1,12 +1,10 @@
 """Merging a round into finite weights, without the updates that would make them Inf.
 
-The running mean is finite whenever the updates are, but ``version v + decode(result)`` can still
-overflow float32 (updates near 1e38, an outer step that multiplies them, a codec rounding the
-largest float32 up to Inf). The merge checks that before anything is written; a round it refuses
-goes on without the update of largest magnitude, the others folded again in acknowledgement
-order, until the merge is finite: with every update left out the round changes nothing, so at
-most one merge per participant. Deterministic (ties go by peer name): a hub restarted mid-round
-closes it exactly as it would have.
+Finite updates can still overflow ``version v + decode(result)`` (updates near 1e38, an outer
+step that multiplies them, a codec rounding the largest float32 up to Inf). The merge checks that
+before anything is written; a refused round goes on without the update of largest magnitude, the
+others folded again in order, until it is finite (with every update out it changes nothing: at
+most one merge per participant). Ties go by peer name: a restarted hub closes it the same way.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from syncserver.storage.store import ObjectRecord, UpdateKey
 
 __all__ = ["Merged", "merge_finite"]
 
-#: A round's merge as done: the result's size, the records of the objects it wrote to the bucket
-#: and the reducers' bound on ``|version v+1|`` per tensor (none in process)
+#: A merge done: the result's size, the objects it wrote to the bucket, the reducers' bound on |v+1|
 Merged = tuple[int, list[ObjectRecord], dict[str, float]]
 
 log = logging.getLogger(__name__)

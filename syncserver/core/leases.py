@@ -67,8 +67,7 @@ HUB = "hub"
 LEASE_POLL_MAX = 60.0
 #: a check lease taken and lost this many times (reducers dying on that body?) is checked by the hub
 CHECK_TRIES = 3
-#: a lease over a mean's slices waits this long for the reducer that holds them (heard from
-#: within it, or holding a lease) before another takes it and folds those slices again
+#: a lease over a mean's slices waits this long for their holder before another folds them again
 AFFINITY_SECONDS = 2.0
 
 
@@ -246,9 +245,8 @@ class Board:
 
     # ---- the callers' side ---------------------------------------------------------------
     async def check(self, job: CheckJob) -> CheckReport | None:
-        """Have a reducer check an uploaded body: its report, or None when the hub must check it
-        itself (no reducer alive; or the lease lost :data:`CHECK_TRIES` times). Cancelled (the
-        peer went away): withdrawn from the board."""
+        """A reducer's report on an uploaded body, or None: the hub checks it itself (no reducer
+        alive, or the lease lost :data:`CHECK_TRIES` times). Cancelled: withdrawn from the board."""
         if not self._alive(time.monotonic()):
             return None
         batch = _Batch(job.run, urgent=True)
@@ -260,9 +258,8 @@ class Board:
     async def run(
         self, run: str, round_: int, offered: Sequence[WorkJob], prefer: Sequence[str | None] | None = None
     ) -> list[Done]:
-        """Offer these leases and wait until every one is done; their reports, in order.
-        ``prefer``: per lease, the reducer it is offered to first (it holds the lease's slices of
-        the round's mean). Raises what a lease reported (:class:`NonFinite`, :class:`LeaseFailed`)."""
+        """Offer these leases (each first to its ``prefer``: the reducer holding its slices of the
+        mean) and wait until all are done; their reports, in order, or what one raised."""
         batch = _Batch(run)
         batch.work = [
             _Work(job.model_copy(update={"run": run, "round": round_}), batch, prefer=who)
@@ -273,12 +270,11 @@ class Board:
 
     async def _settled(self, batch: _Batch) -> None:
         """Offer ``batch``'s work and wait until all of it is reported, or urgent work is given back
-        unreported (no reducer alive, or expired :data:`CHECK_TRIES` times). An expired
-        lease is offered again, first in line; with no reducer for a lease length since the work
-        was offered (a check: since it was offered again) the hub works the rest itself, so dead
-        reducers cost a merge one lease length. Raises what a report said failed; either way, or
-        cancelled, nothing of ``batch`` stays on the board. (Not :func:`until`: each look may
-        expire, offer or work leases, and the next wake is the nearest deadline.)"""
+        unreported (no reducer alive, or expired :data:`CHECK_TRIES` times). An expired lease is
+        offered again, first; with no reducer for a lease length since the work was (re)offered the
+        hub works the rest itself: dead reducers cost a merge one lease length. Raises what a report
+        said failed; nothing of ``batch`` stays on the board. (Not :func:`until`: a look may expire,
+        offer or work leases, and the next wake is the nearest deadline.)"""
         self._queue.extend(batch.work)
         self._offered.notify()
         try:
@@ -318,8 +314,8 @@ class Board:
         return bool(self._waiting or self._held) or now - max(self._active, since) <= self.lease_seconds
 
     async def _work_here(self, batch: _Batch) -> None:
-        """Work the batch's next lease on offer in the hub, as a reducer would (the same function,
-        the same files): rounds go on when every reducer is dead or none was started."""
+        """Work the batch's next lease on offer as a reducer would (the same function and files):
+        rounds go on with every reducer dead or none started."""
         work_ = next(w for w in self._queue if w.batch is batch)
         self._queue.remove(work_)
         job = work_.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
@@ -359,8 +355,8 @@ def _said(job: WorkJob) -> tuple[str, str, int, str]:
 
 
 def _settle(work: _Work, stats: ReducerStats, report: Done, who: str) -> None:
-    """Take a slice lease's report, from a reducer or the hub: done (counted in ``stats``), or
-    the batch failed with the first failure reported (non-finite or not)."""
+    """Take a slice lease's report (a reducer's or the hub's): done, counted in ``stats``, or the
+    batch's first failure."""
     if report.error is None:
         work.report = report
         stats.leases += 1
@@ -376,14 +372,11 @@ def _settle(work: _Work, stats: ReducerStats, report: Done, who: str) -> None:
 async def merge_leased(
     board: Board, reducers: int, engine: MergeEngine, m: RoundMerge
 ) -> tuple[int, list[ObjectRecord], dict[str, float]]:
-    """:meth:`MergeEngine.merge`'s work, shared by the reducers: open the merge, hand out its
-    leases, wait for them, publish the outputs; the result's size, the records of the objects the
-    reducers wrote (none on local disk) and their bound on ``|version v+1|`` per tensor. Each merge
-    lease, offered first to the reducer holding its slices of the mean folded ahead
-    (:class:`FoldAhead`), folds the rest (``m.unfolded``) after it in acknowledgement order: the
-    same bits as the hub alone. With a store the outputs are multipart uploads, each lease its run
-    of parts, completed here and recorded by the caller in the commit; on local disk, the staged
-    files, fsynced and published (rename)."""
+    """:meth:`MergeEngine.merge`'s work, shared by the reducers (each lease folds ``m.unfolded``
+    after the mean folded ahead, in acknowledgement order: the hub alone's bits): the result's size,
+    the records of the objects they wrote (multipart uploads completed here, recorded by the caller
+    in the commit; none on local disk, where the staged files are published) and their bound on
+    ``|version v+1|`` per tensor."""
     if m.acc.mean is not None:
         raise ValueError("a leased merge reads the reducers' mean: the hub's accumulator must be empty")
     files = contextlib.ExitStack()
@@ -407,10 +400,9 @@ async def merge_leased(
 async def build_leased(
     board: Board, reducers: int, run: str, v: int, schema: Schema, codec: Codec
 ) -> tuple[ObjectRecord, dict[str, float]]:
-    """Have the reducers build version ``v``+1 in the bucket from version v and round v's result
-    (both there), as at most ``reducers`` build leases, each its run of parts of one multipart
-    upload, completed here: its record (the caller records it: the version counts from then on)
-    and each tensor's largest ``|value|``. The hub reads and writes no byte of it."""
+    """Have at most ``reducers`` build leases write version ``v``+1 in the bucket from version v and
+    round v's result there, as parts of one upload completed here: its record (the version counts
+    once the caller records it) and each tensor's largest ``|value|``. The hub moves no byte of it."""
     objects = board.objects
     if objects is None:
         raise ValueError("versions are built by leases only in an object store")
@@ -460,8 +452,7 @@ def _complete(store: ObjectStore, key: Stored, out: ObjectOutput) -> ObjectRecor
     (:class:`LeaseFailed` otherwise); its record, for the commit."""
     held = store.list_parts(out.name, out.upload_id)
     for number, size in out.parts.items():
-        if number not in held or held[number].size != size:
-            got = held[number].size if number in held else None
+        if (got := held[number].size if number in held else None) != size:
             raise LeaseFailed(f"{out.name}: part {number} holds {got} bytes, not {size}")
     info = store.complete_multipart(out.name, out.upload_id, {n: held[n].etag for n in out.parts})
     if info.size != out.size:
@@ -486,14 +477,10 @@ def _holders(leases: Sequence[MergeJob | FoldJob], mean: Resident | None) -> lis
 
 
 class FoldAhead:
-    """The reducers fold each round's updates **ahead**, as they are acknowledged, as the hub alone
-    folds them into its accumulator: the close's merge leases fold only what came after the last
-    step. A step folds every update acknowledged and not folded yet, in acknowledgement order,
-    after the round's mean so far into a **new** mean, cut into K fold leases, kept slice by slice
-    in the reducers' memory (:data:`~syncserver.reduce.lease.MEANS`). Only once every lease of a
-    step is done does the accumulator name the new mean (record before it counts); a mean is a
-    cache of its updates' fold, so a reducer lacking a slice folds it again from the updates, to
-    the same bits. docs/object-store.md, "The reducers fold ahead", tells why."""
+    """The reducers fold each round's updates **ahead**, as acknowledged, into a new mean per step
+    kept in their memory (:data:`~syncserver.reduce.lease.MEANS`), so the close folds only what came
+    after (docs/object-store.md, "The reducers fold ahead"). The accumulator names the new mean
+    once every lease of a step is done; a mean is a cache, and a slice lacking is folded again."""
 
     def __init__(self, board: Board, reducers: int, engine: MergeEngine) -> None:
         self.board, self.reducers, self.engine = board, reducers, engine
@@ -520,8 +507,7 @@ class FoldAhead:
             acc.weight += weight  # summed fold by fold, as the merge sums them
 
     def _sources(self, updates: list[tuple[UpdateKey, float]]) -> list[UpdateSource]:
-        """Worker thread: where each update lies, as its record names it (a file of the hub's, or
-        its object in the bucket), as the merge's leases name it."""
+        """Worker thread: where each update lies (a file of the hub's, or its object in the bucket)."""
         out = []
         for key, weight in updates:
             with self.engine.open_update(key) as wire:

@@ -65,8 +65,8 @@ class LocalPlane:
     async def publish(
         self, run: Run, key: ResultKey, copies: list[ObjectRecord]
     ) -> tuple[list[ObjectRecord], dict[str, float]]:
-        """Round ``key``'s result is merged: the records of its copies to commit with the round
-        (``copies``: those its merge wrote), and the seconds publishing took (round timings)."""
+        """Round ``key``'s result is merged: the records of its copies to commit (``copies``: those its
+        merge wrote) and the seconds publishing took."""
         return copies, {}
 
     async def serve(self, run: Run, key: Published, *, direct: bool, peer: str | None) -> Blob | Redirect:
@@ -117,9 +117,8 @@ class BucketPlane(LocalPlane):
             log.warning("object_store_down run=%s store=%s: %s; serving from the hub's disk", run, self.url, why)
 
     async def recover(self, run: Run) -> None:
-        """Forget the records past the committed state, then delete every object of the run that no
-        record names and abort every multipart upload open there (what a crash cut); a store that
-        fails keeps them for the next start."""
+        """Forget the records past the commit, then delete the run's objects no record names and abort
+        its open multipart uploads (what a crash cut); a store that fails keeps them for next time."""
         v = run.version
         records = self.store.stored_objects(run.name)
         self.store.forget_objects(
@@ -144,8 +143,7 @@ class BucketPlane(LocalPlane):
             log.warning("object_store_orphans_deleted run=%s objects=%d uploads=%d", run.name, objects, uploads)
 
     async def upload(self, run: Run, key: Published) -> ObjectRecord | None:
-        """Copy ``key``'s file to the bucket; its record (the caller writes it), or None if the store
-        failed (the hub serves it from disk)."""
+        """Copy ``key``'s file to the bucket: its record for the caller to write, or None (it failed)."""
         if not self.up:
             return None
         try:

@@ -187,8 +187,7 @@ class PresignedUploads:
             raise BadRequest(f"the upload was presigned for {opened.size} bytes, not {size}")
         if sorted(etags) != list(range(1, opened.parts + 1)):
             raise BadRequest(f"etags must name parts 1 to {opened.parts}, each once")
-        # the parts' ETags are compared here, not left to the store's complete: not every store
-        # refuses a complete that names ETags it does not hold
+        # ETags compared here: not every store refuses a complete naming ETags it does not hold
         held = await self._store(run, objects.list_parts, opened.name, opened.upload_id)
         for number, etag in sorted(etags.items()):
             part = held.get(number)

@@ -66,8 +66,7 @@ class Ticket:
 
 @dataclass(frozen=True)
 class Acknowledgement:
-    """An update is durable and counted in round ``round`` (``repeat``: it was already, this is
-    its first acknowledgement again)."""
+    """An update is durable and counted in round ``round`` (``repeat``: its first acknowledgement again)."""
 
     round: int
     peer: str
@@ -122,13 +121,9 @@ class Rounds:
         for update in self.store.updates(run.name, run.version):
             run.acked[update.peer] = update
             run.policy.restore_update(update.peer, now(), update.samples)  # its deadline starts afresh
-        if run.acked:
-            run.opened = min(u.received for u in run.acked.values())
+        run.opened = min((u.received for u in run.acked.values()), default=None)
         if run.version > 0 and not self.store.exists(VersionKey(run.name, run.version)):
             self.workers.start_versions(run)  # killed between a commit and its version's rename
-
-    async def stop(self) -> None:
-        await self.tasks.stop()
 
     # ---- version 0 -----------------------------------------------------------------------
     def init_ticket(self, run: Run, peer: str) -> Ticket:
@@ -170,9 +165,8 @@ class Rounds:
         supersede: bool = False,
         final: bool = False,
     ) -> Ticket:
-        """Check an update may be sent before its body is read; a repeat gets its old ack. Its
-        partial is named by ``key`` (``Upload-Key``), else by ``digest``. With ``supersede`` (a PUT,
-        not a HEAD) the peer's partials of other updates for this round go: it gave up on them."""
+        """Check an update may be sent before its body is read (a repeat gets its old ack); its partial
+        is named by ``key``, else ``digest``. ``supersede`` (a PUT): the peer's other partials go."""
         if not 1 <= samples <= MAX_SAMPLES:
             raise InvalidUpdate(f"samples must be a count from 1 to {MAX_SAMPLES}, got {samples}")
         repeat = self.acknowledged(run, round_, peer, digest)
@@ -210,8 +204,7 @@ class Rounds:
         if run.version < 0 or not run.sealed:
             raise Conflict(f"run {run.name!r} has not started yet", current_version=run.version)
         if run.closing and run.policy.place(round_) is Place.OPEN:
-            # the open round is closing without this update: answer once the new version exists,
-            # so that a late peer's catch-up finds it (and an async update goes into the next one)
+            # closing without it: answer once the new version exists (a late peer's catch-up finds it)
             while run.closing:
                 await run.changed.wait()
         place = run.policy.place(round_)
@@ -261,9 +254,8 @@ class Rounds:
     async def commit_object(
         self, run: Run, ticket: Ticket, name: str, nbytes: int, seconds: float, norm: float | None
     ) -> Acknowledgement:
-        """Acknowledge an update a peer uploaded to the store as ``name``, its body checked already
-        (``nbytes``, ``norm``): the same admission and record as a PUT, the record naming the object
-        (a ``repeat`` acknowledgement: acknowledged before, ``name`` not recorded)."""
+        """Acknowledge an update uploaded to the store as ``name``, its body checked already: as a PUT,
+        the record naming the object (a ``repeat`` acknowledgement: ``name`` not recorded)."""
         update = await self._admit(run, ticket, nbytes, seconds, norm, name)
         if isinstance(update, Acknowledgement):
             return update
@@ -273,8 +265,8 @@ class Rounds:
     async def _admit(
         self, run: Run, ticket: Ticket, nbytes: int, seconds: float, norm: float | None, name: str | None = None
     ) -> UpdateRecord | Acknowledgement:
-        """The checks a checked body passes before it counts (the round takes it, the norm guard):
-        its record to store, or the acknowledgement of the same update stored before."""
+        """The round takes it, the norm guard passes: its record to store, or the acknowledgement of
+        the same update stored before."""
         assert ticket.digest is not None
         repeat = self.acknowledged(run, ticket.round, ticket.peer, ticket.digest)
         if repeat is not None:

@@ -144,10 +144,9 @@ class HubView:
         return list(self._runs)
 
     def get(self, name: str) -> Run:
-        try:
-            return self._runs[name]
-        except KeyError:
-            raise NotFound(f"unknown run {name!r}") from None
+        if name not in self._runs:
+            raise NotFound(f"unknown run {name!r}")
+        return self._runs[name]
 
     def find(self, name: str | None) -> Run | None:
         return self._runs.get(name) if name else None
@@ -155,10 +154,8 @@ class HubView:
     def list_runs(self, limit: int | None = None, after: str | None = None) -> list[RunLine]:
         """Runs by name: all of them, or ``limit`` after the run named ``after``."""
         names = sorted(name for name in self._runs if after is None or name > after)[:limit]
-        return [
-            RunLine(r.name, r.version, len(r.policy.live), r.config.codec, r.config.outer)
-            for r in (self._runs[name] for name in names)
-        ]
+        runs = [self._runs[name] for name in names]
+        return [RunLine(r.name, r.version, len(r.policy.live), r.config.codec, r.config.outer) for r in runs]
 
     def samples_through(self, run: str, round_: int) -> int:
         """Samples the run had trained by the end of round ``round_``: a peer stops on a budget."""

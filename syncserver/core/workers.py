@@ -52,8 +52,7 @@ class Workers:
         self.tasks = Tasks()
 
     async def fold(self, run: Run) -> None:
-        """Fold the acknowledged updates not folded yet, in order, until the round closes (its merge
-        folds the rest)."""
+        """Fold the updates not folded yet, in order, until the round closes (its merge folds the rest)."""
         raise NotImplementedError
 
     async def settle(self, run: Run) -> None:
@@ -79,8 +78,7 @@ class Workers:
 
     # ---- versions ---------------------------------------------------------------------------
     def start_versions(self, run: Run) -> None:
-        """Write the committed versions that have no file yet (after a commit, or at start after a
-        crash cut one), then prune."""
+        """Write the committed versions lacking a file (after a commit, or a crash), then prune."""
         if run.writing is None or run.writing.done():
             run.writing = self.tasks.spawn(self._write(run))
             run.writing.add_done_callback(_log_version_failure)
@@ -106,8 +104,8 @@ class Workers:
             await self.written(run)
 
     async def build(self, run: Run, target: int) -> None:
-        """Write the file of every version up to ``target`` that lacks one, but one only in the bucket
-        (the reducers built it, and the hub has no result to build it from)."""
+        """Write each version's file up to ``target`` that lacks one, but one only in the bucket (the
+        reducers built it; the hub has no result to build it from)."""
         assert run.schema is not None
         if not self.store.exists(ResultKey(run.name, target - 1)) and self.store.stored_object(
             VersionKey(run.name, target)
@@ -155,9 +153,8 @@ class Reducers(Workers):
             self._folding[run.name] = self.tasks.spawn(self._fold_ahead(run))
 
     async def _fold_ahead(self, run: Run) -> None:
-        """Fold ahead a step at a time (:class:`~syncserver.core.leases.FoldAhead`: each folds all
-        that came meanwhile) until the round closes; a step that fails costs only time (the merge
-        folds what it did not)."""
+        """Fold ahead a step at a time (each folds all that came meanwhile) until the round closes; a
+        step that fails costs only time (the merge folds what it did not)."""
         async with run.fold_lock:
             while not run.closing and run.schema is not None:
                 acc = run.accumulator()
@@ -247,9 +244,8 @@ class BucketReducers(Reducers):
     plane: BucketPlane
 
     async def base(self, run: Run, v: int) -> None:
-        """Version ``v`` has a copy in the bucket, where the reducers read it: they built it after the
-        last commit (waited for here if still going), or the hub uploads it now (version 0).
-        :class:`Unavailable` if the store fails (the close is tried again after its backoff)."""
+        """Version ``v`` has a copy in the bucket for the reducers: built after the last commit (waited
+        for), or uploaded now (version 0); :class:`Unavailable` if the store fails (the close retries)."""
         key = VersionKey(run.name, v)
         if self.store.stored_object(key) is None and not self.store.exists(key):
             await self.written(run)
@@ -261,8 +257,8 @@ class BucketReducers(Reducers):
         self.store.record_object(record)
 
     async def build(self, run: Run, target: int) -> None:
-        """Have the reducers build every version up to ``target`` the bucket lacks, from the last it
-        has and the results there, each recorded once built (a hub killed before builds it again)."""
+        """Have the reducers build each version up to ``target`` the bucket lacks, each recorded once
+        built (a hub killed before that builds it again)."""
         assert run.schema is not None
         first = target
         while first > 0 and self.store.stored_object(VersionKey(run.name, first)) is None:
