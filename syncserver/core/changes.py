@@ -17,8 +17,7 @@ __all__ = ["Changes", "Tasks", "until"]
 
 
 class Changes:
-    """Wakes every waiter at each :meth:`notify` (a fresh event per change, so that a waiter
-    that wakes and waits again waits for the next change, not the one it saw)."""
+    """Wakes every waiter at each :meth:`notify` (a fresh event: a waiter waits for the next change)."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()

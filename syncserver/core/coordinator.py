@@ -133,8 +133,7 @@ class Coordinator:
         await self.workers.stop()
 
     async def _tick_forever(self) -> None:
-        """Tick every ``interval`` and at each live lease's end: a hung peer costs the survivors its
-        lease, not a tick more (bench/failures.py)."""
+        """Tick often and at each live lease's end: a hung peer costs its lease, not a tick more."""
         interval = min(0.5, self.settings.lease_seconds / 4)
         while True:
             ends = (run.policy.next_loss() for run in list(self.runs.values()))
@@ -229,8 +228,7 @@ class Coordinator:
         return run
 
     def _maybe_seal(self, run: Run) -> None:
-        """Fix ranks once version 0 exists and min_peers have joined, by sorted peer name: data
-        shards do not depend on who joined first."""
+        """Fix ranks by sorted name (shards not by who joined first) once v0 and min_peers are in."""
         members = sorted(name for name, m in run.policy.members.items() if not m.left)
         if run.sealed or run.version < 0 or len(members) < run.config.min_peers:
             return
@@ -402,8 +400,7 @@ class Coordinator:
             run.peers[peer_name].bytes_down += nbytes
 
     def record_download(self, run_name: str, round_: int, peer_name: str | None, began: float) -> None:
-        """A peer has round ``round_``'s whole result (response sent, or a store download reported):
-        its round's last phase, for the timeline and metrics."""
+        """A peer has round ``round_``'s whole result: its round's last phase, for timeline and metrics."""
         run = self.runs.get(run_name)
         if run is None or peer_name is None or peer_name not in run.peers:
             return
@@ -414,8 +411,7 @@ class Coordinator:
         self.view.downloaded(run, round_, peer_name, ended - began)
 
     def downloaded(self, run_name: str, peer_name: str, round_: int, seconds: float) -> None:
-        """A peer fetched round ``round_``'s result from the store in ``seconds`` (the hub does not
-        see that download end: the report is its end)."""
+        """A peer fetched round ``round_``'s result from the store in ``seconds`` (the hub sees no end)."""
         run = self.seen(run_name, peer_name)
         if not 0 <= round_ < run.version:
             raise Conflict(f"round {round_} has no result yet; the run is at version {run.version}")

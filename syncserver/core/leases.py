@@ -208,8 +208,7 @@ class Board:
         work.batch.changed.notify()
 
     def check_failed(self, reducer: str, run: str, name: str, why: str) -> None:
-        """``reducer``'s report of the check of object ``name`` was not taken (the hub's own check
-        answers the peer): counted as its failure, for /metrics and status."""
+        """``reducer``'s check report on ``name`` was not taken (the hub's check answered): its failure."""
         stats = self.reducers.get(reducer)
         if stats is not None:
             stats.check_failures += 1
@@ -314,8 +313,7 @@ class Board:
         return bool(self._waiting or self._held) or now - max(self._active, since) <= self.lease_seconds
 
     async def _work_here(self, batch: _Batch) -> None:
-        """Work the batch's next lease on offer as a reducer would (the same function and files):
-        rounds go on with every reducer dead or none started."""
+        """Work the batch's next lease as a reducer would: rounds go on with no reducer alive."""
         work_ = next(w for w in self._queue if w.batch is batch)
         self._queue.remove(work_)
         job = work_.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
@@ -355,8 +353,7 @@ def _said(job: WorkJob) -> tuple[str, str, int, str]:
 
 
 def _settle(work: _Work, stats: ReducerStats, report: Done, who: str) -> None:
-    """Take a slice lease's report (a reducer's or the hub's): done, counted in ``stats``, or the
-    batch's first failure."""
+    """Take a slice lease's report (a reducer's or the hub's): done and counted, or the batch's failure."""
     if report.error is None:
         work.report = report
         stats.leases += 1
@@ -448,8 +445,7 @@ def _upload(store: ObjectStore, key: Stored, size: int) -> ObjectOutput:
 
 
 def _complete(store: ObjectStore, key: Stored, out: ObjectOutput) -> ObjectRecord:
-    """Worker thread: publish ``out`` once each part is there with the size its lease was given
-    (:class:`LeaseFailed` otherwise); its record, for the commit."""
+    """Worker thread: publish ``out`` if each part has its lease's size (else :class:`LeaseFailed`)."""
     held = store.list_parts(out.name, out.upload_id)
     for number, size in out.parts.items():
         if (got := held[number].size if number in held else None) != size:
@@ -488,8 +484,7 @@ class FoldAhead:
     async def fold(
         self, run: str, round_: int, acc: Accumulator, codec: Codec, updates: Sequence[tuple[str, UpdateKey, float]]
     ) -> None:
-        """One step: fold ``updates`` ((peer, key, weight), in acknowledgement order) after
-        ``acc``'s mean; ``acc`` names the new mean once every lease is done (then it counts)."""
+        """One step: fold ``updates`` ((peer, key, weight), in order) after ``acc``'s mean."""
         if acc.mean is not None:
             raise ValueError("the reducers fold ahead in their memory: the hub's accumulator must stay empty")
         base = acc.partial

@@ -1,15 +1,11 @@
 """Where the bytes live (the data plane), chosen once in :func:`~syncserver.api.factory.create_app`:
-the core calls its plane and never asks which one it has (docs/object-store.md tells the bucket's).
-
-- :class:`LocalPlane`: the hub's disk alone; peers PUT updates to the hub and download from it.
-- :class:`BucketPlane` (``SYNC_STORE``): the hub's disk and an S3-API bucket. Peers upload updates
-  there (:mod:`syncserver.core.presigned`: the bucket holds the only copy) and are sent there (a
-  307 to a presigned GET) for results and versions, so the hub's link carries each object once.
-  The hub uploads each result before its commit announces it and each version on its first
-  download; its disk keeps its own copy (downloads fall back to it). The bucket keeps what the
-  disk keeps (pruned together, records first); what no record names is deleted at start. A store
-  that fails is *down* for :data:`DOWN_SECONDS`: no upload or redirect is tried, downloads come
-  from the hub's disk, and one warning per run says so.
+the core never asks which plane it has. :class:`LocalPlane`: the hub's disk alone.
+:class:`BucketPlane` (``SYNC_STORE``, docs/object-store.md): also a bucket, where peers upload
+updates (:mod:`syncserver.core.presigned`: its only copy) and are sent (a 307) for results and
+versions, so the hub's link carries each object once; the hub uploads each result before its
+commit and each version on its first download, keeps its own copy, prunes both together (records
+first) and deletes at start what no record names. A store that fails is *down* for
+:data:`DOWN_SECONDS`: downloads come from the hub's disk, and one warning per run says so.
 """
 
 from __future__ import annotations
@@ -65,8 +61,7 @@ class LocalPlane:
     async def publish(
         self, run: Run, key: ResultKey, copies: list[ObjectRecord]
     ) -> tuple[list[ObjectRecord], dict[str, float]]:
-        """Round ``key``'s result is merged: the records of its copies to commit (``copies``: those its
-        merge wrote) and the seconds publishing took."""
+        """The records of the result's copies to commit (``copies``: its merge's) and publish timings."""
         return copies, {}
 
     async def serve(self, run: Run, key: Published, *, direct: bool, peer: str | None) -> Blob | Redirect:
@@ -89,8 +84,7 @@ class LocalPlane:
 
 
 class BucketPlane(LocalPlane):
-    """The hub's disk and a bucket. Runs on the event loop, as every sqlite call of the hub does;
-    the store's requests go to worker threads."""
+    """The hub's disk and a bucket; on the event loop, the store's requests in worker threads."""
 
     uploads: Via = "store"
 

@@ -1,17 +1,12 @@
 """Round policies: who is waited for, when a round closes with whom, and what each update weighs.
 
 Pure decisions: no I/O, HTTP, clock (each event carries ``now``, monotonic seconds) or tensors. The
-coordinator feeds a policy a run's events (a peer joins, is seen, reports progress, leaves; an
-update is acknowledged or refused; time passes) and carries out its answers (:class:`Admit`,
-:class:`Close`, :class:`Place`). One per run, docs/concepts/rounds.md tells each and why:
-:class:`BarrierPolicy` (``barrier``), :class:`SamplesPolicy` (``samples``, hivemind's
-``target_batch_size``), :class:`AsyncPolicy` (``async``, FedAsync / FedBuff with a buffer of one).
-
-Every round needs ``min_merge_peers`` updates (torchft's ``min_replica_size``,
-:meth:`RoundPolicy.quorum`). A peer is live while its lease is fresh (any request: ``seen``) and,
-holding a watch (``watch``), while that connection is open or dropped under ``disconnect_grace``
-ago: a crashed process closes its sockets, so it is gone seconds after, not a lease after. Rounds
-wait for live members only; a gone one still counts towards the floor (it may come back).
+coordinator feeds a policy a run's events and carries out its answers (:class:`Admit`,
+:class:`Close`, :class:`Place`). One per run: :class:`BarrierPolicy`, :class:`SamplesPolicy`
+(hivemind's ``target_batch_size``), :class:`AsyncPolicy` (FedAsync / FedBuff with a buffer of one);
+docs/concepts/rounds.md tells each, and who a round waits for: live members only (a fresh lease;
+a watch open, or dropped under ``disconnect_grace`` ago: a crashed process is gone in seconds,
+not a lease), with at least ``min_merge_peers`` updates, a gone member counting (it may come back).
 """
 
 from __future__ import annotations
@@ -209,15 +204,13 @@ class RoundPolicy:
         self.round = round_
 
     def place(self, round_: int) -> Place:
-        """Where an update computed from version ``round_`` goes: rounds are barriers, so only
-        the open round takes updates."""
+        """Where an update computed from version ``round_`` goes: only the open round takes it."""
         if round_ < self.round:
             return Place.CLOSED
         return Place.AHEAD if round_ > self.round or self.round < 0 else Place.OPEN
 
     def progress(self, name: str, samples: int, now: float) -> Close | None:
-        """``name`` has trained ``samples`` samples since its last update (of the open round).
-        Only the samples policy acts on it; the others show it."""
+        """``name`` trained ``samples`` in the open round (the samples policy acts on it, others show it)."""
         if name not in self.samples:  # an update in says it all
             self.reported[name] = samples
         return self.decide(now)
@@ -323,8 +316,7 @@ class RoundPolicy:
 
 
 class BarrierPolicy(RoundPolicy):
-    """Deadline barrier: every live peer, or those in once the deadline passed; never fewer
-    updates than the merge floor (``min_merge_peers``)."""
+    """Every live peer, or those in once the deadline passed; never under the merge floor."""
 
     def decide(self, now: float) -> Close | None:
         """Close the open round if it is complete, or overdue with a quorum; else wait."""
@@ -340,8 +332,7 @@ class BarrierPolicy(RoundPolicy):
 
 
 class SamplesPolicy(RoundPolicy):
-    """Due once the live peers' reported samples reach ``round_samples``; closed once everyone
-    who reported samples has sent them."""
+    """Due once the live peers' samples reach ``round_samples``; closed once all who reported sent."""
 
     def __init__(self, *, round_samples: int, **common: Any) -> None:
         super().__init__(**common)
@@ -384,8 +375,7 @@ class SamplesPolicy(RoundPolicy):
 
 
 class AsyncPolicy(RoundPolicy):
-    """No barrier: each update is applied as soon as it is acknowledged, discounted by its
-    staleness; ``round_samples`` is the size of a whole outer step in samples."""
+    """No barrier: each update applied as acknowledged, discounted; ``round_samples``: an outer step."""
 
     def __init__(self, *, round_samples: int, max_staleness: int, **common: Any) -> None:
         super().__init__(**common)
@@ -395,8 +385,7 @@ class AsyncPolicy(RoundPolicy):
         self.max_staleness = max_staleness
 
     def place(self, round_: int) -> Place:
-        """An update computed from version ``round_`` goes into the open version unless it is
-        more than ``max_staleness`` versions old."""
+        """Into the open version, unless over ``max_staleness`` versions old."""
         if round_ > self.round or self.round < 0:
             return Place.AHEAD
         return Place.STALE if self.round - round_ > self.max_staleness else Place.OPEN

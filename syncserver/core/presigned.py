@@ -72,8 +72,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class UploadReport:
-    """What a peer says it uploaded (``key``'s upload: ``size`` bytes of sha-256 ``digest``, the
-    parts' ETags), with what a PUT of the update carries in its headers."""
+    """What a peer says it uploaded, with what a PUT of the update carries in its headers."""
 
     key: str
     size: int
@@ -155,8 +154,7 @@ class PresignedUploads:
         return Plan(opened.name, opened.upload_id, size, opened.part_size, urls, done, expires)
 
     async def uploaded(self, run: Run, round_: int, peer: str, report: UploadReport) -> Acknowledgement:
-        """The peer says it uploaded every part of ``key``'s upload: complete, check, acknowledge
-        (see the module docstring). The same update acknowledged before: its acknowledgement."""
+        """The peer uploaded every part: complete, check, acknowledge (a repeat: its acknowledgement)."""
         self.plane.uploads_to(run)
         async with self._locks[run.name, peer]:
             opened = self._open.get((run.name, peer))

@@ -1,12 +1,9 @@
 """Receiving updates and closing rounds: admission, acknowledgement, the norm guard, the close.
 
-An update is acknowledged once its body is complete, verified (digest, layout, finite values; the
-norm guard when on), durable and recorded in sqlite; it is then folded in acknowledgement order
-(a restarted hub rebuilds the very same sums from the files), or, once the round is closing, by
-the close's merge. The policy (:mod:`~syncserver.core.policy`) says when a round closes; the
-workers (:mod:`~syncserver.core.workers`) fold, merge and build; the plane
-(:mod:`~syncserver.core.planes`) publishes. A round commits once its result is durable; version
-v+1 (``version v + decode(result)``) is built after that, rebuilt at start if a crash cut it.
+An update is acknowledged once complete, verified, durable and recorded in sqlite; then folded in
+acknowledgement order (a restarted hub rebuilds the same sums from the files), or by the close's
+merge. The policy says when a round closes, the workers fold, merge and build, the plane publishes.
+A round commits once its result is durable; version v+1 is built after (rebuilt at start if cut).
 """
 
 from __future__ import annotations
@@ -265,8 +262,7 @@ class Rounds:
     async def _admit(
         self, run: Run, ticket: Ticket, nbytes: int, seconds: float, norm: float | None, name: str | None = None
     ) -> UpdateRecord | Acknowledgement:
-        """The round takes it, the norm guard passes: its record to store, or the acknowledgement of
-        the same update stored before."""
+        """The round takes it, the norm guard passes: its record, or the same update's acknowledgement."""
         assert ticket.digest is not None
         repeat = self.acknowledged(run, ticket.round, ticket.peer, ticket.digest)
         if repeat is not None:
@@ -338,8 +334,7 @@ class Rounds:
                 raise InvalidUpdate(str(exc)) from None
 
     def _guard(self, run: Run, peer: str, norm: float | None) -> None:
-        """Refuse an update far above the usual norm before it is acknowledged (it never reaches the
-        average); the round stops waiting for its peer."""
+        """Refuse an update far above the usual norm before it counts; the round stops waiting for it."""
         factor = run.config.norm_guard
         if factor is None or norm is None:
             return

@@ -1,15 +1,11 @@
 """Who does the tensor work (fold, merge, build versions, check bodies uploaded to the bucket),
 chosen once in :func:`~syncserver.api.factory.create_app`: the core never asks which it has.
-
-- :class:`Threads`: the hub's own threads (the hub checks uploaded bodies itself).
-- :class:`Reducers` (``SYNC_REDUCERS=K``): K reducer processes on the hub's machine take the work
-  as leases (:mod:`syncserver.core.leases`), the same functions on the same files, so the same
-  bits; they fold ahead of the close, in their memory. The hub's threads write the versions.
-- :class:`BucketReducers` (with ``SYNC_STORE``): reducers on any machine, through the bucket; they
-  build each version there after its commit, so the hub's disk holds no version but the first.
-
-Every mode writes the versions in one task per run after each commit, then prunes; a pull of a
-version not written yet waits for it.
+:class:`Threads`: the hub's own. :class:`Reducers` (``SYNC_REDUCERS=K``): K reducer processes on
+the hub's machine take it as leases (:mod:`syncserver.core.leases`; the same functions on the same
+files, so the same bits), folding ahead in their memory. :class:`BucketReducers` (with
+``SYNC_STORE``): reducers on any machine, through the bucket, building each version there (the
+hub's disk holds version 0 only). Every mode writes versions in one task per run after each
+commit, then prunes; a pull of a version not written yet waits for it.
 """
 
 from __future__ import annotations
@@ -153,8 +149,7 @@ class Reducers(Workers):
             self._folding[run.name] = self.tasks.spawn(self._fold_ahead(run))
 
     async def _fold_ahead(self, run: Run) -> None:
-        """Fold ahead a step at a time (each folds all that came meanwhile) until the round closes; a
-        step that fails costs only time (the merge folds what it did not)."""
+        """Fold ahead step by step until the round closes; a failed step costs only time."""
         async with run.fold_lock:
             while not run.closing and run.schema is not None:
                 acc = run.accumulator()
@@ -203,8 +198,7 @@ class Reducers(Workers):
         return mine
 
     def _judge(self, job: CheckJob, report: CheckReport, taken: Checked | None, mine: Checked | None) -> None:
-        """Set a reducer's report against the hub's own check of the same body (``mine``; None:
-        the hub refused it): count the report as the reducer's failure unless they agree."""
+        """Count a reducer's report as its failure unless the hub's check (``mine``; None: refused) agrees."""
         if report.failed is not None:
             why = f"it could not check the body: {report.failed}"
         elif report.refused is not None:
@@ -257,8 +251,7 @@ class BucketReducers(Reducers):
         self.store.record_object(record)
 
     async def build(self, run: Run, target: int) -> None:
-        """Have the reducers build each version up to ``target`` the bucket lacks, each recorded once
-        built (a hub killed before that builds it again)."""
+        """Have the reducers build each version up to ``target`` the bucket lacks, recording each."""
         assert run.schema is not None
         first = target
         while first > 0 and self.store.stored_object(VersionKey(run.name, first)) is None:
