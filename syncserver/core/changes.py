@@ -43,9 +43,8 @@ async def until(
     also: asyncio.Future[Any] | None = None,
     every: float = math.inf,
 ) -> bool:
-    """Ask ``ready`` now and after every change of ``changes`` (once ``also`` is done, and at least
-    every ``every`` seconds) until it says yes (True), or ``seconds`` pass or ``stop`` says the hub
-    is stopping (False)."""
+    """Ask ``ready`` now and at each change (``also`` done, or every ``every`` seconds) until it says
+    yes (True), or ``seconds`` pass or ``stop`` says the hub is stopping (False)."""
     deadline = time.monotonic() + seconds
     while not ready():
         remaining = deadline - time.monotonic()

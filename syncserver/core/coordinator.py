@@ -200,10 +200,7 @@ class Coordinator:
                     )
             check_new_peer(run, peer_name, self.settings)
         admit = run.policy.join(peer_name, now(), counted=run.sealed)
-        peer = run.peers.get(peer_name)
-        if peer is None:
-            peer = Peer(peer_name, run.world_size() if run.sealed else None, time.time())
-            run.peers[peer_name] = peer
+        peer = run.peers.setdefault(peer_name, Peer(peer_name, run.world_size() if run.sealed else None, time.time()))
         peer.group_size = group_size
         joined = "peer_rejoined" if admit.returning else "peer_joined"
         log.info("%s run=%s peer=%s rank=%s", joined, run_name, peer_name, peer.rank)
@@ -222,8 +219,7 @@ class Coordinator:
         except ValueError as exc:
             raise InvalidUpdate(str(exc)) from None
         self.store.create_run(name, config.__dict__, creator)
-        run = Run(name, config, codec, policy, creator=creator)
-        self.runs[name] = run
+        run = self.runs[name] = Run(name, config, codec, policy, creator=creator)
         log.info("run_created run=%s %s", name, " ".join(f"{k}={v}" for k, v in config.__dict__.items()))
         return run
 
@@ -392,8 +388,7 @@ class Coordinator:
     # ---- downloads (the dashboard's timeline, the metrics) ---------------------------------
     def count_download(self, run_name: str, peer_name: str | None, nbytes: int, via: Via) -> None:
         """A download answered: ``nbytes`` served by the hub, or redirected to the store."""
-        run = self.runs.get(run_name)
-        if run is None:
+        if (run := self.runs.get(run_name)) is None:
             return
         run.traffic.down[via] += nbytes
         if peer_name in run.peers:
@@ -401,8 +396,7 @@ class Coordinator:
 
     def record_download(self, run_name: str, round_: int, peer_name: str | None, began: float) -> None:
         """A peer has round ``round_``'s whole result: its round's last phase, for timeline and metrics."""
-        run = self.runs.get(run_name)
-        if run is None or peer_name is None or peer_name not in run.peers:
+        if (run := self.runs.get(run_name)) is None or peer_name is None or peer_name not in run.peers:
             return
         ended = time.time()
         run.downloads.setdefault(round_, {})[peer_name] = (began, ended)

@@ -33,9 +33,8 @@ async def merge_finite(
     participants: Sequence[str],
     merge: Callable[[RoundMerge], Awaitable[Merged]],
 ) -> tuple[int, list[str], list[ObjectRecord], dict[str, float]]:
-    """Merge ``run``'s open round ``round_`` with ``merge`` (the workers'), which folds what is not
-    folded yet: the result's size, the peers left out (in that order), and what ``merge`` said of
-    the objects it wrote and of ``|version v+1|`` (``run.peaks`` bounds ``|version v|``)."""
+    """Merge ``run``'s open round with ``merge`` (the workers', folding the rest): the result's size,
+    the peers left out (in order), and what ``merge`` said of its objects and of ``|version v+1|``."""
     assert run.schema is not None
     acc = run.accumulator()
     order = [u.peer for u in run.ordered()]

@@ -59,16 +59,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: ids of leases gone (expired, or their merge ended) remembered, to answer a late report 409, not 404
-GONE_KEPT = 4096
-#: the name under which the hub works a lease itself (no reducer for a lease length)
-HUB = "hub"
-#: the longest a reducer's request for a lease is held (its long poll), in seconds
-LEASE_POLL_MAX = 60.0
-#: a check lease taken and lost this many times (reducers dying on that body?) is checked by the hub
-CHECK_TRIES = 3
-#: a lease over a mean's slices waits this long for their holder before another folds them again
-AFFINITY_SECONDS = 2.0
+GONE_KEPT = 4096  # ids of leases gone remembered, to answer a late report 409, not 404
+HUB = "hub"  # the name under which the hub works a lease itself (no reducer for a lease length)
+LEASE_POLL_MAX = 60.0  # the longest a reducer's poll for a lease is held, in seconds
+CHECK_TRIES = 3  # a check lease lost this many times (reducers dying on that body?) is checked by the hub
+AFFINITY_SECONDS = 2.0  # a lease over a mean's slices waits this long for their holder before another folds them
 
 
 class LeaseFailed(RuntimeError):
@@ -174,9 +169,8 @@ class Board:
         return job
 
     def _next(self, reducer: str) -> _Work | None:
-        """Urgent work first (a peer waits on a check), then work that prefers ``reducer``, then the
-        first that prefers nobody or a reducer not around (not asking, holding nothing, not heard
-        from within :data:`AFFINITY_SECONDS`): that one folds the slices again from the updates."""
+        """Urgent work first, then work that prefers ``reducer``, then work whose holder is not around
+        (not asking or holding, unheard for :data:`AFFINITY_SECONDS`): it folds those slices again."""
         free = (w for w in self._queue if w.prefer in (None, reducer) or not self._around(w.prefer))
         return min(free, key=lambda w: (not w.batch.urgent, w.prefer != reducer), default=None)
 
@@ -209,8 +203,7 @@ class Board:
 
     def check_failed(self, reducer: str, run: str, name: str, why: str) -> None:
         """``reducer``'s check report on ``name`` was not taken (the hub's check answered): its failure."""
-        stats = self.reducers.get(reducer)
-        if stats is not None:
+        if (stats := self.reducers.get(reducer)) is not None:
             stats.check_failures += 1
         log.warning("check_report_not_taken run=%s object=%s reducer=%s: %s", run, name, reducer, why)
 
@@ -237,8 +230,7 @@ class Board:
         self._gone[work.job.lease] = None
         while len(self._gone) > GONE_KEPT:
             del self._gone[next(iter(self._gone))]
-        stats = self.reducers.get(work.holder or "")
-        if stats is not None and stats.holding == work.job.lease:
+        if (stats := self.reducers.get(work.holder or "")) is not None and stats.holding == work.job.lease:
             stats.holding = None
         work.holder = None
 
@@ -268,12 +260,10 @@ class Board:
         return [w.report for w in batch.work if isinstance(w.report, Done)]
 
     async def _settled(self, batch: _Batch) -> None:
-        """Offer ``batch``'s work and wait until all of it is reported, or urgent work is given back
-        unreported (no reducer alive, or expired :data:`CHECK_TRIES` times). An expired lease is
-        offered again, first; with no reducer for a lease length since the work was (re)offered the
-        hub works the rest itself: dead reducers cost a merge one lease length. Raises what a report
-        said failed; nothing of ``batch`` stays on the board. (Not :func:`until`: a look may expire,
-        offer or work leases, and the next wake is the nearest deadline.)"""
+        """Offer ``batch``'s work and wait until all is reported (raising a failure), or urgent work is
+        given back (no reducer alive, or :data:`CHECK_TRIES` expiries). An expired lease is offered
+        again, first; with no reducer for a lease length the hub works the rest: dead reducers cost a
+        merge one lease length. Not :func:`until`: a look may expire, offer or work leases."""
         self._queue.extend(batch.work)
         self._offered.notify()
         try:
@@ -327,8 +317,7 @@ class Board:
         _settle(work_, stats, report, HUB)
 
     def _expire(self, work: _Work) -> None:
-        stats = self.reducers.get(work.holder or "")
-        if stats is not None:
+        if (stats := self.reducers.get(work.holder or "")) is not None:
             stats.expired += 1
         log.warning(
             "work_lease_expired kind=%s run=%s round=%d lease=%s reducer=%s (offered again)",
@@ -369,11 +358,9 @@ def _settle(work: _Work, stats: ReducerStats, report: Done, who: str) -> None:
 async def merge_leased(
     board: Board, reducers: int, engine: MergeEngine, m: RoundMerge
 ) -> tuple[int, list[ObjectRecord], dict[str, float]]:
-    """:meth:`MergeEngine.merge`'s work, shared by the reducers (each lease folds ``m.unfolded``
-    after the mean folded ahead, in acknowledgement order: the hub alone's bits): the result's size,
-    the records of the objects they wrote (multipart uploads completed here, recorded by the caller
-    in the commit; none on local disk, where the staged files are published) and their bound on
-    ``|version v+1|`` per tensor."""
+    """:meth:`MergeEngine.merge`'s work, shared by the reducers (each folds ``m.unfolded`` after the
+    mean folded ahead, in order: the hub alone's bits): the result's size, the objects they wrote
+    (uploads completed here, recorded in the commit; none on local disk) and their bound on |v+1|."""
     if m.acc.mean is not None:
         raise ValueError("a leased merge reads the reducers' mean: the hub's accumulator must be empty")
     files = contextlib.ExitStack()
@@ -397,9 +384,8 @@ async def merge_leased(
 async def build_leased(
     board: Board, reducers: int, run: str, v: int, schema: Schema, codec: Codec
 ) -> tuple[ObjectRecord, dict[str, float]]:
-    """Have at most ``reducers`` build leases write version ``v``+1 in the bucket from version v and
-    round v's result there, as parts of one upload completed here: its record (the version counts
-    once the caller records it) and each tensor's largest ``|value|``. The hub moves no byte of it."""
+    """Have at most ``reducers`` leases build version ``v``+1 in the bucket (the hub moves no byte of
+    it): its record (the version counts once the caller records it) and each tensor's peak."""
     objects = board.objects
     if objects is None:
         raise ValueError("versions are built by leases only in an object store")

@@ -175,8 +175,7 @@ class BucketPlane(LocalPlane):
         elif self.up:
             if isinstance(key, VersionKey) and self.store.exists(key):
                 await self._copy(run, key)
-            record = self.store.stored_object(key)
-            if record is not None:
+            if (record := self.store.stored_object(key)) is not None:
                 return Redirect(self.objects.presign_get(object_name(key)), record.size)
         return await super().serve(run, key, direct=direct, peer=peer)
 
@@ -190,8 +189,7 @@ class BucketPlane(LocalPlane):
         await asyncio.shield(task)
 
     async def _record(self, run: Run, key: VersionKey) -> None:
-        record = await self.upload(run, key)
-        if record is not None:
+        if (record := await self.upload(run, key)) is not None:
             self.store.record_object(record)  # the copy counts from here on
 
     async def prune(self, run: Run, version: int) -> None:

@@ -51,15 +51,13 @@ T = TypeVar("T")
 #: Parts of an update: S3's 5 MiB minimum is too small to amortise a request on a far link, and
 #: a part re-sent after a cut should not be hundreds of MB: 8 MiB, bigger only past 10,000 parts.
 PART_BYTES = 8 << 20
-#: random bytes in each upload attempt's object name (:func:`~syncserver.storage.bucket.update_name`)
-ATTEMPT_BYTES = 8
+ATTEMPT_BYTES = 8  # random bytes in each upload attempt's object name
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Where an update goes: ``object`` (its name), the multipart upload, parts of ``part_size``
-    bytes (the last shorter), a presigned PUT per part the store lacks (``urls``), the ETags of
-    those it holds (``done``); the URLs expire at ``expires`` (unix time)."""
+    """Where an update goes: its object's name, upload and part size, a presigned PUT per part the
+    store lacks (``urls``), the ETags of those it holds (``done``), the URLs' ``expires`` (unix)."""
 
     object: str
     upload_id: str
@@ -115,9 +113,8 @@ class PresignedUploads:
         self._locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
 
     async def presign(self, run: Run, round_: int, peer: str, key: str, size: int) -> Plan:
-        """URLs to upload an update of ``size`` bytes computed from version ``round_`` (named by
-        the peer's ``key``), every refusal before any URL (under the peer's lock: a presign racing
-        an acknowledgement sees it)."""
+        """URLs to upload ``key``'s update of ``size`` bytes to round ``round_``, every refusal before any
+        URL (under the peer's lock: a presign racing an acknowledgement sees it)."""
         bucket = self.plane.uploads_to(run)
         assert run.shape is not None
         if size > run.shape.max_update_bytes:

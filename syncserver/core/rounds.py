@@ -338,8 +338,7 @@ class Rounds:
         factor = run.config.norm_guard
         if factor is None or norm is None:
             return
-        median = aggregate.norm_outlier(norm, [*run.previous_norms, *run.norms.values()], factor)
-        if median is None:
+        if (median := aggregate.norm_outlier(norm, [*run.previous_norms, *run.norms.values()], factor)) is None:
             return
         log.warning(
             "update_rejected run=%s round=%d peer=%s norm=%.4g median=%.4g factor=%g",

@@ -235,15 +235,9 @@ class HubView:
         """Changes whenever anything status shows changes (but the ages of last-seen times)."""
         parts: list[Any] = [sorted((r.name, r.version, len(r.policy.live)) for r in self._runs.values())]
         if run is not None:
-            parts += [
-                run.version,
-                sorted(run.acked),
-                sorted(run.uploading),
-                run.closing,
-                run.policy.due,
-                run.policy.floor_wait(time.monotonic()),
-                sorted(run.policy.live),
-                sorted((name, run.policy.state(name).value, p.rank) for name, p in run.peers.items()),
-                sorted((r, sorted(peers)) for r, peers in run.downloads.items()),
-            ]
+            policy = run.policy
+            peers = sorted((name, policy.state(name).value, p.rank) for name, p in run.peers.items())
+            downloads = sorted((r, sorted(names)) for r, names in run.downloads.items())
+            open_round = [run.version, sorted(run.acked), sorted(run.uploading), run.closing, policy.due]
+            parts += [*open_round, policy.floor_wait(time.monotonic()), sorted(policy.live), peers, downloads]
         return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]

@@ -178,10 +178,9 @@ class Reducers(Workers):
         return await merge_leased(self.board, self.count, self.engine, m)
 
     async def check(self, job: CheckJob, own: Callable[[], Awaitable[Checked]]) -> Checked:
-        """A reducer's check when one is alive (the hub reads no body), else the hub's own. Only a
-        pass that agrees with all the hub can compare without the body (:func:`accept`) and with
-        the declared digest is taken; anything else, the hub checks the body itself, and a report
-        its check contradicts counts as that reducer's failure (:meth:`Board.check_failed`)."""
+        """A reducer's check when one is alive, else the hub's own. Only a pass that agrees with all the
+        hub can compare without the body (:func:`accept`) and the declared digest is taken; else the
+        hub checks the body itself, and a report it contradicts is the reducer's failure."""
         report = await self.board.check(job)
         if report is None:
             return await own()
@@ -245,8 +244,7 @@ class BucketReducers(Reducers):
             await self.written(run)
         if self.store.stored_object(key) is not None:
             return
-        record = await self.plane.upload(run, key)
-        if record is None:
+        if (record := await self.plane.upload(run, key)) is None:
             raise Unavailable(f"the object store {self.plane.url} is down: version {v} cannot reach the reducers")
         self.store.record_object(record)
 
