@@ -49,8 +49,7 @@ DOWNLOADS_KEPT = 64  # rounds whose result download spans are remembered (the da
 
 @dataclass(frozen=True)
 class Start:
-    """What a peer must do next: ``initialise`` (upload version 0), ``waiting`` (ask again;
-    ``detail`` says for what) or ``ready`` (train from ``version``, as rank ``rank``)."""
+    """What a peer must do next: ``initialise`` (upload version 0), ``waiting`` (ask again) or ``ready``."""
 
     state: Literal["initialise", "waiting", "ready"]
     run: str
@@ -166,8 +165,7 @@ class Coordinator:
         return run
 
     def peer(self, run: Run, name: str) -> Peer:
-        """The peer, its lease renewed: a request that begins proves it alive (a long poll looks
-        again with :meth:`member`: a dead peer's poll must not renew it)."""
+        """The peer, its lease renewed (a long poll looks again with :meth:`member`: that renews nothing)."""
         peer = self.member(run, name)
         if run.policy.seen(name, now()):
             log.info("peer_back run=%s peer=%s", run.name, name)
@@ -314,9 +312,8 @@ class Coordinator:
     async def heartbeat(
         self, run_name: str, peer_name: str, wait: float = 0.0, dropped: Awaitable[object] | None = None
     ) -> int:
-        """Renew the peer's lease; the run's latest version. With ``wait`` and ``dropped`` (done when
-        the peer closes the connection) it is the peer's *watch*, held until news or ``wait`` seconds
-        (a third of the lease at most: it asks again well within it); a drop starts the grace."""
+        """Renew the peer's lease; the run's version. With ``dropped`` (done once the peer closes the
+        connection) it is its *watch*, held until news or ``wait`` (a third of the lease at most)."""
         run = self.seen(run_name, peer_name)
         if wait <= 0 or dropped is None:
             return run.version
@@ -349,8 +346,7 @@ class Coordinator:
     async def wait_result(
         self, run_name: str, round_: int, peer_name: str | None, wait: float, *, direct: bool = False
     ) -> Blob | Redirect | None:
-        """Long poll for round ``round_``'s result; None if still open after ``wait``. Where the plane
-        serves it from (``direct``: the peer could not fetch it where it was sent)."""
+        """Long poll for round ``round_``'s result: where the plane serves it, or None if still open."""
         run = self.run(run_name)
         if peer_name is not None:
             self.peer(run, peer_name)
@@ -413,6 +409,5 @@ class Coordinator:
 
 
 def _configured(run: Run, key: str) -> Any:
-    """A run's setting as a join compares it: the codec in its one spelling (the request is
-    normalised; runs created before that stored the spec as given)."""
+    """A run's setting as a join compares it (the codec in its one spelling: older runs kept it as given)."""
     return run.codec.spec if key == "codec" else getattr(run.config, key)

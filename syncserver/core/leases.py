@@ -90,8 +90,7 @@ class ReducerStats:
 
 @dataclass(eq=False)
 class _Batch:
-    """Work leases offered together and awaited by one caller; ``urgent`` (one body check: a peer
-    waits on it) goes first and is given back rather than worked by the hub or offered a fourth time."""
+    """Work offered together, awaited by one caller; ``urgent`` (a check) goes first, and is given back."""
 
     run: str
     urgent: bool = False
@@ -249,8 +248,7 @@ class Board:
     async def run(
         self, run: str, round_: int, offered: Sequence[WorkJob], prefer: Sequence[str | None] | None = None
     ) -> list[Done]:
-        """Offer these leases (each first to its ``prefer``: the reducer holding its slices of the
-        mean) and wait until all are done; their reports, in order, or what one raised."""
+        """Offer these leases (each first to its ``prefer``, holding its slices) and wait: their reports."""
         batch = _Batch(run)
         batch.work = [
             _Work(job.model_copy(update={"run": run, "round": round_}), batch, prefer=who)
@@ -358,9 +356,8 @@ def _settle(work: _Work, stats: ReducerStats, report: Done, who: str) -> None:
 async def merge_leased(
     board: Board, reducers: int, engine: MergeEngine, m: RoundMerge
 ) -> tuple[int, list[ObjectRecord], dict[str, float]]:
-    """:meth:`MergeEngine.merge`'s work, shared by the reducers (each folds ``m.unfolded`` after the
-    mean folded ahead, in order: the hub alone's bits): the result's size, the objects they wrote
-    (uploads completed here, recorded in the commit; none on local disk) and their bound on |v+1|."""
+    """:meth:`MergeEngine.merge`'s work, shared by the reducers (the same folds in the same order): the
+    result's size, the objects they wrote (uploads completed here; none on disk), their bound on |v+1|."""
     if m.acc.mean is not None:
         raise ValueError("a leased merge reads the reducers' mean: the hub's accumulator must be empty")
     files = contextlib.ExitStack()
@@ -459,10 +456,9 @@ def _holders(leases: Sequence[MergeJob | FoldJob], mean: Resident | None) -> lis
 
 
 class FoldAhead:
-    """The reducers fold each round's updates **ahead**, as acknowledged, into a new mean per step
-    kept in their memory (:data:`~syncserver.reduce.lease.MEANS`), so the close folds only what came
-    after (docs/object-store.md, "The reducers fold ahead"). The accumulator names the new mean
-    once every lease of a step is done; a mean is a cache, and a slice lacking is folded again."""
+    """The reducers fold updates **ahead**, as acknowledged, into a mean in their memory, so the close
+    folds only the rest (docs/object-store.md, "The reducers fold ahead"). The accumulator names a
+    step's mean once all its leases are done; a mean is a cache, a slice lacking is folded again."""
 
     def __init__(self, board: Board, reducers: int, engine: MergeEngine) -> None:
         self.board, self.reducers, self.engine = board, reducers, engine

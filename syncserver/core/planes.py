@@ -161,15 +161,13 @@ class BucketPlane(LocalPlane):
     async def publish(
         self, run: Run, key: ResultKey, copies: list[ObjectRecord]
     ) -> tuple[list[ObjectRecord], dict[str, float]]:
-        """The copy peers fetch goes up before the commit announces the result (unless the reducers
-        wrote it); if the store fails, the round closes all the same and peers get the hub's."""
+        """The copy peers fetch goes up before the commit (unless the reducers wrote it); none fails a round."""
         began = time.monotonic()
         uploaded = None if copies else await self.upload(run, key)
         return copies or ([uploaded] if uploaded else []), {"publish": time.monotonic() - began}
 
     async def serve(self, run: Run, key: Published, *, direct: bool, peer: str | None) -> Blob | Redirect:
-        """A presigned GET of ``key``'s copy (a version is copied on its first ask, which concurrent
-        asks share); ``direct``: the peer could not fetch it there, so the hub's file."""
+        """A presigned GET of ``key``'s copy (a version copied at its first ask); ``direct``: the hub's file."""
         if direct:
             self.failed(run.name, f"peer {peer or '?'} could not download from it")
         elif self.up:

@@ -126,8 +126,7 @@ class RoundPolicy:
             self.live |= {name}
 
     def join(self, name: str, now: float, *, counted: bool) -> Admit:
-        """A peer joins (again). One that comes in while a round is under way is waited for from the
-        next: it starts from the latest version, like any new peer."""
+        """A peer joins (again); one coming in mid-round is waited for from the next, like any new peer."""
         in_round = bool(self.acked) or self.closing
         member = self.members.get(name)
         returning = member is not None
@@ -161,8 +160,7 @@ class RoundPolicy:
         return self.seen(name, now)
 
     def unwatch(self, name: str, now: float, *, dropped: bool) -> None:
-        """A watch of ``name`` ended: answered (the peer asks again at once), or ``dropped`` by its
-        side (process dead, link reset): with none left open, gone after ``disconnect_grace``."""
+        """A watch ended: answered, or ``dropped`` by the peer's side (dead): none open, gone after the grace."""
         member = self.members[name]
         member.watches = max(0, member.watches - 1)
         if dropped and member.watches == 0 and not member.left:
@@ -180,8 +178,7 @@ class RoundPolicy:
         return None
 
     def next_loss(self) -> float | None:
-        """When (monotonic) a live member's lease runs out first, none heard from: the hub's ticker
-        looks then, so a hung peer is gone at its lease, not a tick after (a drop's grace is timed apart)."""
+        """When a live member's lease runs out first: the ticker looks then (a hung peer gone at its lease)."""
         due = [self.members[name].last_seen + self.lease_seconds for name in self.live]
         return min(due, default=None)
 
@@ -264,8 +261,7 @@ class RoundPolicy:
         return max(1, min(self.min_merge_peers, staying))
 
     def floor_wait(self, now: float) -> bool:
-        """Whether the open round waits on its merge floor alone: every live member it waits for is
-        in (or its deadline passed), with fewer than :meth:`quorum` updates."""
+        """Whether the open round waits on its floor alone (all it waits for in, or overdue, under quorum)."""
         if self.closing or not self.acked or len(self.acked) >= self.quorum():
             return False
         deadline = self.deadline
@@ -350,8 +346,7 @@ class SamplesPolicy(RoundPolicy):
         return None if self.due_since is None else self.due_since + self.round_timeout
 
     def decide(self, now: float) -> Close | None:
-        """Due once the samples reach the target; close when every live peer with samples is in
-        (or the deadline passed with a quorum), or before that when every live peer is in."""
+        """Due at the target; close when every live peer with samples (or every one) is in, or overdue."""
         if self.closing:
             return None
         if self.due_since is None and self.round_total() >= self.round_samples:
@@ -403,9 +398,8 @@ class AsyncPolicy(RoundPolicy):
         return False  # each update is applied alone: there is no floor to wait on
 
     def weight(self, samples: int, base: int, round_: int) -> float:
-        """``samples * (1 + late) ** -0.5``, ``late`` the whole outer steps beyond the first applied
-        since its base (with N equal peers every update is N - 1 versions old, under a step: not
-        discounted; docs/concepts/rounds.md): a stale update counts less, never nothing."""
+        """``samples * (1 + late) ** -0.5``, ``late`` the outer steps since its base beyond the first (N
+        equal peers' updates, N - 1 versions old, are not discounted): a stale one counts less, not 0."""
         staleness = round_ - base
         if staleness < 0:
             raise ValueError(f"an update from version {base} cannot go into round {round_}")
@@ -413,8 +407,7 @@ class AsyncPolicy(RoundPolicy):
         return samples * (1.0 + late) ** -STALENESS_EXPONENT
 
     def total(self, samples: int) -> float:
-        """``round_samples``, or more: an update of ``round_samples`` samples moves the model by its
-        whole (discounted) delta, a smaller one by its share."""
+        """``round_samples``, or more: a whole step's update moves by its whole delta, a smaller by its share."""
         return float(max(self.round_samples, samples))
 
     def fraction(self, samples: int) -> float:

@@ -219,8 +219,7 @@ class PresignedUploads:
         return await self.rounds.commit_object(run, ticket, opened.name, checked.nbytes, seconds, checked.norm)
 
     async def _drop(self, run: Run, opened: _Open) -> None:
-        """Delete an upload's object and parts (a store that fails leaves them for the next start);
-        never an object a record names (a request cancelled after its acknowledgement keeps it)."""
+        """Delete an upload's object and parts, never one a record names (a store failing: next start)."""
         keep = self.rounds.store.names_update_object(run.name, opened.name)
         objects = self.plane.uploads_to(run).objects
 

@@ -45,8 +45,7 @@ ASYNC_NORMS = 8  # the norm guard's reference in async runs: the last accepted u
 
 @dataclass
 class Ticket:
-    """Permission to stream one body: what it must look like and where it goes (for an update the
-    hub holds already: its acknowledgement, and no body)."""
+    """Permission to stream one body: its shape and destination (held already: its acknowledgement)."""
 
     run: str
     round: int  # -1: version 0

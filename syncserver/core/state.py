@@ -57,8 +57,7 @@ Via = Literal["hub", "store"]
 
 @dataclass
 class Traffic:
-    """A run's bytes since the hub started: acknowledged updates up, results and versions down, by
-    way (/metrics' ``weightsync_{upload,download}_bytes``: what still crosses the hub's link)."""
+    """A run's bytes since the hub started, up and down by way (/metrics: what crosses the hub's link)."""
 
     up: dict[Via, int] = field(default_factory=lambda: {"hub": 0, "store": 0})
     down: dict[Via, int] = field(default_factory=lambda: {"hub": 0, "store": 0})

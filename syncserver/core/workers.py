@@ -100,8 +100,7 @@ class Workers:
             await self.written(run)
 
     async def build(self, run: Run, target: int) -> None:
-        """Write each version's file up to ``target`` that lacks one, but one only in the bucket (the
-        reducers built it; the hub has no result to build it from)."""
+        """Write each missing version file up to ``target``, but one only in the bucket (no result here)."""
         assert run.schema is not None
         if not self.store.exists(ResultKey(run.name, target - 1)) and self.store.stored_object(
             VersionKey(run.name, target)
@@ -166,8 +165,7 @@ class Reducers(Workers):
                     return
 
     async def settle(self, run: Run) -> None:
-        """Wait for the fold step under way (the merge then folds less), but stop it while any of
-        its leases waits for a reducer (the merge's own are next in line; nothing folded is lost)."""
+        """Wait for the fold step under way, but stop it while a lease of it waits (nothing folded is lost)."""
         task = self._folding.get(run.name)
         while task is not None and not task.done():
             if self.board.offered(run.name, FoldJob):
@@ -178,9 +176,8 @@ class Reducers(Workers):
         return await merge_leased(self.board, self.count, self.engine, m)
 
     async def check(self, job: CheckJob, own: Callable[[], Awaitable[Checked]]) -> Checked:
-        """A reducer's check when one is alive, else the hub's own. Only a pass that agrees with all the
-        hub can compare without the body (:func:`accept`) and the declared digest is taken; else the
-        hub checks the body itself, and a report it contradicts is the reducer's failure."""
+        """A reducer's check if one is alive, else the hub's own. Only a pass agreeing with what the hub can
+        compare (:func:`accept`, the digest) is taken; else the hub checks, and judges the report."""
         report = await self.board.check(job)
         if report is None:
             return await own()
