@@ -144,8 +144,7 @@ class Coordinator:
 
     def _tick(self, run: Run) -> None:
         """Leases, dropped watches and deadlines: the only things that change with time alone."""
-        gone = run.policy.expire(now())
-        if gone:
+        if gone := run.policy.expire(now()):
             for name, why in gone.items():
                 log.warning("peer_gone run=%s peer=%s reason=%s", run.name, name, why.value)
             if run.init_claim in gone:
@@ -154,7 +153,6 @@ class Coordinator:
             self.view.changed(run)
         self.rounds.decide(run)
 
-    # ---- lookups -------------------------------------------------------------------------
     def run(self, name: str) -> Run:
         return self.view.get(name)
 
@@ -284,7 +282,7 @@ class Coordinator:
         self.view.changed(run)
         return ack
 
-    # ---- progress --------------------------------------------------------------------------
+    # ---- progress and liveness -------------------------------------------------------------
     async def progress(self, run_name: str, peer_name: str, round_: int, samples: int, wait: float) -> RoundProgress:
         """A peer trained ``samples`` since its update to round ``round_`` began (a heartbeat too). In
         a samples run, a long poll until the round is due or closed: ``due``, send the update now."""
@@ -299,16 +297,10 @@ class Coordinator:
             self.view.changed(run)
         samples = run.config.policy == "samples"
         await self._wait(lambda: not samples or run.policy.due or run.version != round_, run, wait)
-        closed = run.version > round_ and run.config.policy != "async"
-        return RoundProgress(
-            round=round_,
-            version=run.version,
-            due=run.policy.due or closed,
-            samples=run.policy.round_total(),
-            target=run.config.round_samples if samples else None,
-        )
+        due = run.policy.due or (run.version > round_ and run.config.policy != "async")  # or closed
+        target = run.config.round_samples if samples else None
+        return RoundProgress(round_, run.version, due, run.policy.round_total(), target)
 
-    # ---- liveness ------------------------------------------------------------------------
     async def heartbeat(
         self, run_name: str, peer_name: str, wait: float = 0.0, dropped: Awaitable[object] | None = None
     ) -> int:

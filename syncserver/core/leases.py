@@ -335,7 +335,6 @@ class Board:
 
 
 def _said(job: WorkJob) -> tuple[str, str, int, str]:
-    """A lease as the log names it: kind, run, round, id."""
     return job.kind, job.run, job.round, job.lease
 
 

@@ -115,9 +115,8 @@ class BucketPlane(LocalPlane):
         its open multipart uploads (what a crash cut); a store that fails keeps them for next time."""
         v = run.version
         records = self.store.stored_objects(run.name)
-        self.store.forget_objects(
-            [r.key for r in records if (r.key.round >= v if isinstance(r.key, ResultKey) else r.key.number > v)]
-        )
+        past = [r.key for r in records if (r.key.round >= v if isinstance(r.key, ResultKey) else r.key.number > v)]
+        self.store.forget_objects(past)
         named = {object_name(r.key) for r in self.store.stored_objects(run.name)} | self.store.update_objects(run.name)
 
         def delete_unnamed() -> tuple[int, int]:

@@ -48,9 +48,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Parts of an update: S3's 5 MiB minimum is too small to amortise a request on a far link, and
-#: a part re-sent after a cut should not be hundreds of MB: 8 MiB, bigger only past 10,000 parts.
-PART_BYTES = 8 << 20
+PART_BYTES = 8 << 20  # S3's 5 MiB amortises no request on a far link; a part re-sent must not be 100s of MB
 ATTEMPT_BYTES = 8  # random bytes in each upload attempt's object name
 
 

@@ -41,8 +41,6 @@ class RunFacts:
 
 @dataclass(frozen=True)
 class RunLine:
-    """One line of the run list."""
-
     run: str
     version: int
     peers: int  # live
