@@ -132,7 +132,7 @@ class Coordinator:
         await self.workers.stop()
 
     async def _tick_forever(self) -> None:
-        """Tick often and at each live lease's end: a hung peer costs its lease, not a tick more."""
+        """Tick often and at each live lease's end: a hung peer costs its lease, not a tick more (bench/failures.py)."""
         interval = min(0.5, self.settings.lease_seconds / 4)
         while True:
             ends = (run.policy.next_loss() for run in list(self.runs.values()))
