@@ -1,16 +1,14 @@
-"""Waiting for a change: the hub's one long poll.
-
-Every long poll of the hub (a peer waiting to start, for its round's result, for its round to
-be due, its watch; the dashboard) is the same loop: look at what it waits for, and if it is
-not there, sleep until something changes or the deadline passes, then look again. A
-:class:`Changes` is what changes wake; :func:`until` is the loop. :class:`Tasks` keeps the
-background work a request starts (a round's close, a version's file) until it is done.
+"""Waiting for a change: the hub's one long poll. Every long poll (a peer's start, result, due
+round and watch; a reducer's lease; the dashboard) is :func:`until`: look, and if what it waits
+for is not there, sleep until a :class:`Changes` wakes it or the deadline passes. :class:`Tasks`
+keeps the background work a request starts (a close, a version's file) until it is done.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -19,8 +17,7 @@ __all__ = ["Changes", "Tasks", "until"]
 
 
 class Changes:
-    """Wakes every waiter at each :meth:`notify` (a fresh event per change, so that a waiter
-    that wakes and waits again waits for the next change, not the one it saw)."""
+    """Wakes every waiter at each :meth:`notify` (a fresh event: a waiter waits for the next change)."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
@@ -44,15 +41,16 @@ async def until(
     seconds: float,
     stop: Callable[[], bool] = lambda: False,
     also: asyncio.Future[Any] | None = None,
+    every: float = math.inf,
 ) -> bool:
-    """Ask ``ready`` now and after every change of ``changes`` (or once ``also`` is done) until
-    it says yes (True), or ``seconds`` pass or ``stop`` says the hub is stopping (False)."""
+    """Ask ``ready`` now and at each change (``also`` done, or every ``every`` seconds) until it says
+    yes (True), or ``seconds`` pass or ``stop`` says the hub is stopping (False)."""
     deadline = time.monotonic() + seconds
     while not ready():
         remaining = deadline - time.monotonic()
         if remaining <= 0 or stop():
             return False
-        await changes.wait(remaining, also)
+        await changes.wait(min(remaining, every), also)
     return True
 
 

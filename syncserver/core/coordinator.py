@@ -1,12 +1,9 @@
 """The runs of one hub: their life, their members, and the waits peers make on them.
 
-No HTTP here (routes translate requests into these calls), no maths (:mod:`syncserver.reduce.engine`),
-no round rule (:mod:`syncserver.core.policy` decides; :mod:`syncserver.core.rounds` receives updates
-and closes rounds), no paths (:mod:`syncserver.storage.store`). Everything runs on the event loop
-thread, so state changes between two ``await`` points are atomic; tensor work goes to worker
-threads.
-
-A run's life::
+No HTTP (routes translate), no maths (:mod:`syncserver.reduce.engine`), no round rule
+(:mod:`~syncserver.core.policy` decides, :mod:`~syncserver.core.rounds` receives and closes), no
+paths (:mod:`syncserver.storage.store`). Everything runs on the event loop thread, so state changes
+between two ``await`` points are atomic; tensor work goes to worker threads. A run's life::
 
     created ──(first peer initialises)──> version 0 ──(min_peers joined)──> sealed: ranks fixed
     round v: open ──(first update)──> collecting ──(the policy says Close)──> closing
@@ -18,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,7 +26,6 @@ from anyio import to_thread
 
 from syncserver.core.changes import until
 from syncserver.core.planes import LocalPlane, Redirect
-from syncserver.core.policy import SamplesPolicy
 from syncserver.core.presigned import PresignedUploads
 from syncserver.core.quotas import check_new_peer, check_new_run
 from syncserver.core.rounds import InitialVersion, Rounds, Ticket
@@ -52,8 +49,7 @@ DOWNLOADS_KEPT = 64  # rounds whose result download spans are remembered (the da
 
 @dataclass(frozen=True)
 class Start:
-    """What a peer must do next: ``initialise`` (upload version 0), ``waiting`` (ask again;
-    ``detail`` says for what) or ``ready`` (train from ``version``, as rank ``rank``)."""
+    """What a peer must do next: ``initialise`` (upload version 0), ``waiting`` (ask again) or ``ready``."""
 
     state: Literal["initialise", "waiting", "ready"]
     run: str
@@ -119,11 +115,8 @@ class Coordinator:
         self._ticker = asyncio.create_task(self._tick_forever())
 
     def end_polls(self) -> None:
-        """The server is shutting down: every long poll answers now with what it has, as at its
-        deadline. A server waits for the requests in flight before it stops, and a peer's or a
-        reducer's poll would otherwise hold a stop (a restart, a new version) for up to
-        ``long_poll_seconds``; the clients ask again, as after any poll, and find the hub gone
-        or back."""
+        """The server is shutting down: every long poll answers now, as at its deadline (a poll would
+        hold a restart ``long_poll_seconds``); the clients ask again and find the hub gone or back."""
         self.view.stopping = True
         for run in self.runs.values():
             run.changed.notify()
@@ -135,12 +128,11 @@ class Coordinator:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
-        await self.rounds.stop()
+        await self.rounds.tasks.stop()
         await self.workers.stop()
 
     async def _tick_forever(self) -> None:
-        """Tick every ``interval`` and at each live peer's lease end: a hung peer costs the
-        survivors its lease, not its lease and up to a tick more (bench/failures.py)."""
+        """Tick often and at each live lease's end: a hung peer costs its lease, not a tick more (bench/failures.py)."""
         interval = min(0.5, self.settings.lease_seconds / 4)
         while True:
             ends = (run.policy.next_loss() for run in list(self.runs.values()))
@@ -152,8 +144,7 @@ class Coordinator:
 
     def _tick(self, run: Run) -> None:
         """Leases, dropped watches and deadlines: the only things that change with time alone."""
-        gone = run.policy.expire(now())
-        if gone:
+        if gone := run.policy.expire(now()):
             for name, why in gone.items():
                 log.warning("peer_gone run=%s peer=%s reason=%s", run.name, name, why.value)
             if run.init_claim in gone:
@@ -162,19 +153,17 @@ class Coordinator:
             self.view.changed(run)
         self.rounds.decide(run)
 
-    # ---- lookups -------------------------------------------------------------------------
     def run(self, name: str) -> Run:
         return self.view.get(name)
 
     def seen(self, run_name: str, peer_name: str) -> Run:
-        """A request from ``peer_name`` begins: its run, the peer's lease renewed (:meth:`peer`)."""
+        """A request from ``peer_name`` begins: its run, the peer's lease renewed."""
         run = self.run(run_name)
         self.peer(run, peer_name)
         return run
 
     def peer(self, run: Run, name: str) -> Peer:
-        """The peer, with its lease renewed: a request from a peer that begins proves it alive.
-        (A long poll looks again with :meth:`member`: a dead peer's poll must not renew it.)"""
+        """The peer, its lease renewed (a long poll looks again with :meth:`member`: that renews nothing)."""
         peer = self.member(run, name)
         if run.policy.seen(name, now()):
             log.info("peer_back run=%s peer=%s", run.name, name)
@@ -191,14 +180,12 @@ class Coordinator:
     def join(
         self, run_name: str, peer_name: str, requested: dict[str, Any], *, group_size: int = 1, creator: str = "token"
     ) -> Start:
-        """Register a peer (again, after a crash: same name, same rank) and say what it must do next.
-        ``group_size``: the ranks of the torch.distributed group it is (shown, not used);
-        ``creator``: the kind of token that asks (:data:`syncserver.api.deps.Caller`), for the quotas."""
+        """Register a peer (again after a crash: same name, same rank); what it must do next.
+        ``group_size``: its torch group's ranks (shown); ``creator``: the token's kind, for quotas."""
         run = self.runs.get(run_name)
         if run is None:
-            check_new_run(
-                self.runs.values(), creator, requested.get("min_peers") or self.settings.min_peers, self.settings
-            )
+            min_peers = requested.get("min_peers") or self.settings.min_peers
+            check_new_run(self.runs.values(), creator, min_peers, self.settings)
             run = self._create(run_name, requested, creator)
         else:
             for key, value in requested.items():
@@ -209,18 +196,10 @@ class Coordinator:
                     )
             check_new_peer(run, peer_name, self.settings)
         admit = run.policy.join(peer_name, now(), counted=run.sealed)
-        peer = run.peers.get(peer_name)
-        if peer is None:
-            peer = Peer(peer_name, run.world_size() if run.sealed else None, time.time())
-            run.peers[peer_name] = peer
+        peer = run.peers.setdefault(peer_name, Peer(peer_name, run.world_size() if run.sealed else None, time.time()))
         peer.group_size = group_size
-        log.info(
-            "%s run=%s peer=%s rank=%s",
-            "peer_rejoined" if admit.returning else "peer_joined",
-            run_name,
-            peer_name,
-            peer.rank,
-        )
+        joined = "peer_rejoined" if admit.returning else "peer_joined"
+        log.info("%s run=%s peer=%s rank=%s", joined, run_name, peer_name, peer.rank)
         self.store.save_peer(run_name, run.record(peer))
         self._maybe_seal(run)
         self.view.changed(run)
@@ -236,14 +215,12 @@ class Coordinator:
         except ValueError as exc:
             raise InvalidUpdate(str(exc)) from None
         self.store.create_run(name, config.__dict__, creator)
-        run = Run(name, config, codec, policy, creator=creator)
-        self.runs[name] = run
+        run = self.runs[name] = Run(name, config, codec, policy, creator=creator)
         log.info("run_created run=%s %s", name, " ".join(f"{k}={v}" for k, v in config.__dict__.items()))
         return run
 
     def _maybe_seal(self, run: Run) -> None:
-        """Fix ranks once version 0 exists and min_peers have joined: by sorted peer name, so
-        that data shards do not depend on who happened to join first."""
+        """Fix ranks by sorted name (shards not by who joined first) once v0 and min_peers are in."""
         members = sorted(name for name, m in run.policy.members.items() if not m.left)
         if run.sealed or run.version < 0 or len(members) < run.config.min_peers:
             return
@@ -257,24 +234,19 @@ class Coordinator:
         self.view.changed(run)
 
     def _start_state(self, run: Run, peer: Peer) -> Start:
-        lease = self.settings.lease_seconds
+        start = functools.partial(Start, run=run.name, peer=peer.name, lease_seconds=self.settings.lease_seconds)
         if run.version < 0:
             if run.init_claim is None or run.init_claim not in run.policy.live:
                 run.init_claim = peer.name
             if run.init_claim == peer.name:
-                return Start("initialise", run.name, peer.name, lease, config=run.config)
-            detail = f"waiting for {run.init_claim} to upload version 0"
-            return Start("waiting", run.name, peer.name, lease, detail=detail)
+                return start("initialise", config=run.config)
+            return start("waiting", detail=f"waiting for {run.init_claim} to upload version 0")
         if not run.sealed:
             joined = sum(not m.left for m in run.policy.members.values())
-            detail = f"{joined} of {run.config.min_peers} peers have joined"
-            return Start("waiting", run.name, peer.name, lease, detail=detail)
+            return start("waiting", detail=f"{joined} of {run.config.min_peers} peers have joined")
         assert run.shape is not None
-        return Start(
+        return start(
             "ready",
-            run.name,
-            peer.name,
-            lease,
             config=run.config,
             rank=peer.rank,
             world_size=run.world_size(),
@@ -283,12 +255,12 @@ class Coordinator:
             uploads=self.plane.uploads,
         )
 
-    def _poll(self, wait: float) -> float:
-        """A long poll's seconds: what the client asked, at most ``SYNC_LONG_POLL_SECONDS``."""
-        return min(wait, self.settings.long_poll_seconds)
-
-    def _stopping(self) -> bool:
-        return self.view.stopping
+    async def _wait(
+        self, ready: Callable[[], bool], run: Run, wait: float, also: asyncio.Future[Any] | None = None
+    ) -> bool:
+        """A long poll on ``run``: at most what the client asked and ``SYNC_LONG_POLL_SECONDS``."""
+        seconds = min(wait, self.settings.long_poll_seconds)
+        return await until(ready, run.changed, seconds, lambda: self.view.stopping, also)
 
     async def wait_start(self, run_name: str, peer_name: str, wait: float) -> Start:
         """Long poll until the peer may start (or must initialise); at most ``wait`` seconds."""
@@ -297,7 +269,7 @@ class Coordinator:
         def state() -> Start:
             return self._start_state(run, self.member(run, peer_name))
 
-        await until(lambda: state().state != "waiting", run.changed, self._poll(wait), self._stopping)
+        await self._wait(lambda: state().state != "waiting", run, wait)
         return state()
 
     async def commit_init(self, ticket: Ticket, received: Received) -> InitialVersion:
@@ -310,14 +282,10 @@ class Coordinator:
         self.view.changed(run)
         return ack
 
-    # ---- progress --------------------------------------------------------------------------
+    # ---- progress and liveness -------------------------------------------------------------
     async def progress(self, run_name: str, peer_name: str, round_: int, samples: int, wait: float) -> RoundProgress:
-        """A peer has trained ``samples`` samples since its update to round ``round_`` began.
-
-        Renews its lease like a heartbeat. In a samples run the report may make the round due,
-        and the answer is a long poll (at most ``wait`` seconds) that returns as soon as the
-        round is due or closed: ``due`` tells the peer to send its update now.
-        """
+        """A peer trained ``samples`` since its update to round ``round_`` began (a heartbeat too). In
+        a samples run, a long poll until the round is due or closed: ``due``, send the update now."""
         run = self.run(run_name)
         peer = self.peer(run, peer_name)
         await self.rounds.check_open(run, round_)
@@ -327,56 +295,34 @@ class Coordinator:
         if run.policy.due != was_due:
             log.info("round_due run=%s round=%d samples=%d", run.name, run.version, run.policy.round_total())
             self.view.changed(run)
-        samples_run = isinstance(run.policy, SamplesPolicy)
-        await until(
-            lambda: not samples_run or run.policy.due or run.version != round_,
-            run.changed,
-            self._poll(wait),
-            self._stopping,
-        )
-        closed = run.version > round_ and run.config.policy != "async"
-        return RoundProgress(
-            round=round_,
-            version=run.version,
-            due=run.policy.due or closed,
-            samples=run.policy.round_total(),
-            target=run.config.round_samples if run.config.policy == "samples" else None,
-        )
+        samples = run.config.policy == "samples"
+        await self._wait(lambda: not samples or run.policy.due or run.version != round_, run, wait)
+        due = run.policy.due or (run.version > round_ and run.config.policy != "async")  # or closed
+        target = run.config.round_samples if samples else None
+        return RoundProgress(round_, run.version, due, run.policy.round_total(), target)
 
-    # ---- liveness ------------------------------------------------------------------------
     async def heartbeat(
         self, run_name: str, peer_name: str, wait: float = 0.0, dropped: Awaitable[object] | None = None
     ) -> int:
-        """Renew the peer's lease; the run's latest version (behind it, the peer should catch up).
-
-        With ``wait`` and ``dropped`` (what completes when the peer's side closes the request's
-        connection), the request is the peer's *watch*: held until there is news (the peer
-        left, the hub stops) or ``wait`` seconds (at most a third of the lease, so that the peer
-        asks again, renewing it, well within it). A watch that drops starts the peer's
-        ``disconnect_grace``: with no request from it by then, it is gone.
-        """
+        """Renew the peer's lease; the run's version. With ``dropped`` (done once the peer closes the
+        connection) it is its *watch*, held until news or ``wait`` (a third of the lease at most)."""
         run = self.seen(run_name, peer_name)
         if wait <= 0 or dropped is None:
             return run.version
         run.policy.watch(peer_name, now())
         lost = asyncio.ensure_future(dropped)
         try:
-            seconds = min(self._poll(wait), self.settings.lease_seconds / 3)
-            members = run.policy.members
-            await until(lambda: lost.done() or members[peer_name].left, run.changed, seconds, self._stopping, lost)
+            seconds = min(wait, self.settings.lease_seconds / 3)
+            await self._wait(lambda: lost.done() or run.policy.members[peer_name].left, run, seconds, lost)
         finally:
             closed = lost.done()
             lost.cancel()
             run.policy.unwatch(peer_name, now(), dropped=closed)
         if closed:
-            log.info(
-                "peer_disconnected run=%s peer=%s (gone in %gs unless it comes back)",
-                run.name,
-                peer_name,
-                self.settings.disconnect_grace,
-            )
+            grace = self.settings.disconnect_grace
+            log.info("peer_disconnected run=%s peer=%s (gone in %gs unless it comes back)", run.name, peer_name, grace)
             # decide at the grace's end, not at the next tick: the survivors wait for this
-            asyncio.get_running_loop().call_later(self.settings.disconnect_grace + 0.01, self._tick, run)
+            asyncio.get_running_loop().call_later(grace + 0.01, self._tick, run)
         return run.version
 
     def leave(self, run_name: str, peer_name: str) -> None:
@@ -392,8 +338,7 @@ class Coordinator:
     async def wait_result(
         self, run_name: str, round_: int, peer_name: str | None, wait: float, *, direct: bool = False
     ) -> Blob | Redirect | None:
-        """Long poll for round ``round_``'s merged update; None if it is still open after ``wait``.
-        Where the plane serves it from (``direct``: the peer could not fetch it where it was sent)."""
+        """Long poll for round ``round_``'s result: where the plane serves it, or None if still open."""
         run = self.run(run_name)
         if peer_name is not None:
             self.peer(run, peer_name)
@@ -403,7 +348,7 @@ class Coordinator:
                 self.member(run, peer_name)  # a peer gone meanwhile stops waiting
             return round_ != run.version or run.version < 0
 
-        if not await until(ended, run.changed, self._poll(wait), self._stopping):
+        if not await self._wait(ended, run, wait):
             return None
         if round_ > run.version or run.version < 0:
             raise Conflict(
@@ -422,32 +367,25 @@ class Coordinator:
         if run.version < 0:
             raise Conflict(f"run {run_name!r} has no version 0 yet", current_version=-1)
         while True:
-            version = run.version
+            key = VersionKey(run.name, run.version)
             try:
-                return version, await self.plane.serve(
-                    run, VersionKey(run.name, version), direct=direct, peer=peer_name
-                )
+                return key.number, await self.plane.serve(run, key, direct=direct, peer=peer_name)
             except Missing:
                 await self.workers.written(run)
 
     # ---- downloads (the dashboard's timeline, the metrics) ---------------------------------
     def count_download(self, run_name: str, peer_name: str | None, nbytes: int, via: Via) -> None:
         """A download answered: ``nbytes`` served by the hub, or redirected to the store."""
-        run = self.runs.get(run_name)
-        if run is None:
+        if (run := self.runs.get(run_name)) is None:
             return
         run.traffic.down[via] += nbytes
         if peer_name in run.peers:
             run.peers[peer_name].bytes_down += nbytes
 
     def record_download(self, run_name: str, round_: int, peer_name: str | None, began: float) -> None:
-        """A peer has received round ``round_``'s whole result (called once the hub's response is
-        sent, or when the peer reports a download from the object store): the last phase of its
-        round, for the dashboard's timeline and the metrics."""
-        run = self.runs.get(run_name)
-        if run is None or peer_name not in run.peers:
+        """A peer has round ``round_``'s whole result: its round's last phase, for timeline and metrics."""
+        if (run := self.runs.get(run_name)) is None or peer_name is None or peer_name not in run.peers:
             return
-        assert peer_name is not None
         ended = time.time()
         run.downloads.setdefault(round_, {})[peer_name] = (began, ended)
         while len(run.downloads) > DOWNLOADS_KEPT:
@@ -455,8 +393,7 @@ class Coordinator:
         self.view.downloaded(run, round_, peer_name, ended - began)
 
     def downloaded(self, run_name: str, peer_name: str, round_: int, seconds: float) -> None:
-        """A peer reports that it fetched round ``round_``'s result from the object store in
-        ``seconds`` (the hub does not see that download end; the report is its end)."""
+        """A peer fetched round ``round_``'s result from the store in ``seconds`` (the hub sees no end)."""
         run = self.seen(run_name, peer_name)
         if not 0 <= round_ < run.version:
             raise Conflict(f"round {round_} has no result yet; the run is at version {run.version}")
@@ -464,6 +401,5 @@ class Coordinator:
 
 
 def _configured(run: Run, key: str) -> Any:
-    """A run's setting as a join compares it: its codec in the codec's one spelling (the join
-    request is normalised, and runs created before that stored the spec as it was given)."""
+    """A run's setting as a join compares it (the codec in its one spelling: older runs kept it as given)."""
     return run.codec.spec if key == "codec" else getattr(run.config, key)

@@ -1,16 +1,10 @@
 """Merging a round into finite weights, without the updates that would make them Inf.
 
-The running mean (:func:`syncserver.reduce.aggregate.fold`) is finite whenever the updates are, but
-what every peer will hold, ``version v + decode(result)``, can still overflow float32: finite
-updates near 1e38, an outer step that multiplies them, a codec that rounds the largest float32
-up to Inf. :meth:`MergeEngine.merge <syncserver.reduce.engine.MergeEngine.merge>` checks that before
-anything is written; here a round whose merge is refused goes on without the update of largest
-magnitude, the others folded again from the durable files in acknowledgement order, and again,
-until the merge is finite. With every update left out the round changes nothing, which is
-always finite: the loop ends, after at most one merge per participant.
-
-Deterministic: the same acknowledged updates give the same updates left out (ties go by peer
-name) and the same bits, so a hub restarted mid-round closes it exactly as it would have.
+Finite updates can still overflow ``version v + decode(result)`` (updates near 1e38, an outer
+step that multiplies them, a codec rounding the largest float32 up to Inf). The merge checks that
+before anything is written; a refused round goes on without the update of largest magnitude, the
+others folded again in order, until it is finite (with every update out it changes nothing: at
+most one merge per participant). Ties go by peer name: a restarted hub closes it the same way.
 """
 
 from __future__ import annotations
@@ -26,8 +20,7 @@ from syncserver.storage.store import ObjectRecord, UpdateKey
 
 __all__ = ["Merged", "merge_finite"]
 
-#: A round's merge as done: the result's size, the records of the objects it wrote to the bucket
-#: (none but there) and the reducers' bound on ``|version v+1|`` per tensor (none in process)
+#: A merge done: the result's size, the objects it wrote to the bucket, the reducers' bound on |v+1|
 Merged = tuple[int, list[ObjectRecord], dict[str, float]]
 
 log = logging.getLogger(__name__)
@@ -40,14 +33,11 @@ async def merge_finite(
     participants: Sequence[str],
     merge: Callable[[RoundMerge], Awaitable[Merged]],
 ) -> tuple[int, list[str], list[ObjectRecord], dict[str, float]]:
-    """Merge ``run``'s open round ``round_`` with ``merge`` (the workers'): its accumulator, with
-    every acknowledged update not folded yet folded by the merge itself. The result's size, the
-    peers whose updates were left out, in that order, and what ``merge`` said of the objects it
-    wrote and of ``|version v+1|`` (``run.peaks`` is the bound on ``|version v|``). The divisor
-    and the outer step's share are the policy's, of the participants' samples."""
+    """Merge ``run``'s open round with ``merge`` (the workers', folding the rest): the result's size,
+    the peers left out (in order), and what ``merge`` said of its objects and of ``|version v+1|``."""
     assert run.schema is not None
     acc = run.accumulator()
-    order = [u.peer for u in sorted(run.acked.values(), key=lambda u: u.seq)]
+    order = [u.peer for u in run.ordered()]
     left_out: list[str] = []
     peaks: dict[str, float] = {}
     bound = run.peaks[1] if run.peaks is not None and run.peaks[0] == round_ else None
@@ -64,7 +54,7 @@ async def merge_finite(
             fraction=run.policy.fraction(samples),
             # the round's every update is its peer's last: plain averaging (see aggregate)
             final=all(run.acked[name].final for name in participants if name not in left_out),
-            unfolded=[(_key(run, peer), _weight(run, peer)) for peer in unfolded],
+            unfolded=[(_key(run, peer), run.weight(run.acked[peer])) for peer in unfolded],
             bound=bound,
         )
         try:
@@ -93,8 +83,3 @@ async def merge_finite(
 
 def _key(run: Run, peer: str) -> UpdateKey:
     return UpdateKey.of(run.name, run.acked[peer])
-
-
-def _weight(run: Run, peer: str) -> float:
-    update = run.acked[peer]
-    return run.policy.weight(update.samples, update.base, update.round)

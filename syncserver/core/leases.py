@@ -1,27 +1,18 @@
-"""The hub's board of **work leases** (no HTTP here: :mod:`syncserver.api.reduce` translates),
-units of work that reducers (``SYNC_REDUCERS``) take, renew and report; "lease" alone is a
-peer's liveness.
+"""The hub's board of **work leases** (no HTTP: :mod:`syncserver.api.reduce` translates), units of
+work that reducers (``SYNC_REDUCERS``) take, renew and report; "lease" alone is a peer's liveness.
 
-One record (:class:`_Work`: a job of a kind, worked by :data:`~syncserver.reduce.lease.KINDS`),
-one queue, one expiry. Work comes in batches that one caller awaits: a round's merge cut into at
-most K spans (:func:`merge_leased`), a fold step (:class:`FoldAhead`), a version's build
-(:func:`build_leased`), or one uploaded body's check (:meth:`Board.check`: with ``SYNC_STORE``
-the hub then reads no update body), which goes first, as a peer waits on it. A lease not renewed
-within ``SYNC_REDUCE_LEASE_SECONDS`` is offered again, first in line, under a new id: a reducer
-that died mid-slice costs one lease length, its slices are redone to the same bits by another,
-and the old id's report is refused (:class:`~syncserver.errors.LeaseLost`, 409). With no reducer
-at all for a lease length (all dead, or ``--local-reducers 0`` and none started) the hub works
-the slice leases on offer itself, by the same table, and gives a
-check back to its caller (as after :data:`CHECK_TRIES` expiries), which checks the body itself.
-A merge whose leases are all done is published and committed exactly as an in-process one
-(record last); a lease that reports the round not finite fails it with
-:class:`~syncserver.reduce.engine.NonFinite`, handled as always (:mod:`syncserver.core.finite`);
-any other failure fails the close, tried again later.
+One record (:class:`_Work`), one queue, one expiry, for every kind of work
+(:data:`~syncserver.reduce.lease.KINDS`): a merge cut into at most K spans (:func:`merge_leased`),
+a fold step (:class:`FoldAhead`), a version's build (:func:`build_leased`), an uploaded body's
+check (:meth:`Board.check`, first in line: a peer waits on it). A lease not renewed within
+``SYNC_REDUCE_LEASE_SECONDS`` is offered again, first, under a new id (redone to the same bits; the
+old id's report is :class:`~syncserver.errors.LeaseLost`). With no reducer for a lease length the
+hub works the slice leases itself and gives a check back to its caller. docs/object-store.md and
+docs/RELIABILITY.md tell the rest.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -33,6 +24,7 @@ from dataclasses import dataclass, field
 
 from anyio import to_thread
 
+from syncserver.core.changes import Changes, until
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.checklease import CheckJob, CheckReport
 from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Resident, RoundMerge, version_layout
@@ -67,18 +59,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: ids of leases gone (expired, or their round's merge ended) that are remembered, to answer a
-#: late report with 409 rather than 404
-GONE_KEPT = 4096
-#: the name under which the hub works a lease itself (no reducer for a lease length)
-HUB = "hub"
-#: the longest a reducer's request for a lease is held (its long poll), in seconds
-LEASE_POLL_MAX = 60.0
-#: a check lease taken and lost this many times (reducers dying on that body?) is checked by the hub
-CHECK_TRIES = 3
-#: a lease over a mean's slices waits this long for the reducer that holds them (heard from
-#: within it, or holding a lease) before another takes it and folds those slices again
-AFFINITY_SECONDS = 2.0
+GONE_KEPT = 4096  # ids of leases gone remembered, to answer a late report 409, not 404
+HUB = "hub"  # the name under which the hub works a lease itself (no reducer for a lease length)
+LEASE_POLL_MAX = 60.0  # the longest a reducer's poll for a lease is held, in seconds
+CHECK_TRIES = 3  # a check lease lost this many times (reducers dying on that body?) is checked by the hub
+AFFINITY_SECONDS = 2.0  # a lease over a mean's slices waits this long for their holder before another folds them
 
 
 class LeaseFailed(RuntimeError):
@@ -105,16 +90,13 @@ class ReducerStats:
 
 @dataclass(eq=False)
 class _Batch:
-    """Work leases offered together and awaited by one caller: a round's merge, a fold step, a
-    version's build, or (``urgent``: a peer waits on it) one body check, which goes first and is
-    given back to its caller rather than worked by the hub or offered a fourth time."""
+    """Work offered together, awaited by one caller; ``urgent`` (a check) goes first, and is given back."""
 
     run: str
-    round: int
     urgent: bool = False
     work: list[_Work] = field(default_factory=list)
     offered: float = field(default_factory=time.monotonic)  # when its work was last put on offer
-    changed: asyncio.Event = field(default_factory=asyncio.Event)  # taken, reported: its caller looks again
+    changed: Changes = field(default_factory=Changes)  # taken, reported: its caller looks again
     failure: BaseException | None = None
     expired: int = 0
 
@@ -140,7 +122,7 @@ class Board:
         self._queue: deque[_Work] = deque()  # offered
         self._held: dict[str, _Work] = {}  # by lease id
         self._gone: dict[str, None] = {}  # ids no longer valid (insertion-ordered, bounded)
-        self._offered = asyncio.Event()  # set (and replaced) when work is offered: the polls look again
+        self._offered = Changes()  # work offered: the polls look again
         self._waiting: Counter[str] = Counter()  # reducers waiting for a lease right now, by name
         self._stopping = False  # the server is shutting down: polls answer at once (end_polls)
         self._active = time.monotonic()  # when a reducer last asked, renewed or reported
@@ -158,47 +140,36 @@ class Board:
         return stats
 
     def end_polls(self) -> None:
-        """The server is shutting down: the reducers' polls answer "no lease" now (see
-        :meth:`Coordinator.end_polls`)."""
+        """The server is shutting down: the reducers' polls answer "no lease" now."""
         self._stopping = True
-        self._wake()
-
-    def _wake(self) -> None:
-        self._offered.set()
-        self._offered = asyncio.Event()
+        self._offered.notify()
 
     async def take(self, reducer: str, wait: float) -> WorkJob | None:
         """The next work lease offered (:meth:`_next`), held by ``reducer`` from now; None after ``wait`` seconds."""
         self._seen(reducer)
-        until = time.monotonic() + wait
         self._waiting[reducer] += 1
-        try:
-            while (work := self._next(reducer)) is None:
-                left = until - time.monotonic()
-                if left <= 0 or self._stopping:
-                    self._seen(reducer)  # it was there all along
-                    return None
-                with contextlib.suppress(TimeoutError):  # a holder that goes quiet frees its leases
-                    await asyncio.wait_for(self._offered.wait(), min(left, AFFINITY_SECONDS / 4))
+        try:  # looked at every AFFINITY_SECONDS / 4 too: a holder that goes quiet frees its leases
+            await until(
+                lambda: self._stopping or bool(self._next(reducer)), self._offered, wait, every=AFFINITY_SECONDS / 4
+            )
         finally:
-            self._waiting[reducer] -= 1
-            if not self._waiting[reducer]:
-                del self._waiting[reducer]
-        stats = self._seen(reducer)
+            self._waiting -= Counter({reducer: 1})  # drops it at zero
+        stats = self._seen(reducer)  # it was there all along
+        work = self._next(reducer)
+        if work is None:
+            return None
         self._queue.remove(work)
         job = work.job = work.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
         work.holder, work.deadline = reducer, time.monotonic() + self.lease_seconds
         self._held[job.lease] = work
         stats.holding = job.lease
-        work.batch.changed.set()  # its caller waits on the new deadline
+        work.batch.changed.notify()  # its caller waits on the new deadline
         log.info("work_lease_taken kind=%s run=%s round=%d lease=%s reducer=%s", *_said(job), reducer)
         return job
 
     def _next(self, reducer: str) -> _Work | None:
-        """The work to give ``reducer``: urgent work first (a peer waits on a check), then work
-        that prefers it, then the first that prefers nobody or a reducer not around (not asking,
-        holding nothing, not heard from within :data:`AFFINITY_SECONDS`): that one folds the
-        slices again from the updates."""
+        """Urgent work first, then work that prefers ``reducer``, then work whose holder is not around
+        (not asking or holding, unheard for :data:`AFFINITY_SECONDS`): it folds those slices again."""
         free = (w for w in self._queue if w.prefer in (None, reducer) or not self._around(w.prefer))
         return min(free, key=lambda w: (not w.batch.urgent, w.prefer != reducer), default=None)
 
@@ -227,14 +198,11 @@ class Board:
         stats.checks += 1
         stats.check_seconds += report.seconds
         work.report = report
-        work.batch.changed.set()
+        work.batch.changed.notify()
 
     def check_failed(self, reducer: str, run: str, name: str, why: str) -> None:
-        """``reducer``'s report of the check of object ``name`` was not taken (it failed, it does
-        not hold up, or the hub's own check of the body says otherwise): counted as its failure,
-        for /metrics and status. The peer's answer is the hub's own check's."""
-        stats = self.reducers.get(reducer)
-        if stats is not None:
+        """``reducer``'s check report on ``name`` was not taken (the hub's check answered): its failure."""
+        if (stats := self.reducers.get(reducer)) is not None:
             stats.check_failures += 1
         log.warning("check_report_not_taken run=%s object=%s reducer=%s: %s", run, name, reducer, why)
 
@@ -261,32 +229,27 @@ class Board:
         self._gone[work.job.lease] = None
         while len(self._gone) > GONE_KEPT:
             del self._gone[next(iter(self._gone))]
-        stats = self.reducers.get(work.holder or "")
-        if stats is not None and stats.holding == work.job.lease:
+        if (stats := self.reducers.get(work.holder or "")) is not None and stats.holding == work.job.lease:
             stats.holding = None
         work.holder = None
 
     # ---- the callers' side ---------------------------------------------------------------
     async def check(self, job: CheckJob) -> CheckReport | None:
-        """Have a reducer check an uploaded body: its report, or None when the hub must check it
-        itself (no reducer alive; or the lease lost :data:`CHECK_TRIES` times). Cancelled (the
-        peer went away): withdrawn from the board."""
+        """A reducer's report on an uploaded body, or None: the hub checks it itself (no reducer
+        alive, or the lease lost :data:`CHECK_TRIES` times). Cancelled: withdrawn from the board."""
         if not self._alive(time.monotonic()):
             return None
-        batch = _Batch(job.run, job.round, urgent=True)
+        batch = _Batch(job.run, urgent=True)
         batch.work = [_Work(job, batch)]
-        if not await self._settled(batch):
-            return None
-        report = batch.work[0].report
+        await self._settled(batch)
+        report = batch.work[0].report  # None: given back
         return report if isinstance(report, CheckReport) else None
 
     async def run(
         self, run: str, round_: int, offered: Sequence[WorkJob], prefer: Sequence[str | None] | None = None
     ) -> list[Done]:
-        """Offer these leases and wait until every one is done; their reports, in order.
-        ``prefer``: per lease, the reducer it is offered to first (it holds the lease's slices of
-        the round's mean). Raises what a lease reported (:class:`NonFinite`, :class:`LeaseFailed`)."""
-        batch = _Batch(run, round_)
+        """Offer these leases (each first to its ``prefer``, holding its slices) and wait: their reports."""
+        batch = _Batch(run)
         batch.work = [
             _Work(job.model_copy(update={"run": run, "round": round_}), batch, prefer=who)
             for job, who in zip(offered, prefer or [None] * len(offered), strict=True)
@@ -294,42 +257,39 @@ class Board:
         await self._settled(batch)
         return [w.report for w in batch.work if isinstance(w.report, Done)]
 
-    async def _settled(self, batch: _Batch) -> bool:
-        """Offer ``batch``'s work and wait until all of it is reported: True; False when urgent
-        work is given back (no reducer alive, or expired :data:`CHECK_TRIES` times). An expired
-        lease is offered again, first in line; with no reducer for a lease length since the work
-        was offered (a check: since it was offered again) the hub works the rest itself, so dead
-        reducers cost a merge one lease length. Raises what a report said failed; either
-        way, or cancelled, nothing of ``batch`` stays on the board."""
-        self._offer(batch.work)
+    async def _settled(self, batch: _Batch) -> None:
+        """Offer ``batch``'s work and wait until all is reported (raising a failure), or urgent work is
+        given back (no reducer alive, or :data:`CHECK_TRIES` expiries). An expired lease is offered
+        again, first; with no reducer for a lease length the hub works the rest: dead reducers cost a
+        merge one lease length. Not :func:`until`: a look may expire, offer or work leases."""
+        self._queue.extend(batch.work)
+        self._offered.notify()
         try:
             while batch.failure is None and any(w.report is None for w in batch.work):
-                batch.changed.clear()
                 now = time.monotonic()
                 late = [w for w in batch.work if w.holder is not None and w.deadline < now]
                 for w in late:
                     self._expire(w)
                 batch.expired += len(late)
                 if batch.urgent and batch.expired >= CHECK_TRIES:
-                    return False
+                    return
                 if late:
-                    self._offer(late, first=True)
+                    self._queue.extendleft(reversed(late))
+                    self._offered.notify()
                     if batch.urgent:  # a peer waits on a check: another reducer gets a lease length for it
                         batch.offered = now
                 offered = any(w.batch is batch for w in self._queue)
                 if offered and not self._alive(now, since=batch.offered):
                     if batch.urgent:
-                        return False
+                        return
                     await self._work_here(batch)
                     continue
                 deadlines = [w.deadline for w in batch.work if w.holder is not None]
                 if offered:  # when to give up on the reducers
                     deadlines.append(max(self._active, batch.offered) + self.lease_seconds)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(batch.changed.wait(), max(0.01, min(deadlines) - now) if deadlines else None)
+                await batch.changed.wait(max(0.01, min(deadlines) - now) if deadlines else None)
             if batch.failure is not None:
                 raise batch.failure
-            return True
         finally:
             self._queue = deque(w for w in self._queue if w.batch is not batch)
             for w in batch.work:
@@ -341,8 +301,7 @@ class Board:
         return bool(self._waiting or self._held) or now - max(self._active, since) <= self.lease_seconds
 
     async def _work_here(self, batch: _Batch) -> None:
-        """Work the batch's next lease on offer in the hub, as a reducer would (the same function,
-        the same files): rounds go on when every reducer is dead or none was started."""
+        """Work the batch's next lease as a reducer would: rounds go on with no reducer alive."""
         work_ = next(w for w in self._queue if w.batch is batch)
         self._queue.remove(work_)
         job = work_.job.model_copy(update={"lease": uuid.uuid4().hex, "seconds": self.lease_seconds})
@@ -355,17 +314,8 @@ class Board:
         assert isinstance(report, Done)  # urgent work (a check) is given back, never worked here
         _settle(work_, stats, report, HUB)
 
-    def _offer(self, work: list[_Work], *, first: bool = False) -> None:
-        if first:
-            self._queue.extendleft(reversed(work))
-        else:
-            self._queue.extend(work)
-        if work:
-            self._wake()
-
     def _expire(self, work: _Work) -> None:
-        stats = self.reducers.get(work.holder or "")
-        if stats is not None:
+        if (stats := self.reducers.get(work.holder or "")) is not None:
             stats.expired += 1
         log.warning(
             "work_lease_expired kind=%s run=%s round=%d lease=%s reducer=%s (offered again)",
@@ -385,13 +335,11 @@ class Board:
 
 
 def _said(job: WorkJob) -> tuple[str, str, int, str]:
-    """A lease as the log names it: kind, run, round, id."""
     return job.kind, job.run, job.round, job.lease
 
 
 def _settle(work: _Work, stats: ReducerStats, report: Done, who: str) -> None:
-    """Take a slice lease's report, from a reducer or the hub: done (counted in ``stats``), or
-    the batch failed with the first failure reported (non-finite or not)."""
+    """Take a slice lease's report (a reducer's or the hub's): done and counted, or the batch's failure."""
     if report.error is None:
         work.report = report
         stats.leases += 1
@@ -401,31 +349,20 @@ def _settle(work: _Work, stats: ReducerStats, report: Done, who: str) -> None:
     elif work.batch.failure is None:
         failure = NonFinite if report.error == "non_finite" else LeaseFailed
         work.batch.failure = failure(f"{who}: {report.detail}")
-    work.batch.changed.set()
+    work.batch.changed.notify()
 
 
 async def merge_leased(
     board: Board, reducers: int, engine: MergeEngine, m: RoundMerge
 ) -> tuple[int, list[ObjectRecord], dict[str, float]]:
-    """:meth:`MergeEngine.merge`'s work, shared by the reducers: open the merge, hand out its
-    leases, wait for them, publish the outputs; the result's size, the records of the objects
-    the reducers wrote (none on local disk) and their bound on ``|version v+1|`` per tensor
-    (``m.bound``: the one on ``|version v|``, if known). The reducers hold the mean of the
-    updates folded before the close (:class:`FoldAhead`); each merge lease, offered first to the
-    reducer holding its slices, folds the rest (``m.unfolded``) after it, in acknowledgement
-    order: the same folds in the same order, the same bits as the hub alone (a slice nobody
-    holds is folded from the first update). With an object store (the board's ``objects``) the
-    result, DiLoCo's momentum and the hub's residual are multipart uploads that each lease
-    writes its run of parts of, completed here once every lease is done and recorded by the
-    caller in the round's commit (record last), so the hub uploads none; version v+1 is built
-    after the commit (:func:`build_leased`). On local disk: the staged files, fsynced and
-    published (rename)."""
+    """:meth:`MergeEngine.merge`'s work, shared by the reducers (the same folds in the same order): the
+    result's size, the objects they wrote (uploads completed here; none on disk), their bound on |v+1|."""
     if m.acc.mean is not None:
         raise ValueError("a leased merge reads the reducers' mean: the hub's accumulator must be empty")
     files = contextlib.ExitStack()
     outputs: list[tuple[Stored, ObjectOutput]] = []
+    objects = board.objects
     try:
-        objects = board.objects
         into = _into_bucket(objects(), outputs) if objects is not None else None
         merge = await to_thread.run_sync(engine.open_merge, files, m, into)
         leases = await to_thread.run_sync(jobs, merge, m.acc.schema, reducers)
@@ -433,8 +370,8 @@ async def merge_leased(
         records = [await to_thread.run_sync(_complete, objects(), key, out) for key, out in outputs] if objects else []
     except BaseException as exc:
         await to_thread.run_sync(files.__exit__, type(exc), exc, exc.__traceback__)
-        if outputs and board.objects is not None:
-            await to_thread.run_sync(_abort, board.objects(), [out for _, out in outputs])
+        if outputs and objects is not None:
+            await to_thread.run_sync(_abort, objects(), [out for _, out in outputs])
         raise
     await to_thread.run_sync(files.close)
     return merge.result_size, records, _peaks(reports)
@@ -443,12 +380,8 @@ async def merge_leased(
 async def build_leased(
     board: Board, reducers: int, run: str, v: int, schema: Schema, codec: Codec
 ) -> tuple[ObjectRecord, dict[str, float]]:
-    """Have the reducers build version ``v``+1 in the bucket from version v and round v's result
-    (both objects there: the reducers wrote them), as at most ``reducers`` build leases, each
-    its run of parts of one multipart upload, completed here; its record (the caller records it: the
-    version counts from then on) and each tensor's largest ``|value|``. ``codec``: the run's
-    (the reducers read a final round's fp32 from the result's header). The hub reads and writes
-    no byte of it."""
+    """Have at most ``reducers`` leases build version ``v``+1 in the bucket (the hub moves no byte of
+    it): its record (the version counts once the caller records it) and each tensor's peak."""
     objects = board.objects
     if objects is None:
         raise ValueError("versions are built by leases only in an object store")
@@ -458,8 +391,7 @@ async def build_leased(
     try:
         out.write(head)
         base, result = object_name(VersionKey(run, v)), object_name(ResultKey(run, v))
-        leases = build_jobs(schema, codec, base, result, out, at, reducers)
-        reports = await board.run(run, v, leases)
+        reports = await board.run(run, v, build_jobs(schema, codec, base, result, out, at, reducers))
         record = await to_thread.run_sync(_complete, store, key, out)
     except BaseException:
         await to_thread.run_sync(_abort, store, [out])
@@ -468,16 +400,14 @@ async def build_leased(
 
 
 def _peaks(reports: Sequence[Done]) -> dict[str, float]:
-    """Each tensor's largest peak over the leases' reports."""
     return highest(pair for report in reports for pair in report.peaks.items())
 
 
 def _into_bucket(
     objects: ObjectStore, outputs: list[tuple[Stored, ObjectOutput]]
 ) -> Callable[[Key, int], contextlib.AbstractContextManager[ObjectOutput]]:
-    """:meth:`MergeEngine.open_merge`'s ``into`` for a hub with an object store: each output
-    (the result; DiLoCo's next momentum and the hub's next residual, which the next round's
-    leases read by ranges) a multipart upload opened at its name, collected in ``outputs``."""
+    """:meth:`MergeEngine.open_merge`'s ``into`` with a store: each output (the result; DiLoCo's
+    momentum and the hub's residual) a multipart upload at its name, collected in ``outputs``."""
 
     @contextlib.contextmanager
     def into(key: Key, size: int) -> Iterator[ObjectOutput]:
@@ -497,12 +427,10 @@ def _upload(store: ObjectStore, key: Stored, size: int) -> ObjectOutput:
 
 
 def _complete(store: ObjectStore, key: Stored, out: ObjectOutput) -> ObjectRecord:
-    """Worker thread: publish ``out`` from the parts its leases uploaded, once each is there with
-    the size its lease was given (:class:`LeaseFailed` otherwise); its record, for the commit."""
+    """Worker thread: publish ``out`` if each part has its lease's size (else :class:`LeaseFailed`)."""
     held = store.list_parts(out.name, out.upload_id)
     for number, size in out.parts.items():
-        if number not in held or held[number].size != size:
-            got = held[number].size if number in held else None
+        if (got := held[number].size if number in held else None) != size:
             raise LeaseFailed(f"{out.name}: part {number} holds {got} bytes, not {size}")
     info = store.complete_multipart(out.name, out.upload_id, {n: held[n].etag for n in out.parts})
     if info.size != out.size:
@@ -511,8 +439,7 @@ def _complete(store: ObjectStore, key: Stored, out: ObjectOutput) -> ObjectRecor
 
 
 def _abort(objects: ObjectStore, outputs: list[ObjectOutput]) -> None:
-    """Worker thread: drop the multipart uploads of a merge that failed (a store that fails here
-    leaves them to the next start's clean-up)."""
+    """Worker thread: drop a failed merge's multipart uploads (if the store fails, the next start does)."""
     for out in outputs:
         try:
             objects.abort_multipart(out.name, out.upload_id)
@@ -522,35 +449,15 @@ def _abort(objects: ObjectStore, outputs: list[ObjectOutput]) -> None:
 
 def _holders(leases: Sequence[MergeJob | FoldJob], mean: Resident | None) -> list[str | None]:
     """Per lease, the reducer holding most of its slices of ``mean`` (None: no mean, or none known)."""
-    if mean is None:
-        return [None] * len(leases)
-    out: list[str | None] = []
-    for job in leases:
-        counts = Counter(mean.holders.get((s.name, s.start)) for s in job.slices)
-        counts.pop(None, None)
-        out.append(counts.most_common(1)[0][0] if counts else None)
-    return out
+    held = mean.holders if mean is not None else {}
+    counts = [Counter(h for s in job.slices if (h := held.get((s.name, s.start))) is not None) for job in leases]
+    return [c.most_common(1)[0][0] if c else None for c in counts]
 
 
 class FoldAhead:
-    """The reducers fold each round's updates **ahead**, as they are acknowledged, as the hub
-    alone folds them into its accumulator: the close's merge leases then fold only what came
-    after the last step (the last update, when peers finish apart).
-
-    A step folds every update acknowledged and not folded yet, in acknowledgement order, after
-    the round's mean so far (none before the first) into a **new** mean, cut into K fold leases
-    as the merge's leases are cut (:func:`~syncserver.reduce.lease.fold_jobs`). The mean is kept
-    in the memory of the reducers that fold it (:data:`~syncserver.reduce.lease.MEANS`), slice
-    by slice, as the hub alone keeps its accumulator: nothing is written to a disk or a bucket,
-    so a step reads only the new updates' bytes and the close reads no mean back. Each lease of
-    the next step, and each merge lease, is offered first to the reducer that holds its slices.
-
-    Only once every lease of a step is done does the accumulator name the new mean, its updates,
-    who holds which slices and its weight (record before it counts). A mean is a cache of its
-    updates' fold: a reducer that lacks a slice (it was killed and restarted, another reducer
-    took its lease, the hub restarted) folds it again from the updates, to the same bits, so a
-    reducer or a hub killed mid-fold loses nothing acknowledged; a step that fails leaves the
-    accumulator as it was, and the merge folds the rest."""
+    """The reducers fold updates **ahead**, as acknowledged, into a mean in their memory, so the close
+    folds only the rest (docs/object-store.md, "The reducers fold ahead"). The accumulator names a
+    step's mean once all its leases are done; a mean is a cache, a slice lacking is folded again."""
 
     def __init__(self, board: Board, reducers: int, engine: MergeEngine) -> None:
         self.board, self.reducers, self.engine = board, reducers, engine
@@ -558,8 +465,7 @@ class FoldAhead:
     async def fold(
         self, run: str, round_: int, acc: Accumulator, codec: Codec, updates: Sequence[tuple[str, UpdateKey, float]]
     ) -> None:
-        """One step: fold ``updates`` ((peer, key, weight), in acknowledgement order) after
-        ``acc``'s mean; ``acc`` names the new mean once every lease is done (then it counts)."""
+        """One step: fold ``updates`` ((peer, key, weight), in order) after ``acc``'s mean."""
         if acc.mean is not None:
             raise ValueError("the reducers fold ahead in their memory: the hub's accumulator must stay empty")
         base = acc.partial
@@ -577,8 +483,7 @@ class FoldAhead:
             acc.weight += weight  # summed fold by fold, as the merge sums them
 
     def _sources(self, updates: list[tuple[UpdateKey, float]]) -> list[UpdateSource]:
-        """Worker thread: where each update lies, as its record names it (a file of the hub's, or
-        its object in the bucket), as the merge's leases name it."""
+        """Worker thread: where each update lies (a file of the hub's, or its object in the bucket)."""
         out = []
         for key, weight in updates:
             with self.engine.open_update(key) as wire:

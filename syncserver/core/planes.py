@@ -1,20 +1,11 @@
 """Where the bytes live (the data plane), chosen once in :func:`~syncserver.api.factory.create_app`:
-the core calls its plane and never asks which one it has.
-
-- :class:`LocalPlane`: the hub's disk alone. Peers PUT their updates to the hub and download
-  results and versions from it.
-- :class:`BucketPlane` (``SYNC_STORE``): the hub's disk and an S3-API bucket
-  (:mod:`syncserver.storage.bucket` names its objects). Peers upload their updates straight to
-  the bucket through presigned part URLs (:mod:`syncserver.core.presigned`), and the bucket
-  then holds the only copy; they are sent there (a 307 to a presigned GET) for results and
-  versions, so the hub's link carries each object once, up to the bucket, instead of once per
-  peer. The hub uploads each result before its commit announces it and each version on its
-  first download (a version nobody asks for is never sent); its disk keeps its own copy
-  (downloads fall back to it). The bucket keeps what the disk keeps (pruned together, records
-  first), and what a crash left in it that no record names is deleted at start.
-
-  A store that fails is *down* for :data:`DOWN_SECONDS`: no upload and no redirect is tried
-  meanwhile, every download is served from the hub's disk, and one warning per run says so.
+the core never asks which plane it has. :class:`LocalPlane`: the hub's disk alone.
+:class:`BucketPlane` (``SYNC_STORE``, docs/object-store.md): also a bucket, where peers upload
+updates (:mod:`syncserver.core.presigned`: its only copy) and are sent (a 307) for results and
+versions, so the hub's link carries each object once; the hub uploads each result before its
+commit and each version on its first download, keeps its own copy, prunes both together (records
+first) and deletes at start what no record names. A store that fails is *down* for
+:data:`DOWN_SECONDS`: downloads come from the hub's disk, and one warning per run says so.
 """
 
 from __future__ import annotations
@@ -57,7 +48,6 @@ class LocalPlane:
         self.store = store
         self.keep_versions = keep_versions
         self.url: str | None = None  # the bucket as status and the dashboard show it (no credential)
-        self.objects: ObjectStore | None = None  # where the engine and the reducers read what lives in the bucket
         self.reads: Callable[[], int] | None = None  # bytes the hub read from the bucket (/metrics)
         self.stored: list[Callable[[str, int], None]] = []  # told of each upload of the hub's: (run, bytes)
 
@@ -71,14 +61,12 @@ class LocalPlane:
     async def publish(
         self, run: Run, key: ResultKey, copies: list[ObjectRecord]
     ) -> tuple[list[ObjectRecord], dict[str, float]]:
-        """Round ``key``'s result is merged: the records of its copies to commit with the round
-        (``copies``: those its merge wrote), and the seconds publishing took, as round timings."""
+        """The records of the result's copies to commit (``copies``: its merge's) and publish timings."""
         return copies, {}
 
     async def serve(self, run: Run, key: Published, *, direct: bool, peer: str | None) -> Blob | Redirect:
-        """A download of ``key``: the hub's file, or where to fetch it; :class:`Missing` if neither
-        is there. One that lives only in the bucket (the reducers wrote it there) while the store
-        fails (or the hub restarted without it): :class:`Unavailable`."""
+        """A download of ``key``: the hub's file, or where to fetch it; :class:`Missing` if neither is
+        there, :class:`Unavailable` if only the bucket has it (the reducers wrote it) and it fails."""
         try:
             return self.store.serve(key)
         except Missing:
@@ -92,15 +80,13 @@ class LocalPlane:
         self.store.prune(run.name, version, self.keep_versions, run.keep_results)
 
     def close(self) -> None:
-        pass
+        """Release what the plane holds (the bucket's connections)."""
 
 
 class BucketPlane(LocalPlane):
-    """The hub's disk and a bucket (see the module docstring). Everything here runs on the event
-    loop, as every sqlite call of the hub does; the store's requests go to worker threads."""
+    """The hub's disk and a bucket; on the event loop, the store's requests in worker threads."""
 
     uploads: Via = "store"
-    objects: ObjectStore
 
     def __init__(self, store: Store, keep_versions: int, objects: ObjectStore) -> None:
         super().__init__(store, keep_versions)
@@ -122,23 +108,15 @@ class BucketPlane(LocalPlane):
         self._down_until = time.monotonic() + DOWN_SECONDS
         if run not in self._warned:
             self._warned.add(run)
-            log.warning(
-                "object_store_down run=%s store=%s: %s; serving results and versions from the hub's disk",
-                run,
-                self.url,
-                why,
-            )
+            log.warning("object_store_down run=%s store=%s: %s; serving from the hub's disk", run, self.url, why)
 
     async def recover(self, run: Run) -> None:
-        """Forget the records past the committed state (a version past it, a result of a round
-        not closed), then delete every object of the run that no record names and abort every
-        multipart upload open there (a peer's update or a result a crash cut). A store that
-        fails keeps them for the next start."""
+        """Forget the records past the commit, then delete the run's objects no record names and abort
+        its open multipart uploads (what a crash cut); a store that fails keeps them for next time."""
         v = run.version
         records = self.store.stored_objects(run.name)
-        self.store.forget_objects(
-            [r.key for r in records if (r.key.round >= v if isinstance(r.key, ResultKey) else r.key.number > v)]
-        )
+        past = [r.key for r in records if (r.key.round >= v if isinstance(r.key, ResultKey) else r.key.number > v)]
+        self.store.forget_objects(past)
         named = {object_name(r.key) for r in self.store.stored_objects(run.name)} | self.store.update_objects(run.name)
 
         def delete_unnamed() -> tuple[int, int]:
@@ -158,8 +136,7 @@ class BucketPlane(LocalPlane):
             log.warning("object_store_orphans_deleted run=%s objects=%d uploads=%d", run.name, objects, uploads)
 
     async def upload(self, run: Run, key: Published) -> ObjectRecord | None:
-        """Copy ``key``'s file to the bucket; its record (the caller writes it: commit is the
-        database's), or None if the store failed (then the hub serves it from disk)."""
+        """Copy ``key``'s file to the bucket: its record for the caller to write, or None (it failed)."""
         if not self.up:
             return None
         try:
@@ -183,24 +160,19 @@ class BucketPlane(LocalPlane):
     async def publish(
         self, run: Run, key: ResultKey, copies: list[ObjectRecord]
     ) -> tuple[list[ObjectRecord], dict[str, float]]:
-        """The copy peers will fetch goes up before the commit announces the result (unless the
-        reducers wrote it there); if the store fails, the round closes all the same and peers
-        get the hub's copy."""
+        """The copy peers fetch goes up before the commit (unless the reducers wrote it); none fails a round."""
         began = time.monotonic()
         uploaded = None if copies else await self.upload(run, key)
         return copies or ([uploaded] if uploaded else []), {"publish": time.monotonic() - began}
 
     async def serve(self, run: Run, key: Published, *, direct: bool, peer: str | None) -> Blob | Redirect:
-        """A presigned GET of ``key``'s copy (a version is copied on its first ask: every
-        concurrent ask waits for the same upload); ``direct``: the peer was sent there and could
-        not fetch it, so the hub's file."""
+        """A presigned GET of ``key``'s copy (a version copied at its first ask); ``direct``: the hub's file."""
         if direct:
             self.failed(run.name, f"peer {peer or '?'} could not download from it")
         elif self.up:
             if isinstance(key, VersionKey) and self.store.exists(key):
                 await self._copy(run, key)
-            record = self.store.stored_object(key)
-            if record is not None:
+            if (record := self.store.stored_object(key)) is not None:
                 return Redirect(self.objects.presign_get(object_name(key)), record.size)
         return await super().serve(run, key, direct=direct, peer=peer)
 
@@ -214,14 +186,12 @@ class BucketPlane(LocalPlane):
         await asyncio.shield(task)
 
     async def _record(self, run: Run, key: VersionKey) -> None:
-        record = await self.upload(run, key)
-        if record is not None:
+        if (record := await self.upload(run, key)) is not None:
             self.store.record_object(record)  # the copy counts from here on
 
     async def prune(self, run: Run, version: int) -> None:
-        """The bucket keeps what the disk keeps: versions below the kept ones, results and the
-        updates merged in their rounds as the results are. Records go first: a crash in between
-        leaves garbage that the next start deletes, never a record of a deleted object."""
+        """The bucket keeps what the disk keeps (updates as their rounds' results). Records go first:
+        a crash in between leaves garbage the next start deletes, never a record of a deleted object."""
         await super().prune(run, version)
         keep = self.keep_versions
         floor, results = version - keep + 1, version - max(keep, run.keep_results or 0) + 1

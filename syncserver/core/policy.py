@@ -1,47 +1,12 @@
 """Round policies: who is waited for, when a round closes with whom, and what each update weighs.
 
-Pure decisions: no I/O, no HTTP, no clock (every event carries ``now``, a monotonic time in
-seconds), no tensors. The coordinator feeds a policy the events of a run (a peer joins, is
-seen, reports progress, leaves; an update is acknowledged or refused; time passes) and carries
-out what it answers: :class:`Admit` for a join, :class:`Close` when a round must close, a
-:class:`Place` for an update addressed to a round. Unit tests drive each policy with hand-built
-event sequences, the way Flower tests its aggregation functions.
-
-Three policies, chosen per run (``policy``):
-
-- :class:`BarrierPolicy` (``barrier``, the default): round v closes once every live peer that is
-  waited for in v has an acknowledged update, or once the round's deadline (``round_timeout``
-  after its first acknowledgement) has passed; the live peers that did not make it are dropped
-  (they catch up). Either way it needs ``min_merge_peers`` updates (1 by default; fewer once
-  members left: :meth:`RoundPolicy.quorum`). Peers sync every N of their own steps, so
-  each round waits for the slowest peer's N steps.
-- :class:`SamplesPolicy` (``samples``, hivemind's ``target_batch_size``): peers report the
-  samples they have trained since the last round as they go; once the live peers' sum reaches
-  ``round_samples`` the round is *due*: every peer is told to send what it has, weighted by its
-  samples, and the round closes when every live peer that reported samples is in (or at the
-  deadline, ``round_timeout`` after it became due). A fast peer contributes more steps, a slow one
-  fewer, and nobody waits for more than the step a peer is in. All peers still end every round
-  bit-identical.
-- :class:`AsyncPolicy` (``async``, FedAsync / FedBuff with a buffer of one): no barrier. An update
-  computed from version b is applied as soon as it is acknowledged, into the version open then
-  (v >= b), weighted by its samples and FedAsync's polynomial staleness discount
-  ``(1 + late) ** -0.5``; an update more than ``max_staleness`` versions old is refused. Updates
-  that arrive while a version is being written go together into the next one.
-
-  *late* counts whole outer steps, not versions: ``s = v - b`` versions were applied since the
-  update's base, each about as big as this one, so ``s * samples / round_samples`` outer steps,
-  of which the first is free. With N peers of equal speed every update is naturally N - 1
-  versions old (less than one outer step); discounting that would shrink every update alike,
-  which is a smaller learning rate, not a correction. What is discounted is a peer that fell
-  behind by more than a step: one four times slower than three others, say.
-
-A peer is live while its lease is fresh (any request renews it: ``seen``) and, if it holds a
-watch (the SDK's heartbeat, a request the hub holds open: ``watch``), while that connection is
-open or was dropped less than ``disconnect_grace`` seconds ago: a crashed process closes its
-sockets, and is gone seconds after, not a lease after. A gone member holds no round: rounds wait
-for live members only. ``min_peers`` is the run's start (the coordinator's); the floor a merge
-needs is ``min_merge_peers`` (torchft's ``min_replica_size``), and a gone member counts towards
-it, since it may come back (:meth:`RoundPolicy.floor_wait` says when a round waits on it).
+Pure decisions: no I/O, HTTP, clock (each event carries ``now``, monotonic seconds) or tensors. The
+coordinator feeds a policy a run's events and carries out its answers (:class:`Admit`,
+:class:`Close`, :class:`Place`). One per run: :class:`BarrierPolicy`, :class:`SamplesPolicy`
+(hivemind's ``target_batch_size``), :class:`AsyncPolicy` (FedAsync / FedBuff with a buffer of one);
+docs/concepts/rounds.md tells each, and who a round waits for: live members only (a fresh lease;
+a watch open, or dropped under ``disconnect_grace`` ago: a crashed process is gone in seconds,
+not a lease), with at least ``min_merge_peers`` updates, a gone member counting (it may come back).
 """
 
 from __future__ import annotations
@@ -128,8 +93,6 @@ class Close:
 class RoundPolicy:
     """Membership, leases and the open round, shared by every policy; subclasses decide."""
 
-    name = ""
-
     def __init__(
         self,
         *,
@@ -163,8 +126,7 @@ class RoundPolicy:
             self.live |= {name}
 
     def join(self, name: str, now: float, *, counted: bool) -> Admit:
-        """A peer joins (or joins again). One that comes in while a round is under way waits
-        for the next round: it starts from the latest version, like any new peer."""
+        """A peer joins (again); one coming in mid-round is waited for from the next, like any new peer."""
         in_round = bool(self.acked) or self.closing
         member = self.members.get(name)
         returning = member is not None
@@ -184,9 +146,8 @@ class RoundPolicy:
             self.members[name].counted = True
 
     def seen(self, name: str, now: float) -> bool:
-        """A request from a member begins: it renews its lease, and proves the process alive
-        (a dropped watch is forgiven); True if it had been gone (it is back). Only a request's
-        start says so: a long poll a dead peer left behind must not keep it alive."""
+        """A request from a member begins: a fresh lease, a dropped watch forgiven; True if it was
+        gone. Only a request's start says so: a long poll a dead peer left must not keep it alive."""
         member = self.members[name]
         member.last_seen, member.dropped = now, None
         back = name not in self.live
@@ -199,9 +160,7 @@ class RoundPolicy:
         return self.seen(name, now)
 
     def unwatch(self, name: str, now: float, *, dropped: bool) -> None:
-        """A watch of ``name`` ended: answered (the peer asks again at once), or ``dropped`` by
-        the peer's side (its process died, or its link reset). With no watch left open, the
-        peer is gone once ``disconnect_grace`` passes without a request from it (:meth:`expire`)."""
+        """A watch ended: answered, or ``dropped`` by the peer's side (dead): none open, gone after the grace."""
         member = self.members[name]
         member.watches = max(0, member.watches - 1)
         if dropped and member.watches == 0 and not member.left:
@@ -219,10 +178,7 @@ class RoundPolicy:
         return None
 
     def next_loss(self) -> float | None:
-        """The earliest time (monotonic) at which a live member's lease runs out, if none of
-        them is heard from before it: when the hub's ticker must look again, so that a hung
-        peer is gone at its lease, not up to a tick after it. (A dropped watch's grace is
-        timed by the coordinator as it drops.)"""
+        """When a live member's lease runs out first: the ticker looks then (a hung peer gone at its lease)."""
         due = [self.members[name].last_seen + self.lease_seconds for name in self.live]
         return min(due, default=None)
 
@@ -245,15 +201,13 @@ class RoundPolicy:
         self.round = round_
 
     def place(self, round_: int) -> Place:
-        """Where an update computed from version ``round_`` goes: rounds are barriers, so only
-        the open round takes updates."""
+        """Where an update computed from version ``round_`` goes: only the open round takes it."""
         if round_ < self.round:
             return Place.CLOSED
         return Place.AHEAD if round_ > self.round or self.round < 0 else Place.OPEN
 
     def progress(self, name: str, samples: int, now: float) -> Close | None:
-        """``name`` has trained ``samples`` samples since its last update (of the open round).
-        Only the samples policy acts on it; the others show it."""
+        """``name`` trained ``samples`` in the open round (the samples policy acts on it, others show it)."""
         if name not in self.samples:  # an update in says it all
             self.reported[name] = samples
         return self.decide(now)
@@ -301,16 +255,13 @@ class RoundPolicy:
         ) - frozenset(self.refused)
 
     def quorum(self) -> int:
-        """The updates a round needs to close (its merge floor): ``min_merge_peers``, or fewer
-        once members left (they said they are done, and will send nothing more: a peer that
-        finished its training must not hold back the ones still training). A gone member still
-        counts: it may come back."""
+        """The updates a round needs to close: ``min_merge_peers``, or fewer once members left (a
+        peer done training must not hold back the others). A gone member counts: it may come back."""
         staying = sum(1 for m in self.members.values() if m.counted and not m.left)
         return max(1, min(self.min_merge_peers, staying))
 
     def floor_wait(self, now: float) -> bool:
-        """Whether the open round waits on its merge floor alone: every live member it waits for
-        is in (or its deadline passed), but it has fewer than :meth:`quorum` updates."""
+        """Whether the open round waits on its floor alone (all it waits for in, or overdue, under quorum)."""
         if self.closing or not self.acked or len(self.acked) >= self.quorum():
             return False
         deadline = self.deadline
@@ -345,8 +296,7 @@ class RoundPolicy:
         return float(samples)
 
     def fraction(self, samples: int) -> float:
-        """How much of an outer step a round's ``samples`` make (Delayed Nesterov's clock): a
-        barrier round is always a whole one."""
+        """How much of an outer step ``samples`` make (Delayed Nesterov's clock): a barrier round is one."""
         return math.inf
 
     # ---- reading -------------------------------------------------------------------------
@@ -362,10 +312,7 @@ class RoundPolicy:
 
 
 class BarrierPolicy(RoundPolicy):
-    """Deadline barrier: every live peer, or those in once the deadline passed; never fewer
-    updates than the merge floor (``min_merge_peers``)."""
-
-    name = "barrier"
+    """Every live peer, or those in once the deadline passed; never under the merge floor."""
 
     def decide(self, now: float) -> Close | None:
         """Close the open round if it is complete, or overdue with a quorum; else wait."""
@@ -381,10 +328,7 @@ class BarrierPolicy(RoundPolicy):
 
 
 class SamplesPolicy(RoundPolicy):
-    """A round closes on a global sample count: due once the live peers' reported samples
-    reach ``round_samples``, closed once everyone who reported samples has sent them."""
-
-    name = "samples"
+    """Due once the live peers' samples reach ``round_samples``; closed once all who reported sent."""
 
     def __init__(self, *, round_samples: int, **common: Any) -> None:
         super().__init__(**common)
@@ -402,8 +346,7 @@ class SamplesPolicy(RoundPolicy):
         return None if self.due_since is None else self.due_since + self.round_timeout
 
     def decide(self, now: float) -> Close | None:
-        """Due once the samples reach the target; close when every live peer with samples is in
-        (or the deadline passed with a quorum), or before that when every live peer is in."""
+        """Due at the target; close when every live peer with samples (or every one) is in, or overdue."""
         if self.closing:
             return None
         if self.due_since is None and self.round_total() >= self.round_samples:
@@ -427,10 +370,7 @@ class SamplesPolicy(RoundPolicy):
 
 
 class AsyncPolicy(RoundPolicy):
-    """No barrier: each update is applied as soon as it is acknowledged, discounted by its
-    staleness; ``round_samples`` is the size of a whole outer step in samples."""
-
-    name = "async"
+    """No barrier: each update applied as acknowledged, discounted; ``round_samples``: an outer step."""
 
     def __init__(self, *, round_samples: int, max_staleness: int, **common: Any) -> None:
         super().__init__(**common)
@@ -440,8 +380,7 @@ class AsyncPolicy(RoundPolicy):
         self.max_staleness = max_staleness
 
     def place(self, round_: int) -> Place:
-        """An update computed from version ``round_`` goes into the open version unless it is
-        more than ``max_staleness`` versions old."""
+        """Into the open version, unless over ``max_staleness`` versions old."""
         if round_ > self.round or self.round < 0:
             return Place.AHEAD
         return Place.STALE if self.round - round_ > self.max_staleness else Place.OPEN
@@ -459,8 +398,8 @@ class AsyncPolicy(RoundPolicy):
         return False  # each update is applied alone: there is no floor to wait on
 
     def weight(self, samples: int, base: int, round_: int) -> float:
-        """``samples * (1 + late) ** -0.5``, ``late`` the outer steps beyond the first applied
-        since its base (see the module docstring): a stale update counts less, never nothing."""
+        """``samples * (1 + late) ** -0.5``, ``late`` the outer steps since its base beyond the first (N
+        equal peers' updates, N - 1 versions old, are not discounted): a stale one counts less, not 0."""
         staleness = round_ - base
         if staleness < 0:
             raise ValueError(f"an update from version {base} cannot go into round {round_}")
@@ -468,8 +407,7 @@ class AsyncPolicy(RoundPolicy):
         return samples * (1.0 + late) ** -STALENESS_EXPONENT
 
     def total(self, samples: int) -> float:
-        """``round_samples``, or more when the updates hold more: an update of ``round_samples``
-        samples moves the model by its whole (discounted) delta, a smaller one by its share."""
+        """``round_samples``, or more: a whole step's update moves by its whole delta, a smaller by its share."""
         return float(max(self.round_samples, samples))
 
     def fraction(self, samples: int) -> float:
@@ -480,25 +418,8 @@ class AsyncPolicy(RoundPolicy):
         return PeerState.LIVE if state is PeerState.LATE else state  # nobody is late without rounds
 
 
-def make_policy(
-    name: str,
-    *,
-    round_timeout: float,
-    lease_seconds: float,
-    round_samples: int | None,
-    max_staleness: int,
-    disconnect_grace: float,
-    min_merge_peers: int = 1,
-    round_: int = -1,
-) -> RoundPolicy:
-    """The policy a run's config names."""
-    common: dict[str, Any] = {
-        "round_timeout": round_timeout,
-        "lease_seconds": lease_seconds,
-        "min_merge_peers": min_merge_peers,
-        "disconnect_grace": disconnect_grace,
-        "round_": round_,
-    }
+def make_policy(name: str, *, round_samples: int | None, max_staleness: int, **common: Any) -> RoundPolicy:
+    """The policy a run's config names; ``common``: :class:`RoundPolicy`'s keywords."""
     if name == "barrier":
         return BarrierPolicy(**common)
     if round_samples is None:

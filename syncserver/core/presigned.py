@@ -1,43 +1,17 @@
 """Updates that peers upload straight to the object store (``SYNC_STORE``), through presigned
-part URLs the hub hands out for exactly one key.
+part URLs for one key (routes ``.../presign`` and ``.../uploaded``; docs/object-store.md, "How an
+update goes"). Invariants a change must keep:
 
-The flow (routes: ``POST .../updates/{peer}/presign`` and ``.../uploaded``)::
-
-    presign(key, size)  -> the size under the run's limit? then, under the peer's lock: the
-                           round takes it? no update of this peer's acknowledged for it? then
-                           a multipart upload of an object named for this attempt alone
-                           (:func:`~syncserver.storage.bucket.update_name`), a presigned PUT
-                           per part (asked again for the same key: the same upload, URLs for
-                           the parts the store lacks)
-    the peer PUTs the parts to the store (the hub sees none of those bytes)
-    uploaded(key, size, digest, etags)
-                        -> under the peer's lock: the store holds every part with the ETag the
-                           peer says; complete the upload (one object, at once); the object's
-                           size is the declared one; the body passes every check a PUT body
-                           passes (:func:`~syncserver.reduce.check.check_update`, fed by one
-                           streaming GET); its sha-256 is the declared one; then the same
-                           admission and record as a PUT (:meth:`Rounds.commit_object`), the
-                           record naming the object
-
-An acknowledged object is immutable by construction, not by the order of two checks: its name
-is this attempt's own (no other upload, a retry of the same key included, is ever opened at
-it), its upload is completed (its part URLs are dead), and the record names it; no clean-up
-here deletes a name a record holds (:meth:`PresignedUploads._drop`). Every check of what can
-change while a request waits (the round, an acknowledgement, the open upload) is made under
-the peer's lock, which ``uploaded`` holds from the report to the acknowledgement; so a retried
-``uploaded`` waits for the first and then gets its acknowledgement.
-
-Anything refused (a lie about the size, the digest or the parts; a body that fails a check; the
-round closed meanwhile) is a 4xx with its reason, and the object is deleted: nothing is
-recorded, the round is unchanged. A store that fails (or hangs past
-``SYNC_STORE_CONTROL_SECONDS``) is a 503 ``store_unavailable``: the peer PUTs its update to the
-hub instead, and the store is left alone for a while. The open uploads are kept in memory only:
-a restarted hub aborts every multipart upload no record names, and a peer that reports one gets
-409 ``upload_unknown`` and uploads again, under a new name.
-
-With reducers too (``SYNC_REDUCERS``), a reducer may check the body instead of the hub
-(:meth:`Reducers.check <syncserver.core.workers.Reducers.check>`): no reducer's word alone ever
-refuses a peer.
+- An acknowledged object is immutable by construction: its name is this attempt's own
+  (:func:`~syncserver.storage.bucket.update_name`), its upload is completed (its part URLs are
+  dead), and no clean-up here deletes a name a record holds (:meth:`PresignedUploads._drop`).
+- Every check of what can change while a request waits (the round, an acknowledgement, the open
+  upload) is made under the peer's lock, which ``uploaded`` holds until the acknowledgement.
+- A refusal is a 4xx with its reason, the object deleted, nothing recorded; a store that fails or
+  hangs past ``SYNC_STORE_CONTROL_SECONDS`` is 503 ``store_unavailable`` (the peer PUTs instead).
+- Open uploads live in memory only: a restarted hub aborts those no record names, and answers
+  their reports 409 ``upload_unknown``. No reducer's word alone ever refuses a peer
+  (:meth:`Reducers.check <syncserver.core.workers.Reducers.check>`).
 """
 
 from __future__ import annotations
@@ -48,6 +22,7 @@ import functools
 import logging
 import secrets
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,18 +48,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Parts of an update: S3's 5 MiB minimum is too small to amortise a request on a far link, and
-#: a part re-sent after a cut should not be hundreds of MB: 8 MiB, bigger only past 10,000 parts.
-PART_BYTES = 8 << 20
-#: random bytes in each upload attempt's object name (:func:`~syncserver.storage.bucket.update_name`)
-ATTEMPT_BYTES = 8
+PART_BYTES = 8 << 20  # S3's 5 MiB amortises no request on a far link; a part re-sent must not be 100s of MB
+ATTEMPT_BYTES = 8  # random bytes in each upload attempt's object name
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Where an update goes: ``object`` (its name in the store), the multipart upload, parts of
-    ``part_size`` bytes (the last one shorter), a presigned PUT for each part the store lacks
-    (``urls``) and the ETags of those it holds (``done``); the URLs expire at ``expires`` (unix time)."""
+    """Where an update goes: its object's name, upload and part size, a presigned PUT per part the
+    store lacks (``urls``), the ETags of those it holds (``done``), the URLs' ``expires`` (unix)."""
 
     object: str
     upload_id: str
@@ -97,8 +68,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class UploadReport:
-    """What a peer says it uploaded (``key``'s upload: ``size`` bytes of sha-256 ``digest``, the
-    parts' ETags), with what a PUT of the update carries in its headers."""
+    """What a peer says it uploaded, with what a PUT of the update carries in its headers."""
 
     key: str
     size: int
@@ -138,26 +108,21 @@ class PresignedUploads:
         self.workers = workers  # who checks the bodies
         self.scratch = scratch  # where a check that takes a norm spools the body (the hub's tmp/)
         self._open: dict[tuple[str, str], _Open] = {}
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
 
     async def presign(self, run: Run, round_: int, peer: str, key: str, size: int) -> Plan:
-        """URLs to upload an update of ``size`` bytes computed from version ``round_`` (named by
-        the peer's ``key``). Every refusal comes before any URL is made.
-
-        Everything that can change while the request waits (the round, an acknowledgement of
-        this peer's, the open upload) is checked under the peer's lock, which ``uploaded`` holds
-        from its report to its acknowledgement: a presign racing an acknowledgement sees it."""
+        """URLs to upload ``key``'s update of ``size`` bytes to round ``round_``, every refusal before any
+        URL (under the peer's lock: a presign racing an acknowledgement sees it)."""
         bucket = self.plane.uploads_to(run)
         assert run.shape is not None
         if size > run.shape.max_update_bytes:
             raise PayloadTooLarge(f"body of {size} bytes is over the {run.shape.max_update_bytes}-byte limit")
         objects = bucket.objects
-        async with self._lock(run.name, peer):
+        async with self._locks[run.name, peer]:
             await self.rounds.check_open(run, round_)
             if self.rounds.store.update_from(run.name, peer, round_) is not None:
                 raise Conflict(
-                    f"peer {peer!r} already has an update acknowledged for round {round_}",
-                    current_version=run.version,
+                    f"peer {peer!r} already has an update acknowledged for round {round_}", current_version=run.version
                 )
             if not bucket.up:
                 raise StoreDown(f"the object store {bucket.url} is down: PUT the update to the hub")
@@ -173,25 +138,20 @@ class PresignedUploads:
                 await self._drop(run, opened)
                 opened = None
             if opened is None:
-                # a name of this attempt's own: no other upload, of this peer or any, ever
-                # writes it, so the object the acknowledgement records is the one checked
+                # this attempt's own name: the object the acknowledgement records is the one checked
                 name = update_name(run.name, round_, peer, key, secrets.token_hex(ATTEMPT_BYTES))
                 upload_id = await self._store(run, objects.create_multipart, name)
                 opened = _Open(round_, key, name, upload_id, size, objects.part_size(size, PART_BYTES))
                 self._open[run.name, peer] = opened
         expires = time.time() + objects.url_seconds
-        urls = {
-            n: objects.presign_part(opened.name, opened.upload_id, n)
-            for n in range(1, opened.parts + 1)
-            if n not in done
-        }
+        lacking = (n for n in range(1, opened.parts + 1) if n not in done)
+        urls = {n: objects.presign_part(opened.name, opened.upload_id, n) for n in lacking}
         return Plan(opened.name, opened.upload_id, size, opened.part_size, urls, done, expires)
 
     async def uploaded(self, run: Run, round_: int, peer: str, report: UploadReport) -> Acknowledgement:
-        """The peer says it uploaded every part of ``key``'s upload: complete, check, acknowledge
-        (see the module docstring). The same update acknowledged before: its acknowledgement."""
+        """The peer uploaded every part: complete, check, acknowledge (a repeat: its acknowledgement)."""
         self.plane.uploads_to(run)
-        async with self._lock(run.name, peer):
+        async with self._locks[run.name, peer]:
             opened = self._open.get((run.name, peer))
             if opened is None or (opened.round, opened.key) != (round_, report.key):
                 repeat = self.rounds.acknowledged(run, round_, peer, report.digest)
@@ -220,8 +180,7 @@ class PresignedUploads:
             raise BadRequest(f"the upload was presigned for {opened.size} bytes, not {size}")
         if sorted(etags) != list(range(1, opened.parts + 1)):
             raise BadRequest(f"etags must name parts 1 to {opened.parts}, each once")
-        # the parts' ETags are compared here, not left to the store's complete: not every store
-        # refuses a complete that names ETags it does not hold
+        # ETags compared here: not every store refuses a complete naming ETags it does not hold
         held = await self._store(run, objects.list_parts, opened.name, opened.upload_id)
         for number, etag in sorted(etags.items()):
             part = held.get(number)
@@ -232,24 +191,7 @@ class PresignedUploads:
         if info.size != size:
             raise BadRequest(f"the object holds {info.size} bytes, not the {size} declared")
         assert run.shape is not None and run.schema is not None
-        rules = UpdateRules(
-            run.shape.layout,
-            run.schema,
-            run.codec,
-            run.shape.max_update_bytes,
-            bool(run.config.norm_guard or run.codec.check_on_receipt),
-        )
-        checked = await self._check(run, opened, peer, digest, rules)
-        if checked.digest != digest:
-            raise BadRequest(f"body digest sha-256 {checked.digest} does not match the declared {digest}")
-        ticket = Ticket(
-            run.name, opened.round, peer, digest, report.samples, report.metrics, size, _no_body, final=report.final
-        )
-        return await self.rounds.commit_object(run, ticket, opened.name, checked.nbytes, seconds, checked.norm)
-
-    async def _check(self, run: Run, opened: _Open, peer: str, digest: str, rules: UpdateRules) -> Checked:
-        """The body's check: the workers', or the hub's own (one GET, closed as soon as the
-        check stops reading)."""
+        rules = UpdateRules(run.shape.layout, run.schema, run.codec, run.shape.max_update_bytes, run.checks_norm)
         job = CheckJob(
             lease="",
             run=run.name,
@@ -261,20 +203,22 @@ class PresignedUploads:
             digest=digest,
             rules=CheckRules.of(rules),
         )
-        objects = self.plane.uploads_to(run).objects
 
-        def check() -> Checked:
+        def check() -> Checked:  # the hub's own: one GET, closed once the check stops reading
             with contextlib.closing(objects.stream(opened.name)) as chunks:
                 return check_update(chunks, rules, spool=self.scratch)
 
-        return await self.workers.check(job, functools.partial(self._store, run, check))
+        checked = await self.workers.check(job, functools.partial(self._store, run, check))
+        if checked.digest != digest:
+            raise BadRequest(f"body digest sha-256 {checked.digest} does not match the declared {digest}")
+        ticket = Ticket(
+            run.name, opened.round, peer, digest, report.samples, report.metrics, size, _no_body, final=report.final
+        )
+        return await self.rounds.commit_object(run, ticket, opened.name, checked.nbytes, seconds, checked.norm)
 
     async def _drop(self, run: Run, opened: _Open) -> None:
-        """Delete an upload's object and parts (a store that fails leaves them for the next
-        start). Never an object a record names: a request cancelled after its acknowledgement
-        was recorded (the peer went away) keeps what it acknowledged."""
+        """Delete an upload's object and parts, never one a record names (a store failing: next start)."""
         keep = self.rounds.store.names_update_object(run.name, opened.name)
-
         objects = self.plane.uploads_to(run).objects
 
         def drop() -> None:
@@ -298,9 +242,6 @@ class PresignedUploads:
         except StoreError as exc:
             self.plane.uploads_to(run).failed(run.name, f"an update upload: {exc}")
             raise StoreDown(f"the object store failed ({exc}): PUT the update to the hub") from None
-
-    def _lock(self, run: str, peer: str) -> asyncio.Lock:
-        return self._locks.setdefault((run, peer), asyncio.Lock())
 
 
 def _no_body(infos: dict[str, TensorInfo]) -> None:

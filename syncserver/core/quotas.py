@@ -1,11 +1,8 @@
-"""How much of the hub one token may take: the runs it creates, and the peers of a run.
-
-Runs are never deleted, and each costs memory (its state, its peers, its metrics series) and
-disk (versions, rounds) for the hub's life; one token *did* create 2,000 of them, and 1,000
-peers joined one run. So a token may create ``SYNC_MAX_RUNS_PER_TOKEN`` runs and a run may
-have ``SYNC_MAX_PEERS_PER_RUN`` peers; past either a join is ``403 limit_reached`` and nothing
-is created. The admin token (the operator's) is not limited, and a run token can only create
-its own run. Pure checks: the coordinator asks before it changes anything.
+"""How much of the hub one token may take: ``SYNC_MAX_RUNS_PER_TOKEN`` runs created, and
+``SYNC_MAX_PEERS_PER_RUN`` peers a run (past either, a join is ``403 limit_reached``). Runs are
+never deleted and each costs memory and disk for the hub's life: one token *did* create 2,000,
+and 1,000 peers joined one run. The admin token is not limited; a run token can only create its
+own run. Pure checks: the coordinator asks before it changes anything.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """Receiving updates and closing rounds: admission, acknowledgement, the norm guard, the close.
 
-An update is acknowledged once its body is complete, verified (digest, layout, finite values;
-the norm guard when on), durable and recorded in sqlite; it is then folded into the round's
-float32 accumulator in acknowledgement order (so a hub restarted after a crash rebuilds the
-very same sums from the files), or, once the round is closing, by the close's merge itself.
-The policy (:mod:`syncserver.core.policy`) says when a round closes; the workers
-(:mod:`syncserver.core.workers`) fold, merge and build; the plane (:mod:`syncserver.core.planes`)
-publishes. A round commits once its result (the encoded merged update) is durable, and version
-v+1 is built after that, since it is ``version v + decode(result)``: a restarted hub rebuilds
-what a crash left unbuilt, and pulls wait for it.
+An update is acknowledged once complete, verified, durable and recorded in sqlite; then folded in
+acknowledgement order (a restarted hub rebuilds the same sums from the files), or by the close's
+merge. The policy says when a round closes, the workers fold, merge and build, the plane publishes.
+A round commits once its result is durable; version v+1 is built after (rebuilt at start if cut).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -26,17 +22,10 @@ from syncserver.core.finite import merge_finite
 from syncserver.core.planes import LocalPlane
 from syncserver.core.policy import Close, Place
 from syncserver.core.shape import RunShape
-from syncserver.core.state import Run, now
+from syncserver.core.state import Run, Via, now
 from syncserver.core.view import HubView
 from syncserver.core.workers import Workers
-from syncserver.errors import (
-    BadRequest,
-    Conflict,
-    InvalidUpdate,
-    PoisonedUpdate,
-    RoundClosed,
-    StaleUpdate,
-)
+from syncserver.errors import BadRequest, Conflict, InvalidUpdate, PoisonedUpdate, RoundClosed, StaleUpdate
 from syncserver.limits import MAX_SAMPLES
 from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.reduce import aggregate
@@ -56,8 +45,7 @@ ASYNC_NORMS = 8  # the norm guard's reference in async runs: the last accepted u
 
 @dataclass
 class Ticket:
-    """Permission to stream one body: what it must look like and where it goes. A ticket for an
-    update the hub already holds carries that update's acknowledgement and needs no body."""
+    """Permission to stream one body: its shape and destination (held already: its acknowledgement)."""
 
     run: str
     round: int  # -1: version 0
@@ -74,8 +62,7 @@ class Ticket:
 
 @dataclass(frozen=True)
 class Acknowledgement:
-    """An update is durable and counted in round ``round`` (``repeat``: it was already, this is
-    its first acknowledgement again)."""
+    """An update is durable and counted in round ``round`` (``repeat``: its first acknowledgement again)."""
 
     round: int
     peer: str
@@ -130,13 +117,9 @@ class Rounds:
         for update in self.store.updates(run.name, run.version):
             run.acked[update.peer] = update
             run.policy.restore_update(update.peer, now(), update.samples)  # its deadline starts afresh
-        if run.acked:
-            run.opened = min(u.received for u in run.acked.values())
+        run.opened = min((u.received for u in run.acked.values()), default=None)
         if run.version > 0 and not self.store.exists(VersionKey(run.name, run.version)):
             self.workers.start_versions(run)  # killed between a commit and its version's rename
-
-    async def stop(self) -> None:
-        await self.tasks.stop()
 
     # ---- version 0 -----------------------------------------------------------------------
     def init_ticket(self, run: Run, peer: str) -> Ticket:
@@ -178,10 +161,8 @@ class Rounds:
         supersede: bool = False,
         final: bool = False,
     ) -> Ticket:
-        """Check an update may be sent before its body is read; a repeat gets its old ack.
-        The body's partial is named by ``key`` (``Upload-Key``) if given, else by ``digest``;
-        one of them is. With ``supersede`` (a PUT, not a HEAD), what the peer held of other
-        updates for this round goes: it gave up on them."""
+        """Check an update may be sent before its body is read (a repeat gets its old ack); its partial
+        is named by ``key``, else ``digest``. ``supersede`` (a PUT): the peer's other partials go."""
         if not 1 <= samples <= MAX_SAMPLES:
             raise InvalidUpdate(f"samples must be a count from 1 to {MAX_SAMPLES}, got {samples}")
         repeat = self.acknowledged(run, round_, peer, digest)
@@ -189,11 +170,7 @@ class Rounds:
             return Ticket(run.name, round_, peer, digest, samples, metrics, 0, _refuse_body, acknowledged=repeat)
         await self.check_open(run, round_)
         assert run.shape is not None  # set with the schema: O(schema) once, not per request
-        layout = run.shape.layout
-
-        def check(infos: dict[str, TensorInfo]) -> None:  # in a worker thread (uploads.receive)
-            check_layout(infos, layout)
-
+        check = functools.partial(check_layout, expected=run.shape.layout)  # in a worker thread
         name = f"key-{key}" if key is not None else digest
         assert name is not None
         upload = self.store.resumable_upload(run.name, round_, peer, name, supersede=supersede)
@@ -202,9 +179,8 @@ class Rounds:
         )
 
     def acknowledged(self, run: Run, round_: int, peer: str, digest: str | None) -> Acknowledgement | None:
-        """Idempotency: the same update again is harmless, a different one is a conflict. An
-        update is named by the version it was computed from (``round_``), which is also the round
-        it is merged in but in async runs. A body without its digest yet cannot tell: None."""
+        """Idempotency: the same update again is harmless, a different one a conflict. An update is
+        named by its base version (``round_``: its round but in async runs). No digest yet: None."""
         if digest is None:
             return None
         previous = run.acked.get(peer)
@@ -224,8 +200,7 @@ class Rounds:
         if run.version < 0 or not run.sealed:
             raise Conflict(f"run {run.name!r} has not started yet", current_version=run.version)
         if run.closing and run.policy.place(round_) is Place.OPEN:
-            # the open round is closing without this update: answer once the new version exists,
-            # so that a late peer's catch-up finds it (and an async update goes into the next one)
+            # closing without it: answer once the new version exists (a late peer's catch-up finds it)
             while run.closing:
                 await run.changed.wait()
         place = run.policy.place(round_)
@@ -263,10 +238,7 @@ class Rounds:
             assert ticket.digest is not None  # the route holds a body that comes without one
             if received.digest != ticket.digest:
                 raise BadRequest(f"body digest sha-256 {received.digest} does not match Content-Digest {ticket.digest}")
-            # a codec whose decoder can refuse well-formed, finite parts (topk's offsets) is decoded
-            # once here: a bad update is a 422 now, not a fold that fails after its acknowledgement
-            checked = run.config.norm_guard or run.codec.check_on_receipt
-            norm = await to_thread.run_sync(self._norm, run, received) if checked else None
+            norm = await to_thread.run_sync(self._norm, run, received) if run.checks_norm else None
             update = await self._admit(run, ticket, received.nbytes, received.seconds, norm)
             if isinstance(update, Acknowledgement):
                 return update
@@ -278,10 +250,8 @@ class Rounds:
     async def commit_object(
         self, run: Run, ticket: Ticket, name: str, nbytes: int, seconds: float, norm: float | None
     ) -> Acknowledgement:
-        """Acknowledge an update a peer uploaded to the object store as ``name``, its body checked
-        already (:func:`syncserver.reduce.check.check_update`: ``nbytes``, ``norm``): the same
-        admission and record as a body PUT to the hub, the record naming the object. A ``repeat``
-        acknowledgement: the same update was acknowledged before, and ``name`` is not recorded."""
+        """Acknowledge an update uploaded to the store as ``name``, its body checked already: as a PUT,
+        the record naming the object (a ``repeat`` acknowledgement: ``name`` not recorded)."""
         update = await self._admit(run, ticket, nbytes, seconds, norm, name)
         if isinstance(update, Acknowledgement):
             return update
@@ -291,8 +261,7 @@ class Rounds:
     async def _admit(
         self, run: Run, ticket: Ticket, nbytes: int, seconds: float, norm: float | None, name: str | None = None
     ) -> UpdateRecord | Acknowledgement:
-        """The checks a checked body passes before it counts (the round still takes it, the norm
-        guard): its record to store, or the acknowledgement of the same update stored before."""
+        """The round takes it, the norm guard passes: its record, or the same update's acknowledgement."""
         assert ticket.digest is not None
         repeat = self.acknowledged(run, ticket.round, ticket.peer, ticket.digest)
         if repeat is not None:
@@ -328,13 +297,14 @@ class Rounds:
         if run.opened is None:
             run.opened = update.received
         peer = run.peers[ticket.peer]
-        reports = peer.last_progress is not None
-        if not reports and peer.last_update_at is not None and update.received > peer.last_update_at:
-            peer.rate = ticket.samples / (update.received - peer.last_update_at)
+        last = peer.last_update_at  # the rate between two updates, unless the peer reports progress
+        if peer.last_progress is None and last is not None and update.received > last:
+            peer.rate = ticket.samples / (update.received - last)
         peer.last_update_at = update.received
         peer.samples += ticket.samples
         peer.bytes_up += update.nbytes
-        run.traffic.up["hub" if update.object is None else "store"] += update.nbytes
+        via: Via = "hub" if update.object is None else "store"
+        run.traffic.up[via] += update.nbytes
         log.info(
             "update_acked run=%s round=%d base=%d peer=%s samples=%d mb=%.3f upload_s=%.3f via=%s",
             run.name,
@@ -344,10 +314,9 @@ class Rounds:
             ticket.samples,
             update.nbytes / 1e6,
             update.seconds,
-            "hub" if update.object is None else "store",
+            via,
         )
-        # a close starts at once, and its merge folds what is not folded yet; otherwise this
-        # update is folded now, behind the uploads still under way
+        # a close starts at once and its merge folds the rest; else this update is folded now
         self.carry_out(run, run.policy.acknowledged(ticket.peer, now(), ticket.samples))
         self.view.updated(run, update)
         await self.workers.fold(run)
@@ -364,13 +333,11 @@ class Rounds:
                 raise InvalidUpdate(str(exc)) from None
 
     def _guard(self, run: Run, peer: str, norm: float | None) -> None:
-        """The poisoned-update guard: refuse an update far above the usual norm, before it is
-        acknowledged, so that it never reaches the average; the round stops waiting for its peer."""
+        """Refuse an update far above the usual norm before it counts; the round stops waiting for it."""
         factor = run.config.norm_guard
         if factor is None or norm is None:
             return
-        median = aggregate.norm_outlier(norm, [*run.previous_norms, *run.norms.values()], factor)
-        if median is None:
+        if (median := aggregate.norm_outlier(norm, [*run.previous_norms, *run.norms.values()], factor)) is None:
             return
         log.warning(
             "update_rejected run=%s round=%d peer=%s norm=%.4g median=%.4g factor=%g",
@@ -437,8 +404,7 @@ class Rounds:
         run.peaks = (run.version, peaks) if peaks else None
         run.acked, run.acc, run.opened = {}, None, None
         if run.norms:
-            # the guard's reference: this round's norms and the previous round's; async rounds
-            # hold one update or a few, so there the last ASYNC_NORMS accepted ones
+            # the guard's reference: this round's norms and the previous round's (async: the last ASYNC_NORMS)
             kept = [*run.previous_norms, *run.norms.values()][-ASYNC_NORMS:] if run.config.policy == "async" else []
             run.previous_norms = kept or list(run.norms.values())
         run.norms = {}
@@ -463,9 +429,8 @@ class Rounds:
         self.view.closed(run, record)
 
     def _close_failed(self, run: Run, close: Close, exc: Exception) -> None:
-        """The round stays open (say the disk is full) and is decided again after a backoff
-        (1 s, doubling, at most CLOSE_RETRY_MAX): a failing close must not spin, nor log a
-        traceback on every tick. The traceback is logged once per round, then one line."""
+        """The round stays open (say the disk is full), decided again after a backoff (1 s, doubling,
+        at most CLOSE_RETRY_MAX) so as not to spin; its traceback logged once, then one line."""
         run.close_failures += 1
         delay = min(CLOSE_RETRY_MAX, 2.0 ** (run.close_failures - 1))
         run.close_retry_at = now() + delay

@@ -1,12 +1,9 @@
-"""What a run's schema implies, worked out once: requests must not redo O(schema) work.
+"""What a run's schema implies, worked out once, in a worker thread, when it becomes known.
 
-A run's schema is fixed by version 0 and may hold 100,000 tensors (a mixture-of-experts
-checkpoint: a 7 MB safetensors header). Rebuilding the update layout and its header for
-every HEAD or PUT took 1.4-5.3 s *on the event loop* with such a run, and four clients
-polling it stalled every other run on the hub (a status took 4-16 s). So the layout, the
-size limits and the JSON of the schema that every ready peer is sent are computed here,
-in a worker thread, when the schema becomes known (version 0, or a hub's start), and requests
-only read them.
+A schema may hold 100,000 tensors (a mixture-of-experts checkpoint: a 7 MB safetensors header).
+Rebuilding the update layout and header per HEAD or PUT took 1.4-5.3 s *on the event loop*, and
+four clients polling such a run stalled every other run (a status took 4-16 s): requests only
+read what is computed here.
 """
 
 from __future__ import annotations
@@ -45,8 +42,7 @@ class RunShape:
     @classmethod
     def of(cls, schema: Schema, codec: Codec, max_body_bytes: int) -> RunShape:
         layout = wire_layout(codec, schema)
-        # the header may be a few times the size of the run's own (other writers pad it, add
-        # metadata), not the format's 8 MiB cap: a small run's limit stays small
+        # a few times the run's own header (writers pad it), not 8 MiB: a small run's limit stays small
         own_header, _ = encode_header((name, dtype, shape) for name, (dtype, shape) in layout.items())
         header_cap = min(MAX_HEADER_BYTES, 2 * len(own_header) + HEADER_SLACK)
         lists = {name: list(shape) for name, shape in schema.items()}

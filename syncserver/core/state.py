@@ -1,5 +1,5 @@
-"""What the hub holds in memory of a run. Plain data: the coordinator changes it on the
-event loop thread, the run view (:mod:`syncserver.core.view`) reads it."""
+"""What the hub holds in memory of a run: plain data the coordinator changes on the event loop
+thread and the run view (:mod:`syncserver.core.view`) reads."""
 
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ _RunFields = make_dataclass("_RunFields", [(s.name, Any) for s in RUN_SETTINGS],
 
 
 class RunConfig(_RunFields):  # type: ignore[misc,valid-type]  # fields made from the run settings table
-    """What a run is, fixed at creation (the first peer may choose; later peers must agree): one
-    field per run setting (:mod:`syncwire.runsettings`)."""
+    """What a run is, fixed at creation (later peers must agree): a field per run setting."""
 
     @classmethod
     def load(cls, recorded: dict[str, Any]) -> RunConfig:
@@ -58,10 +57,7 @@ Via = Literal["hub", "store"]
 
 @dataclass
 class Traffic:
-    """A run's bytes since the hub started, by direction and way: acknowledged updates up
-    (a PUT to the hub, or presigned parts to the store), results and versions down (served by
-    the hub, or a 307 to the store). What /metrics counts as ``weightsync_{upload,download}_bytes``,
-    for the run view: with a store, the operator sees what still crosses the hub's link."""
+    """A run's bytes since the hub started, up and down by way (/metrics: what crosses the hub's link)."""
 
     up: dict[Via, int] = field(default_factory=lambda: {"hub": 0, "store": 0})
     down: dict[Via, int] = field(default_factory=lambda: {"hub": 0, "store": 0})
@@ -69,8 +65,7 @@ class Traffic:
 
 @dataclass
 class Peer:
-    """A peer's identity and traffic; its standing in rounds is the policy's
-    (:class:`~syncserver.core.policy.Member`)."""
+    """A peer's identity and traffic; its standing in rounds is the policy's (``Member``)."""
 
     name: str
     rank: int | None
@@ -105,15 +100,13 @@ class Run:
     peers: dict[str, Peer] = field(default_factory=dict)
     init_claim: str | None = None  # the peer told to upload version 0
     creator: str | None = None  # the kind of token that created it (its quota's; None: created before)
-    # the open round (number == version): its acknowledged updates, uploads under way, when it
-    # got its first update (wall time), and its running mean
+    # the open round (number == version): its updates, uploads, first update (wall time), running mean
     acked: dict[str, UpdateRecord] = field(default_factory=dict)
     uploading: set[str] = field(default_factory=set)
     opened: float | None = None
     acc: Accumulator | None = None
     fold_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # the norm guard's memory: norms of this round's accepted updates and of the previous
-    # round's. In memory: a restart starts it afresh.
+    # the norm guard's memory: this round's accepted norms and the previous round's (a restart forgets)
     norms: dict[str, float] = field(default_factory=dict)
     previous_norms: list[float] = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)  # in memory: a restart counts afresh
@@ -124,8 +117,7 @@ class Run:
     close_retry_at: float = 0.0
     # writes the file of ``version`` after the round that made it committed; pulls wait for it
     writing: asyncio.Task[None] | None = None
-    # (n, a bound on |version n| per tensor) that the reducers reported: the next leased merge
-    # checks its slices against it instead of reading version n. In memory: a restart reads it once
+    # (n, the reducers' bound on |version n| per tensor): a leased merge checks against it, not reading n
     peaks: tuple[int, dict[str, float]] | None = None
     changed: Changes = field(default_factory=Changes)  # wakes every waiter of this run (they look again)
 
@@ -134,17 +126,28 @@ class Run:
         return self.policy.closing
 
     @property
+    def checks_norm(self) -> bool:
+        """An update's norm is taken on receipt: for the norm guard, or to decode once a codec whose
+        decoder can refuse well-formed, finite parts (topk's offsets: a 422 now, not a failed fold)."""
+        return bool(self.config.norm_guard or self.codec.check_on_receipt)
+
+    @property
     def keep_results(self) -> int | None:
-        """Round results to keep beyond the versions: an async peer fetches every result since
-        its base, up to ``max_staleness`` of them."""
+        """Results to keep beyond the versions: an async peer fetches each since its base."""
         return self.config.max_staleness + 1 if self.config.policy == "async" else None
 
+    def ordered(self) -> list[UpdateRecord]:
+        """The open round's acknowledged updates, in acknowledgement order."""
+        return sorted(self.acked.values(), key=lambda u: u.seq)
+
+    def weight(self, update: UpdateRecord) -> float:
+        """``update``'s weight in its round's merge (the policy's)."""
+        return self.policy.weight(update.samples, update.base, update.round)
+
     def world_size(self) -> int:
-        ranks = [p.rank for p in self.peers.values() if p.rank is not None]
-        return max(ranks) + 1 if ranks else 0
+        return max((p.rank + 1 for p in self.peers.values() if p.rank is not None), default=0)
 
     def record(self, peer: Peer) -> PeerRecord:
-        """The peer as stored."""
         member = self.policy.members[peer.name]
         return PeerRecord(peer.name, peer.rank, member.active_from, peer.joined, member.left, peer.group_size)
 

@@ -1,11 +1,9 @@
 """The read-only view of a hub's runs: what status, the dashboard and the metrics read.
 
-The coordinator tells the view of every change (:meth:`HubView.changed`) and of the events
-the metrics count (an acknowledged update, a closed round, a finished download); the view
-wakes whoever waits for a change (the dashboard's long poll) and calls its listeners. Readers
-never touch the coordinator, its policies, its locks or the store: the view answers in its own
-plain data (:class:`RunLine`, :class:`RunState`, and the records of :mod:`syncserver.records`), which
-the HTTP layer turns into response models.
+The coordinator tells it of every change (:meth:`HubView.changed`: it wakes the long polls) and of
+the events the metrics count (its listeners). Readers never touch the coordinator, its policies,
+locks or store: the view answers in plain data (:class:`RunLine`, :class:`RunState`, the records
+of :mod:`syncserver.records`), which the HTTP layer turns into response models.
 """
 
 from __future__ import annotations
@@ -26,15 +24,7 @@ from syncserver.errors import NotFound
 from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.storage.store import Store
 
-__all__ = [
-    "HubView",
-    "Listeners",
-    "OpenRoundState",
-    "PeerLine",
-    "RunFacts",
-    "RunLine",
-    "RunState",
-]
+__all__ = ["HubView", "Listeners", "OpenRoundState", "PeerLine", "RunFacts", "RunLine", "RunState"]
 
 
 @dataclass(frozen=True)
@@ -51,8 +41,6 @@ class RunFacts:
 
 @dataclass(frozen=True)
 class RunLine:
-    """One line of the run list."""
-
     run: str
     version: int
     peers: int  # live
@@ -154,10 +142,9 @@ class HubView:
         return list(self._runs)
 
     def get(self, name: str) -> Run:
-        try:
-            return self._runs[name]
-        except KeyError:
-            raise NotFound(f"unknown run {name!r}") from None
+        if name not in self._runs:
+            raise NotFound(f"unknown run {name!r}")
+        return self._runs[name]
 
     def find(self, name: str | None) -> Run | None:
         return self._runs.get(name) if name else None
@@ -165,10 +152,8 @@ class HubView:
     def list_runs(self, limit: int | None = None, after: str | None = None) -> list[RunLine]:
         """Runs by name: all of them, or ``limit`` after the run named ``after``."""
         names = sorted(name for name in self._runs if after is None or name > after)[:limit]
-        return [
-            RunLine(r.name, r.version, len(r.policy.live), r.config.codec, r.config.outer)
-            for r in (self._runs[name] for name in names)
-        ]
+        runs = [self._runs[name] for name in names]
+        return [RunLine(r.name, r.version, len(r.policy.live), r.config.codec, r.config.outer) for r in runs]
 
     def samples_through(self, run: str, round_: int) -> int:
         """Samples the run had trained by the end of round ``round_``: a peer stops on a budget."""
@@ -186,18 +171,12 @@ class HubView:
         """The latest ``limit`` updates of ``run``, oldest first (their metrics: status, the curves)."""
         return self._store.round_metrics(run, limit=limit)
 
-    def peer_states(self, run: Run) -> dict[PeerState, int]:
-        states = {state: 0 for state in PeerState}
-        for name in run.peers:
-            states[run.policy.state(name)] += 1
-        return states
-
     def facts(self) -> list[RunFacts]:
         return [
             RunFacts(
                 run.name,
                 run.version,
-                self.peer_states(run),
+                {state: sum(run.policy.state(name) is state for name in run.peers) for state in PeerState},
                 len(run.acked),
                 sum(p.bytes_up for p in run.peers.values()),
                 sum(p.bytes_down for p in run.peers.values()),
@@ -254,15 +233,9 @@ class HubView:
         """Changes whenever anything status shows changes (but the ages of last-seen times)."""
         parts: list[Any] = [sorted((r.name, r.version, len(r.policy.live)) for r in self._runs.values())]
         if run is not None:
-            parts += [
-                run.version,
-                sorted(run.acked),
-                sorted(run.uploading),
-                run.closing,
-                run.policy.due,
-                run.policy.floor_wait(time.monotonic()),
-                sorted(run.policy.live),
-                sorted((name, run.policy.state(name).value, p.rank) for name, p in run.peers.items()),
-                sorted((r, sorted(peers)) for r, peers in run.downloads.items()),
-            ]
+            policy = run.policy
+            peers = sorted((name, policy.state(name).value, p.rank) for name, p in run.peers.items())
+            downloads = sorted((r, sorted(names)) for r, names in run.downloads.items())
+            open_round = [run.version, sorted(run.acked), sorted(run.uploading), run.closing, policy.due]
+            parts += [*open_round, policy.floor_wait(time.monotonic()), sorted(policy.live), peers, downloads]
         return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]

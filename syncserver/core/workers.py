@@ -1,22 +1,11 @@
-"""Who does the tensor work, chosen once in :func:`~syncserver.api.factory.create_app`: fold each
-acknowledged update, merge a closing round, build the versions after their commits, check the
-bodies peers uploaded to the bucket. The core calls its workers and never asks which it has.
-
-- :class:`Threads`: the hub's own threads (the engine's pool). Each update is folded into the
-  round's accumulator as it is acknowledged, the close merges the rest, and the hub writes each
-  version's file after the commit; the hub checks uploaded bodies itself.
-- :class:`Reducers` (``SYNC_REDUCERS=K``): the work is cut into leases that K reducer processes
-  take from the board (:mod:`syncserver.core.leases`), the same functions on the same files, so
-  the same bits: they fold each round's updates ahead of its close, in their memory, share its
-  merge, and check uploaded bodies. They write the hub's staged files, so they run on its
-  machine; versions are still the hub's files, written by its threads.
-- :class:`BucketReducers` (``SYNC_REDUCERS`` with ``SYNC_STORE``): reducers on any machine. They
-  read version v and the updates in the bucket, write each result (and DiLoCo's momentum, the
-  hub's residual) as parts of multipart uploads that the hub completes, and build each version
-  in the bucket after its commit: the hub's disk holds no version but the first.
-
-Every mode writes the versions in one task per run, after each commit (``version v +
-decode(result v)``), then prunes; a pull of a version not written yet waits for it.
+"""Who does the tensor work (fold, merge, build versions, check bodies uploaded to the bucket),
+chosen once in :func:`~syncserver.api.factory.create_app`: the core never asks which it has.
+:class:`Threads`: the hub's own. :class:`Reducers` (``SYNC_REDUCERS=K``): K reducer processes on
+the hub's machine take it as leases (:mod:`syncserver.core.leases`; the same functions on the same
+files, so the same bits), folding ahead in their memory. :class:`BucketReducers` (with
+``SYNC_STORE``): reducers on any machine, through the bucket, building each version there (the
+hub's disk holds version 0 only). Every mode writes versions in one task per run after each
+commit, then prunes; a pull of a version not written yet waits for it.
 """
 
 from __future__ import annotations
@@ -59,8 +48,7 @@ class Workers:
         self.tasks = Tasks()
 
     async def fold(self, run: Run) -> None:
-        """Fold every acknowledged, not yet folded update, in acknowledgement order, until the
-        round closes: from then on its merge folds the rest."""
+        """Fold the updates not folded yet, in order, until the round closes (its merge folds the rest)."""
         raise NotImplementedError
 
     async def settle(self, run: Run) -> None:
@@ -86,8 +74,7 @@ class Workers:
 
     # ---- versions ---------------------------------------------------------------------------
     def start_versions(self, run: Run) -> None:
-        """Start writing the committed versions that have no file yet (after a commit, or at
-        start after a crash between a commit and its version's rename), then prune."""
+        """Write the committed versions lacking a file (after a commit, or a crash), then prune."""
         if run.writing is None or run.writing.done():
             run.writing = self.tasks.spawn(self._write(run))
             run.writing.add_done_callback(_log_version_failure)
@@ -113,8 +100,7 @@ class Workers:
             await self.written(run)
 
     async def build(self, run: Run, target: int) -> None:
-        """Write the files of every version up to ``target`` that lacks one: not one that lives
-        only in the bucket (the reducers built it there, and the hub has no result to build it from)."""
+        """Write each missing version file up to ``target``, but one only in the bucket (no result here)."""
         assert run.schema is not None
         if not self.store.exists(ResultKey(run.name, target - 1)) and self.store.stored_object(
             VersionKey(run.name, target)
@@ -127,20 +113,16 @@ class Threads(Workers):
     """The hub's own threads do all the work (see the module docstring)."""
 
     async def fold(self, run: Run) -> None:
-        def closing() -> bool:
-            return run.closing
-
         async with run.fold_lock:
             acc = run.accumulator()
-            for update in sorted(run.acked.values(), key=lambda u: u.seq):
+            for update in run.ordered():
                 if run.closing:
                     return
                 if update.peer not in acc.folded:
                     key = UpdateKey.of(run.name, update)
-                    weight = run.policy.weight(update.samples, update.base, update.round)
                     # a first fold stops when the round closes: the merge then folds every update
-                    stop = closing if not acc.folded else None
-                    fold = functools.partial(self.engine.fold, acc, key, weight, run.codec, stop=stop)
+                    stop: Callable[[], bool] | None = (lambda: run.closing) if not acc.folded else None
+                    fold = functools.partial(self.engine.fold, acc, key, run.weight(update), run.codec, stop=stop)
                     if not await to_thread.run_sync(fold):
                         return
 
@@ -166,19 +148,14 @@ class Reducers(Workers):
             self._folding[run.name] = self.tasks.spawn(self._fold_ahead(run))
 
     async def _fold_ahead(self, run: Run) -> None:
-        """Fold every acknowledged, not yet folded update, in acknowledgement order, a step at a
-        time (:class:`~syncserver.core.leases.FoldAhead`; a step folds all that came meanwhile),
-        until the round closes: its merge leases fold the rest. A step that fails costs nothing
-        but time: the merge folds what it did not."""
+        """Fold ahead step by step until the round closes; a failed step costs only time."""
         async with run.fold_lock:
             while not run.closing and run.schema is not None:
                 acc = run.accumulator()
-                pending = [u for u in sorted(run.acked.values(), key=lambda u: u.seq) if u.peer not in acc.folded]
+                pending = [u for u in run.ordered() if u.peer not in acc.folded]
                 if not pending:
                     return  # the next acknowledgement starts the next step
-                updates = [
-                    (u.peer, UpdateKey.of(run.name, u), run.policy.weight(u.samples, u.base, u.round)) for u in pending
-                ]
+                updates = [(u.peer, UpdateKey.of(run.name, u), run.weight(u)) for u in pending]
                 try:
                     await self.ahead.fold(run.name, run.version, acc, run.codec, updates)
                 except Exception as exc:
@@ -188,9 +165,7 @@ class Reducers(Workers):
                     return
 
     async def settle(self, run: Run) -> None:
-        """Wait for the fold step under way (the merge then folds less), but stop it while any
-        of its leases waits for a reducer (none free, or none at all: the merge's own leases are
-        next in line, and nothing folded is lost)."""
+        """Wait for the fold step under way, but stop it while a lease of it waits (nothing folded is lost)."""
         task = self._folding.get(run.name)
         while task is not None and not task.done():
             if self.board.offered(run.name, FoldJob):
@@ -201,20 +176,14 @@ class Reducers(Workers):
         return await merge_leased(self.board, self.count, self.engine, m)
 
     async def check(self, job: CheckJob, own: Callable[[], Awaitable[Checked]]) -> Checked:
-        """A reducer's check when one is alive (the hub reads no body), else the hub's own.
-
-        A reducer's report is taken only when it is a pass that agrees with everything the hub
-        can compare without the body (:func:`accept`) and with the digest the peer declared. A
-        refusal, a digest other than the peer's, a report that does not hold up, or a failure
-        is never the peer's answer on a reducer's word: the hub checks the body itself, and a
-        report that its own check contradicts counts as that reducer's failure
-        (:meth:`Board.check_failed`)."""
+        """A reducer's check if one is alive, else the hub's own. Only a pass agreeing with what the hub can
+        compare (:func:`accept`, the digest) is taken; else the hub checks, and judges the report."""
         report = await self.board.check(job)
-        taken = accept(report, job) if report is not None else None
-        if taken is not None and taken.digest == job.digest:
-            return taken
         if report is None:
             return await own()
+        taken = accept(report, job)
+        if taken is not None and taken.digest == job.digest:
+            return taken
         try:
             mine = await own()
         except HubError as exc:
@@ -225,8 +194,7 @@ class Reducers(Workers):
         return mine
 
     def _judge(self, job: CheckJob, report: CheckReport, taken: Checked | None, mine: Checked | None) -> None:
-        """Set a reducer's report against the hub's own check of the same body (``mine``; None:
-        the hub refused it): count the report as the reducer's failure unless they agree."""
+        """Count a reducer's report as its failure unless the hub's check (``mine``; None: refused) agrees."""
         if report.failed is not None:
             why = f"it could not check the body: {report.failed}"
         elif report.refused is not None:
@@ -265,35 +233,26 @@ class BucketReducers(Reducers):
 
     plane: BucketPlane
 
-    def __init__(self, engine: MergeEngine, plane: BucketPlane, board: Board, count: int) -> None:
-        super().__init__(engine, plane, board, count)
-        self.built = functools.partial(build_leased, board, count)
-
     async def base(self, run: Run, v: int) -> None:
-        """Version ``v`` has a copy in the bucket, where reducers on other machines read it: the
-        reducers built it after the last commit (every round but the first; waited for here, in
-        the rare case that the build is still going), or the hub uploads it now (version 0).
-        :class:`Unavailable` if the store fails (the close is tried again after its backoff)."""
+        """Version ``v`` has a copy in the bucket for the reducers: built after the last commit (waited
+        for), or uploaded now (version 0); :class:`Unavailable` if the store fails (the close retries)."""
         key = VersionKey(run.name, v)
         if self.store.stored_object(key) is None and not self.store.exists(key):
             await self.written(run)
         if self.store.stored_object(key) is not None:
             return
-        record = await self.plane.upload(run, key)
-        if record is None:
+        if (record := await self.plane.upload(run, key)) is None:
             raise Unavailable(f"the object store {self.plane.url} is down: version {v} cannot reach the reducers")
         self.store.record_object(record)
 
     async def build(self, run: Run, target: int) -> None:
-        """Have the reducers build every version up to ``target`` that the bucket lacks, from the
-        last one it has and the rounds' results there, each recorded once built (it counts from
-        then on; a hub killed before that builds it again at its start)."""
+        """Have the reducers build each version up to ``target`` the bucket lacks, recording each."""
         assert run.schema is not None
         first = target
         while first > 0 and self.store.stored_object(VersionKey(run.name, first)) is None:
             first -= 1
         for v in range(first, target):
-            record, peaks = await self.built(run.name, v, run.schema, run.codec)
+            record, peaks = await build_leased(self.board, self.count, run.name, v, run.schema, run.codec)
             self.store.record_object(record)
             run.peaks = (v + 1, peaks)  # exact: the next merge's bound
             log.info("version_built run=%s version=%d mb=%.1f by=reducers", run.name, v + 1, record.size / 1e6)
