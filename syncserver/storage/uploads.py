@@ -1,33 +1,19 @@
-"""Receiving a safetensors body: streamed to disk and checked on the way; the checks are
-:class:`~syncserver.storage.body.BodyCheck`'s, this module moves the bytes.
+"""Receiving a safetensors body: streamed to disk and checked on the way (the checks are
+:class:`~syncserver.storage.body.BodyCheck`'s; this module moves the bytes).
 
-No HTTP here: the input is any async iterator of byte chunks, never held in memory whole: they
-are batched to a few MiB, and a worker thread checks and writes one batch while the event loop
-receives the next. Each byte is touched once there, while it is still hot: hashed, scanned for
-NaN/Inf and written; and the kernel is told to start writing it back to disk at once
-(:mod:`syncserver.storage.writeback`), so the fsync that acknowledges an update waits for the
+No HTTP here: the input is any async iterator of chunks, batched to a few MiB; a worker thread
+checks and writes one batch while the event loop receives the next. Each byte is touched once
+there, while hot: hashed, scanned for NaN/Inf, written, and its writeback started at once
+(:mod:`~syncserver.storage.writeback`), so the fsync that acknowledges an update waits for the
 last few MiB, not for 500 MB.
 
-Resumable bodies (updates): the bytes gather in a *partial* file named after the upload
-(run, round, peer, digest). When the body stops arriving (link cut, client gone, stalled
-past ``idle_seconds``) the partial is kept, so the client's retry sends only the rest, from
-``offset`` (the file's size). A resumed body is checked exactly like a whole one: its first
-``offset`` bytes are read back from the partial through the check, so every check covers every
-byte. A bad body (refused header, too long, digest mismatch) or a disk error removes the partial.
-One request at a time writes a partial: a newer one (the client's retry, or its HEAD)
-supersedes the older, which may still look connected on a stalled link. The older one is
-cancelled, and lets go of the partial only once the write its worker thread has in flight is
-done and the file is closed: the newer one starts from what is really on disk, and the older
-one is answered ``409 superseded`` (:class:`BodyInterrupted` with ``superseded``).
-
-Held bodies (``complete=False``, ``Upload-Complete: ?0``): a peer that encodes its update
-while it uploads knows the digest only after the last byte. Its body is received and checked
-as any other, then kept as a whole partial instead of being finished; the request that brings
-the digest resumes it at its end with an empty body. The check of a held body (its hash state) is
-kept in memory (:data:`_kept`), so that completing it does not read 500 MB back to hash them again;
-without it (more held bodies than :data:`_KEPT_MAX`) the bytes are read back as for any resume.
-A hub that restarts drops every partial, held ones too: the completing request then gets
-``409 upload_offset`` and the body is sent again.
+Resumable bodies (updates) gather in a *partial* that outlives a cut body, and a resumed body's
+first ``offset`` bytes are read back through the check, so every check covers every byte; held
+bodies (``complete=False``) wait whole for the request that brings their digest, their check's
+hash state kept in memory (:data:`_kept`, at most :data:`_KEPT_MAX`; else read back). The
+protocol: docs/RELIABILITY.md, "Resumable uploads". One request at a time writes a partial: a
+newer one supersedes the older, which lets go only once its write in flight is done and the file
+closed (then ``409 superseded``), so the newer starts from what is really on disk.
 """
 
 from __future__ import annotations
@@ -74,8 +60,7 @@ _kept: dict[str, BodyCheck] = {}  # by upload ident; taken by whoever writes tha
 
 class BodyInterrupted(Exception):
     """The body stopped arriving: the client went away, the link stalled for ``idle_seconds``,
-    or (``superseded``) a newer attempt at the same upload took over. A resumable upload's
-    partial is kept."""
+    or (``superseded``) a newer attempt took over. A resumable upload's partial is kept."""
 
     def __init__(self, reason: str, *, superseded: bool = False) -> None:
         super().__init__(reason)
@@ -91,62 +76,53 @@ class _Writer:
     superseded: bool = False  # a newer attempt stopped it
 
 
-class _Writers:
-    """Which request writes each partial upload (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self._active: dict[str, _Writer] = {}
-
-    async def settle(self, ident: str) -> None:
-        """Stop whoever writes ``ident`` and wait until its writes are done and its file closed."""
-        while (writer := self._active.get(ident)) is not None:
-            writer.superseded = True
-            writer.scope.cancel()
-            await writer.done.wait()
-
-    @contextlib.asynccontextmanager
-    async def claim(self, ident: str, scope: anyio.CancelScope) -> AsyncIterator[_Writer]:
-        await self.settle(ident)
-        writer = self._active[ident] = _Writer(scope)
-        try:
-            yield writer
-        finally:
-            if self._active.get(ident) is writer:
-                del self._active[ident]
-            writer.done.set()
+# who writes each partial upload, by its absolute path (hubs sharing a process cannot collide)
+_writers: dict[str, _Writer] = {}
 
 
-# keyed by the upload's absolute path, so hubs sharing a process (tests) cannot collide
-_writers = _Writers()
+async def _settle(ident: str) -> None:
+    """Stop whoever writes ``ident`` and wait until its writes are done and its file closed."""
+    while (writer := _writers.get(ident)) is not None:
+        writer.superseded = True
+        writer.scope.cancel()
+        await writer.done.wait()
+
+
+@contextlib.asynccontextmanager
+async def _claim(ident: str, scope: anyio.CancelScope) -> AsyncIterator[_Writer]:
+    await _settle(ident)
+    writer = _writers[ident] = _Writer(scope)
+    try:
+        yield writer
+    finally:
+        if _writers.get(ident) is writer:
+            del _writers[ident]
+        writer.done.set()
 
 
 async def partial_offset(upload: Upload) -> int:
     """How many bytes of a resumable upload the hub holds: the offset its retry starts from."""
-    await _writers.settle(upload.ident)
+    await _settle(upload.ident)
     return upload.held()
 
 
 class _Sink:
     """An upload fed through its body's check, from a worker thread. ``offset`` > 0 appends to a
-    partial; ``size``, the bytes announced, picks the file a new upload writes over
-    (:class:`~syncserver.storage.spares.Spares`)."""
+    partial; ``size``, the bytes announced, picks the spare a new upload writes over."""
 
     def __init__(self, upload: Upload, check: BodyCheck, offset: int, size: int | None) -> None:
-        if offset:
-            held = upload.held()
-            if held < offset:
-                raise OffsetMismatch(
-                    f"the hub holds {held} bytes of this upload, not {offset}; ask again (HEAD)",
-                    upload_offset=held,
-                )
+        if offset and (held := upload.held()) < offset:
+            raise OffsetMismatch(
+                f"the hub holds {held} bytes of this upload, not {offset}; ask again (HEAD)", upload_offset=held
+            )
         upload.open(offset, size)
         self.upload, self.check = upload, check
         self._flushed = offset  # writeback asked for up to here
 
     def write(self, chunks: list[bytes]) -> None:
-        """Check (hash, header, NaN scan) and write the body's next ``chunks`` (a few MiB of ~64
-        KiB pieces). They are joined first: one copy, then one pass each for the hash, the scan
-        and the write, instead of Python's per-piece overhead times a hundred."""
+        """Check and write the body's next ``chunks`` (a few MiB of ~64 KiB pieces), joined first:
+        one copy, then one pass each for the hash, the scan and the write, instead of Python's
+        per-piece overhead times a hundred."""
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.check.feed(data)
         self.upload.append([data])
@@ -174,25 +150,21 @@ async def receive(
     idle_seconds: float | None = None,
     complete: bool = True,
 ) -> Received | Held:
-    """Stream a safetensors body into ``upload`` (fsynced), checking it on the way
-    (:class:`~syncserver.storage.body.BodyCheck`).
+    """Stream a safetensors body into ``upload`` (fsynced), checking it on the way.
 
-    Raises a :class:`~syncserver.errors.HubError` on any problem, after discarding the upload.
-    ``check_header`` raises :class:`FormatError` when the tensors are not the expected ones.
-    A resumable upload (:meth:`Store.resumable_upload`) starts with ``offset`` of its bytes
-    held (``chunks`` bring the rest, ``content_length`` counts only those), and is kept when
-    the body stops arriving (:class:`BodyInterrupted`); once whole it leaves the reach of the
-    housekeeping that drops a closed round's partials (:class:`BodyInterrupted` too if that
-    already took it: the round closed meanwhile). ``idle_seconds`` bounds the wait for the
-    next chunk: a peer whose link died silently must not hold an upload slot open forever.
-    ``complete=False`` (resumable uploads only): a whole, checked body is kept as its partial
-    and :class:`Held` returned; a later call from its end completes it.
+    A :class:`~syncserver.errors.HubError` on any problem, after discarding the upload
+    (``check_header`` raises :class:`FormatError` for unexpected tensors). A resumable upload
+    starts with ``offset`` bytes held (``content_length`` counts the rest), is kept when the body
+    stops (:class:`BodyInterrupted`; also if its round closed before it was whole), and once
+    whole leaves the reach of pruning. ``idle_seconds`` bounds the wait for the next chunk: a
+    peer whose link died silently must not hold an upload slot forever. ``complete=False``
+    (resumable only): a whole, checked body is kept as its partial and :class:`Held` returned.
     """
     assert complete or upload.resumable
     check = BodyCheck(check_header, max_bytes, content_length=content_length, offset=offset)
     idle = math.inf if idle_seconds is None else idle_seconds
     scope = anyio.CancelScope(deadline=anyio.current_time() + idle)
-    async with _writers.claim(upload.ident, scope) if upload.resumable else contextlib.nullcontext() as writer:
+    async with _claim(upload.ident, scope) if upload.resumable else contextlib.nullcontext() as writer:
         with scope:
             return await _receive(chunks, upload, scope, idle, check, offset, complete)
         if writer is not None and writer.superseded:
@@ -212,11 +184,10 @@ async def _receive(
     offset: int,
     complete: bool,
 ) -> Received | Held:
-    """The I/O of :func:`receive`: chunks batched to the writer thread, which checks and writes
-    one batch while the event loop receives the next. The header's first chunks go one at a
-    time, so a body with the wrong tensors is refused after a few kB, and its JSON (megabytes
-    for 100,000 tensors) is parsed in the thread, never on the event loop. A chunk that runs
-    past the body's end goes at once too: refused now, not after 8 MiB more."""
+    """The I/O of :func:`receive`. The header's chunks go to the thread one at a time, so a body
+    with the wrong tensors is refused after a few kB and its JSON (megabytes for 100,000 tensors)
+    is parsed off the event loop; a chunk past the body's end goes at once too (refused now, not
+    after 8 MiB more)."""
     started = time.monotonic()
     batch: list[bytes] = []  # chunks not yet handed to the writer thread
     batched = 0  # their bytes
@@ -229,12 +200,10 @@ async def _receive(
     sink = _Sink(upload, check, offset, check.content_length)
 
     async def written() -> None:
-        """Wait for the write in flight. Shielded: a request cancelled by a newer attempt must
-        not walk away from it. anyio shields the thread's own wait, but not this task awaiting
-        that one: cancelled, it returned while the thread went on writing, its tidy-up appended
-        the next batch at the same offset and closed the file under the thread, and the newer
-        attempt resumed from a partial with bytes out of order (4 of 8 loaded tries of eight
-        staggered retries got a 4xx and no acknowledgement at all)."""
+        """Wait for the write in flight, shielded: anyio shields the thread's own wait, not this
+        task's; cancelled by a newer attempt, it returned while the thread wrote on, its tidy-up
+        wrote the next batch at the same offset and closed the file under the thread (4 of 8
+        loaded tries of eight staggered retries got a 4xx and no acknowledgement at all)."""
         if pending is not None:
             await asyncio.shield(pending)
 
