@@ -27,7 +27,10 @@ import numpy as np
 from syncserver.errors import BadRequest, InvalidUpdate, PayloadTooLarge
 from syncwire import FormatError, HeaderReader, TensorInfo
 
-__all__ = ["BodyCheck", "FiniteScan"]
+__all__ = ["BodyCheck", "FiniteScan", "HeaderRule"]
+
+#: the caller's rule for a body's tensors: raises :class:`FormatError` for unexpected ones
+HeaderRule = Callable[[dict[str, TensorInfo]], None]
 
 _FINITE_DTYPES: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
@@ -85,17 +88,12 @@ class FiniteScan:
 class BodyCheck:
     """One body's checks, fed in order; raises the hub's error at the first fault.
 
-    ``check_header(infos)`` raises :class:`FormatError` for unexpected tensors. ``content_length``:
-    the bytes announced after ``offset`` (a resumed body's start), checked against ``max_bytes``
-    at once and against the header once it is in. ``received``: the bytes fed so far."""
+    ``content_length``: the bytes announced after ``offset`` (a resumed body's start), checked
+    against ``max_bytes`` at once and against the header once it is in. ``received``: the bytes
+    fed so far."""
 
     def __init__(
-        self,
-        check_header: Callable[[dict[str, TensorInfo]], None],
-        max_bytes: int,
-        *,
-        content_length: int | None = None,
-        offset: int = 0,
+        self, check_header: HeaderRule, max_bytes: int, *, content_length: int | None = None, offset: int = 0
     ) -> None:
         if content_length is not None and offset + content_length > max_bytes:
             raise PayloadTooLarge(f"body of {offset + content_length} bytes is over the {max_bytes}-byte limit")

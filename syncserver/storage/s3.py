@@ -1,16 +1,10 @@
-"""An S3-compatible object store (AWS S3, R2, GCS's S3 interop, MinIO, SeaweedFS) for the hub.
+"""An S3-compatible object store (AWS S3, R2, GCS's S3 interop, MinIO, SeaweedFS): the hub's data
+plane, ``SYNC_STORE`` (docs/object-store.md). Every request, the hub's own too, is a presigned URL
+(:mod:`~syncserver.storage.sigv4`) sent with httpx: no S3 SDK in the hub.
 
-The data plane ``SYNC_STORE`` names (docs/object-store.md): peers PUT and GET through presigned
-URLs for one key (and one part), the hub lists, reads ranges, completes and deletes with its own
-credentials. Every request, the hub's own too, is a presigned URL (:mod:`~syncserver.storage.sigv4`)
-sent with httpx: no S3 SDK in the hub. Names are plain relative paths under the prefix; any
-other is refused before a request (:class:`KeyRefused`).
-
-Blocking: ``presign_*`` do no I/O (tens of microseconds: fine on the event loop), every other method belongs in a
-worker thread; one instance is safe to share between threads. Data transfers wait at most
-``timeout`` s per connect, read or write; control calls (create, list, complete, abort, head,
-delete) ``control_seconds`` to connect and to the first byte, and are not tried again once timed
-out. An idempotent request (not POST) is otherwise tried three times on transport trouble or a 5xx.
+Blocking: ``presign_*`` do no I/O (tens of microseconds: fine on the event loop), the rest belongs
+in a worker thread; an instance is safe to share between threads. Timeouts: :class:`ObjectStore`;
+retries: :meth:`ObjectStore._request`.
 
 Errors, translated here once:
 
@@ -328,24 +322,22 @@ class ObjectStore:
                     raise StoreUnavailable(f"{self.url}{name}: the source ended at {offset} of {size} bytes")
                 yield chunk
 
+        def put(query: _Params, start: int, end: int) -> str:
+            """One PUT of bytes ``[start, end)`` (retried as a whole); the store's ETag."""
+            headers = {"Content-Length": str(end - start)}
+            response = self._request("PUT", key, query, content=functools.partial(chunks, start, end), headers=headers)
+            return response.headers.get("etag", "")
+
         key = self.key(name)
         if size <= single_max:
-            response = self._request("PUT", key, content=lambda: chunks(0, size), headers={"Content-Length": str(size)})
-            return ObjectInfo(name, size, response.headers.get("etag", "").strip('"'))
+            return ObjectInfo(name, size, put(None, 0, size).strip('"'))
         upload_id = self.create_multipart(name)
         try:
             step = self.part_size(size, single_max)
-            etags: dict[int, str] = {}
-            for number, start in enumerate(range(0, size, step), 1):
-                end = min(start + step, size)
-                response = self._request(
-                    "PUT",
-                    key,
-                    {"partNumber": str(number), "uploadId": upload_id},
-                    content=functools.partial(chunks, start, end),
-                    headers={"Content-Length": str(end - start)},
-                )
-                etags[number] = response.headers.get("etag", "")
+            etags = {
+                number: put({"partNumber": str(number), "uploadId": upload_id}, start, min(start + step, size))
+                for number, start in enumerate(range(0, size, step), 1)
+            }
             return self.complete_multipart(name, upload_id, etags)
         except BaseException:
             with contextlib.suppress(StoreError):
@@ -439,12 +431,10 @@ class ObjectStore:
             data = (body + "</Delete>").encode()
             md5 = base64.b64encode(hashlib.md5(data).digest()).decode()  # S3 wants it; not for security
             answer = self._request("POST", "", {"delete": ""}, content=data, headers={"Content-MD5": md5}, control=True)
-            root = _xml(answer.content)
-            failed = _all(root, "Error")
+            failed = _all(_xml(answer.content), "Error")
             if failed:
-                raise StoreRefused(
-                    _text(failed[0], "Code"), f"{_text(failed[0], 'Key')}: {_text(failed[0], 'Message')}"
-                )
+                code, key, message = (_text(failed[0], tag) for tag in ("Code", "Key", "Message"))
+                raise StoreRefused(code, f"{key}: {message}")
 
     def check(self) -> None:
         """Can the hub work with this store? :class:`StoreUnavailable` with one line that names
@@ -468,9 +458,7 @@ class ObjectStore:
 
     def _prefix(self, prefix: str) -> str:
         stripped = prefix.strip("/")
-        if not stripped:
-            return self.prefix
-        return self.key(stripped) + ("/" if prefix.endswith("/") else "")
+        return self.key(stripped) + ("/" if prefix.endswith("/") else "") if stripped else self.prefix
 
     def _sign(self, method: str, key: str, query: _Params = None, *, expires: int, headers: _Params = None) -> str:
         """A presigned URL for ``key`` (the bucket itself when empty)."""

@@ -71,16 +71,8 @@ def presign(
         params["X-Amz-Security-Token"] = credentials.session_token
     path = quote(parts.path or "/", safe="/~")  # S3: each segment encoded once, never normalised
     canonical_query = "&".join(f"{_q(k)}={_q(v)}" for k, v in sorted(params.items()))
-    canonical = "\n".join(
-        [
-            method.upper(),
-            path,
-            canonical_query,
-            "".join(f"{k}:{signed[k]}\n" for k in sorted(signed)),
-            names,
-            _UNSIGNED,
-        ]
-    )
+    canonical_headers = "".join(f"{k}:{signed[k]}\n" for k in sorted(signed))
+    canonical = "\n".join([method.upper(), path, canonical_query, canonical_headers, names, _UNSIGNED])
     to_sign = "\n".join([_ALGORITHM, stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
     key = _signing_key(credentials.secret_key, day, region)
     signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()

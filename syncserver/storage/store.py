@@ -63,14 +63,12 @@ __all__ = [
     "PeerRecord",
     "ResidualKey",
     "ResultKey",
-    "RoundRecord",
     "RunRecord",
     "Staged",
     "Store",
     "Upload",
     "UploadClosed",
     "UpdateKey",
-    "UpdateRecord",
     "VersionKey",
     "storage_error",
 ]
@@ -322,11 +320,11 @@ class Blob:
         os.close(self._fd)
 
 
+@dataclass(frozen=True)
 class Staged:
     """A complete, fsynced body waiting to be published under a key, or discarded."""
 
-    def __init__(self, path: Path) -> None:
-        self._path = path
+    _path: Path
 
     def reader(self) -> TensorFile:
         with _translating():
@@ -347,15 +345,8 @@ class Upload:
         self._spares = spares
         self._fd: int | None = None
         self._end = 0  # the body's bytes in the file: a spare written over holds more until cut
-
-    @property
-    def resumable(self) -> bool:
-        return self._done_path is not None
-
-    @property
-    def ident(self) -> str:
-        """Names the upload across requests (one writer at a time may hold it)."""
-        return str(self._path)
+        self.resumable = done_path is not None
+        self.ident = str(path)  # names the upload across requests (one writer at a time may hold it)
 
     def held(self) -> int:
         """Bytes the hub holds of this upload."""
@@ -393,18 +384,13 @@ class Upload:
 
     @_translating()
     def read(self, offset: int, n: int) -> bytes:
-        """Bytes already held (a resumed body's start is read back to hash and check it)."""
-        fd = os.open(self._path, os.O_RDONLY)
-        try:
-            return os.pread(fd, n, offset)
-        finally:
-            os.close(fd)
+        """Bytes already held (a resumed body's start, opened at its offset, is read back to check it)."""
+        return os.pread(self._writable(), n, offset)
 
     @_translating()
     def finish(self) -> Staged:
-        """fsync and close; a partial then leaves the partials folder (so that pruning a
-        closed round's partials cannot take it). :class:`FileNotFoundError` if it already did:
-        its round closed as the body arrived (:class:`Missing`)."""
+        """fsync and close; a partial then leaves the partials folder, out of the reach of the
+        pruning of a closed round's partials (:class:`Missing` if that took it already)."""
         fd = self._writable()
         os.ftruncate(fd, self._end)  # a spare's old tail
         os.fsync(fd)

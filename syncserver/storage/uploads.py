@@ -22,14 +22,14 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
 from anyio import to_thread
 
 from syncserver.errors import BadRequest, HubError, OffsetMismatch
-from syncserver.storage.body import BodyCheck
+from syncserver.storage.body import BodyCheck, HeaderRule
 from syncserver.storage.store import Missing, Staged, Upload
 from syncwire import TensorInfo
 
@@ -145,20 +145,19 @@ async def receive(
     *,
     max_bytes: int,
     content_length: int | None,
-    check_header: Callable[[dict[str, TensorInfo]], None],
+    check_header: HeaderRule,
     offset: int = 0,
     idle_seconds: float | None = None,
     complete: bool = True,
 ) -> Received | Held:
     """Stream a safetensors body into ``upload`` (fsynced), checking it on the way.
 
-    A :class:`~syncserver.errors.HubError` on any problem, after discarding the upload
-    (``check_header`` raises :class:`FormatError` for unexpected tensors). A resumable upload
-    starts with ``offset`` bytes held (``content_length`` counts the rest), is kept when the body
-    stops (:class:`BodyInterrupted`; also if its round closed before it was whole), and once
-    whole leaves the reach of pruning. ``idle_seconds`` bounds the wait for the next chunk: a
-    peer whose link died silently must not hold an upload slot forever. ``complete=False``
-    (resumable only): a whole, checked body is kept as its partial and :class:`Held` returned.
+    A :class:`~syncserver.errors.HubError` on any problem, after discarding the upload. A
+    resumable upload starts with ``offset`` bytes held (``content_length`` counts the rest), is
+    kept when the body stops (:class:`BodyInterrupted`; also if its round closed before it was
+    whole), and once whole leaves the reach of pruning. ``idle_seconds`` bounds the wait for the
+    next chunk: a peer whose link died silently must not hold an upload slot forever.
+    ``complete=False`` (resumable only): a whole, checked body is kept as its partial (:class:`Held`).
     """
     assert complete or upload.resumable
     check = BodyCheck(check_header, max_bytes, content_length=content_length, offset=offset)
@@ -218,17 +217,11 @@ async def _receive(
         if check.received < offset:  # a resumed body: its start is on disk already
             await to_thread.run_sync(sink.replay, offset)
             scope.deadline = anyio.current_time() + idle  # re-reading a big partial is not idling
-        body = chunks.__aiter__()
         refreshed = anyio.current_time()
         refresh_every = min(1.0, idle / 4)
-        while True:
-            try:
-                chunk = await body.__anext__()
-            except StopAsyncIteration:
-                break
-            except BaseException:
-                interrupted = True
-                raise
+        interrupted = True  # set while the next chunk is awaited: a failure there is the body stopping
+        async for chunk in chunks:
+            interrupted = False
             now = anyio.current_time()
             if now - refreshed >= refresh_every:  # moving the deadline re-arms a timer: not per chunk
                 scope.deadline, refreshed = now + idle, now
@@ -240,6 +233,8 @@ async def _receive(
                 await written()
             elif batched >= _BATCH:
                 await hand_off()
+            interrupted = True
+        interrupted = False
         await hand_off()
         await written()
         digest = check.finish()

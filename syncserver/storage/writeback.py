@@ -25,11 +25,7 @@ def _starter() -> Callable[[int, int, int], None]:
         fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     except (OSError, AttributeError, TypeError):
         return lambda fd, offset, nbytes: None
-
-    def start(fd: int, offset: int, nbytes: int) -> None:
-        fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure only loses the head start
-
-    return start
+    return lambda fd, offset, nbytes: fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure loses the head start
 
 
 #: ``start_writeback(fd, offset, nbytes)``: ask the kernel to begin writing that range.
