@@ -1,20 +1,12 @@
 """An update body's checks, fed its bytes in order from anywhere: the one checker of the hub.
 
-:class:`BodyCheck` takes a body a chunk at a time (:meth:`~BodyCheck.feed`) and says at
-:meth:`~BodyCheck.finish` whether it was whole. The upload path (:mod:`~syncserver.storage.uploads`)
-and the check of a body in the bucket (:func:`syncserver.reduce.check.check_update`, on the hub
-or a reducer) both use it, so a body gets the same answer whichever way it came:
-
-- the size: over the limit, or a ``Content-Length`` over it (413); longer or shorter than its
-  header says, or than the ``Content-Length`` (400);
-- the header: well-formed safetensors, parsed as its bytes arrive, and the caller's rule for
-  its tensors (the run's layout): 422 at the first chunk that completes it, not after 500 MB;
-- the values: no NaN or Inf in any float part (422), scanned as the bytes go by
-  (:class:`FiniteScan`), so no second pass over the body is needed;
-- the sha-256 of every byte, for the caller to compare with what the peer declared.
-
-No I/O and no threads. Each byte is touched twice, by the hash and the scan, while it is still
-hot; nothing is copied (the header's bytes aside).
+The upload path (:mod:`~syncserver.storage.uploads`) and the check of a body in the bucket
+(:func:`syncserver.reduce.check.check_update`) both feed :class:`BodyCheck`, so a body gets the
+same answer whichever way it came: its size (over the limit or its ``Content-Length``: 413;
+longer or shorter than its header or ``Content-Length``: 400), its header (safetensors, and the
+run's layout: 422 at the chunk that completes it, not after 500 MB), its values (no NaN or Inf:
+422, scanned as they go by) and its sha-256. No I/O, no threads; each byte is touched twice (hash,
+scan) while hot, and nothing is copied but the header.
 """
 
 from __future__ import annotations

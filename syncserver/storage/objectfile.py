@@ -1,17 +1,13 @@
-"""A safetensors object in the bucket, read a slice at a time with ranged GETs.
-
-:class:`ObjectTensorFile` has :class:`syncwire.format.TensorFile`'s interface (``infos``,
-``metadata``, ``read(name, start, stop)``), so the merge, a reducer or a check reads either
-without knowing which; a reducer moves only its slices' bytes, not whole models.
+"""A safetensors object in the bucket, read a slice at a time with ranged GETs, behind
+:class:`syncwire.format.TensorFile`'s interface: the merge, a reducer or a check reads either.
 
 One GET per part of every slice made the reads request-bound (a 53 MB int8 update from SeaweedFS:
 0.24 s by slice against 0.05 s by 16 MB GETs). So, with a ``window``, a miss fetches that many
-bytes (never past the end of the run the caller said it will read, :meth:`~ObjectTensorFile.expect`),
-a few windows are kept, and the next one is fetched meanwhile on a small shared pool (a store
-serves a few streams faster than one). A reader that reads every byte it said it will, about in
-order (a reducer's lease over an update), does better with ``stream=True``: each contiguous run
-is one GET streamed on a thread of its own (:class:`_Run`): 1 GET per update and lease instead of
-one per window (GPT-2 int8: 1 + 18).
+bytes (never past the run the caller said it will read, :meth:`~ObjectTensorFile.expect`), a few
+windows are kept, and the next is fetched meanwhile on a shared pool (a store serves a few streams
+faster than one). With ``stream=True`` (a reducer's lease, every byte read about in order) each
+run is one GET streamed on a thread of its own: 1 GET per update and lease, not one per window
+(GPT-2 int8: 1 + 18).
 """
 
 from __future__ import annotations

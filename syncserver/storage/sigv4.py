@@ -70,29 +70,18 @@ def presign(
     if credentials.session_token:
         params["X-Amz-Security-Token"] = credentials.session_token
     path = quote(parts.path or "/", safe="/~")  # S3: each segment encoded once, never normalised
-    canonical_query = "&".join(f"{_q(k)}={_q(v)}" for k, v in sorted(params.items()))
+    # RFC 3986, as SigV4 wants a query: only A-Z a-z 0-9 - _ . ~ stay
+    canonical_query = "&".join(f"{quote(k, safe='~')}={quote(v, safe='~')}" for k, v in sorted(params.items()))
     canonical_headers = "".join(f"{k}:{signed[k]}\n" for k in sorted(signed))
     canonical = "\n".join([method.upper(), path, canonical_query, canonical_headers, names, _UNSIGNED])
     to_sign = "\n".join([_ALGORITHM, stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
-    key = _signing_key(credentials.secret_key, day, region)
+    key = ("AWS4" + credentials.secret_key).encode()
+    for part in (day, region, "s3", "aws4_request"):  # the signing key
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
     signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
     return f"{parts.scheme}://{parts.netloc}{path}?{canonical_query}&X-Amz-Signature={signature}"
 
 
-def _q(value: str) -> str:
-    """RFC 3986 encoding, as SigV4 wants it in a query: only A-Z a-z 0-9 - _ . ~ stay."""
-    return quote(value, safe="~")
-
-
 def _host(scheme: str, netloc: str) -> str:
     """The Host header an HTTP client sends: the port only when it is not the scheme's default."""
-    host = netloc.rsplit("@", 1)[-1].lower()
-    default = {"http": ":80", "https": ":443"}[scheme]
-    return host[: -len(default)] if host.endswith(default) else host
-
-
-def _signing_key(secret: str, day: str, region: str) -> bytes:
-    key = ("AWS4" + secret).encode()
-    for part in (day, region, "s3", "aws4_request"):
-        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-    return key
+    return netloc.rsplit("@", 1)[-1].lower().removesuffix({"http": ":80", "https": ":443"}[scheme])

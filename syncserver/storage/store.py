@@ -1,15 +1,13 @@
 """Durable hub state: sqlite for the small records, plain safetensors files for tensors.
 
-The hub names what it wants with *keys* (:class:`VersionKey`, :class:`ResultKey`, ...) and works
-through *handles*: a ranged reader (:meth:`Store.read`), an atomic writer (:meth:`Store.write`),
-a served blob (:meth:`Store.serve`), an upload (:meth:`Store.fresh_upload`,
-:meth:`Store.resumable_upload`). No path leaves this module, and every ``OSError`` and
-``sqlite3.Error`` becomes :class:`~syncserver.errors.Unavailable` here, once (503: nothing changed).
+The hub names what it wants with *keys* (:class:`VersionKey`, ...) and works through *handles*
+(:meth:`Store.read`, :meth:`Store.write`, :meth:`Store.serve`, :class:`Upload`). No path leaves
+this module; every ``OSError`` and ``sqlite3.Error`` becomes :class:`~syncserver.errors.Unavailable`
+here, once (503: nothing changed).
 
-Invariants: whatever acknowledges something is durable first: files go tmp + fsync + rename +
-directory fsync, sqlite runs WAL with ``synchronous=FULL``, and the record is written last. A
-round commits in the sqlite transaction that moves its run's version; files past that point are
-a crash's leftovers, removed on start (:meth:`Store.recover`).
+Invariants: what acknowledges something is durable first (tmp + fsync + rename + directory fsync;
+sqlite in WAL with ``synchronous=FULL``), and the record is written last. A round commits in the
+transaction that moves its run's version; files past it are a crash's leftovers, removed on start.
 
 Layout under ``data_dir``::
 
@@ -23,9 +21,8 @@ Layout under ``data_dir``::
     tmp/spares/<id>.spare                   pruned tensor files, kept to write the next ones into
     tmp/partials/<run>/<v>/<peer>/<name>.part  an update cut mid-body or held for its digest
 
-Pruned tensor files are kept to be written over (:mod:`syncserver.storage.spares`). Peers name
-themselves, so their updates get a folder of their own (a peer called ``result`` once stored its
-update at the round's result path); data dirs of that older layout are moved on start.
+Updates have a folder of their own: no peer name is a hub file (docs/RELIABILITY.md, "Peer names
+that collide with the hub's files"); data dirs of the older layout are moved on start.
 """
 
 from __future__ import annotations
@@ -200,7 +197,7 @@ _KINDS: dict[str, type[VersionKey | MomentumKey | ResidualKey]] = {
 }
 
 
-def _row(run: str, record: UpdateRecord | RoundRecord) -> tuple[Any, ...]:
+def _row(run: str, record: UpdateRecord | RoundRecord | PeerRecord) -> tuple[Any, ...]:
     """A record's row: its run, then its fields in order (its table's columns), lists and dicts as JSON."""
     return (run, *(json.dumps(v) if isinstance(v, dict | list) else v for v in vars(record).values()))
 
@@ -219,9 +216,8 @@ class Missing(LookupError):
 
 
 class UploadClosed(RuntimeError):
-    """An upload was written to after it was closed (kept, finished or discarded). Its file
-    descriptor number may be another file's by then, so nothing is written: the caller must
-    let one writer at a time hold an upload, and wait for its writes before closing it."""
+    """An upload written to after it was closed: nothing is written (its descriptor number may be
+    another file's by then). One writer at a time holds an upload, and its writes end first."""
 
 
 def storage_error(exc: OSError | sqlite3.Error) -> Unavailable:
@@ -534,10 +530,9 @@ class Store:
 
     @_translating()
     def resumable_upload(self, run: str, round_: int, peer: str, name: str, *, supersede: bool = False) -> Upload:
-        """The partial upload of one update, named by the body's hex sha-256 or, for a body
-        whose digest comes later, ``key-<Upload-Key>`` (both checked by the route: no path
-        separators). With ``supersede``, this peer's partials of other updates for the round
-        go: it gave up on them."""
+        """The partial upload of one update, named by its hex sha-256 or ``key-<Upload-Key>`` (the
+        route checked it: no path separators). ``supersede``: the peer's other partials for the
+        round go (it gave up on them)."""
         folder = self._partials(run) / f"{round_:08d}" / peer
         path = folder / f"{name}.part"
         if supersede:
@@ -613,11 +608,7 @@ class Store:
 
     def save_peer(self, run: str, peer: PeerRecord) -> None:
         with self._tx() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO peers (run, name, rank, active_from, joined, left, group_size) "
-                "VALUES (?,?,?,?,?,?,?)",
-                (run, peer.name, peer.rank, peer.active_from, peer.joined, int(peer.left), peer.group_size),
-            )
+            db.execute("INSERT OR REPLACE INTO peers VALUES (?,?,?,?,?,?,?)", _row(run, peer))
 
     # ---- updates and rounds --------------------------------------------------------------
     _UPDATE_COLUMNS = "peer, round, seq, digest, samples, metrics, nbytes, received, seconds, base, final, object"
@@ -645,9 +636,8 @@ class Store:
         return int(seq)
 
     def commit_round(self, run: str, record: RoundRecord, objects: Sequence[ObjectRecord] = ()) -> None:
-        """The commit point of a round: version ``round + 1`` exists from here on. ``objects``:
-        the round's result (and, written by reducers, version ``round + 1``) in the object store;
-        their records commit with the round."""
+        """The commit point of a round: version ``round + 1`` exists from here on, with the
+        records of ``objects`` (the round's copies in the object store)."""
         with self._tx() as db:
             for copy in objects:
                 self._insert_object(db, run, copy)
@@ -699,25 +689,17 @@ class Store:
     def forget_update_objects(self, run: str, below: int) -> list[str]:
         """Drop the object names of ``run``'s updates merged in rounds before ``below`` (pruned
         with their round, as the hub prunes its files); the names, for the caller to delete."""
+        where = "WHERE run = ? AND round < ? AND object IS NOT NULL"
         with self._tx() as db:
-            rows = db.execute(
-                "SELECT object FROM updates WHERE run = ? AND round < ? AND object IS NOT NULL", (run, below)
-            ).fetchall()
-            db.execute(
-                "UPDATE updates SET object = NULL WHERE run = ? AND round < ? AND object IS NOT NULL", (run, below)
-            )
+            rows = db.execute(f"SELECT object FROM updates {where}", (run, below)).fetchall()
+            db.execute(f"UPDATE updates SET object = NULL {where}", (run, below))
         return [name for (name,) in rows]
 
     def rounds(self, run: str, limit: int = 50) -> list[RoundRecord]:
-        rows = self._rows(
-            "SELECT round, opened, closed, participants, dropped, samples, bytes_in, result_bytes, timings "
-            "FROM rounds WHERE run = ? ORDER BY round DESC LIMIT ?",
-            run,
-            limit,
-        )
+        rows = self._rows("SELECT * FROM rounds WHERE run = ? ORDER BY round DESC LIMIT ?", run, limit)
         return [
             RoundRecord(r, o, c, json.loads(p), json.loads(d), s, b, rb, json.loads(t))
-            for r, o, c, p, d, s, b, rb, t in reversed(rows)
+            for _, r, o, c, p, d, s, b, rb, t in reversed(rows)
         ]
 
     def samples_through(self, run: str, round_: int) -> int:
@@ -749,10 +731,9 @@ class Store:
             path.unlink()
 
     def _recover_open_round(self, folder: Path, updates: Path, acked: set[str]) -> None:
-        """The open round holds its acknowledged updates and nothing else: a result there is
-        a merge that never committed. An update of the older layout (beside the result, see
-        the module docstring) moves into ``updates/`` first: in an open round, a file named
-        after an acknowledged peer is that peer's update."""
+        """The open round keeps its acknowledged updates alone (a result there never committed),
+        an update of the older layout (beside the result: named after its acknowledged peer)
+        moved into ``updates/`` first."""
         updates.mkdir(exist_ok=True)
         for f in folder.iterdir():
             if f.is_file() and f.suffix == ".safetensors" and f.stem in acked and not (updates / f.name).exists():
@@ -775,9 +756,9 @@ class Store:
 
     @_translating()
     def prune(self, run: str, version: int, keep: int, keep_results: int | None = None) -> None:
-        """Keep the last ``keep`` versions and the last ``keep_results`` round results (default
-        ``keep``: peers of an async run fetch the results since their base, so it keeps more);
-        drop older files, and the partial uploads no open round can take (they can never complete)."""
+        """Keep the last ``keep`` versions and ``keep_results`` round results (default ``keep``;
+        an async run's peers fetch the results since their base); drop older files, and the
+        partial uploads no open round can take."""
         floor = version - keep + 1
         for kind in ("versions", "momentum", "residual"):
             for path in (self._run_dir(run) / kind).glob("*.safetensors"):

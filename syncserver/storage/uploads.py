@@ -1,19 +1,14 @@
-"""Receiving a safetensors body: streamed to disk and checked on the way (the checks are
-:class:`~syncserver.storage.body.BodyCheck`'s; this module moves the bytes).
+"""Receiving a safetensors body (no HTTP here): streamed to disk, checked on the way by
+:class:`~syncserver.storage.body.BodyCheck`. Chunks are batched to a few MiB; a worker thread
+checks and writes one batch while the event loop receives the next, touching each byte once while
+hot (hash, NaN/Inf scan, write, writeback started at once: the fsync that acknowledges an update
+waits for the last few MiB, not for 500 MB).
 
-No HTTP here: the input is any async iterator of chunks, batched to a few MiB; a worker thread
-checks and writes one batch while the event loop receives the next. Each byte is touched once
-there, while hot: hashed, scanned for NaN/Inf, written, and its writeback started at once
-(:mod:`~syncserver.storage.writeback`), so the fsync that acknowledges an update waits for the
-last few MiB, not for 500 MB.
-
-Resumable bodies (updates) gather in a *partial* that outlives a cut body, and a resumed body's
-first ``offset`` bytes are read back through the check, so every check covers every byte; held
-bodies (``complete=False``) wait whole for the request that brings their digest, their check's
-hash state kept in memory (:data:`_kept`, at most :data:`_KEPT_MAX`; else read back). The
-protocol: docs/RELIABILITY.md, "Resumable uploads". One request at a time writes a partial: a
-newer one supersedes the older, which lets go only once its write in flight is done and the file
-closed (then ``409 superseded``), so the newer starts from what is really on disk.
+Resumable bodies (docs/RELIABILITY.md, "Resumable uploads") gather in a *partial* that outlives a
+cut body; a resumed body's start is read back through the check, so every check covers every
+byte, unless it is a held body whose check is kept in memory (:data:`_kept`). One request at a
+time writes a partial: a newer one supersedes the older, which lets go only once its write in
+flight is done and its file closed (then ``409 superseded``): the newer starts from what is on disk.
 """
 
 from __future__ import annotations
@@ -117,7 +112,6 @@ class _Sink:
             )
         upload.open(offset, size)
         self.upload, self.check = upload, check
-        self._flushed = offset  # writeback asked for up to here
 
     def write(self, chunks: list[bytes]) -> None:
         """Check and write the body's next ``chunks`` (a few MiB of ~64 KiB pieces), joined first:
@@ -126,9 +120,7 @@ class _Sink:
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.check.feed(data)
         self.upload.append([data])
-        if (position := self.check.received) - self._flushed >= _BATCH:
-            self.upload.writeback(self._flushed, position - self._flushed)
-            self._flushed = position
+        self.upload.writeback(self.check.received - len(data), len(data))
 
     def replay(self, nbytes: int) -> None:
         """Check the first ``nbytes`` already held (a resumed body's start), as if they came now."""
@@ -165,7 +157,7 @@ async def receive(
     scope = anyio.CancelScope(deadline=anyio.current_time() + idle)
     async with _claim(upload.ident, scope) if upload.resumable else contextlib.nullcontext() as writer:
         with scope:
-            return await _receive(chunks, upload, scope, idle, check, offset, complete)
+            return await _receive(chunks, upload, scope, idle, check, complete)
         if writer is not None and writer.superseded:
             raise BodyInterrupted(
                 "a newer attempt at this upload (a retry, or a HEAD) took over; what this one sent is kept for it",
@@ -175,19 +167,13 @@ async def receive(
 
 
 async def _receive(
-    chunks: AsyncIterator[bytes],
-    upload: Upload,
-    scope: anyio.CancelScope,
-    idle: float,
-    check: BodyCheck,
-    offset: int,
-    complete: bool,
+    body: AsyncIterator[bytes], upload: Upload, scope: anyio.CancelScope, idle: float, check: BodyCheck, complete: bool
 ) -> Received | Held:
     """The I/O of :func:`receive`. The header's chunks go to the thread one at a time, so a body
     with the wrong tensors is refused after a few kB and its JSON (megabytes for 100,000 tensors)
     is parsed off the event loop; a chunk past the body's end goes at once too (refused now, not
     after 8 MiB more)."""
-    started = time.monotonic()
+    started, offset = time.monotonic(), check.offset
     batch: list[bytes] = []  # chunks not yet handed to the writer thread
     batched = 0  # their bytes
     arrived = offset  # the body's bytes so far, checked or not
@@ -220,7 +206,7 @@ async def _receive(
         refreshed = anyio.current_time()
         refresh_every = min(1.0, idle / 4)
         interrupted = True  # set while the next chunk is awaited: a failure there is the body stopping
-        async for chunk in chunks:
+        async for chunk in body:
             interrupted = False
             now = anyio.current_time()
             if now - refreshed >= refresh_every:  # moving the deadline re-arms a timer: not per chunk
