@@ -48,14 +48,11 @@ def _ahead() -> ThreadPoolExecutor:
 
 
 class ObjectTensorFile:
-    """One safetensors object: its header read once, at first use, values by ranged GETs.
-
-    ``size`` (when the caller's record has it) saves a HEAD. Nothing is read before ``infos``,
-    ``metadata`` or :meth:`read` is first used (a fault in the object raises there): a hub whose
-    reducers merge opens each update only to name it in their leases. ``window``: bytes read
-    ahead per GET (0: each read is its own GET). ``stream``: the caller reads every byte it said
-    it will (:meth:`expect`) once, about in order; a read outside those runs is its own GET.
-    """
+    """One safetensors object, its header read at first use (a hub whose reducers merge opens
+    each update only to name it in their leases, and reads none of it; a fault in the object
+    raises there). ``size``, if the caller's record has it, saves a HEAD. ``window``: bytes read
+    ahead per GET (0: none). ``stream``: the caller reads every byte it said it will
+    (:meth:`expect`) once, about in order; a read outside those runs is its own GET."""
 
     def __init__(
         self, objects: ObjectStore, name: str, size: int | None = None, *, window: int = 0, stream: bool = False
@@ -75,9 +72,8 @@ class ObjectTensorFile:
         self._runs = None
 
     def _header(self) -> tuple[bytes, dict[str, TensorInfo], dict[str, str], int]:
-        """(the first GET's bytes, infos, metadata, where the data starts), read once. The first
-        GET's bytes stay: a small object (a tiny model's update) is then one request, not one per
-        slice whose headers outweighed its bytes."""
+        """(the first GET's bytes, infos, metadata, where the data starts). The first GET's bytes
+        stay: a tiny model's update is one request, not one per slice (headers outweighed bytes)."""
         with self._lock:
             if self._opened is not None:
                 return self._opened
@@ -132,10 +128,9 @@ class ObjectTensorFile:
         return np.frombuffer(raw, dtype)  # a bytearray: the array is writable
 
     def _fetch(self, first: int, end: int, infos: dict[str, TensorInfo], base: int) -> bytearray:
-        """Bytes ``[first, end)`` from the windows that hold them, the missing rest fetched now as
-        a window that starts where the held ones end (a window made at the read's start would
-        fetch held bytes again: 1.5x a lease's bytes at GPT-2, bench/lease_reads.py), and the
-        run's next window fetched meanwhile."""
+        """Bytes ``[first, end)`` from the windows that hold them, the rest fetched now as a window
+        from where they end (one from the read's start would fetch held bytes again: 1.5x a
+        lease's bytes at GPT-2, bench/lease_reads.py), and the run's next window meanwhile."""
         with self._lock:
             run = self._run(first, infos, base)
             run_end = run[1] if run is not None else self._size
@@ -242,10 +237,8 @@ TensorReader = TensorFile | ObjectTensorFile
 
 
 class _Run:
-    """Bytes ``[lo, hi)`` of an object by one streamed GET on a thread of its own (asked again
-    from where it stopped if the link fails: :data:`STREAM_TRIES` tries, with backoff), each chunk
-    kept until every byte of it was read; it stops reading ahead once :data:`STREAM_AHEAD` unread
-    bytes are held, unless a reader waits for bytes further on."""
+    """Bytes ``[lo, hi)`` of an object by one streamed GET on a thread of its own (resumed where
+    it stopped if the link fails), each chunk kept until every byte of it was read."""
 
     def __init__(self, objects: ObjectStore, name: str, lo: int, hi: int) -> None:
         self.objects, self.name, self.lo, self.hi = objects, name, lo, hi

@@ -30,7 +30,7 @@ import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import httpx
@@ -116,13 +116,11 @@ class Upload:
 
 
 class ObjectStore:
-    """A bucket (and a prefix in it) on an S3-compatible endpoint.
-
-    ``endpoint``: ``http(s)://host[:port][/path]`` of anything but AWS (path-style:
-    ``endpoint/bucket/key``); None for AWS itself (virtual-hosted). ``timeout``: seconds to
-    connect, and between two reads or writes of one request (a dead endpoint fails in bounded
-    time; a slow transfer that keeps moving does not). ``control_seconds``: the same for a control
-    call (:data:`CONTROL_SECONDS`). ``url_seconds``: default life of the URLs handed out.
+    """A bucket (and a prefix in it) on an S3-compatible endpoint: ``http(s)://host[:port][/path]``
+    of anything but AWS (path-style: ``endpoint/bucket/key``), None for AWS (virtual-hosted).
+    ``timeout``: seconds to connect, and between two reads or writes of one request (a dead
+    endpoint fails in bounded time; a slow transfer that keeps moving does not).
+    ``control_seconds``: the same for a control call. ``url_seconds``: the life of URLs handed out.
     """
 
     def __init__(
@@ -309,11 +307,10 @@ class ObjectStore:
     def put_from(
         self, name: str, size: int, read: Callable[[int, int], bytes | memoryview], *, single_max: int = _SINGLE_MAX
     ) -> ObjectInfo:
-        """Write ``size`` bytes at ``name``, 1 MiB at a time from ``read(offset, n)``, never all in
-        memory (httpx re-copies a big ``bytes`` body's rest after every partial write: DESIGN.md,
-        pitfalls). Over ``single_max``, a multipart upload, each part retried alone (a transfer cut
-        at 90% of a 28 GB version re-sends one part, and one PUT takes at most 5 GB), aborted if it
-        fails."""
+        """Write ``size`` bytes at ``name``, 1 MiB at a time from ``read(offset, n)`` (httpx re-copies
+        a big ``bytes`` body's rest after every partial write: DESIGN.md, pitfalls). Over
+        ``single_max``, a multipart upload, aborted if it fails, each part retried alone (a
+        transfer cut at 90% of a 28 GB version re-sends one part; one PUT takes at most 5 GB)."""
 
         def chunks(start: int, end: int) -> Iterator[bytes | memoryview]:
             for offset in range(start, end, _READ_BYTES):
@@ -345,11 +342,10 @@ class ObjectStore:
             raise
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytearray:
-        """Bytes ``[start, end)`` of ``name`` (to its end when ``end`` is None) by a ranged GET.
-        :class:`StoreRefused` (``InvalidRange``) for a start past the end; a range past it is cut
-        there, as with ``file.read``. Read 1 MiB at a time into one buffer of the announced size
-        (``numpy.frombuffer`` takes it without a copy): httpx's ``.content`` joins 64 KiB pieces,
-        0.6-0.8x the speed on bench/store.py's 64 MB (noisy, shared VM)."""
+        """Bytes ``[start, end)`` of ``name`` (``end`` None: to its end; past it: cut there; a start
+        past it: :class:`StoreRefused`), 1 MiB at a time into one buffer that ``numpy.frombuffer``
+        takes without a copy (httpx's ``.content`` joins 64 KiB pieces: 0.6-0.8x the speed on
+        bench/store.py's 64 MB, noisy shared VM)."""
         if start < 0 or (end is not None and end < start):
             raise ValueError(f"bad range [{start}, {end})")
         if end == start:
@@ -437,10 +433,9 @@ class ObjectStore:
                 raise StoreRefused(code, f"{key}: {message}")
 
     def check(self) -> None:
-        """Can the hub work with this store? :class:`StoreUnavailable` with one line that names
-        the trouble. A listing, then a small object written and deleted: the hub needs all three
-        (peers' URLs carry its rights), and a read-only key would otherwise pass here and fail at
-        the first peer's upload, with a 403 the peer cannot explain."""
+        """:class:`StoreUnavailable` unless the hub may list, write and delete here (peers' URLs
+        carry its rights: a read-only key would otherwise fail at the first peer's upload, with a
+        403 the peer cannot explain)."""
         self._request("GET", "", {"list-type": "2", "max-keys": "1", "prefix": self.prefix}, control=True)
         self.put(_PROBE, b"weightsync: the hub checks that it may write here\n")
         self.delete(_PROBE)
@@ -478,10 +473,10 @@ class ObjectStore:
         stream: bool = False,
         control: bool = False,
     ) -> httpx.Response:
-        """One request of the hub's own, signed now; retried on transport trouble and 5xx unless
-        POST; every failure leaves as a :class:`StoreError`. ``stream``: a successful answer's
-        body is left to read (and to close). ``control``: ``control_seconds`` to connect and to
-        the first byte, and not tried again once timed out (a hung store is not waited on thrice)."""
+        """One request of the hub's own, signed now, retried on transport trouble and 5xx unless
+        POST; a failure leaves as a :class:`StoreError`. ``stream``: the answer's body is left to
+        read. ``control``: ``control_seconds`` to connect and to the first byte, and not tried
+        again once timed out (a hung store is not waited on thrice)."""
         signed = {k: v for k, v in (headers or {}).items() if k.lower() == "content-md5"}
 
         def again(exc: BaseException) -> bool:  # a 5xx, or trouble on the way but a control call's timeout
@@ -492,13 +487,9 @@ class ObjectStore:
             for attempt in retrying(again, attempts=1 if method == "POST" else _TRIES):
                 with attempt:
                     url = self._sign(method, key, query, expires=_OWN_SECONDS, headers=signed)
-                    request = self._http.build_request(
-                        method,
-                        url,
-                        content=content() if callable(content) else content,  # type: ignore[arg-type]
-                        headers=headers,
-                        timeout=self._control if control else httpx.USE_CLIENT_DEFAULT,
-                    )
+                    body: Any = content() if callable(content) else content  # httpx streams any iterable
+                    timeout = self._control if control else httpx.USE_CLIENT_DEFAULT
+                    request = self._http.build_request(method, url, content=body, headers=headers, timeout=timeout)
                     response = self._http.send(request, stream=stream or control)
                     if control:
                         # the first byte came in time: the rest of the answer (a long listing, the

@@ -1,11 +1,10 @@
 """Pruned tensor files, kept (a few: :data:`SPARES`) to be written over by the next files
-:meth:`Store.write <syncserver.storage.store.Store.write>` makes: their pages are still in the
-page cache. A round writes half a GB of result and half a GB of version for GPT-2 in fp32, and
-writing into fresh page-cache pages cost 0.8-1.1 s per 500 MB on the 2-core VM of
-bench/RESULTS.md, against 0.08 s over a file whose pages are cached (a VM hands memory the
-guest frees back to its host, so every fresh page is a fault there as well). A spare is taken
-only while nothing else has it open, which the kernel says (a write lease, ``F_SETLEASE``):
-a pruned version still being served to a late peer is never written over.
+:meth:`Store.write <syncserver.storage.store.Store.write>` makes while their pages are cached: a
+GPT-2 fp32 round writes half a GB of result and as much of version, and fresh page-cache pages
+cost 0.8-1.1 s per 500 MB on the 2-core VM of bench/RESULTS.md against 0.08 s for cached ones (a
+VM hands freed memory back to its host: every fresh page faults there too). A spare is taken only
+while nothing else has it open (a write lease, ``F_SETLEASE``): a pruned version still served to
+a late peer is never written over.
 """
 
 from __future__ import annotations

@@ -566,9 +566,8 @@ class Store:
         acknowledgement (an update in the object store has no file here: ``update.object``)."""
         self._refuse_second(run, update)
         with self._tx() as db:
-            db.execute(
-                f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES ({','.join('?' * 13)})", _row(run, update)
-            )
+            sql = f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES ({','.join('?' * 13)})"
+            db.execute(sql, _row(run, update))
 
     def _refuse_second(self, run: str, update: UpdateRecord) -> None:
         if self._rows("SELECT 1 FROM updates WHERE run = ? AND round = ? AND peer = ?", run, update.round, update.peer):
@@ -586,25 +585,19 @@ class Store:
 
     def create_run(self, name: str, config: dict[str, Any], creator: str | None = None) -> None:
         with self._tx() as db:
-            db.execute(
-                "INSERT INTO runs (name, config, version, created, creator) VALUES (?, ?, -1, ?, ?)",
-                (name, json.dumps(config), time.time(), creator),
-            )
+            row = (name, json.dumps(config), time.time(), creator)
+            db.execute("INSERT INTO runs (name, config, version, created, creator) VALUES (?, ?, -1, ?, ?)", row)
 
     def seal(self, run: str, ranks: dict[str, int]) -> None:
         with self._tx() as db:
             db.execute("UPDATE runs SET sealed = 1 WHERE name = ?", (run,))
-            db.executemany(
-                "UPDATE peers SET rank = ? WHERE run = ? AND name = ?",
-                [(rank, run, peer) for peer, rank in ranks.items()],
-            )
+            rows = [(rank, run, peer) for peer, rank in ranks.items()]
+            db.executemany("UPDATE peers SET rank = ? WHERE run = ? AND name = ?", rows)
 
     # ---- peers ---------------------------------------------------------------------------
     def peers(self, run: str) -> list[PeerRecord]:
-        rows = self._rows(
-            "SELECT name, rank, active_from, joined, left, group_size FROM peers WHERE run = ? ORDER BY joined", run
-        )
-        return [PeerRecord(n, r, a, j, bool(left), g) for n, r, a, j, left, g in rows]
+        rows = self._rows("SELECT * FROM peers WHERE run = ? ORDER BY joined", run)
+        return [PeerRecord(n, r, a, j, bool(left), g) for _, n, r, a, j, left, g in rows]
 
     def save_peer(self, run: str, peer: PeerRecord) -> None:
         with self._tx() as db:
@@ -615,11 +608,10 @@ class Store:
 
     def _updates(self, where: str, *params: Any) -> list[UpdateRecord]:
         """The update records ``SELECT ... FROM updates WHERE {where}`` finds."""
+        rows = self._rows(f"SELECT {self._UPDATE_COLUMNS} FROM updates WHERE {where}", *params)
         return [
             UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec, r if base is None else base, bool(final), name)
-            for p, r, s, d, n, m, b, t, sec, base, final, name in self._rows(
-                f"SELECT {self._UPDATE_COLUMNS} FROM updates WHERE {where}", *params
-            )
+            for p, r, s, d, n, m, b, t, sec, base, final, name in rows
         ]
 
     def updates(self, run: str, round_: int) -> list[UpdateRecord]:
@@ -647,11 +639,8 @@ class Store:
     # ---- copies in the object store ------------------------------------------------------
     @staticmethod
     def _insert_object(db: sqlite3.Connection, run: str, record: ObjectRecord) -> None:
-        kind, number = _kind(record.key)
-        db.execute(
-            "INSERT OR REPLACE INTO objects (run, kind, number, size, etag) VALUES (?,?,?,?,?)",
-            (run, kind, number, record.size, record.etag),
-        )
+        row = (run, *_kind(record.key), record.size, record.etag)
+        db.execute("INSERT OR REPLACE INTO objects VALUES (?,?,?,?,?)", row)
 
     def record_object(self, record: ObjectRecord) -> None:
         """``record.key`` has a whole copy in the object store (written after its upload)."""
@@ -659,10 +648,9 @@ class Store:
             self._insert_object(db, record.key.run, record)
 
     def stored_object(self, key: Stored) -> ObjectRecord | None:
-        rows = self._rows(
-            "SELECT size, etag FROM objects WHERE run = ? AND kind = ? AND number = ?", key.run, *_kind(key)
-        )
-        return ObjectRecord(key, *rows[0]) if rows else None
+        sql = "SELECT size, etag FROM objects WHERE run = ? AND kind = ? AND number = ?"
+        row = self._rows(sql, key.run, *_kind(key))
+        return ObjectRecord(key, *row[0]) if row else None
 
     def stored_objects(self, run: str) -> list[ObjectRecord]:
         rows = self._rows("SELECT kind, number, size, etag FROM objects WHERE run = ? ORDER BY kind, number", run)
@@ -673,10 +661,8 @@ class Store:
         if not keys:
             return
         with self._tx() as db:
-            db.executemany(
-                "DELETE FROM objects WHERE run = ? AND kind = ? AND number = ?",
-                [(key.run, *_kind(key)) for key in keys],
-            )
+            rows = [(key.run, *_kind(key)) for key in keys]
+            db.executemany("DELETE FROM objects WHERE run = ? AND kind = ? AND number = ?", rows)
 
     def update_objects(self, run: str) -> set[str]:
         """The names of the updates of ``run`` that live in the object store (not pruned yet)."""

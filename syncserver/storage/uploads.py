@@ -114,9 +114,8 @@ class _Sink:
         self.upload, self.check = upload, check
 
     def write(self, chunks: list[bytes]) -> None:
-        """Check and write the body's next ``chunks`` (a few MiB of ~64 KiB pieces), joined first:
-        one copy, then one pass each for the hash, the scan and the write, instead of Python's
-        per-piece overhead times a hundred."""
+        """Check and write the body's next ``chunks`` (~64 KiB pieces), joined first: one copy, then
+        a pass each for hash, scan and write, not Python's per-piece overhead times a hundred."""
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.check.feed(data)
         self.upload.append([data])
