@@ -168,9 +168,8 @@ class ObjectTensorFile:
         return out
 
     def _streamed(self, first: int, end: int, infos: dict[str, TensorInfo], base: int, head: bytes) -> bytearray:
-        """Bytes ``[first, end)`` from the streamed GET of the run that holds them, started at its
-        first read from where the first GET's bytes ``head`` end; their own GET if no run holds
-        them all, or if they were read already (a chunk goes once every byte of it was read)."""
+        """Bytes ``[first, end)`` from their run's streamed GET (started at its first read, where
+        ``head`` ends); their own GET if no run holds them all, or a chunk of them went already."""
         with self._lock:
             said, run = self._run(first, infos, base), None
             if said is not None and end <= said[1]:

@@ -168,10 +168,9 @@ async def receive(
 async def _receive(
     body: AsyncIterator[bytes], upload: Upload, scope: anyio.CancelScope, idle: float, check: BodyCheck, complete: bool
 ) -> Received | Held:
-    """The I/O of :func:`receive`. The header's chunks go to the thread one at a time, so a body
-    with the wrong tensors is refused after a few kB and its JSON (megabytes for 100,000 tensors)
-    is parsed off the event loop; a chunk past the body's end goes at once too (refused now, not
-    after 8 MiB more)."""
+    """The I/O of :func:`receive`. The header's chunks and one past the body's end go to the thread
+    one at a time: wrong tensors are refused after a few kB (its JSON, megabytes for 100,000
+    tensors, parsed off the event loop), a body too long now, not after 8 MiB more."""
     started, offset = time.monotonic(), check.offset
     batch: list[bytes] = []  # chunks not yet handed to the writer thread
     batched = 0  # their bytes
