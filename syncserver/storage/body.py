@@ -1,21 +1,12 @@
 """An update body's checks, fed its bytes in order from anywhere: the one checker of the hub.
 
-:class:`BodyCheck` takes a safetensors body a chunk at a time (:meth:`~BodyCheck.feed`) and
-says at :meth:`~BodyCheck.finish` whether it was whole. The hub's upload path
-(:mod:`syncserver.storage.uploads`, in its writer thread) and the check of a body in the bucket
-(:func:`syncserver.reduce.check.check_update`, on the hub or a reducer) both use it, so a body
-gets the same answer, with the same error, whichever way it came:
-
-- the size: over the limit, or a ``Content-Length`` over it (413); longer or shorter than its
-  header says, or than the ``Content-Length`` (400);
-- the header: well-formed safetensors, parsed as its bytes arrive, and the caller's rule for
-  its tensors (the run's layout): 422 at the first chunk that completes it, not after 500 MB;
-- the values: no NaN or Inf in any float part (422), scanned as the bytes go by
-  (:class:`FiniteScan`), so no second pass over the body is needed;
-- the sha-256 of every byte, for the caller to compare with what the peer declared.
-
-No I/O and no threads: whoever reads the bytes feeds them. Each byte is touched twice, by the
-hash and by the scan, while it is still hot; nothing is copied (the header's bytes aside).
+The upload path (:mod:`~syncserver.storage.uploads`) and the check of a body in the bucket
+(:func:`syncserver.reduce.check.check_update`) both feed :class:`BodyCheck`, so a body gets the
+same answer whichever way it came: its size (over the limit or its ``Content-Length``: 413;
+longer or shorter than its header or ``Content-Length``: 400), its header (safetensors, and the
+run's layout: 422 at the chunk that completes it, not after 500 MB), its values (no NaN or Inf:
+422, scanned as they go by) and its sha-256. No I/O, no threads; each byte is touched twice (hash,
+scan) while hot, and nothing is copied but the header.
 """
 
 from __future__ import annotations
@@ -28,17 +19,17 @@ import numpy as np
 from syncserver.errors import BadRequest, InvalidUpdate, PayloadTooLarge
 from syncwire import FormatError, HeaderReader, TensorInfo
 
-__all__ = ["BodyCheck", "FiniteScan"]
+__all__ = ["BodyCheck", "FiniteScan", "HeaderRule"]
+
+#: the caller's rule for a body's tensors: raises :class:`FormatError` for unexpected ones
+HeaderRule = Callable[[dict[str, TensorInfo]], None]
 
 _FINITE_DTYPES: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 
 class FiniteScan:
-    """Refuse NaN and Inf in the float parts of a body fed in order, as its bytes arrive.
-
-    It works from the header's layout, so no second pass over the file is needed: each chunk
-    is cut at the tensors' boundaries, and a value split between two chunks is carried over.
-    """
+    """Refuse NaN and Inf in the float parts of a body fed in order, from the header's layout:
+    each chunk is cut at the tensors' boundaries, a value split between two chunks carried over."""
 
     def __init__(self, infos: dict[str, TensorInfo], data_start: int) -> None:
         self._spans = [
@@ -87,21 +78,14 @@ class FiniteScan:
 
 
 class BodyCheck:
-    """One body's checks (see the module docstring), fed in order; raises the hub's error
-    (:class:`~syncserver.errors.HubError`) at the first fault.
+    """One body's checks, fed in order; raises the hub's error at the first fault.
 
-    ``check_header(infos)`` raises :class:`FormatError` when the tensors are not the expected
-    ones. ``content_length``: the bytes announced after ``offset`` (a resumed body's start),
-    checked against ``max_bytes`` at once and against the header once it is in. ``received``
-    counts the bytes fed: where the next chunk starts."""
+    ``content_length``: the bytes announced after ``offset`` (a resumed body's start), checked
+    against ``max_bytes`` at once and against the header once it is in. ``received``: the bytes
+    fed so far."""
 
     def __init__(
-        self,
-        check_header: Callable[[dict[str, TensorInfo]], None],
-        max_bytes: int,
-        *,
-        content_length: int | None = None,
-        offset: int = 0,
+        self, check_header: HeaderRule, max_bytes: int, *, content_length: int | None = None, offset: int = 0
     ) -> None:
         if content_length is not None and offset + content_length > max_bytes:
             raise PayloadTooLarge(f"body of {offset + content_length} bytes is over the {max_bytes}-byte limit")
@@ -120,7 +104,6 @@ class BodyCheck:
         return self.header.result[0]
 
     def feed(self, chunk: bytes | memoryview) -> None:
-        """Check the body's next bytes."""
         position = self.received
         self.received += len(chunk)
         self._sized()

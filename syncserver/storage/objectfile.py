@@ -1,32 +1,21 @@
-"""A safetensors object in the bucket, read a slice at a time with ranged GETs.
+"""A safetensors object in the bucket, read a slice at a time with ranged GETs, behind
+:class:`syncwire.format.TensorFile`'s interface: the merge, a reducer or a check reads either.
 
-:class:`syncwire.format.TensorFile` reads a file on the hub's disk with ``pread``; this reads an
-object of the store the same way, with the same interface (``infos``, ``metadata``,
-``read(name, start, stop)``), so the merge engine, a reducer or a check works on either without
-knowing which. A reducer reads only the values of its slices of each update: the bytes it moves
-are its share of the round, not whole models.
-
-A slice is a few MB of values and, for a quantized codec, a few kB of scales: one GET per part
-of every slice made the reads request-bound (a 53 MB int8 update from SeaweedFS: 0.24 s by
-slice against 0.05 s by 16 MB GETs). Given a ``window``, a read that misses fetches that many
-bytes from where it starts (never past the end of the run of bytes the caller said it will
-read, :meth:`ObjectTensorFile.expect`), and the next slices are served from the few windows
-kept. The window after it is fetched meanwhile, on a small shared pool, so the store sends the
-next bytes while the merge works on these (a store serves a few streams faster than one).
-
-A reader that reads **every** byte it said it will read, about in byte order (a reducer's
-lease over an update: its slices' wire parts, :func:`syncserver.reduce.lease.work`), can do
-better: with ``stream=True`` each contiguous run of those bytes is **one** GET, streamed on a
-thread of its own from the run's first read, each chunk kept until every byte of it was read
-(:class:`_Run`). 1 GET per update and lease instead of one per window (GPT-2 int8: 1 + 18).
+One GET per part of every slice made the reads request-bound (a 53 MB int8 update from SeaweedFS:
+0.24 s by slice against 0.05 s by 16 MB GETs). So, with a ``window``, a miss fetches that many
+bytes (never past the run the caller said it will read, :meth:`~ObjectTensorFile.expect`), a few
+windows are kept, and the next is fetched meanwhile on a shared pool (a store serves a few streams
+faster than one). With ``stream=True`` (a reducer's lease, every byte read about in order) each
+run is one GET streamed on a thread of its own: 1 GET per update and lease, not one per window
+(GPT-2 int8: 1 + 18).
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import math
-import struct
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,80 +38,63 @@ WINDOWS = 6
 #: reader waits for bytes further on (a quantized slice's scales lie past its tensor's values)
 STREAM_AHEAD = 32 << 20
 STREAM_TRIES = 3  # a run's GET cut on the way is asked again from where it stopped, this often
-_AHEAD: ThreadPoolExecutor | None = None  # fetches the windows read ahead (shared, made at first use)
-_AHEAD_LOCK = threading.Lock()
+_Window = tuple[int, int, Future[bytearray]]  # bytes [first, end), fetched or on their way
 
 
+@functools.cache
 def _ahead() -> ThreadPoolExecutor:
-    global _AHEAD
-    with _AHEAD_LOCK:
-        if _AHEAD is None:
-            _AHEAD = ThreadPoolExecutor(8, thread_name_prefix="objectfile-ahead")
-        return _AHEAD
+    """The pool that fetches the windows read ahead, shared."""
+    return ThreadPoolExecutor(8, thread_name_prefix="objectfile-ahead")
 
 
 class ObjectTensorFile:
-    """One safetensors object: its header read once, at first use, values by ranged GETs.
-
-    ``size`` (the object's size, when the caller's record has it) saves a HEAD request; the
-    header must describe exactly the bytes the object holds, as :class:`TensorFile` checks.
-    Nothing is read until ``infos``, ``metadata`` or :meth:`read` is first used (then a fault in
-    the object raises there): a hub whose reducers merge opens each update of the round only to
-    name it in their leases, and so reads no byte of it.
-    """
+    """One safetensors object, its header read at first use (a hub whose reducers merge opens
+    each update only to name it in their leases, and reads none of it; a fault in the object
+    raises there). ``size``, if the caller's record has it, saves a HEAD. ``window``: bytes read
+    ahead per GET (0: none). ``stream``: the caller reads every byte it said it will
+    (:meth:`expect`) once, about in order; a read outside those runs is its own GET."""
 
     def __init__(
         self, objects: ObjectStore, name: str, size: int | None = None, *, window: int = 0, stream: bool = False
     ) -> None:
-        """``window``: read ahead this many bytes per GET (0: each read is its own GET).
-        ``stream``: the caller reads every byte it said it will (:meth:`expect`) once, about in
-        order: each run of them is one streamed GET (a read outside the runs is its own GET)."""
         self.objects, self.name, self._size, self.window, self.stream = objects, name, size, window, stream
         self._streams: dict[int, _Run] = {}  # by the run's first byte
         self._opened: tuple[bytes, dict[str, TensorInfo], dict[str, str], int] | None = None
         self._lock = threading.Lock()  # slices are read from several threads at once
         self._expected: list[tuple[str, int, int]] = []
         self._runs: tuple[list[int], list[int]] | None = None  # starts and ends of the expected bytes
-        self._windows: list[tuple[int, int, Future[bytearray]]] = []  # [first, end) byte, its bytes; oldest first
+        self._windows: list[_Window] = []  # oldest first
 
     def expect(self, reads: Iterable[tuple[str, int, int]]) -> None:
         """The values ``(tensor, start, stop)`` the caller will read: a read-ahead stops at the
-        end of the contiguous run of them it starts in (a lease's share of an update, not the
-        next lease's)."""
+        end of the contiguous run of them it starts in (a lease's share, not the next lease's)."""
         self._expected.extend(reads)
         self._runs = None
 
     def _header(self) -> tuple[bytes, dict[str, TensorInfo], dict[str, str], int]:
-        """(the first GET's bytes, infos, metadata, where the data starts), read once."""
+        """(the first GET's bytes, infos, metadata, where the data starts). The first GET's bytes
+        stay: a tiny model's update is one request, not one per slice (headers outweighed bytes)."""
         with self._lock:
-            if self._opened is None:
-                self._opened = self._read_header()
+            if self._opened is not None:
+                return self._opened
+            objects, name, size = self.objects, self.name, self._size
+            if size is None:
+                info = objects.head(name)
+                if info is None:
+                    raise FileNotFoundError(f"{objects.url}{name}: no such object")
+                size = info.size
+            head = bytes(objects.read(name, 0, min(size, _FIRST_READ)))
+            base = 8 + int.from_bytes(head[:8], "little")
+            if 8 <= len(head) < base <= min(size, 8 + MAX_HEADER_BYTES):
+                head += bytes(objects.read(name, len(head), base))
+            try:  # parse_header refuses a header that is short, over the limit or cut
+                infos, metadata, data = parse_header(head[:base])
+            except FormatError as exc:
+                raise FormatError(f"{name}: {exc}") from None
+            if size - base != data:
+                raise FormatError(f"{name}: {size - base} data bytes, the header describes {data}")
+            self._size, self._opened = size, (head, infos, metadata, base)
             return self._opened
-
-    def _read_header(self) -> tuple[bytes, dict[str, TensorInfo], dict[str, str], int]:
-        objects, name, size = self.objects, self.name, self._size
-        if size is None:
-            info = objects.head(name)
-            if info is None:
-                raise FileNotFoundError(f"{objects.url}{name}: no such object")
-            size = info.size
-        head = bytes(objects.read(name, 0, min(size, _FIRST_READ)))
-        if len(head) < 8:
-            raise FormatError(f"{name}: shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", head[:8])
-        if n > MAX_HEADER_BYTES:
-            raise FormatError(f"{name}: header of {n} bytes is over the limit")
-        if 8 + n > size:
-            raise FormatError(f"{name}: {size} bytes, the header alone claims {8 + n}")
-        if len(head) < 8 + n:
-            head += bytes(objects.read(name, len(head), 8 + n))
-        # what the first GET brought stays: a small object (a tiny model's update) is then read
-        # by one request instead of one per slice, whose headers outweighed its bytes
-        infos, metadata, data = parse_header(head[: 8 + n])
-        if size - (8 + n) != data:
-            raise FormatError(f"{name}: {size - (8 + n)} data bytes, the header describes {data}")
-        self._size = size
-        return head, infos, metadata, 8 + n
 
     @property
     def infos(self) -> dict[str, TensorInfo]:
@@ -140,7 +112,7 @@ class ObjectTensorFile:
         stop = count if stop is None else stop
         if not 0 <= start <= stop <= count:
             raise IndexError(f"{name}: values [{start}, {stop}) of {count}")
-        dtype = np.dtype(info.numpy_dtype)
+        dtype = info.numpy_dtype
         first = base + info.start + start * dtype.itemsize
         end = first + (stop - start) * dtype.itemsize
         if end <= len(held):
@@ -156,26 +128,25 @@ class ObjectTensorFile:
         return np.frombuffer(raw, dtype)  # a bytearray: the array is writable
 
     def _fetch(self, first: int, end: int, infos: dict[str, TensorInfo], base: int) -> bytearray:
-        """Bytes ``[first, end)``, copied from the windows that hold them (the missing rest
-        fetched now, as a window that starts where the held ones end), and the next window of
-        the run fetched meanwhile. A read that straddles two windows is served by both: a
-        window made at its start instead would fetch again bytes already held (1.5x a lease's
-        bytes at GPT-2, bench/lease_reads.py)."""
+        """Bytes ``[first, end)`` from the windows that hold them, the rest fetched now as a window
+        from where they end (one from the read's start would fetch held bytes again: 1.5x a
+        lease's bytes at GPT-2, bench/lease_reads.py), and the run's next window meanwhile."""
         with self._lock:
-            run_end = self._run_end(first, infos, base)
-            chain: list[tuple[int, int, Future[bytearray]]] = []
+            run = self._run(first, infos, base)
+            run_end = run[1] if run is not None else self._size
+            assert run_end is not None  # the size is known once the header is
+            chain: list[_Window] = []
             at = first
-            while at < end and (held := self._held(at, at + 1)) is not None:
+            while at < end and (held := self._held(at)) is not None:
                 chain.append(held)
                 at = held[1]
-            fetch: tuple[int, int, Future[bytearray]] | None = None
+            fetch: _Window | None = None
             if at < end:
-                hi = max(end, min(at + self.window, run_end, self._next_held(at)))
-                fetch = (at, hi, Future())
+                fetch = (at, max(end, min(at + self.window, run_end, self._next_held(at))), Future())
                 self._keep(fetch)
                 chain.append(fetch)
             hi = chain[-1][1]
-            if hi < run_end and self._held(hi, hi + 1) is None:
+            if hi < run_end and self._held(hi) is None:
                 nxt = min(hi + self.window, run_end, self._next_held(hi))
                 self._keep((hi, nxt, _ahead().submit(self.objects.read, self.name, hi, nxt)))
         if fetch is not None:  # outside the lock: the other threads' reads go on meanwhile
@@ -197,58 +168,42 @@ class ObjectTensorFile:
         return out
 
     def _streamed(self, first: int, end: int, infos: dict[str, TensorInfo], base: int, head: bytes) -> bytearray:
-        """Bytes ``[first, end)`` from the streamed GET of the run that holds them (started now if
-        it is the run's first read; from the end of the first GET's bytes ``head``, which serve
-        the rest); their own GET if no run holds them all, or if they were read already (a chunk
-        goes once every byte of it was read)."""
+        """Bytes ``[first, end)`` from their run's streamed GET (started at its first read, where
+        ``head`` ends); their own GET if no run holds them all, or a chunk of them went already."""
         with self._lock:
             said, run = self._run(first, infos, base), None
             if said is not None and end <= said[1]:
                 run = self._streams.get(said[0])
                 if run is None:
-                    lo = max(said[0], len(head))
-                    run = self._streams[said[0]] = _Run(self.objects, self.name, lo, said[1])
-        if run is None:
+                    run = self._streams[said[0]] = _Run(self.objects, self.name, max(said[0], len(head)), said[1])
+        got = None if run is None else run.read(max(first, run.lo), end)
+        if run is None or got is None:
             return self.objects.read(self.name, first, end)
-        out = bytearray(head[first : run.lo]) if first < run.lo else bytearray()
-        got = run.read(max(first, run.lo), end)
-        if got is None:
-            return self.objects.read(self.name, first, end)
-        out += got
-        return out
+        return bytearray(head[first : run.lo]) + got if first < run.lo else got
 
-    def _held(self, first: int, end: int) -> tuple[int, int, Future[bytearray]] | None:
-        """The window (fetched or on its way) that holds bytes ``[first, end)``, made the most recent."""
+    def _held(self, at: int) -> _Window | None:
+        """The window that holds byte ``at``, made the most recent."""
         for i, window in enumerate(self._windows):
-            if window[0] <= first and end <= window[1]:
+            if window[0] <= at < window[1]:
                 self._windows.append(self._windows.pop(i))
                 return window
         return None
 
     def _next_held(self, at: int) -> int:
-        """Where the first held window after byte ``at`` starts (no end if none): a new window
-        stops there rather than fetch its bytes again."""
+        """Where the first held window after byte ``at`` starts: a new window stops there."""
         return min((lo for lo, _, _ in self._windows if lo > at), default=1 << 62)
 
-    def _keep(self, window: tuple[int, int, Future[bytearray]]) -> None:
+    def _keep(self, window: _Window) -> None:
         self._windows.append(window)
         del self._windows[:-WINDOWS]
-
-    def _run_end(self, first: int, infos: dict[str, TensorInfo], base: int) -> int:
-        """Where the run of expected bytes that holds byte ``first`` ends (the object's end if
-        none was said)."""
-        run = self._run(first, infos, base)
-        assert self._size is not None  # known once the header is
-        return run[1] if run is not None else self._size
 
     def _run(self, first: int, infos: dict[str, TensorInfo], base: int) -> tuple[int, int] | None:
         """The run of expected bytes ``[lo, hi)`` that holds byte ``first``, if any."""
         if self._runs is None:
             spans = []
             for name, start, stop in self._expected:
-                info = infos[name]
-                size = np.dtype(info.numpy_dtype).itemsize
-                spans.append((base + info.start + start * size, base + info.start + stop * size))
+                at, size = base + infos[name].start, infos[name].numpy_dtype.itemsize
+                spans.append((at + start * size, at + stop * size))
             starts: list[int] = []
             ends: list[int] = []
             for lo, hi in sorted(spans):
@@ -260,12 +215,10 @@ class ObjectTensorFile:
             self._runs = starts, ends
         starts, ends = self._runs
         i = bisect.bisect_right(starts, first) - 1
-        if i >= 0 and first < ends[i]:
-            return starts[i], ends[i]
-        return None
+        return (starts[i], ends[i]) if i >= 0 and first < ends[i] else None
 
     def close(self) -> None:
-        """Stop the streamed GETs under way and drop what they hold (windows hold nothing to release)."""
+        """Stop the streamed GETs under way and drop what they hold."""
         with self._lock:
             runs, self._streams = list(self._streams.values()), {}
         for run in runs:
@@ -283,11 +236,8 @@ TensorReader = TensorFile | ObjectTensorFile
 
 
 class _Run:
-    """One run of bytes ``[lo, hi)`` of an object, read by one streamed GET on a thread of its own
-    (asked again from where it stopped if the link fails: :data:`STREAM_TRIES` tries in all, with
-    :func:`~syncwire.retry.retrying`'s backoff), each chunk kept until every byte of it was read.
-    It stops reading ahead once :data:`STREAM_AHEAD` unread bytes are held, unless a reader
-    waits for bytes further on."""
+    """Bytes ``[lo, hi)`` of an object by one streamed GET on a thread of its own (resumed where
+    it stopped if the link fails), each chunk kept until every byte of it was read."""
 
     def __init__(self, objects: ObjectStore, name: str, lo: int, hi: int) -> None:
         self.objects, self.name, self.lo, self.hi = objects, name, lo, hi
@@ -314,7 +264,6 @@ class _Run:
                     self._cond.notify_all()
 
     def _done(self) -> bool:
-        """Closed, or every byte came: nothing more to ask for."""
         with self._cond:
             return self._closed or self._come >= self.hi
 
@@ -347,30 +296,24 @@ class _Run:
                 if self._error is not None:
                     raise self._error
                 return None
-            i = bisect.bisect_right(self._starts, first) - 1
-            if i < 0:
-                return None
-            out = bytearray()
-            at = first
-            touched = []
-            while at < end:
-                if i >= len(self._starts):
-                    return None
-                start = self._starts[i]
-                data, _ = self._chunks[start]
+            out, at, taken = bytearray(), first, []
+            for start in self._starts[max(bisect.bisect_right(self._starts, first) - 1, 0) :]:
+                if at == end:
+                    break
+                data = self._chunks[start][0]
                 if not start <= at < start + len(data):
                     return None  # a gap: those bytes were read and dropped
                 take = min(end, start + len(data)) - at
                 out += memoryview(data)[at - start : at - start + take]
-                touched.append((start, take))
+                taken.append((start, take))
                 at += take
-                i += 1
-            for start, take in touched:
+            if at < end:
+                return None
+            for start, take in taken:
                 data, unread = self._chunks[start]
-                unread -= take
                 self._held -= take
-                if unread > 0:
-                    self._chunks[start] = (data, unread)
+                if unread > take:
+                    self._chunks[start] = (data, unread - take)
                 else:
                     del self._chunks[start]
                     self._starts.remove(start)

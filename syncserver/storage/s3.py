@@ -1,28 +1,12 @@
-"""An S3-compatible object store (AWS S3, Cloudflare R2, GCS's S3 interop, MinIO, SeaweedFS) for the hub.
+"""An S3-compatible object store (AWS S3, R2, GCS's S3 interop, MinIO, SeaweedFS): the hub's data
+plane, ``SYNC_STORE`` (docs/object-store.md). Every request, the hub's own too, is a presigned URL
+(:mod:`~syncserver.storage.sigv4`) sent with httpx: no S3 SDK in the hub.
 
-The data plane the hub hands out (``SYNC_STORE``): peers PUT their updates and GET results
-straight to and from the bucket through presigned URLs for exactly one key (and, for a
-multipart upload, one part), so the hub's link carries control messages only; the hub
-itself lists, reads ranges of, completes and deletes objects with its own credentials. Every
-request, the hub's own too, is signed as a presigned URL (:mod:`syncserver.storage.sigv4`) and
-sent with httpx: no S3 SDK in the hub.
+Blocking: ``presign_*`` do no I/O (tens of microseconds: fine on the event loop), the rest belongs
+in a worker thread; an instance is safe to share between threads. Timeouts: :class:`ObjectStore`;
+retries: :meth:`ObjectStore._request`.
 
-Where it is: ``ObjectStore.from_url("s3://bucket/prefix")`` with the usual AWS variables
-(``AWS_ENDPOINT_URL`` for anything that is not AWS itself, ``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``). Every object lives under the
-prefix, named by a relative *name* (``runs/imdb/rounds/3/peer-a.safetensors``); a name that is
-not a plain relative path (``..``, ``//``, a leading ``/``, a character outside letters, digits
-and ``._-``) is refused before any request (:class:`KeyRefused`).
-
-Blocking, as :mod:`syncserver.storage.store` is: the ``presign_*`` methods do no I/O (tens of
-microseconds: fine on the event loop), every other method makes requests and belongs in a
-worker thread. One instance is safe to share between threads (httpx's client is). The hub's
-own data transfers wait at most ``timeout`` seconds for any one connect, read or write; its
-control calls (create, list, complete, abort, head, delete) at most ``control_seconds`` to
-connect and to the answer's first byte, and one that times out is not tried again. An
-idempotent request (not POST) is otherwise tried three times on transport trouble or a 5xx.
-
-Errors, translated here once (as :mod:`syncserver.storage.store` does for the disk):
+Errors, translated here once:
 
     StoreError
     ├── StoreUnavailable   the store cannot serve us: down, slow past the timeouts, 5xx, the
@@ -40,14 +24,13 @@ import base64
 import contextlib
 import functools
 import hashlib
-import logging
 import os
 import re
 import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import httpx
@@ -67,16 +50,13 @@ __all__ = [
     "Upload",
 ]
 
-log = logging.getLogger(__name__)
-
 URL_SECONDS = 600
 """Default life of a URL handed to a peer: long enough to start a part on a slow link (S3 checks
 the expiry when a request starts, so a transfer begun in time finishes), short enough that a
 leaked URL is soon worthless."""
 CONTROL_SECONDS = 5.0
-"""Default deadline of one control call (create, list, complete, abort, head, delete): to
-connect, and then to the answer's first byte. A hung store then costs a peer's /presign (or a
-report) seconds before its 503 and the PUT through the hub, not the 30 s data read timeout. On
+"""Default deadline of one control call, to connect and to the first byte: a hung store costs a
+peer's /presign seconds before its 503 and the PUT through the hub, not the 30 s read timeout. On
 loopback SeaweedFS (2-core VM, shared) a complete of 512 MB in 64 parts took 28 ms, its HEAD 13 ms."""
 _OWN_SECONDS = 60  # the hub's own requests are signed the moment they are sent
 _PART_MIN, _PART_MAX, _PARTS_MAX = 5 << 20, 5 << 30, 10_000  # S3's multipart limits
@@ -87,6 +67,7 @@ _SINGLE_MAX = 64 << 20  # put_from: bigger bodies go up in parts of this size (o
 _TRIES = 3  # attempts of an idempotent request on transport trouble or a 5xx (syncwire.retry's backoff)
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _PROBE = ".weightsync-check"  # what check() writes and deletes
+_Params = Mapping[str, str] | None  # a request's query or headers
 
 
 class StoreError(Exception):
@@ -135,15 +116,11 @@ class Upload:
 
 
 class ObjectStore:
-    """A bucket (and a prefix in it) on an S3-compatible endpoint, spoken to with signed httpx requests.
-
-    ``endpoint``: ``http(s)://host[:port][/path]`` of anything but AWS (path-style addressing:
-    ``endpoint/bucket/key``, which R2, GCS interop, MinIO and SeaweedFS all take); None for AWS
-    itself (virtual-hosted: ``https://bucket.s3.region.amazonaws.com/key``). ``timeout``:
-    seconds to connect, and between two reads or writes of one request (a dead endpoint fails
-    in bounded time; a slow transfer that keeps moving does not). ``control_seconds``: the same
-    for a control call, which moves a few KB (:data:`CONTROL_SECONDS`). ``url_seconds``: default
-    life of the presigned URLs handed out (:data:`URL_SECONDS`).
+    """A bucket (and a prefix in it) on an S3-compatible endpoint: ``http(s)://host[:port][/path]``
+    of anything but AWS (path-style: ``endpoint/bucket/key``), None for AWS (virtual-hosted).
+    ``timeout``: seconds to connect, and between two reads or writes of one request (a dead
+    endpoint fails in bounded time; a slow transfer that keeps moving does not).
+    ``control_seconds``: the same for a control call. ``url_seconds``: the life of URLs handed out.
     """
 
     def __init__(
@@ -198,9 +175,8 @@ class ObjectStore:
         url_seconds: int = URL_SECONDS,
     ) -> ObjectStore:
         """The store ``s3://bucket[/prefix]`` names, with endpoint, credentials and region from
-        the AWS variables in ``env`` (default: this process's environment). ValueError for a
-        malformed URL or missing credentials (a setup mistake, said before anything starts).
-        ``timeout``, ``control_seconds`` and ``url_seconds`` as for the class."""
+        the AWS variables in ``env`` (default: os.environ). ValueError for a malformed URL or
+        missing credentials (a setup mistake, said before anything starts)."""
         env = os.environ if env is None else env
         parts = urlsplit(url)
         if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
@@ -233,7 +209,6 @@ class ObjectStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- keys --------------------------------------------------------------------------------
     def key(self, name: str) -> str:
         """The object key of ``name``: under the prefix, always. :class:`KeyRefused` otherwise."""
         key = self.prefix + _name(name, "object name")
@@ -241,13 +216,13 @@ class ObjectStore:
             raise KeyRefused(f"object key longer than {_KEY_BYTES} bytes: {key[:64]}...")
         return key
 
-    # ---- presigned URLs for peers ------------------------------------------------------------
+    # ---- presigned URLs for peers (``expires``: seconds, default ``url_seconds``) ---------------
     def presign_put(self, name: str, *, expires: int | None = None) -> str:
-        """A URL that PUTs one body at ``name`` (up to 5 GB), and nothing else, for ``expires`` s."""
+        """A URL that PUTs one body at ``name`` (up to 5 GB), and nothing else."""
         return self._sign("PUT", self.key(name), expires=expires or self.url_seconds)
 
     def presign_get(self, name: str, *, expires: int | None = None) -> str:
-        """A URL that GETs ``name`` (with ``Range`` as the reader likes) for ``expires`` s."""
+        """A URL that GETs ``name`` (with ``Range`` as the reader likes)."""
         return self._sign("GET", self.key(name), expires=expires or self.url_seconds)
 
     def presign_part(self, name: str, upload_id: str, number: int, *, expires: int | None = None) -> str:
@@ -266,15 +241,14 @@ class ObjectStore:
         return min(max(wanted, _PART_MIN, least), _PART_MAX)
 
     def create_multipart(self, name: str) -> str:
-        """Open a multipart upload of ``name``; return its upload id. Nothing is visible at
-        ``name`` until :meth:`complete_multipart`; :meth:`abort_multipart` drops the parts."""
+        """Open a multipart upload of ``name`` (nothing visible there until it completes); its id."""
         xml = self._request("POST", self.key(name), {"uploads": ""}, control=True).content
         return _text(_xml(xml), "UploadId")
 
     def complete_multipart(self, name: str, upload_id: str, parts: Mapping[int, str]) -> ObjectInfo:
-        """Publish ``name`` from the parts (number -> ETag the store gave each): the object
-        appears whole, at once. :class:`StoreRefused` (``InvalidPart``) for a part the store does
-        not hold with that ETag: a peer that says it uploaded what it did not changes nothing."""
+        """Publish ``name`` from the parts (number -> ETag), whole, at once. :class:`StoreRefused`
+        (``InvalidPart``) for a part the store does not hold with that ETag: a peer that says it
+        uploaded what it did not changes nothing."""
         if not parts:
             raise ValueError("a multipart upload needs at least one part")
         body = "<CompleteMultipartUpload>"
@@ -294,7 +268,7 @@ class ObjectStore:
         return info
 
     def abort_multipart(self, name: str, upload_id: str) -> None:
-        """Drop a multipart upload and its parts (already gone: nothing to do)."""
+        """Drop a multipart upload and its parts, if it is still there."""
         with contextlib.suppress(ObjectMissing):
             self._request("DELETE", self.key(name), {"uploadId": upload_id}, control=True)
 
@@ -307,9 +281,8 @@ class ObjectStore:
         ]
 
     def list_parts(self, name: str, upload_id: str) -> dict[int, ObjectInfo]:
-        """The parts the store holds of multipart upload ``upload_id`` of ``name``: number ->
-        its size and ETag (a peer resuming sends only the others). :class:`ObjectMissing` when
-        the upload is gone (completed, aborted, or cleaned up by a restarted hub)."""
+        """The parts the store holds of an upload, by number (a peer resuming sends the others).
+        :class:`ObjectMissing` when the upload is gone (completed, aborted, or cleaned up)."""
         pages = self._pages(self.key(name), {"uploadId": upload_id}, {"part-number-marker": "NextPartNumberMarker"})
         return {
             int(_text(i, "PartNumber")): ObjectInfo(name, int(_text(i, "Size")), _text(i, "ETag", "").strip('"'))
@@ -327,20 +300,17 @@ class ObjectStore:
         return ObjectInfo(name, int(response.headers["content-length"]), response.headers.get("etag", "").strip('"'))
 
     def put(self, name: str, data: bytes | memoryview) -> ObjectInfo:
-        """Write ``data`` at ``name`` (the hub's own small objects; peers upload through presigned
-        URLs), streamed as :meth:`put_from` streams."""
+        """Write ``data`` at ``name`` (the hub's own small objects), as :meth:`put_from` does."""
         view = memoryview(data).cast("B")
         return self.put_from(name, len(view), lambda offset, n: view[offset : offset + n])
 
     def put_from(
         self, name: str, size: int, read: Callable[[int, int], bytes | memoryview], *, single_max: int = _SINGLE_MAX
     ) -> ObjectInfo:
-        """Write ``size`` bytes at ``name``, taken 1 MiB at a time from ``read(offset, n)`` (a file
-        the hub publishes: a result, a version), never all in memory (httpx given one big ``bytes``
-        body copies its rest after every partial write: DESIGN.md, pitfalls). Up to ``single_max`` bytes
-        in one request; a bigger body as a multipart upload of :meth:`part_size` parts, each
-        retried alone (a transfer cut at 90% of a 28 GB version re-sends one part, not 25 GB,
-        and one PUT takes at most 5 GB), aborted if it fails (no parts left behind)."""
+        """Write ``size`` bytes at ``name``, 1 MiB at a time from ``read(offset, n)`` (httpx re-copies
+        a big ``bytes`` body's rest after every partial write: DESIGN.md, pitfalls). Over
+        ``single_max``, a multipart upload, aborted if it fails, each part retried alone (a
+        transfer cut at 90% of a 28 GB version re-sends one part; one PUT takes at most 5 GB)."""
 
         def chunks(start: int, end: int) -> Iterator[bytes | memoryview]:
             for offset in range(start, end, _READ_BYTES):
@@ -349,24 +319,22 @@ class ObjectStore:
                     raise StoreUnavailable(f"{self.url}{name}: the source ended at {offset} of {size} bytes")
                 yield chunk
 
+        def put(query: _Params, start: int, end: int) -> str:
+            """One PUT of bytes ``[start, end)`` (retried as a whole); the store's ETag."""
+            headers = {"Content-Length": str(end - start)}
+            response = self._request("PUT", key, query, content=functools.partial(chunks, start, end), headers=headers)
+            return response.headers.get("etag", "")
+
         key = self.key(name)
         if size <= single_max:
-            response = self._request("PUT", key, content=lambda: chunks(0, size), headers={"Content-Length": str(size)})
-            return ObjectInfo(name, size, response.headers.get("etag", "").strip('"'))
+            return ObjectInfo(name, size, put(None, 0, size).strip('"'))
         upload_id = self.create_multipart(name)
         try:
             step = self.part_size(size, single_max)
-            etags: dict[int, str] = {}
-            for number, start in enumerate(range(0, size, step), 1):
-                end = min(start + step, size)
-                response = self._request(
-                    "PUT",
-                    key,
-                    {"partNumber": str(number), "uploadId": upload_id},
-                    content=functools.partial(chunks, start, end),
-                    headers={"Content-Length": str(end - start)},
-                )
-                etags[number] = response.headers.get("etag", "")
+            etags = {
+                number: put({"partNumber": str(number), "uploadId": upload_id}, start, min(start + step, size))
+                for number, start in enumerate(range(0, size, step), 1)
+            }
             return self.complete_multipart(name, upload_id, etags)
         except BaseException:
             with contextlib.suppress(StoreError):
@@ -374,13 +342,10 @@ class ObjectStore:
             raise
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytearray:
-        """Bytes ``[start, end)`` of ``name`` (to its end when ``end`` is None): a ranged GET, so
-        a reducer reads only its slice of each update. :class:`StoreRefused` (``InvalidRange``)
-        for a start past the end; a range that runs past it is cut there, as with ``file.read``.
-
-        The body goes straight into one buffer of the size the store announced, read 1 MiB at a
-        time (``numpy.frombuffer`` takes it without a copy): httpx's ``.content`` joins 64 KiB
-        pieces, 0.6-0.8x the speed on bench/store.py's 64 MB (noisy, shared VM)."""
+        """Bytes ``[start, end)`` of ``name`` (``end`` None: to its end; past it: cut there; a start
+        past it: :class:`StoreRefused`), 1 MiB at a time into one buffer that ``numpy.frombuffer``
+        takes without a copy (httpx's ``.content`` joins 64 KiB pieces: 0.6-0.8x the speed on
+        bench/store.py's 64 MB, noisy shared VM)."""
         if start < 0 or (end is not None and end < start):
             raise ValueError(f"bad range [{start}, {end})")
         if end == start:
@@ -393,11 +358,9 @@ class ObjectStore:
             return buffer
 
     def stream(self, name: str, start: int = 0, end: int | None = None) -> Generator[bytes, None, None]:
-        """Bytes ``[start, end)`` of ``name`` (the whole object by default), 1 MiB at a time, from
-        one GET (a check reads an update once, in order, and keeps none of it; a reducer reads
-        its run of an update as it folds it). Nothing is requested before the first ``next``;
-        closing the iterator early closes the answer. A body shorter than the store announced,
-        or a link that fails on the way, is a :class:`StoreUnavailable`."""
+        """Bytes ``[start, end)`` of ``name``, 1 MiB at a time, from one GET requested at the first
+        ``next`` (closing the iterator closes the answer). A body shorter than announced, or a
+        link that fails on the way, is a :class:`StoreUnavailable`."""
         if start < 0 or (end is not None and end <= start):
             raise ValueError(f"bad range [{start}, {end})")
         with self._get(name, start, end) as (chunks, _):
@@ -405,9 +368,8 @@ class ObjectStore:
 
     @contextlib.contextmanager
     def _get(self, name: str, start: int, end: int | None) -> Iterator[tuple[Iterator[bytes], int]]:
-        """One GET of bytes ``[start, end)`` of ``name``: its chunks (counted in ``bytes_read``;
-        :class:`StoreUnavailable` if fewer than announced come, or the link fails on the way)
-        and the size the store announced."""
+        """One GET of bytes ``[start, end)``: its chunks (counted in ``bytes_read``) and the size
+        the store announced."""
         ranged = start > 0 or end is not None
         headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"} if ranged else {}
         response = self._request("GET", self.key(name), headers=headers, stream=True)
@@ -416,7 +378,8 @@ class ObjectStore:
             filled = 0
             for chunk in response.iter_raw(_READ_BYTES):
                 filled += len(chunk)
-                self._count(len(chunk))
+                with self._counting:
+                    self.bytes_read += len(chunk)
                 yield chunk
             if filled != announced:
                 raise StoreUnavailable(f"{self.url}{name}: the body ended at {filled} of {announced} bytes")
@@ -431,10 +394,6 @@ class ObjectStore:
         finally:
             response.close()
 
-    def _count(self, nbytes: int) -> None:
-        with self._counting:
-            self.bytes_read += nbytes
-
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object under ``prefix`` (a name, or a name ending in ``/``), in key order."""
         query = {"list-type": "2", "prefix": self._prefix(prefix)}
@@ -448,10 +407,8 @@ class ObjectStore:
         self._request("DELETE", self.key(name), control=True)
 
     def delete_prefix(self, folder: str) -> int:
-        """Remove every object under ``folder/`` (a round's leftovers after a crash), 1,000 per
-        request, and abort the multipart uploads open there; return how many objects went.
-
-        A folder, not a string prefix: ``rounds/3`` never takes ``rounds/30`` with it."""
+        """Remove every object under ``folder/`` (``rounds/3`` never takes ``rounds/30``) and abort
+        the multipart uploads open there; return how many objects went."""
         if not folder.strip("/"):
             raise KeyRefused("delete_prefix needs a folder: it does not empty the whole store")
         folder = folder.strip("/") + "/"
@@ -470,29 +427,23 @@ class ObjectStore:
             data = (body + "</Delete>").encode()
             md5 = base64.b64encode(hashlib.md5(data).digest()).decode()  # S3 wants it; not for security
             answer = self._request("POST", "", {"delete": ""}, content=data, headers={"Content-MD5": md5}, control=True)
-            root = _xml(answer.content)
-            failed = _all(root, "Error")
+            failed = _all(_xml(answer.content), "Error")
             if failed:
-                raise StoreRefused(
-                    _text(failed[0], "Code"), f"{_text(failed[0], 'Key')}: {_text(failed[0], 'Message')}"
-                )
+                code, key, message = (_text(failed[0], tag) for tag in ("Code", "Key", "Message"))
+                raise StoreRefused(code, f"{key}: {message}")
 
     def check(self) -> None:
-        """Can the hub work with this store? :class:`StoreUnavailable` with one line that names
-        the trouble: endpoint down, bucket missing, credentials refused, a key that may read but
-        not write, clock skew. The hub calls it at start (a CLI error) and after trouble mid-run.
-
-        A listing of the prefix, then a small object written and deleted under it: the hub needs
-        all three (peers' URLs carry its rights), and a read-only key would otherwise pass here
-        and fail at the first peer's upload, with a 403 the peer cannot explain."""
+        """:class:`StoreUnavailable` unless the hub may list, write and delete here (peers' URLs
+        carry its rights: a read-only key would otherwise fail at the first peer's upload, with a
+        403 the peer cannot explain)."""
         self._request("GET", "", {"list-type": "2", "max-keys": "1", "prefix": self.prefix}, control=True)
         self.put(_PROBE, b"weightsync: the hub checks that it may write here\n")
         self.delete(_PROBE)
 
     # ---- internals --------------------------------------------------------------------------
     def _pages(self, key: str, query: Mapping[str, str], marks: Mapping[str, str]) -> Iterator[ET.Element]:
-        """Each page of a listing (S3 answers 1,000 entries at a time); ``marks``: the next page's
-        query parameters, each by the element of this page that gives it."""
+        """Each page of a listing; ``marks``: the next page's query parameters, by the element of
+        this page that gives each."""
         while True:
             page = _xml(self._request("GET", key, query, control=True).content)
             yield page
@@ -502,21 +453,11 @@ class ObjectStore:
 
     def _prefix(self, prefix: str) -> str:
         stripped = prefix.strip("/")
-        if not stripped:
-            return self.prefix
-        return self.key(stripped) + ("/" if prefix.endswith("/") else "")
+        return self.key(stripped) + ("/" if prefix.endswith("/") else "") if stripped else self.prefix
 
-    def _sign(
-        self,
-        method: str,
-        key: str,
-        query: Mapping[str, str] | None = None,
-        *,
-        expires: int,
-        headers: Mapping[str, str] | None = None,
-    ) -> str:
+    def _sign(self, method: str, key: str, query: _Params = None, *, expires: int, headers: _Params = None) -> str:
         """A presigned URL for ``key`` (the bucket itself when empty)."""
-        url = f"{self._base}/{key}" if key else f"{self._base}/"
+        url = f"{self._base}/{key}"
         return presign(
             method, url, credentials=self.credentials, region=self.region, expires=expires, query=query, headers=headers
         )
@@ -525,19 +466,17 @@ class ObjectStore:
         self,
         method: str,
         key: str,
-        query: Mapping[str, str] | None = None,
+        query: _Params = None,
         *,
         content: bytes | Callable[[], Iterable[bytes | memoryview]] | None = None,
-        headers: Mapping[str, str] | None = None,
+        headers: _Params = None,
         stream: bool = False,
         control: bool = False,
     ) -> httpx.Response:
-        """One request of the hub's own, signed now; retried on transport trouble and 5xx when
-        it is idempotent (not POST). Every failure leaves here as a :class:`StoreError`.
-        ``stream``: a successful answer's body is left to read (and the answer to close).
-        ``control``: a control call: ``control_seconds`` to connect and to the answer's first
-        byte (then the data timeout), and not tried again once it timed out (a store that hung
-        once is not waited on three times)."""
+        """One request of the hub's own, signed now, retried on transport trouble and 5xx unless
+        POST; a failure leaves as a :class:`StoreError`. ``stream``: the answer's body is left to
+        read. ``control``: ``control_seconds`` to connect and to the first byte, and not tried
+        again once timed out (a hung store is not waited on thrice)."""
         signed = {k: v for k, v in (headers or {}).items() if k.lower() == "content-md5"}
 
         def again(exc: BaseException) -> bool:  # a 5xx, or trouble on the way but a control call's timeout
@@ -548,13 +487,9 @@ class ObjectStore:
             for attempt in retrying(again, attempts=1 if method == "POST" else _TRIES):
                 with attempt:
                     url = self._sign(method, key, query, expires=_OWN_SECONDS, headers=signed)
-                    request = self._http.build_request(
-                        method,
-                        url,
-                        content=content() if callable(content) else content,  # type: ignore[arg-type]
-                        headers=headers,
-                        timeout=self._control if control else httpx.USE_CLIENT_DEFAULT,
-                    )
+                    body: Any = content() if callable(content) else content  # httpx streams any iterable
+                    timeout = self._control if control else httpx.USE_CLIENT_DEFAULT
+                    request = self._http.build_request(method, url, content=body, headers=headers, timeout=timeout)
                     response = self._http.send(request, stream=stream or control)
                     if control:
                         # the first byte came in time: the rest of the answer (a long listing, the
@@ -593,13 +528,10 @@ def _name(name: str, what: str) -> str:
 def _raise(store: ObjectStore, response: httpx.Response, root: ET.Element | None) -> NoReturn:
     """The :class:`StoreError` for an error answer: one line that says what to do."""
     status = response.status_code
-    if root is None:
-        try:
-            root = _xml(response.content) if response.content else None
-        except StoreUnavailable:
-            root = None
-    code = _text(root, "Code", "") if root is not None else ""
-    message = _text(root, "Message", "") if root is not None else ""
+    if root is None and response.content:
+        with contextlib.suppress(StoreUnavailable):
+            root = _xml(response.content)
+    code, message = (_text(root, "Code", ""), _text(root, "Message", "")) if root is not None else ("", "")
     where = f"{store.endpoint} ({store.url})"
     if code == "NoSuchBucket":
         raise StoreUnavailable(f"bucket {store.bucket!r} does not exist at {store.endpoint}")
@@ -613,11 +545,7 @@ def _raise(store: ObjectStore, response: httpx.Response, root: ET.Element | None
         raise StoreUnavailable(f"{where} refused the signature: check AWS_SECRET_ACCESS_KEY and AWS_REGION")
     if code == "RequestTimeTooSkewed":
         raise StoreUnavailable(f"{where}: this machine's clock is off from the store's: {message}")
-    if code in (
-        "PermanentRedirect",
-        "AuthorizationHeaderMalformed",
-        "AuthorizationQueryParametersError",
-    ):
+    if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "AuthorizationQueryParametersError"):
         raise StoreUnavailable(
             f"{where}: wrong region or endpoint ({code}: {message}): check AWS_REGION and AWS_ENDPOINT_URL"
         )

@@ -1,11 +1,10 @@
 """Pruned tensor files, kept (a few: :data:`SPARES`) to be written over by the next files
-:meth:`Store.write <syncserver.storage.store.Store.write>` makes: their pages are still in the
-page cache. A round writes half a GB of result and half a GB of version for GPT-2 in fp32, and
-writing into fresh page-cache pages cost 0.8-1.1 s per 500 MB on the 2-core VM of
-bench/RESULTS.md, against 0.08 s over a file whose pages are cached (a VM hands memory the
-guest frees back to its host, so every fresh page is a fault there as well). A spare is taken
-only while nothing else has it open, which the kernel says (a write lease, ``F_SETLEASE``):
-a pruned version still being served to a late peer is never written over.
+:meth:`Store.write <syncserver.storage.store.Store.write>` makes while their pages are cached: a
+GPT-2 fp32 round writes half a GB of result and as much of version, and fresh page-cache pages
+cost 0.8-1.1 s per 500 MB on the 2-core VM of bench/RESULTS.md against 0.08 s for cached ones (a
+VM hands freed memory back to its host: every fresh page faults there too). A spare is taken only
+while nothing else has it open (a write lease, ``F_SETLEASE``): a pruned version still served to
+a late peer is never written over.
 """
 
 from __future__ import annotations
@@ -43,14 +42,8 @@ def _unshared(fd: int) -> bool | None:
 
 
 class Spares:
-    """Pruned tensor files, kept to write new ones into (see the module docstring).
-
-    :meth:`retire` moves a pruned file here instead of deleting it, keeping the largest
-    ``limit``; :meth:`take` hands one out for :meth:`Store.write`: the smallest that holds the
-    bytes to write, else the largest, and only one that nothing else has open (a download of
-    a pruned version may still be reading it: that one waits for a later round). Where the
-    kernel cannot tell (no leases), nothing is kept and every file is new, as before.
-    """
+    """The largest ``limit`` pruned files (:meth:`retire`), handed out to be written over
+    (:meth:`open`). Where the kernel cannot tell who has a file open (no leases), none is kept."""
 
     def __init__(self, folder: Path, limit: int = SPARES) -> None:
         self._folder = folder
@@ -79,12 +72,12 @@ class Spares:
         for _, extra in dropped:
             extra.unlink(missing_ok=True)
 
-    def take(self, size: int | None, to: Path) -> int | None:
-        """A spare renamed to ``to`` and opened for writing (its old bytes still there: write
-        over them and cut it at the end), or None."""
+    def open(self, size: int | None, to: Path) -> int:
+        """``to``, opened for writing: a spare renamed there (its old bytes still in it: write
+        over them and cut it at the end), else a new file. The spare is the smallest that holds
+        ``size`` bytes, else the largest, and one that nothing else has open (a download of a
+        pruned version may still read it: that one waits for a later round)."""
         with self._lock:
-            if not self._files:
-                return None
             fits = sorted((f for f in self._files if size is not None and f[0] >= size), key=lambda f: f[0])
             for entry in [*fits, *(f for f in self._files if f not in fits)]:
                 try:
@@ -103,10 +96,10 @@ class Spares:
                     for _, path in [entry, *self._files]:
                         path.unlink(missing_ok=True)
                     self._files.clear()
-                    return None
+                    break
                 os.rename(entry[1], to)
                 return fd
-        return None
+        return os.open(to, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def clear(self) -> None:
         with self._lock:

@@ -1,17 +1,13 @@
 """Durable hub state: sqlite for the small records, plain safetensors files for tensors.
 
-The rest of the hub names what it wants with *keys* (:class:`VersionKey`, :class:`ResultKey`,
-...) and works through *handles*: a ranged reader (:meth:`Store.read`), an atomic writer
-(:meth:`Store.write`), a served blob (:meth:`Store.serve`), an upload being received
-(:meth:`Store.fresh_upload`, :meth:`Store.resumable_upload`). No path leaves this module, and
-every ``OSError`` and ``sqlite3.Error`` is translated here, once, into
-:class:`~syncserver.errors.Unavailable` (503: the caller has changed nothing).
+The hub names what it wants with *keys* (:class:`VersionKey`, ...) and works through *handles*
+(:meth:`Store.read`, :meth:`Store.write`, :meth:`Store.serve`, :class:`Upload`). No path leaves
+this module; every ``OSError`` and ``sqlite3.Error`` becomes :class:`~syncserver.errors.Unavailable`
+here, once (503: nothing changed).
 
-Every write that acknowledges something is durable before the acknowledgement: files go
-through tmp + fsync + rename + directory fsync, and sqlite runs in WAL mode with
-``synchronous=FULL``. The commit point of a round is the sqlite transaction that moves a
-run's version; files of a version past that point are leftovers of a crash and are removed
-on start (see :meth:`Store.recover`).
+Invariants: what acknowledges something is durable first (tmp + fsync + rename + directory fsync;
+sqlite in WAL with ``synchronous=FULL``), and the record is written last. A round commits in the
+transaction that moves its run's version; files past it are a crash's leftovers, removed on start.
 
 Layout under ``data_dir``::
 
@@ -25,12 +21,8 @@ Layout under ``data_dir``::
     tmp/spares/<id>.spare                   pruned tensor files, kept to write the next ones into
     tmp/partials/<run>/<v>/<peer>/<name>.part  an update cut mid-body or held for its digest
 
-Pruned tensor files are kept to be written over (:mod:`syncserver.storage.spares`).
-
-Peer names are chosen by peers, so they get a folder of their own: no peer name can be a file
-of the hub's (a peer called ``result`` once stored its update at the round's result path, and
-the merge's rename replaced it). Data dirs of that older layout, with updates beside the
-result, are moved into this one on start (:meth:`Store.recover`).
+Updates have a folder of their own: no peer name is a hub file (docs/RELIABILITY.md, "Peer names
+that collide with the hub's files"); data dirs of the older layout are moved on start.
 """
 
 from __future__ import annotations
@@ -68,14 +60,12 @@ __all__ = [
     "PeerRecord",
     "ResidualKey",
     "ResultKey",
-    "RoundRecord",
     "RunRecord",
     "Staged",
     "Store",
     "Upload",
     "UploadClosed",
     "UpdateKey",
-    "UpdateRecord",
     "VersionKey",
     "storage_error",
 ]
@@ -102,6 +92,13 @@ CREATE TABLE IF NOT EXISTS objects (
     run TEXT NOT NULL, kind TEXT NOT NULL, number INTEGER NOT NULL, size INTEGER NOT NULL, etag TEXT NOT NULL,
     PRIMARY KEY (run, kind, number));
 """
+_ADDED = [  # columns added since the first hub, and what an older data dir without them meant
+    ("runs", "creator", "TEXT"),  # who created a run counts against its quota (quotas.py); unknown
+    ("updates", "base", "INTEGER"),  # from before async runs: every update's base is its round
+    ("updates", "final", "INTEGER NOT NULL DEFAULT 0"),  # from before final rounds: none was a last
+    ("updates", "object", "TEXT"),  # from before updates in the object store: all on disk
+    ("peers", "group_size", "INTEGER NOT NULL DEFAULT 1"),
+]
 
 
 # ---- records -------------------------------------------------------------------------------
@@ -200,7 +197,7 @@ _KINDS: dict[str, type[VersionKey | MomentumKey | ResidualKey]] = {
 }
 
 
-def _row(run: str, record: UpdateRecord | RoundRecord) -> tuple[Any, ...]:
+def _row(run: str, record: UpdateRecord | RoundRecord | PeerRecord) -> tuple[Any, ...]:
     """A record's row: its run, then its fields in order (its table's columns), lists and dicts as JSON."""
     return (run, *(json.dumps(v) if isinstance(v, dict | list) else v for v in vars(record).values()))
 
@@ -219,26 +216,24 @@ class Missing(LookupError):
 
 
 class UploadClosed(RuntimeError):
-    """An upload was written to after it was closed (kept, finished or discarded). Its file
-    descriptor number may be another file's by then, so nothing is written: the caller must
-    let one writer at a time hold an upload, and wait for its writes before closing it."""
+    """An upload written to after it was closed: nothing is written (its descriptor number may be
+    another file's by then). One writer at a time holds an upload, and its writes end first."""
 
 
 def storage_error(exc: OSError | sqlite3.Error) -> Unavailable:
     """The one translation of a storage failure: 503, and the caller has changed nothing."""
     if isinstance(exc, sqlite3.Error):
-        if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
-            return Unavailable("the hub's disk is full; nothing was stored", retry_after=30)
-        return Unavailable(f"the hub cannot write its database ({exc}); nothing was stored", retry_after=30)
-    if exc.errno == errno.ENOSPC:
+        full, what = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL, f"database ({exc})"
+    else:
+        full, what = exc.errno == errno.ENOSPC, f"data dir ({exc.strerror})"
+    if full:
         return Unavailable("the hub's disk is full; nothing was stored", retry_after=30)
-    return Unavailable(f"the hub cannot write its data dir ({exc.strerror}); nothing was stored", retry_after=30)
+    return Unavailable(f"the hub cannot write its {what}; nothing was stored", retry_after=30)
 
 
 @contextlib.contextmanager
 def _translating() -> Iterator[None]:
-    """Raise :class:`Unavailable` instead of an ``OSError`` / ``sqlite3.Error`` (a block, or a
-    function decorated with ``@_translating()``)."""
+    """:func:`storage_error` for a block, or a function decorated with ``@_translating()``."""
     try:
         yield
     except (OSError, sqlite3.Error) as exc:
@@ -260,6 +255,15 @@ def _publish(tmp: Path, path: Path) -> None:
     _fsync_dir(path.parent)
 
 
+@_translating()
+def _pwrite(fd: int, data: bytes | memoryview, position: int) -> None:
+    """All of ``data`` at ``position`` (a ``pwrite`` may write less)."""
+    view = memoryview(data).cast("B")
+    while view:
+        done = os.pwrite(fd, view, position)
+        view, position = view[done:], position + done
+
+
 # ---- handles -------------------------------------------------------------------------------
 class BlobWriter:
     """An open file being written all or nothing (see :meth:`Store.write`): bytes at the end
@@ -273,10 +277,7 @@ class BlobWriter:
         self.size = 0  # the end of what was written (a spare written over is cut there)
 
     def write(self, data: bytes) -> None:
-        with _translating():
-            done = 0
-            while done < len(data):
-                done += os.pwrite(self._fd, data[done:], self._end + done)
+        _pwrite(self._fd, data, self._end)
         self._end += len(data)
         self._grow(self._end)
 
@@ -284,10 +285,7 @@ class BlobWriter:
         """Write an array's bytes at ``position`` and start their writeback at once, so the
         fsync that publishes the file waits for the last slices only."""
         view = array.reshape(-1).view(np.uint8).data
-        with _translating():
-            done = 0
-            while done < len(view):
-                done += os.pwrite(self._fd, view[done:], position + done)
+        _pwrite(self._fd, view, position)
         start_writeback(self._fd, position, len(view))
         self._grow(position + len(view))
 
@@ -318,11 +316,11 @@ class Blob:
         os.close(self._fd)
 
 
+@dataclass(frozen=True)
 class Staged:
     """A complete, fsynced body waiting to be published under a key, or discarded."""
 
-    def __init__(self, path: Path) -> None:
-        self._path = path
+    _path: Path
 
     def reader(self) -> TensorFile:
         with _translating():
@@ -335,10 +333,7 @@ class Staged:
 class Upload:
     """Where one body gathers as it arrives: a fresh file, or a *partial* that keeps what
     arrived across attempts (resumable updates), named by (run, round, peer, digest or key).
-
-    The file ops an upload needs (append, read back, truncate, fsync) are here so that their
-    failures are translated once; the receiving logic is :mod:`syncserver.storage.uploads`.
-    """
+    Only the file ops; receiving is :mod:`syncserver.storage.uploads`."""
 
     def __init__(self, path: Path, done_path: Path | None, spares: Spares) -> None:
         self._path = path
@@ -346,15 +341,8 @@ class Upload:
         self._spares = spares
         self._fd: int | None = None
         self._end = 0  # the body's bytes in the file: a spare written over holds more until cut
-
-    @property
-    def resumable(self) -> bool:
-        return self._done_path is not None
-
-    @property
-    def ident(self) -> str:
-        """Names the upload across requests (one writer at a time may hold it)."""
-        return str(self._path)
+        self.resumable = done_path is not None
+        self.ident = str(path)  # names the upload across requests (one writer at a time may hold it)
 
     def held(self) -> int:
         """Bytes the hub holds of this upload."""
@@ -372,9 +360,7 @@ class Upload:
             self._fd = os.open(self._path, os.O_RDWR)
             os.ftruncate(self._fd, offset)  # same upload, same bytes: anything past offset is re-sent
         else:
-            self._fd = self._spares.take(size, self._path)
-            if self._fd is None:
-                self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = self._spares.open(size, self._path)
         self._end = offset
 
     def _writable(self) -> int:
@@ -382,38 +368,25 @@ class Upload:
             raise UploadClosed(f"upload {self._path.name} is closed: nothing more can be written to it")
         return self._fd
 
-    @_translating()
     def append(self, chunks: list[bytes]) -> None:
-        """Write ``chunks`` after the body's bytes (``pwritev``, at most IOV_MAX at a time)."""
+        """Write ``chunks`` after the body's bytes."""
         fd = self._writable()
-        views = [memoryview(c) for c in chunks if len(c)]
-        first = 0
-        while first < len(views):
-            written = os.pwritev(fd, views[first : first + 1024], self._end)
-            self._end += written
-            while first < len(views) and written >= len(views[first]):
-                written -= len(views[first])
-                first += 1
-            if written:
-                views[first] = views[first][written:]
+        for chunk in chunks:
+            _pwrite(fd, chunk, self._end)
+            self._end += len(chunk)
 
     def writeback(self, offset: int, nbytes: int) -> None:
         start_writeback(self._writable(), offset, nbytes)
 
     @_translating()
     def read(self, offset: int, n: int) -> bytes:
-        """Bytes already held (a resumed body's start is read back to hash and check it)."""
-        fd = os.open(self._path, os.O_RDONLY)
-        try:
-            return os.pread(fd, n, offset)
-        finally:
-            os.close(fd)
+        """Bytes already held (a resumed body's start, opened at its offset, is read back to check it)."""
+        return os.pread(self._writable(), n, offset)
 
     @_translating()
     def finish(self) -> Staged:
-        """fsync and close; a partial then leaves the partials folder (so that pruning a
-        closed round's partials cannot take it). :class:`FileNotFoundError` if it already did:
-        its round closed as the body arrived (:class:`Missing`)."""
+        """fsync and close; a partial then leaves the partials folder, out of the reach of the
+        pruning of a closed round's partials (:class:`Missing` if that took it already)."""
         fd = self._writable()
         os.ftruncate(fd, self._end)  # a spare's old tail
         os.fsync(fd)
@@ -458,22 +431,9 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
-        self._migrate()
-
-    def _migrate(self) -> None:
-        """Bring a database of an older hub up to :data:`_SCHEMA` (columns added since)."""
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(runs)")}
-        if "creator" not in columns:  # who created a run counts against its quota (quotas.py)
-            self._db.execute("ALTER TABLE runs ADD COLUMN creator TEXT")
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(updates)")}
-        if "base" not in columns:  # a data dir from before async runs: every update's base is its round
-            self._db.execute("ALTER TABLE updates ADD COLUMN base INTEGER")
-        if "final" not in columns:  # a data dir from before final rounds: no update was a peer's last
-            self._db.execute("ALTER TABLE updates ADD COLUMN final INTEGER NOT NULL DEFAULT 0")
-        if "object" not in columns:  # a data dir from before updates in the object store: all on disk
-            self._db.execute("ALTER TABLE updates ADD COLUMN object TEXT")
-        if "group_size" not in {row[1] for row in self._db.execute("PRAGMA table_info(peers)")}:
-            self._db.execute("ALTER TABLE peers ADD COLUMN group_size INTEGER NOT NULL DEFAULT 1")
+        for table, column, kind in _ADDED:  # a database of an older hub
+            if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def describe(self) -> str:
         """Where the data lives, for the startup log line."""
@@ -493,6 +453,10 @@ class Store:
                 raise
             self._db.execute("COMMIT")
 
+    def _rows(self, sql: str, *params: Any) -> list[Any]:
+        with _translating():
+            return self._db.execute(sql, params).fetchall()
+
     # ---- keys to paths (private) -----------------------------------------------------------
     def _run_dir(self, run: str) -> Path:
         return self._root / "runs" / run
@@ -511,13 +475,8 @@ class Store:
     def _updates_dir(self, run: str, round_: int) -> Path:
         return self._round_dir(run, round_) / "updates"
 
-    def _partials(self, run: str, round_: int | None = None, peer: str | None = None) -> Path:
-        path = self._tmp / "partials" / run
-        if round_ is not None:
-            path /= f"{round_:08d}"
-            if peer is not None:
-                path /= peer
-        return path
+    def _partials(self, run: str) -> Path:
+        return self._tmp / "partials" / run
 
     # ---- tensor files ------------------------------------------------------------------------
     def exists(self, key: Key) -> bool:
@@ -536,21 +495,18 @@ class Store:
     @contextlib.contextmanager
     def write(self, key: Key, size: int | None = None) -> Iterator[BlobWriter]:
         """Write ``key`` all or nothing: a crash or an error leaves the old file or none.
-
         ``size``, the bytes it will hold if known, picks the spare to write over (:class:`Spares`)."""
         path = self._path(key)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         with _translating():
             path.parent.mkdir(parents=True, exist_ok=True)
-            spare = self._spares.take(size, tmp)
-            fd = spare if spare is not None else os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = self._spares.open(size, tmp)
         try:
             try:
                 writer = BlobWriter(fd, tmp)
                 yield writer
                 with _translating():
-                    if spare is not None:
-                        os.ftruncate(fd, writer.size)  # a larger spare's tail goes
+                    os.ftruncate(fd, writer.size)  # a larger spare's tail goes
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -574,11 +530,10 @@ class Store:
 
     @_translating()
     def resumable_upload(self, run: str, round_: int, peer: str, name: str, *, supersede: bool = False) -> Upload:
-        """The partial upload of one update, named by the body's hex sha-256 or, for a body
-        whose digest comes later, ``key-<Upload-Key>`` (both checked by the route: no path
-        separators). With ``supersede``, this peer's partials of other updates for the round
-        go: it gave up on them."""
-        folder = self._partials(run, round_, peer)
+        """The partial upload of one update, named by its hex sha-256 or ``key-<Upload-Key>`` (the
+        route checked it: no path separators). ``supersede``: the peer's other partials for the
+        round go (it gave up on them)."""
+        folder = self._partials(run) / f"{round_:08d}" / peer
         path = folder / f"{name}.part"
         if supersede:
             for stale in folder.glob("*.part"):
@@ -611,24 +566,16 @@ class Store:
         acknowledgement (an update in the object store has no file here: ``update.object``)."""
         self._refuse_second(run, update)
         with self._tx() as db:
-            db.execute(
-                f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES ({','.join('?' * 13)})", _row(run, update)
-            )
+            sql = f"INSERT INTO updates (run, {self._UPDATE_COLUMNS}) VALUES ({','.join('?' * 13)})"
+            db.execute(sql, _row(run, update))
 
     def _refuse_second(self, run: str, update: UpdateRecord) -> None:
-        with _translating():
-            held = self._db.execute(
-                "SELECT 1 FROM updates WHERE run = ? AND round = ? AND peer = ?", (run, update.round, update.peer)
-            ).fetchone()
-        if held:
+        if self._rows("SELECT 1 FROM updates WHERE run = ? AND round = ? AND peer = ?", run, update.round, update.peer):
             raise ValueError(f"{update.peer!r} already has an update stored for round {update.round} of {run!r}")
 
     # ---- runs ----------------------------------------------------------------------------
-    @_translating()
     def runs(self) -> list[RunRecord]:
-        rows = self._db.execute(
-            "SELECT name, config, schema, version, created, sealed, creator FROM runs ORDER BY rowid"
-        ).fetchall()
+        rows = self._rows("SELECT name, config, schema, version, created, sealed, creator FROM runs ORDER BY rowid")
         return [
             RunRecord(
                 n, json.loads(c), {k: tuple(v) for k, v in json.loads(s).items()} if s else None, v, t, bool(x), by
@@ -638,69 +585,51 @@ class Store:
 
     def create_run(self, name: str, config: dict[str, Any], creator: str | None = None) -> None:
         with self._tx() as db:
-            db.execute(
-                "INSERT INTO runs (name, config, version, created, creator) VALUES (?, ?, -1, ?, ?)",
-                (name, json.dumps(config), time.time(), creator),
-            )
+            row = (name, json.dumps(config), time.time(), creator)
+            db.execute("INSERT INTO runs (name, config, version, created, creator) VALUES (?, ?, -1, ?, ?)", row)
 
     def seal(self, run: str, ranks: dict[str, int]) -> None:
         with self._tx() as db:
             db.execute("UPDATE runs SET sealed = 1 WHERE name = ?", (run,))
-            db.executemany(
-                "UPDATE peers SET rank = ? WHERE run = ? AND name = ?",
-                [(rank, run, peer) for peer, rank in ranks.items()],
-            )
+            rows = [(rank, run, peer) for peer, rank in ranks.items()]
+            db.executemany("UPDATE peers SET rank = ? WHERE run = ? AND name = ?", rows)
 
     # ---- peers ---------------------------------------------------------------------------
-    @_translating()
     def peers(self, run: str) -> list[PeerRecord]:
-        rows = self._db.execute(
-            "SELECT name, rank, active_from, joined, left, group_size FROM peers WHERE run = ? ORDER BY joined", (run,)
-        ).fetchall()
-        return [PeerRecord(n, r, a, j, bool(left), g) for n, r, a, j, left, g in rows]
+        rows = self._rows("SELECT * FROM peers WHERE run = ? ORDER BY joined", run)
+        return [PeerRecord(n, r, a, j, bool(left), g) for _, n, r, a, j, left, g in rows]
 
     def save_peer(self, run: str, peer: PeerRecord) -> None:
         with self._tx() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO peers (run, name, rank, active_from, joined, left, group_size) "
-                "VALUES (?,?,?,?,?,?,?)",
-                (run, peer.name, peer.rank, peer.active_from, peer.joined, int(peer.left), peer.group_size),
-            )
+            db.execute("INSERT OR REPLACE INTO peers VALUES (?,?,?,?,?,?,?)", _row(run, peer))
 
     # ---- updates and rounds --------------------------------------------------------------
     _UPDATE_COLUMNS = "peer, round, seq, digest, samples, metrics, nbytes, received, seconds, base, final, object"
 
-    @staticmethod
-    def _update(row: tuple[Any, ...]) -> UpdateRecord:
-        p, r, s, d, n, m, b, t, sec, base, final, name = row
-        return UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec, r if base is None else base, bool(final), name)
+    def _updates(self, where: str, *params: Any) -> list[UpdateRecord]:
+        """The update records ``SELECT ... FROM updates WHERE {where}`` finds."""
+        rows = self._rows(f"SELECT {self._UPDATE_COLUMNS} FROM updates WHERE {where}", *params)
+        return [
+            UpdateRecord(p, r, s, d, n, json.loads(m), b, t, sec, r if base is None else base, bool(final), name)
+            for p, r, s, d, n, m, b, t, sec, base, final, name in rows
+        ]
 
-    @_translating()
     def updates(self, run: str, round_: int) -> list[UpdateRecord]:
-        rows = self._db.execute(
-            f"SELECT {self._UPDATE_COLUMNS} FROM updates WHERE run = ? AND round = ? ORDER BY seq", (run, round_)
-        ).fetchall()
-        return [self._update(row) for row in rows]
+        return self._updates("run = ? AND round = ? ORDER BY seq", run, round_)
 
-    @_translating()
     def update_from(self, run: str, peer: str, base: int) -> UpdateRecord | None:
         """``peer``'s update computed from version ``base``, wherever it was merged (a peer sends
         at most one per version it starts from)."""
-        row = self._db.execute(
-            f"SELECT {self._UPDATE_COLUMNS} FROM updates WHERE run = ? AND peer = ? AND COALESCE(base, round) = ?",
-            (run, peer, base),
-        ).fetchone()
-        return None if row is None else self._update(row)
+        found = self._updates("run = ? AND peer = ? AND COALESCE(base, round) = ?", run, peer, base)
+        return found[0] if found else None
 
-    @_translating()
     def next_seq(self, run: str) -> int:
-        (seq,) = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM updates WHERE run = ?", (run,)).fetchone()
+        ((seq,),) = self._rows("SELECT COALESCE(MAX(seq), 0) + 1 FROM updates WHERE run = ?", run)
         return int(seq)
 
     def commit_round(self, run: str, record: RoundRecord, objects: Sequence[ObjectRecord] = ()) -> None:
-        """The commit point of a round: version ``round + 1`` exists from here on. ``objects``:
-        the round's result (and, written by reducers, version ``round + 1``) in the object store;
-        their records commit with the round."""
+        """The commit point of a round: version ``round + 1`` exists from here on, with the
+        records of ``objects`` (the round's copies in the object store)."""
         with self._tx() as db:
             for copy in objects:
                 self._insert_object(db, run, copy)
@@ -710,30 +639,21 @@ class Store:
     # ---- copies in the object store ------------------------------------------------------
     @staticmethod
     def _insert_object(db: sqlite3.Connection, run: str, record: ObjectRecord) -> None:
-        kind, number = _kind(record.key)
-        db.execute(
-            "INSERT OR REPLACE INTO objects (run, kind, number, size, etag) VALUES (?,?,?,?,?)",
-            (run, kind, number, record.size, record.etag),
-        )
+        row = (run, *_kind(record.key), record.size, record.etag)
+        db.execute("INSERT OR REPLACE INTO objects VALUES (?,?,?,?,?)", row)
 
     def record_object(self, record: ObjectRecord) -> None:
         """``record.key`` has a whole copy in the object store (written after its upload)."""
         with self._tx() as db:
             self._insert_object(db, record.key.run, record)
 
-    @_translating()
     def stored_object(self, key: Stored) -> ObjectRecord | None:
-        kind, number = _kind(key)
-        row = self._db.execute(
-            "SELECT size, etag FROM objects WHERE run = ? AND kind = ? AND number = ?", (key.run, kind, number)
-        ).fetchone()
-        return None if row is None else ObjectRecord(key, row[0], row[1])
+        sql = "SELECT size, etag FROM objects WHERE run = ? AND kind = ? AND number = ?"
+        row = self._rows(sql, key.run, *_kind(key))
+        return ObjectRecord(key, *row[0]) if row else None
 
-    @_translating()
     def stored_objects(self, run: str) -> list[ObjectRecord]:
-        rows = self._db.execute(
-            "SELECT kind, number, size, etag FROM objects WHERE run = ? ORDER BY kind, number", (run,)
-        ).fetchall()
+        rows = self._rows("SELECT kind, number, size, etag FROM objects WHERE run = ? ORDER BY kind, number", run)
         return [ObjectRecord(_stored(run, kind, n), size, etag) for kind, n, size, etag in rows]
 
     def forget_objects(self, keys: list[Stored]) -> None:
@@ -741,62 +661,41 @@ class Store:
         if not keys:
             return
         with self._tx() as db:
-            db.executemany(
-                "DELETE FROM objects WHERE run = ? AND kind = ? AND number = ?",
-                [(key.run, *_kind(key)) for key in keys],
-            )
+            rows = [(key.run, *_kind(key)) for key in keys]
+            db.executemany("DELETE FROM objects WHERE run = ? AND kind = ? AND number = ?", rows)
 
-    @_translating()
     def update_objects(self, run: str) -> set[str]:
         """The names of the updates of ``run`` that live in the object store (not pruned yet)."""
-        rows = self._db.execute("SELECT object FROM updates WHERE run = ? AND object IS NOT NULL", (run,))
-        return {name for (name,) in rows}
+        return {name for (name,) in self._rows("SELECT object FROM updates WHERE run = ? AND object IS NOT NULL", run)}
 
-    @_translating()
     def names_update_object(self, run: str, name: str) -> bool:
         """Does an update record of ``run`` name the object ``name``? (Then no clean-up deletes it.)"""
-        row = self._db.execute("SELECT 1 FROM updates WHERE run = ? AND object = ? LIMIT 1", (run, name)).fetchone()
-        return row is not None
+        return bool(self._rows("SELECT 1 FROM updates WHERE run = ? AND object = ? LIMIT 1", run, name))
 
     def forget_update_objects(self, run: str, below: int) -> list[str]:
         """Drop the object names of ``run``'s updates merged in rounds before ``below`` (pruned
         with their round, as the hub prunes its files); the names, for the caller to delete."""
+        where = "WHERE run = ? AND round < ? AND object IS NOT NULL"
         with self._tx() as db:
-            rows = db.execute(
-                "SELECT object FROM updates WHERE run = ? AND round < ? AND object IS NOT NULL", (run, below)
-            ).fetchall()
-            db.execute(
-                "UPDATE updates SET object = NULL WHERE run = ? AND round < ? AND object IS NOT NULL", (run, below)
-            )
+            rows = db.execute(f"SELECT object FROM updates {where}", (run, below)).fetchall()
+            db.execute(f"UPDATE updates SET object = NULL {where}", (run, below))
         return [name for (name,) in rows]
 
-    @_translating()
     def rounds(self, run: str, limit: int = 50) -> list[RoundRecord]:
-        rows = self._db.execute(
-            "SELECT round, opened, closed, participants, dropped, samples, bytes_in, result_bytes, timings "
-            "FROM rounds WHERE run = ? ORDER BY round DESC LIMIT ?",
-            (run, limit),
-        ).fetchall()
+        rows = self._rows("SELECT * FROM rounds WHERE run = ? ORDER BY round DESC LIMIT ?", run, limit)
         return [
             RoundRecord(r, o, c, json.loads(p), json.loads(d), s, b, rb, json.loads(t))
-            for r, o, c, p, d, s, b, rb, t in reversed(rows)
+            for _, r, o, c, p, d, s, b, rb, t in reversed(rows)
         ]
 
-    @_translating()
     def samples_through(self, run: str, round_: int) -> int:
         """Samples trained in ``run`` by the end of round ``round_`` (version ``round_ + 1``)."""
-        (total,) = self._db.execute(
-            "SELECT COALESCE(SUM(samples), 0) FROM rounds WHERE run = ? AND round <= ?", (run, round_)
-        ).fetchone()
-        return int(total)
+        sql = "SELECT COALESCE(SUM(samples), 0) FROM rounds WHERE run = ? AND round <= ?"
+        return int(self._rows(sql, run, round_)[0][0])
 
-    @_translating()
     def round_metrics(self, run: str, limit: int = 500) -> list[UpdateRecord]:
         """The latest updates of a run (their metrics feed status and the dashboard)."""
-        rows = self._db.execute(
-            f"SELECT {self._UPDATE_COLUMNS} FROM updates WHERE run = ? ORDER BY seq DESC LIMIT ?", (run, limit)
-        ).fetchall()
-        return [self._update(row) for row in reversed(rows)]
+        return self._updates("run = ? ORDER BY seq DESC LIMIT ?", run, limit)[::-1]
 
     # ---- housekeeping --------------------------------------------------------------------
     @_translating()
@@ -818,10 +717,9 @@ class Store:
             path.unlink()
 
     def _recover_open_round(self, folder: Path, updates: Path, acked: set[str]) -> None:
-        """The open round holds its acknowledged updates and nothing else: a result there is
-        a merge that never committed. An update of the older layout (beside the result, see
-        the module docstring) moves into ``updates/`` first: in an open round, a file named
-        after an acknowledged peer is that peer's update."""
+        """The open round keeps its acknowledged updates alone (a result there never committed),
+        an update of the older layout (beside the result: named after its acknowledged peer)
+        moved into ``updates/`` first."""
         updates.mkdir(exist_ok=True)
         for f in folder.iterdir():
             if f.is_file() and f.suffix == ".safetensors" and f.stem in acked and not (updates / f.name).exists():
@@ -844,9 +742,9 @@ class Store:
 
     @_translating()
     def prune(self, run: str, version: int, keep: int, keep_results: int | None = None) -> None:
-        """Keep the last ``keep`` versions and the last ``keep_results`` round results (default
-        ``keep``: peers of an async run fetch the results since their base, so it keeps more);
-        drop older files, and the partial uploads no open round can take (they can never complete)."""
+        """Keep the last ``keep`` versions and ``keep_results`` round results (default ``keep``;
+        an async run's peers fetch the results since their base); drop older files, and the
+        partial uploads no open round can take."""
         floor = version - keep + 1
         for kind in ("versions", "momentum", "residual"):
             for path in (self._run_dir(run) / kind).glob("*.safetensors"):

@@ -1,33 +1,14 @@
-"""Receiving a safetensors body: streamed to disk and checked on the way; the checks are
-:class:`~syncserver.storage.body.BodyCheck`'s, this module moves the bytes.
+"""Receiving a safetensors body (no HTTP here): streamed to disk, checked on the way by
+:class:`~syncserver.storage.body.BodyCheck`. Chunks are batched to a few MiB; a worker thread
+checks and writes one batch while the event loop receives the next, touching each byte once while
+hot (hash, NaN/Inf scan, write, writeback started at once: the fsync that acknowledges an update
+waits for the last few MiB, not for 500 MB).
 
-No HTTP here: the input is any async iterator of byte chunks, never held in memory whole: they
-are batched to a few MiB, and a worker thread checks and writes one batch while the event loop
-receives the next. Each byte is touched once there, while it is still hot: hashed, scanned for
-NaN/Inf and written; and the kernel is told to start writing it back to disk at once
-(:mod:`syncserver.storage.writeback`), so the fsync that acknowledges an update waits for the
-last few MiB, not for 500 MB.
-
-Resumable bodies (updates): the bytes gather in a *partial* file named after the upload
-(run, round, peer, digest). When the body stops arriving (link cut, client gone, stalled
-past ``idle_seconds``) the partial is kept, so the client's retry sends only the rest, from
-``offset`` (the file's size). A resumed body is checked exactly like a whole one: its first
-``offset`` bytes are read back from the partial through the check, so every check covers every
-byte. A bad body (refused header, too long, digest mismatch) or a disk error removes the partial.
-One request at a time writes a partial: a newer one (the client's retry, or its HEAD)
-supersedes the older, which may still look connected on a stalled link. The older one is
-cancelled, and lets go of the partial only once the write its worker thread has in flight is
-done and the file is closed: the newer one starts from what is really on disk, and the older
-one is answered ``409 superseded`` (:class:`BodyInterrupted` with ``superseded``).
-
-Held bodies (``complete=False``, ``Upload-Complete: ?0``): a peer that encodes its update
-while it uploads knows the digest only after the last byte. Its body is received and checked
-as any other, then kept as a whole partial instead of being finished; the request that brings
-the digest resumes it at its end with an empty body. The check of a held body (its hash state) is
-kept in memory (:data:`_kept`), so that completing it does not read 500 MB back to hash them again;
-without it (more held bodies than :data:`_KEPT_MAX`) the bytes are read back as for any resume.
-A hub that restarts drops every partial, held ones too: the completing request then gets
-``409 upload_offset`` and the body is sent again.
+Resumable bodies (docs/RELIABILITY.md, "Resumable uploads") gather in a *partial* that outlives a
+cut body; a resumed body's start is read back through the check, so every check covers every
+byte, unless it is a held body whose check is kept in memory (:data:`_kept`). One request at a
+time writes a partial: a newer one supersedes the older, which lets go only once its write in
+flight is done and its file closed (then ``409 superseded``): the newer starts from what is on disk.
 """
 
 from __future__ import annotations
@@ -36,14 +17,14 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
 from anyio import to_thread
 
 from syncserver.errors import BadRequest, HubError, OffsetMismatch
-from syncserver.storage.body import BodyCheck
+from syncserver.storage.body import BodyCheck, HeaderRule
 from syncserver.storage.store import Missing, Staged, Upload
 from syncwire import TensorInfo
 
@@ -74,8 +55,7 @@ _kept: dict[str, BodyCheck] = {}  # by upload ident; taken by whoever writes tha
 
 class BodyInterrupted(Exception):
     """The body stopped arriving: the client went away, the link stalled for ``idle_seconds``,
-    or (``superseded``) a newer attempt at the same upload took over. A resumable upload's
-    partial is kept."""
+    or (``superseded``) a newer attempt took over. A resumable upload's partial is kept."""
 
     def __init__(self, reason: str, *, superseded: bool = False) -> None:
         super().__init__(reason)
@@ -91,68 +71,55 @@ class _Writer:
     superseded: bool = False  # a newer attempt stopped it
 
 
-class _Writers:
-    """Which request writes each partial upload (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self._active: dict[str, _Writer] = {}
-
-    async def settle(self, ident: str) -> None:
-        """Stop whoever writes ``ident`` and wait until its writes are done and its file closed."""
-        while (writer := self._active.get(ident)) is not None:
-            writer.superseded = True
-            writer.scope.cancel()
-            await writer.done.wait()
-
-    @contextlib.asynccontextmanager
-    async def claim(self, ident: str, scope: anyio.CancelScope) -> AsyncIterator[_Writer]:
-        await self.settle(ident)
-        writer = self._active[ident] = _Writer(scope)
-        try:
-            yield writer
-        finally:
-            if self._active.get(ident) is writer:
-                del self._active[ident]
-            writer.done.set()
+# who writes each partial upload, by its absolute path (hubs sharing a process cannot collide)
+_writers: dict[str, _Writer] = {}
 
 
-# keyed by the upload's absolute path, so hubs sharing a process (tests) cannot collide
-_writers = _Writers()
+async def _settle(ident: str) -> None:
+    """Stop whoever writes ``ident`` and wait until its writes are done and its file closed."""
+    while (writer := _writers.get(ident)) is not None:
+        writer.superseded = True
+        writer.scope.cancel()
+        await writer.done.wait()
+
+
+@contextlib.asynccontextmanager
+async def _claim(ident: str, scope: anyio.CancelScope) -> AsyncIterator[_Writer]:
+    await _settle(ident)
+    writer = _writers[ident] = _Writer(scope)
+    try:
+        yield writer
+    finally:
+        if _writers.get(ident) is writer:
+            del _writers[ident]
+        writer.done.set()
 
 
 async def partial_offset(upload: Upload) -> int:
     """How many bytes of a resumable upload the hub holds: the offset its retry starts from."""
-    await _writers.settle(upload.ident)
+    await _settle(upload.ident)
     return upload.held()
 
 
 class _Sink:
     """An upload fed through its body's check, from a worker thread. ``offset`` > 0 appends to a
-    partial; ``size``, the bytes announced, picks the file a new upload writes over
-    (:class:`~syncserver.storage.spares.Spares`)."""
+    partial; ``size``, the bytes announced, picks the spare a new upload writes over."""
 
     def __init__(self, upload: Upload, check: BodyCheck, offset: int, size: int | None) -> None:
-        if offset:
-            held = upload.held()
-            if held < offset:
-                raise OffsetMismatch(
-                    f"the hub holds {held} bytes of this upload, not {offset}; ask again (HEAD)",
-                    upload_offset=held,
-                )
+        if offset and (held := upload.held()) < offset:
+            raise OffsetMismatch(
+                f"the hub holds {held} bytes of this upload, not {offset}; ask again (HEAD)", upload_offset=held
+            )
         upload.open(offset, size)
         self.upload, self.check = upload, check
-        self._flushed = offset  # writeback asked for up to here
 
     def write(self, chunks: list[bytes]) -> None:
-        """Check (hash, header, NaN scan) and write the body's next ``chunks`` (a few MiB of ~64
-        KiB pieces). They are joined first: one copy, then one pass each for the hash, the scan
-        and the write, instead of Python's per-piece overhead times a hundred."""
+        """Check and write the body's next ``chunks`` (~64 KiB pieces), joined first: one copy, then
+        a pass each for hash, scan and write, not Python's per-piece overhead times a hundred."""
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.check.feed(data)
         self.upload.append([data])
-        if (position := self.check.received) - self._flushed >= _BATCH:
-            self.upload.writeback(self._flushed, position - self._flushed)
-            self._flushed = position
+        self.upload.writeback(self.check.received - len(data), len(data))
 
     def replay(self, nbytes: int) -> None:
         """Check the first ``nbytes`` already held (a resumed body's start), as if they came now."""
@@ -169,32 +136,27 @@ async def receive(
     *,
     max_bytes: int,
     content_length: int | None,
-    check_header: Callable[[dict[str, TensorInfo]], None],
+    check_header: HeaderRule,
     offset: int = 0,
     idle_seconds: float | None = None,
     complete: bool = True,
 ) -> Received | Held:
-    """Stream a safetensors body into ``upload`` (fsynced), checking it on the way
-    (:class:`~syncserver.storage.body.BodyCheck`).
+    """Stream a safetensors body into ``upload`` (fsynced), checking it on the way.
 
-    Raises a :class:`~syncserver.errors.HubError` on any problem, after discarding the upload.
-    ``check_header`` raises :class:`FormatError` when the tensors are not the expected ones.
-    A resumable upload (:meth:`Store.resumable_upload`) starts with ``offset`` of its bytes
-    held (``chunks`` bring the rest, ``content_length`` counts only those), and is kept when
-    the body stops arriving (:class:`BodyInterrupted`); once whole it leaves the reach of the
-    housekeeping that drops a closed round's partials (:class:`BodyInterrupted` too if that
-    already took it: the round closed meanwhile). ``idle_seconds`` bounds the wait for the
-    next chunk: a peer whose link died silently must not hold an upload slot open forever.
-    ``complete=False`` (resumable uploads only): a whole, checked body is kept as its partial
-    and :class:`Held` returned; a later call from its end completes it.
+    A :class:`~syncserver.errors.HubError` on any problem, after discarding the upload. A
+    resumable upload starts with ``offset`` bytes held (``content_length`` counts the rest), is
+    kept when the body stops (:class:`BodyInterrupted`; also if its round closed before it was
+    whole), and once whole leaves the reach of pruning. ``idle_seconds`` bounds the wait for the
+    next chunk: a peer whose link died silently must not hold an upload slot forever.
+    ``complete=False`` (resumable only): a whole, checked body is kept as its partial (:class:`Held`).
     """
     assert complete or upload.resumable
     check = BodyCheck(check_header, max_bytes, content_length=content_length, offset=offset)
     idle = math.inf if idle_seconds is None else idle_seconds
     scope = anyio.CancelScope(deadline=anyio.current_time() + idle)
-    async with _writers.claim(upload.ident, scope) if upload.resumable else contextlib.nullcontext() as writer:
+    async with _claim(upload.ident, scope) if upload.resumable else contextlib.nullcontext() as writer:
         with scope:
-            return await _receive(chunks, upload, scope, idle, check, offset, complete)
+            return await _receive(chunks, upload, scope, idle, check, complete)
         if writer is not None and writer.superseded:
             raise BodyInterrupted(
                 "a newer attempt at this upload (a retry, or a HEAD) took over; what this one sent is kept for it",
@@ -204,20 +166,12 @@ async def receive(
 
 
 async def _receive(
-    chunks: AsyncIterator[bytes],
-    upload: Upload,
-    scope: anyio.CancelScope,
-    idle: float,
-    check: BodyCheck,
-    offset: int,
-    complete: bool,
+    body: AsyncIterator[bytes], upload: Upload, scope: anyio.CancelScope, idle: float, check: BodyCheck, complete: bool
 ) -> Received | Held:
-    """The I/O of :func:`receive`: chunks batched to the writer thread, which checks and writes
-    one batch while the event loop receives the next. The header's first chunks go one at a
-    time, so a body with the wrong tensors is refused after a few kB, and its JSON (megabytes
-    for 100,000 tensors) is parsed in the thread, never on the event loop. A chunk that runs
-    past the body's end goes at once too: refused now, not after 8 MiB more."""
-    started = time.monotonic()
+    """The I/O of :func:`receive`. The header's chunks and one past the body's end go to the thread
+    one at a time: wrong tensors are refused after a few kB (its JSON, megabytes for 100,000
+    tensors, parsed off the event loop), a body too long now, not after 8 MiB more."""
+    started, offset = time.monotonic(), check.offset
     batch: list[bytes] = []  # chunks not yet handed to the writer thread
     batched = 0  # their bytes
     arrived = offset  # the body's bytes so far, checked or not
@@ -229,12 +183,10 @@ async def _receive(
     sink = _Sink(upload, check, offset, check.content_length)
 
     async def written() -> None:
-        """Wait for the write in flight. Shielded: a request cancelled by a newer attempt must
-        not walk away from it. anyio shields the thread's own wait, but not this task awaiting
-        that one: cancelled, it returned while the thread went on writing, its tidy-up appended
-        the next batch at the same offset and closed the file under the thread, and the newer
-        attempt resumed from a partial with bytes out of order (4 of 8 loaded tries of eight
-        staggered retries got a 4xx and no acknowledgement at all)."""
+        """Wait for the write in flight, shielded: anyio shields the thread's own wait, not this
+        task's; cancelled by a newer attempt, it returned while the thread wrote on, its tidy-up
+        wrote the next batch at the same offset and closed the file under the thread (4 of 8
+        loaded tries of eight staggered retries got a 4xx and no acknowledgement at all)."""
         if pending is not None:
             await asyncio.shield(pending)
 
@@ -249,17 +201,11 @@ async def _receive(
         if check.received < offset:  # a resumed body: its start is on disk already
             await to_thread.run_sync(sink.replay, offset)
             scope.deadline = anyio.current_time() + idle  # re-reading a big partial is not idling
-        body = chunks.__aiter__()
         refreshed = anyio.current_time()
         refresh_every = min(1.0, idle / 4)
-        while True:
-            try:
-                chunk = await body.__anext__()
-            except StopAsyncIteration:
-                break
-            except BaseException:
-                interrupted = True
-                raise
+        interrupted = True  # set while the next chunk is awaited: a failure there is the body stopping
+        async for chunk in body:
+            interrupted = False
             now = anyio.current_time()
             if now - refreshed >= refresh_every:  # moving the deadline re-arms a timer: not per chunk
                 scope.deadline, refreshed = now + idle, now
@@ -271,6 +217,8 @@ async def _receive(
                 await written()
             elif batched >= _BATCH:
                 await hand_off()
+            interrupted = True
+        interrupted = False
         await hand_off()
         await written()
         digest = check.finish()

@@ -1,10 +1,7 @@
-"""Start writing a file range back to disk now, without waiting for it.
-
-The hub fsyncs every update before acknowledging it and every round's files before
-committing the round; by default Linux starts writeback only when GBs are dirty or 30 s
-have passed, so each fsync would then wait for the whole file (~1 s for 500 MB on a cloud
-disk). Asking for writeback as the bytes are written lets the disk work while the network
-does, and the fsync wait for the last few MiB only.
+"""Start writing a file range back to disk now, without waiting for it: Linux starts writeback
+only when GBs are dirty or after 30 s, so the fsync that acknowledges an update or commits a
+round would wait for the whole file (~1 s for 500 MB on a cloud disk); asked as the bytes are
+written, the disk works while the network does, and the fsync waits for the last few MiB only.
 """
 
 from __future__ import annotations
@@ -25,11 +22,7 @@ def _starter() -> Callable[[int, int, int], None]:
         fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     except (OSError, AttributeError, TypeError):
         return lambda fd, offset, nbytes: None
-
-    def start(fd: int, offset: int, nbytes: int) -> None:
-        fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure only loses the head start
-
-    return start
+    return lambda fd, offset, nbytes: fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure loses the head start
 
 
 #: ``start_writeback(fd, offset, nbytes)``: ask the kernel to begin writing that range.
