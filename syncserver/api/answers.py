@@ -1,9 +1,7 @@
-"""The core's plain data as the hub's answers: what the coordinator and the run view return
-(dataclasses, TypedDicts) turned into the response models of :mod:`syncserver.api.schemas`.
-
-The core knows no wire format; the field names and types of every answer live in ``schemas``
-alone, and this is the one place that fills them in. Models read attributes
-(``from_attributes``), so a dataclass whose fields are the answer's converts as it is.
+"""The core's plain data (dataclasses, TypedDicts) as the response models of
+:mod:`syncserver.api.schemas`: the core knows no wire format, and this is the one place that fills
+the answers in. Models read attributes (``from_attributes``): a dataclass with the answer's fields
+converts as it is.
 """
 
 from __future__ import annotations
@@ -11,8 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from syncserver.api.schemas import (
-    Heartbeat,
-    Progress,
     Reducer,
     RunConfig,
     RunStatus,
@@ -21,27 +17,14 @@ from syncserver.api.schemas import (
     StartReady,
     StartWaiting,
     UpdateAck,
-    UploadPlan,
-    VersionZero,
 )
-from syncserver.core.coordinator import RoundProgress, Start
+from syncserver.core.coordinator import Start
 from syncserver.core.leases import ReducerStats
-from syncserver.core.presigned import Plan
-from syncserver.core.rounds import Acknowledgement, InitialVersion
+from syncserver.core.rounds import Acknowledgement
 from syncserver.core.state import RunConfig as RunSettings
 from syncserver.core.view import HubView, RunLine
 
-__all__ = [
-    "heartbeat",
-    "initial_version",
-    "progress",
-    "reducers",
-    "run_lines",
-    "run_status",
-    "start",
-    "update_ack",
-    "upload_plan",
-]
+__all__ = ["reducers", "run_lines", "run_status", "start", "update_ack"]
 
 
 def run_config(config: RunSettings | None) -> RunConfig:
@@ -70,26 +53,10 @@ def start(start: Start) -> StartInitialise | StartWaiting | StartReady:
     )
 
 
-def initial_version(stored: InitialVersion) -> VersionZero:
-    return VersionZero(version=0, tensors=stored.tensors, bytes=stored.nbytes)
-
-
 def update_ack(ack: Acknowledgement) -> UpdateAck:
     return UpdateAck(
         round=ack.round, peer=ack.peer, seq=ack.seq, samples=ack.samples, bytes=ack.nbytes, repeat=ack.repeat
     )
-
-
-def upload_plan(plan: Plan) -> UploadPlan:
-    return UploadPlan.model_validate(plan)
-
-
-def progress(state: RoundProgress) -> Progress:
-    return Progress.model_validate(state)
-
-
-def heartbeat(version: int, lease_seconds: float, watch: bool) -> Heartbeat:
-    return Heartbeat(version=version, lease_seconds=lease_seconds, watch=watch)
 
 
 def run_lines(lines: list[RunLine]) -> list[RunSummary]:
@@ -104,19 +71,5 @@ def run_status(view: HubView, name: str) -> RunStatus:
 
 def reducers(known: list[ReducerStats]) -> list[Reducer]:
     """The reducers the board knows, as /v1/reduce/reducers and the dashboard show them."""
-    return [
-        Reducer(
-            name=r.name,
-            last_seen=r.last_seen,
-            leases=r.leases,
-            expired=r.expired,
-            seconds=r.seconds,
-            last_seconds=r.last_seconds,
-            bytes=r.bytes,
-            busy=r.holding is not None,
-            checks=r.checks,
-            check_seconds=r.check_seconds,
-            check_failures=r.check_failures,
-        )
-        for r in known
-    ]
+    fields = Reducer.model_fields.keys() - {"busy"}
+    return [Reducer(**{f: getattr(r, f) for f in fields}, busy=r.holding is not None) for r in known]
