@@ -1,34 +1,19 @@
-"""Prometheus metrics of one hub: ``GET /metrics`` (text format, prometheus-client).
+"""Prometheus metrics of one hub, ``GET /metrics`` (names, labels, scrape config: docs/observability.md).
 
-Each app gets its own :class:`~prometheus_client.CollectorRegistry` (tests build many apps in
-one process; the global registry would refuse the second). Two kinds of numbers:
-
-- **events** (counters, histograms) are fed by observers hooked into the coordinator: an
-  acknowledged update (upload seconds, samples), a closed round (fold, merge, straggler wait,
-  round wall time, stragglers dropped), a finished result download, and, from the app's
-  error handler, every refused update by reason;
-- **state** (version, peers by state, bytes up and down) is read from the coordinator at
-  scrape time by a custom collector, so it can never drift from what ``/v1/runs/{run}`` says.
-
-All names start with ``weightsync_``. Counters restart from zero when the hub restarts, as
-Prometheus expects (``rate()`` handles resets).
-
-The ``run`` label is bounded: the first ``SYNC_METRICS_RUNS`` runs seen (50) are labelled
-by name, every other run is summed under ``run="_other"`` (no run name starts with ``_``).
-With 2,000 runs ``/metrics`` *was* 881 KB, and a scraper's series grew with every run made.
-A run's label never changes (runs are never deleted), so the sums stay monotonic counters.
-
-Scrape config (when the hub has a token, the view token is enough)::
-
-    - job_name: weightsync
-      authorization: {credentials: "<SYNC_VIEW_TOKEN>"}
-      static_configs: [{targets: ["hub:8000"]}]
+Each app has its own :class:`~prometheus_client.CollectorRegistry` (tests build many apps in one
+process; the global one would refuse the second). Events (counters, histograms) are fed by
+observers of the run view and, from the app's error handlers, by every refused upload; state
+(version, peers, bytes) is read from the view at scrape time, so it cannot drift from
+``/v1/runs/{run}``. The ``run`` label is bounded: the first ``SYNC_METRICS_RUNS`` runs seen are
+named, every other one is summed under ``run="_other"`` (with 2,000 runs ``/metrics`` *was* 881 KB,
+and a scraper's series grew with every run made); a run never changes label, so sums stay monotonic.
 """
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+from collections import defaultdict
 from collections.abc import Iterator
-from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -85,28 +70,20 @@ class _StateCollector(Collector):
             "weightsync_bytes_sent", "Result and model bytes served to peers.", labels=["run"]
         )
         facts = view.facts() if view is not None else []
-        sums: dict[str, dict[str, float]] = {}  # label -> what is summed under it
+        sums: defaultdict[str, Tally[str]] = defaultdict(Tally)  # label -> what is summed under it
         for run in facts:
             label = self._metrics.label(run.run)
             if label != OTHER:  # a version of many runs means nothing: only named runs have one
                 version.add_metric([label], run.version)
-            total = sums.setdefault(label, {})
-            counts = {
-                "live": run.peers[PeerState.LIVE] + run.peers[PeerState.LATE],
-                "pending": run.open_updates,
-                "in": run.bytes_up,
-                "out": run.bytes_down,
-                **{state.value: count for state, count in run.peers.items()},
-            }
-            for key, value in counts.items():
-                total[key] = total.get(key, 0) + value
+            sums[label].update({state.value: count for state, count in run.peers.items()})
+            sums[label].update(pending=run.open_updates, up=run.bytes_up, down=run.bytes_down)
         for label, total in sums.items():
-            live.add_metric([label], total["live"])
+            live.add_metric([label], total["live"])  # PeerState.LIVE's (a late peer is not counted)
             for state in PeerState:
                 peers.add_metric([label, state.value], total[state.value])
             pending.add_metric([label], total["pending"])
-            bytes_in.add_metric([label], total["in"])
-            bytes_out.add_metric([label], total["out"])
+            bytes_in.add_metric([label], total["up"])
+            bytes_out.add_metric([label], total["down"])
         runs.add_metric([], len(facts))
         yield from (runs, version, live, peers, pending, bytes_in, bytes_out)
         if view is not None and view.store_reads is not None:
@@ -281,15 +258,10 @@ class HubMetrics:
         return generate_latest(self.registry)
 
 
-def _metrics(request: Request) -> HubMetrics:
-    metrics: HubMetrics = request.app.state.metrics
-    return metrics
-
-
 router = APIRouter(dependencies=[Depends(authenticate_view)])
 
 
 @router.get("/metrics", summary="Prometheus metrics (text format)", response_class=Response)
-async def metrics(hub_metrics: Annotated[HubMetrics, Depends(_metrics)]) -> Response:
+async def metrics(request: Request) -> Response:
     # async on purpose: the collector reads coordinator state, which lives on the event loop
-    return Response(hub_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
