@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, get_args, get_origin
@@ -72,7 +71,7 @@ def _settings_parameters() -> list[inspect.Parameter]:
 
 def with_settings_flags(command: Callable[..., None]) -> Callable[..., None]:
     """Give ``command`` one flag per settings field; it receives those given, as raw strings by
-    field name, in its ``flags`` argument (for :func:`settings_or_exit`)."""
+    field name, in its ``flags`` argument (for :func:`~syncserver.settings.hub_settings`)."""
     own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "flags"]
     fields = HubSettings.model_fields.keys()
 
@@ -85,15 +84,6 @@ def with_settings_flags(command: Callable[..., None]) -> Callable[..., None]:
     wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # what typer reads
     wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper
-
-
-def settings_or_exit(flags: dict[str, str], **defaults: Any) -> HubSettings:
-    """:func:`hub_settings`, or the one-line reason it failed and exit code 2."""
-    try:
-        return hub_settings(flags, **defaults)
-    except SettingsInputError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -115,23 +105,22 @@ def serve(
 
     from syncserver.api.factory import create_app
     from syncserver.arenas import limit_arenas
+    from syncserver.storage.bucket import open_store
+    from syncserver.storage.s3 import StoreUnavailable
 
     limit_arenas()  # before the hub's threads exist: they take arenas as they first allocate
-    settings = settings_or_exit(flags)
-    if settings.store:  # before anything listens: a store that cannot work is one line, not a traceback
-        from syncserver.storage.bucket import open_store
-        from syncserver.storage.s3 import StoreUnavailable
-
-        try:
+    try:  # a bad setting, or a store that cannot work, is one line before anything listens
+        settings = hub_settings(flags)
+        if settings.store:
             open_store(settings.store, settings.store_url_seconds, settings.store_control_seconds).close()
-        except StoreUnavailable as exc:
-            typer.echo(f"error: --store: {exc.reason}", err=True)
-            raise typer.Exit(2) from None
+    except (SettingsInputError, StoreUnavailable) as exc:
+        typer.echo(f"error: --store: {exc.reason}" if isinstance(exc, StoreUnavailable) else f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     hint = " (open it with ?token=<view or hub token>, or paste the token when asked)" if settings.auth_required else ""
 
     reducers = None
     local = settings.reducers if settings.local_reducers is None else settings.local_reducers
-    if settings.reducers and local:
+    if local:  # at most settings.reducers
         from syncserver.reduce.children import LocalReducers
 
         secret = settings.admin_token or settings.token
@@ -204,7 +193,6 @@ def status(
     if as_json and watch:
         typer.echo("error: --json prints once: leave out --watch", err=True)
         raise typer.Exit(2)
-    token = token or os.environ.get("SYNC_TOKEN")
     try:
         if as_json:
             typer.echo(json.dumps(fetch(url, run, token), indent=2))
