@@ -56,31 +56,22 @@ def _help(name: str, field: FieldInfo) -> str:
     return f"{field.description} [{env_name(name)}{shown}]"  # [UPPER...]: not rich markup
 
 
-def _settings_parameters() -> list[inspect.Parameter]:
-    """One ``--flag`` per settings field. Typed ``str`` on purpose: pydantic, not click, parses
+def with_settings_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """Give ``command`` one flag per settings field; it receives those given, as raw strings by
+    field name, in its ``flags`` argument. Typed ``str`` on purpose: pydantic, not click, parses
     and checks the value, so a flag and its variable give the same one-line error."""
-    params = []
+    params = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "flags"]
     for name, field in HubSettings.model_fields.items():
         option = typer.Option(
             flag_name(name), help=_help(name, field), metavar=_metavar(field), rich_help_panel=SETTINGS_PANEL
         )
         annotation = Annotated[Optional[str], option]  # noqa: UP045 (typer reads Optional on 3.10)
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation))
-    return params
-
-
-def with_settings_flags(command: Callable[..., None]) -> Callable[..., None]:
-    """Give ``command`` one flag per settings field; it receives those given, as raw strings by
-    field name, in its ``flags`` argument (for :func:`~syncserver.settings.hub_settings`)."""
-    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "flags"]
-    fields = HubSettings.model_fields.keys()
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> None:
-        given = {k: kwargs.pop(k) for k in fields}
-        command(flags={k: v for k, v in given.items() if v is not None}, **kwargs)
+        command(flags={k: v for k in HubSettings.model_fields if (v := kwargs.pop(k)) is not None}, **kwargs)
 
-    params = own + _settings_parameters()
     wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # what typer reads
     wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper

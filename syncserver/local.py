@@ -227,27 +227,16 @@ class LocalRun:
             ) from None
 
     def _start_peers(self) -> None:
-        threads = str(max(1, _cores() // self.k))
         _note(f"hub and dashboard at {self.hub_url}/ ; {self.k} peers of: {' '.join(self.command)}")
         _note(f"logs: {self.logs['hub']}, {self.out}/peer-*.log")
         base = {k: v for k, v in self.env.items() if k != "WEIGHTSYNC_TOKEN"}
         if self.token:
             base["WEIGHTSYNC_TOKEN"] = self.token
+        base |= {"WEIGHTSYNC_HUB": self.hub_url, "WEIGHTSYNC_RUN": self.run, "WEIGHTSYNC_WORLD_SIZE": str(self.k)}
         for rank, name in enumerate(self.peers):
-            folder = (self.out / name).absolute()  # the peer may run in it: a relative path would not do
-            folder.mkdir(parents=True, exist_ok=True)
-            env = base | {
-                "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", threads),
-                "WEIGHTSYNC_HUB": self.hub_url,
-                "WEIGHTSYNC_RUN": self.run,
-                "WEIGHTSYNC_PEER": name,
-                "WEIGHTSYNC_RANK": str(rank),
-                "WEIGHTSYNC_WORLD_SIZE": str(self.k),
-                "WEIGHTSYNC_PEER_DIR": str(folder),
-            }
-            log = self.out / f"{name}.log"
-            self.procs[name] = _start(name, self.command, log, env, folder if self.peer_folders else None)
-            self.logs[name] = log
+            env = base | {"WEIGHTSYNC_PEER": name, "WEIGHTSYNC_RANK": str(rank)}
+            threads = max(1, _cores() // self.k)
+            self.procs[name], self.logs[name] = _start(name, self.command, self.out, env, self.peer_folders, threads)
         self.table.header()
 
     def wait(self, poll_seconds: float = 0.5) -> list[dict[str, Any]]:
@@ -384,12 +373,9 @@ def check_final(final: dict[str, dict[str, Any] | None], hub: tuple[int, str]) -
 
 def _run_serial(command: Sequence[str], out: Path, env: Mapping[str, str] | None, own_folder: bool) -> Path:
     """The serial baseline: ``command`` alone, no hub, with every core; its log."""
-    folder, log = (out / "serial").absolute(), out / "serial.log"
-    folder.mkdir(parents=True, exist_ok=True)
+    _note(f"serial baseline: one process, in {(out / 'serial').absolute()} (log: {out / 'serial.log'}) ...")
     base = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("WEIGHTSYNC_")}
-    base |= {"WEIGHTSYNC_PEER_DIR": str(folder), "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", str(_cores()))}
-    _note(f"serial baseline: one process, in {folder} (log: {log}) ...")
-    proc = _start("the serial baseline", command, log, base, folder if own_folder else None)
+    proc, log = _start("serial", command, out, base, own_folder, _cores())
     try:
         code = proc.wait()
     finally:
@@ -437,16 +423,22 @@ def _plot(curves: dict[str, list[tuple[int, float]]], syncs: list[int], path: Pa
     return path
 
 
-def _start(name: str, cmd: Sequence[str], log: Path, env: dict[str, str], cwd: Path | None) -> subprocess.Popen[bytes]:
-    """``cmd`` with its output in ``log``, in a session of its own: Ctrl-C reaches only the
-    launcher, which stops its children in order."""
+def _start(
+    name: str, cmd: Sequence[str], out: Path, env: dict[str, str], own_folder: bool, threads: int
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """``cmd`` as ``name``, and its log ``out/<name>.log``: its folder ``out/<name>`` in
+    ``WEIGHTSYNC_PEER_DIR`` (and its working directory if ``own_folder``), ``OMP_NUM_THREADS``
+    ``threads`` unless set, and a session of its own (Ctrl-C reaches only the launcher)."""
+    folder, log = (out / name).absolute(), out / f"{name}.log"  # absolute: the child may run in it
+    folder.mkdir(parents=True, exist_ok=True)
+    env = _child_env({"OMP_NUM_THREADS": str(threads), **env, "WEIGHTSYNC_PEER_DIR": str(folder)})
+    cwd = folder if own_folder else None
     with log.open("wb") as f:  # the child keeps its own handle
         try:
-            return subprocess.Popen(
-                cmd, stdout=f, stderr=subprocess.STDOUT, env=_child_env(env), cwd=cwd, start_new_session=True
-            )
+            popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
         except OSError as exc:
             raise LaunchError(f"cannot start {name}: {' '.join(cmd)}: {exc.strerror}", PEER_EXIT) from None
+    return popen, log
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], signals: list[signal.Signals]) -> None:

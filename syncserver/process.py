@@ -1,13 +1,10 @@
-"""A server in a child process, on a port the operating system picks.
+"""A server in a child process, on a port the operating system picks: the one way this project
+(the launcher, the tests, the benchmarks) starts a server it talks to.
 
-Picking a "free" port by binding one, closing it and handing its number to a child races with
-every other process on the machine (bind, close, hope). Instead the child binds port 0 and,
-once it listens, writes its URL to a *ready file* (``syncserver serve --ready-file``; the
-benchmarks' baseline servers take the same two flags). A restart asks for the port the first
-start got, so clients that retry against the same URL find the server again.
-
-Used by the launcher (``weightsync-run --local-peers``), the tests and the benchmarks: the one
-way this project starts a server it talks to.
+Binding a "free" port, closing it and handing its number to a child races with every other process
+on the machine. Instead the child binds port 0 and, once it listens, writes its URL to a *ready
+file* (``syncserver serve --ready-file``; the benchmarks' baseline servers take the same flags). A
+restart asks for the port the first start got, so clients retrying the same URL find it again.
 """
 
 from __future__ import annotations

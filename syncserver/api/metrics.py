@@ -140,8 +140,11 @@ class HubMetrics:
         self.view: HubView | None = None
         self.max_runs = max_runs
         self._labelled: set[str] = set()
-        r = self.registry
-        self.rounds = Counter("weightsync_rounds_completed", "Rounds closed.", ["run"], registry=r)
+
+        def counter(name: str, text: str, *labels: str) -> Counter:
+            return Counter(name, text, ["run", *labels], registry=self.registry)
+
+        self.rounds = counter("weightsync_rounds_completed", "Rounds closed.")
         self.phases = Histogram(
             "weightsync_round_phase_seconds",
             "Seconds spent in each phase of a round: upload and download per peer, wait (for "
@@ -149,46 +152,36 @@ class HubMetrics:
             "fold and merge (aggregation), round (first update to publication).",
             ["run", "phase"],
             buckets=SECONDS_BUCKETS,
-            registry=r,
+            registry=self.registry,
         )
-        self.accepted = Counter("weightsync_updates_accepted", "Updates acknowledged.", ["run"], registry=r)
-        self.samples = Counter(
-            "weightsync_samples", "Training samples reported with acknowledged updates.", ["run"], registry=r
-        )
-        self.rejected = Counter(
+        self.accepted = counter("weightsync_updates_accepted", "Updates acknowledged.")
+        self.samples = counter("weightsync_samples", "Training samples reported with acknowledged updates.")
+        self.rejected = counter(
             "weightsync_updates_rejected",
             "Uploads refused, by reason (the error code of the answer: round_closed, "
             "invalid_update, bad_request, conflict, unauthorized, payload_too_large, ...).",
-            ["run", "reason"],
-            registry=r,
+            "reason",
         )
-        self.dropped = Counter(
-            "weightsync_stragglers_dropped",
-            "Live peers a round closed without (its deadline passed).",
-            ["run"],
-            registry=r,
+        self.dropped = counter(
+            "weightsync_stragglers_dropped", "Live peers a round closed without (its deadline passed)."
         )
-        self.download_bytes = Counter(
+        self.download_bytes = counter(
             "weightsync_download_bytes",
             "Result and model bytes peers downloaded, by where from: via=hub (the hub's link) or via=store "
             "(redirected to the object store, SYNC_STORE).",
-            ["run", "via"],
-            registry=r,
+            "via",
         )
-        self.upload_bytes = Counter(
+        self.upload_bytes = counter(
             "weightsync_upload_bytes",
             "Bytes of acknowledged updates, by the way they came: via=hub (a PUT to the hub, through its link) or "
             "via=store (uploaded to the object store through presigned URLs, SYNC_STORE).",
-            ["run", "via"],
-            registry=r,
+            "via",
         )
-        self.store_bytes = Counter(
+        self.store_bytes = counter(
             "weightsync_store_upload_bytes",
             "Result and version bytes the hub uploaded to the object store (once per object).",
-            ["run"],
-            registry=r,
         )
-        r.register(_StateCollector(self))
+        self.registry.register(_StateCollector(self))
 
     def attach(self, view: HubView) -> None:
         """Listen to a started hub's view."""

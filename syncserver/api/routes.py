@@ -352,14 +352,7 @@ async def put_update(
             # or the ack of this very update, which a newer attempt may have brought), so that
             # the peer catches up
             again = await hub.rounds.update_ticket(
-                hub.seen(run, peer),
-                round,
-                peer,
-                ticket.digest,
-                ticket.samples,
-                ticket.metrics,
-                key=key,
-                final=ticket.final,
+                hub.seen(run, peer), round, peer, hex_digest, samples, numbers, key=key, final=last
             )
             if again.acknowledged is not None:
                 return answers.update_ack(again.acknowledged)
