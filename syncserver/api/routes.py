@@ -36,7 +36,7 @@ from syncserver.api.schemas import (
     UploadPlan,
     VersionZero,
 )
-from syncserver.core.coordinator import Coordinator, Start
+from syncserver.core.coordinator import Coordinator
 from syncserver.core.planes import Redirect
 from syncserver.core.presigned import UploadReport
 from syncserver.core.rounds import Ticket
@@ -195,18 +195,6 @@ async def run_status(run: RunName, hub: Hub) -> RunStatus:
     return answers.run_status(hub.view, run)
 
 
-def _start_answer(start: Start) -> StartState | Response:
-    """A ready answer's schema (7 MB of JSON for 100,000 tensors) is spliced in from the run's own
-    JSON, made once (:class:`~syncserver.core.shape.RunShape`), not serialised again on the event
-    loop for every request. Same bytes as the model."""
-    answer = answers.start(start)
-    if start.state != "ready":
-        return answer
-    assert start.shape is not None
-    head = answer.model_dump_json(by_alias=True, exclude={"tensor_schema"}).encode()
-    return Response(head[:-1] + b',"schema":' + start.shape.schema_json + b"}", media_type="application/json")
-
-
 @router.post(
     "/runs/{run}/peers",
     summary="Join a run (creating it if new); says what the peer must do next",
@@ -214,7 +202,7 @@ def _start_answer(start: Start) -> StartState | Response:
 )
 async def join(run: RunName, body: JoinRequest, hub: Hub, caller: Caller) -> StartState | Response:
     requested = body.model_dump(exclude={"peer", "group_size"})
-    return _start_answer(hub.join(run, body.peer, requested, group_size=body.group_size, creator=caller))
+    return answers.start(hub.join(run, body.peer, requested, group_size=body.group_size, creator=caller))
 
 
 @router.get(
@@ -223,7 +211,7 @@ async def join(run: RunName, body: JoinRequest, hub: Hub, caller: Caller) -> Sta
     response_model=StartState,
 )
 async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) -> StartState | Response:
-    return _start_answer(await hub.wait_start(run, peer, wait))
+    return answers.start(await hub.wait_start(run, peer, wait))
 
 
 @router.put(
