@@ -99,13 +99,9 @@ def settings_env(settings: HubSettings) -> dict[str, str]:
 
 
 class RoundTable:
-    """One printed row per closed round of a run's status (``GET /v1/runs/{run}``).
-
-    ``rows`` keeps them as JSON-ready dicts: ``round``, ``version`` (the one it produced),
-    ``step``, ``participants``, ``dropped``, ``samples``, ``metrics`` (each peer's metrics from
-    its update, ``None`` if it sent none), ``bytes_up``, ``bytes_down`` (the result times its
-    participants), ``seconds`` (first update to close) and ``elapsed`` (since the launcher began).
-    """
+    """One printed row per closed round of a run's status (``GET /v1/runs/{run}``), kept in ``rows``
+    as JSON-ready dicts (``results.json``'s rounds: ``metrics`` are each peer's from its update,
+    ``bytes_down`` the result times its participants, ``seconds`` from first update to close)."""
 
     def __init__(self, peers: Sequence[str], metric: str, echo: Callable[[str], None], t0: float) -> None:
         self.peers, self.metric, self.echo, self.t0 = list(peers), metric, echo, t0
@@ -126,35 +122,34 @@ class RoundTable:
         metrics: dict[int, dict[str, dict[str, float]]] = {}
         for u in status.get("updates", []):
             metrics.setdefault(u["round"], {})[u["peer"]] = u["metrics"]
-        for r in sorted(status.get("rounds", []), key=lambda r: r["round"]):
-            if r["round"] > done:
-                self._emit(r, metrics.get(r["round"], {}))
-
-    def _emit(self, record: dict[str, Any], metrics: dict[str, dict[str, float]]) -> None:
-        steps = [m["step"] for m in metrics.values() if "step" in m]
-        row = {
-            "round": record["round"],
-            "version": record["round"] + 1,
-            "step": int(max(steps)) if steps else None,
-            "participants": len(record["participants"]),
-            "dropped": record["dropped"],
-            "samples": record["samples"],
-            "metrics": {p: metrics.get(p) for p in self.peers},
-            "bytes_up": record["bytes_in"],
-            "bytes_down": record["result_bytes"] * len(record["participants"]),
-            "seconds": round(record["closed"] - record["opened"], 3),
-            "elapsed": round(time.time() - self.t0, 1),
-        }
-        self.rows.append(row)
-        values = [(m or {}).get(self.metric) for m in row["metrics"].values()]
-        # .6g: 10760.1, not 1.076e+04
-        cells = " ".join(f"{'-':>{self.width}}" if v is None else f"{v:>{self.width}.6g}" for v in values)
-        step = "-" if row["step"] is None else row["step"]
-        self.echo(
-            f"{row['round']:>5} {step:>6} {row['participants']:>5} {row['samples']:>8} {cells} "
-            f"{row['bytes_up'] / 1e6:>9.2f} {row['bytes_down'] / 1e6:>9.2f} {row['seconds']:>7.2f} "
-            f"{row['elapsed']:>7.0f}"
-        )
+        for record in sorted(status.get("rounds", []), key=lambda r: r["round"]):
+            if record["round"] <= done:
+                continue
+            sent = metrics.get(record["round"], {})
+            steps = [m["step"] for m in sent.values() if "step" in m]
+            row = {
+                "round": record["round"],
+                "version": record["round"] + 1,
+                "step": int(max(steps)) if steps else None,
+                "participants": len(record["participants"]),
+                "dropped": record["dropped"],
+                "samples": record["samples"],
+                "metrics": {p: sent.get(p) for p in self.peers},
+                "bytes_up": record["bytes_in"],
+                "bytes_down": record["result_bytes"] * len(record["participants"]),
+                "seconds": round(record["closed"] - record["opened"], 3),
+                "elapsed": round(time.time() - self.t0, 1),
+            }
+            self.rows.append(row)
+            values = [(m or {}).get(self.metric) for m in row["metrics"].values()]
+            # .6g: 10760.1, not 1.076e+04
+            cells = " ".join(f"{'-':>{self.width}}" if v is None else f"{v:>{self.width}.6g}" for v in values)
+            step = "-" if row["step"] is None else row["step"]
+            self.echo(
+                f"{row['round']:>5} {step:>6} {row['participants']:>5} {row['samples']:>8} {cells} "
+                f"{row['bytes_up'] / 1e6:>9.2f} {row['bytes_down'] / 1e6:>9.2f} {row['seconds']:>7.2f} "
+                f"{row['elapsed']:>7.0f}"
+            )
 
 
 class LocalRun:
@@ -303,14 +298,12 @@ def launch(
     serial: Sequence[str] | None = None,
     curve: Callable[[Path], list[tuple[int, float]]] | None = None,
 ) -> int:
-    """A fresh run (``out/hub`` removed first) of ``peers`` peers of ``command`` (each in its folder
-    ``out/<peer>`` if ``peer_folders``, else in the caller's), then its check and report: each
-    peer's final weights against the hub's last version, ``serial`` alone if given (the serial
-    baseline: no hub, every core, in ``out/serial``), ``out/results.json`` and the plot of
-    ``metric``: ``curve(folder)`` of each process if given (evaluations between syncs too), else the
-    values each peer sent with its updates. Returns 0, or :data:`PEER_EXIT` when a peer's final
-    weights differ from the hub's; raises :class:`LaunchError` when a child fails, on a bad hub
-    setting and when interrupted."""
+    """A fresh run (``out/hub`` removed first) of ``peers`` peers of ``command`` (in their folders
+    ``out/<peer>`` if ``peer_folders``), then the check of their final weights, ``serial`` alone if
+    given (the serial baseline: no hub, every core), ``out/results.json`` and the plot of ``metric``:
+    ``curve(folder)`` of each process if given, else what each peer sent with its updates. 0, or
+    :data:`PEER_EXIT` when a peer's final weights differ from the hub's; :class:`LaunchError` when a
+    child fails, on a bad hub setting and when interrupted."""
     t0 = time.time()
     settings = hub_settings_for(out, peers, token)
     shutil.rmtree(out / "hub", ignore_errors=True)
@@ -353,9 +346,8 @@ def _left(log: Path) -> dict[str, Any] | None:
 
 def check_final(final: dict[str, dict[str, Any] | None], hub: tuple[int, str]) -> dict[str, bool]:
     """Whether the peers that printed their digest as they left (``final``: peer -> version and
-    digest, or None) hold identical weights, and those that left at the hub's last version
-    (``hub``: version, digest) hold exactly it; printed. A peer that left earlier is named, not
-    failed: it stopped before the others. ``{}`` when none printed."""
+    digest, or None) hold identical weights, and those that left at the hub's last version hold
+    exactly it (``hub``: version, digest); printed. One that left earlier is named, not failed."""
     left = {p: f for p, f in final.items() if f is not None}
     if not left:
         return {}

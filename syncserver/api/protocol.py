@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from http import HTTPStatus
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -193,14 +194,9 @@ def _guarded(header_seconds: float, max_header_bytes: int) -> type[asyncio.Proto
         def _refuse(self, status: int, code: str, detail: str) -> None:
             self._stop_timer()
             body = json.dumps({"error": code, "detail": detail}).encode()
-            reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
-            head = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+            head = [b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())]
             head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
-            head += [
-                b"content-type: application/json\r\n",
-                b"content-length: %d\r\n" % len(body),
-                b"connection: close\r\n\r\n",
-            ]
+            head += [b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)]
             self.transport.write(b"".join(head) + body)
             self.transport.close()
 
