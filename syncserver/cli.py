@@ -4,13 +4,9 @@ syncserver serve --host 0.0.0.0 --port 8000 --data-dir /srv/weightsync --min-pee
 syncserver status http://hub:8000 --run imdb-gpt2 [--watch | --json]
 syncserver reduce --hub http://hub:8000 [--token T]     (a reducer; serve --reducers K starts K)
 
-(A hub and K peers on this machine: ``weightsync-run --local-peers K -- COMMAND``, which runs
-:mod:`syncserver.local`'s launcher.)
-
-The hub settings are written once, in :class:`~syncserver.settings.HubSettings`: every field is
-a ``SYNC_*`` environment variable and, generated from the same field, a flag of ``serve``
-(``keep_versions`` -> ``--keep-versions``). A flag beats its variable, a variable beats
-the default, and pydantic checks every value, wherever it came from.
+Every field of :class:`~syncserver.settings.HubSettings` is a ``SYNC_*`` variable and, made from
+the same field, a flag of ``serve`` (``keep_versions`` -> ``--keep-versions``): a flag beats its
+variable, a variable the default, and pydantic checks every value wherever it came from.
 """
 
 from __future__ import annotations

@@ -68,10 +68,10 @@ class ServerProcess:
         port = 0 if self.url is None else self.port
         command = [*self.command, "--port", str(port), "--ready-file", str(self.ready_file)]
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as out:  # the child keeps its own handle
+        with self.log.open("ab") as f:  # the child keeps its own handle
             self.proc = subprocess.Popen(
                 command,
-                stdout=out,
+                stdout=f,
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 cwd=self.cwd,
@@ -128,10 +128,7 @@ def write_ready(path: Path, url: str) -> None:
 
 
 def run_uvicorn(
-    config: uvicorn.Config,
-    *,
-    ready_file: Path | None = None,
-    on_listening: Callable[[str], None] | None = None,
+    config: uvicorn.Config, *, ready_file: Path | None = None, on_listening: Callable[[str], None] | None = None
 ) -> None:
     """uvicorn's server, telling its URL once it listens (with port 0: the port the OS chose)
     to ``ready_file`` and ``on_listening``."""

@@ -292,8 +292,8 @@ def show(url: str, *, run: str | None, token: str | None, watch: bool, interval:
                 try:
                     data = fetch(url, run, token)
                 except StatusError as exc:  # keep the last good tables, say what is wrong
-                    stamp = time.strftime("%H:%M:%S")
-                    live.update(Group(render(data, base), Text(f"{stamp} {exc}; retrying", style="red")))
+                    warning = Text(f"{time.strftime('%H:%M:%S')} {exc}; retrying", style="red")
+                    live.update(Group(render(data, base), warning))
                 else:
                     live.update(render(data, base))
     except KeyboardInterrupt:

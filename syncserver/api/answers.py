@@ -1,7 +1,6 @@
-"""The core's plain data (dataclasses, TypedDicts) as the response models of
-:mod:`syncserver.api.schemas`: the core knows no wire format, and this is the one place that fills
-the answers in. Models read attributes (``from_attributes``): a dataclass with the answer's fields
-converts as it is.
+"""The core's plain data (dataclasses) as the response models of :mod:`syncserver.api.schemas`,
+where that takes more than a model call (a route builds a one-line answer itself): the core knows
+no wire format.
 """
 
 from __future__ import annotations
@@ -10,23 +9,14 @@ from typing import Any
 
 from fastapi import Response
 
-from syncserver.api.schemas import (
-    Reducer,
-    RunConfig,
-    RunStatus,
-    RunSummary,
-    StartInitialise,
-    StartReady,
-    StartWaiting,
-    UpdateAck,
-)
+from syncserver.api.schemas import Reducer, RunConfig, RunSummary, StartInitialise, StartReady, StartWaiting, UpdateAck
 from syncserver.core.coordinator import Start
 from syncserver.core.leases import ReducerStats
 from syncserver.core.rounds import Acknowledgement
 from syncserver.core.state import RunConfig as RunSettings
-from syncserver.core.view import HubView, RunLine
+from syncserver.core.view import RunLine
 
-__all__ = ["reducers", "run_lines", "run_status", "start", "update_ack"]
+__all__ = ["reducers", "run_lines", "start", "update_ack"]
 
 
 def run_config(config: RunSettings | None) -> RunConfig:
@@ -66,12 +56,6 @@ def update_ack(ack: Acknowledgement) -> UpdateAck:
 
 def run_lines(lines: list[RunLine]) -> list[RunSummary]:
     return [RunSummary.model_validate(line) for line in lines]
-
-
-def run_status(view: HubView, name: str) -> RunStatus:
-    """A run's state and its latest updates (``GET /v1/runs/{run}``)."""
-    run = view.get(name)
-    return RunStatus(**view.state(run), updates=view.latest_updates(run.name))
 
 
 def reducers(known: list[ReducerStats]) -> list[Reducer]:

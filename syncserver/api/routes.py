@@ -22,7 +22,6 @@ from starlette.requests import ClientDisconnect
 
 from syncserver.api import answers
 from syncserver.api.deps import Caller, Hub, PeerName, Round, RunName, Wait, authenticate, authenticate_view
-from syncserver.api.metrics import HubMetrics
 from syncserver.api.responses import BlobResponse, requested_range
 from syncserver.api.schemas import (
     Heartbeat,
@@ -192,7 +191,7 @@ async def list_runs(
 
 @view_router.get("/runs/{run}", summary="A run's state: config, version, peers, open round, recent rounds")
 async def run_status(run: RunName, hub: Hub) -> RunStatus:
-    return answers.run_status(hub.view, run)
+    return RunStatus(**hub.view.state(hub.view.get(run)), updates=hub.view.latest_updates(run))
 
 
 @router.post(
@@ -456,8 +455,7 @@ def _answer(
         start = end = 0
     via: Via = "store" if isinstance(found, Redirect) else "hub"
     hub.count_download(run, peer, end - start, via)
-    metrics: HubMetrics = request.app.state.metrics
-    metrics.served(run, via, end - start)
+    request.app.state.metrics.served(run, via, end - start)
     if isinstance(found, Redirect):
         return Response(status_code=307, headers={**headers, "Location": found.url, "Cache-Control": "no-store"})
     return BlobResponse(found, headers=headers, background=background)

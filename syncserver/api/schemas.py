@@ -50,8 +50,6 @@ __all__ = [
 
 
 class Answer(BaseModel):
-    """Base of every success body: exactly these fields, built from keywords or attributes."""
-
     model_config = ConfigDict(extra="forbid", from_attributes=True)
 
 
