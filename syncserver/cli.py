@@ -192,7 +192,3 @@ def status(
 
 def main() -> None:
     app()
-
-
-if __name__ == "__main__":
-    main()

@@ -204,11 +204,10 @@ class LocalRun:
 
     def _start_hub(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        env = _child_env(dict(os.environ, **settings_env(self.settings)))
         hub = ServerProcess(
             [sys.executable, "-m", "syncserver", "serve", "--host", "127.0.0.1"],
             log=self.out / "hub.log",
-            env=env,
+            env=_child_env(dict(os.environ, **settings_env(self.settings))),
             new_session=True,
             ready_file=self.out / "hub.url",
         )

@@ -10,7 +10,6 @@ restart asks for the port the first start got, so clients retrying the same URL 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -100,7 +99,7 @@ class ServerProcess:
     def kill(self) -> None:
         """SIGKILL: nothing runs on the way out, as when a VM dies."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
+            self.proc.kill()
             self.proc.wait()
 
     def stop(self, timeout: float = 10.0) -> None:

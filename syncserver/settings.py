@@ -39,8 +39,7 @@ def run_type(setting: RunSetting, *, checked: bool = True) -> Any:
 
 
 def run_default(name: str) -> Any:
-    """A ``HubSettings`` field for a run setting: the table's default of new runs, its bounds
-    and the hub's help (the annotation, beside it, is the setting's type)."""
+    """A ``HubSettings`` field for a run setting: the table's default of new runs, bounds and help."""
     setting = _SETTINGS[name]
     return Field(setting.default, description=setting.hub, **_limits(setting))
 
@@ -254,13 +253,10 @@ def env_name(field: str) -> str:
 
 
 def hub_settings(flags: dict[str, str], **defaults: Any) -> HubSettings:
-    """The settings from ``flags`` (raw strings, by field name), else ``SYNC_*`` variables, else
-    ``defaults`` (a caller's own), else the model's defaults. ``syncserver serve``'s flags and
-    the local launcher (:func:`syncserver.local.hub_settings_for`) both come here.
-
-    Flag strings are handed to pydantic as they are, so a flag and its variable accept the
-    same spellings; only a dict field (``--run-tokens``) is JSON, as its variable is.
-    """
+    """The settings from ``flags``, else ``SYNC_*`` variables, else ``defaults``, else the model's:
+    for ``syncserver serve`` and the launcher (:func:`syncserver.local.hub_settings_for`). Flags are
+    raw strings by field name, handed to pydantic as a variable's are (the same spellings); a dict
+    field (``--run-tokens``) is JSON, as its variable is."""
     given: dict[str, Any] = dict(flags)  # Any: each value goes to the field of its name, pydantic checks it
     for name, raw in flags.items():
         if get_origin(HubSettings.model_fields[name].annotation) is dict:

@@ -26,7 +26,6 @@ from syncserver.api import answers
 from syncserver.api.deps import Hub, RunQuery, Viewer, Wait
 from syncserver.api.schemas import DashboardData, DashboardRun
 from syncserver.core.changes import until
-from syncserver.core.view import HubView
 from syncserver.records import RoundRecord, UpdateRecord
 
 __all__ = ["add_dashboard", "curves", "round_trace"]
@@ -129,31 +128,6 @@ def curves(updates: Iterable[UpdateRecord]) -> dict[str, Any]:
     return {"x": "step" if use_step else "round", "peers": peers}
 
 
-def snapshot(view: HubView, run_name: str | None, only: str | None = None) -> DashboardData:
-    """All the page shows of the hub and (when given and known) one run; with ``only``, of
-    that run alone (a run token's view: it must not learn of the hub's other runs)."""
-    run = view.find(run_name)
-    runs = answers.run_lines(view.list_runs())
-    detail = None
-    if run is not None:
-        # the page gets the updates' metrics as curves, their timings as the trace
-        rounds = view.rounds(run.name, limit=TRACE_ROUNDS)
-        updates = [u for r in rounds for u in view.updates(run.name, r.round)]
-        detail = DashboardRun(
-            **view.state(run),
-            trace=round_trace(rounds, updates, run.downloads),
-            curves=curves(view.latest_updates(run.name, limit=CURVE_UPDATES)),
-            lease_seconds=view.lease_seconds,
-        )
-    return DashboardData(
-        fingerprint=view.fingerprint(run),
-        now=time.time(),
-        runs=runs if only is None else [r for r in runs if r.run == only],
-        run=detail,
-        reducers=answers.reducers(view.reducers()) if only is None else [],
-    )
-
-
 api = APIRouter(prefix="/v1")
 
 
@@ -169,7 +143,23 @@ async def dashboard_data(
     if since is not None:  # every change the page shows wakes the view (acknowledgements, uploads, closes, leases)
         seconds = min(wait, hub.settings.long_poll_seconds)
         await until(lambda: view.fingerprint(view.find(run)) != since, view.changes, seconds, lambda: view.stopping)
-    return snapshot(view, run, only)
+    found, detail = view.find(run), None
+    if found is not None:  # the updates' metrics as curves, their timings as the trace
+        rounds = view.rounds(found.name, limit=TRACE_ROUNDS)
+        updates = [u for r in rounds for u in view.updates(found.name, r.round)]
+        detail = DashboardRun(
+            **view.state(found),
+            trace=round_trace(rounds, updates, found.downloads),
+            curves=curves(view.latest_updates(found.name, limit=CURVE_UPDATES)),
+            lease_seconds=view.lease_seconds,
+        )
+    return DashboardData(  # `only`: a run token's view, which must not learn of the hub's other runs
+        fingerprint=view.fingerprint(found),
+        now=time.time(),
+        runs=[r for r in answers.run_lines(view.list_runs()) if only is None or r.run == only],
+        run=detail,
+        reducers=answers.reducers(view.reducers()) if only is None else [],
+    )
 
 
 def add_dashboard(app: FastAPI) -> None:

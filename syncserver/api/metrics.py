@@ -43,59 +43,6 @@ _UPLOAD_ROUTES = {
 }
 
 
-class _StateCollector(Collector):
-    """Gauges and byte counters read from the coordinator at scrape time."""
-
-    def __init__(self, metrics: HubMetrics) -> None:
-        self._metrics = metrics
-
-    def describe(self) -> list[Metric]:
-        return []  # nothing to check at registration: names are fixed below
-
-    def collect(self) -> Iterator[Metric]:
-        view = self._metrics.view
-        runs = GaugeMetricFamily("weightsync_runs", "Runs on the hub (labelled one by one or not).")
-        version = GaugeMetricFamily("weightsync_version", "Current model version of the run.", labels=["run"])
-        live = GaugeMetricFamily(
-            "weightsync_live_peers", "Peers whose lease is fresh (waited for in rounds).", labels=["run"]
-        )
-        peers = GaugeMetricFamily(
-            "weightsync_peers", "Peers of the run by state (live, late, gone, left).", labels=["run", "state"]
-        )
-        pending = GaugeMetricFamily(
-            "weightsync_open_round_updates", "Updates acknowledged in the open round.", labels=["run"]
-        )
-        bytes_in = CounterMetricFamily("weightsync_bytes_received", "Update bytes received from peers.", labels=["run"])
-        bytes_out = CounterMetricFamily(
-            "weightsync_bytes_sent", "Result and model bytes served to peers.", labels=["run"]
-        )
-        facts = view.facts() if view is not None else []
-        sums: defaultdict[str, Tally[str]] = defaultdict(Tally)  # label -> what is summed under it
-        for run in facts:
-            label = self._metrics.label(run.run)
-            if label != OTHER:  # a version of many runs means nothing: only named runs have one
-                version.add_metric([label], run.version)
-            sums[label].update({state.value: count for state, count in run.peers.items()})
-            sums[label].update(pending=run.open_updates, up=run.bytes_up, down=run.bytes_down)
-        for label, total in sums.items():
-            live.add_metric([label], total["live"])  # PeerState.LIVE's (a late peer is not counted)
-            for state in PeerState:
-                peers.add_metric([label, state.value], total[state.value])
-            pending.add_metric([label], total["pending"])
-            bytes_in.add_metric([label], total["up"])
-            bytes_out.add_metric([label], total["down"])
-        runs.add_metric([], len(facts))
-        yield from (runs, version, live, peers, pending, bytes_in, bytes_out)
-        if view is not None and view.store_reads is not None:
-            read = CounterMetricFamily(
-                "weightsync_store_read_bytes",
-                "Bytes the hub read from the object store: the updates it checks (one GET each) and merges.",
-            )
-            read.add_metric([], view.store_reads())
-            yield read
-        yield from _reducer_metrics(view)
-
-
 _C, _G = CounterMetricFamily, GaugeMetricFamily
 #: per reducer: (the ReducerStats field, counter or gauge, metric, help)
 _REDUCER_SERIES: list[tuple[str, type[CounterMetricFamily | GaugeMetricFamily], str, str]] = [
@@ -132,8 +79,8 @@ def _reducer_metrics(view: HubView | None) -> Iterator[Metric]:
         yield series
 
 
-class HubMetrics:
-    """The registry of one app, and the observers that feed it."""
+class HubMetrics(Collector):
+    """The registry of one app, the observers that feed it, and the state it reads at scrape time."""
 
     def __init__(self, max_runs: int = 50) -> None:
         self.registry = CollectorRegistry()
@@ -181,7 +128,7 @@ class HubMetrics:
             "weightsync_store_upload_bytes",
             "Result and version bytes the hub uploaded to the object store (once per object).",
         )
-        self.registry.register(_StateCollector(self))
+        self.registry.register(self)
 
     def attach(self, view: HubView) -> None:
         """Listen to a started hub's view."""
@@ -219,9 +166,8 @@ class HubMetrics:
         self.rounds.labels(label).inc()
         self.dropped.labels(label).inc(len(record.dropped))
         fold, merge = record.timings.get("fold", 0.0), record.timings.get("merge", 0.0)
-        self.phases.labels(label, "fold").observe(fold)
-        self.phases.labels(label, "merge").observe(merge)
-        self.phases.labels(label, "round").observe(max(0.0, record.closed - record.opened))
+        for phase, seconds in (("fold", fold), ("merge", merge), ("round", max(0.0, record.closed - record.opened))):
+            self.phases.labels(label, phase).observe(seconds)
         aggregation_began = record.closed - fold - merge
         assert self.view is not None
         for update in self.view.updates(run, record.round):
@@ -246,6 +192,53 @@ class HubMetrics:
         # only known runs become label values: a stranger cannot grow the label set
         known = self.view is not None and run in self.view.names()
         self.rejected.labels(self.label(run) if known else "", reason).inc()
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check at registration: names are fixed below
+
+    def collect(self) -> Iterator[Metric]:
+        """The state, read from the coordinator at scrape time: gauges and byte counters."""
+        view = self.view
+        runs = GaugeMetricFamily("weightsync_runs", "Runs on the hub (labelled one by one or not).")
+        version = GaugeMetricFamily("weightsync_version", "Current model version of the run.", labels=["run"])
+        live = GaugeMetricFamily(
+            "weightsync_live_peers", "Peers whose lease is fresh (waited for in rounds).", labels=["run"]
+        )
+        peers = GaugeMetricFamily(
+            "weightsync_peers", "Peers of the run by state (live, late, gone, left).", labels=["run", "state"]
+        )
+        pending = GaugeMetricFamily(
+            "weightsync_open_round_updates", "Updates acknowledged in the open round.", labels=["run"]
+        )
+        bytes_in = CounterMetricFamily("weightsync_bytes_received", "Update bytes received from peers.", labels=["run"])
+        bytes_out = CounterMetricFamily(
+            "weightsync_bytes_sent", "Result and model bytes served to peers.", labels=["run"]
+        )
+        facts = view.facts() if view is not None else []
+        sums: defaultdict[str, Tally[str]] = defaultdict(Tally)  # label -> what is summed under it
+        for run in facts:
+            label = self.label(run.run)
+            if label != OTHER:  # a version of many runs means nothing: only named runs have one
+                version.add_metric([label], run.version)
+            sums[label].update({state.value: count for state, count in run.peers.items()})
+            sums[label].update(pending=run.open_updates, up=run.bytes_up, down=run.bytes_down)
+        for label, total in sums.items():
+            live.add_metric([label], total["live"])  # PeerState.LIVE's (a late peer is not counted)
+            for state in PeerState:
+                peers.add_metric([label, state.value], total[state.value])
+            pending.add_metric([label], total["pending"])
+            bytes_in.add_metric([label], total["up"])
+            bytes_out.add_metric([label], total["down"])
+        runs.add_metric([], len(facts))
+        yield from (runs, version, live, peers, pending, bytes_in, bytes_out)
+        if view is not None and view.store_reads is not None:
+            read = CounterMetricFamily(
+                "weightsync_store_read_bytes",
+                "Bytes the hub read from the object store: the updates it checks (one GET each) and merges.",
+            )
+            read.add_metric([], view.store_reads())
+            yield read
+        yield from _reducer_metrics(view)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

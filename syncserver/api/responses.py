@@ -1,10 +1,8 @@
-"""Serving a stored blob (a round's result, a model version) with HTTP ranges.
-
-The store hands out an open file (:class:`~syncserver.storage.store.Blob`), not a path: a blob opened
-for a download stays readable even if pruning removes its name meanwhile. This response
-streams it 4 MiB per worker-thread hop, and answers a single ``Range: bytes=a-b`` (the SDK's
-resume: ``bytes=<received>-`` with ``If-Range: <etag>``) with 206; what it cannot honour (a
-multi-range, a stale ``If-Range``) gets the whole body, as RFC 9110 allows.
+"""Serving a stored blob (a round's result, a model version) with HTTP ranges. The store hands out
+an open file (:class:`~syncserver.storage.store.Blob`), which stays readable if pruning removes its
+name meanwhile. A single ``Range: bytes=a-b`` (the SDK's resume: ``bytes=<received>-`` with
+``If-Range: <etag>``) gets a 206; what cannot be honoured (a multi-range, a stale ``If-Range``)
+the whole body, as RFC 9110 allows.
 """
 
 from __future__ import annotations

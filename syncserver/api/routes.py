@@ -103,9 +103,8 @@ UPLOAD_KEY_PATTERN = r"^[A-Za-z0-9_-]{16,64}$"
 
 
 def update_digest(digest: str | None, key: str | None, *, complete: bool) -> str | None:
-    """The digest (hex) of an update's headers, after checking they name its body: by its
-    ``Content-Digest``, or by an ``Upload-Key`` for a body whose digest comes later. A body is
-    acknowledged only with its digest (``complete``: this request should end the upload)."""
+    """The hex digest of an update's headers, which name its body by ``Content-Digest`` or, for a body
+    whose digest comes later, ``Upload-Key``; one that ends the upload (``complete``) needs the digest."""
     if complete and digest is None:
         raise BadRequest(
             "Content-Digest is required to complete an upload; a body whose digest comes later "
