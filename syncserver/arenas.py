@@ -8,9 +8,8 @@ the next of the same round with how many arenas those happened to spread over: 1
 fp32 model for 2 GPT-2 peers; with two arenas, 1.27-1.98x, and the rounds took as long
 (bench/RESULTS.md, Wire). The big arrays are few and their work is numpy's.
 
-The hub's own processes set it (``syncserver serve``, ``uvicorn syncserver.app:app``), before
-their threads exist; :func:`~syncserver.create_app` does not: a process that embeds a hub (a
-test, a launcher) keeps its allocator as it was.
+The hub's own processes set it (``syncserver serve``, ``uvicorn syncserver.app:app``) before their
+threads exist; :func:`~syncserver.create_app` does not: a process that embeds a hub keeps its allocator.
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ _M_ARENA_MAX = -8  # glibc's malloc.h
 
 
 def limit_arenas(arenas: int = HUB_ARENAS) -> bool:
-    """Cap glibc's malloc arenas at ``arenas`` for threads that allocate from now on; a
-    ``MALLOC_ARENA_MAX`` the user set wins. False where the C library is not glibc (its
-    allocator decides) or the cap was left to the user's variable."""
+    """Cap glibc's malloc arenas for threads that allocate from now on; False where the C library is
+    not glibc or the user's ``MALLOC_ARENA_MAX`` wins."""
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
     try:

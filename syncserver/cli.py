@@ -4,13 +4,9 @@ syncserver serve --host 0.0.0.0 --port 8000 --data-dir /srv/weightsync --min-pee
 syncserver status http://hub:8000 --run imdb-gpt2 [--watch | --json]
 syncserver reduce --hub http://hub:8000 [--token T]     (a reducer; serve --reducers K starts K)
 
-(A hub and K peers on this machine: ``weightsync-run --local-peers K -- COMMAND``, which runs
-:mod:`syncserver.local`'s launcher.)
-
-The hub settings are written once, in :class:`~syncserver.settings.HubSettings`: every field is
-a ``SYNC_*`` environment variable and, generated from the same field, a flag of ``serve``
-(``keep_versions`` -> ``--keep-versions``). A flag beats its variable, a variable beats
-the default, and pydantic checks every value, wherever it came from.
+Every field of :class:`~syncserver.settings.HubSettings` is a ``SYNC_*`` variable and, made from
+the same field, a flag of ``serve`` (``keep_versions`` -> ``--keep-versions``): a flag beats its
+variable, a variable the default, and pydantic checks every value wherever it came from.
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, get_args, get_origin
@@ -57,43 +52,25 @@ def _help(name: str, field: FieldInfo) -> str:
     return f"{field.description} [{env_name(name)}{shown}]"  # [UPPER...]: not rich markup
 
 
-def _settings_parameters() -> list[inspect.Parameter]:
-    """One ``--flag`` per settings field. Typed ``str`` on purpose: pydantic, not click, parses
+def with_settings_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """Give ``command`` one flag per settings field; it receives those given, as raw strings by
+    field name, in its ``flags`` argument. Typed ``str`` on purpose: pydantic, not click, parses
     and checks the value, so a flag and its variable give the same one-line error."""
-    params = []
+    params = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "flags"]
     for name, field in HubSettings.model_fields.items():
         option = typer.Option(
             flag_name(name), help=_help(name, field), metavar=_metavar(field), rich_help_panel=SETTINGS_PANEL
         )
         annotation = Annotated[Optional[str], option]  # noqa: UP045 (typer reads Optional on 3.10)
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation))
-    return params
-
-
-def with_settings_flags(command: Callable[..., None]) -> Callable[..., None]:
-    """Give ``command`` one flag per settings field; it receives those given, as raw strings by
-    field name, in its ``flags`` argument (for :func:`settings_or_exit`)."""
-    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "flags"]
-    fields = HubSettings.model_fields.keys()
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> None:
-        given = {k: kwargs.pop(k) for k in fields}
-        command(flags={k: v for k, v in given.items() if v is not None}, **kwargs)
+        command(flags={k: v for k in HubSettings.model_fields if (v := kwargs.pop(k)) is not None}, **kwargs)
 
-    params = own + _settings_parameters()
     wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # what typer reads
     wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper
-
-
-def settings_or_exit(flags: dict[str, str], **defaults: Any) -> HubSettings:
-    """:func:`hub_settings`, or the one-line reason it failed and exit code 2."""
-    try:
-        return hub_settings(flags, **defaults)
-    except SettingsInputError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -115,23 +92,22 @@ def serve(
 
     from syncserver.api.factory import create_app
     from syncserver.arenas import limit_arenas
+    from syncserver.storage.bucket import open_store
+    from syncserver.storage.s3 import StoreUnavailable
 
     limit_arenas()  # before the hub's threads exist: they take arenas as they first allocate
-    settings = settings_or_exit(flags)
-    if settings.store:  # before anything listens: a store that cannot work is one line, not a traceback
-        from syncserver.storage.bucket import open_store
-        from syncserver.storage.s3 import StoreUnavailable
-
-        try:
+    try:  # a bad setting, or a store that cannot work, is one line before anything listens
+        settings = hub_settings(flags)
+        if settings.store:
             open_store(settings.store, settings.store_url_seconds, settings.store_control_seconds).close()
-        except StoreUnavailable as exc:
-            typer.echo(f"error: --store: {exc.reason}", err=True)
-            raise typer.Exit(2) from None
+    except (SettingsInputError, StoreUnavailable) as exc:
+        typer.echo(f"error: --store: {exc.reason}" if isinstance(exc, StoreUnavailable) else f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     hint = " (open it with ?token=<view or hub token>, or paste the token when asked)" if settings.auth_required else ""
 
     reducers = None
     local = settings.reducers if settings.local_reducers is None else settings.local_reducers
-    if settings.reducers and local:
+    if local:  # at most settings.reducers
         from syncserver.reduce.children import LocalReducers
 
         secret = settings.admin_token or settings.token
@@ -204,7 +180,6 @@ def status(
     if as_json and watch:
         typer.echo("error: --json prints once: leave out --watch", err=True)
         raise typer.Exit(2)
-    token = token or os.environ.get("SYNC_TOKEN")
     try:
         if as_json:
             typer.echo(json.dumps(fetch(url, run, token), indent=2))
@@ -217,7 +192,3 @@ def status(
 
 def main() -> None:
     app()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,25 +1,35 @@
 """The hub's domain errors. Routes raise these; the app maps each to its status code in one
-exception handler, so every failure is ``{"error": code, "detail": reason, ...}`` with a 4xx/5xx.
+exception handler, so every failure is ``{"error": code, "detail": reason, ...}`` with a 4xx/5xx,
+``...`` being the fields named below (``current_version``, ...).
 
     HubError
     ├── BadRequest (400)          malformed input: bad body, truncated upload, bad digest
     │   ├── InvalidUpdate (422)   well-formed but wrong: schema mismatch, NaN/Inf, bad samples
-    │   └── Incomplete (400)      the body stopped before its end (cut, stalled)
+    │   │   └── PoisonedUpdate    its norm is far above the round's usual (norm_guard): norm, median, factor;
+    │   │                         it never touched the average
+    │   └── Incomplete (400)      the body stopped before its end (cut, client gone, stalled past the lease);
+    │                             an update keeps what arrived for its resume
     ├── Unauthorized (401)
-    ├── LimitReached (403)        a limit of the hub: runs per token, peers per run
+    ├── LimitReached (403)        a quota (SYNC_MAX_RUNS_PER_TOKEN, _PEERS_PER_RUN) is used up: limit, value;
+    │                             not retried: waiting does not free it
     ├── NotFound (404)            unknown run or peer
     ├── Conflict (409)            config mismatch, a different update for an acknowledged round
-    │   ├── RoundClosed (409)     the round is over: carries the current version to catch up to
-    │   ├── StaleUpdate (409)     async: the update's base is more than max_staleness versions old
-    │   ├── OffsetMismatch (409)  a resumed upload's Upload-Offset is past what the hub holds
-    │   ├── Superseded (409)      a newer attempt at the same upload (a retry, a HEAD) took it over
-    │   ├── UploadUnknown (409)   no upload into the object store is open under that key: presign again
-    │   ├── NoStore (409)         this hub has no object store: PUT the update
-    │   └── LeaseLost (409)       a reducer's lease expired (or its round ended): its work is not used
+    │   ├── RoundClosed (409)     the round is over: current_version, to catch up to
+    │   ├── StaleUpdate (409)     async: the update's base is over max_staleness versions old:
+    │   │                         current_version (pull it), max_staleness
+    │   ├── OffsetMismatch (409)  a resumed upload's Upload-Offset is past what the hub holds: upload_offset
+    │   ├── Superseded (409)      a newer attempt at the same upload (a retry, a HEAD) took it over; what
+    │   │                         this one wrote is kept for it: one writer at a time
+    │   ├── UploadUnknown (409)   no upload into the object store is open under that key (the hub restarted,
+    │   │                         another replaced it): presign again
+    │   ├── NoStore (409)         this hub has no object store (SYNC_STORE unset): PUT the update
+    │   └── LeaseLost (409)       a reducer's lease expired and was offered again, or its round's merge
+    │                             ended: its work is not used
     ├── Gone (410)                a round result that was pruned: pull the model instead
     ├── PayloadTooLarge (413)
     └── Unavailable (503)         disk full or unwritable: nothing was changed
-        └── StoreDown (503)       the object store failed: PUT the update to the hub instead
+        └── StoreDown (503)       the object store failed while an update went there: nothing was
+                                  recorded; PUT the update to the hub instead
 """
 
 from __future__ import annotations
@@ -49,16 +59,10 @@ class InvalidUpdate(BadRequest):
 
 
 class Incomplete(BadRequest):
-    """The body stopped arriving (link cut, client gone, stalled past the lease); an update
-    keeps what arrived for its resume."""
-
     code = "incomplete"
 
 
 class PoisonedUpdate(InvalidUpdate):
-    """422: the update's norm is far above the round's usual (the run's ``norm_guard``); it
-    carries ``norm``, ``median`` and ``factor``. It never touched the average."""
-
     code = "poisoned_update"
 
 
@@ -67,9 +71,6 @@ class Unauthorized(HubError):
 
 
 class LimitReached(HubError):
-    """A quota of the hub (``SYNC_MAX_RUNS_PER_TOKEN``, ``SYNC_MAX_PEERS_PER_RUN``) is used up;
-    carries ``limit`` (the setting) and ``value``. Not retried: waiting does not free it."""
-
     status, code = 403, "limit_reached"
 
 
@@ -86,42 +87,26 @@ class RoundClosed(Conflict):
 
 
 class StaleUpdate(Conflict):
-    """Async runs: the update was computed from a version too old to apply; it carries
-    ``current_version`` (pull it) and ``max_staleness``."""
-
     code = "stale_update"
 
 
 class OffsetMismatch(Conflict):
-    """Carries ``upload_offset``, what the hub holds; the client asks again (HEAD) and resumes."""
-
     code = "upload_offset"
 
 
 class Superseded(Conflict):
-    """A newer attempt at the same upload (the peer's retry, or its HEAD) took it over while
-    this one streamed; what this one wrote is kept for the newer one. One writer at a time."""
-
     code = "superseded"
 
 
 class LeaseLost(Conflict):
-    """409: a reducer renews or reports a merge lease that is no longer its own (it expired and
-    was offered again, or its round's merge ended): what it did is not used."""
-
     code = "lease_lost"
 
 
 class UploadUnknown(Conflict):
-    """``/uploaded`` names no upload the hub handed out (it restarted, or another one replaced
-    it): the peer asks ``/presign`` again and uploads afresh."""
-
     code = "upload_unknown"
 
 
 class NoStore(Conflict):
-    """An update offered to an object store that this hub does not have (``SYNC_STORE`` unset)."""
-
     code = "no_store"
 
 
@@ -138,7 +123,4 @@ class Unavailable(HubError):
 
 
 class StoreDown(Unavailable):
-    """The object store failed (down, refusing the hub's credentials...) while an update went
-    there: nothing was recorded; the peer sends its update to the hub by PUT instead."""
-
     code = "store_unavailable"

@@ -1,11 +1,7 @@
-"""The bounds of every number the hub takes from outside, in one place.
-
-The run settings' bounds are in their table (:mod:`syncwire.runsettings`, which both the hub
-and the SDK take them from); the reasons for them are here. Every bound is finite: pydantic
-refuses NaN and ±Inf (``allow_inf_nan=False``; JSON's ``1e999`` parses as Inf) and anything out
-of range with a 422 that names the field. Integers from paths and headers are bounded here too,
-before sqlite (64-bit), ``struct`` or numpy ever see them.
-
+"""The bounds of every number the hub takes from outside, in one place (the run settings' own are
+in their table, :mod:`syncwire.runsettings`; the reasons are here). Every bound is finite: pydantic
+refuses NaN, ±Inf (JSON's ``1e999``) and anything out of range with a 422 that names the field;
+integers from paths and headers are bounded before sqlite (64-bit), ``struct`` or numpy see them.
 Why these numbers:
 
 - ``outer_lr`` up to 10: DiLoCo's is 0.7; 1e38 times any update overflows float32.
@@ -35,12 +31,9 @@ RoundNumber = Annotated[int, Field(ge=0, le=MAX_ROUND)]
 
 
 def header_int(value: str | None) -> int | None:
-    """A header's non-negative decimal integer (``Content-Length``), or None if it is not one.
-
-    ASCII digits only (``"²".isdigit()`` is true, and ``int("²")`` raises) and at most 19 of
-    them (under 2^63), so that ``int()`` never parses thousands of digits and sqlite never
-    sees a number it cannot store.
-    """
+    """A header's non-negative decimal integer (``Content-Length``), or None: ASCII digits only
+    (``int("²")`` raises) and at most 19 (under 2^63: no parsing thousands of digits, nothing sqlite
+    cannot store)."""
     if value is None or not (value.isascii() and value.isdigit()) or len(value) > 19:
         return None
     return int(value)

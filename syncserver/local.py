@@ -2,43 +2,18 @@
 
     weightsync-run --local-peers 2 --out runs/try --metric eval_loss -- python train.py --epochs 1
 
-(``weightsync_run/cli.py``; ``train/finetune_gpt2.py --local-peers`` uses it too, through
-:func:`launch`.) The hub runs as ``syncserver serve --port 0`` in a child process (the OS picks
-the port, the hub writes its URL to ``OUT/hub.url``), keeps its data in ``OUT/hub`` and logs to
-``OUT/hub.log``. Each peer runs COMMAND in the caller's working directory (so relative paths in
-COMMAND mean what they mean at the prompt), or with ``peer_folders`` in its own folder
-``OUT/<peer>`` (so relative paths it writes to do not collide), with its output in
-``OUT/<peer>.log`` and these environment variables (over ``env``, if given, else the caller's):
+``weightsync_run/cli.py`` and ``train/finetune_gpt2.py --local-peers`` call :func:`launch`; what a
+user sees (folders, logs, the ``WEIGHTSYNC_*`` variables each peer gets, exit codes) is in
+docs/getting-started.md. The hub runs as ``syncserver serve --port 0`` in a child, which writes its
+URL to ``OUT/hub.url``. Peers are named ``peer-0`` ... so that the hub's ranks (by sorted name) are
+their ``WEIGHTSYNC_RANK``, and get ``OMP_NUM_THREADS`` = cores // K unless it is set (as ``torchrun``
+does). The table of rounds, the check of the final weights against the hub's last version
+(:func:`syncwire.digest.left_line`, which peers print as they leave) and ``results.json`` come from
+the hub and the peers' logs alone: any program that syncs through the hub fills them.
 
-=========================  =============================================================
-``WEIGHTSYNC_HUB``         the hub's URL, e.g. ``http://127.0.0.1:41723``
-``WEIGHTSYNC_RUN``         the run to join (``--run``)
-``WEIGHTSYNC_TOKEN``       the run's token, if the hub has tokens (never on a command line)
-``WEIGHTSYNC_PEER``        the peer's name: ``peer-0`` ... ``peer-{K-1}``
-``WEIGHTSYNC_RANK``        0 ... K-1; the hub ranks peers by sorted name, so this is their rank
-``WEIGHTSYNC_WORLD_SIZE``  K
-``WEIGHTSYNC_PEER_DIR``    ``OUT/<peer>``, a folder of the peer's own for what it writes
-=========================  =============================================================
-
-plus ``OMP_NUM_THREADS`` = cores // K unless it is set already (as ``torchrun`` does), so K
-peers do not each start a thread per core. The hub's rendezvous waits for all K peers.
-
-While they run, the launcher prints one row per closed round, read from the hub's run status:
-round, step (the SDK sends it), peers, samples, each peer's ``--metric`` from its update of that
-round, megabytes up and down, the round's seconds. Any program that syncs through the hub fills
-it; nothing is read from the peers' files.
-
-When they are done, :func:`launch` checks the run, for any program: it downloads the hub's last
-version and compares its digest with the one each peer printed as it left
-(:func:`syncwire.digest.left_line`: the hooks print it, and so does the reference job), so that
-every launch shows whether the peers ended bit-identical to the hub. Then it runs the serial
-baseline if asked (the command alone, no hub, in ``OUT/serial``), writes ``OUT/results.json``
-and plots ``--metric`` per peer against the step (``OUT/<metric>.png``, with matplotlib).
-
-Supervision: a peer that fails (non-zero exit or a signal) or a hub that exits stops the whole
-run: the other peers get SIGINT (Python raises KeyboardInterrupt, so they leave the run), then
-SIGTERM, then SIGKILL, each after a grace period, and the hub goes last. SIGINT or SIGTERM to the
-launcher does the same. :class:`LaunchError` names what failed, how, and its log.
+Supervision: a peer that fails or a hub that exits stops the run: the other peers get SIGINT (they
+leave the run), then SIGTERM, then SIGKILL, a grace period each, and the hub goes last; SIGINT or
+SIGTERM to the launcher does the same. :class:`LaunchError` names what failed, how, and its log.
 """
 
 from __future__ import annotations
@@ -98,10 +73,8 @@ class LaunchError(Exception):
 
 
 def hub_settings_for(out: Path, peers: int, token: str | None = None) -> HubSettings:
-    """The embedded hub's settings for a launch of ``peers`` peers: its ``SYNC_*`` variables,
-    with its data in ``out/hub``, a rendezvous of all ``peers``, and ``token`` if given (these
-    beat the variables: the rendezvous must wait for all K). Every launcher of this machine
-    (``weightsync-run --local-peers``, the reference job's) takes them from here. A bad
+    """The embedded hub's settings, for every launcher of this machine: its ``SYNC_*`` variables,
+    overridden by data in ``out/hub``, a rendezvous of all ``peers`` and ``token`` if given. A bad
     variable: :class:`LaunchError` naming it, exit code :data:`SETTINGS_EXIT`."""
     flags = {"data_dir": str(out / "hub"), "min_peers": str(peers)} | ({"token": token} if token else {})
     try:
@@ -111,36 +84,32 @@ def hub_settings_for(out: Path, peers: int, token: str | None = None) -> HubSett
 
 
 def settings_env(settings: HubSettings) -> dict[str, str]:
-    """The ``SYNC_*`` variables that give a child hub these settings. Variables, not flags:
-    tokens stay out of ``ps``."""
+    """The ``SYNC_*`` variables that give a child hub these settings (not flags: tokens stay out of ``ps``)."""
+
     env = {}
     for name in settings.model_fields_set:
         value = getattr(settings, name)
-        if isinstance(value, SecretStr):
+        if isinstance(value, dict):
+            value = json.dumps(value, default=SecretStr.get_secret_value)
+        elif isinstance(value, SecretStr):
             value = value.get_secret_value()
-        elif isinstance(value, dict):
-            value = json.dumps({k: v.get_secret_value() if isinstance(v, SecretStr) else v for k, v in value.items()})
         if value is not None:
             env[f"SYNC_{name.upper()}"] = str(value)
     return env
 
 
 class RoundTable:
-    """One printed row per closed round of a run's status (``GET /v1/runs/{run}``).
-
-    ``rows`` keeps them as JSON-ready dicts: ``round``, ``version`` (the one it produced),
-    ``step``, ``participants``, ``dropped``, ``samples``, ``metrics`` (each peer's metrics from
-    its update, ``None`` if it sent none), ``bytes_up``, ``bytes_down`` (the result times its
-    participants), ``seconds`` (first update to close) and ``elapsed`` (since the launcher began).
-    """
+    """One printed row per closed round of a run's status (``GET /v1/runs/{run}``), kept in ``rows``
+    as JSON-ready dicts (``results.json``'s rounds: ``metrics`` are each peer's from its update,
+    ``bytes_down`` the result times its participants, ``seconds`` from first update to close)."""
 
     def __init__(self, peers: Sequence[str], metric: str, echo: Callable[[str], None], t0: float) -> None:
         self.peers, self.metric, self.echo, self.t0 = list(peers), metric, echo, t0
+        self.width = max(10, *(len(p) for p in self.peers))
         self.rows: list[dict[str, Any]] = []
 
     def header(self) -> None:
-        width = max(10, *(len(p) for p in self.peers))
-        names = " ".join(f"{p:>{width}}" for p in self.peers)
+        names = " ".join(f"{p:>{self.width}}" for p in self.peers)
         self.echo(
             f"{'round':>5} {'step':>6} {'peers':>5} {'samples':>8} {names} "
             f"{'MB up':>9} {'MB down':>9} {'round s':>7} {'elapsed':>7}"
@@ -153,38 +122,34 @@ class RoundTable:
         metrics: dict[int, dict[str, dict[str, float]]] = {}
         for u in status.get("updates", []):
             metrics.setdefault(u["round"], {})[u["peer"]] = u["metrics"]
-        for r in sorted(status.get("rounds", []), key=lambda r: r["round"]):
-            if r["round"] > done:
-                self._emit(r, metrics.get(r["round"], {}))
-
-    def _emit(self, record: dict[str, Any], metrics: dict[str, dict[str, float]]) -> None:
-        steps = [m["step"] for m in metrics.values() if "step" in m]
-        row = {
-            "round": record["round"],
-            "version": record["round"] + 1,
-            "step": int(max(steps)) if steps else None,
-            "participants": len(record["participants"]),
-            "dropped": record["dropped"],
-            "samples": record["samples"],
-            "metrics": {p: metrics.get(p) for p in self.peers},
-            "bytes_up": record["bytes_in"],
-            "bytes_down": record["result_bytes"] * len(record["participants"]),
-            "seconds": round(record["closed"] - record["opened"], 3),
-            "elapsed": round(time.time() - self.t0, 1),
-        }
-        self.rows.append(row)
-        width = max(10, *(len(p) for p in self.peers))
-        values = " ".join(_cell((m or {}).get(self.metric), width) for m in row["metrics"].values())
-        step = "-" if row["step"] is None else row["step"]
-        self.echo(
-            f"{row['round']:>5} {step:>6} {row['participants']:>5} {row['samples']:>8} {values} "
-            f"{row['bytes_up'] / 1e6:>9.2f} {row['bytes_down'] / 1e6:>9.2f} {row['seconds']:>7.2f} "
-            f"{row['elapsed']:>7.0f}"
-        )
-
-
-def _cell(value: float | None, width: int) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}.6g}"  # 10760.1, not 1.076e+04
+        for record in sorted(status.get("rounds", []), key=lambda r: r["round"]):
+            if record["round"] <= done:
+                continue
+            sent = metrics.get(record["round"], {})
+            steps = [m["step"] for m in sent.values() if "step" in m]
+            row = {
+                "round": record["round"],
+                "version": record["round"] + 1,
+                "step": int(max(steps)) if steps else None,
+                "participants": len(record["participants"]),
+                "dropped": record["dropped"],
+                "samples": record["samples"],
+                "metrics": {p: sent.get(p) for p in self.peers},
+                "bytes_up": record["bytes_in"],
+                "bytes_down": record["result_bytes"] * len(record["participants"]),
+                "seconds": round(record["closed"] - record["opened"], 3),
+                "elapsed": round(time.time() - self.t0, 1),
+            }
+            self.rows.append(row)
+            values = [(m or {}).get(self.metric) for m in row["metrics"].values()]
+            # .6g: 10760.1, not 1.076e+04
+            cells = " ".join(f"{'-':>{self.width}}" if v is None else f"{v:>{self.width}.6g}" for v in values)
+            step = "-" if row["step"] is None else row["step"]
+            self.echo(
+                f"{row['round']:>5} {step:>6} {row['participants']:>5} {row['samples']:>8} {cells} "
+                f"{row['bytes_up'] / 1e6:>9.2f} {row['bytes_down'] / 1e6:>9.2f} {row['seconds']:>7.2f} "
+                f"{row['elapsed']:>7.0f}"
+            )
 
 
 class LocalRun:
@@ -214,15 +179,15 @@ class LocalRun:
         self.env, self.peer_folders = dict(os.environ if env is None else env), peer_folders
         digits = len(str(peers - 1))  # peer-07 sorts before peer-10: the hub's ranks follow the names
         self.peers = [f"peer-{i:0{digits}d}" for i in range(peers)]
-        self.token = _token_for(settings, run)
-        self.t0 = time.time()
-        self.table = RoundTable(self.peers, metric, _print, self.t0)
+        # the narrowest token that lets a peer into the run: its run token, else the hub's
+        secret = settings.run_tokens.get(run) or settings.token or settings.admin_token
+        self.token = secret.get_secret_value() if secret is not None else None
+        self.auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self.table = RoundTable(self.peers, metric, _print, time.time())
         self.hub_url = ""
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, Path] = {}
         self._handlers: dict[int, Any] = {}
-
-    # -- start ------------------------------------------------------------------------------------
 
     def __enter__(self) -> LocalRun:
         # `kill` stops the children as Ctrl-C does; SIGINT is set too because a shell starts
@@ -239,11 +204,10 @@ class LocalRun:
 
     def _start_hub(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        env = _child_env(dict(os.environ, **settings_env(self.settings)))
         hub = ServerProcess(
             [sys.executable, "-m", "syncserver", "serve", "--host", "127.0.0.1"],
             log=self.out / "hub.log",
-            env=env,
+            env=_child_env(dict(os.environ, **settings_env(self.settings))),
             new_session=True,
             ready_file=self.out / "hub.url",
         )
@@ -257,43 +221,17 @@ class LocalRun:
             ) from None
 
     def _start_peers(self) -> None:
-        threads = max(1, _cores() // self.k)
         _note(f"hub and dashboard at {self.hub_url}/ ; {self.k} peers of: {' '.join(self.command)}")
         _note(f"logs: {self.logs['hub']}, {self.out}/peer-*.log")
+        base = {k: v for k, v in self.env.items() if k != "WEIGHTSYNC_TOKEN"}
+        if self.token:
+            base["WEIGHTSYNC_TOKEN"] = self.token
+        base |= {"WEIGHTSYNC_HUB": self.hub_url, "WEIGHTSYNC_RUN": self.run, "WEIGHTSYNC_WORLD_SIZE": str(self.k)}
         for rank, name in enumerate(self.peers):
-            folder = (self.out / name).absolute()  # the peer may run in it: a relative path would not do
-            folder.mkdir(parents=True, exist_ok=True)
-            env = dict(self.env, OMP_NUM_THREADS=self.env.get("OMP_NUM_THREADS", str(threads)))
-            env.update(
-                WEIGHTSYNC_HUB=self.hub_url,
-                WEIGHTSYNC_RUN=self.run,
-                WEIGHTSYNC_PEER=name,
-                WEIGHTSYNC_RANK=str(rank),
-                WEIGHTSYNC_WORLD_SIZE=str(self.k),
-                WEIGHTSYNC_PEER_DIR=str(folder),
-            )
-            env.pop("WEIGHTSYNC_TOKEN", None)
-            if self.token:
-                env["WEIGHTSYNC_TOKEN"] = self.token
-            self._spawn(name, self.command, self.out / f"{name}.log", env, cwd=folder if self.peer_folders else None)
+            env = base | {"WEIGHTSYNC_PEER": name, "WEIGHTSYNC_RANK": str(rank)}
+            threads = max(1, _cores() // self.k)
+            self.procs[name], self.logs[name] = _start(name, self.command, self.out, env, self.peer_folders, threads)
         self.table.header()
-
-    def _spawn(
-        self, name: str, cmd: list[str], logfile: Path, env: dict[str, str], cwd: Path | None = None
-    ) -> subprocess.Popen[bytes]:
-        env = _child_env(env)
-        with logfile.open("wb") as f:  # the child keeps its own handle
-            try:
-                # A session of its own: Ctrl-C reaches only the launcher, which stops children in order.
-                proc = subprocess.Popen(
-                    cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
-                )
-            except OSError as exc:
-                raise LaunchError(f"cannot start {name}: {' '.join(cmd)}: {exc.strerror}", PEER_EXIT) from None
-        self.procs[name], self.logs[name] = proc, logfile
-        return proc
-
-    # -- supervise --------------------------------------------------------------------------------
 
     def wait(self, poll_seconds: float = 0.5) -> list[dict[str, Any]]:
         """Print rounds as they close until every peer has exited 0; return the table's rows.
@@ -309,7 +247,7 @@ class LocalRun:
 
     def _show_rounds(self) -> None:
         try:
-            response = httpx.get(f"{self.hub_url}/v1/runs/{self.run}", headers=self._auth(), timeout=10)
+            response = httpx.get(f"{self.hub_url}/v1/runs/{self.run}", headers=self.auth, timeout=10)
         except httpx.HTTPError as exc:  # the hub's health is _check's business; try again next time
             log.debug("run status: %s", exc)
             return
@@ -319,27 +257,21 @@ class LocalRun:
     def _check(self) -> None:
         for name, proc in self.procs.items():
             code = proc.poll()
-            is_hub = name == "hub"
-            if code is None or (code == 0 and not is_hub):
+            if code is None or (code == 0 and name != "hub"):
                 continue
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
             raise LaunchError(
                 f"{name} {how}: {_last_line(self.logs[name])} (log: {self.logs[name]})",
-                HUB_EXIT if is_hub else PEER_EXIT,
+                HUB_EXIT if name == "hub" else PEER_EXIT,
             )
 
     def final_weights(self) -> tuple[int, str] | None:
         """The hub's last version of the run and its digest; None when no peer created the run."""
-        response = httpx.get(f"{self.hub_url}/v1/runs/{self.run}/model", headers=self._auth(), timeout=120)
+        response = httpx.get(f"{self.hub_url}/v1/runs/{self.run}/model", headers=self.auth, timeout=120)
         if response.status_code == 404:
             return None
         response.raise_for_status()
         return int(response.headers["X-Sync-Version"]), weights_sha256(safetensors.numpy.load(response.content))
-
-    def _auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
-
-    # -- stop -------------------------------------------------------------------------------------
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         for signum in self._handlers:  # a second Ctrl-C must not cut the stopping short
@@ -365,13 +297,12 @@ def launch(
     serial: Sequence[str] | None = None,
     curve: Callable[[Path], list[tuple[int, float]]] | None = None,
 ) -> int:
-    """A fresh run (``out/hub`` removed first) of ``peers`` peers of ``command``, then its check and
-    report: each peer's final weights against the hub's last version, ``serial`` alone if given
-    (the serial baseline: no hub, its folder ``out/serial``, every core), ``out/results.json`` and
-    the plot of ``metric``: ``curve(folder)`` of each process if given (evaluations between syncs
-    too), else the values each peer sent with its updates. Returns 0, or :data:`PEER_EXIT` when a
-    peer's final weights differ from the hub's; raises :class:`LaunchError` when a child fails,
-    on a bad hub setting and when interrupted."""
+    """A fresh run (``out/hub`` removed first) of ``peers`` peers of ``command`` (in their folders
+    ``out/<peer>`` if ``peer_folders``), then the check of their final weights, ``serial`` alone if
+    given (the serial baseline: no hub, every core), ``out/results.json`` and the plot of ``metric``:
+    ``curve(folder)`` of each process if given, else what each peer sent with its updates. 0, or
+    :data:`PEER_EXIT` when a peer's final weights differ from the hub's; :class:`LaunchError` when a
+    child fails, on a bad hub setting and when interrupted."""
     t0 = time.time()
     settings = hub_settings_for(out, peers, token)
     shutil.rmtree(out / "hub", ignore_errors=True)
@@ -391,20 +322,18 @@ def launch(
     if hub is None:
         _note(f"no run {run!r} on the hub: no peer joined it")
         return 0
-    print(f"hub: run {run!r} ended at version {hub[0]}; weights sha256 {hub[1]}", flush=True)
+    _print(f"hub: run {run!r} ended at version {hub[0]}; weights sha256 {hub[1]}")
     final = {p: _left(logs[p]) for p in launched.peers}
     check = check_final(final, hub)
     for name, log in logs.items():
-        print(f"{name}: {_last_line(log)}", flush=True)
+        _print(f"{name}: {_last_line(log)}")
     results: dict[str, Any] = {"command": list(command), "run": run, "metric": metric, "rounds": rows}
     results |= {"final": final, "hub_version": hub[0], "hub_weights_sha256": hub[1], **check, "wall_seconds": wall}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     curves = {p: curve(out / p) if curve else _table_curve(rows, p, metric) for p in logs}
     plotted = _plot(curves, [r["step"] for r in rows if r["step"] is not None], out / f"{metric}.png", metric)
     took = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in wall.items())
-    print(
-        f"wall time: {took}; results in {out / 'results.json'}" + (f", plot {plotted}" if plotted else ""), flush=True
-    )
+    _print(f"wall time: {took}; results in {out / 'results.json'}" + (f", plot {plotted}" if plotted else ""))
     return PEER_EXIT if check.get("weights_equal_hub") is False else 0
 
 
@@ -416,9 +345,8 @@ def _left(log: Path) -> dict[str, Any] | None:
 
 def check_final(final: dict[str, dict[str, Any] | None], hub: tuple[int, str]) -> dict[str, bool]:
     """Whether the peers that printed their digest as they left (``final``: peer -> version and
-    digest, or None; the hooks print it, the reference job too) hold identical weights, and those
-    that left at the hub's last version (``hub``: version, digest) hold exactly it; printed. A peer
-    that left earlier is named, not failed: it stopped before the others. ``{}`` when none printed."""
+    digest, or None) hold identical weights, and those that left at the hub's last version hold
+    exactly it (``hub``: version, digest); printed. One that left earlier is named, not failed."""
     left = {p: f for p, f in final.items() if f is not None}
     if not left:
         return {}
@@ -430,21 +358,19 @@ def check_final(final: dict[str, dict[str, Any] | None], hub: tuple[int, str]) -
     yes = {k: "yes" if v else "NO" for k, v in check.items()}
     early = "".join(f"; {p} left at version {f['version']}" for p, f in left.items() if f["version"] != hub[0])
     line = f"final weights identical across peers: {yes['weights_identical']}; equal to the hub's version {hub[0]}: "
-    print(line + yes["weights_equal_hub"] + early, flush=True)
+    _print(line + yes["weights_equal_hub"] + early)
     return check
 
 
 def _run_serial(command: Sequence[str], out: Path, env: Mapping[str, str] | None, own_folder: bool) -> Path:
     """The serial baseline: ``command`` alone, no hub, with every core; its log."""
-    folder, log = (out / "serial").absolute(), out / "serial.log"
-    folder.mkdir(parents=True, exist_ok=True)
+    _note(f"serial baseline: one process, in {(out / 'serial').absolute()} (log: {out / 'serial.log'}) ...")
     base = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("WEIGHTSYNC_")}
-    base |= {"WEIGHTSYNC_PEER_DIR": str(folder), "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", str(_cores()))}
-    _note(f"serial baseline: one process, in {folder} (log: {log}) ...")
-    with log.open("wb") as f:
-        code = subprocess.run(
-            command, stdout=f, stderr=subprocess.STDOUT, env=_child_env(base), cwd=folder if own_folder else None
-        ).returncode
+    proc, log = _start("serial", command, out, base, own_folder, _cores())
+    try:
+        code = proc.wait()
+    finally:
+        _stop([proc], [signal.SIGINT])  # interrupted: it has a session of its own, Ctrl-C did not reach it
     if code != 0:
         raise LaunchError(f"the serial baseline exited with code {code}: {_last_line(log)} (log: {log})", PEER_EXIT)
     return log
@@ -471,8 +397,7 @@ def _plot(curves: dict[str, list[tuple[int, float]]], syncs: list[int], path: Pa
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for name, points in curves.items():
-        serial = name == "serial"
-        style = {"ls": "--", "color": "black"} if serial else {"marker": "."}
+        style = {"ls": "--", "color": "black"} if name == "serial" else {"marker": "."}
         ax.plot(*zip(*points, strict=True), alpha=0.8, label=name, **style)  # type: ignore[arg-type]
     for step in sorted(set(syncs)):
         ax.axvline(step, color="grey", lw=0.5, alpha=0.4)
@@ -487,6 +412,24 @@ def _plot(curves: dict[str, list[tuple[int, float]]], syncs: list[int], path: Pa
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _start(
+    name: str, cmd: Sequence[str], out: Path, env: dict[str, str], own_folder: bool, threads: int
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """``cmd`` as ``name``, and its log ``out/<name>.log``: its folder ``out/<name>`` in
+    ``WEIGHTSYNC_PEER_DIR`` (and its working directory if ``own_folder``), ``OMP_NUM_THREADS``
+    ``threads`` unless set, and a session of its own (Ctrl-C reaches only the launcher)."""
+    folder, log = (out / name).absolute(), out / f"{name}.log"  # absolute: the child may run in it
+    folder.mkdir(parents=True, exist_ok=True)
+    env = _child_env({"OMP_NUM_THREADS": str(threads), **env, "WEIGHTSYNC_PEER_DIR": str(folder)})
+    cwd = folder if own_folder else None
+    with log.open("wb") as f:  # the child keeps its own handle
+        try:
+            popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        except OSError as exc:
+            raise LaunchError(f"cannot start {name}: {' '.join(cmd)}: {exc.strerror}", PEER_EXIT) from None
+    return popen, log
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], signals: list[signal.Signals]) -> None:
@@ -516,12 +459,6 @@ def _child_env(env: dict[str, str]) -> dict[str, str]:
     """The children import this very syncserver, also when it runs from a checkout."""
     root = str(Path(syncserver.__file__).resolve().parents[1])
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))}
-
-
-def _token_for(settings: HubSettings, run: str) -> str | None:
-    """The narrowest token that lets a peer into ``run``: its run token, else the hub's."""
-    token = settings.run_tokens.get(run) or settings.token or settings.admin_token
-    return token.get_secret_value() if token is not None else None
 
 
 def _last_line(path: Path) -> str:

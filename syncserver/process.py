@@ -1,19 +1,15 @@
-"""A server in a child process, on a port the operating system picks.
+"""A server in a child process, on a port the operating system picks: the one way this project
+(the launcher, the tests, the benchmarks) starts a server it talks to.
 
-Picking a "free" port by binding one, closing it and handing its number to a child races with
-every other process on the machine (bind, close, hope). Instead the child binds port 0 and,
-once it listens, writes its URL to a *ready file* (``syncserver serve --ready-file``; the
-benchmarks' baseline servers take the same two flags). A restart asks for the port the first
-start got, so clients that retry against the same URL find the server again.
-
-Used by the launcher (``weightsync-run --local-peers``), the tests and the benchmarks: the one
-way this project starts a server it talks to.
+Binding a "free" port, closing it and handing its number to a child races with every other process
+on the machine. Instead the child binds port 0 and, once it listens, writes its URL to a *ready
+file* (``syncserver serve --ready-file``; the benchmarks' baseline servers take the same flags). A
+restart asks for the port the first start got, so clients retrying the same URL find it again.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -71,10 +67,10 @@ class ServerProcess:
         port = 0 if self.url is None else self.port
         command = [*self.command, "--port", str(port), "--ready-file", str(self.ready_file)]
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as out:  # the child keeps its own handle
+        with self.log.open("ab") as f:  # the child keeps its own handle
             self.proc = subprocess.Popen(
                 command,
-                stdout=out,
+                stdout=f,
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 cwd=self.cwd,
@@ -103,7 +99,7 @@ class ServerProcess:
     def kill(self) -> None:
         """SIGKILL: nothing runs on the way out, as when a VM dies."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
+            self.proc.kill()
             self.proc.wait()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -131,10 +127,7 @@ def write_ready(path: Path, url: str) -> None:
 
 
 def run_uvicorn(
-    config: uvicorn.Config,
-    *,
-    ready_file: Path | None = None,
-    on_listening: Callable[[str], None] | None = None,
+    config: uvicorn.Config, *, ready_file: Path | None = None, on_listening: Callable[[str], None] | None = None
 ) -> None:
     """uvicorn's server, telling its URL once it listens (with port 0: the port the OS chose)
     to ``ready_file`` and ``on_listening``."""

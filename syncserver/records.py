@@ -1,8 +1,6 @@
-"""What the hub records of a run's updates and rounds: plain data that every layer reads.
-
-The store writes and reads them (sqlite), the rounds make them, and the run view hands them as
-they are to the dashboard and /metrics: one definition, so a field added to what is kept
-reaches every reader without a copy per layer to keep in step. They import nothing of the hub.
+"""What the hub records of a run's updates and rounds: plain data that every layer reads (the rounds
+make them, the store keeps them, the run view hands them to the dashboard and /metrics), defined
+once so that a field added reaches every reader. They import nothing of the hub.
 """
 
 from __future__ import annotations

@@ -39,8 +39,7 @@ def run_type(setting: RunSetting, *, checked: bool = True) -> Any:
 
 
 def run_default(name: str) -> Any:
-    """A ``HubSettings`` field for a run setting: the table's default of new runs, its bounds
-    and the hub's help (the annotation, beside it, is the setting's type)."""
+    """A ``HubSettings`` field for a run setting: the table's default of new runs, bounds and help."""
     setting = _SETTINGS[name]
     return Field(setting.default, description=setting.hub, **_limits(setting))
 
@@ -219,36 +218,20 @@ class HubSettings(BaseSettings):
         return self.token is not None or self.admin_token is not None or bool(self.run_tokens)
 
     @model_validator(mode="after")
-    def _view_token_needs_token(self) -> HubSettings:
+    def _hold_together(self) -> HubSettings:
         if self.view_token is not None and not self.auth_required:
             raise ValueError("SYNC_VIEW_TOKEN is set but SYNC_TOKEN is not: an open hub needs no view token")
-        return self
-
-    @model_validator(mode="after")
-    def _local_reducers_are_reducers(self) -> HubSettings:
         if self.local_reducers is not None and self.local_reducers > self.reducers:
             raise ValueError(f"local_reducers {self.local_reducers} is over reducers {self.reducers}")
-        return self
-
-    @model_validator(mode="after")
-    def _min_peers_can_join(self) -> HubSettings:
         if self.min_peers > self.max_peers_per_run:
             raise ValueError(
                 f"min_peers {self.min_peers} is over max_peers_per_run {self.max_peers_per_run}: no run could start"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _run_defaults_hold_together(self) -> HubSettings:
-        """The rules between run settings (syncwire.runsettings.settle): a sample target set
-        alone makes the default policy samples."""
+        # the rules between run settings (syncwire.runsettings.settle): a sample target set alone
+        # makes the default policy samples
         self.policy = settle({s.name: getattr(self, s.name) for s in RUN_SETTINGS}, self.model_fields_set)["policy"]
-        return self
-
-    @model_validator(mode="after")
-    def _poll_within_lease(self) -> HubSettings:
-        # A peer blocked in a long poll must not look dead: the poll renews its lease, so the
-        # poll has to end (and be renewed) well within the lease.
+        # A peer blocked in a long poll must not look dead: the poll renews its lease, so it has to
+        # end well within the lease. (Assigned only when cut: an assignment counts as set.)
         if self.long_poll_seconds > self.lease_seconds / 2:
             self.long_poll_seconds = self.lease_seconds / 2
         return self
@@ -270,14 +253,11 @@ def env_name(field: str) -> str:
 
 
 def hub_settings(flags: dict[str, str], **defaults: Any) -> HubSettings:
-    """The settings from ``flags`` (raw strings, by field name), else ``SYNC_*`` variables, else
-    ``defaults`` (a caller's own), else the model's defaults. ``syncserver serve``'s flags and
-    the local launcher (:func:`syncserver.local.hub_settings_for`) both come here.
-
-    Flag strings are handed to pydantic as they are, so a flag and its variable accept the
-    same spellings; only a dict field (``--run-tokens``) is JSON, as its variable is.
-    """
-    given: dict[str, Any] = {}  # Any: each value goes to the field of its name, pydantic checks it
+    """The settings from ``flags``, else ``SYNC_*`` variables, else ``defaults``, else the model's:
+    for ``syncserver serve`` and the launcher (:func:`syncserver.local.hub_settings_for`). Flags are
+    raw strings by field name, handed to pydantic as a variable's are (the same spellings); a dict
+    field (``--run-tokens``) is JSON, as its variable is."""
+    given: dict[str, Any] = dict(flags)  # Any: each value goes to the field of its name, pydantic checks it
     for name, raw in flags.items():
         if get_origin(HubSettings.model_fields[name].annotation) is dict:
             try:
@@ -286,8 +266,6 @@ def hub_settings(flags: dict[str, str], **defaults: Any) -> HubSettings:
                 raise SettingsInputError(
                     f'{flag_name(name)}: not JSON, expected an object such as \'{{"run": "token"}}\''
                 ) from None
-        else:
-            given[name] = raw
     try:
         settings = HubSettings(**given)
         below_env = {k: v for k, v in defaults.items() if k not in settings.model_fields_set}

@@ -1,10 +1,7 @@
 """``syncserver status URL [--run NAME] [--watch | --json]``: a run's state as terminal tables (rich).
 
-It reads the same ``/v1/dashboard`` data as the web page, so the terminal and the browser
-agree: peers (state, last seen, speed, bytes, latest loss and perplexity), the run's bytes up
-and down by the way they went (the hub's link, or the object store's), the latest rounds
-with where their time went (upload, waiting for stragglers, aggregation, download), and the
-open round. ``--json`` prints that data as it came. The view token (``SYNC_VIEW_TOKEN``) is
+It reads the web page's data (``/v1/dashboard``), so the terminal and the browser agree (what the
+tables show: docs/observability.md); ``--json`` prints that data as it came. The view token is
 enough. Errors are one line, no traceback.
 """
 
@@ -89,13 +86,10 @@ Cell = str | Text
 
 
 def _fit(title: str, columns: Sequence[Col], rows: Sequence[Sequence[Cell]], width: int, empty: str) -> Table:
-    """The table with as many columns as fit in ``width`` without cutting a number.
-
-    rich fits a wide table by shrinking columns and cutting their cells (``2.108e+04`` became
-    ``2.108…``, which reads as another number). Here a number column never wraps or shrinks; text
-    columns wrap down to :data:`TEXT_MIN`; while that is still too wide, the least important
-    column goes, and the caption names what went.
-    """
+    """The table with as many columns as fit in ``width`` without cutting a number: rich would
+    shrink columns and cut cells (``2.108e+04`` became ``2.108…``, another number). A number column
+    never wraps; text wraps down to :data:`TEXT_MIN`; while still too wide, the least important
+    column goes, and the caption names what went."""
 
     def need(i: int) -> int:
         widest = max(cell_len(str(cell)) for cell in [columns[i].header, *(row[i] for row in rows)])
@@ -157,9 +151,10 @@ def _reducers_table(reducers: list[dict[str, Any]], width: int) -> RenderableTyp
     return _fit("reducers", columns, rows, width, empty="")
 
 
-def _phase_seconds(lane: dict[str, Any], phase: str) -> float | None:
-    spans = [b - a for name, a, b in lane["spans"] if name == phase]
-    return sum(spans) if spans else None
+def _slowest(lanes: list[dict[str, Any]], phase: str) -> str:
+    """The most seconds one participant spent in ``phase`` ("-" when none had it)."""
+    spent = [[b - a for name, a, b in lane["spans"] if name == phase] for lane in lanes]
+    return _s(max((sum(x) for x in spent if x), default=None))
 
 
 PEER_COLUMNS = [
@@ -198,49 +193,46 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
         + (f", downloads from {s['store']}" if s.get("store") else "")
     )
     curves = s["curves"]["peers"]
-    peer_rows: list[list[Cell]] = []
-    for p in s["peers"]:
-        c = curves.get(p["peer"], {})
-        peer_rows.append(
-            [
-                "-" if p["rank"] is None else str(p["rank"]),
-                p["peer"],
-                str(p["group_size"]),
-                Text(p["state"], style=STATE_STYLE.get(p["state"], "")),
-                f"{p['last_seen_seconds']:.1f}",
-                f"{p['samples']:,}",
-                f"{p['samples_per_second']:.1f}",
-                _mb(p["bytes_up"]),
-                _mb(p["bytes_down"]),
-                _latest(c.get("loss")),
-                _latest(c.get("val_ppl")),
-            ]
-        )
-    out: list[RenderableType] = [_fit(title, PEER_COLUMNS, peer_rows, width, empty="no peers yet"), _traffic(s)]
+    peer_rows: list[list[Cell]] = [
+        [
+            "-" if p["rank"] is None else str(p["rank"]),
+            p["peer"],
+            str(p["group_size"]),
+            Text(p["state"], style=STATE_STYLE.get(p["state"], "")),
+            f"{p['last_seen_seconds']:.1f}",
+            f"{p['samples']:,}",
+            f"{p['samples_per_second']:.1f}",
+            _mb(p["bytes_up"]),
+            _mb(p["bytes_down"]),
+            _latest(curves.get(p["peer"], {}).get("loss")),
+            _latest(curves.get(p["peer"], {}).get("val_ppl")),
+        ]
+        for p in s["peers"]
+    ]
+    # where the run's bytes went since the hub started: through its link, or the object store's
+    traffic = "; ".join(
+        f"{way} {_mb(s['traffic'][way]['hub'])} MB via the hub, {_mb(s['traffic'][way]['store'])} MB via the store"
+        for way in ("up", "down")
+    )
+    out: list[RenderableType] = [_fit(title, PEER_COLUMNS, peer_rows, width, empty="no peers yet")]
+    out.append(Text(f"bytes since the hub started: {traffic}"))
 
-    trace = {t["round"]: t for t in s["trace"]}
-    round_rows: list[list[Cell]] = []
-    for r in s["rounds"][-ROUNDS_SHOWN:]:
-        lanes = trace.get(r["round"], {}).get("lanes", [])
-
-        def slowest(phase: str, lanes: list[dict[str, Any]] = lanes) -> float | None:
-            values = [v for lane in lanes if (v := _phase_seconds(lane, phase)) is not None]
-            return max(values) if values else None
-
-        round_rows.append(
-            [
-                str(r["round"]),
-                str(len(r["participants"])),
-                Text(", ".join(r["dropped"]) or "-", style="yellow" if r["dropped"] else ""),
-                f"{r['samples']:,}",
-                _mb(r["bytes_in"]),
-                _s(slowest("upload")),
-                _s(slowest("wait")),
-                _s(r["timings"].get("fold", 0.0) + r["timings"].get("merge", 0.0)),
-                _s(slowest("download")),
-                _s(r["closed"] - r["opened"]),
-            ]
-        )
+    lanes = {t["round"]: t["lanes"] for t in s["trace"]}
+    round_rows: list[list[Cell]] = [
+        [
+            str(r["round"]),
+            str(len(r["participants"])),
+            Text(", ".join(r["dropped"]) or "-", style="yellow" if r["dropped"] else ""),
+            f"{r['samples']:,}",
+            _mb(r["bytes_in"]),
+            _slowest(lanes.get(r["round"], []), "upload"),
+            _slowest(lanes.get(r["round"], []), "wait"),
+            _s(r["timings"].get("fold", 0.0) + r["timings"].get("merge", 0.0)),
+            _slowest(lanes.get(r["round"], []), "download"),
+            _s(r["closed"] - r["opened"]),
+        ]
+        for r in s["rounds"][-ROUNDS_SHOWN:]
+    ]
     title = "recent rounds (seconds: slowest peer's upload, its wait, aggregation, slowest download)"
     out.append(_fit(title, ROUND_COLUMNS, round_rows, width, empty="no round has closed yet"))
 
@@ -260,16 +252,6 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
         line = f"waiting for peers: {len(s['peers'])} of {cfg['min_peers']} have joined"
     out.append(Text(line))
     return out
-
-
-def _traffic(s: dict[str, Any]) -> Text:
-    """Where the run's bytes went since the hub started: through its link, or the object store's."""
-    t = s["traffic"]
-    line = "bytes since the hub started: " + "; ".join(
-        f"{direction} {_mb(t[direction]['hub'])} MB via the hub, {_mb(t[direction]['store'])} MB via the store"
-        for direction in ("up", "down")
-    )
-    return Text(line)
 
 
 @dataclass(frozen=True)
@@ -310,8 +292,8 @@ def show(url: str, *, run: str | None, token: str | None, watch: bool, interval:
                 try:
                     data = fetch(url, run, token)
                 except StatusError as exc:  # keep the last good tables, say what is wrong
-                    stamp = time.strftime("%H:%M:%S")
-                    live.update(Group(render(data, base), Text(f"{stamp} {exc}; retrying", style="red")))
+                    warning = Text(f"{time.strftime('%H:%M:%S')} {exc}; retrying", style="red")
+                    live.update(Group(render(data, base), warning))
                 else:
                     live.update(render(data, base))
     except KeyboardInterrupt:

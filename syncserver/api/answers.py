@@ -1,47 +1,22 @@
-"""The core's plain data as the hub's answers: what the coordinator and the run view return
-(dataclasses, TypedDicts) turned into the response models of :mod:`syncserver.api.schemas`.
-
-The core knows no wire format; the field names and types of every answer live in ``schemas``
-alone, and this is the one place that fills them in. Models read attributes
-(``from_attributes``), so a dataclass whose fields are the answer's converts as it is.
+"""The core's plain data (dataclasses) as the response models of :mod:`syncserver.api.schemas`,
+where that takes more than a model call (a route builds a one-line answer itself): the core knows
+no wire format.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from syncserver.api.schemas import (
-    Heartbeat,
-    Progress,
-    Reducer,
-    RunConfig,
-    RunStatus,
-    RunSummary,
-    StartInitialise,
-    StartReady,
-    StartWaiting,
-    UpdateAck,
-    UploadPlan,
-    VersionZero,
-)
-from syncserver.core.coordinator import RoundProgress, Start
-from syncserver.core.leases import ReducerStats
-from syncserver.core.presigned import Plan
-from syncserver.core.rounds import Acknowledgement, InitialVersion
-from syncserver.core.state import RunConfig as RunSettings
-from syncserver.core.view import HubView, RunLine
+from fastapi import Response
 
-__all__ = [
-    "heartbeat",
-    "initial_version",
-    "progress",
-    "reducers",
-    "run_lines",
-    "run_status",
-    "start",
-    "update_ack",
-    "upload_plan",
-]
+from syncserver.api.schemas import Reducer, RunConfig, RunSummary, StartInitialise, StartReady, StartWaiting, UpdateAck
+from syncserver.core.coordinator import Start
+from syncserver.core.leases import ReducerStats
+from syncserver.core.rounds import Acknowledgement
+from syncserver.core.state import RunConfig as RunSettings
+from syncserver.core.view import RunLine
+
+__all__ = ["reducers", "run_lines", "start", "update_ack"]
 
 
 def run_config(config: RunSettings | None) -> RunConfig:
@@ -49,16 +24,18 @@ def run_config(config: RunSettings | None) -> RunConfig:
     return RunConfig(**config.__dict__)
 
 
-def start(start: Start) -> StartInitialise | StartWaiting | StartReady:
-    """What ``join`` and ``GET .../start`` answer. A ready answer is built without validation:
-    its schema (100,000 tensors: 0.2 s) is the hub's own, made once."""
+def start(start: Start) -> StartInitialise | StartWaiting | Response:
+    """What ``join`` and ``GET .../start`` answer. A ready answer's schema (7 MB of JSON for 100,000
+    tensors) is spliced in from the run's own JSON, made once (:class:`~syncserver.core.shape.RunShape`),
+    not validated and serialised again on the event loop for every request: the bytes of a
+    :class:`StartReady`."""
     base: dict[str, Any] = {"run": start.run, "peer": start.peer, "lease_seconds": start.lease_seconds}
     if start.state == "initialise":
         return StartInitialise(**base, state="initialise", config=run_config(start.config))
     if start.state == "waiting":
         return StartWaiting(**base, state="waiting", detail=start.detail)
     assert start.shape is not None
-    return StartReady.model_construct(
+    ready = StartReady.model_construct(
         **base,
         state="ready",
         rank=start.rank,
@@ -66,12 +43,9 @@ def start(start: Start) -> StartInitialise | StartWaiting | StartReady:
         version=start.version,
         config=run_config(start.config),
         uploads=start.uploads,
-        tensor_schema=start.shape.schema_lists,
     )
-
-
-def initial_version(stored: InitialVersion) -> VersionZero:
-    return VersionZero(version=0, tensors=stored.tensors, bytes=stored.nbytes)
+    head = ready.model_dump_json(by_alias=True, exclude={"tensor_schema"}).encode()
+    return Response(head[:-1] + b',"schema":' + start.shape.schema_json + b"}", media_type="application/json")
 
 
 def update_ack(ack: Acknowledgement) -> UpdateAck:
@@ -80,43 +54,11 @@ def update_ack(ack: Acknowledgement) -> UpdateAck:
     )
 
 
-def upload_plan(plan: Plan) -> UploadPlan:
-    return UploadPlan.model_validate(plan)
-
-
-def progress(state: RoundProgress) -> Progress:
-    return Progress.model_validate(state)
-
-
-def heartbeat(version: int, lease_seconds: float, watch: bool) -> Heartbeat:
-    return Heartbeat(version=version, lease_seconds=lease_seconds, watch=watch)
-
-
 def run_lines(lines: list[RunLine]) -> list[RunSummary]:
     return [RunSummary.model_validate(line) for line in lines]
 
 
-def run_status(view: HubView, name: str) -> RunStatus:
-    """A run's state and its latest updates (``GET /v1/runs/{run}``)."""
-    run = view.get(name)
-    return RunStatus(**view.state(run), updates=view.latest_updates(run.name))
-
-
 def reducers(known: list[ReducerStats]) -> list[Reducer]:
     """The reducers the board knows, as /v1/reduce/reducers and the dashboard show them."""
-    return [
-        Reducer(
-            name=r.name,
-            last_seen=r.last_seen,
-            leases=r.leases,
-            expired=r.expired,
-            seconds=r.seconds,
-            last_seconds=r.last_seconds,
-            bytes=r.bytes,
-            busy=r.holding is not None,
-            checks=r.checks,
-            check_seconds=r.check_seconds,
-            check_failures=r.check_failures,
-        )
-        for r in known
-    ]
+    fields = Reducer.model_fields.keys() - {"busy"}
+    return [Reducer(**{f: getattr(r, f) for f in fields}, busy=r.holding is not None) for r in known]

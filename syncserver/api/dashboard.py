@@ -1,24 +1,12 @@
-"""The live dashboard: ``GET /`` serves a static page, ``GET /v1/dashboard`` feeds it.
+"""The live dashboard: ``GET /`` serves a static page, ``GET /v1/dashboard`` feeds it (what it
+shows, its tokens: docs/observability.md).
 
-The page (``syncserver/api/static/``: hand-written HTML, JS and CSS, no build step, no CDN, since
-a hub may have no internet) is served without a token; its data is not. The page takes the
-token from ``/?token=…`` once (then drops it from the address bar and keeps it in
-``sessionStorage``) or asks for it, and sends it as ``Authorization: Bearer``. Give viewers
-``SYNC_VIEW_TOKEN``: it reads status and metrics, and cannot join, upload or download weights.
-
-``/v1/dashboard`` is a long poll, like the rest of the API: it answers at once when the state
-differs from the ``since`` fingerprint the page last saw, else when it changes, else after
-``wait`` seconds. (Server-sent events would need the token in the URL: ``EventSource`` cannot
-send an ``Authorization`` header.)
-
-Everything the page draws is computed here by pure functions, testable without a browser:
-
-- :func:`round_trace`: per round and participant, the phases a trace viewer would show:
-  ``train`` (from its previous download to its upload), ``upload``, ``wait`` (for stragglers:
-  from its acknowledgement until aggregation began), ``aggregate`` (hub side: fold, merge,
-  commit, until its download began), ``download`` (until the hub had sent it the result);
-- :func:`curves`: per peer, training loss, validation perplexity and the codec's compression
-  ratio and error against step, from the metrics peers attach to their updates.
+The page (``static/``: hand-written, no build step, no CDN: a hub may have no internet) needs no
+token; its data does, sent as ``Authorization: Bearer``. ``/v1/dashboard`` is a long poll on a
+state fingerprint, not server-sent events: ``EventSource`` cannot send that header. Everything the
+page draws is computed here by pure functions, testable without a browser: :func:`round_trace`
+(each participant's phases per round) and :func:`curves` (per peer, loss, perplexity and the
+codec's ratio and error against step, from the metrics peers attach to their updates).
 """
 
 from __future__ import annotations
@@ -38,7 +26,6 @@ from syncserver.api import answers
 from syncserver.api.deps import Hub, RunQuery, Viewer, Wait
 from syncserver.api.schemas import DashboardData, DashboardRun
 from syncserver.core.changes import until
-from syncserver.core.view import HubView
 from syncserver.records import RoundRecord, UpdateRecord
 
 __all__ = ["add_dashboard", "curves", "round_trace"]
@@ -60,12 +47,10 @@ def round_trace(
     updates: Iterable[UpdateRecord],
     downloads: Mapping[int, Mapping[str, tuple[float, float]]],
 ) -> list[dict[str, Any]]:
-    """Each round as lanes of ``[phase, start, end]`` spans (wall seconds), one lane per participant.
-
-    ``downloads`` maps round -> peer -> (began, ended); download spans start no earlier than
-    the round's publication, and a peer's ``train`` span runs from the end of its previous
-    download (of the round before) to the start of this upload.
-    """
+    """Each round as lanes of ``[phase, start, end]`` spans (wall seconds), one lane per participant:
+    ``train`` (from its previous download), ``upload``, ``wait`` (for stragglers, until aggregation
+    began), ``aggregate`` (until its download began) and ``download``. ``downloads``: round -> peer
+    -> (began, ended); a download starts no earlier than the round's publication."""
     by_round: dict[int, list[UpdateRecord]] = {}
     for u in updates:
         by_round.setdefault(u.round, []).append(u)
@@ -117,12 +102,9 @@ def _first(metrics: Mapping[str, float], keys: tuple[str, ...]) -> float | None:
 
 
 def curves(updates: Iterable[UpdateRecord]) -> dict[str, Any]:
-    """Per peer, ``[[x, y], …]`` for loss, val_ppl, codec_ratio and codec_error.
-
-    x is the ``step`` metric when every update that has metrics carries one, else the
-    round the update was sent for (peers sync every ``sync_every`` steps, so rounds are
-    steps at another scale); ``x`` in the answer says which.
-    """
+    """Per peer, ``[[x, y], …]`` for loss, val_ppl, codec_ratio and codec_error. x is the ``step``
+    metric when every update with metrics carries one, else the update's round (steps at another
+    scale); ``x`` in the answer says which."""
     rows = [u for u in updates if u.metrics]
     use_step = bool(rows) and all(_first(u.metrics, STEP_KEYS) is not None for u in rows)
     peers: dict[str, dict[str, list[list[float]]]] = {}
@@ -146,31 +128,6 @@ def curves(updates: Iterable[UpdateRecord]) -> dict[str, Any]:
     return {"x": "step" if use_step else "round", "peers": peers}
 
 
-def snapshot(view: HubView, run_name: str | None, only: str | None = None) -> DashboardData:
-    """All the page shows of the hub and (when given and known) one run; with ``only``, of
-    that run alone (a run token's view: it must not learn of the hub's other runs)."""
-    run = view.find(run_name)
-    runs = answers.run_lines(view.list_runs())
-    detail = None
-    if run is not None:
-        # the page gets the updates' metrics as curves, their timings as the trace
-        rounds = view.rounds(run.name, limit=TRACE_ROUNDS)
-        updates = [u for r in rounds for u in view.updates(run.name, r.round)]
-        detail = DashboardRun(
-            **view.state(run),
-            trace=round_trace(rounds, updates, run.downloads),
-            curves=curves(view.latest_updates(run.name, limit=CURVE_UPDATES)),
-            lease_seconds=view.lease_seconds,
-        )
-    return DashboardData(
-        fingerprint=view.fingerprint(run),
-        now=time.time(),
-        runs=runs if only is None else [r for r in runs if r.run == only],
-        run=detail,
-        reducers=answers.reducers(view.reducers()) if only is None else [],
-    )
-
-
 api = APIRouter(prefix="/v1")
 
 
@@ -186,7 +143,23 @@ async def dashboard_data(
     if since is not None:  # every change the page shows wakes the view (acknowledgements, uploads, closes, leases)
         seconds = min(wait, hub.settings.long_poll_seconds)
         await until(lambda: view.fingerprint(view.find(run)) != since, view.changes, seconds, lambda: view.stopping)
-    return snapshot(view, run, only)
+    found, detail = view.find(run), None
+    if found is not None:  # the updates' metrics as curves, their timings as the trace
+        rounds = view.rounds(found.name, limit=TRACE_ROUNDS)
+        updates = [u for r in rounds for u in view.updates(found.name, r.round)]
+        detail = DashboardRun(
+            **view.state(found),
+            trace=round_trace(rounds, updates, found.downloads),
+            curves=curves(view.latest_updates(found.name, limit=CURVE_UPDATES)),
+            lease_seconds=view.lease_seconds,
+        )
+    return DashboardData(  # `only`: a run token's view, which must not learn of the hub's other runs
+        fingerprint=view.fingerprint(found),
+        now=time.time(),
+        runs=[r for r in answers.run_lines(view.list_runs()) if only is None or r.run == only],
+        run=detail,
+        reducers=answers.reducers(view.reducers()) if only is None else [],
+    )
 
 
 def add_dashboard(app: FastAPI) -> None:

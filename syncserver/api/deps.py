@@ -1,15 +1,7 @@
-"""What the routes depend on: the coordinator, who may call, and the parameters they share.
-
-Authentication lives here and only here (routes, dashboard and metrics use these public
-names), as ``Annotated`` aliases in the way of full-stack-fastapi-template's ``api/deps.py``.
-Who may call what:
-
-- an open hub (no token of any kind set) lets everyone in;
-- the hub token (``SYNC_TOKEN``) and the admin token open everything;
-- the view token (``SYNC_VIEW_TOKEN``) opens read-only endpoints: run status, the dashboard's
-  data, metrics; it can watch a run but not join it, send updates, renew leases or download weights;
-- a run's token (``SYNC_RUN_TOKENS``) opens ``/v1/runs/<that run>/...`` and that run's dashboard
-  only, so the same 401 answers a wrong token and a token of another run.
+"""What the routes depend on: the coordinator, who may call, and the parameters they share, as
+``Annotated`` aliases (as full-stack-fastapi-template's ``api/deps.py``). Authentication lives here
+and only here; which token opens what: docs/SECURITY.md. A run's token opens its run alone, and the
+same 401 answers a wrong token and a token of another run.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
-"""The API's documentation page, ``GET /docs`` (Swagger UI), served from the package itself.
+"""The API's documentation page, ``GET /docs`` (Swagger UI), served from the package itself:
+FastAPI's own loads its script and CSS from a CDN, and a hub without internet (the usual case on a
+private network) showed a blank page. ReDoc is off: a second large bundle for the same schema. The
+page and ``/openapi.json`` need no token, by decision (docs/SECURITY.md).
 
-FastAPI's own ``/docs`` loads Swagger UI's script and CSS from a CDN (and its favicon from
-fastapi.tiangolo.com), so a hub without internet, the usual case on a private network, shows a
-blank page. The few files it needs are vendored in ``syncserver/api/swagger_ui/`` (from the npm
-package ``swagger-ui-dist`` 5.35.0, Apache-2.0: its LICENSE, NOTICE and the bundle's third-party
-licences sit beside them) and served under ``/docs/assets``, apart from the dashboard's files. To
-update: ``npm pack swagger-ui-dist``, copy ``swagger-ui-bundle.js``,
-``swagger-ui-bundle.js.LICENSE.txt``, ``swagger-ui.css``, ``favicon-32x32.png``, ``LICENSE`` and
-``NOTICE`` over these, and change :data:`SWAGGER_UI_VERSION`.
-
-ReDoc (``/redoc``) is off: a second viewer of the same schema would add a second large bundle for
-nothing Swagger UI lacks.
-
-The page and ``/openapi.json`` need no token, by decision (docs/SECURITY.md): the schema is the
-open-source API and holds no secret, and the page must load before a user can type a token.
+``swagger_ui/`` is the npm package ``swagger-ui-dist`` (Apache-2.0: its LICENSE, NOTICE and the
+bundle's third-party licences beside it). To update: ``npm pack swagger-ui-dist``, copy
+``swagger-ui-bundle.js`` (and its ``.LICENSE.txt``), ``swagger-ui.css``, ``favicon-32x32.png``,
+``LICENSE`` and ``NOTICE`` over these, and change :data:`SWAGGER_UI_VERSION`.
 """
 
 from __future__ import annotations
@@ -33,8 +26,7 @@ ASSETS = "/docs/assets"
 
 
 def add_docs(app: FastAPI) -> None:
-    """Serve ``/docs`` and its files. Build ``app`` with ``docs_url=None, redoc_url=None`` so
-    that FastAPI does not add its CDN-backed pages first."""
+    """Serve ``/docs`` and its files (``app`` built with ``docs_url=None, redoc_url=None``)."""
     if app.openapi_url is None:
         raise ValueError("the docs page needs the app's OpenAPI schema (openapi_url is None)")
     openapi_url = app.openapi_url

@@ -60,12 +60,9 @@ _QUERY_ITEM = re.compile(r"([?&;])([^=&;#\s\"?]*)=([^&;#\s\"]*)")
 
 
 def redact(text: str) -> str:
-    """``text`` with the value of every secret query item replaced by ``***``.
-
-    The key is compared *decoded*: ``?%74oken=`` is ``?token=`` to the dashboard and to
-    Starlette, so matching the literal ``token=`` let it through. Decoded until it no longer
-    changes, so that no spelling of the key is missed (hiding too much is harmless).
-    """
+    """``text`` with the value of every secret query item replaced by ``***``. The key is compared
+    decoded, until it no longer changes: ``?%74oken=`` is ``?token=`` to the dashboard and to
+    Starlette, and matching the literal ``token=`` let it through (hiding too much is harmless)."""
 
     def item(match: re.Match[str]) -> str:
         key, previous = match.group(2), None
@@ -77,9 +74,9 @@ def redact(text: str) -> str:
 
 
 class RedactTokens(logging.Filter):
-    """uvicorn's access log prints each request line with its query string, and a dashboard
-    link may carry ``?token=``: log ``token=***`` instead. (Bearer headers are never logged.)
-    On every handler the hub's records go through, so no logger can print one."""
+    """``token=***`` in every record: uvicorn's access log prints query strings, and a dashboard link
+    may carry ``?token=`` (Bearer headers are never logged). On every handler the hub's records
+    go through, so no logger can print one."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):

@@ -1,34 +1,19 @@
-"""Prometheus metrics of one hub: ``GET /metrics`` (text format, prometheus-client).
+"""Prometheus metrics of one hub, ``GET /metrics`` (names, labels, scrape config: docs/observability.md).
 
-Each app gets its own :class:`~prometheus_client.CollectorRegistry` (tests build many apps in
-one process; the global registry would refuse the second). Two kinds of numbers:
-
-- **events** (counters, histograms) are fed by observers hooked into the coordinator: an
-  acknowledged update (upload seconds, samples), a closed round (fold, merge, straggler wait,
-  round wall time, stragglers dropped), a finished result download, and, from the app's
-  error handler, every refused update by reason;
-- **state** (version, peers by state, bytes up and down) is read from the coordinator at
-  scrape time by a custom collector, so it can never drift from what ``/v1/runs/{run}`` says.
-
-All names start with ``weightsync_``. Counters restart from zero when the hub restarts, as
-Prometheus expects (``rate()`` handles resets).
-
-The ``run`` label is bounded: the first ``SYNC_METRICS_RUNS`` runs seen (50) are labelled
-by name, every other run is summed under ``run="_other"`` (no run name starts with ``_``).
-With 2,000 runs ``/metrics`` *was* 881 KB, and a scraper's series grew with every run made.
-A run's label never changes (runs are never deleted), so the sums stay monotonic counters.
-
-Scrape config (when the hub has a token, the view token is enough)::
-
-    - job_name: weightsync
-      authorization: {credentials: "<SYNC_VIEW_TOKEN>"}
-      static_configs: [{targets: ["hub:8000"]}]
+Each app has its own :class:`~prometheus_client.CollectorRegistry` (tests build many apps in one
+process; the global one would refuse the second). Events (counters, histograms) are fed by
+observers of the run view and, from the app's error handlers, by every refused upload; state
+(version, peers, bytes) is read from the view at scrape time, so it cannot drift from
+``/v1/runs/{run}``. The ``run`` label is bounded: the first ``SYNC_METRICS_RUNS`` runs seen are
+named, every other one is summed under ``run="_other"`` (with 2,000 runs ``/metrics`` *was* 881 KB,
+and a scraper's series grew with every run made); a run never changes label, so sums stay monotonic.
 """
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+from collections import defaultdict
 from collections.abc import Iterator
-from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -56,67 +41,6 @@ _UPLOAD_ROUTES = {
     ("POST", "/v1/runs/{run}/rounds/{round}/updates/{peer}/presign"),  # SYNC_STORE: the size caps
     ("POST", "/v1/runs/{run}/rounds/{round}/updates/{peer}/uploaded"),  # SYNC_STORE: the checks
 }
-
-
-class _StateCollector(Collector):
-    """Gauges and byte counters read from the coordinator at scrape time."""
-
-    def __init__(self, metrics: HubMetrics) -> None:
-        self._metrics = metrics
-
-    def describe(self) -> list[Metric]:
-        return []  # nothing to check at registration: names are fixed below
-
-    def collect(self) -> Iterator[Metric]:
-        view = self._metrics.view
-        runs = GaugeMetricFamily("weightsync_runs", "Runs on the hub (labelled one by one or not).")
-        version = GaugeMetricFamily("weightsync_version", "Current model version of the run.", labels=["run"])
-        live = GaugeMetricFamily(
-            "weightsync_live_peers", "Peers whose lease is fresh (waited for in rounds).", labels=["run"]
-        )
-        peers = GaugeMetricFamily(
-            "weightsync_peers", "Peers of the run by state (live, late, gone, left).", labels=["run", "state"]
-        )
-        pending = GaugeMetricFamily(
-            "weightsync_open_round_updates", "Updates acknowledged in the open round.", labels=["run"]
-        )
-        bytes_in = CounterMetricFamily("weightsync_bytes_received", "Update bytes received from peers.", labels=["run"])
-        bytes_out = CounterMetricFamily(
-            "weightsync_bytes_sent", "Result and model bytes served to peers.", labels=["run"]
-        )
-        facts = view.facts() if view is not None else []
-        sums: dict[str, dict[str, float]] = {}  # label -> what is summed under it
-        for run in facts:
-            label = self._metrics.label(run.run)
-            if label != OTHER:  # a version of many runs means nothing: only named runs have one
-                version.add_metric([label], run.version)
-            total = sums.setdefault(label, {})
-            counts = {
-                "live": run.peers[PeerState.LIVE] + run.peers[PeerState.LATE],
-                "pending": run.open_updates,
-                "in": run.bytes_up,
-                "out": run.bytes_down,
-                **{state.value: count for state, count in run.peers.items()},
-            }
-            for key, value in counts.items():
-                total[key] = total.get(key, 0) + value
-        for label, total in sums.items():
-            live.add_metric([label], total["live"])
-            for state in PeerState:
-                peers.add_metric([label, state.value], total[state.value])
-            pending.add_metric([label], total["pending"])
-            bytes_in.add_metric([label], total["in"])
-            bytes_out.add_metric([label], total["out"])
-        runs.add_metric([], len(facts))
-        yield from (runs, version, live, peers, pending, bytes_in, bytes_out)
-        if view is not None and view.store_reads is not None:
-            read = CounterMetricFamily(
-                "weightsync_store_read_bytes",
-                "Bytes the hub read from the object store: the updates it checks (one GET each) and merges.",
-            )
-            read.add_metric([], view.store_reads())
-            yield read
-        yield from _reducer_metrics(view)
 
 
 _C, _G = CounterMetricFamily, GaugeMetricFamily
@@ -155,16 +79,19 @@ def _reducer_metrics(view: HubView | None) -> Iterator[Metric]:
         yield series
 
 
-class HubMetrics:
-    """The registry of one app, and the observers that feed it."""
+class HubMetrics(Collector):
+    """The registry of one app, the observers that feed it, and the state it reads at scrape time."""
 
     def __init__(self, max_runs: int = 50) -> None:
         self.registry = CollectorRegistry()
         self.view: HubView | None = None
         self.max_runs = max_runs
         self._labelled: set[str] = set()
-        r = self.registry
-        self.rounds = Counter("weightsync_rounds_completed", "Rounds closed.", ["run"], registry=r)
+
+        def counter(name: str, text: str, *labels: str) -> Counter:
+            return Counter(name, text, ["run", *labels], registry=self.registry)
+
+        self.rounds = counter("weightsync_rounds_completed", "Rounds closed.")
         self.phases = Histogram(
             "weightsync_round_phase_seconds",
             "Seconds spent in each phase of a round: upload and download per peer, wait (for "
@@ -172,46 +99,36 @@ class HubMetrics:
             "fold and merge (aggregation), round (first update to publication).",
             ["run", "phase"],
             buckets=SECONDS_BUCKETS,
-            registry=r,
+            registry=self.registry,
         )
-        self.accepted = Counter("weightsync_updates_accepted", "Updates acknowledged.", ["run"], registry=r)
-        self.samples = Counter(
-            "weightsync_samples", "Training samples reported with acknowledged updates.", ["run"], registry=r
-        )
-        self.rejected = Counter(
+        self.accepted = counter("weightsync_updates_accepted", "Updates acknowledged.")
+        self.samples = counter("weightsync_samples", "Training samples reported with acknowledged updates.")
+        self.rejected = counter(
             "weightsync_updates_rejected",
             "Uploads refused, by reason (the error code of the answer: round_closed, "
             "invalid_update, bad_request, conflict, unauthorized, payload_too_large, ...).",
-            ["run", "reason"],
-            registry=r,
+            "reason",
         )
-        self.dropped = Counter(
-            "weightsync_stragglers_dropped",
-            "Live peers a round closed without (its deadline passed).",
-            ["run"],
-            registry=r,
+        self.dropped = counter(
+            "weightsync_stragglers_dropped", "Live peers a round closed without (its deadline passed)."
         )
-        self.download_bytes = Counter(
+        self.download_bytes = counter(
             "weightsync_download_bytes",
             "Result and model bytes peers downloaded, by where from: via=hub (the hub's link) or via=store "
             "(redirected to the object store, SYNC_STORE).",
-            ["run", "via"],
-            registry=r,
+            "via",
         )
-        self.upload_bytes = Counter(
+        self.upload_bytes = counter(
             "weightsync_upload_bytes",
             "Bytes of acknowledged updates, by the way they came: via=hub (a PUT to the hub, through its link) or "
             "via=store (uploaded to the object store through presigned URLs, SYNC_STORE).",
-            ["run", "via"],
-            registry=r,
+            "via",
         )
-        self.store_bytes = Counter(
+        self.store_bytes = counter(
             "weightsync_store_upload_bytes",
             "Result and version bytes the hub uploaded to the object store (once per object).",
-            ["run"],
-            registry=r,
         )
-        r.register(_StateCollector(self))
+        self.registry.register(self)
 
     def attach(self, view: HubView) -> None:
         """Listen to a started hub's view."""
@@ -249,9 +166,8 @@ class HubMetrics:
         self.rounds.labels(label).inc()
         self.dropped.labels(label).inc(len(record.dropped))
         fold, merge = record.timings.get("fold", 0.0), record.timings.get("merge", 0.0)
-        self.phases.labels(label, "fold").observe(fold)
-        self.phases.labels(label, "merge").observe(merge)
-        self.phases.labels(label, "round").observe(max(0.0, record.closed - record.opened))
+        for phase, seconds in (("fold", fold), ("merge", merge), ("round", max(0.0, record.closed - record.opened))):
+            self.phases.labels(label, phase).observe(seconds)
         aggregation_began = record.closed - fold - merge
         assert self.view is not None
         for update in self.view.updates(run, record.round):
@@ -277,19 +193,61 @@ class HubMetrics:
         known = self.view is not None and run in self.view.names()
         self.rejected.labels(self.label(run) if known else "", reason).inc()
 
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check at registration: names are fixed below
+
+    def collect(self) -> Iterator[Metric]:
+        """The state, read from the coordinator at scrape time: gauges and byte counters."""
+        view = self.view
+        runs = GaugeMetricFamily("weightsync_runs", "Runs on the hub (labelled one by one or not).")
+        version = GaugeMetricFamily("weightsync_version", "Current model version of the run.", labels=["run"])
+        live = GaugeMetricFamily(
+            "weightsync_live_peers", "Peers whose lease is fresh (waited for in rounds).", labels=["run"]
+        )
+        peers = GaugeMetricFamily(
+            "weightsync_peers", "Peers of the run by state (live, late, gone, left).", labels=["run", "state"]
+        )
+        pending = GaugeMetricFamily(
+            "weightsync_open_round_updates", "Updates acknowledged in the open round.", labels=["run"]
+        )
+        bytes_in = CounterMetricFamily("weightsync_bytes_received", "Update bytes received from peers.", labels=["run"])
+        bytes_out = CounterMetricFamily(
+            "weightsync_bytes_sent", "Result and model bytes served to peers.", labels=["run"]
+        )
+        facts = view.facts() if view is not None else []
+        sums: defaultdict[str, Tally[str]] = defaultdict(Tally)  # label -> what is summed under it
+        for run in facts:
+            label = self.label(run.run)
+            if label != OTHER:  # a version of many runs means nothing: only named runs have one
+                version.add_metric([label], run.version)
+            sums[label].update({state.value: count for state, count in run.peers.items()})
+            sums[label].update(pending=run.open_updates, up=run.bytes_up, down=run.bytes_down)
+        for label, total in sums.items():
+            live.add_metric([label], total["live"])  # PeerState.LIVE's (a late peer is not counted)
+            for state in PeerState:
+                peers.add_metric([label, state.value], total[state.value])
+            pending.add_metric([label], total["pending"])
+            bytes_in.add_metric([label], total["up"])
+            bytes_out.add_metric([label], total["down"])
+        runs.add_metric([], len(facts))
+        yield from (runs, version, live, peers, pending, bytes_in, bytes_out)
+        if view is not None and view.store_reads is not None:
+            read = CounterMetricFamily(
+                "weightsync_store_read_bytes",
+                "Bytes the hub read from the object store: the updates it checks (one GET each) and merges.",
+            )
+            read.add_metric([], view.store_reads())
+            yield read
+        yield from _reducer_metrics(view)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _metrics(request: Request) -> HubMetrics:
-    metrics: HubMetrics = request.app.state.metrics
-    return metrics
 
 
 router = APIRouter(dependencies=[Depends(authenticate_view)])
 
 
 @router.get("/metrics", summary="Prometheus metrics (text format)", response_class=Response)
-async def metrics(hub_metrics: Annotated[HubMetrics, Depends(_metrics)]) -> Response:
+async def metrics(request: Request) -> Response:
     # async on purpose: the collector reads coordinator state, which lives on the event loop
-    return Response(hub_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

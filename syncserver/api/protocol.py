@@ -1,25 +1,16 @@
-"""Connection deadlines: uvicorn's HTTP protocol (httptools) with a deadline and a size cap
-on request headers, installed by the hub itself on the uvicorn server that runs it.
+"""Connection deadlines, installed by the hub itself on the uvicorn server that runs it (what one
+client can hold, and why: docs/SECURITY.md; the failures they end: docs/RELIABILITY.md, 7).
 
-uvicorn closes a keep-alive connection that idles after an answer (``timeout_keep_alive``),
-but one that never finishes its headers, or never sends a byte, is held forever: a few
-hundred of them took the hub's file descriptors and ``/healthz`` failed. httptools, unlike
-h11, has no cap on header bytes either. ``GuardedHttpTools`` gives every request
-``header_seconds`` for its request line and headers, counted from the connection's start or
-the previous answer's end, and at most ``max_header_bytes`` of them; past either it answers
-``408``/``431`` with the hub's JSON error shape (when any byte came) and closes the connection.
-The rest of a body that the hub answered before reading it (a refusal) is not counted as
-headers, but it too must arrive before the deadline. Once the headers are in, the hub's own
-limits take over (body idle: a lease; long polls: ``long_poll_seconds``).
+``GuardedHttpTools`` (uvicorn's httptools protocol, which has no cap on header bytes) gives every
+request ``header_seconds`` for its line and headers, from the connection's start or the previous
+answer's end, and at most ``max_header_bytes`` of them; past either it answers ``408``/``431`` in
+the hub's JSON error shape (when any byte came) and closes. The rest of a body the hub answered
+before reading it is not counted as headers, but must arrive before the deadline too.
 
-The app installs the guard at startup (:func:`guard_uvicorn`, from its lifespan), so it holds
-whichever way the hub is started: ``syncserver serve`` (and the launcher that runs it), or
-``uvicorn syncserver.app:app``, which README shows and users type (*was*: only ``serve``
-passed the class; under plain uvicorn, 300 silent connections held 239 descriptors after 9 s
-and ``/healthz`` went unanswered). uvicorn offers no hook for it: its ``--http`` is read before
-the app exists, and nothing hands the app its server. But uvicorn runs the app's lifespan
-before it listens, from the object that holds its ``Config``, and makes each connection's
-protocol from that ``Config`` when the connection comes: the guard is put there.
+The lifespan installs it (:func:`guard_uvicorn`), so it holds under ``syncserver serve`` and plain
+``uvicorn syncserver.app:app`` alike (*was*: ``serve`` only). uvicorn offers no hook (``--http`` is
+read before the app exists), but it runs the lifespan from the object that holds its ``Config`` and
+makes each connection's protocol from that ``Config`` when it comes: the guard is put there.
 """
 
 from __future__ import annotations
@@ -31,6 +22,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from http import HTTPStatus
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -51,16 +43,11 @@ LAST_LOOK_SECONDS = 0.1
 
 def end_polls_on_exit(end_polls: Callable[[], None]) -> Callable[[], None]:
     """Call ``end_polls`` (in the event loop) on SIGINT and SIGTERM, before the server's own
-    handler; return the undo.
-
-    On a signal uvicorn stops listening and then waits for every request in flight, and a hub
-    always has some: the peers' and reducers' long polls, each held up to ``long_poll_seconds``
-    (a hub with one reducer took 2.6 s to stop instead of 0.2, one with waiting peers up to
-    20 s). uvicorn has no hook for "stopping"; it installs its handlers before the app's
-    lifespan starts and puts back what it found when it ends, so the app chains its own in
-    front of them here, whichever way it was started. In a thread (a server run by a test)
-    there are no signals to chain.
-    """
+    handler; return the undo. On a signal uvicorn waits for every request in flight, and a hub's
+    long polls are held up to ``long_poll_seconds`` (a hub with one reducer took 2.6 s to stop
+    instead of 0.2, one with waiting peers up to 20 s). uvicorn has no "stopping" hook, but installs
+    its handlers before the lifespan starts: the app chains its own in front. In a thread (a
+    server run by a test) there are no signals to chain."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     loop = asyncio.get_running_loop()
@@ -85,11 +72,9 @@ def end_polls_on_exit(end_polls: Callable[[], None]) -> Callable[[], None]:
 
 
 def guard_uvicorn(header_seconds: float, idle_seconds: float, max_header_bytes: int = MAX_HEADER_BYTES) -> str:
-    """Put the deadlines on the uvicorn server whose lifespan calls this (before it listens):
-    ``header_seconds`` and ``max_header_bytes`` for each request's line and headers,
-    ``idle_seconds`` for a keep-alive connection between requests (uvicorn's
-    ``--timeout-keep-alive`` is replaced: the hub's settings decide). Returns what holds now,
-    for the startup log; what cannot hold is logged as a warning."""
+    """Put the deadlines on the uvicorn server whose lifespan calls this, before it listens
+    (``idle_seconds`` replaces uvicorn's ``--timeout-keep-alive``). Returns what holds, for the
+    startup log; what cannot hold is logged as a warning."""
     config = _running_config()
     if config is None:
         log.warning(
@@ -113,9 +98,9 @@ def guard_uvicorn(header_seconds: float, idle_seconds: float, max_header_bytes: 
 
 
 def _running_config() -> uvicorn.Config | None:
-    """The ``Config`` of the uvicorn server whose lifespan is running this call, or None. Its
-    ``LifespanOn`` holds it and runs the app's lifespan (``main()`` awaits the app), so it is on
-    the chain of frames that awaits this one, whatever middleware sits between."""
+    """The ``Config`` of the uvicorn server whose lifespan runs this call, or None: its
+    ``LifespanOn`` awaits the app's lifespan, so it is on the chain of frames, whatever middleware
+    sits between."""
     try:
         from uvicorn.lifespan.on import LifespanOn
     except ImportError:  # not served by uvicorn at all
@@ -130,7 +115,6 @@ def _running_config() -> uvicorn.Config | None:
 
 
 def _guarded(header_seconds: float, max_header_bytes: int) -> type[asyncio.Protocol]:
-    """uvicorn's ``HttpToolsProtocol`` with the deadline and the cap (see the module)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class GuardedHttpTools(HttpToolsProtocol):
@@ -210,14 +194,9 @@ def _guarded(header_seconds: float, max_header_bytes: int) -> type[asyncio.Proto
         def _refuse(self, status: int, code: str, detail: str) -> None:
             self._stop_timer()
             body = json.dumps({"error": code, "detail": detail}).encode()
-            reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
-            head = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+            head = [b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())]
             head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
-            head += [
-                b"content-type: application/json\r\n",
-                b"content-length: %d\r\n" % len(body),
-                b"connection: close\r\n\r\n",
-            ]
+            head += [b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)]
             self.transport.write(b"".join(head) + body)
             self.transport.close()
 

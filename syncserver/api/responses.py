@@ -1,10 +1,8 @@
-"""Serving a stored blob (a round's result, a model version) with HTTP ranges.
-
-The store hands out an open file (:class:`~syncserver.storage.store.Blob`), not a path: a blob opened
-for a download stays readable even if pruning removes its name meanwhile. This response
-streams it 4 MiB per worker-thread hop, and answers a single ``Range: bytes=a-b`` (the SDK's
-resume: ``bytes=<received>-`` with ``If-Range: <etag>``) with 206; what it cannot honour (a
-multi-range, a stale ``If-Range``) gets the whole body, as RFC 9110 allows.
+"""Serving a stored blob (a round's result, a model version) with HTTP ranges. The store hands out
+an open file (:class:`~syncserver.storage.store.Blob`), which stays readable if pruning removes its
+name meanwhile. A single ``Range: bytes=a-b`` (the SDK's resume: ``bytes=<received>-`` with
+``If-Range: <etag>``) gets a 206; what cannot be honoured (a multi-range, a stale ``If-Range``)
+the whole body, as RFC 9110 allows.
 """
 
 from __future__ import annotations
@@ -59,56 +57,43 @@ def _position(digits: str) -> int:
 class BlobResponse(Response):
     """The bytes of a blob, whole or one range; the blob is closed when the response ends."""
 
+    media_type = "application/octet-stream"
+
     def __init__(
-        self,
-        blob: Blob,
-        *,
-        headers: Mapping[str, str] | None = None,
-        media_type: str = "application/octet-stream",
-        background: BackgroundTask | None = None,
+        self, blob: Blob, *, headers: Mapping[str, str] | None = None, background: BackgroundTask | None = None
     ) -> None:
-        self.blob = blob
-        self.status_code = 200
-        self.media_type = media_type
-        self.background = background
+        self.blob, self.status_code, self.background = blob, 200, background
         self.init_headers(headers)
         self.headers["accept-ranges"] = "bytes"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await self._send(scope, receive, send)
+            size = self.blob.size
+            try:
+                span = requested_range(Headers(scope=scope), size, self.headers.get("etag"))
+            except ValueError:  # nothing is served: no background task either
+                answer = Response(status_code=416, headers={"Content-Range": f"bytes */{size}"})
+                return await answer(scope, receive, send)
+            start, end = span or (0, size)
+            if span is not None:
+                self.status_code = 206
+                self.headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
+            self.headers["content-length"] = str(end - start)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            # No task listens for http.disconnect beside the stream (as in Starlette's FileResponse):
+            # with one, this response raised the hub's peak RSS with 4 fp32 peers from 0.74-0.84 GB
+            # to 1.07-1.22 GB (bench/round.py; bench/RESULTS.md; why was not pinned down). A peer
+            # that goes away mid-body costs the rest of the file's reads, which uvicorn drops.
+            position = end if scope["method"].upper() == "HEAD" else start
+            if position == end:  # HEAD, or an empty body
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            while position < end:
+                chunk = await to_thread.run_sync(self.blob.read, position, min(CHUNK, end - position))
+                if not chunk:
+                    raise RuntimeError(f"the blob ends at {position} of {end} bytes")
+                position += len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": position < end})
         finally:
             self.blob.close()
         if self.background is not None:
             await self.background()
-
-    async def _send(self, scope: Scope, receive: Receive, send: Send) -> None:
-        size = self.blob.size
-        try:
-            span = requested_range(Headers(scope=scope), size, self.headers.get("etag"))
-        except ValueError:
-            self.background = None  # nothing was served
-            answer = Response(status_code=416, headers={"Content-Range": f"bytes */{size}"})
-            return await answer(scope, receive, send)
-        start, end = span or (0, size)
-        if span is not None:
-            self.status_code = 206
-            self.headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
-        self.headers["content-length"] = str(end - start)
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        if scope["method"].upper() == "HEAD":
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        # No task listens for http.disconnect beside the stream (as in Starlette's FileResponse):
-        # with one, this response raised the hub's peak RSS with 4 fp32 peers from 0.74-0.84 GB
-        # to 1.07-1.22 GB (bench/round.py; bench/RESULTS.md; why was not pinned down). A peer
-        # that goes away mid-body costs the rest of the file's reads, which uvicorn drops.
-        position = start
-        while position < end:
-            chunk = await to_thread.run_sync(self.blob.read, position, min(CHUNK, end - position))
-            if not chunk:
-                raise RuntimeError(f"the blob ends at {position} of {end} bytes")
-            position += len(chunk)
-            await send({"type": "http.response.body", "body": chunk, "more_body": position < end})
-        if start == end:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})

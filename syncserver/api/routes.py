@@ -22,7 +22,6 @@ from starlette.requests import ClientDisconnect
 
 from syncserver.api import answers
 from syncserver.api.deps import Caller, Hub, PeerName, Round, RunName, Wait, authenticate, authenticate_view
-from syncserver.api.metrics import HubMetrics
 from syncserver.api.responses import BlobResponse, requested_range
 from syncserver.api.schemas import (
     Heartbeat,
@@ -36,18 +35,13 @@ from syncserver.api.schemas import (
     UploadPlan,
     VersionZero,
 )
-from syncserver.core.coordinator import Coordinator, Start
+from syncserver.core.coordinator import Coordinator
 from syncserver.core.planes import Redirect
 from syncserver.core.presigned import UploadReport
 from syncserver.core.rounds import Ticket
 from syncserver.core.state import Via
 from syncserver.errors import BadRequest, HubError, Incomplete, Superseded
-from syncserver.limits import (
-    MAX_BYTES,
-    MAX_ROUND,
-    MAX_SAMPLES,
-    header_int,
-)
+from syncserver.limits import MAX_BYTES, MAX_ROUND, MAX_SAMPLES, header_int
 from syncserver.names import NAME_PATTERN
 from syncserver.settings import run_type
 from syncserver.storage.store import Blob
@@ -109,9 +103,8 @@ UPLOAD_KEY_PATTERN = r"^[A-Za-z0-9_-]{16,64}$"
 
 
 def update_digest(digest: str | None, key: str | None, *, complete: bool) -> str | None:
-    """The digest (hex) of an update's headers, after checking they name its body: by its
-    ``Content-Digest``, or by an ``Upload-Key`` for a body whose digest comes later. A body is
-    acknowledged only with its digest (``complete``: this request should end the upload)."""
+    """The hex digest of an update's headers, which name its body by ``Content-Digest`` or, for a body
+    whose digest comes later, ``Upload-Key``; one that ends the upload (``complete``) needs the digest."""
     if complete and digest is None:
         raise BadRequest(
             "Content-Digest is required to complete an upload; a body whose digest comes later "
@@ -127,36 +120,22 @@ def parse_metrics(value: str | None) -> dict[str, float]:
         return {}
     if len(value) > 4096:
         raise BadRequest("X-Sync-Metrics is over 4096 bytes")
-    try:
-        metrics = json.loads(value)
+    try:  # integers as floats: one of 400 digits is then Inf, refused below (math.isfinite of the int overflows)
+        metrics = json.loads(value, parse_int=float)
     except (ValueError, RecursionError):  # RecursionError: "[[[[...": 4096 bytes nest deep enough
         raise BadRequest("X-Sync-Metrics must be a JSON object of numbers") from None
-    if not isinstance(metrics, dict) or not all(
-        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and _finite(v)
-        for k, v in metrics.items()
-    ):
+    if not isinstance(metrics, dict) or not all(isinstance(v, float) and math.isfinite(v) for v in metrics.values()):
         raise BadRequest("X-Sync-Metrics must be a JSON object of finite numbers")
-    return {k: float(v) for k, v in metrics.items()}
-
-
-def _finite(value: float) -> bool:
-    """``math.isfinite`` that says False for a JSON integer too big for a float (400 digits)."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
+    return metrics
 
 
 DRAIN_IDLE_SECONDS = 2.0
 
 
 async def _drain(request: Request, limit: int) -> None:
-    """Read and drop the rest of a refused body so the client sees our answer, not a reset.
-
-    Bounded both ways: a body declared over ``limit`` is not read at all, and a client that
-    stops sending for ``DRAIN_IDLE_SECONDS`` (say its Content-Length promised more bytes than
-    it sent) gets the answer then, instead of holding the request open forever.
-    """
+    """Read and drop the rest of a refused body so the client sees our answer, not a reset. Bounded
+    both ways: a body declared over ``limit`` is not read, and one that stops for
+    ``DRAIN_IDLE_SECONDS`` (a Content-Length that promised more) is answered then."""
     length = request.headers.get("content-length")
     declared = header_int(length)
     if length is not None and (declared is None or declared > limit):
@@ -211,19 +190,7 @@ async def list_runs(
 
 @view_router.get("/runs/{run}", summary="A run's state: config, version, peers, open round, recent rounds")
 async def run_status(run: RunName, hub: Hub) -> RunStatus:
-    return answers.run_status(hub.view, run)
-
-
-def _start_answer(start: Start) -> StartState | Response:
-    """A ready answer carries the run's schema, 7 MB of JSON for 100,000 tensors: it is spliced
-    in from the run's own JSON (made once, :class:`~syncserver.core.shape.RunShape`) instead of being
-    validated and serialised again for every request, on the event loop. Same bytes as the model."""
-    answer = answers.start(start)
-    if start.state != "ready":
-        return answer
-    assert start.shape is not None
-    head = answer.model_dump_json(by_alias=True, exclude={"tensor_schema"}).encode()
-    return Response(head[:-1] + b',"schema":' + start.shape.schema_json + b"}", media_type="application/json")
+    return RunStatus(**hub.view.state(hub.view.get(run)), updates=hub.view.latest_updates(run))
 
 
 @router.post(
@@ -233,7 +200,7 @@ def _start_answer(start: Start) -> StartState | Response:
 )
 async def join(run: RunName, body: JoinRequest, hub: Hub, caller: Caller) -> StartState | Response:
     requested = body.model_dump(exclude={"peer", "group_size"})
-    return _start_answer(hub.join(run, body.peer, requested, group_size=body.group_size, creator=caller))
+    return answers.start(hub.join(run, body.peer, requested, group_size=body.group_size, creator=caller))
 
 
 @router.get(
@@ -242,7 +209,7 @@ async def join(run: RunName, body: JoinRequest, hub: Hub, caller: Caller) -> Sta
     response_model=StartState,
 )
 async def wait_start(run: RunName, peer: PeerName, hub: Hub, wait: Wait = 20.0) -> StartState | Response:
-    return _start_answer(await hub.wait_start(run, peer, wait))
+    return answers.start(await hub.wait_start(run, peer, wait))
 
 
 @router.put(
@@ -256,7 +223,8 @@ async def put_initial(
     ticket = hub.rounds.init_ticket(hub.seen(run, peer), peer)
     received = await _receive(request, hub, ticket)
     assert isinstance(received, Received)  # version 0 is not held
-    return answers.initial_version(await hub.commit_init(ticket, received))
+    stored = await hub.commit_init(ticket, received)
+    return VersionZero(version=0, tensors=stored.tensors, bytes=stored.nbytes)
 
 
 @router.post(
@@ -268,13 +236,12 @@ async def heartbeat(request: Request, run: RunName, peer: PeerName, hub: Hub, wa
     the lease) and sees at once when its connection drops, as it does when the peer's process
     dies; the peer asks again as soon as it is answered (the SDK's heartbeat does)."""
     version = await hub.heartbeat(run, peer, wait, _disconnected(request) if wait > 0 else None)
-    return answers.heartbeat(version, hub.settings.lease_seconds, watch=wait > 0)
+    return Heartbeat(version=version, lease_seconds=hub.settings.lease_seconds, watch=wait > 0)
 
 
 async def _disconnected(request: Request) -> None:
-    """Until the client closes the request's connection: uvicorn answers ``receive()`` with
-    ``http.disconnect`` once the socket is closed (``connection_lost``: an EOF, a reset), and
-    not before, once the body is read."""
+    """Until the client closes the connection: once the body is read, uvicorn answers ``receive()``
+    with ``http.disconnect`` when the socket closes (an EOF, a reset), and not before."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -291,7 +258,7 @@ class ProgressReport(BaseModel):
     summary="Report training progress (renews the lease); in samples runs, long poll until the round is due",
 )
 async def progress(run: RunName, peer: PeerName, body: ProgressReport, hub: Hub, wait: Wait = 0.0) -> Progress:
-    return answers.progress(await hub.progress(run, peer, body.round, body.samples, wait))
+    return Progress.model_validate(await hub.progress(run, peer, body.round, body.samples, wait))
 
 
 @router.post("/runs/{run}/peers/{peer}/leave", summary="Leave the run: no longer waited for")
@@ -352,12 +319,8 @@ async def put_update(
 ) -> UpdateAck | Response:
     try:
         whole = parse_flag(complete, "Upload-Complete", default=True)
-        hex_digest, numbers, last = (
-            update_digest(digest, key, complete=whole),
-            parse_metrics(metrics),
-            parse_flag(final, "X-Sync-Final"),
-        )
-        the_run = hub.seen(run, peer)
+        hex_digest = update_digest(digest, key, complete=whole)
+        numbers, last, the_run = parse_metrics(metrics), parse_flag(final, "X-Sync-Final"), hub.seen(run, peer)
         ticket = await hub.rounds.update_ticket(
             the_run, round, peer, hex_digest, samples, numbers, key=key, supersede=True, final=last
         )
@@ -375,14 +338,7 @@ async def put_update(
             # or the ack of this very update, which a newer attempt may have brought), so that
             # the peer catches up
             again = await hub.rounds.update_ticket(
-                hub.seen(run, peer),
-                round,
-                peer,
-                ticket.digest,
-                ticket.samples,
-                ticket.metrics,
-                key=key,
-                final=ticket.final,
+                hub.seen(run, peer), round, peer, hex_digest, samples, numbers, key=key, final=last
             )
             if again.acknowledged is not None:
                 return answers.update_ack(again.acknowledged)
@@ -435,7 +391,8 @@ class PresignRequest(BaseModel):
     summary="Presigned part URLs to upload the peer's update straight to the object store (hubs with SYNC_STORE)",
 )
 async def presign_update(run: RunName, round: Round, peer: PeerName, body: PresignRequest, hub: Hub) -> UploadPlan:
-    return answers.upload_plan(await hub.presigned.presign(hub.seen(run, peer), round, peer, body.key, body.size))
+    plan = await hub.presigned.presign(hub.seen(run, peer), round, peer, body.key, body.size)
+    return UploadPlan.model_validate(plan)
 
 
 #: sha-256 in hex, as the object store's update is named by nothing else once uploaded
@@ -491,12 +448,13 @@ def _answer(
     background: BackgroundTask | None = None,
 ) -> Response:
     """A download: the hub's copy (ranges), or a 307 to the object store's. Counted either way."""
-    metrics: HubMetrics = request.app.state.metrics
-    size = found.size
-    nbytes = _served_bytes(request, size)
+    try:
+        start, end = requested_range(request.headers, found.size, None) or (0, found.size)
+    except ValueError:  # 416: nothing is served
+        start = end = 0
     via: Via = "store" if isinstance(found, Redirect) else "hub"
-    hub.count_download(run, peer, nbytes, via)
-    metrics.served(run, via, nbytes)
+    hub.count_download(run, peer, end - start, via)
+    request.app.state.metrics.served(run, via, end - start)
     if isinstance(found, Redirect):
         return Response(status_code=307, headers={**headers, "Location": found.url, "Cache-Control": "no-store"})
     return BlobResponse(found, headers=headers, background=background)
@@ -574,11 +532,3 @@ async def _downloaded(hub: Coordinator, run: str, round_: int, peer: str | None,
     # async so that Starlette runs it on the event loop (a sync task would go to a worker
     # thread, and the coordinator's state is touched from the event loop only)
     hub.record_download(run, round_, peer, began)
-
-
-def _served_bytes(request: Request, size: int) -> int:
-    try:
-        start, end = requested_range(request.headers, size, None) or (0, size)
-    except ValueError:  # 416: nothing is served
-        return 0
-    return end - start

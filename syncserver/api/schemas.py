@@ -1,13 +1,8 @@
 """The hub's answers on the wire: one pydantic model per JSON body, so that ``/openapi.json``
-describes every answer (schemathesis checks each response against it).
-
-These are public shapes, apart from the coordinator's internal state (as in
-full-stack-fastapi-template's ``models.py``): field names and types are the wire format, and
-changing one is a protocol change. Models of what the hub says are strict (``extra="forbid"``):
-a field the schema does not name is a bug, refused where the answer is built rather than sent
-unannounced. They also read attributes (``from_attributes``), so that the core's plain data
-(the run view's ``RunLine`` and the records of ``syncserver.records``) converts as it is:
-``RoundSummary.model_validate(facts)``; :mod:`syncserver.api.answers` does the converting.
+describes every answer (schemathesis checks each response against it). Field names and types are
+the wire format: changing one is a protocol change. Models are strict (``extra="forbid"``: a field
+the schema does not name is refused where the answer is built, not sent unannounced) and read
+attributes, so the core's plain data converts as it is (:mod:`syncserver.api.answers`).
 """
 
 from __future__ import annotations
@@ -55,8 +50,6 @@ __all__ = [
 
 
 class Answer(BaseModel):
-    """Base of every success body: exactly these fields, built from keywords or attributes."""
-
     model_config = ConfigDict(extra="forbid", from_attributes=True)
 
 
