@@ -83,10 +83,10 @@ def _quiesce() -> None:
     deadline, calm = time.monotonic() + QUIESCE_SECONDS, 0
     while calm < 3 and time.monotonic() < deadline:
         time.sleep(0.002)
-        calm = calm + 1 if all(state == "S" for state in _gloo_worker_states(tasks)) else 0
+        calm = calm + 1 if all(state == "S" for state in gloo_worker_states(tasks)) else 0
 
 
-def _gloo_worker_states(tasks: Path) -> list[str]:
+def gloo_worker_states(tasks: Path = Path("/proc/self/task")) -> list[str]:
     """The scheduler state (R, S, D...) of each of gloo's worker threads in this process."""
     states = []
     for task in tasks.iterdir():
