@@ -322,8 +322,8 @@ class Transport:
             except (httpx.TransportError, _StoreFailed) as exc:
                 if not store or (isinstance(exc, httpx.TransportError) and got.reader.received > before):
                     raise
-                log.warning("run %s: the object store failed (%s: %s); downloading from the hub", self.run,
-                            type(exc).__name__, exc)  # fmt: skip
+                said = "run %s: the object store failed (%s: %s); downloading from the hub"
+                log.warning(said, self.run, type(exc).__name__, exc)
                 got.url, got.since, got.direct = None, None, True  # (the hub sees that download end itself)
                 continue
             if went != "again":
