@@ -38,23 +38,9 @@ if TYPE_CHECKING:
     from syncclient.client import JoinInfo, PendingSync, SyncClient, SyncResult
     from syncclient.schedule import SyncSchedule
 
-__all__ = [
-    "AuthError",
-    "ConflictError",
-    "HubError",
-    "HubUnreachable",
-    "JoinInfo",
-    "NotFound",
-    "PendingSync",
-    "RoundClosed",
-    "SchemaMismatch",
-    "StaleUpdate",
-    "SyncCallback",
-    "SyncClient",
-    "SyncResult",
-    "SyncSchedule",
-    "SyncError",
-]
+__all__ = ["AuthError", "ConflictError", "HubError", "HubUnreachable", "JoinInfo", "NotFound", "PendingSync"]
+__all__ += ["RoundClosed", "SchemaMismatch", "StaleUpdate", "SyncCallback", "SyncClient", "SyncResult"]
+__all__ += ["SyncSchedule", "SyncError"]
 
 _HOMES = {
     **dict.fromkeys(["JoinInfo", "PendingSync", "SyncClient", "SyncResult"], "syncclient.client"),

@@ -26,19 +26,8 @@ import numpy as np
 
 from syncwire.format import DTYPES, FormatError, TensorInfo
 
-__all__ = [
-    "Codec",
-    "Schema",
-    "available_codecs",
-    "check_layout",
-    "decode_tensor",
-    "encode_model",
-    "get_codec",
-    "layout_bytes",
-    "register_codec",
-    "slices",
-    "wire_layout",
-]
+__all__ = ["Codec", "Schema", "available_codecs", "check_layout", "decode_tensor", "encode_model"]
+__all__ += ["get_codec", "layout_bytes", "register_codec", "slices", "wire_layout"]
 
 #: The model as the wire sees it: tensor name -> shape, in a fixed order. Every synced
 #: tensor is float32 on the wire's reference side.

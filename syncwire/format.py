@@ -23,18 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = [
-    "DTYPES",
-    "FormatError",
-    "HeaderReader",
-    "StreamReader",
-    "TensorFile",
-    "TensorInfo",
-    "encode_header",
-    "iter_chunks",
-    "parse_header",
-    "read_tensors",
-]
+__all__ = ["DTYPES", "FormatError", "HeaderReader", "StreamReader", "TensorFile", "TensorInfo"]
+__all__ += ["encode_header", "iter_chunks", "parse_header", "read_tensors"]
 
 #: Safetensors dtype name -> numpy dtype that holds its bytes. BF16 has no numpy dtype, so
 #: its raw bits travel as ``uint16`` and :mod:`syncwire.codecs` converts them.

@@ -1,11 +1,8 @@
 """A Hugging Face ``Trainer``, or any subclass of it: ``SyncCallback`` added when it is built.
 
 ``Trainer.__init__`` is wrapped (subclasses call it through ``super().__init__``); at its end, if
-this process is not synced another way already (:mod:`.session`): the ``train_dataset`` becomes
-this rank's share (:mod:`.shard`), and :class:`syncclient.SyncCallback` joins the Trainer's
-callbacks. From there on the callback does what it does for code that adds it by hand: join at
-train begin, sync every ``sync_every`` steps (or when a samples round is due), a last sync and
-leave at train end. A program that adds ``SyncCallback`` itself is left alone.
+this process is not synced another way already (:mod:`.session`), the ``train_dataset`` becomes
+this rank's share (:mod:`.shard`) and :class:`syncclient.SyncCallback` joins the callbacks.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """A PyTorch Lightning ``Trainer``: :class:`syncclient.lightning.SyncCallback` added when it is built.
 
-``Trainer.__init__`` (``lightning.pytorch`` and ``pytorch_lightning`` alike) is wrapped to add
-the callback to its ``callbacks`` argument, so that Lightning orders it as one of the program's
-own (checkpoints stay last). The DataLoaders the module or the program builds are plain ones:
-:mod:`.shard` shards them (training and validation alike).
+``Trainer.__init__`` (``lightning.pytorch`` and ``pytorch_lightning`` alike) is wrapped to add the
+callback to its ``callbacks`` argument, so that Lightning orders it as the program's own
+(checkpoints stay last). Its DataLoaders are plain ones: :mod:`.shard` shards them.
 """
 
 from __future__ import annotations
