@@ -253,8 +253,8 @@ class SyncClient:
         self._transport.max_download = max(fp32, layout_bytes(wire_layout(self.codec, schema)))
         self.rank, self.world_size = int(state["rank"]), int(state["world_size"])
         self._adopt(view, self._flows.latest())
-        joined = (self.run, self.peer, self.rank, self.world_size, self.version)
-        log.info("run %s: joined as %s (rank %d of %d) at version %d", *joined)
+        who = (self.run, self.peer, self.rank, self.world_size, self.version)
+        log.info("run %s: joined as %s (rank %d of %d) at version %d", *who)
         config = state["config"]
         self.policy = config.get("policy", "barrier")
         if self.policy == "samples" and self._progress is None:

@@ -1,12 +1,10 @@
 """Blockwise absmax quantizers: ``int8`` and ``int4``. numpy only.
 
-The flattened tensor is cut into blocks of ``block`` values (the last one may be short);
-each block keeps one float32 ``scale = absmax / qmax`` (rounded up, never down) and its
-values as integers ``q = round(x / scale)`` in ``[-qmax, qmax]``; decoding is ``q * scale``
-in float32. The quantization is symmetric (no zero point): deltas are centred on zero, and a
-zero point would cost another 4 bytes per block. Per value, ``|x - decode(x)| <= scale / 2`` of its block, up
-to float32 rounding (a few ulps of the scale); error feedback in the client carries the rest
-into the next round.
+The flattened tensor is cut into blocks of ``block`` values (the last one may be short); each
+block keeps one float32 ``scale = absmax / qmax`` (rounded up, never down) and its values as
+``q = round(x / scale)`` in ``[-qmax, qmax]``; decoding is ``q * scale`` in float32. Symmetric (no
+zero point): deltas are centred on zero, and a zero point would cost 4 bytes more per block. Per
+value ``|x - decode(x)| <= scale / 2``, up to a few ulps of the scale; error feedback carries the rest.
 
 Wire parts of a tensor ``name`` with ``n`` values and ``nblocks = ceil(n / block)``:
 
@@ -22,12 +20,11 @@ push int4 to 0.141x). ``int4`` packs value ``2i`` in the low nibble of byte ``i`
 ``2i + 1`` in the high nibble, each as a 4-bit two's complement number; an odd count leaves
 the last high nibble zero.
 
-Both codecs work chunk by chunk (about 1 MB of float32 at a time) so that the temporaries
-stay in cache: a 38.6M-value embedding needs no full-size float32 temporary.
-Decoding is total: any finite scales and any integer bytes give finite float32 values (a
-product past float32's range is clipped to it); non-finite scales or parts of the wrong size
-raise :class:`~syncwire.format.FormatError`, so the hub rejects a corrupt body instead of
-averaging NaN into everyone's weights. Encoding NaN or Inf raises ``ValueError``.
+Both work about 1 MB of float32 at a time, so the temporaries stay in cache (a 38.6M-value
+embedding needs no full-size float32 temporary). Decoding is total: finite scales and any integer
+bytes give finite float32 values (clipped to float32's range); non-finite scales or parts of the
+wrong size raise :class:`~syncwire.format.FormatError`, so the hub rejects a corrupt body instead
+of averaging NaN into everyone's weights. Encoding NaN or Inf raises ``ValueError``.
 """
 
 from __future__ import annotations
