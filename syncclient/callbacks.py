@@ -10,29 +10,20 @@ trainer = Trainer(
 trainer.train()
 ```
 
-- **train begin**: join and load the global version (a ``client`` that joined already, to learn
-  its rank before sharding the data, is not joined again).
-- **after each optimizer step**: tell the client (``state.global_step``, so gradient accumulation
-  needs nothing special; ``args.train_batch_size x args.gradient_accumulation_steps`` samples),
-  whose clock says when a sync is due (every ``sync_every`` steps, or in a ``round_samples`` run
-  when the hub says so). It then asks the Trainer to log and syncs in ``on_log`` with the fresh
-  loss, the eval metrics since the last sync and ``step``; an evaluation at that step runs
-  after the log, on the merged weights.
-- **train end**: a last sync if steps were trained since the previous one, then leave.
-
-**Overlap** (``overlap=True``, :meth:`SyncClient.sync_async`; docs/sdk.md, "Overlap"): a later
-step end applies the merged update once it is in, keeping the steps taken meanwhile, and the next
-sync step waits for it. The syncs at ``max_steps`` and at train end block, so every peer ends
-identical; an evaluation at a sync step sees this peer's own weights.
+At train begin it joins (unless its ``client`` joined already, to learn its rank before sharding
+the data). After each optimizer step it tells the client (``state.global_step``: gradient
+accumulation needs nothing special), whose clock says when a sync is due; it then asks the Trainer
+to log and syncs in ``on_log`` with the fresh loss and the eval metrics since the last sync (an
+evaluation at that step runs after the log, on the merged weights). At train end: a last sync if
+steps were trained since, then leave. ``overlap=True`` (docs/sdk.md, "Overlap"): a later step end
+applies the merged update once it is in; the syncs at ``max_steps`` and at train end block, so
+every peer ends identical. Several GPUs per peer (``args.world_size > 1``): the client serves
+the process group (docs/concepts/groups.md), without overlap (the ranks would have to agree at
+every step on whether the result is in).
 
 The Trainer's optimizer state is kept across syncs on purpose, as local SGD and DiLoCo do:
 resetting Adam at every sync measured worse, and averaging its first moment helped less than
 scaling the learning rate, for twice the bytes (bench/RESULTS.md, issue 27; :mod:`syncclient.peerlr`).
-
-**Several GPUs per peer** (``torchrun``, DDP or FSDP, ``args.world_size > 1``): every rank runs the
-callback, whose client serves the process group (made at train begin when the callback made the
-client; docs/concepts/groups.md). No overlap there: the ranks would have to agree at every step
-on whether the result is in.
 """
 
 from __future__ import annotations

@@ -105,19 +105,7 @@ class PendingSync:
     def _result(self, outcome: Outcome, version: int, waiting: float) -> SyncResult:
         """What this sync did, applied now at ``version`` (and logged); ``waiting``: when ``apply`` began."""
         done, late = time.monotonic(), outcome.latest is not None
-        client = self._client
-        if late:
-            log.warning(
-                "run %s: round %d closed without %s (late); caught up to version %d, local steps dropped",
-                *(client.run, self.round, client.peer, version),
-            )
-        else:
-            log.info(
-                "run %s: synced to version %d in %.2fs, %.2fs of it on this thread (%.1f MB up, %.1f MB down)",
-                *(client.run, version, done - self._started, self._stall + done - waiting),
-                *(outcome.bytes_up / 1e6, outcome.bytes_down / 1e6),
-            )
-        return SyncResult(
+        result = SyncResult(
             version=version,
             bytes_up=outcome.bytes_up,
             bytes_down=outcome.bytes_down,
@@ -130,6 +118,14 @@ class PendingSync:
             stall_seconds=self._stall + done - waiting,
             run_samples=outcome.latest.run_samples if outcome.latest is not None else outcome.run_samples,
         )
+        run, peer, mb = self._client.run, self._client.peer, (result.bytes_up / 1e6, result.bytes_down / 1e6)
+        if late:
+            said = "run %s: round %d closed without %s (late); caught up to version %d, local steps dropped"
+            log.warning(said, run, self.round, peer, version)
+        else:
+            said = "run %s: synced to version %d in %.2fs, %.2fs of it on this thread (%.1f MB up, %.1f MB down)"
+            log.info(said, run, version, result.seconds, result.stall_seconds, *mb)
+        return result
 
     def done(self) -> bool:
         """Whether ``apply`` would return without waiting for the hub."""

@@ -138,8 +138,7 @@ class Transport:
         timeout: float,
         retry_seconds: float,
     ) -> None:
-        self.hub, self.run, self.retry_seconds = hub, run, retry_seconds
-        self._token, self._timeout = token, timeout
+        self.hub, self.run, self.retry_seconds, self._token = hub, run, retry_seconds, token
         if isinstance(verify, str):  # httpx wants a context for a CA bundle
             folder = os.path.isdir(verify)
             verify = ssl.create_default_context(capath=verify if folder else None, cafile=None if folder else verify)
@@ -151,7 +150,8 @@ class Transport:
         pool = transport._pool
         self._backend = _LargeReads(pool._network_backend)
         pool._network_backend = self._backend
-        self._verify = verify
+        # a transport with connections of its own and this one's TLS settings and timeouts
+        self._twin = functools.partial(Transport, run=run, verify=verify, timeout=timeout)
         self._store: Transport | None = None  # presigned URLs of the hub's object store
         self.http = httpx.Client(
             base_url=hub,
@@ -169,7 +169,7 @@ class Transport:
 
     def sibling(self) -> Transport:
         """A transport to the same hub with connections of its own (the heartbeat's, which :meth:`abort` ends)."""
-        return self._twin(self.hub, self._token, self.retry_seconds)
+        return self._twin(self.hub, token=self._token, retry_seconds=self.retry_seconds)
 
     def abort(self) -> None:
         """Shut this transport's sockets down now: a request another thread is waiting on ends
@@ -182,14 +182,8 @@ class Transport:
         no token (a bucket must never see the hub's; S3 refuses a request signed twice),
         :data:`STORE_RETRY_SECONDS` of retries."""
         if self._store is None:
-            self._store = self._twin("", None, min(self.retry_seconds, STORE_RETRY_SECONDS))
+            self._store = self._twin("", token=None, retry_seconds=min(self.retry_seconds, STORE_RETRY_SECONDS))
         return self._store
-
-    def _twin(self, hub: str, token: str | None, retry_seconds: float) -> Transport:
-        """A transport with connections of its own and this one's TLS settings and timeouts."""
-        return Transport(
-            hub, run=self.run, token=token, verify=self._verify, timeout=self._timeout, retry_seconds=retry_seconds
-        )
 
     def call(
         self,

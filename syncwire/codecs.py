@@ -65,6 +65,12 @@ class Codec(ABC):
     def __repr__(self) -> str:
         return f"<codec {self.spec}>"
 
+    def __eq__(self, other: object) -> bool:  # a spec is the one spelling of a codec's parameters
+        return type(other) is type(self) and isinstance(other, Codec) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.spec))
+
 
 class Fp32(Codec):
     """Lossless float32: 4 bytes per value."""

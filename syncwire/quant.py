@@ -30,7 +30,7 @@ of averaging NaN into everyone's weights. Encoding NaN or Inf raises ``ValueErro
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import ClassVar
 
 import numpy as np
@@ -67,12 +67,6 @@ class _Absmax(Codec):
         if isinstance(block, bool) or not isinstance(block, int) or block < 2:
             raise ValueError(f"codec {self.name!r}: block must be an integer >= 2, got {block!r}")
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Absmax) and type(other) is type(self) and other.block == self.block
-
-    def __hash__(self) -> int:
-        return hash((type(self), self.block))
-
     def nblocks(self, shape: tuple[int, ...]) -> int:
         """Number of scales a tensor of ``shape`` has."""
         return self._blocks(math.prod(shape))
@@ -83,6 +77,13 @@ class _Absmax(Codec):
     def _step(self, n: int) -> int:
         """Values per chunk: a whole number of blocks, at most ``n``."""
         return max(1, min(n, max(self.block, _CHUNK // self.block * self.block)))
+
+    def _chunks(self, n: int) -> Iterator[tuple[int, int, slice]]:
+        """``(start, end, its scales)`` of each chunk of ``n`` values."""
+        step = self._step(n)
+        for start in range(0, n, step):
+            end = min(n, start + step)
+            yield start, end, slice(start // self.block, start // self.block + self._blocks(end - start))
 
     def _quantize(self, seg: np.ndarray, scale_out: np.ndarray, q_out: np.ndarray, work: np.ndarray) -> None:
         """Quantize ``seg`` (starting on a block boundary) into ``q_out`` (int8) and its scales."""
@@ -157,23 +158,17 @@ class Int8(_Absmax):
         n = flat.size
         q = np.empty(n, np.int8)
         scale = np.empty(self._blocks(n), np.float32)
-        step = self._step(n)
-        work = np.empty(step, np.float32)
-        for start in range(0, n, step):
-            b = start // self.block
-            seg = flat[start : start + step]
-            self._quantize(seg, scale[b : b + self._blocks(seg.size)], q[start : start + seg.size], work)
+        work = np.empty(self._step(n), np.float32)
+        for start, end, scales in self._chunks(n):
+            self._quantize(flat[start:end], scale[scales], q[start:end], work)
         return {"": q.reshape(x.shape), "scale": scale}
 
     def decode(self, parts: Mapping[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
         n = math.prod(shape)
         q, scale = self._parts(parts, shape, np.dtype(np.int8), n)
         out = np.empty(n, np.float32)
-        step = self._step(n)
-        for start in range(0, n, step):
-            b = start // self.block
-            end = min(n, start + step)
-            self._dequantize(q[start:end], scale[b : b + self._blocks(end - start)], out[start:end])
+        for start, end, scales in self._chunks(n):
+            self._dequantize(q[start:end], scale[scales], out[start:end])
         return out.reshape(shape)
 
 
@@ -204,11 +199,9 @@ class Int4(_Absmax):
         step = self._step(n)
         work = np.empty(step, np.float32)
         q = np.zeros(step + 1, np.int8)  # one spare value: zero padding for an odd count
-        for start in range(0, n, step):
-            b = start // self.block
-            seg = flat[start : start + step]
-            size = seg.size
-            self._quantize(seg, scale[b : b + self._blocks(size)], q[:size], work)
+        for start, end, scales in self._chunks(n):
+            size = end - start
+            self._quantize(flat[start:end], scale[scales], q[:size], work)
             if size % 2:
                 q[size] = 0
                 size += 1
@@ -225,9 +218,7 @@ class Int4(_Absmax):
         step = self._step(n)
         q = np.empty((step + 1) // 2 * 2, np.int8).reshape(-1, 2)
         low = np.empty(len(q), np.uint8)
-        for start in range(0, n, step):
-            b = start // self.block
-            end = min(n, start + step)
+        for start, end, scales in self._chunks(n):
             chunk = packed[start // 2 : (end + 1) // 2]
             k = chunk.size
             # Sign-extend each nibble: move it to the top of an int8, then shift back down.
@@ -235,7 +226,7 @@ class Int4(_Absmax):
             np.right_shift(low[:k].view(np.int8), 4, out=q[:k, 0])
             np.right_shift(chunk.view(np.int8), 4, out=q[:k, 1])
             values = q[:k].reshape(-1)[: end - start]
-            self._dequantize(values, scale[b : b + self._blocks(end - start)], out[start:end])
+            self._dequantize(values, scale[scales], out[start:end])
         return out.reshape(shape)
 
 

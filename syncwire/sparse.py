@@ -90,15 +90,6 @@ class TopK(Codec):
         params = ",".join(f"{key}={value}" for key, value in given.items() if value != self.defaults[key])
         self.spec = f"topk:{params}" if params else "topk"
 
-    def _key(self) -> tuple[int, int, int, int]:
-        return self.chunk, self.k, self.bits, self.block
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, TopK) and other._key() == self._key()
-
-    def __hash__(self) -> int:
-        return hash((TopK, *self._key()))
-
     # ---- layout ----------------------------------------------------------------------------
     def _segments(self, size: int) -> list[Segment]:
         """How a block of ``size`` values (the last one may be short) is cut into chunks."""

@@ -52,18 +52,14 @@ def install(settings: HookSettings) -> PlainLoop:
     return loop
 
 
-def _dead() -> None:
-    return None
-
-
 class PlainLoop:
     def __init__(self, settings: HookSettings) -> None:
         self.settings = settings
         self.model: torch.nn.Module | None = None
         self.client: Any = None  # a SyncClient, once joined: its clock counts the lead's steps
-        self._lead: Any = _dead  # a weakref to the lead optimizer (a dead one returns None)
-        self._latest: Any = _dead  # the optimizer that stepped last
-        self._tail: Any = _dead  # the last optimizer to step before the lead's latest step
+        self._lead: Any = lambda: None  # a weakref to the lead optimizer (a dead one returns None)
+        self._latest: Any = lambda: None  # the optimizer that stepped last
+        self._tail: Any = lambda: None  # the last optimizer to step before the lead's latest step
         self._others: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         self._due = False  # a sync waits for the iteration's last optimizer (or the lead's next step)
         self._syncing = False
