@@ -36,13 +36,12 @@ class _Daemon:
 
 
 class Heartbeat(_Daemon):
-    """The peer's lease and its watch, on a connection of its own (``transport``, owned): a
-    heartbeat the hub holds open for a third of the lease (or until it has news), asked again as
-    soon as it is answered. The held connection closing tells the hub, within its
-    ``disconnect_grace``, that this process died; each request renews the lease, whose expiry
-    tells it a hung or vanished machine is gone. A failed beat is tried again at once, then after
-    0.1 s doubling to 1 s: a reset link is back well within the grace (1.5 s by default). A hub
-    that does not hold it (``watch: false``) gets one beat every third of the lease.
+    """The peer's lease and its watch, on a connection of its own (``transport``, owned): a beat the
+    hub holds open for a third of the lease (or until it has news), asked again once answered. The
+    held connection closing tells the hub, within its ``disconnect_grace``, that this process died;
+    the lease, that a hung or vanished machine is gone. A failed beat is tried again at once, then
+    after 0.1 s doubling to 1 s (a reset link is back well within the 1.5 s grace). A hub that does
+    not hold it (``watch: false``) gets one beat every third of the lease.
     """
 
     #: the first waits after failed beats (the first retry goes at once); then 1 s

@@ -145,19 +145,15 @@ class SyncClient:
     >>> client.leave()
 
     ``codec`` ... ``max_staleness`` configure the run if this peer creates it and must match an
-    existing run's (None: accept it); :data:`syncwire.runsettings.RUN_SETTINGS` says what each
-    means and checks it here, so a typo fails at once, not at the hub. ``min_peers`` is also the
-    rendezvous: the run starts once that many joined, ranked by sorted names, not join order.
+    existing run's (None: accept it); :data:`syncwire.runsettings.RUN_SETTINGS` says what each means
+    and checks it here. ``min_peers`` is also the rendezvous (ranks follow sorted names).
     ``round_samples`` makes a samples run, or with ``policy="async"`` an asynchronous one
-    (docs/concepts/rounds.md): report each step's samples with :meth:`progress` and send when
-    :attr:`due` (or let :meth:`step` do both). ``sync_every``: optimizer steps between syncs (an
-    int or a :class:`~syncclient.schedule.SyncSchedule`) for :attr:`due` in barrier and async runs.
-
-    ``group``: a torch.distributed process group whose ranks train this peer together (DDP or
-    FSDP; :mod:`syncclient.group`): every rank makes the same calls, rank 0 alone talks to the
-    hub, and ``samples`` are each rank's own. ``verify``: True (the system's CAs), a CA bundle
-    (PEM file or folder) or an ``ssl.SSLContext``. ``retry_seconds``: how long hub trouble is
-    retried before :class:`~syncclient.exceptions.HubUnreachable`.
+    (docs/concepts/rounds.md): report each step with :meth:`progress`, send when :attr:`due` (or
+    let :meth:`step` do both). ``sync_every``: optimizer steps between syncs (an int or a
+    :class:`~syncclient.schedule.SyncSchedule`). ``group``: a torch.distributed process group
+    training this peer (:mod:`syncclient.group`): every rank makes the same calls, ``samples``
+    its own. ``verify``: True, a CA bundle (PEM file or folder) or an ``ssl.SSLContext``.
+    ``retry_seconds``: how long hub trouble is retried before :class:`~syncclient.HubUnreachable`.
     """
 
     def __init__(

@@ -148,12 +148,9 @@ class RunFlows:
         except HubError as exc:
             if exc.status != 410:
                 raise
-            # a result was pruned: the latest version, which holds ours, is the new base
-            latest = self.latest()
-            elapsed = uploaded - started
-            return Outcome(
-                size, latest.reader.received, elapsed, 0.0, latest.version, latest.run_samples, fresh_base=latest
-            )
+            latest = self.latest()  # a result was pruned: the latest version, which holds ours, is the new base
+            down, up = latest.reader.received, uploaded - started
+            return Outcome(size, down, up, 0.0, latest.version, latest.run_samples, fresh_base=latest)
         return Outcome(size, received, uploaded - started, waited - uploaded, landed + 1, own.run_samples)
 
     def _to_store(

@@ -109,11 +109,9 @@ class _Sync(Adapter):
     def _sync(self, trainer: Any, pl_module: torch.nn.Module, *, final: bool = False) -> None:
         """One blocking sync; ``final``: training ends here (see ``SyncClient.sync``)."""
         metrics = sync_metrics({"loss": self._loss, **trainer.callback_metrics}, trainer.global_step)
-        steps = self.client.clock.step - self.client.clock.last
-        samples = max(1, self.client.pending_samples)
-        self._synced(
-            self.client.sync(pl_module, samples=samples, metrics=metrics, final=final), trainer.global_step, steps
-        )
+        steps = self.client.clock.step - self.client.clock.last  # before the sync starts the clock afresh
+        result = self.client.sync(pl_module, samples=max(1, self.client.pending_samples), metrics=metrics, final=final)
+        self._synced(result, trainer.global_step, steps)
 
     def _leave(self) -> None:
         self._active = False

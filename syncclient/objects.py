@@ -77,13 +77,11 @@ def upload_parts(
     """PUT every part of ``upload`` not yet acknowledged, up to ``concurrency`` at once; return
     every part's ETag (for the hub).
 
-    ``content()`` gives the whole body afresh (views: a chunk must stay valid once yielded). It is
-    read once, in order, in the calling thread (an update still encoding is waited for and hashed
-    there); each part's views go to a worker thread that PUTs them. At most ``concurrency`` parts
-    are in flight and one more is being gathered: what the chunks pin. After a part fails for good
-    no new part starts, those in flight finish, and the call raises as the SDK does
-    (:class:`HubUnreachable`, or :class:`HubError`: 403 for an expired or foreign URL); the ETags
-    that came stay in ``upload`` for the next call.
+    ``content()`` gives the whole body afresh (views: a chunk must stay valid once yielded), read
+    once, in order, in the calling thread; each part's views go to a worker thread. At most
+    ``concurrency`` parts are in flight and one more is gathered: what the chunks pin. After a part
+    fails for good no new part starts, those in flight finish, and the call raises as the SDK does
+    (403: an expired or foreign URL); the ETags that came stay in ``upload`` for the next call.
     """
     if "authorization" in transport.http.headers:
         raise ValueError("a transport with the hub's token must not talk to the object store: make one with token=None")

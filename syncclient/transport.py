@@ -284,16 +284,14 @@ class Transport:
         on_tensor: OnTensor | None = None,
     ) -> Download | None:
         """GET a safetensors body into arrays, resuming with Range after a cut; None on 204 (a long
-        poll still open). A body that declares more than ``max_download`` bytes of data is refused
-        before anything is allocated. ``on_tensor``: each tensor goes there as it arrives (see
-        :class:`~syncwire.StreamReader`); what it took cannot be taken back, so a body that
-        changed under a resumed download is then an error, not a restart.
+        poll still open). A body declaring more than ``max_download`` bytes of data is refused.
+        ``on_tensor`` takes each tensor as it arrives (what it took cannot be taken back: a body
+        that changed under a resumed download is then an error, not a restart).
 
-        A hub with an object store answers ``307`` with a presigned GET of its copy, read through
-        :meth:`store`. An expired URL (403) sends the download back to the hub for a fresh one, at
-        the byte it reached; a store that gives nothing (unreachable, resets, 5xx, a fresh URL
-        refused) makes it ask the hub with ``direct=1`` for its own copy. :meth:`_fetch` picks the
-        source; :meth:`_from_hub` and :meth:`_from_store` make one request each."""
+        A hub's ``307`` sends it to the object store's copy (through :meth:`store`); an expired URL
+        (403) back to the hub for a fresh one, at the byte it reached; a store that gives nothing
+        makes it ask the hub for its own copy (``direct=1``). :meth:`_fetch` picks the source;
+        :meth:`_from_hub` and :meth:`_from_store` make one request each."""
         got = _Fetch(StreamReader(self.max_download, on_tensor), on_tensor)
         with self._errors(path.split("?", 1)[0]):
             for attempt in self._retrying():
@@ -434,12 +432,6 @@ class _LargeReads(httpcore.NetworkBackend):
     def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
         return _LargeReadStream(self._backend.connect_tcp(*args, **kwargs), self)
 
-    def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
-        return _LargeReadStream(self._backend.connect_unix_socket(*args, **kwargs), self)
-
-    def sleep(self, seconds: float) -> None:
-        self._backend.sleep(seconds)
-
     def shutdown(self) -> None:
         """Shut down every open stream's socket, and any opened from now on. (A stream registers
         itself, then looks at ``shut``; this sets ``shut``, then looks at the streams: one
@@ -530,14 +522,10 @@ def _hub_error(response: httpx.Response) -> HubError:
         xml_code, message = _s3_error(response.text)
         body, code, detail = {}, xml_code or "error", message or xml_code or response.text[:500]
     status = response.status_code
-    if status == 401:
-        return AuthError(status, code, detail, body)
-    if status == 404:
-        return NotFound(status, code, detail, body)
+    cls = {401: AuthError, 404: NotFound, 409: ConflictError}.get(status, HubError)
     if status == 409:
         cls = {"round_closed": RoundClosed, "stale_update": StaleUpdate}.get(code, ConflictError)
-        return cls(status, code, detail, body)
-    return HubError(status, code, detail, body)
+    return cls(status, code, detail, body)
 
 
 def _is_offset_mismatch(response: httpx.Response) -> bool:

@@ -32,12 +32,10 @@ _Where = dict[str, tuple[int, int]]  # a slice's values in each wire part: suffi
 
 
 class EncodedUpdate:
-    """One update on its way to the wire: its parts fill as the encode threads finish.
-
-    The parts' arrays exist from the start (sized by the codec's layout), so the header can go out
-    at once; :meth:`ready` waits for one part, :meth:`wait` for all and sets ``ratio`` (float32
-    bytes / bytes sent) and ``error`` (``||delta - decoded|| / ||delta||``, 0 when lossless). A
-    part's encode failing (NaN) raises :class:`SyncError` from both.
+    """One update on its way to the wire: its parts (sized by the codec's layout, so the header
+    goes out at once) fill as the encode threads finish. :meth:`ready` waits for one part,
+    :meth:`wait` for all and sets ``ratio`` (float32 bytes / bytes sent) and ``error``
+    (``||delta - decoded|| / ||delta||``, 0 when lossless); a failed encode (NaN) raises :class:`SyncError`.
     """
 
     def __init__(
@@ -97,14 +95,12 @@ class UpdateState:
     def encode(self, local: Mapping[str, np.ndarray]) -> EncodedUpdate:
         """Start encoding ``local - base`` (plus the residual), keeping the new residual.
 
-        Returns at once: a few threads encode a slice at a time (:func:`syncwire.codecs.slices`,
-        the hub's cut) in the body's order, so the upload sends each part once encoded instead of
-        after the whole update (0.6-1.3 s before the first byte for GPT-2 on bench/RESULTS.md's
-        2-core VM); a slice's bytes do not depend on the thread, so they are one thread's bytes.
-        ``local``, ``base`` and the residual must not change until :meth:`EncodedUpdate.wait`
-        returns. The parts are the state's own buffers, reused by the next encode: fresh 130-500 MB
-        each sync cost GPT-2 up to 1.3 s of page faults. A refused update (NaN) drops the residual,
-        half of which it would have replaced.
+        Returns at once: a few threads encode a slice at a time (the hub's cut) in the body's order,
+        so the upload sends each part once encoded, not after the whole update (0.6-1.3 s before the
+        first byte for GPT-2 on bench/RESULTS.md's VM); the bytes do not depend on the thread.
+        ``local``, ``base`` and the residual must not change until :meth:`EncodedUpdate.wait`. The
+        parts are the state's buffers, reused by the next encode (fresh 130-500 MB each sync cost
+        GPT-2 up to 1.3 s of page faults). A refused update (NaN) drops the half-replaced residual.
         """
         codec = self.codec
         parts: list[tuple[str, np.ndarray, str]] = []

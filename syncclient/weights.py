@@ -41,15 +41,9 @@ class ModelView:
         return {name: tuple(t.shape) for name, t in self.tensors.items()}
 
     def export(self) -> dict[str, np.ndarray]:
-        """float32 arrays of the current values. On CPU float32 they share memory with the
-        model: read them before the next optimizer step."""
-        out = {}
-        for name, t in self.tensors.items():
-            t = t.detach()
-            if t.dtype != torch.float32 or t.device.type != "cpu":
-                t = t.to("cpu", torch.float32)
-            out[name] = t.numpy()
-        return out
+        """float32 arrays of the current values. On CPU float32 they share memory with the model
+        (``to`` copies nothing then): read them before the next optimizer step."""
+        return {name: t.detach().to("cpu", torch.float32).numpy() for name, t in self.tensors.items()}
 
     @torch.no_grad()
     def load(self, arrays: dict[str, np.ndarray]) -> None:

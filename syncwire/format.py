@@ -272,14 +272,11 @@ class TensorFile:
 
 
 class StreamReader:
-    """Parse a safetensors body arriving in chunks straight into fresh numpy arrays.
-
-    ``received`` counts the bytes taken, so an interrupted download can resume with ``Range:
-    bytes=<received>-`` into the same reader. The arrays are allocated once the header is in: one
-    that declares more than ``max_bytes`` of data (or than the machine can allocate) is a
-    :class:`FormatError` first. ``on_tensor(name, array, metadata)``, if given, takes each tensor
-    the moment its last byte is in (a peer folds while the rest downloads); the reader keeps none.
-    """
+    """Parse a safetensors body arriving in chunks straight into fresh numpy arrays. ``received``
+    counts the bytes taken (a resumed download keeps feeding it). A header that declares more than
+    ``max_bytes`` of data (or than can be allocated) is a :class:`FormatError` before any allocation.
+    ``on_tensor(name, array, metadata)`` takes each tensor once its last byte is in; then the
+    reader keeps none."""
 
     def __init__(
         self,

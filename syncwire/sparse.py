@@ -47,7 +47,7 @@ from typing import ClassVar
 import numpy as np
 
 from syncwire.codecs import Codec, register_codec
-from syncwire.format import FormatError
+from syncwire.format import DTYPES, FormatError
 
 __all__ = ["TopK"]
 
@@ -127,12 +127,7 @@ class TopK(Codec):
     # ---- encode ----------------------------------------------------------------------------
     def encode(self, x: np.ndarray) -> dict[str, np.ndarray]:
         flat = np.asarray(x, dtype=np.float32).reshape(-1)
-        codes, index, scales = self._sizes(flat.size)
-        out: dict[str, np.ndarray] = {
-            "": np.empty(codes, np.uint8),
-            "index": np.empty(index, np.uint8),
-            "scale": np.empty(scales, np.float32),
-        }
+        out = {suffix: np.empty(shape, DTYPES[dtype]) for suffix, (dtype, shape) in self.layout(flat.shape).items()}
         at = dict.fromkeys(out, 0)
         for rows in self._rows(flat):
             for suffix, part in zip(out, self._encode_rows(rows), strict=True):

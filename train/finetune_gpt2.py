@@ -223,10 +223,9 @@ def train(args: argparse.Namespace) -> int:
     # Huge pages for torch's big CPU buffers (the 50,257-wide logits): ~10% less CPU per step here.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-    # -- data: the same blocks on every peer, sharded after join ------------------------------------------
-    # Cheapest first, so that a wrong --dataset or --tokenizer fails in seconds: the reviews need only
-    # `datasets` (~0.8 CPU-s to import on a 2-core VM), the tokenizer `transformers` (which imports
-    # torch: ~2 more), the model and Trainer the rest (~4.5 in all).
+    # -- data: the same blocks on every peer, sharded after join. Cheapest first, so a wrong --dataset or
+    # --tokenizer fails in seconds: `datasets` costs ~0.8 CPU-s to import on a 2-core VM, `transformers`
+    # (with torch) ~2 more, the model and Trainer the rest (~4.5 in all).
     import datasets
 
     datasets.logging.set_verbosity_error()  # keep stderr for what matters
@@ -284,9 +283,8 @@ def train(args: argparse.Namespace) -> int:
         note(f"{joined}, codec {info.codec}, outer {info.outer}")
 
     try:
-        # -- shard: one permutation everywhere, equal slices, the remainder dropped (every peer runs the same
-        # steps, hence the same rounds), by the hub's rank (sorted names, not join order). With N peers a round
-        # covers as many samples as --sync-every serial steps.
+        # -- shard: one permutation everywhere, equal slices by the hub's rank, the remainder dropped (every
+        # peer runs the same steps, hence rounds). With N peers a round covers --sync-every serial steps' samples.
         per_peer, batch = len(train_blocks) // world_size, args.batch_size // world_size
         shard = train_blocks.shuffle(seed=args.seed).select(range(rank * per_peer, (rank + 1) * per_peer))
         if batch < 1:
@@ -492,8 +490,7 @@ def note(msg: str) -> None:
 
 if __name__ == "__main__":
     code = main()
-    # Exiting, the interpreter's collector walks every object torch, transformers and datasets made: 1.2-1.4 s
-    # of CPU a process on a 2-core VM (a launcher and each local peer pay it). The OS takes the memory back
-    # anyway, the SDK's exit handlers (atexit) still run, and every file the job writes is closed: skip it.
+    # Exiting, the collector walks every object torch, transformers and datasets made: 1.2-1.4 s of CPU a
+    # process on a 2-core VM. The OS takes the memory back anyway, atexit handlers still run, files are closed.
     gc.freeze()
     sys.exit(code)

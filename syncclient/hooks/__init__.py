@@ -14,8 +14,9 @@ nothing to sync or which version it left the run at, with its weights' sha-256.
 
 from __future__ import annotations
 
+import importlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 
 from syncclient.hooks import session
@@ -45,18 +46,11 @@ def install(env: Mapping[str, str] = os.environ) -> bool:
         shard.install(settings)
         plain.install(settings)
 
-    def transformers_trainer(module: ModuleType) -> None:
-        from syncclient.hooks import hf
-
-        hf.install(module, settings)
-
-    def lightning_trainer(module: ModuleType) -> None:
-        from syncclient.hooks import pl
-
-        pl.install(module, settings)
+    def trainer_imported(hooks: str) -> Callable[[ModuleType], None]:  # the hooks' module, imported only now
+        return lambda module: importlib.import_module(f"syncclient.hooks.{hooks}").install(module, settings)
 
     when_imported("torch", torch_imported)
-    when_imported("transformers.trainer", transformers_trainer)
-    when_imported("lightning.pytorch.trainer.trainer", lightning_trainer)
-    when_imported("pytorch_lightning.trainer.trainer", lightning_trainer)
+    when_imported("transformers.trainer", trainer_imported("hf"))
+    when_imported("lightning.pytorch.trainer.trainer", trainer_imported("pl"))
+    when_imported("pytorch_lightning.trainer.trainer", trainer_imported("pl"))
     return True

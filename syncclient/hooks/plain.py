@@ -135,8 +135,7 @@ class PlainLoop:
                 self._pre = register_optimizer_step_pre_hook(self._before_step)
 
     def _state_read(self, module: torch.nn.Module) -> None:
-        """The program reads ``module``'s state: if it is the model's, make what it reads the
-        run's model first (see the module docstring)."""
+        """The program reads ``module``'s state: if it is the model's, make it the run's model first."""
         if self.client is None or self._syncing or os.getpid() != self._pid:
             return
         if threading.get_ident() != self._thread:
@@ -209,8 +208,8 @@ class PlainLoop:
         _at_main_thread_exit(self._at_exit)
 
     def _sync(self, *, final: bool = False) -> None:
-        """Sync the steps since the last sync; ``final``: with a lossy codec, flush the residual
-        in one more round, which takes the next window's round."""
+        """Sync the steps since the last sync; ``final``: with a lossy codec, flush the residual in
+        one more round (the next window's)."""
         self._due, self._syncing = False, True
         clock = self.client.clock
         try:
@@ -257,10 +256,8 @@ class PlainLoop:
 
 
 def _watch_state_reads(loop: PlainLoop) -> None:
-    """``torch.nn.Module.state_dict``, wrapped to tell ``loop`` first: every way of saving a model
-    (``torch.save(model.state_dict())``, safetensors, ``save_pretrained``, a checkpoint) reads it.
-    On the class, not the model: a hook stored on the model would travel with ``torch.save(model)``
-    and ``copy.deepcopy``."""
+    """``torch.nn.Module.state_dict``, wrapped to tell ``loop`` first (every way of saving a model
+    reads it); on the class: a hook on the model would travel with ``torch.save(model)`` and ``deepcopy``."""
     original = torch.nn.Module.state_dict
 
     @functools.wraps(original)
@@ -288,10 +285,6 @@ def _at_main_thread_exit(fn: Any) -> None:
     """Run ``fn`` when the main thread ends, before the interpreter stops its thread pools: a
     sync in an ``atexit`` function would find the SDK's pool closed. ``threading._register_atexit``
     is how ``concurrent.futures`` itself gets that moment; without it (another Python), ``atexit``."""
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:
-        import atexit
+    import atexit
 
-        atexit.register(fn)
-    else:
-        register(fn)
+    getattr(threading, "_register_atexit", atexit.register)(fn)
