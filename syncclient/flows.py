@@ -106,6 +106,9 @@ class RunFlows:
                 sent.update(codec_ratio=update.ratio, codec_error=update.error)
             return sent
 
+        def completing() -> dict[str, str]:
+            return {"X-Sync-Metrics": json.dumps(encoded())}
+
         path = f"{self.path}/rounds/{round_}/updates/{self.peer}"
         try:
             ack: dict[str, Any] | None = None
@@ -117,13 +120,7 @@ class RunFlows:
                     log.warning(said, self.run, round_, exc)
             if ack is None:
                 size, ack = self.transport.upload(
-                    path,
-                    update.parts,
-                    what="upload",
-                    headers=headers,
-                    resumable=True,
-                    ready=update.ready,
-                    completing=lambda: {"X-Sync-Metrics": json.dumps(encoded())},
+                    path, update.parts, what="upload", headers=headers, ready=update.ready, completing=completing
                 )
         except (RoundClosed, StaleUpdate):
             size = body_size(update.parts)  # sent, though refused
@@ -270,6 +267,6 @@ class RunFlows:
         """Upload version 0 (this peer was told to initialise the run)."""
         log.info("run %s: uploading version 0 (%.1f MB)", self.run, sum(a.nbytes for _, a, _ in parts) / 1e6)
         try:
-            self.transport.upload(f"{self.path}/versions/0", parts, what="version 0", params={"peer": self.peer})
+            self.transport.put(f"{self.path}/versions/0", parts, what="version 0", params={"peer": self.peer})
         except ConflictError as exc:  # someone else initialised (we lost our claim): just pull
             log.info("run %s: %s", self.run, exc.detail)

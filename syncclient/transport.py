@@ -192,23 +192,23 @@ class Transport:
         *,
         retry: bool = True,
         content: Callable[[], Iterator[bytes | memoryview]] | None = None,
-        resume: Callable[[], int] | None = None,
+        resume: bool = False,
         offset: int = 0,
         where: str | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
         """One request, retried unless ``retry=False``; an error answer raises the SDK's exception
         (naming the request ``where``, or its path: a presigned URL's signature stays out).
-        ``content`` makes a fresh body iterator per attempt. ``resume`` makes it resumable: before
-        each retry it says how many bytes the hub holds, and only the rest is sent, with
-        ``Upload-Offset``; ``offset``: where the first attempt starts.
+        ``content`` makes a fresh body iterator per attempt. ``resume``: before each retry, ask the
+        hub how many bytes it holds and send only the rest, with ``Upload-Offset``; ``offset``:
+        where the first attempt starts.
         """
         headers = kwargs.pop("headers", None) or {}
         with self._errors(where or path):
             for attempt in self._retrying(retry):
                 with attempt:
-                    if resume is not None and attempt.retry_state.attempt_number > 1:
-                        offset = resume()
+                    if resume and attempt.retry_state.attempt_number > 1:
+                        offset = self._upload_offset(path, headers)
                         log.info("run %s: resuming %s at byte %d", self.run, path, offset)
                     body = content() if content else None
                     if offset and body is not None:
@@ -220,10 +220,15 @@ class Transport:
                         headers={**headers, "Upload-Offset": str(offset)} if offset else headers,
                         **kwargs,
                     )
-                    if resume is not None and _is_offset_mismatch(response):
-                        raise _Retry(response)
+                    if resume and response.status_code == 409 and _hub_error(response).code == "upload_offset":
+                        raise _Retry(response)  # the hub lost the bytes we resumed after (it restarted): ask again
                     _check(response)
         return response
+
+    def put(self, path: str, parts: Parts, *, what: str, params: dict[str, Any]) -> None:
+        """PUT ``parts`` as one safetensors body, whole (version 0)."""
+        size = body_size(parts)
+        self.call("PUT", path, params=params, content=lambda: self._progress(iter_chunks(parts), size, what))
 
     def upload(
         self,
@@ -231,50 +236,23 @@ class Transport:
         parts: Parts,
         *,
         what: str,
-        params: dict[str, Any] | None = None,
-        headers: dict[str, str] | None = None,
-        resumable: bool = False,
-        ready: Callable[[int], None] | None = None,
-        completing: Callable[[], dict[str, str]] | None = None,
+        headers: dict[str, str],
+        ready: Callable[[int], None],
+        completing: Callable[[], dict[str, str]],
     ) -> tuple[int, dict[str, Any]]:
-        """PUT ``parts`` as one safetensors body; return its size in bytes and the hub's answer.
-        ``resumable``: held, then completed with its digest (see the module docstring).
-        ``ready(i)`` waits until part ``i``'s array is filled; ``completing()`` gives headers for
-        the completing request (known once the body is).
-        """
-        size = body_size(parts)
-        headers = dict(headers or {})
-        if not resumable:
-            body = functools.partial(iter_chunks, parts, ready=ready)
-            response = self.call(
-                "PUT", path, params=params, headers=headers, content=lambda: self._progress(body(), size, what)
-            )
-            return size, response.json()
-        digest = Digest()
+        """PUT ``parts`` as one safetensors body while they fill (``ready(i)`` waits for part ``i``):
+        held, then completed with its digest and the headers ``completing()`` gives (see the module
+        docstring); after a cut only what the hub lacks is sent. Its size and the hub's answer."""
+        size, digest = body_size(parts), Digest()
 
         def hashed() -> Iterator[memoryview | bytes]:
             return digest.watch(iter_chunks(parts, ready=ready))
 
         held = {**headers, "Upload-Key": secrets.token_urlsafe(24), "Upload-Complete": "?0"}
-        self.call(
-            "PUT",
-            path,
-            params=params,
-            headers=held,
-            content=lambda: self._progress(hashed(), size, what),
-            resume=functools.partial(self._upload_offset, path, held),
-        )
-        done = {**held, **(completing() if completing else {}), "Content-Digest": digest.value(size)}
+        self.call("PUT", path, headers=held, content=lambda: self._progress(hashed(), size, what), resume=True)
+        done = {**held, **completing(), "Content-Digest": digest.value(size)}
         del done["Upload-Complete"]
-        response = self.call(
-            "PUT",
-            path,
-            params=params,
-            headers=done,
-            content=hashed,
-            resume=functools.partial(self._upload_offset, path, done),
-            offset=size,
-        )
+        response = self.call("PUT", path, headers=done, content=hashed, resume=True, offset=size)
         return size, response.json()
 
     def download(
@@ -526,16 +504,6 @@ def _hub_error(response: httpx.Response) -> HubError:
     if status == 409:
         cls = {"round_closed": RoundClosed, "stale_update": StaleUpdate}.get(code, ConflictError)
     return cls(status, code, detail, body)
-
-
-def _is_offset_mismatch(response: httpx.Response) -> bool:
-    """409 ``upload_offset``: the hub lost the bytes we resumed after (it restarted): ask again."""
-    if response.status_code != 409:
-        return False
-    try:
-        return bool(response.json().get("error") == "upload_offset")
-    except (ValueError, AttributeError):
-        return False
 
 
 class Digest:
