@@ -141,7 +141,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.no_hub or args.sync_every == 0:  # the serial baseline: no hub, no rounds
         args.sync_every, args.sync_schedule, args.round_samples, args.policy = 0, None, None, None
     else:
-        run = {"policy": args.policy or "barrier", "round_samples": args.round_samples}
+        run = {"policy": args.policy or "barrier", "round_samples": args.round_samples or None}  # 0: none
         try:  # the run settings' rules (a sample target alone means policy samples), in this script's flags
             args.policy = settle(run, ["policy"] if args.policy else [], say=flag_name)["policy"]
         except ValueError as exc:
