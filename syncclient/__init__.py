@@ -7,13 +7,11 @@
     client.sync(model, samples=n)
 
 or, with a Hugging Face ``Trainer``, one callback: ``SyncCallback`` (with Lightning:
-``syncclient.lightning.SyncCallback``); or no code at all: ``weightsync-run -- python train.py``
-(the ``weightsync_run`` package, beside this one: it runs a hub too).
+``syncclient.lightning.SyncCallback``); or no code at all: ``weightsync-run -- python train.py``.
 
-Every name here but the exceptions is loaded on first use: ``import syncclient`` imports neither
-torch nor httpx, so that ``weightsync-run``'s hooks can sit in every Python process it starts at
-no cost to the ones that never train, and ``pip install 'weightsync[client]'`` (no transformers)
-is enough for ``SyncClient``.
+Every name but the exceptions loads on first use: ``import syncclient`` imports neither torch nor
+httpx (``weightsync-run``'s hooks sit in every Python process it starts, training or not), and
+``pip install 'weightsync[client]'`` (no transformers) is enough for ``SyncClient``.
 """
 
 from __future__ import annotations
@@ -38,23 +36,9 @@ if TYPE_CHECKING:
     from syncclient.client import JoinInfo, PendingSync, SyncClient, SyncResult
     from syncclient.schedule import SyncSchedule
 
-__all__ = [
-    "AuthError",
-    "ConflictError",
-    "HubError",
-    "HubUnreachable",
-    "JoinInfo",
-    "NotFound",
-    "PendingSync",
-    "RoundClosed",
-    "SchemaMismatch",
-    "StaleUpdate",
-    "SyncCallback",
-    "SyncClient",
-    "SyncResult",
-    "SyncSchedule",
-    "SyncError",
-]
+__all__ = ["AuthError", "ConflictError", "HubError", "HubUnreachable", "JoinInfo", "NotFound", "PendingSync"]
+__all__ += ["RoundClosed", "SchemaMismatch", "StaleUpdate", "SyncCallback", "SyncClient", "SyncResult"]
+__all__ += ["SyncSchedule", "SyncError"]
 
 _HOMES = {
     **dict.fromkeys(["JoinInfo", "PendingSync", "SyncClient", "SyncResult"], "syncclient.client"),

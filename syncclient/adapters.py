@@ -1,7 +1,6 @@
-"""What the Hugging Face and the Lightning ``SyncCallback`` share (:class:`Adapter`): the checks
-of their arguments, the client they sync through, joining at train begin, the metrics an update
-carries, what a sync leaves behind. One set of rules and messages; when to sync is the client's
-(:class:`~syncclient.schedule.SyncClock`): the callbacks only tell it each step."""
+"""What the Hugging Face and the Lightning ``SyncCallback`` share (:class:`Adapter`): the checks of
+their arguments, the client, joining at train begin, the metrics an update carries, what a sync
+leaves behind. When to sync is the client's (:class:`~syncclient.schedule.SyncClock`)."""
 
 from __future__ import annotations
 
@@ -18,58 +17,13 @@ from syncclient.client import JoinInfo, SyncClient, SyncResult
 from syncclient.peerlr import PeerLR
 from syncclient.schedule import SyncClock, SyncSchedule
 
-__all__ = ["Adapter", "callback_client", "join_at_train_begin", "sync_metrics"]
+__all__ = ["Adapter", "sync_metrics"]
 
 logger = logging.getLogger(__name__)
 
 #: Bytes of JSON metrics sent with an update; beyond it (many ``compute_metrics`` values) only
 #: the losses go, leaving room in the hub's 4 KiB header for what the SDK adds itself.
 METRICS_BUDGET = 2048
-
-
-def callback_client(
-    hub: str | None,
-    *,
-    sync_every: int | SyncSchedule | None,
-    client: SyncClient | None,
-    client_kwargs: dict[str, Any],
-) -> SyncClient:
-    """``client`` itself (counting ``sync_every`` if given), or a new ``SyncClient(hub,
-    sync_every=..., **client_kwargs)``; ``ValueError`` with the reason when the arguments do not
-    make a callback."""
-    if sync_every is None and client is None and client_kwargs.get("round_samples") is None:
-        raise ValueError("give sync_every=N (optimizer steps between syncs) or round_samples=S (samples per round)")
-    if (hub is None) == (client is None):
-        raise ValueError("give either hub='http://host:port' or client=SyncClient(...), not both or none")
-    if client is not None:
-        if client_kwargs:
-            raise ValueError(
-                f"client settings ({', '.join(sorted(client_kwargs))}) go to SyncClient(...) when you pass client="
-            )
-        if sync_every is not None:
-            client.clock = SyncClock(sync_every)
-        return client
-    assert hub is not None
-    parts = urlsplit(hub)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"hub must be an http:// or https:// URL such as http://hub:8000, got {hub!r}")
-    if not client_kwargs.get("run"):
-        raise ValueError("SyncCallback(hub, ...) needs run='name-of-the-run'")
-    return SyncClient(hub, sync_every=sync_every, **client_kwargs)
-
-
-def join_at_train_begin(client: SyncClient, model: torch.nn.Module, step: int) -> JoinInfo | None:
-    """Join (unless the client has: one passed in after joining, to learn the rank before
-    sharding), and count steps from the Trainer's ``step``: a ``SyncError`` when the run's policy
-    needs ``sync_every`` and the callback has none."""
-    info = None
-    if client.version >= 0:  # -1 until join() loaded a version
-        logger.info("client already joined the run; not joining again")
-    else:
-        info = client.join(model)
-        logger.info("joined: %s", info)
-    client.count_from(step)
-    return info
 
 
 def sync_metrics(logged: Mapping[str, Any], step: int) -> dict[str, float]:
@@ -88,9 +42,11 @@ def sync_metrics(logged: Mapping[str, Any], step: int) -> dict[str, float]:
 
 
 class Adapter:
-    """A Trainer callback's sync state: the client (:func:`callback_client`), each peer's
-    learning rate (:mod:`syncclient.peerlr`), what ``join`` returned, the last result and the
-    syncs made. ``on_sync(result)``, if given, is called after each."""
+    """A Trainer callback's sync state: the client, each peer's learning rate
+    (:mod:`syncclient.peerlr`), what ``join`` returned, the last result and the syncs made.
+    ``on_sync(result)``, if given, is called after each. ``ValueError`` with the reason when the
+    arguments make no callback: ``client`` itself (counting ``sync_every`` if given), or a new
+    ``SyncClient(hub, sync_every=..., **client_kwargs)``."""
 
     def __init__(
         self,
@@ -101,7 +57,25 @@ class Adapter:
         lr_scaling_warmup: int | None,
         client_kwargs: dict[str, Any],
     ) -> None:
-        self.client = callback_client(hub, sync_every=sync_every, client=client, client_kwargs=client_kwargs)
+        if sync_every is None and client is None and client_kwargs.get("round_samples") is None:
+            raise ValueError("give sync_every=N (optimizer steps between syncs) or round_samples=S (samples per round)")
+        if (hub is None) == (client is None):
+            raise ValueError("give either hub='http://host:port' or client=SyncClient(...), not both or none")
+        if client is not None:
+            if client_kwargs:
+                names = ", ".join(sorted(client_kwargs))
+                raise ValueError(f"client settings ({names}) go to SyncClient(...) when you pass client=")
+            if sync_every is not None:
+                client.clock = SyncClock(sync_every)
+        else:
+            assert hub is not None
+            parts = urlsplit(hub)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"hub must be an http:// or https:// URL such as http://hub:8000, got {hub!r}")
+            if not client_kwargs.get("run"):
+                raise ValueError("SyncCallback(hub, ...) needs run='name-of-the-run'")
+            client = SyncClient(hub, sync_every=sync_every, **client_kwargs)
+        self.client = client
         self.peer_lr = PeerLR(lr_scaling, lr_scaling_warmup).for_rounds(sync_every)
         self.join_info: JoinInfo | None = None
         self.last_result: SyncResult | None = None
@@ -112,7 +86,15 @@ class Adapter:
         self._loss: Any = None  # the training loss since the last sync, as the Trainer gave it
 
     def _begin(self, model: torch.nn.Module, step: int) -> None:
-        self.join_info = join_at_train_begin(self.client, model, step) or self.join_info
+        """Join (unless the client has: one passed in after joining, to learn the rank before
+        sharding) and count steps from the Trainer's ``step`` (a ``SyncError`` when the run's
+        policy needs ``sync_every`` and the callback has none)."""
+        if self.client.version >= 0:  # -1 until join() loaded a version
+            logger.info("client already joined the run; not joining again")
+        else:
+            self.join_info = self.client.join(model)
+            logger.info("joined: %s", self.join_info)
+        self.client.count_from(step)
         if self.after_join is not None:
             self.after_join(self.client)
         self._active = True
@@ -125,8 +107,8 @@ class Adapter:
     def _synced(self, result: SyncResult, step: int, steps: int) -> None:
         self.last_result = result
         self.syncs += 1
-        logger.info("step %d: synced %d steps -> version %d in %.2f s (%.2f s of it stalled training)%s", step,
-                    *(steps, result.version, result.seconds, result.stall_seconds),
-                    " (late: caught up, local steps dropped)" if result.caught_up else "")  # fmt: skip
+        late = " (late: caught up, local steps dropped)" if result.caught_up else ""
+        said = "step %d: synced %d steps -> version %d in %.2f s (%.2f s of it stalled training)%s"
+        logger.info(said, step, steps, result.version, result.seconds, result.stall_seconds, late)
         if self.on_sync is not None:
             self.on_sync(result)

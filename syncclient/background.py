@@ -36,16 +36,12 @@ class _Daemon:
 
 
 class Heartbeat(_Daemon):
-    """The peer's lease and its watch, on a connection of its own (``transport``, which this
-    owns): a heartbeat that the hub holds open for a third of the lease (or until it has news),
-    asked again as soon as it is answered.
-
-    The held connection is what tells the hub, within its ``disconnect_grace``, that this
-    process died: the kernel closes a dead process's sockets. Each request renews the lease,
-    which is what tells it that a hung or vanished machine is gone. A failed beat (a reset link,
-    a restarting hub) is tried again at once, then after 0.1 s doubling to 1 s: a link that
-    resets is back well within the grace (1.5 s by default). A hub that does not hold the
-    request (its answer says ``watch: false``) gets one beat every third of the lease, as before.
+    """The peer's lease and its watch, on a connection of its own (``transport``, owned): a beat the
+    hub holds open for a third of the lease (or until it has news), asked again once answered. The
+    held connection closing tells the hub, within its ``disconnect_grace``, that this process died;
+    the lease, that a hung or vanished machine is gone. A failed beat is tried again at once, then
+    after 0.1 s doubling to 1 s (a reset link is back well within the 1.5 s grace). A hub that does
+    not hold it (``watch: false``) gets one beat every third of the lease.
     """
 
     #: the first waits after failed beats (the first retry goes at once); then 1 s
@@ -95,12 +91,11 @@ class Heartbeat(_Daemon):
 
 
 class ProgressReporter(_Daemon):
-    """Samples runs: reports the peer's sample count of its open round (``version()``) and hears
-    when the round is due. A new count goes out at once (at most every ``REPORT_SECONDS``, one
-    request at a time), so the hub's sum lags by about a round trip; with nothing new to say it
-    long-polls for ``poll`` seconds, so that it hears the round is due while the peer is in the
-    middle of a long step. While ``syncing()``, the round is no longer the peer's to report.
-    ``count()``: the samples since the last sync began (the client's clock counts them)."""
+    """Samples runs: reports the peer's sample count (``count()``) of its open round
+    (``version()``) and hears when the round is due. A new count goes out at once (at most every
+    ``REPORT_SECONDS``, one request at a time), so the hub's sum lags by about a round trip; with
+    nothing new it long-polls for ``poll`` seconds, to hear the round is due in the middle of a
+    long step. While ``syncing()``, the round is no longer the peer's to report."""
 
     REPORT_SECONDS = 0.05
 
@@ -124,8 +119,7 @@ class ProgressReporter(_Daemon):
         super().__init__(self._report, f"weightsync-progress-{peer}")
 
     def pause(self) -> None:
-        """A sync begins with what was counted (before the count starts afresh): report again
-        once it is done."""
+        """A sync begins with what was counted: report again once it is done."""
         with self._lock:
             self._paused = True
 

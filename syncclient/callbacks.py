@@ -10,43 +10,20 @@ trainer = Trainer(
 trainer.train()
 ```
 
-What it does, on the main process of the peer:
+At train begin it joins (unless its ``client`` joined already, to learn its rank before sharding
+the data). After each optimizer step it tells the client (``state.global_step``: gradient
+accumulation needs nothing special), whose clock says when a sync is due; it then asks the Trainer
+to log and syncs in ``on_log`` with the fresh loss and the eval metrics since the last sync (an
+evaluation at that step runs after the log, on the merged weights). At train end: a last sync if
+steps were trained since, then leave. ``overlap=True`` (docs/sdk.md, "Overlap"): a later step end
+applies the merged update once it is in; the syncs at ``max_steps`` and at train end block, so
+every peer ends identical. Several GPUs per peer (``args.world_size > 1``): the client serves
+the process group (docs/concepts/groups.md), without overlap (the ranks would have to agree at
+every step on whether the result is in).
 
-- **train begin**: join the run and load the global version into the model, so every peer
-  starts from the same weights (a ``client`` that joined already, to learn its rank and world
-  size before sharding the data, is not joined again).
-- **after each optimizer step** it tells the client (``state.global_step``, so gradient
-  accumulation needs nothing special; each step's samples are ``args.train_batch_size x
-  args.gradient_accumulation_steps``), whose clock says when a sync is due: every
-  ``sync_every`` steps (an int or a :class:`~syncclient.schedule.SyncSchedule`), or in a
-  ``round_samples`` run once the hub says the peers together trained that many (a fast peer then
-  syncs after more steps than a slow one). Whichever it was given, it follows the run's policy as
-  the hub reports it at join. It then asks the Trainer to log, and syncs in ``on_log`` with the
-  fresh training loss, the eval metrics since the last sync and ``step`` (the dashboard plots
-  against it); an evaluation at that step runs after the log, on the merged weights.
-- **train end**: a last sync if there were steps since the previous one, then leave.
-
-**Overlap** (``overlap=True``; Streaming DiLoCo's eager updates, :meth:`SyncClient.sync_async`):
-training goes on while a sync travels; at each later step end the callback applies the merged
-update once it is in, keeping the steps taken meanwhile (they count in the next update), and at
-the next sync step it waits for it if need be. A sync due at the last step (``max_steps``) and
-the one at train end are blocking, so every peer ends with identical weights; in between, peers
-differ by their own in-flight steps. It costs one more float32 copy of the model while a sync is
-in flight; an evaluation at a sync step sees this peer's own weights; a late peer (the round
-closed without it) drops its local steps, in-flight ones included, when the result is applied.
-
-The Trainer's optimizer state (Adam's moments, the learning-rate schedule) is kept across
-syncs on purpose: that is what local SGD and DiLoCo do (the inner optimizer is local, only
-weights are averaged). Resetting Adam at every sync restarts its bias correction and measured
-worse; averaging the first moment at each sync helped a little, for twice the bytes, and less
-than scaling the learning rate (bench/RESULTS.md, issue 27; ``lr_scaling``: :mod:`syncclient.peerlr`).
-
-**A peer with several GPUs** (``torchrun --nproc-per-node P``, DDP or FSDP, ``args.world_size >
-1``): every rank runs the callback; the client serves the process group
-(``SyncClient(..., group=torch.distributed.group.WORLD)``, made at train begin when the
-callback made the client): rank 0 alone talks to the hub and the merged weights reach every
-rank after each sync (:mod:`syncclient.group`). Overlap is not available there (the ranks would
-have to agree at every step on whether the result is in).
+The Trainer's optimizer state is kept across syncs on purpose, as local SGD and DiLoCo do:
+resetting Adam at every sync measured worse, and averaging its first moment helped less than
+scaling the learning rate, for twice the bytes (bench/RESULTS.md, issue 27; :mod:`syncclient.peerlr`).
 """
 
 from __future__ import annotations
@@ -74,25 +51,20 @@ class SyncCallback(Adapter, TrainerCallback):
     Args:
         hub: the hub's base URL (``http://`` or ``https://``). Give ``hub`` or ``client``.
         sync_every: optimizer steps between syncs (an int >= 1), or a
-            :class:`~syncclient.schedule.SyncSchedule` (e.g. every 5 until step 60, then every
-            15; the same on every peer): barrier and async runs.
-        round_samples: samples per round for the run (an int >= 1), which makes it a samples
-            run when this peer creates it; a keyword of ``SyncClient`` too.
-        client: a :class:`SyncClient` you built yourself; joined already or not. The callback
-            leaves the run at the end but does not close a client it did not create.
-        on_sync: called with each :class:`SyncResult` after a sync (for scripts that log or
-            evaluate per round); exceptions it raises stop training. With ``overlap`` it is
-            called when the result is applied.
+            :class:`~syncclient.schedule.SyncSchedule`: barrier and async runs.
+        client: a :class:`SyncClient` you built yourself, joined already or not; left at the
+            end but not closed.
+        on_sync: called with each :class:`SyncResult` (with ``overlap``: when applied);
+            exceptions it raises stop training.
         overlap: send each update in the background and apply the merged result a step or more
-            later, keeping the steps taken meanwhile (see the module docstring). Hides the
-            sync's network time from training; off by default.
+            later, keeping the steps taken meanwhile (see the module docstring). Off by default.
         lr_scaling: each peer's learning rate with N peers: the Trainer's ``learning_rate`` (serial's,
             at the global batch) x 1 (``"none"``, default), x ``sqrt(N)`` (``"sqrt"``) or x ``N``
             (``"linear"``); the scheduler keeps its own rates (:mod:`syncclient.peerlr`).
         lr_scaling_warmup: optimizer steps over which that factor ramps in from 1 (default:
             one round, ``sync_every`` steps; a schedule's first interval).
         **client_kwargs: passed to ``SyncClient(hub, ...)``: ``run`` (required), ``peer``,
-            ``token``, the run settings (``codec``, ``min_peers``, ...), ``timeout``, ...
+            ``token``, the run settings (``codec``, ``round_samples``, ...), ``timeout``, ...
 
     Attributes:
         client: the :class:`SyncClient` in use.
@@ -138,9 +110,7 @@ class SyncCallback(Adapter, TrainerCallback):
             self._serve_the_group(args)
         self._begin(_model(kwargs), state.global_step)
         self._peers = self.client.world_size or 1
-        self._pending = False
-        self._loss = None
-        self._eval_metrics = {}
+        self._pending, self._loss, self._eval_metrics = False, None, {}
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -242,8 +212,7 @@ class SyncCallback(Adapter, TrainerCallback):
             return
         steps, samples = clock.step - clock.last, self.client.pending_samples
         metrics = sync_metrics({**self._eval_metrics, "loss": self._loss}, state.global_step)
-        self._loss = None
-        self._eval_metrics = {}
+        self._loss, self._eval_metrics = None, {}
         last_step = self._due(state.global_step, state.max_steps)[1]
         if self.overlap and not blocking and not last_step:  # at the last step nothing would overlap
             self._inflight = self.client.sync_async(model, samples=samples, metrics=metrics)

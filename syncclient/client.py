@@ -1,18 +1,14 @@
 """SyncClient: join a run, sync every few thousand steps, leave.
 
-The client orchestrates; other modules do the work. :mod:`syncclient.update` holds the update
-maths (numpy): the base version, the error-feedback residual, encoding a delta, folding the
-merged update in, the overlap correction. :mod:`syncclient.flows` is the request flows of a
-sync (upload, wait, fold the results in). :mod:`syncclient.transport` moves the bytes (httpx):
-retries, resumable uploads and downloads, and the one map from HTTP trouble to
-:mod:`syncclient.exceptions`. :mod:`syncclient.background` keeps the lease (and in samples
-runs reports progress) from daemon threads. :class:`~syncclient.schedule.SyncClock` says when
-a sync is due, for every integration (:meth:`SyncClient.progress`, :attr:`SyncClient.due`).
+The client orchestrates: :mod:`syncclient.update` holds the update maths (base, residual, encode,
+fold, overlap), :mod:`syncclient.flows` a sync's requests, :mod:`syncclient.transport` the bytes
+(retries, resumption, the one map to :mod:`syncclient.exceptions`), :mod:`syncclient.background`
+the lease and a samples run's progress, :class:`~syncclient.schedule.SyncClock` when a sync is due.
 
 A sync sends ``encode(local - base + residual)``, waits for the round's merged update ``U`` and
-sets the model to ``base + decode(U)``: the very sum the hub computes, so every peer and the
-hub hold bit-identical weights afterwards. ``sync`` is :meth:`SyncClient.sync_async` (overlap,
-as in Streaming DiLoCo's eager updates), waited for and applied with no local steps to keep.
+sets the model to ``base + decode(U)``, the very sum the hub computes: every peer and the hub hold
+bit-identical weights afterwards. ``sync`` is :meth:`SyncClient.sync_async` (Streaming DiLoCo's
+overlap) waited for at once, with no local steps to keep.
 """
 
 from __future__ import annotations
@@ -80,21 +76,16 @@ class SyncResult:
     caught_up: bool = False
     compression: float = 1.0  # float32 bytes / bytes sent
     codec_error: float = 0.0  # ||delta - decoded|| / ||delta|| of what was sent
-    # of ``seconds``, the part spent on the caller's (training) thread: all of it for ``sync``;
-    # for ``sync_async`` the snapshot (the encode runs behind the upload), waiting in ``apply``
-    # and applying
+    # of ``seconds``, the part on the training thread: all of a ``sync``; of a ``sync_async``, the
+    # snapshot (the encode runs behind the upload), waiting in ``apply`` and applying
     stall_seconds: float = 0.0
     run_samples: int = -1  # samples all peers had trained by ``version`` (a budget to stop on)
 
 
 class PendingSync:
-    """A sync on its way, from :meth:`SyncClient.sync_async`.
-
-    ``done()`` tells, without blocking, whether the round's merged update has arrived (and
-    been folded into the client's base); ``apply(model)`` loads it, keeping the steps taken
-    since the snapshot, and waits for it first if need be. Apply it exactly once, before the
-    client's next sync.
-    """
+    """A sync on its way, from :meth:`SyncClient.sync_async`: ``done()`` says, without blocking,
+    whether the merged update is in; ``apply(model)`` (waiting if need be) loads it, keeping the
+    steps taken since the snapshot. Apply it exactly once, before the client's next sync."""
 
     def __init__(
         self,
@@ -112,22 +103,9 @@ class PendingSync:
         self._update = update  # its ratio and error are known once the worker sent it
 
     def _result(self, outcome: Outcome, version: int, waiting: float) -> SyncResult:
-        """What this sync did, applied now at ``version`` (and logged); ``waiting``: when
-        ``apply`` began."""
+        """What this sync did, applied now at ``version`` (and logged); ``waiting``: when ``apply`` began."""
         done, late = time.monotonic(), outcome.latest is not None
-        client = self._client
-        if late:
-            log.warning(
-                "run %s: round %d closed without %s (late); caught up to version %d, local steps dropped",
-                *(client.run, self.round, client.peer, version),
-            )
-        else:
-            log.info(
-                "run %s: synced to version %d in %.2fs, %.2fs of it on this thread (%.1f MB up, %.1f MB down)",
-                *(client.run, version, done - self._started, self._stall + done - waiting),
-                *(outcome.bytes_up / 1e6, outcome.bytes_down / 1e6),
-            )
-        return SyncResult(
+        result = SyncResult(
             version=version,
             bytes_up=outcome.bytes_up,
             bytes_down=outcome.bytes_down,
@@ -140,6 +118,14 @@ class PendingSync:
             stall_seconds=self._stall + done - waiting,
             run_samples=outcome.latest.run_samples if outcome.latest is not None else outcome.run_samples,
         )
+        run, peer, mb = self._client.run, self._client.peer, (result.bytes_up / 1e6, result.bytes_down / 1e6)
+        if late:
+            said = "run %s: round %d closed without %s (late); caught up to version %d, local steps dropped"
+            log.warning(said, run, self.round, peer, version)
+        else:
+            said = "run %s: synced to version %d in %.2fs, %.2fs of it on this thread (%.1f MB up, %.1f MB down)"
+            log.info(said, run, version, result.seconds, result.stall_seconds, *mb)
+        return result
 
     def done(self) -> bool:
         """Whether ``apply`` would return without waiting for the hub."""
@@ -151,37 +137,23 @@ class PendingSync:
 
 
 class SyncClient:
-    """One peer's connection to a run on a hub.
+    """One peer's connection to a run on a hub (docs/sdk.md).
 
     >>> client = SyncClient("http://hub:8000", run="imdb-gpt2", peer="gpu-eu-1")
     >>> client.join(model)            # model now equals the run's latest version
     >>> client.sync(model, samples=256_000, metrics={"loss": 3.1})
     >>> client.leave()
 
-    ``codec`` ... ``max_staleness`` configure the run if this peer creates it, and must match an
-    existing run's (None: accept it); :data:`syncwire.runsettings.RUN_SETTINGS` says what each
-    means and checks it here, so a typo fails at once and not at the hub. ``min_peers`` is also
-    the rendezvous size: the run starts once that many peers joined, and ranks follow sorted peer
-    names, not join order. ``round_samples`` alone makes a *samples* run (rounds close once the
-    peers together trained that many samples); ``policy="async"`` with ``round_samples`` an
-    asynchronous one (each sync is applied at once; ``round_samples`` is the size of a whole
-    outer step, ``max_staleness`` the most versions an update's base may lag). In a samples run
-    report what each step trained with :meth:`progress` and send when :attr:`due` (or let
-    :meth:`step` do both).
-
-    ``sync_every``: optimizer steps between syncs (an int, or a
-    :class:`~syncclient.schedule.SyncSchedule`), for :attr:`due` and :meth:`step` in barrier and
-    async runs: the client's :attr:`clock` counts the steps :meth:`progress` reports.
-
-    ``group``: a torch.distributed process group whose ranks train this peer together (DDP or
-    FSDP under ``torchrun``; ``torch.distributed.group.WORLD``): every rank makes the same calls,
-    rank 0 alone talks to the hub, and the merged weights reach every rank
-    (:mod:`syncclient.group`); ``samples`` are then each rank's own.
-
-    ``verify`` checks the hub's TLS certificate: True (the system's CAs), the path of a CA
-    bundle (a PEM file, or a folder of them) for a hub with its own CA, or an ``ssl.SSLContext``.
-    ``retry_seconds`` is how long hub trouble is retried before
-    :class:`~syncclient.exceptions.HubUnreachable` (see :mod:`syncclient.transport`).
+    ``codec`` ... ``max_staleness`` configure the run if this peer creates it and must match an
+    existing run's (None: accept it); :data:`syncwire.runsettings.RUN_SETTINGS` says what each means
+    and checks it here. ``min_peers`` is also the rendezvous (ranks follow sorted names).
+    ``round_samples`` makes a samples run, or with ``policy="async"`` an asynchronous one
+    (docs/concepts/rounds.md): report each step with :meth:`progress`, send when :attr:`due` (or
+    let :meth:`step` do both). ``sync_every``: optimizer steps between syncs (an int or a
+    :class:`~syncclient.schedule.SyncSchedule`). ``group``: a torch.distributed process group
+    training this peer (:mod:`syncclient.group`): every rank makes the same calls, ``samples``
+    its own. ``verify``: True, a CA bundle (PEM file or folder) or an ``ssl.SSLContext``.
+    ``retry_seconds``: how long hub trouble is retried before :class:`~syncclient.HubUnreachable`.
     """
 
     def __init__(
@@ -241,11 +213,8 @@ class SyncClient:
 
     # ---- the public surface --------------------------------------------------------------
     def join(self, model: torch.nn.Module) -> JoinInfo:
-        """Join the run and load the global version into ``model``.
-
-        The first peer of a new run uploads ``model`` as version 0; every other peer waits
-        for it, so all start identical. Blocks until the run has started (``min_peers``).
-        """
+        """Join the run and load the global version into ``model``, once the run started
+        (``min_peers``). The first peer of a new run uploads ``model`` as version 0."""
         info = self._in_group(model, self._join, JoinInfo)
         self.version, self.rank, self.world_size = info.version, info.rank, info.world_size
         self.policy = info.config.get("policy", "barrier")
@@ -276,8 +245,8 @@ class SyncClient:
         self._transport.max_download = max(fp32, layout_bytes(wire_layout(self.codec, schema)))
         self.rank, self.world_size = int(state["rank"]), int(state["world_size"])
         self._adopt(view, self._flows.latest())
-        log.info("run %s: joined as %s (rank %d of %d) at version %d", *(self.run, self.peer, self.rank),
-                 *(self.world_size, self.version))  # fmt: skip
+        who = (self.run, self.peer, self.rank, self.world_size, self.version)
+        log.info("run %s: joined as %s (rank %d of %d) at version %d", *who)
         config = state["config"]
         self.policy = config.get("policy", "barrier")
         if self.policy == "samples" and self._progress is None:
@@ -307,29 +276,20 @@ class SyncClient:
         """Send what ``model`` learned since the last sync; return with the merged version loaded.
 
         ``samples`` (examples seen since the last sync) weighs this peer in the average. Blocks
-        for the whole round: :meth:`sync_async` is the same sync with training going on meanwhile.
-
-        ``final``: the last sync of this peer's training. The hub merges a round of last updates
-        by plain averaging (a DiLoCo momentum step would overshoot with nothing trained after
-        it); with a lossy codec in a barrier run, one more round then sends what error feedback
-        held back (the residual: this sync's quantisation error), so that the final model carries
-        no more than the quantisation error of that residual. Not with ``topk``, whose residual
-        holds what rounds of error feedback delayed, partly learned again meanwhile: sending it
-        at the end made the model worse (:attr:`syncwire.Codec.flush`).
+        for the whole round (:meth:`sync_async` overlaps it with training). ``final``: this
+        peer's last sync, which the hub merges by plain averaging (a DiLoCo step would overshoot
+        with nothing trained after it); in a barrier run of a lossy codec that flushes
+        (:attr:`syncwire.Codec.flush`: not ``topk``) one more round then sends the residual
+        (docs/concepts/codecs.md, "Error feedback and the final round").
         """
         if self._group is None:
-            view = ModelView(model)
-            return self._final_sync(view, samples, metrics, final)
+            return self._final_sync(ModelView(model), samples, metrics, final)
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0 (this rank's), got {samples!r}")
         total = self._group.total(samples)  # the group's update weighs all its ranks' samples
         if not self._group.leader:
             self.clock.sent()  # as the leader's clock does in _start
-
-        def call(view: ArrayView) -> SyncResult:
-            return self._final_sync(view, total, metrics, final)
-
-        result = self._in_group(model, call, SyncResult)
+        result = self._in_group(model, lambda view: self._final_sync(view, total, metrics, final), SyncResult)
         self.version = result.version
         return result
 
@@ -351,25 +311,17 @@ class SyncClient:
 
     @property
     def flushes(self) -> bool:
-        """Whether this run's last sync sends what error feedback held back in one more round
-        (a lossy codec that flushes, in a barrier run: see :meth:`sync`). False before join."""
-        if self._state is None:
-            return False
-        codec = self._state.codec
-        return not codec.lossless and codec.flush and self.policy == "barrier"
+        """Whether this run's last sync sends its residual in one more round (see :meth:`sync`)."""
+        codec = self._state.codec if self._state is not None else None
+        return codec is not None and not codec.lossless and codec.flush and self.policy == "barrier"
 
     def flush(self, model: torch.nn.Module, *, samples: int | None = None) -> SyncResult | None:
-        """The second round of a final :meth:`sync`, alone: send what error feedback held back
-        (the last sync's quantisation error) as a final update, and load the merged version.
-
-        For a program that cannot tell its last sync when it makes it: ``weightsync-run``'s
-        plain loop syncs right after a step, before the program says whether it stops there, and
-        flushes at exit if it trained nothing since. Its peers then make the same last round as
-        a peer whose last sync was marked final. ``model`` must hold the version of the last
-        sync (nothing trained since); ``samples``: that sync's weight, unless given. None, and no
-        round, when nothing waits: a lossless codec, ``topk`` (see :meth:`sync`), a policy other
-        than barrier, a last sync that was final or flushed already. One process per peer (a
-        group's last ``sync(final=True)`` flushes)."""
+        """The second round of a final :meth:`sync`, alone: send the residual as a final update and
+        load the merged version. For a program that cannot tell its last sync when it makes it
+        (``weightsync-run``'s plain loop flushes at exit if it trained nothing since). ``model``
+        must hold the last sync's version; ``samples``: that sync's weight, unless given. None, and
+        no round, when nothing waits (see :attr:`flushes`; a last sync final or flushed already).
+        One process per peer (a group's last ``sync(final=True)`` flushes)."""
         if self._state is None:
             raise SyncError("join(model) before flush()")
         if self._group is not None:
@@ -385,38 +337,31 @@ class SyncClient:
     ) -> PendingSync:
         """Start a sync and return at once, so that training goes on while it travels (overlap).
 
-        On this thread: snapshot ``model`` as ``x_t`` (one more float32 copy of the model, held
-        until applied) and encode ``x_t - base + residual``. On one background thread: upload,
-        wait for the round's merged update ``U``, and fold it in: ``base' = base + decode(U)``.
-        Then ``pending.apply(model)`` sets ``model = base' + (model - x_t)``: the merged version
-        plus this peer's steps since the snapshot, which count in the next round (its delta is
-        taken against ``base'``). ``apply`` waits if the result is not in yet.
-
-        One sync at a time: ``sync``, ``sync_async`` or ``pull`` before ``apply`` raises
-        :class:`SyncError` (waiting there would hide a forgotten ``apply``). A late peer (the
-        round closed without it) is caught up as by ``sync``: ``apply`` loads the latest version
-        and drops all local work since the last sync, the steps taken meanwhile included.
+        Here: snapshot ``model`` as ``x_t`` (one more float32 copy, held until applied) and start
+        encoding. On a background thread: upload, wait for the merged update ``U``, fold it in
+        (``base' = base + decode(U)``). ``pending.apply(model)`` then sets ``model = base' + (model
+        - x_t)``: the steps since the snapshot count in the next round. One sync at a time:
+        ``sync``, ``sync_async`` or ``pull`` before ``apply`` raises :class:`SyncError` (waiting
+        would hide a forgotten ``apply``). A late peer's ``apply`` drops all local work since the
+        last sync, as ``sync`` catches up.
         """
         if self._group is not None:
             raise SyncError("sync_async() with a process group is not supported: use sync() (see syncclient.group)")
         return self._start(ModelView(model), samples, metrics, keep_local=True)
 
     def progress(self, samples: int, *, step: int | None = None) -> None:
-        """After each optimizer step: count it and the ``samples`` it trained (cheap: no I/O
-        here). ``step``: the global step reached (a Trainer's); None: one more than the last.
-        Then :attr:`due` says whether to sync now. In a samples run a background thread reports
-        the count to the hub."""
+        """After each optimizer step: count it and the ``samples`` it trained (no I/O; a samples
+        run's background thread reports the count). ``step``: the global step reached (a
+        Trainer's); None: one more than the last. Then :attr:`due` says whether to sync."""
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
         self.clock.tick(samples, step)
 
     @property
     def due(self) -> bool:
-        """Whether a sync is due now: in a samples run, the hub asked for this round's update (the
-        peers' samples reached ``round_samples``, or the round closed without us) and a step was
-        trained since the last sync; else the :attr:`clock` reached ``sync_every``'s next step.
-        In a process group every rank must ask, at the same points: the leader's answer to a
-        samples run is broadcast."""
+        """Whether to sync now: in a samples run, the hub asked for this round's update and a step
+        was trained since the last sync; else the :attr:`clock` reached ``sync_every``'s next
+        step. In a process group every rank asks at the same points (the leader's answer goes to all)."""
         if self.policy != "samples":
             return self.clock.on_time
         due = self.clock.unsynced and self._progress is not None and self._progress.due(self.version)
@@ -428,17 +373,16 @@ class SyncClient:
         return self.clock.samples
 
     def count_from(self, step: int) -> None:
-        """Count steps from global optimizer ``step`` (a Trainer starting there, maybe resumed
-        from a checkpoint); :class:`SyncError` when nothing says when this run syncs."""
+        """Count steps from global optimizer ``step`` (a Trainer starting there, maybe resumed);
+        :class:`SyncError` when nothing says when this run syncs."""
         self._check_clock()
         self.clock.start(step)
 
     def step(
         self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None
     ) -> SyncResult | None:
-        """After each optimizer step of a training loop (torchft's post-step hook): count
-        ``samples`` and, when a sync is :attr:`due`, sync what was counted since the last one.
-        Returns the sync's result, or None when none was due.
+        """After each optimizer step (torchft's post-step hook): count ``samples`` and, when
+        :attr:`due`, sync what was counted since the last sync; its result, or None.
 
         >>> for batch in loader:
         ...     train_step(batch)
@@ -469,9 +413,8 @@ class SyncClient:
         return result
 
     def leave(self, *, retry: bool = True) -> None:
-        """Tell the hub this peer is done (it stops waiting for it), then close. (In a process
-        group, rank 0 tells it; the other ranks only close.) ``retry=False``: one quick try (a
-        process going away)."""
+        """Tell the hub this peer is done (it stops waiting for it), then close (in a process group
+        rank 0 tells it). ``retry=False``: one quick try (a process going away)."""
         if self._heartbeat is not None:
             try:
                 quick: dict[str, Any] = {} if retry else {"timeout": 5}
@@ -489,13 +432,11 @@ class SyncClient:
         if self._worker is not None:
             self._worker.shutdown(wait=False, cancel_futures=True)
             self._worker = None
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-        atexit.unregister(self._exit)
+        for daemon in (self._heartbeat, self._progress):
+            if daemon is not None:
+                daemon.stop()
+        self._heartbeat = self._progress = None
+        atexit.unregister(self.leave)
         self._transport.close()
 
     def __enter__(self) -> SyncClient:
@@ -506,8 +447,7 @@ class SyncClient:
 
     # ---- internals -----------------------------------------------------------------------
     def _in_group(self, model: torch.nn.Module, call: Callable[[Any], T], kind: type[T]) -> T:
-        """``call(view)``: on this process's model, or, in a process group, on the leader for
-        every rank (the group gathers the weights to it and scatters the new ones back)."""
+        """``call(view)`` on this process's model, or in a process group on the leader for every rank."""
         if self._group is None:
             return call(ModelView(model))
         return self._group.run(model, lambda arrays: call(ArrayView(arrays)), kind)
@@ -515,12 +455,9 @@ class SyncClient:
     def _leave_at_exit(self) -> None:
         """A group's leader leaves the run when its process ends, SIGTERM included: torchrun
         stops every rank of a group that lost one, and the other peers must not wait for it."""
-        atexit.register(self._exit)
+        atexit.register(self.leave, retry=False)  # (left or closed already: nothing to tell)
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
-
-    def _exit(self) -> None:
-        self.leave(retry=False)  # (left or closed already: nothing to tell)
 
     def _check_clock(self) -> None:
         if self.policy != "samples" and self.clock.every is None:
@@ -574,8 +511,8 @@ class SyncClient:
         return self._inflight
 
     def _apply(self, pending: PendingSync, view: ModelView | ArrayView) -> SyncResult:
-        """The caller's last half: wait for the worker, then load ``base'`` (blocking sync) or
-        ``base' + (model - x_t)`` (overlap) into the model; or catch up when late."""
+        """Wait for the worker, then load ``base'`` (blocking) or ``base' + (model - x_t)`` (overlap),
+        or catch up when late."""
         if self._inflight is not pending:
             raise SyncError(f"the sync of round {pending.round} was applied already")
         waiting = time.monotonic()
@@ -621,12 +558,7 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _schema_diff(run: Mapping[str, tuple[int, ...]], model: Mapping[str, tuple[int, ...]], name: str) -> str:
-    missing = sorted(run.keys() - model.keys())
-    extra = sorted(model.keys() - run.keys())
-    shapes = sorted(k for k in run.keys() & model.keys() if tuple(run[k]) != tuple(model[k]))
-    parts = [
-        f"missing {missing[:3]}" if missing else "",
-        f"unexpected {extra[:3]}" if extra else "",
-        f"shape differs for {shapes[:3]}" if shapes else "",
-    ]
-    return f"the model does not match run {name!r}: " + "; ".join(p for p in parts if p)
+    shapes = {k for k in run.keys() & model.keys() if tuple(run[k]) != tuple(model[k])}
+    found = {"missing": run.keys() - model.keys(), "unexpected": model.keys() - run.keys(), "shape differs for": shapes}
+    parts = [f"{what} {sorted(names)[:3]}" for what, names in found.items() if names]
+    return f"the model does not match run {name!r}: " + "; ".join(parts)

@@ -45,22 +45,18 @@ class NotFound(HubError):
 class ConflictError(HubError):
     """409: the request contradicts the run's state or config."""
 
-
-class RoundClosed(ConflictError):
-    """409: the round closed before our update arrived; ``current_version`` is where to go."""
-
     @property
     def current_version(self) -> int:
+        """Where to go after a :class:`RoundClosed` or :class:`StaleUpdate` (-1: not said)."""
         return int(self.body.get("current_version", -1))
+
+
+class RoundClosed(ConflictError):
+    """409: the round closed before our update arrived."""
 
 
 class StaleUpdate(ConflictError):
-    """409, async runs: our update was computed from a version more than the run's
-    ``max_staleness`` behind; ``current_version`` is where to go."""
-
-    @property
-    def current_version(self) -> int:
-        return int(self.body.get("current_version", -1))
+    """409, async runs: our update's base is more than the run's ``max_staleness`` behind."""
 
 
 class SchemaMismatch(SyncError):

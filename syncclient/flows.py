@@ -1,16 +1,14 @@
-"""One peer's requests to one run, as flows: the network half of a sync, the latest version,
-version 0. No model and no torch here: the client hands in encoded parts and an
+"""One peer's requests to one run: the network half of a sync, the latest version, version 0.
+No model and no torch: the client hands in encoded parts and an
 :class:`~syncclient.update.UpdateState`, and gets back what happened (:class:`Outcome`).
 
-The network half of a sync (:meth:`RunFlows.exchange`) runs on the client's worker thread:
-upload the update; the hub answers with the round it went into (the round it was computed
-from, or in an async run a later one, when versions were applied since its base); long-poll that
-round's merged update; then fold into the base every round's result from the update's base to
-that round, in order, as the hub built its versions, so the base ends as the hub's version bit
-for bit. When that is the one round (always in a barrier run), its result is folded tensor by
-tensor while it downloads. A refused update (the round closed without it, or async: too stale)
-brings back the latest version to catch up to instead; a pruned result, the latest version as
-the new base.
+:meth:`RunFlows.exchange` (on the client's worker thread) uploads the update; the hub answers
+with the round it went into (in an async run maybe a later one than its base); it long-polls that
+round's result and folds into the base every result from the update's base to that round, in
+order, as the hub built its versions, so the base ends as the hub's version bit for bit (one
+round, always so in a barrier run: folded while it downloads). A refused update (round closed,
+async: too stale) brings back the latest version to catch up to; a pruned result, the latest
+version as the new base.
 """
 
 from __future__ import annotations
@@ -40,10 +38,9 @@ class _StoreTrouble(Exception):
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the network half of a sync brought back: the base now holds ``version``.
-    ``latest`` is set when the round closed without us (or, async, our base was too old): the
-    run's latest version, to catch up to. ``fresh_base``: our update is in, but a result we
-    needed was pruned, so this full version (which includes ours) is the new base."""
+    """What the network half of a sync brought back: the base now holds ``version``. ``latest``:
+    the run's latest version, to catch up to (the round closed without us; async: our base was
+    too old). ``fresh_base``: ours is in but a result we needed was pruned: this version is the base."""
 
     bytes_up: int
     bytes_down: int
@@ -67,8 +64,8 @@ class RunFlows:
         self, settings: dict[str, Any], *, version0: Callable[[], Parts], joined: Callable[[float], None]
     ) -> dict[str, Any]:
         """Join and wait until the run starts: the ``ready`` answer (rank, schema, config).
-        ``joined(lease_seconds)`` is called once the hub knows the peer; ``version0()`` gives the
-        model to upload if this peer is told to initialise the run."""
+        ``joined(lease_seconds)`` once the hub knows the peer; ``version0()``: the model to upload
+        if this peer is told to initialise the run."""
         body = {"peer": self.peer, **settings}
         state: dict[str, Any] = self.transport.call("POST", f"{self.path}/peers", json=body).json()
         joined(float(state.get("lease_seconds", 60.0)))
@@ -93,10 +90,10 @@ class RunFlows:
         state: UpdateState,
         final: bool,
     ) -> Outcome:
-        """Upload an update computed from version ``round_`` as it encodes, bring the merged
-        result(s) back and fold them into ``state``'s base (nobody else touches it while a sync
-        is in flight). ``metrics`` go with the update, with the codec's ratio and error added
-        once it is encoded. ``final``: this peer's last update of the run (``X-Sync-Final``)."""
+        """Upload an update computed from version ``round_`` as it encodes, and fold the merged
+        result(s) into ``state``'s base (nobody else touches it while a sync is in flight).
+        ``metrics`` go with it, the codec's ratio and error added once encoded. ``final``: this
+        peer's last update (``X-Sync-Final``)."""
         started = time.monotonic()
         headers = {"X-Sync-Samples": str(samples)}
         if final:
@@ -109,6 +106,9 @@ class RunFlows:
                 sent.update(codec_ratio=update.ratio, codec_error=update.error)
             return sent
 
+        def completing() -> dict[str, str]:
+            return {"X-Sync-Metrics": json.dumps(encoded())}
+
         path = f"{self.path}/rounds/{round_}/updates/{self.peer}"
         try:
             ack: dict[str, Any] | None = None
@@ -116,21 +116,11 @@ class RunFlows:
                 try:
                     size, ack = self._to_store(path, update, samples, final, encoded)
                 except _StoreTrouble as exc:
-                    log.warning(
-                        "run %s: the object store failed for round %d's update (%s); sending it to the hub",
-                        self.run,
-                        round_,
-                        exc,
-                    )
+                    said = "run %s: the object store failed for round %d's update (%s); sending it to the hub"
+                    log.warning(said, self.run, round_, exc)
             if ack is None:
                 size, ack = self.transport.upload(
-                    path,
-                    update.parts,
-                    what="upload",
-                    headers=headers,
-                    resumable=True,
-                    ready=update.ready,
-                    completing=lambda: {"X-Sync-Metrics": json.dumps(encoded())},
+                    path, update.parts, what="upload", headers=headers, ready=update.ready, completing=completing
                 )
         except (RoundClosed, StaleUpdate):
             size = body_size(update.parts)  # sent, though refused
@@ -155,12 +145,9 @@ class RunFlows:
         except HubError as exc:
             if exc.status != 410:
                 raise
-            # a result was pruned: the latest version, which holds ours, is the new base
-            latest = self.latest()
-            elapsed = uploaded - started
-            return Outcome(
-                size, latest.reader.received, elapsed, 0.0, latest.version, latest.run_samples, fresh_base=latest
-            )
+            latest = self.latest()  # a result was pruned: the latest version, which holds ours, is the new base
+            down, up = latest.reader.received, uploaded - started
+            return Outcome(size, down, up, 0.0, latest.version, latest.run_samples, fresh_base=latest)
         return Outcome(size, received, uploaded - started, waited - uploaded, landed + 1, own.run_samples)
 
     def _to_store(
@@ -171,11 +158,10 @@ class RunFlows:
         final: bool,
         metrics: Callable[[], dict[str, float]],
     ) -> tuple[int, dict[str, Any]]:
-        """Upload an update straight to the hub's object store, as it encodes: a plan of
-        presigned part URLs from the hub, the parts to the store, then the hub checks what
-        arrived and acknowledges it (its answer, as a PUT's). A URL that expired, or an upload
-        the hub no longer knows (it restarted), gets a fresh plan once. :class:`_StoreTrouble`
-        when the store path fails; the hub's refusals (round closed, bad update) raise as ever."""
+        """Upload an update straight to the hub's object store as it encodes: presigned part URLs
+        from the hub, the parts to the store, then the hub checks and acknowledges it (its answer,
+        as a PUT's). An expired URL or an upload the hub forgot (restarted) gets a fresh plan once.
+        :class:`_StoreTrouble` when the store path fails; the hub's refusals raise as ever."""
         size = body_size(update.parts)
         key = secrets.token_urlsafe(24)
         digest = Digest()
@@ -229,8 +215,8 @@ class RunFlows:
         raise _StoreTrouble("the object store refused the parts twice")
 
     def _no_store(self, exc: HubError) -> None:
-        """``409 no_store``: the hub has no object store (restarted without ``SYNC_STORE``):
-        this update and the next ones go to the hub by PUT (until a start says otherwise)."""
+        """``409 no_store`` (the hub restarted without ``SYNC_STORE``): this update and the next go
+        to the hub by PUT, until a start says otherwise."""
         if exc.code == "no_store":
             self.uploads = "hub"
             raise _StoreTrouble(exc.detail) from exc
@@ -242,8 +228,7 @@ class RunFlows:
         wait: bool,
         on_tensor: OnTensor | None = None,
     ) -> Download:
-        """Round ``round_``'s merged update (with ``wait``, long-polling while the round is open);
-        ``on_tensor``: see :meth:`~syncclient.transport.Transport.download`."""
+        """Round ``round_``'s merged update (``wait``: long-polling while the round is open)."""
         path = f"{self.path}/rounds/{round_}/result"
         while True:
             download = self.transport.download(path, {"wait": self.poll if wait else 0, "peer": self.peer}, on_tensor)
@@ -253,9 +238,8 @@ class RunFlows:
                 return download
 
     def _downloaded(self, round_: int, seconds: float) -> None:
-        """Tell the hub a result came from its object store, and how long that took: it sees
-        that download begin (its 307) but not end, and the end is the peer's download phase on
-        the dashboard. One small request, one try: a lost report loses a timeline span only."""
+        """Tell the hub how long a result took from its object store (it saw the 307, not the end:
+        the dashboard's download phase). One try: a lost report loses a timeline span only."""
         try:
             self.transport.call(
                 "POST",
@@ -283,6 +267,6 @@ class RunFlows:
         """Upload version 0 (this peer was told to initialise the run)."""
         log.info("run %s: uploading version 0 (%.1f MB)", self.run, sum(a.nbytes for _, a, _ in parts) / 1e6)
         try:
-            self.transport.upload(f"{self.path}/versions/0", parts, what="version 0", params={"peer": self.peer})
+            self.transport.put(f"{self.path}/versions/0", parts, what="version 0", params={"peer": self.peer})
         except ConflictError as exc:  # someone else initialised (we lost our claim): just pull
             log.info("run %s: %s", self.run, exc.detail)

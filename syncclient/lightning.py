@@ -7,18 +7,16 @@ trainer = L.Trainer(max_epochs=3, callbacks=[SyncCallback("http://hub:8000", syn
 trainer.fit(model, train_loader)
 ```
 
-It does what :class:`syncclient.SyncCallback` does for Hugging Face, at a batch's end: join at
-fit start (the model is on its device, the optimizers exist), tell the client each step
-(``trainer.global_step``, so ``accumulate_grad_batches`` needs nothing special; a batch's samples
-are the length of its first tensor) and sync when its clock says a sync is due, with the last
-batch's ``loss`` and the metrics the module logged (``trainer.callback_metrics``:
-``self.log("val_acc", ...)`` shows in the dashboard), a last sync at train end, then leave; on an
-exception (Ctrl-C included) it leaves, so the others stop waiting. One process per peer: it
-raises at fit start when the Trainer runs on several devices (DDP peers are not supported yet).
-``lr_scaling`` scales each optimizer step through torch's optimizer hooks.
+What :class:`syncclient.SyncCallback` does for Hugging Face, at a batch's end: join at fit start
+(the model on its device, the optimizers made), tell the client each step (``trainer.global_step``:
+``accumulate_grad_batches`` needs nothing special; a batch's samples: its first tensor's length),
+sync when due with the last ``loss`` and ``trainer.callback_metrics`` (``self.log("val_acc", ...)``
+shows in the dashboard), a last sync at train end, then leave; on an exception (Ctrl-C included)
+leave, so the others stop waiting. One process per peer: a Trainer on several devices is refused
+at fit start. ``lr_scaling`` goes through torch's optimizer hooks.
 
-Works with ``lightning`` (``import lightning as L``) and, if that is not installed, with the
-older ``pytorch_lightning`` package; :func:`callback_class` gives the class for the other one.
+Works with ``lightning`` and, if that is not installed, ``pytorch_lightning``;
+:func:`callback_class` gives the class for the other one.
 """
 
 from __future__ import annotations
@@ -111,11 +109,9 @@ class _Sync(Adapter):
     def _sync(self, trainer: Any, pl_module: torch.nn.Module, *, final: bool = False) -> None:
         """One blocking sync; ``final``: training ends here (see ``SyncClient.sync``)."""
         metrics = sync_metrics({"loss": self._loss, **trainer.callback_metrics}, trainer.global_step)
-        steps = self.client.clock.step - self.client.clock.last
-        samples = max(1, self.client.pending_samples)
-        self._synced(
-            self.client.sync(pl_module, samples=samples, metrics=metrics, final=final), trainer.global_step, steps
-        )
+        steps = self.client.clock.step - self.client.clock.last  # before the sync starts the clock afresh
+        result = self.client.sync(pl_module, samples=max(1, self.client.pending_samples), metrics=metrics, final=final)
+        self._synced(result, trainer.global_step, steps)
 
     def _leave(self) -> None:
         self._active = False
@@ -128,21 +124,8 @@ class _Sync(Adapter):
 class SyncCallback(_Sync, Callback):  # type: ignore[misc]  # Callback: Any when Lightning has no stubs
     """Average this Trainer's ``LightningModule`` with the other peers of a run every
     ``sync_every`` optimizer steps, or whenever the peers together trained ``round_samples``
-    samples (see the module docstring).
-
-    Args:
-        hub: the hub's base URL (``http://`` or ``https://``). Give ``hub`` or ``client``.
-        sync_every: optimizer steps between syncs (an int >= 1), or a
-            :class:`~syncclient.schedule.SyncSchedule` (e.g. every 5 until step 60, then every
-            15; the same on every peer): barrier and async runs.
-        client: a :class:`SyncClient` you built yourself; joined already or not.
-        lr_scaling: each peer's learning rate with N peers: the optimizers' own (serial's, at the
-            global batch) x 1 (``"none"``, default), x ``sqrt(N)`` (``"sqrt"``) or x ``N`` (``"linear"``),
-            applied to each step through torch's optimizer hooks (:mod:`syncclient.peerlr`).
-        lr_scaling_warmup: optimizer steps over which that factor ramps in from 1 (default:
-            one round, ``sync_every`` steps; a schedule's first interval).
-        **client_kwargs: passed to ``SyncClient(hub, ...)``: ``run`` (required), ``peer``,
-            ``token``, ``codec``, ``round_samples``, ...
+    samples. The arguments are :class:`syncclient.SyncCallback`'s, less ``on_sync`` and ``overlap``;
+    ``lr_scaling`` scales the optimizers' own rates.
     """
 
 

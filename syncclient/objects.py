@@ -1,31 +1,19 @@
-"""Uploads straight to an object store, through the presigned URLs a hub hands out.
+"""Uploads straight to an object store, through the presigned URLs a hub hands out
+(docs/object-store.md). A hub with a store says ``uploads: store`` when a peer starts; a presigned
+URL carries its own short-lived signature for one key (and part), so a peer needs no S3 library
+and holds no bucket credential. The transport must carry no bearer token (the hub's must never
+reach a bucket, and S3 refuses a request signed twice): ``hub_transport.store()``.
 
-A hub with an object store (``SYNC_STORE``) says ``uploads: store`` when a peer starts, and
-the SDK then sends its updates there (:class:`~syncclient.flows.RunFlows`). A presigned
-URL is plain HTTPS that carries its own short-lived signature for one key (and, for a multipart
-upload, one part number of one upload), so a peer needs no S3 library and holds no bucket
-credential.
+A body goes up in parts (:class:`PartedUpload`), up to :data:`PART_STREAMS` at once on their own
+connections, each PUT with its ``Content-Length`` (S3 takes no chunked body) and retried alone as
+the SDK retries anything. The ETags the store answers are kept by part number, so calling
+:func:`upload_parts` again after a failure, with renewed URLs where they expired, sends only the
+parts not yet acknowledged; the hub completes the upload with them. One part on a presigned PUT
+is a plain single-request upload: the same code.
 
-A body goes up in parts (:class:`PartedUpload`: part ``n`` is bytes ``[(n-1)*part_size,
-n*part_size)``), up to :data:`PART_STREAMS` of them at once on their own connections (as S3
-clients do: one TCP stream rarely fills a far-apart link), each PUT with its
-``Content-Length`` (S3 takes no chunked body) and retried alone as the SDK retries anything
-(:meth:`~syncclient.transport.Transport.call`: connect errors, timeouts, 5xx, 429/503 with
-``Retry-After``). The store answers each part with its ETag; they are kept in the upload
-by part number, so after a failure (a URL that expired, a store gone for longer than the retry
-budget) calling :func:`upload_parts` again, with renewed URLs where the old ones expired,
-sends only the parts not yet acknowledged. The hub completes the upload with the ETags (the
-object appears whole, at once). One part whose URL is a presigned PUT is a plain
-single-request upload: the same code.
-
-Downloads are the SDK's own (:meth:`~syncclient.transport.Transport.download`, which follows
-a hub's ``307`` to its object store): one GET, parsed as it streams, its tensors folded into the
-base as they arrive, in file order; ranges fetched at once would land out of order, to be held
-until the bytes before them came, and the resume, the expiry and the fall-back to the hub would
-each count per range.
-
-The transport must carry no bearer token: the hub's token must never reach a bucket (and S3
-refuses a request signed twice): ``hub_transport.store()``.
+Downloads stay one GET (:meth:`~syncclient.transport.Transport.download` follows the hub's
+``307``), parsed and folded as it streams, in file order: ranges fetched at once would land out
+of order, and the resume, the expiry and the fall-back to the hub would each count per range.
 """
 
 from __future__ import annotations
@@ -40,8 +28,8 @@ from syncclient.transport import Transport
 
 __all__ = ["PartedUpload", "upload_parts"]
 
-#: parts in flight at once: S3 clients upload on several connections (boto3's s3transfer: 10),
-#: as one TCP stream's window rarely fills a far-apart link; bench/RESULTS.md, "Parallel parts"
+#: parts in flight at once: one TCP stream's window rarely fills a far-apart link, so S3 clients
+#: upload on several connections (boto3's s3transfer: 10); bench/RESULTS.md, "Parallel parts"
 PART_STREAMS = 4
 
 Content = Callable[[], Iterator[bytes | memoryview]]  # a fresh iterator over the whole body, per call
@@ -49,12 +37,10 @@ Content = Callable[[], Iterator[bytes | memoryview]]  # a fresh iterator over th
 
 @dataclass
 class PartedUpload:
-    """A body of ``size`` bytes going up in parts of ``part_size`` (the last one shorter).
-
-    ``urls``: part number (1-based) -> the presigned URL the hub gave for it (renewed ones
-    replace expired ones). ``etags``: part number -> the ETag the store answered, for the parts
-    it acknowledged: what the hub completes the upload with, and what a resume skips (a part
-    with its ETag needs no URL).
+    """A body of ``size`` bytes going up in parts of ``part_size`` (the last one shorter; part
+    ``n`` is bytes ``[(n-1)*part_size, n*part_size)``). ``urls``: part number (from 1) -> its
+    presigned URL; ``etags``: part number -> the store's ETag for the parts it acknowledged (what
+    the hub completes the upload with, and what a resume skips: they need no URL).
     """
 
     size: int
@@ -91,15 +77,11 @@ def upload_parts(
     """PUT every part of ``upload`` not yet acknowledged, up to ``concurrency`` at once; return
     every part's ETag (for the hub).
 
-    ``content()`` gives the whole body afresh (views of arrays, as for :meth:`Transport.upload`;
-    a chunk must stay valid once yielded: no reused buffer). It is read once, in order, in the
-    calling thread (an update still encoding is waited for there, and hashed as it goes); each
-    part's views go to a worker thread that PUTs them, retried alone after a cut. At most
-    ``concurrency`` parts are in flight and one more is being gathered: what the body's chunks
-    pin. After a part fails for good no new part starts, those in flight finish, and the call
-    raises as the SDK does: :class:`HubUnreachable` once the retry budget is spent,
-    :class:`HubError` for a refusal (403: an expired or foreign URL). The ETags of the parts
-    that went up stay in ``upload`` for the next call, which sends only the others.
+    ``content()`` gives the whole body afresh (views: a chunk must stay valid once yielded), read
+    once, in order, in the calling thread; each part's views go to a worker thread. At most
+    ``concurrency`` parts are in flight and one more is gathered: what the chunks pin. After a part
+    fails for good no new part starts, those in flight finish, and the call raises as the SDK does
+    (403: an expired or foreign URL); the ETags that came stay in ``upload`` for the next call.
     """
     if "authorization" in transport.http.headers:
         raise ValueError("a transport with the hub's token must not talk to the object store: make one with token=None")
@@ -155,9 +137,8 @@ def _put_part(transport: Transport, upload: PartedUpload, number: int, views: li
 def _parts(
     chunks: Iterator[bytes | memoryview], upload: PartedUpload, wanted: list[int]
 ) -> Iterator[tuple[int, list[memoryview]]]:
-    """The ``wanted`` parts of a body given as chunks, in order, each as the views (no copies)
-    of its bytes; the chunks of parts not wanted (acknowledged before) are read past, not kept.
-    Stops after the last part wanted: the rest of the body is not read."""
+    """The ``wanted`` parts of a body given as chunks, in order, each as views of its bytes; parts
+    not wanted are read past, and nothing after the last part wanted is read."""
     todo, last = set(wanted), max(wanted)
     if upload.size == 0:  # an empty body: its one part, of nothing
         yield 1, []

@@ -1,25 +1,18 @@
 """Each peer's learning rate, from the number of peers: ``lr x sqrt(N)`` or ``lr x N``.
 
-With N peers each peer trains on 1/N of the global batch, and a round's update is the average
-of N peers' optimizer steps. Adam scales each step to about ``lr`` whatever the batch, so a
-peer's step from a noisier 1/N batch carries less signal than serial's step of the same size,
-and averaging N of them cancels part of the noise but does not restore the signal: the merged
-step is shorter than serial's (bench/RESULTS.md, issue 27). Stepping each peer further makes up
-for it. ``sqrt`` is the rule for Adam-type optimizers (the noise of a mean of N falls as
-``1/sqrt(N)``), ``linear`` the rule of large-batch SGD (Goyal et al., 2017). Measured, it is
-no free lunch: at the quality grid's low rate both helped (x N most: 4 peers from +2.9% to +1.0%
-over serial at the same rate, 3 seeds), but at serial's best rate x sqrt(N) did not beat plain
-averaging and x N with 4 peers was worse than it, so the default is ``none``
+With N peers each trains on 1/N of the global batch; Adam makes a step from that noisier batch
+about as long as serial's, so it carries less signal, and the average of N of them is shorter
+than serial's step (docs/sdk.md, "Each peer's learning rate"). ``sqrt`` is the rule for Adam-type
+optimizers (the noise of a mean of N falls as ``1/sqrt(N)``), ``linear`` large-batch SGD's (Goyal
+et al., 2017). No free lunch: at the quality grid's low rate both helped (x N most: 4 peers from
++2.9% to +1.0% over serial at the same rate, 3 seeds), but at serial's best rate x sqrt(N) did
+not beat plain averaging and x N with 4 peers was worse, so the default is ``none``
 (bench/RESULTS.md, issue 27). Try ``linear`` with 2 peers, or when --lr is below serial's best.
 
-The factor ramps in linearly over the first ``warmup`` optimizer steps (from 1x at step 0 to the
-full factor at step ``warmup``), as Goyal et al. ramp theirs: serial's rate is where the run
-starts, the scaled one where it trains.
-
-The scaling never touches the program's learning-rate scheduler: :class:`LRScaler` multiplies
-the optimizer's ``lr`` just before each step and puts the scheduler's value back right after
-it, so any scheduler (and its checkpoint) sees exactly the rates it set, and a log of
-``param_groups[i]["lr"]`` between steps shows the serial rate.
+The factor ramps in linearly over the first ``warmup`` optimizer steps, as Goyal et al. ramp
+theirs. :class:`LRScaler` multiplies the optimizer's ``lr`` just before each step and puts the
+scheduler's value back right after it, so any scheduler (and its checkpoint) sees exactly the
+rates it set.
 """
 
 from __future__ import annotations
@@ -38,13 +31,9 @@ LR_SCALINGS = ("none", "sqrt", "linear")
 
 @dataclass(frozen=True)
 class PeerLR:
-    """How a peer's learning rate follows the number of peers ``N`` of its run.
-
-    Args:
-        scaling: one of :data:`LR_SCALINGS`.
-        warmup: optimizer steps over which the factor ramps from 1 to its full value (0: from
-            the first step); None: one round, ``sync_every`` steps (:meth:`for_rounds`).
-    """
+    """How a peer's learning rate follows the number of peers ``N``: ``scaling``, one of
+    :data:`LR_SCALINGS`, ramped in over ``warmup`` optimizer steps (0: none; None: one round,
+    ``sync_every`` steps, :meth:`for_rounds`)."""
 
     scaling: str = "none"
     warmup: int | None = None
@@ -57,8 +46,8 @@ class PeerLR:
             raise ValueError(f"lr_scaling_warmup must be an int >= 0 (optimizer steps) or None, got {self.warmup!r}")
 
     def for_rounds(self, sync_every: int | SyncSchedule | None) -> PeerLR:
-        """This scaling with its warm-up in steps: None becomes one round (``sync_every`` steps;
-        a schedule's first interval; 0 in a samples run, whose rounds are no fixed number of steps)."""
+        """This scaling with its warm-up in steps: None becomes one round (a schedule's first
+        interval; 0 in a samples run, whose rounds are no fixed number of steps)."""
         if self.warmup is not None:
             return self
         return PeerLR(self.scaling, sync_every.first if isinstance(sync_every, SyncSchedule) else sync_every or 0)
@@ -74,19 +63,15 @@ class PeerLR:
         return 1.0 + (full - 1.0) * max(step, 0) / warmup
 
 
-#: What a peer gets without asking: SyncCallback's, the Lightning callback's, weightsync-run's and
-#: the reference job's default: every peer at the rate it is given. At serial's best learning
-#: rate neither scaling won over 3 seeds (x sqrt(N) within noise of none, worse on one seed; x N
-#: better with 2 peers, worse with 4), so none is the default (bench/RESULTS.md, issue 27).
+#: Every integration's default: every peer at the rate it is given. At serial's best learning rate
+#: neither scaling won over 3 seeds (x sqrt(N) within noise of none, worse on one seed; x N better
+#: with 2 peers, worse with 4; bench/RESULTS.md, issue 27).
 DEFAULT_PEER_LR = PeerLR("none", None)
 
 
 class LRScaler:
-    """Multiplies an optimizer's learning rates for one step, then restores them.
-
-    ``before(optimizer, factor)`` just before ``optimizer.step()``, ``after()`` right after it
-    (before the scheduler steps). A factor of 1 changes nothing.
-    """
+    """Multiplies an optimizer's learning rates for one step: ``before(optimizer, factor)`` just
+    before ``optimizer.step()``, ``after()`` right after it (before the scheduler steps)."""
 
     def __init__(self) -> None:
         self._saved: list[tuple[dict[str, Any], Any]] = []
@@ -108,10 +93,9 @@ class LRScaler:
 
 
 def scale_each_step(optimizer: Any, peer_lr: PeerLR, peers: int, step: Any) -> Any:
-    """Scale ``optimizer``'s rate for each of its steps through torch's per-optimizer hooks (for
-    loops whose events the SDK does not see: Lightning's, a plain one). ``step()`` gives the
-    optimizer steps taken so far. Returns a function that removes the hooks; with a factor of 1
-    at every step (``none``, or one peer) nothing is hooked."""
+    """Scale ``optimizer``'s rate for each of its steps through torch's per-optimizer hooks (loops
+    whose events the SDK does not see); ``step()``: the steps taken so far. Returns what removes
+    the hooks (nothing is hooked when the factor is always 1)."""
     if peer_lr.factor(peers, peer_lr.warmup or 0) == 1.0:
         return lambda: None
     scaler = LRScaler()

@@ -1,11 +1,10 @@
-"""When a sync is due: the sync interval (an int, or a :class:`SyncSchedule` that changes over
-the run) and :class:`SyncClock`, the one place that decides from the steps taken.
+"""When a sync is due: the interval (an int, or a :class:`SyncSchedule` that changes over the
+run) and :class:`SyncClock`, the one place that decides from the steps taken.
 
-``SyncSchedule.parse("5:60,15")`` syncs every 5 optimizer steps until step 60, then every 15
-(steps 5, 10, ..., 60, 75, 90, ...): frequent early, when the peers' models drift apart
-fastest, sparse late, when each sync buys less and costs the same. The interval after a sync
-depends only on that sync's global step, so every peer with the same schedule syncs at the
-same steps and the rounds agree, as with an int.
+``SyncSchedule.parse("5:60,15")`` syncs every 5 optimizer steps until step 60, then every 15:
+frequent early, when the peers drift apart fastest, sparse late, when each sync buys less and
+costs the same. The interval after a sync depends only on that sync's global step, so peers with
+the same schedule sync at the same steps and the rounds agree.
 """
 
 from __future__ import annotations
@@ -52,16 +51,14 @@ class SyncSchedule:
         return next((every for every, until in self.phases if step < until), self.last)
 
     def step_of_sync(self, syncs: int) -> int:
-        """The global step of the ``syncs``-th sync when every sync came on time (a late
-        joiner's way in: the run's version counts its syncs)."""
+        """The global step of the ``syncs``-th sync when every sync came on time (a late joiner's)."""
         step = 0
         for _ in range(syncs):
             step += self.interval_at(step)
         return step
 
     def from_step(self, step: int) -> SyncSchedule:
-        """The same schedule seen from a sync at global ``step`` on, by a Trainer that counts
-        from 0 there (a late joiner): it then syncs at the same steps as the others."""
+        """The same schedule for a Trainer that counts from 0 at global ``step`` (a late joiner)."""
         return SyncSchedule(tuple((e, u - step) for e, u in self.phases if u > step), self.last)
 
     def __str__(self) -> str:
@@ -75,16 +72,13 @@ def interval_after(sync_every: int | SyncSchedule, step: int) -> int:
 
 class SyncClock:
     """The steps and samples a peer trained, and the step its next sync is due at: the one
-    decision every integration asks (as torchft's ``_step_post_hook`` counts steps and syncs
-    at the interval). :class:`~syncclient.SyncClient` keeps one; the callbacks and the plain
-    loop's hooks only report each step to it (``SyncClient.progress``) and act on its answer.
+    decision every integration asks (torchft's ``_step_post_hook``), through ``SyncClient``.
 
-    Steps fall in windows of ``every`` steps from the clock's start (steps 1-N, N+1-2N, ...;
-    a schedule's own intervals), and each window makes at most one round, which is how peers of
-    any kind agree on their rounds: a sync at a window's end is on time; a sync inside a window
-    (a final one, at a read of the model's state) takes that window's round, so the next is
-    due at the end of the next window; a flush round takes the next window's. ``next`` is the
-    one place a later rule would set (a step the hub picks, a preemption making a sync due now).
+    Steps fall in windows of ``every`` steps from the clock's start (a schedule's intervals), and
+    each window makes at most one round, so peers of any kind agree on their rounds: a sync at a
+    window's end is on time; one inside a window (a final one, at a read of the model's state)
+    takes that window's round; a flush round takes the next window's. ``next`` is where a later
+    rule would set the step (one the hub picks, a preemption).
 
     Attributes:
         every: the interval (None: the hub says when, in runs whose rounds close on samples).
@@ -101,8 +95,7 @@ class SyncClock:
         self.start(0)
 
     def start(self, step: int) -> None:
-        """Count from global ``step``: a Trainer starting there, a late peer whose local steps
-        were dropped. The window that ends at the first sync opens here."""
+        """Count from global ``step`` (a Trainer starting there, a late peer whose steps were dropped)."""
         self.step = self.last = self._opened = step
         self.samples = 0
         self.next = self._after(step)
@@ -113,8 +106,8 @@ class SyncClock:
         self.samples += samples
 
     def sent(self) -> None:
-        """A sync (or a flush) began at the current step: what is counted from here goes into the
-        next round, and this one takes a window's round (this window's, or at its end the next)."""
+        """A sync (or a flush) began at the current step: it takes this window's round (at its end,
+        the next one's); what is counted from here goes into the next."""
         self.last, self.samples = self.step, 0
         if self.next is not None:
             self._opened = self.step if self.step >= self.next else self.next
@@ -132,8 +125,7 @@ class SyncClock:
 
     @property
     def window_open(self) -> bool:
-        """Steps were trained since the last sync in a window whose round is not taken yet: a
-        sync now takes it (by an interval: a samples run's rounds are no windows)."""
+        """Steps were trained since the last sync in a window whose round is not taken yet (interval runs)."""
         return self.next is not None and self.unsynced and self.step > self._opened
 
     def _after(self, step: int) -> int | None:

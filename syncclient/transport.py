@@ -1,30 +1,20 @@
 """How the SDK talks to a hub: one httpx client, retries, resumable transfers, one error map.
 
-Retries: connect errors, timeouts, 5xx, 429 and 503 are retried with capped exponential
-backoff and jitter (:func:`syncwire.retry.retrying`), honouring ``Retry-After``, for ``retry_seconds`` in all;
-uploads are idempotent per (peer, round) on the hub, so a retried upload is never applied
-twice. Then :class:`~syncclient.exceptions.HubUnreachable`. A TLS setup error (an untrusted
-certificate, https:// to a plain-HTTP hub) is not retried: it fails at once with what to do.
+Retries: connect errors, timeouts, 5xx, 429 and 503, with capped exponential backoff and jitter
+(:func:`syncwire.retry.retrying`), honouring ``Retry-After``, for ``retry_seconds`` in all, then
+:class:`~syncclient.exceptions.HubUnreachable`; the hub takes an upload once per (peer, round), so
+a retry never applies one twice. A TLS setup error (an untrusted certificate, https:// to a
+plain-HTTP hub) fails at once, saying what to do.
 
-Uploads resume: before retrying a resumable upload, the transport asks the hub (``HEAD`` with
-the same headers) how many bytes of this very body it holds, and sends only the rest with
-``Upload-Offset``; the hub verifies the digest over the whole body at the end. Downloads resume
-with HTTP ``Range`` (and ``If-Range``, so a changed file starts over).
-
-A resumable upload goes out while it is being encoded, so its digest is known only after its
-last byte: the body is sent named by a random ``Upload-Key`` with ``Upload-Complete: ?0`` (the
-hub holds it whole, unacknowledged: 202), then a second ``PUT`` from its end, with an empty
-body, brings the ``Content-Digest`` (and the headers known only then) and gets the
-acknowledgement. Both requests resume as above. One round trip more, against the encode
-(0.6-1.3 s for GPT-2 on bench/RESULTS.md's VM) no longer standing before the first byte.
-
-Downloads read the socket 1 MiB at a time (:class:`_LargeReads`), not httpcore's 64 KiB: a
-500 MB result then costs the peer 0.5 s of CPU instead of 0.9-1.8 s (bench/RESULTS.md, Wire),
-CPU that a peer sharing its cores with training, or a hub with its peers, does not have.
+Uploads resume from the byte the hub holds (``HEAD``, then ``Upload-Offset``), downloads with
+``Range`` and ``If-Range``. An update goes out while it encodes, so its digest follows the body:
+the body with ``Upload-Key`` and ``Upload-Complete: ?0`` (held: 202), then an empty ``PUT`` from
+its end with ``Content-Digest`` (docs/RELIABILITY.md, "Resumable uploads: the protocol"). One
+round trip more, against the encode (0.6-1.3 s for GPT-2 on bench/RESULTS.md's VM) no longer
+standing before the first byte.
 
 Errors are translated in one place, :meth:`Transport._errors`, as httpx translates httpcore's
-(``map_httpcore_exceptions``): httpx errors and hub error responses go in, the exceptions of
-:mod:`syncclient.exceptions` come out.
+(``map_httpcore_exceptions``).
 """
 
 from __future__ import annotations
@@ -72,8 +62,8 @@ _RETRY_STATUS = {429, 500, 502, 503, 504}
 _PROGRESS_BYTES = 32 << 20  # transfers at least this big get a progress bar (at log level INFO)
 _READ_BYTES = 1 << 20  # socket reads of a plain-HTTP connection (1 MiB beat 64 KiB, 256 KiB, 2 and 4 MiB)
 #: How long a request to the object store is retried before the SDK turns to the hub instead (a
-#: part's PUT: the update then goes to the hub; a download falls back at once): a store that is
-#: down, or an endpoint only the hub reaches, should cost a round seconds, not the whole budget.
+#: download falls back at once): a store that is down, or that only the hub reaches, should cost
+#: a round seconds, not the whole budget.
 STORE_RETRY_SECONDS = 10.0
 
 Parts = list[tuple[str, np.ndarray, str]]  # (wire name, numpy array, safetensors dtype), see syncwire.iter_chunks
@@ -93,8 +83,8 @@ class Download:
 
 @dataclass
 class _Fetch:
-    """A download on its way: the body so far, the hub's headers, and the object store's URL
-    once the hub sent it there (``fresh``: in this attempt, so a 403 is no expiry)."""
+    """A download on its way: the body so far, the hub's headers, and the object store's URL once
+    the hub sent it there (``fresh``: in this attempt, so a 403 is no expiry)."""
 
     reader: StreamReader
     on_tensor: OnTensor | None
@@ -108,9 +98,8 @@ class _Fetch:
     direct: bool = False  # the store failed: the hub serves its own copy
 
     def resume(self, etag: str | None) -> dict[str, str]:
-        """The headers that ask for the rest of the body (none at 0). ``If-Range`` when the
-        source's ETag is known: objects of the store never change under a key, so its first
-        ranged GET after the hub's part may go without one."""
+        """The headers that ask for the rest of the body (none at 0); ``If-Range`` when the source's
+        ETag is known (a store's objects never change under a key: its first ranged GET may go without)."""
         if not self.reader.received:
             return {}
         return {"Range": f"bytes={self.reader.received}-", **({"If-Range": etag} if etag else {})}
@@ -120,8 +109,9 @@ class _StoreFailed(Exception):
     """The object store answered a presigned GET with an error that asking again cannot fix."""
 
 
-class _Retry(Exception):
-    """A response worth retrying (5xx, 429, 503); carries its Retry-After."""
+class _Refused(Exception):
+    """An error response (retrying cannot fix it unless it is a :class:`_Retry`); :meth:`Transport._errors`
+    translates it."""
 
     def __init__(self, response: httpx.Response) -> None:
         super().__init__(f"{response.status_code} from {response.request.url.path}")
@@ -130,20 +120,13 @@ class _Retry(Exception):
         self.retry_after = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
 
 
-class _Refused(Exception):
-    """An error response that retrying cannot fix; :meth:`Transport._errors` translates it."""
-
-    def __init__(self, response: httpx.Response) -> None:
-        super().__init__(f"{response.status_code} from {response.request.url.path}")
-        self.response = response
+class _Retry(_Refused):
+    """A response worth retrying (5xx, 429, 503), with its Retry-After."""
 
 
 class Transport:
-    """An httpx client to one run on one hub, with the SDK's retries and resumption.
-
-    ``run`` only names the run in log lines. ``verify`` as :class:`~syncclient.SyncClient`
-    takes it: True, a CA bundle (PEM file or folder) or an ``ssl.SSLContext``.
-    """
+    """An httpx client to one run on one hub, with the SDK's retries and resumption. ``run`` only
+    names the run in log lines; ``verify`` as :class:`~syncclient.SyncClient` takes it."""
 
     def __init__(
         self,
@@ -155,8 +138,7 @@ class Transport:
         timeout: float,
         retry_seconds: float,
     ) -> None:
-        self.hub, self.run, self.retry_seconds = hub, run, retry_seconds
-        self._token, self._timeout = token, timeout
+        self.hub, self.run, self.retry_seconds, self._token = hub, run, retry_seconds, token
         if isinstance(verify, str):  # httpx wants a context for a CA bundle
             folder = os.path.isdir(verify)
             verify = ssl.create_default_context(capath=verify if folder else None, cafile=None if folder else verify)
@@ -168,7 +150,8 @@ class Transport:
         pool = transport._pool
         self._backend = _LargeReads(pool._network_backend)
         pool._network_backend = self._backend
-        self._verify = verify
+        # a transport with connections of its own and this one's TLS settings and timeouts
+        self._twin = functools.partial(Transport, run=run, verify=verify, timeout=timeout)
         self._store: Transport | None = None  # presigned URLs of the hub's object store
         self.http = httpx.Client(
             base_url=hub,
@@ -185,9 +168,8 @@ class Transport:
             self._store.close()
 
     def sibling(self) -> Transport:
-        """A transport to the same hub with connections of its own (the heartbeat's watch, which
-        :meth:`abort` can end while another thread waits on it)."""
-        return self._twin(self.hub, self._token, self.retry_seconds)
+        """A transport to the same hub with connections of its own (the heartbeat's, which :meth:`abort` ends)."""
+        return self._twin(self.hub, token=self._token, retry_seconds=self.retry_seconds)
 
     def abort(self) -> None:
         """Shut this transport's sockets down now: a request another thread is waiting on ends
@@ -196,18 +178,12 @@ class Transport:
         self._backend.shutdown()
 
     def store(self) -> Transport:
-        """The transport for the object store's presigned URLs (:mod:`syncclient.objects`, and
-        the hub's 307s): this one's TLS settings and timeouts, no token (a bucket must never see
-        the hub's, and S3 refuses a request signed twice), :data:`STORE_RETRY_SECONDS` of retries."""
+        """The transport for the object store's presigned URLs: this one's TLS settings and timeouts,
+        no token (a bucket must never see the hub's; S3 refuses a request signed twice),
+        :data:`STORE_RETRY_SECONDS` of retries."""
         if self._store is None:
-            self._store = self._twin("", None, min(self.retry_seconds, STORE_RETRY_SECONDS))
+            self._store = self._twin("", token=None, retry_seconds=min(self.retry_seconds, STORE_RETRY_SECONDS))
         return self._store
-
-    def _twin(self, hub: str, token: str | None, retry_seconds: float) -> Transport:
-        """A transport with connections of its own and this one's TLS settings and timeouts."""
-        return Transport(
-            hub, run=self.run, token=token, verify=self._verify, timeout=self._timeout, retry_seconds=retry_seconds
-        )
 
     def call(
         self,
@@ -216,26 +192,23 @@ class Transport:
         *,
         retry: bool = True,
         content: Callable[[], Iterator[bytes | memoryview]] | None = None,
-        resume: Callable[[], int] | None = None,
+        resume: bool = False,
         offset: int = 0,
         where: str | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
         """One request, retried unless ``retry=False``; an error answer raises the SDK's exception
         (naming the request ``where``, or its path: a presigned URL's signature stays out).
-
-        ``content`` makes a fresh body iterator per attempt (see :meth:`upload` for bodies).
-
-        ``resume`` makes the body resumable: before each retry it says how many bytes the hub
-        already holds, and only the rest is sent, with ``Upload-Offset`` (headers unchanged).
-        ``offset``: the first attempt too starts there (the hub holds the bytes before it).
+        ``content`` makes a fresh body iterator per attempt. ``resume``: before each retry, ask the
+        hub how many bytes it holds and send only the rest, with ``Upload-Offset``; ``offset``:
+        where the first attempt starts.
         """
         headers = kwargs.pop("headers", None) or {}
         with self._errors(where or path):
             for attempt in self._retrying(retry):
                 with attempt:
-                    if resume is not None and attempt.retry_state.attempt_number > 1:
-                        offset = resume()
+                    if resume and attempt.retry_state.attempt_number > 1:
+                        offset = self._upload_offset(path, headers)
                         log.info("run %s: resuming %s at byte %d", self.run, path, offset)
                     body = content() if content else None
                     if offset and body is not None:
@@ -247,10 +220,15 @@ class Transport:
                         headers={**headers, "Upload-Offset": str(offset)} if offset else headers,
                         **kwargs,
                     )
-                    if resume is not None and _is_offset_mismatch(response):
-                        raise _Retry(response)
+                    if resume and response.status_code == 409 and _hub_error(response).code == "upload_offset":
+                        raise _Retry(response)  # the hub lost the bytes we resumed after (it restarted): ask again
                     _check(response)
         return response
+
+    def put(self, path: str, parts: Parts, *, what: str, params: dict[str, Any]) -> None:
+        """PUT ``parts`` as one safetensors body, whole (version 0)."""
+        size = body_size(parts)
+        self.call("PUT", path, params=params, content=lambda: self._progress(iter_chunks(parts), size, what))
 
     def upload(
         self,
@@ -258,52 +236,23 @@ class Transport:
         parts: Parts,
         *,
         what: str,
-        params: dict[str, Any] | None = None,
-        headers: dict[str, str] | None = None,
-        resumable: bool = False,
-        ready: Callable[[int], None] | None = None,
-        completing: Callable[[], dict[str, str]] | None = None,
+        headers: dict[str, str],
+        ready: Callable[[int], None],
+        completing: Callable[[], dict[str, str]],
     ) -> tuple[int, dict[str, Any]]:
-        """PUT ``parts`` as one safetensors body; return its size in bytes and the hub's answer.
-
-        ``resumable``: the body is sent before its digest is known, then completed with it, and
-        after a cut only the bytes the hub lacks are sent (see the module docstring); the hub
-        must support it for ``path``. ``ready(i)`` waits until part ``i``'s array is filled;
-        ``completing()`` gives headers for the completing request (known once the body is).
-        """
-        size = body_size(parts)
-        headers = dict(headers or {})
-        if not resumable:
-            body = functools.partial(iter_chunks, parts, ready=ready)
-            response = self.call(
-                "PUT", path, params=params, headers=headers, content=lambda: self._progress(body(), size, what)
-            )
-            return size, response.json()
-        digest = Digest()
+        """PUT ``parts`` as one safetensors body while they fill (``ready(i)`` waits for part ``i``):
+        held, then completed with its digest and the headers ``completing()`` gives (see the module
+        docstring); after a cut only what the hub lacks is sent. Its size and the hub's answer."""
+        size, digest = body_size(parts), Digest()
 
         def hashed() -> Iterator[memoryview | bytes]:
             return digest.watch(iter_chunks(parts, ready=ready))
 
         held = {**headers, "Upload-Key": secrets.token_urlsafe(24), "Upload-Complete": "?0"}
-        self.call(
-            "PUT",
-            path,
-            params=params,
-            headers=held,
-            content=lambda: self._progress(hashed(), size, what),
-            resume=functools.partial(self._upload_offset, path, held),
-        )
-        done = {**held, **(completing() if completing else {}), "Content-Digest": digest.value(size)}
+        self.call("PUT", path, headers=held, content=lambda: self._progress(hashed(), size, what), resume=True)
+        done = {**held, **completing(), "Content-Digest": digest.value(size)}
         del done["Upload-Complete"]
-        response = self.call(
-            "PUT",
-            path,
-            params=params,
-            headers=done,
-            content=hashed,
-            resume=functools.partial(self._upload_offset, path, done),
-            offset=size,
-        )
+        response = self.call("PUT", path, headers=done, content=hashed, resume=True, offset=size)
         return size, response.json()
 
     def download(
@@ -312,20 +261,15 @@ class Transport:
         params: dict[str, Any] | None,
         on_tensor: OnTensor | None = None,
     ) -> Download | None:
-        """GET a safetensors body into arrays, resuming with Range after a cut; None on 204
-        (a long poll still open). ``params`` None: ``path`` is a whole URL (a presigned GET),
-        query and all. A body that declares more than ``max_download`` bytes of data is refused
-        before anything is allocated. ``on_tensor``: each tensor goes there as it arrives
-        instead (see :class:`~syncwire.StreamReader`); what it took cannot be taken back, so a
-        body that changed under a resumed download is then an error, not a restart.
+        """GET a safetensors body into arrays, resuming with Range after a cut; None on 204 (a long
+        poll still open). A body declaring more than ``max_download`` bytes of data is refused.
+        ``on_tensor`` takes each tensor as it arrives (what it took cannot be taken back: a body
+        that changed under a resumed download is then an error, not a restart).
 
-        A hub with an object store answers ``307`` with a presigned GET of its copy: the body
-        then comes from the store (:meth:`store`'s client, which never carries the hub's token),
-        resumed there with Range after a cut. A URL that has expired by then (403) sends the
-        download back to the hub for a fresh one, at the byte it had reached; a store that
-        gives nothing (cannot be reached, resets, 5xx, a fresh URL refused) makes it ask the
-        hub with ``direct=1``, which serves its own copy from there on. :meth:`_fetch` picks the
-        source; :meth:`_from_hub` and :meth:`_from_store` make one request each."""
+        A hub's ``307`` sends it to the object store's copy (through :meth:`store`); an expired URL
+        (403) back to the hub for a fresh one, at the byte it reached; a store that gives nothing
+        makes it ask the hub for its own copy (``direct=1``). :meth:`_fetch` picks the source;
+        :meth:`_from_hub` and :meth:`_from_store` make one request each."""
         got = _Fetch(StreamReader(self.max_download, on_tensor), on_tensor)
         with self._errors(path.split("?", 1)[0]):
             for attempt in self._retrying():
@@ -338,9 +282,8 @@ class Transport:
         return Download(got.reader, got.version, got.run_samples, seconds)
 
     def _fetch(self, path: str, params: dict[str, Any] | None, got: _Fetch) -> bool:
-        """One attempt: requests to the hub, or to the store it sent us to, until a body came
-        (True) or the long poll ended without one (False). A cut after some bytes is raised,
-        to be resumed where it was; a store that gave nothing is left for the hub's own copy."""
+        """One attempt: requests until a body came (True) or the long poll ended without one
+        (False). A cut after some bytes is raised, to resume; a store that gave nothing is left."""
         got.fresh = False  # a URL from an earlier attempt may have expired since
         while True:
             before, store = got.reader.received, got.url is not None
@@ -349,16 +292,15 @@ class Transport:
             except (httpx.TransportError, _StoreFailed) as exc:
                 if not store or (isinstance(exc, httpx.TransportError) and got.reader.received > before):
                     raise
-                log.warning("run %s: the object store failed (%s: %s); downloading from the hub", self.run,
-                            type(exc).__name__, exc)  # fmt: skip
+                said = "run %s: the object store failed (%s: %s); downloading from the hub"
+                log.warning(said, self.run, type(exc).__name__, exc)
                 got.url, got.since, got.direct = None, None, True  # (the hub sees that download end itself)
                 continue
             if went != "again":
                 return went == "body"
 
     def _from_hub(self, path: str, params: dict[str, Any] | None, got: _Fetch) -> str:
-        """One GET of the hub's copy from where the body stands: ``"body"``, ``"none"`` (204)
-        or ``"again"`` (a 307: the URL is in ``got``)."""
+        """One GET of the hub's copy: ``"body"``, ``"none"`` (204) or ``"again"`` (a 307: the URL is in ``got``)."""
         if got.direct:
             params = {**(params or {}), "direct": 1}
         with self.http.stream("GET", path, params=params, headers=got.resume(got.hub_etag)) as r:
@@ -378,8 +320,8 @@ class Transport:
         return "body"
 
     def _from_store(self, got: _Fetch) -> str:
-        """One GET of the store's copy through the hub's presigned URL (whole: httpx would
-        replace its query with params): ``"body"``, or ``"again"`` when it expired (ask the hub)."""
+        """One GET of the store's copy (the URL whole: httpx would replace its query with params):
+        ``"body"``, or ``"again"`` when it expired (ask the hub)."""
         assert got.url is not None
         with self.store().http.stream("GET", got.url, headers=got.resume(got.store_etag)) as r:
             if r.status_code == 403 and not got.fresh:
@@ -408,18 +350,17 @@ class Transport:
         """The one place where httpx errors and hub error responses become the SDK's exceptions."""
         try:
             yield
-        except _Refused as exc:
-            raise _hub_error(exc.response) from None
         except _Retry as exc:
             raise HubUnreachable(f"{self.hub}{path}: still {exc} after {self.retry_seconds:.0f}s of retries") from exc
+        except _Refused as exc:
+            raise _hub_error(exc.response) from None
         except httpx.TransportError as exc:
             why = _tls_problem(exc) or f"after {self.retry_seconds:.0f}s of retries"
             raise HubUnreachable(f"{self.hub}{path}: {type(exc).__name__}: {exc} ({why})") from exc
 
     def _retrying(self, retry: bool = True) -> Retrying:
-        """Tries of one request (:func:`syncwire.retry.retrying`): waits from 0.5 s doubling to
-        20 s, plus up to 1 s of jitter, or what ``Retry-After`` asks (up to 60 s), for
-        ``retry_seconds`` in all; a TLS setup error is not retried (see :func:`_retryable`)."""
+        """Tries of one request: waits from 0.5 s doubling to 20 s, plus up to 1 s of jitter, or
+        what ``Retry-After`` asks (up to 60 s), for ``retry_seconds`` in all; not a TLS setup error."""
 
         def said(exc: BaseException, attempt: int) -> None:
             log.warning("run %s: hub trouble (%s: %s); retry %d", self.run, type(exc).__name__, exc, attempt)
@@ -434,8 +375,8 @@ class Transport:
         )
 
     def _upload_offset(self, path: str, headers: dict[str, str]) -> int:
-        """Bytes of this update (named by its headers' digest) the hub holds; 0 if it cannot say
-        (the PUT from 0 then reports the real trouble). Transport errors count as a failed try."""
+        """Bytes of this update (named by its headers) the hub holds; 0 if it cannot say (the PUT
+        from 0 then reports the real trouble). Transport errors count as a failed try."""
         response = self.http.head(path, headers=headers)
         if response.status_code in _RETRY_STATUS:
             raise _Retry(response)
@@ -454,14 +395,11 @@ class Transport:
 
 
 class _LargeReads(httpcore.NetworkBackend):
-    """httpcore's sync backend, reading plain-TCP sockets ``_READ_BYTES`` at a time.
-
-    httpcore asks for 64 KiB per read, and each read costs h11 and httpcore some Python: a
-    500 MB download is 7,600 of them. A TLS socket returns one record (16 KiB) per read
-    whatever is asked, so TLS streams keep httpcore's size.
-
-    It knows its open streams (weakly: httpcore holds them while their connection lives), so
-    that :meth:`shutdown` can end them from another thread.
+    """httpcore's sync backend, reading plain-TCP sockets ``_READ_BYTES`` at a time, not 64 KiB:
+    each read costs h11 and httpcore some Python, and a 500 MB result then costs the peer 0.5 s of
+    CPU instead of 0.9-1.8 s (bench/RESULTS.md, Wire). A TLS socket returns one 16 KiB record per
+    read whatever is asked, so TLS streams keep httpcore's size. It knows its open streams (weakly:
+    httpcore holds them while their connection lives), for :meth:`shutdown` from another thread.
     """
 
     def __init__(self, backend: httpcore.NetworkBackend) -> None:
@@ -472,16 +410,10 @@ class _LargeReads(httpcore.NetworkBackend):
     def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
         return _LargeReadStream(self._backend.connect_tcp(*args, **kwargs), self)
 
-    def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
-        return _LargeReadStream(self._backend.connect_unix_socket(*args, **kwargs), self)
-
-    def sleep(self, seconds: float) -> None:
-        self._backend.sleep(seconds)
-
     def shutdown(self) -> None:
-        """Shut down every open stream's socket, and any opened from now on: reads in flight
-        end, the peer sees a close. (A stream registers itself, then looks at ``shut``; this
-        sets ``shut``, then looks at the streams: one connecting meanwhile is seen by either.)"""
+        """Shut down every open stream's socket, and any opened from now on. (A stream registers
+        itself, then looks at ``shut``; this sets ``shut``, then looks at the streams: one
+        connecting meanwhile is seen by either.)"""
         self.shut = True
         for stream in list(self._streams):
             stream.shutdown()
@@ -545,11 +477,8 @@ def _retryable(exc: BaseException) -> bool:
 
 
 def _tls_problem(exc: BaseException) -> str | None:
-    """What to do about a TLS failure that no retry can fix; None for anything else.
-
-    A certificate the SDK does not trust (self-signed, another host, expired) or an https://
-    URL to a plain-HTTP hub. A TLS connection cut midway (a hub restarting) is retried.
-    """
+    """What to do about a TLS failure that no retry fixes (an untrusted certificate, https:// to
+    a plain-HTTP hub); None for anything else (a TLS connection cut midway is retried)."""
     cause: BaseException | None = exc
     for _ in range(16):  # the __cause__/__context__ chain: httpx -> httpcore -> ssl
         if cause is None:
@@ -571,24 +500,10 @@ def _hub_error(response: httpx.Response) -> HubError:
         xml_code, message = _s3_error(response.text)
         body, code, detail = {}, xml_code or "error", message or xml_code or response.text[:500]
     status = response.status_code
-    if status == 401:
-        return AuthError(status, code, detail, body)
-    if status == 404:
-        return NotFound(status, code, detail, body)
+    cls = {401: AuthError, 404: NotFound, 409: ConflictError}.get(status, HubError)
     if status == 409:
         cls = {"round_closed": RoundClosed, "stale_update": StaleUpdate}.get(code, ConflictError)
-        return cls(status, code, detail, body)
-    return HubError(status, code, detail, body)
-
-
-def _is_offset_mismatch(response: httpx.Response) -> bool:
-    """409 ``upload_offset``: the hub lost the bytes we resumed after (it restarted): ask again."""
-    if response.status_code != 409:
-        return False
-    try:
-        return bool(response.json().get("error") == "upload_offset")
-    except (ValueError, AttributeError):
-        return False
+    return cls(status, code, detail, body)
 
 
 class Digest:
@@ -614,8 +529,8 @@ class Digest:
         return "sha-256=:" + base64.b64encode(self._hash.digest()).decode() + ":"
 
     def hexdigest(self, content: Callable[[], Iterator[memoryview | bytes]], size: int) -> str:
-        """The sha-256 of the body ``content()`` gives, in hex: what went out was hashed on the
-        way, the rest (parts a resumed upload skipped) is read now."""
+        """The body's sha-256 in hex: what went out was hashed on the way, the rest (parts a
+        resumed upload skipped) is read from ``content()`` now."""
         if self._hashed < size:
             for _ in self.watch(content()):
                 pass

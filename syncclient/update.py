@@ -1,19 +1,13 @@
-"""A peer's update state: the maths of a sync, apart from how bytes travel. numpy only.
+"""A peer's update state: the maths of a sync, apart from how bytes travel. numpy only, no I/O
+(the tests check the maths without a hub).
 
 A peer keeps ``base``, the global version it started from (float32, one model copy), and for
 lossy codecs the error-feedback ``residual`` (one more). A sync sends
 ``encode(local - base + residual)`` and keeps ``residual = sent - decode(sent)``, so what the
-codec rounds away this round is sent in the next one instead of being lost. The round's merged
-update ``U`` is then folded in as ``base' = base + decode(U)``: the very sum the hub computes
-for version ``v + 1``, so every peer and the hub hold bit-identical bases afterwards.
-
-Overlap (Streaming DiLoCo's eager updates): the peer encoded a snapshot ``x_t`` and trained on;
-:meth:`UpdateState.rebase` gives ``base' + (model - x_t)``, the steps taken since the snapshot
-on top of the merged version (they count in the next round, whose delta is taken against
-``base'``).
-
-Nothing here does I/O: :class:`~syncclient.client.SyncClient` feeds it arrays from the model
-and wire tensors from the hub, which is what lets the tests check the maths without a hub.
+codec rounds away is sent in the next round, not lost. The merged update ``U`` is folded in as
+``base' = base + decode(U)``: the very sum the hub computes for version ``v + 1``, so every peer
+and the hub hold bit-identical bases. Overlap: :meth:`UpdateState.rebase` gives
+``base' + (model - x_t)``, the steps taken since the snapshot ``x_t`` on top of the merged version.
 """
 
 from __future__ import annotations
@@ -38,13 +32,10 @@ _Where = dict[str, tuple[int, int]]  # a slice's values in each wire part: suffi
 
 
 class EncodedUpdate:
-    """One update on its way to the wire: its parts fill as the encode threads finish.
-
-    The parts' arrays exist from the start (their sizes come from the codec's layout), so the
-    body's header can go out at once; :meth:`ready` waits for one part, :meth:`wait` for all,
-    after which ``ratio`` (float32 bytes / bytes sent) and ``error`` (``||delta - decoded|| /
-    ||delta||`` over the model, 0 for a lossless codec) are known. A part's encode failing
-    (NaN) raises :class:`SyncError` from both.
+    """One update on its way to the wire: its parts (sized by the codec's layout, so the header
+    goes out at once) fill as the encode threads finish. :meth:`ready` waits for one part,
+    :meth:`wait` for all and sets ``ratio`` (float32 bytes / bytes sent) and ``error``
+    (``||delta - decoded|| / ||delta||``, 0 when lossless); a failed encode (NaN) raises :class:`SyncError`.
     """
 
     def __init__(
@@ -74,8 +65,8 @@ class EncodedUpdate:
         return self
 
     def settle(self) -> None:
-        """Wait until no encode job runs any more, whatever became of them: a sync that
-        failed must not leave threads writing into the state the next one uses."""
+        """Wait until no encode job runs any more: a failed sync must not leave threads writing into
+        the state the next one uses."""
         concurrent.futures.wait([job for jobs in self._pending for job in jobs])
 
     def _results(self, jobs: list[Future[tuple[float, float]]]) -> list[tuple[float, float]]:
@@ -88,12 +79,9 @@ class EncodedUpdate:
 
 
 class UpdateState:
-    """The base version a peer trains from and its error-feedback residual.
-
-    ``base`` is owned: the arrays given are kept (not copied) and changed in place by
-    :meth:`fold`. A new state (after joining or catching up) has no residual: a residual
-    belongs to local work, and adopting a version drops that work.
-    """
+    """The base version a peer trains from (owned: kept, not copied, and changed in place by
+    :meth:`fold`) and its error-feedback residual. A new state (after joining or catching up) has
+    no residual: a residual belongs to local work, which adopting a version drops."""
 
     def __init__(self, codec: Codec, base: dict[str, np.ndarray]) -> None:
         self.codec = codec
@@ -107,17 +95,12 @@ class UpdateState:
     def encode(self, local: Mapping[str, np.ndarray]) -> EncodedUpdate:
         """Start encoding ``local - base`` (plus the residual), keeping the new residual.
 
-        Returns at once: the encode runs on a few threads, a slice at a time
-        (:func:`syncwire.codecs.slices`, the hub's own cut), in the body's order, so that the
-        upload sends each part as soon as it is encoded (:meth:`EncodedUpdate.ready`) instead
-        of after the whole update (0.6-1.3 s before the first byte for GPT-2 on the 2-core VM
-        of bench/RESULTS.md). ``local``, ``base`` and the residual must not change until
-        :meth:`EncodedUpdate.wait` returns (the client hands the encode a snapshot when
-        training goes on). The parts are the state's own buffers, reused by the next encode
-        (the client encodes again only once the update is sent): fresh 130-500 MB each sync
-        cost GPT-2 up to 1.3 s of page faults here. A slice's bytes do not depend on the thread
-        or the order, so the update is the same bytes as on one thread. The residual is updated
-        in place; a refused update (NaN) drops it, as it would have half of it replaced.
+        Returns at once: a few threads encode a slice at a time (the hub's cut) in the body's order,
+        so the upload sends each part once encoded, not after the whole update (0.6-1.3 s before the
+        first byte for GPT-2 on bench/RESULTS.md's VM); the bytes do not depend on the thread.
+        ``local``, ``base`` and the residual must not change until :meth:`EncodedUpdate.wait`. The
+        parts are the state's buffers, reused by the next encode (fresh 130-500 MB each sync cost
+        GPT-2 up to 1.3 s of page faults). A refused update (NaN) drops the half-replaced residual.
         """
         codec = self.codec
         parts: list[tuple[str, np.ndarray, str]] = []
@@ -158,9 +141,8 @@ class UpdateState:
         stop: int,
         where: _Where,
     ) -> tuple[float, float]:
-        """Values ``start:stop`` of tensor ``name`` (``x``: its local values, flat): encode them
-        into ``out`` at ``where``, carry ``residual`` in and keep the new rounding there; return
-        this slice's squared error and squared norm."""
+        """Encode values ``start:stop`` of tensor ``name`` (``x``: flat local values) into ``out`` at
+        ``where``, with ``residual`` carried in and the new rounding kept; the squared error and norm."""
         codec = self.codec
         delta = x[start:stop] - self.base[name].reshape(-1)[start:stop]
         if not np.isfinite(delta).all():
@@ -177,17 +159,14 @@ class UpdateState:
         return float(np.dot(left, left)), float(np.dot(delta, delta))
 
     def fold(self, merged: Mapping[str, np.ndarray], codec: str | None = None) -> None:
-        """``base += decode(U)`` from the merged update's wire tensors, a slice at a time (no
-        full-size decoded copy of a big tensor; see :func:`syncwire.codecs.slices`). The hub
-        builds version ``v + 1`` with the same slices and the same float32 adds. ``codec``: the
-        one the result names, if not the run's (a final round's result is fp32)."""
+        """``base += decode(U)``, a slice at a time, with the hub's slices and float32 adds (no
+        full-size decoded copy). ``codec``: the result's, if not the run's (a final round's is fp32)."""
         decoder = self._decoder(codec)
         for name in self.base:
             self._fold_tensor(decoder, name, merged)
 
     def stream_fold(self) -> StreamFold:
-        """A fold that takes the merged update tensor by tensor while it downloads (pass its
-        :meth:`StreamFold.take` to :class:`~syncwire.StreamReader`); same bytes as :meth:`fold`."""
+        """A fold that takes the merged update tensor by tensor while it downloads; same bytes as :meth:`fold`."""
         return StreamFold(self)
 
     def _decoder(self, codec: str | None) -> Codec:
@@ -204,10 +183,7 @@ class UpdateState:
             flat[start:stop] += decoder.decode(piece, (stop - start,))
 
     def rebase(self, snapshot: dict[str, np.ndarray], local: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``base + (local - snapshot)``: the steps taken since ``snapshot`` on top of the base.
-
-        Computed in ``snapshot``'s arrays (no third copy of the model), which are returned.
-        """
+        """``base + (local - snapshot)``, computed in ``snapshot``'s arrays (no third model copy)."""
         for name, x_t in snapshot.items():
             np.subtract(local[name], x_t, out=x_t)  # the steps taken since the snapshot
             x_t += self.base[name]  # on top of base' (IEEE + commutes: base' + (x - x_t))
@@ -222,10 +198,9 @@ def _pool() -> ThreadPoolExecutor:
 
 
 class StreamFold:
-    """Folds a merged update into :attr:`UpdateState.base` as it downloads: each tensor the
-    moment its last wire part is in, so the fold runs behind the download instead of after it,
-    and no whole result is held. The state is :attr:`~UpdateState.torn` from the first tensor
-    folded until :meth:`finish` finds every tensor folded."""
+    """Folds a merged update into :attr:`UpdateState.base` as it downloads, each tensor once its
+    last wire part is in: no whole result is held. The state is :attr:`~UpdateState.torn` from
+    the first tensor folded until :meth:`finish` finds every tensor folded."""
 
     def __init__(self, state: UpdateState) -> None:
         self.state = state

@@ -1,10 +1,9 @@
 """A torch model seen as the wire sees it: named float32 numpy arrays.
 
-What is synced: every parameter once (``named_parameters`` skips the second name of a tied
-weight, so GPT-2's ``lm_head.weight`` travels as ``transformer.wte.weight`` and stays tied
-because both names are one tensor), plus floating-point *persistent* buffers, which training
-may change (BatchNorm statistics). Non-persistent and integer buffers (GPT-2's causal mask,
-rotary tables, step counters) are constants and stay local.
+What is synced: every parameter once (``named_parameters`` skips a tied weight's second name, so
+GPT-2's ``lm_head.weight`` travels as ``transformer.wte.weight`` and stays tied), plus
+floating-point *persistent* buffers, which training may change (BatchNorm statistics). Other
+buffers (GPT-2's causal mask, rotary tables, step counters) are constants and stay local.
 """
 
 from __future__ import annotations
@@ -42,15 +41,9 @@ class ModelView:
         return {name: tuple(t.shape) for name, t in self.tensors.items()}
 
     def export(self) -> dict[str, np.ndarray]:
-        """float32 arrays of the current values. On CPU float32 they share memory with the
-        model: read them before the next optimizer step."""
-        out = {}
-        for name, t in self.tensors.items():
-            t = t.detach()
-            if t.dtype != torch.float32 or t.device.type != "cpu":
-                t = t.to("cpu", torch.float32)
-            out[name] = t.numpy()
-        return out
+        """float32 arrays of the current values. On CPU float32 they share memory with the model
+        (``to`` copies nothing then): read them before the next optimizer step."""
+        return {name: t.detach().to("cpu", torch.float32).numpy() for name, t in self.tensors.items()}
 
     @torch.no_grad()
     def load(self, arrays: dict[str, np.ndarray]) -> None:
@@ -60,9 +53,8 @@ class ModelView:
 
 
 class ArrayView:
-    """A model held as named float32 arrays: what the leader of a process group syncs for the
-    group (:mod:`syncclient.group`). Same surface as :class:`ModelView`; ``load`` copies into
-    the arrays in place, so whoever holds the dict sees the new weights."""
+    """A model held as named float32 arrays (what a process group's leader syncs for the group),
+    with :class:`ModelView`'s surface; ``load`` copies into the arrays in place."""
 
     def __init__(self, arrays: dict[str, np.ndarray]) -> None:
         self.arrays = arrays

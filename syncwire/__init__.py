@@ -1,10 +1,7 @@
 """The wire format weightsync speaks: safetensors framing and the codecs (numpy), and the run
-settings both sides take (:mod:`syncwire.runsettings`, plain Python).
-
-Shared by the hub (:mod:`syncserver`, which must not need torch) and the SDK
-(:mod:`syncclient`), so that both sides encode and decode with the very same code. Every name
-here loads on first use: ``weightsync-run``'s hooks read the run settings in every Python
-process they sit in, and must not import numpy there.
+settings both sides take (:mod:`syncwire.runsettings`, plain Python). Shared by the hub (no
+torch) and the SDK, so both encode and decode with the very same code. Every name loads on first
+use: ``weightsync-run``'s hooks read the run settings in every Python process, without numpy.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
-"""Codecs: how a float32 tensor becomes wire tensors and back. numpy only.
+"""Codecs: how a float32 tensor becomes wire tensors and back. numpy only, pure functions.
 
-Both sides import this module: peers encode their deltas with it, the hub decodes them and
-encodes the merged update with it, and every peer decodes that update. Because the hub and
-the peers apply the *same decoded values*, all of them hold bit-identical weights after a
-sync, whatever the codec loses.
-
-A codec works on one tensor at a time, so that nobody has to hold two copies of a model.
-It turns the float32 tensor ``name`` into one or more wire tensors: the main one keeps the
-name, extra parts (a quantizer's scales) are called ``name:part``. A codec is lossy or not;
-for lossy codecs the client keeps the residual ``x - decode(encode(x))`` and adds it to its
-next delta (error feedback), so nothing the codec drops is lost for good. That lives in the
-client, not here: codecs are pure functions of their input.
-
-Codecs are named by a spec string, ``"fp32"`` or ``"bf16"``, optionally with parameters
-(``"int8:block=128"``); the run's codec is fixed when the run is created.
+Peers encode their deltas with it, the hub decodes them and encodes the merged update, and every
+peer decodes that: hub and peers apply the *same decoded values*, so all hold bit-identical
+weights after a sync, whatever the codec loses. A codec works on one tensor at a time (nobody
+holds two copies of a model), turning tensor ``name`` into wire tensors: the main one keeps the
+name, extra parts (a quantizer's scales) are ``name:part``. For lossy codecs the client keeps the
+residual ``x - decode(encode(x))`` for its next delta (error feedback, docs/concepts/codecs.md).
+Codecs are named by a spec string, ``"fp32"`` or with parameters (``"int8:block=128"``).
 """
 
 from __future__ import annotations
@@ -26,19 +19,8 @@ import numpy as np
 
 from syncwire.format import DTYPES, FormatError, TensorInfo
 
-__all__ = [
-    "Codec",
-    "Schema",
-    "available_codecs",
-    "check_layout",
-    "decode_tensor",
-    "encode_model",
-    "get_codec",
-    "layout_bytes",
-    "register_codec",
-    "slices",
-    "wire_layout",
-]
+__all__ = ["Codec", "Schema", "available_codecs", "check_layout", "decode_tensor", "encode_model"]
+__all__ += ["get_codec", "layout_bytes", "register_codec", "slices", "wire_layout"]
 
 #: The model as the wire sees it: tensor name -> shape, in a fixed order. Every synced
 #: tensor is float32 on the wire's reference side.
@@ -55,19 +37,16 @@ class Codec(ABC):
     spec: str
     #: True when ``decode(encode(x)) == x`` exactly; lossy codecs get error feedback.
     lossless: bool
-    #: True when the hub keeps error feedback for the results it encodes, as peers do for
-    #: their updates: a residual file per version (:meth:`syncserver.reduce.engine.MergeEngine.merge`).
-    #: For codecs that drop most of each merged update (``topk``); the quantizers' rounding is
-    #: small enough to go without the extra 4 bytes per value of disk and I/O each round.
+    #: True when the hub keeps error feedback for the results it encodes, as peers do for their
+    #: updates (a residual file per version): for codecs that drop most of each merged update
+    #: (``topk``); the quantizers' rounding is small enough to go without the 4 bytes per value.
     hub_feedback: bool = False
-    #: True when :meth:`decode` can refuse parts that have the right layout and finite floats
-    #: (``topk``: offsets outside their chunk or repeated): the hub decodes an update once before
-    #: acknowledging it, so a bad one is refused (422) instead of failing the round's fold.
+    #: True when :meth:`decode` can refuse parts of the right layout with finite floats (``topk``:
+    #: bad offsets): the hub decodes such an update before acknowledging it, so a bad one is a 422.
     check_on_receipt: bool = False
-    #: True when a peer's last sync is followed by one more round that sends its residual
-    #: (``SyncClient.sync(final=True)``). Not for ``topk``: what error feedback held back for
-    #: rounds is partly learned again meanwhile, and sending it at the end overshoots (2 peers,
-    #: the warm-start grid, 3 seeds: +0.74% over fp32 sync without a flush, +1.06% with one in
+    #: True when a peer's last sync is followed by one more round that sends its residual. Not for
+    #: ``topk``: what error feedback held back for rounds is partly learned again meanwhile, and
+    #: sending it overshoots (3 seeds: +0.74% over fp32 sync without a flush, +1.06% with one in
     #: topk, +1.69% with the residual sent whole; bench/RESULTS.md).
     flush: bool = True
 
@@ -85,6 +64,12 @@ class Codec(ABC):
 
     def __repr__(self) -> str:
         return f"<codec {self.spec}>"
+
+    def __eq__(self, other: object) -> bool:  # a spec is the one spelling of a codec's parameters
+        return type(other) is type(self) and isinstance(other, Codec) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.spec))
 
 
 class Fp32(Codec):
@@ -143,10 +128,8 @@ def available_codecs() -> list[str]:
 
 
 def get_codec(spec: str) -> Codec:
-    """Build the codec a spec string names, e.g. ``"bf16"`` or ``"int8:block=64"``.
-
-    Raises ``ValueError`` with the list of known codecs for an unknown name or bad parameter.
-    """
+    """Build the codec a spec string names, e.g. ``"int8:block=64"``; ``ValueError`` with the
+    known codecs for an unknown name or a bad parameter."""
     name, _, params = spec.partition(":")
     if name not in _REGISTRY:
         raise ValueError(f"unknown codec {spec!r}; available: {', '.join(available_codecs())}")
@@ -163,9 +146,8 @@ def get_codec(spec: str) -> Codec:
 
 
 def wire_name(name: str, suffix: str) -> str:
-    """The name a codec's part ``suffix`` of tensor ``name`` travels under: ``name`` for the
-    codec's main part (suffix ``""``), ``name:suffix`` for the others (scales, zero points).
-    The one place this rule is written: the SDK, the hub and the tests all call it."""
+    """The name part ``suffix`` of tensor ``name`` travels under: ``name`` for the main part (suffix
+    ``""``), ``name:suffix`` for the others. The one place this rule is written."""
     return f"{name}:{suffix}" if suffix else name
 
 
@@ -183,14 +165,9 @@ def layout_bytes(layout: Layout) -> int:
 
 def check_layout(infos: Mapping[str, TensorInfo], expected: Layout) -> None:
     """Raise :class:`FormatError` unless the parsed header holds exactly ``expected``."""
-    missing = expected.keys() - infos.keys()
-    extra = infos.keys() - expected.keys()
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {sorted(missing)[:5]}")
-        if extra:
-            parts.append(f"unexpected {sorted(extra)[:5]}")
+    wrong = {"missing": expected.keys() - infos.keys(), "unexpected": infos.keys() - expected.keys()}
+    if any(wrong.values()):
+        parts = [f"{what} {sorted(names)[:5]}" for what, names in wrong.items() if names]
         raise FormatError("tensors do not match the run's schema: " + "; ".join(parts))
     for name, (dtype, shape) in expected.items():
         info = infos[name]
@@ -219,18 +196,14 @@ SLICE_VALUES = 1 << 20
 
 
 def slices(codec: Codec, shape: tuple[int, ...]) -> list[tuple[int, int, dict[str, tuple[int, int]]]]:
-    """Cut a tensor's values into slices that ``codec`` encodes and decodes on their own.
+    """Cut a tensor's values into slices that ``codec`` encodes and decodes on their own:
+    ``(start, stop, {part suffix: (first, count)})`` for each slice of the flattened tensor, where
+    its values lie in each flattened wire part. The hub and the peers then work a few MB at a time
+    (GPT-2's embedding alone is 154 MB): temporaries stay small and warm in cache.
 
-    Returns ``(start, stop, {part suffix: (first, count)})`` for each slice of the flattened
-    tensor: where its values lie in each (flattened) wire part. Encoding a slice gives exactly
-    those values of the parts, and decoding them gives exactly those values of the tensor, so
-    the hub and the peers can work a few MB at a time instead of a tensor at a time (GPT-2's
-    embedding alone is 154 MB): temporaries stay small and warm in cache.
-
-    Slices start on multiples of the codec's ``block`` (quantizers keep one scale per block),
-    and the parts' ranges come from the codec's own layout of a slice, checked to tile every
-    part exactly. A codec whose parts do not split that way (one scale for a whole tensor,
-    say) gets the whole tensor as one slice, which is always right.
+    Slices start on multiples of the codec's ``block`` (a quantizer's scale per block), and the
+    parts' ranges come from the codec's layout of a slice, checked to tile every part exactly; a
+    codec whose parts do not split so (one scale per tensor, say) gets one slice, always right.
     """
 
     def sizes(layout: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, int]:

@@ -1,11 +1,10 @@
 """Safetensors framing, written and parsed as a stream.
 
 The hub must never hold a whole body in memory, and a peer must never hand httpx one big
-``bytes`` object (httpcore re-copies the unsent tail after every partial write: 30 MB/s
-instead of 800 MB/s for a 500 MB body). safetensors' own API works on whole buffers or
-files, so this module writes the same format as a sequence of chunks and parses its header
-incrementally. What goes over the wire is plain safetensors: ``safetensors.safe_open``,
-``safetensors.numpy.load_file`` and ``safetensors.torch.load`` all read it.
+``bytes`` object (httpcore re-copies the unsent tail after every partial write: 30 MB/s instead
+of 800 MB/s for a 500 MB body). safetensors' own API works on whole buffers or files, so this
+writes the same format as chunks and parses its header incrementally: plain safetensors, which
+``safetensors.safe_open``, ``safetensors.numpy.load_file`` and ``safetensors.torch.load`` read.
 
 Layout: 8-byte little-endian header length ``N``, ``N`` bytes of JSON
 (``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {str: str}}``), then the data
@@ -23,18 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = [
-    "DTYPES",
-    "FormatError",
-    "HeaderReader",
-    "StreamReader",
-    "TensorFile",
-    "TensorInfo",
-    "encode_header",
-    "iter_chunks",
-    "parse_header",
-    "read_tensors",
-]
+__all__ = ["DTYPES", "FormatError", "HeaderReader", "StreamReader", "TensorFile", "TensorInfo"]
+__all__ += ["encode_header", "iter_chunks", "parse_header", "read_tensors"]
 
 #: Safetensors dtype name -> numpy dtype that holds its bytes. BF16 has no numpy dtype, so
 #: its raw bits travel as ``uint16`` and :mod:`syncwire.codecs` converts them.
@@ -83,11 +72,8 @@ def encode_header(
     entries: Iterable[tuple[str, str, tuple[int, ...]]],
     metadata: Mapping[str, str] | None = None,
 ) -> tuple[bytes, list[TensorInfo]]:
-    """Return the framed header (length prefix + JSON) and the tensors' placement.
-
-    ``entries`` yields ``(name, dtype, shape)`` in data order; only the layout is needed, so a
-    writer can emit the header before it has computed a single tensor.
-    """
+    """The framed header (length prefix + JSON) and the tensors' placement, from ``(name, dtype,
+    shape)`` in data order: a writer can emit the header before it computed a single tensor."""
     header: dict[str, object] = {}
     infos: list[TensorInfo] = []
     offset = 0
@@ -114,9 +100,8 @@ def iter_chunks(
     ready: Callable[[int], None] | None = None,
 ) -> Iterator[memoryview | bytes]:
     """Yield a safetensors file as chunks of at most ``chunk_bytes``, copying no tensor.
-
-    ``ready(i)`` is called before the bytes of the ``i``-th tensor are read: arrays still being
-    filled (an update encoded while it uploads) are waited for there, the header going first."""
+    ``ready(i)`` is called before the ``i``-th tensor's bytes are read: arrays still being filled
+    (an update encoded while it uploads) are waited for there, the header going first."""
     items = [(n, np.asarray(a, order="C"), d or _dtype_name(a)) for n, a, d in tensors]
     head, _ = encode_header(((n, d, a.shape) for n, a, d in items), metadata)
     yield head
@@ -138,12 +123,9 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 
 def parse_header(raw: bytes) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
-    """Parse and check a complete framed header.
-
-    Returns ``(tensors by name, metadata, data section size)``. Checks everything that can
-    be checked without the data: JSON shape, known dtypes, sizes that match shapes, offsets
-    that tile the data section with no gap or overlap.
-    """
+    """Parse and check a complete framed header: ``(tensors by name, metadata, data section size)``.
+    Checks all that can be without the data: JSON shape, known dtypes, sizes that match shapes,
+    offsets that tile the data section with no gap or overlap."""
     if len(raw) < 8:
         raise FormatError("body shorter than the 8-byte header length")
     (n,) = struct.unpack("<Q", raw[:8])
@@ -226,30 +208,20 @@ class HeaderReader:
 
 def read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Memory-map a safetensors file: arrays are read-only views, nothing is copied."""
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise FormatError(f"{path}: shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > MAX_HEADER_BYTES:
-            raise FormatError(f"{path}: header of {n} bytes is over the limit")
-        infos, metadata, size = parse_header(prefix + f.read(n))
-    base = 8 + n
-    if os.path.getsize(path) != base + size:
-        raise FormatError(f"{path}: {os.path.getsize(path) - base} data bytes, the header describes {size}")
+    with TensorFile(path) as file:
+        infos, metadata, size = file.infos, file.metadata, file.size
     if size == 0:
         return {name: np.zeros(i.shape, i.numpy_dtype) for name, i in infos.items()}, metadata
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=base, shape=(size,))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=file.start, shape=(size,))
     arrays = {name: data[i.start : i.end].view(i.numpy_dtype).reshape(i.shape) for name, i in infos.items()}
     return arrays, metadata
 
 
 class TensorFile:
-    """A safetensors file read a slice at a time, with ``pread`` into fresh arrays.
-
-    :func:`read_tensors` maps the whole file: no copy, but every page it touches counts in
-    the process's RSS until the map goes, and folding a 500 MB update touches all of it.
-    This reads only the values asked for, so a reader holds a slice of a model, not a model.
+    """A safetensors file read a slice at a time, with ``pread`` into fresh arrays: a reader holds
+    a slice of a model, not a model (:func:`read_tensors`' map copies nothing, but every page it
+    touches counts in the RSS until the map goes, and folding a 500 MB update touches all of it).
+    ``start``: where the data section begins; ``size``: its bytes, as the header describes them.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -262,11 +234,11 @@ class TensorFile:
             (n,) = struct.unpack("<Q", prefix)
             if n > MAX_HEADER_BYTES:
                 raise FormatError(f"{self.path}: header of {n} bytes is over the limit")
-            self.infos, self.metadata, size = parse_header(prefix + os.pread(self._fd, n, 8))
-            self._base = 8 + n
-            actual = os.fstat(self._fd).st_size - self._base
-            if actual != size:
-                raise FormatError(f"{self.path}: {actual} data bytes, the header describes {size}")
+            self.infos, self.metadata, self.size = parse_header(prefix + os.pread(self._fd, n, 8))
+            self.start = 8 + n
+            actual = os.fstat(self._fd).st_size - self.start
+            if actual != self.size:
+                raise FormatError(f"{self.path}: {actual} data bytes, the header describes {self.size}")
         except BaseException:
             os.close(self._fd)
             raise
@@ -280,7 +252,7 @@ class TensorFile:
             raise IndexError(f"{name}: values [{start}, {stop}) of {count}")
         out = np.empty(stop - start, info.numpy_dtype)
         view = out.data.cast("B")
-        position = self._base + info.start + start * out.itemsize
+        position = self.start + info.start + start * out.itemsize
         done = 0
         while done < len(view):
             n = os.preadv(self._fd, [view[done:]], position + done)
@@ -300,18 +272,11 @@ class TensorFile:
 
 
 class StreamReader:
-    """Parse a safetensors body arriving in chunks straight into fresh numpy arrays.
-
-    ``received`` counts the bytes taken so far, so an interrupted download can resume with an
-    HTTP ``Range: bytes=<received>-`` request and keep feeding the same reader.
-
-    The arrays are allocated when the header is complete, at the sizes it declares: a header
-    that declares more than ``max_bytes`` of data (or more than the machine can allocate) is a
-    :class:`FormatError`, before anything is allocated or read.
-
-    ``on_tensor(name, array, metadata)``, if given, takes each tensor the moment its last byte
-    is in (a peer folds a merged update while the rest downloads), and the reader keeps none.
-    """
+    """Parse a safetensors body arriving in chunks straight into fresh numpy arrays. ``received``
+    counts the bytes taken (a resumed download keeps feeding it). A header that declares more than
+    ``max_bytes`` of data (or than can be allocated) is a :class:`FormatError` before any allocation.
+    ``on_tensor(name, array, metadata)`` takes each tensor once its last byte is in; then the
+    reader keeps none."""
 
     def __init__(
         self,

@@ -1,12 +1,10 @@
 """Blockwise absmax quantizers: ``int8`` and ``int4``. numpy only.
 
-The flattened tensor is cut into blocks of ``block`` values (the last one may be short);
-each block keeps one float32 ``scale = absmax / qmax`` (rounded up, never down) and its
-values as integers ``q = round(x / scale)`` in ``[-qmax, qmax]``; decoding is ``q * scale``
-in float32. The quantization is symmetric (no zero point): deltas are centred on zero, and a
-zero point would cost another 4 bytes per block. Per value, ``|x - decode(x)| <= scale / 2`` of its block, up
-to float32 rounding (a few ulps of the scale); error feedback in the client carries the rest
-into the next round.
+The flattened tensor is cut into blocks of ``block`` values (the last one may be short); each
+block keeps one float32 ``scale = absmax / qmax`` (rounded up, never down) and its values as
+``q = round(x / scale)`` in ``[-qmax, qmax]``; decoding is ``q * scale`` in float32. Symmetric (no
+zero point): deltas are centred on zero, and a zero point would cost 4 bytes more per block. Per
+value ``|x - decode(x)| <= scale / 2``, up to a few ulps of the scale; error feedback carries the rest.
 
 Wire parts of a tensor ``name`` with ``n`` values and ``nblocks = ceil(n / block)``:
 
@@ -22,18 +20,17 @@ push int4 to 0.141x). ``int4`` packs value ``2i`` in the low nibble of byte ``i`
 ``2i + 1`` in the high nibble, each as a 4-bit two's complement number; an odd count leaves
 the last high nibble zero.
 
-Both codecs work chunk by chunk (about 1 MB of float32 at a time) so that the temporaries
-stay in cache: a 38.6M-value embedding needs no full-size float32 temporary.
-Decoding is total: any finite scales and any integer bytes give finite float32 values (a
-product past float32's range is clipped to it); non-finite scales or parts of the wrong size
-raise :class:`~syncwire.format.FormatError`, so the hub rejects a corrupt body instead of
-averaging NaN into everyone's weights. Encoding NaN or Inf raises ``ValueError``.
+Both work about 1 MB of float32 at a time, so the temporaries stay in cache (a 38.6M-value
+embedding needs no full-size float32 temporary). Decoding is total: finite scales and any integer
+bytes give finite float32 values (clipped to float32's range); non-finite scales or parts of the
+wrong size raise :class:`~syncwire.format.FormatError`, so the hub rejects a corrupt body instead
+of averaging NaN into everyone's weights. Encoding NaN or Inf raises ``ValueError``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import ClassVar
 
 import numpy as np
@@ -70,12 +67,6 @@ class _Absmax(Codec):
         if isinstance(block, bool) or not isinstance(block, int) or block < 2:
             raise ValueError(f"codec {self.name!r}: block must be an integer >= 2, got {block!r}")
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Absmax) and type(other) is type(self) and other.block == self.block
-
-    def __hash__(self) -> int:
-        return hash((type(self), self.block))
-
     def nblocks(self, shape: tuple[int, ...]) -> int:
         """Number of scales a tensor of ``shape`` has."""
         return self._blocks(math.prod(shape))
@@ -86,6 +77,13 @@ class _Absmax(Codec):
     def _step(self, n: int) -> int:
         """Values per chunk: a whole number of blocks, at most ``n``."""
         return max(1, min(n, max(self.block, _CHUNK // self.block * self.block)))
+
+    def _chunks(self, n: int) -> Iterator[tuple[int, int, slice]]:
+        """``(start, end, its scales)`` of each chunk of ``n`` values."""
+        step = self._step(n)
+        for start in range(0, n, step):
+            end = min(n, start + step)
+            yield start, end, slice(start // self.block, start // self.block + self._blocks(end - start))
 
     def _quantize(self, seg: np.ndarray, scale_out: np.ndarray, q_out: np.ndarray, work: np.ndarray) -> None:
         """Quantize ``seg`` (starting on a block boundary) into ``q_out`` (int8) and its scales."""
@@ -160,23 +158,17 @@ class Int8(_Absmax):
         n = flat.size
         q = np.empty(n, np.int8)
         scale = np.empty(self._blocks(n), np.float32)
-        step = self._step(n)
-        work = np.empty(step, np.float32)
-        for start in range(0, n, step):
-            b = start // self.block
-            seg = flat[start : start + step]
-            self._quantize(seg, scale[b : b + self._blocks(seg.size)], q[start : start + seg.size], work)
+        work = np.empty(self._step(n), np.float32)
+        for start, end, scales in self._chunks(n):
+            self._quantize(flat[start:end], scale[scales], q[start:end], work)
         return {"": q.reshape(x.shape), "scale": scale}
 
     def decode(self, parts: Mapping[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
         n = math.prod(shape)
         q, scale = self._parts(parts, shape, np.dtype(np.int8), n)
         out = np.empty(n, np.float32)
-        step = self._step(n)
-        for start in range(0, n, step):
-            b = start // self.block
-            end = min(n, start + step)
-            self._dequantize(q[start:end], scale[b : b + self._blocks(end - start)], out[start:end])
+        for start, end, scales in self._chunks(n):
+            self._dequantize(q[start:end], scale[scales], out[start:end])
         return out.reshape(shape)
 
 
@@ -207,11 +199,9 @@ class Int4(_Absmax):
         step = self._step(n)
         work = np.empty(step, np.float32)
         q = np.zeros(step + 1, np.int8)  # one spare value: zero padding for an odd count
-        for start in range(0, n, step):
-            b = start // self.block
-            seg = flat[start : start + step]
-            size = seg.size
-            self._quantize(seg, scale[b : b + self._blocks(size)], q[:size], work)
+        for start, end, scales in self._chunks(n):
+            size = end - start
+            self._quantize(flat[start:end], scale[scales], q[:size], work)
             if size % 2:
                 q[size] = 0
                 size += 1
@@ -228,9 +218,7 @@ class Int4(_Absmax):
         step = self._step(n)
         q = np.empty((step + 1) // 2 * 2, np.int8).reshape(-1, 2)
         low = np.empty(len(q), np.uint8)
-        for start in range(0, n, step):
-            b = start // self.block
-            end = min(n, start + step)
+        for start, end, scales in self._chunks(n):
             chunk = packed[start // 2 : (end + 1) // 2]
             k = chunk.size
             # Sign-extend each nibble: move it to the top of an int8, then shift back down.
@@ -238,7 +226,7 @@ class Int4(_Absmax):
             np.right_shift(low[:k].view(np.int8), 4, out=q[:k, 0])
             np.right_shift(chunk.view(np.int8), 4, out=q[:k, 1])
             values = q[:k].reshape(-1)[: end - start]
-            self._dequantize(values, scale[b : b + self._blocks(end - start)], out[start:end])
+            self._dequantize(values, scale[scales], out[start:end])
         return out.reshape(shape)
 
 

@@ -1,15 +1,12 @@
 """The one way the product tries a request again: capped exponential backoff with jitter.
 
 Every HTTP loop of the hub, the reducers and the SDK goes through :func:`retrying` (tenacity
-underneath), so a store that hiccups, a hub that restarts and a reducer's lost answer are all
-waited on the same way and none spins::
+underneath), so all are waited on the same way and none spins; the last failure leaves as itself
+(not a tenacity ``RetryError``)::
 
     for attempt in retrying(lambda exc: isinstance(exc, httpx.TransportError), attempts=3):
         with attempt:
             response = http.get(url)
-
-The last failure leaves as itself (not a tenacity ``RetryError``), so callers map errors as
-they always did.
 """
 
 from __future__ import annotations
@@ -41,13 +38,12 @@ def retrying(
 ) -> Retrying:
     """Tries of one request: again while ``when(exc)`` says the failure may pass.
 
-    ``attempts``/``seconds``: give up after that many tries or that long (None: no bound from it;
-    neither: until ``stopped()``). Waits start at ``first`` seconds and double up to ``most``,
-    plus up to ``jitter`` seconds at random (default: ``first``), so many clients that failed
-    together do not come back together. ``hint(exc)``: a wait the failure asked for (an HTTP
-    ``Retry-After``), honoured up to three times ``most``. ``sleep``: how to wait (an
-    ``Event.wait`` lets a stop cut the wait short); ``stopped()``: no more tries once it says so.
-    ``before_sleep(exc, attempt)``: say so in the log.
+    ``attempts``/``seconds``: give up after that many tries or that long (neither: until
+    ``stopped()`` says so). Waits start at ``first`` seconds and double up to ``most``, plus up to
+    ``jitter`` seconds at random (default ``first``: clients that failed together do not come back
+    together). ``hint(exc)``: a wait the failure asked for (``Retry-After``), up to 3 x ``most``.
+    ``sleep``: how to wait (an ``Event.wait`` lets a stop cut it short); ``before_sleep(exc,
+    attempt)``: say so in the log.
     """
     spread = first if jitter is None else jitter
 

@@ -1,18 +1,13 @@
 """The settings of a run, declared once: one :class:`RunSetting` per setting, in
 :data:`RUN_SETTINGS`, and the rules between them (:func:`settle`).
 
-Both sides are made from this table, so that no setting is reachable one way and not another,
-nor bounded differently: ``SyncClient``'s checks (:func:`check_run_settings`),
-``weightsync-run``'s flags (``--min-peers``) and ``WEIGHTSYNC_*`` variables, the hub's
-``SYNC_*`` defaults of new runs and their ``serve`` flags, the join request, the run's config
-in the hub's core and in its answers. A setting given by a peer configures the run if that
-peer creates it; for a run that exists it must match (unset: the run's, or for a new run the
-hub's default). The peer's side checks what the hub would refuse, so that a typo fails in one
-line before anything starts, not as a 422 after training began.
-
-Plain Python: the hooks read this in every Python process ``weightsync-run`` starts (numpy
-loads only when a codec is checked). The bounds are the hub's limits (``syncserver/limits.py``
-says why each is what it is).
+Both sides are made from this table, so no setting is reachable one way and not another, nor
+bounded differently: ``SyncClient``'s checks, ``weightsync-run``'s flags and ``WEIGHTSYNC_*``
+variables, the hub's ``SYNC_*`` defaults and ``serve`` flags, the join request, the run's config
+in the hub. The peer's side checks what the hub would refuse, so a typo fails in one line before
+anything starts, not as a 422 after training began. Plain Python: the hooks read this in every
+process ``weightsync-run`` starts (numpy loads only when a codec is checked). The bounds are the
+hub's limits (``syncserver/limits.py`` says why each is what it is).
 """
 
 from __future__ import annotations
@@ -39,12 +34,10 @@ MAX_SECONDS = 7 * 24 * 3600.0
 @dataclass(frozen=True)
 class RunSetting:
     """One run setting: its name (``SyncClient``'s keyword; ``--min-peers``, ``WEIGHTSYNC_MIN_PEERS``
-    and ``SYNC_MIN_PEERS`` follow from it), its type and bounds, the hub's default for new runs,
-    and its help: ``help`` for a peer's flag and the run's config, ``hub`` for the hub's setting.
-
-    ``kind`` is int, float or str; ``gt``/``ge``/``lt``/``le`` bound a number (pydantic's
-    ``Field`` takes the same on the hub), ``choices`` a word; ``nullable``: None is a value
-    (off, or not set)."""
+    and ``SYNC_MIN_PEERS`` follow from it), ``kind`` (int, float or str), bounds (``gt``/``ge``/
+    ``lt``/``le``, as pydantic's ``Field`` takes them; ``choices`` for a word), the hub's default
+    for new runs, and ``help`` for a peer's flag, ``hub`` for the hub's setting. ``nullable``:
+    None is a value (off, or not set)."""
 
     name: str
     kind: type
@@ -64,8 +57,7 @@ class RunSetting:
         return {op: bound for op in ("gt", "ge", "lt", "le") if (bound := getattr(self, op)) is not None}
 
     def parse(self, raw: str) -> Any:
-        """The value a flag or variable spells (ValueError with the reason, for the caller to
-        prefix with the flag or variable)."""
+        """The value a flag or variable spells (ValueError with the reason, for the caller to prefix)."""
         try:
             value = self.kind(raw)
         except ValueError:
@@ -108,8 +100,8 @@ def _number(bound: float) -> str:
 
 
 def normal_codec(spec: str) -> str:
-    """The codec's one spelling (``int8:block=64`` is ``int8``), so that runs compare codecs,
-    not strings. ValueError, with the list of codecs, for one that does not exist."""
+    """The codec's one spelling (``int8:block=64`` is ``int8``), so runs compare codecs, not
+    strings; ValueError, with the list of codecs, for one that does not exist."""
     if len(spec) > 64:
         raise ValueError("a codec spec is at most 64 characters, e.g. 'int8:block=128'")
     from syncwire.codecs import get_codec  # numpy: only when a codec is given
@@ -168,12 +160,10 @@ _BY_NAME = {setting.name: setting for setting in RUN_SETTINGS}
 def settle(values: Mapping[str, Any], chosen: Collection[str] = (), say: Callable[[str], str] = str) -> dict[str, Any]:
     """The rules between settings, written once: ``values`` with the policy a sample target
     implies, or ValueError with the reason. A setting missing from ``values`` is not known (the
-    hub's default will decide it) and is judged no further; ``chosen``: those set on purpose (the
-    others are defaults); ``say(name)``: how the reason names a setting (a flag, a variable).
-
-    A sample target alone asks for rounds that close on it (policy samples); a barrier round is
-    N steps, not a sample count; samples and async runs need their target; a run could never
-    merge a round it could start without (``min_merge_peers`` over ``min_peers``)."""
+    hub's default decides it); ``chosen``: those set on purpose; ``say(name)``: how the reason
+    names a setting (a flag, a variable). A sample target alone means policy samples; a barrier
+    round is N steps, not samples; samples and async runs need their target; ``min_merge_peers``
+    over ``min_peers`` could never merge a round it could start with."""
     values = dict(values)
     policy, target = values.get("policy"), values.get("round_samples")
     if policy == "barrier" and target is not None and "policy" not in chosen:

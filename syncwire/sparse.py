@@ -1,16 +1,13 @@
 """Top-k sparsification: the ``topk`` codec. numpy only.
 
 The flattened tensor is cut into chunks of ``chunk`` values (the last one may be short). Each
-chunk sends only its ``k`` values of largest magnitude (all of them when it holds ``k`` or
-fewer), as their offsets inside the chunk and their values at ``bits`` bits. Scales are per
-``block`` values (a whole number of chunks): ``lo, hi``, the smallest and largest magnitude
-sent in the block. A value is a sign bit and a magnitude on ``2 ** (bits - 1)`` evenly spaced
-levels from ``lo`` to ``hi`` (not from 0: every value sent is at least ``lo``, and on
-heavy-tailed deltas a grid from 0 sent most values at twice their size); with ``bits=1`` it is
-the sign alone, and the block's one magnitude ``lo = hi`` is the mean of those sent. Everything
-the codec leaves out, dropped values and rounding alike, goes into the error-feedback residual
-(the client's for uploads, the hub's for results: see ``hub_feedback``), so it is sent in a
-later round instead of being lost.
+chunk sends only its ``k`` values of largest magnitude (all when it holds ``k`` or fewer), as
+offsets inside the chunk and values at ``bits`` bits. Per ``block`` values (whole chunks), scales
+``lo, hi``: the smallest and largest magnitude sent. A value is a sign bit and a magnitude on
+``2 ** (bits - 1)`` even levels from ``lo`` to ``hi`` (not from 0: on heavy-tailed deltas a grid
+from 0 sent most values at twice their size); with ``bits=1`` the sign alone, and ``lo = hi`` the
+mean of those sent. What the codec leaves out goes into the error-feedback residual (the client's
+for uploads, the hub's for results: ``hub_feedback``), to be sent in a later round.
 
 Wire parts of a tensor ``name``, with ``w = bit_length(chunk - 1)`` bits per offset and ``s``
 values sent in a block (``k`` per whole chunk, ``min(k, size)`` for a short last one):
@@ -35,11 +32,10 @@ after 6 rounds with error feedback it left out 26% of the deltas' sum, against 5
 ("Sparse codec") has the table.
 
 Decoding is total on well-formed parts and strict on the rest: the parts' sizes, finite scales
-with ``0 <= lo <= hi``, offsets inside their chunk and strictly increasing (an honest encoder
-writes them sorted; a repeated offset would make "what was sent" ambiguous) are checked, and a
-violation raises :class:`~syncwire.format.FormatError`; the hub decodes such an update before it
-acknowledges it (``check_on_receipt``), so a bad one is a 422. Encoding NaN or Inf raises
-``ValueError``.
+with ``0 <= lo <= hi``, offsets inside their chunk and strictly increasing (a repeated one would
+make "what was sent" ambiguous) are checked, raising :class:`~syncwire.format.FormatError`; the
+hub decodes such an update before acknowledging it (``check_on_receipt``): a 422. Encoding NaN or
+Inf raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -51,7 +47,7 @@ from typing import ClassVar
 import numpy as np
 
 from syncwire.codecs import Codec, register_codec
-from syncwire.format import FormatError
+from syncwire.format import DTYPES, FormatError
 
 __all__ = ["TopK"]
 
@@ -94,15 +90,6 @@ class TopK(Codec):
         params = ",".join(f"{key}={value}" for key, value in given.items() if value != self.defaults[key])
         self.spec = f"topk:{params}" if params else "topk"
 
-    def _key(self) -> tuple[int, int, int, int]:
-        return self.chunk, self.k, self.bits, self.block
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, TopK) and other._key() == self._key()
-
-    def __hash__(self) -> int:
-        return hash((TopK, *self._key()))
-
     # ---- layout ----------------------------------------------------------------------------
     def _segments(self, size: int) -> list[Segment]:
         """How a block of ``size`` values (the last one may be short) is cut into chunks."""
@@ -140,12 +127,7 @@ class TopK(Codec):
     # ---- encode ----------------------------------------------------------------------------
     def encode(self, x: np.ndarray) -> dict[str, np.ndarray]:
         flat = np.asarray(x, dtype=np.float32).reshape(-1)
-        codes, index, scales = self._sizes(flat.size)
-        out: dict[str, np.ndarray] = {
-            "": np.empty(codes, np.uint8),
-            "index": np.empty(index, np.uint8),
-            "scale": np.empty(scales, np.float32),
-        }
+        out = {suffix: np.empty(shape, DTYPES[dtype]) for suffix, (dtype, shape) in self.layout(flat.shape).items()}
         at = dict.fromkeys(out, 0)
         for rows in self._rows(flat):
             for suffix, part in zip(out, self._encode_rows(rows), strict=True):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from syncclient.group import PeerGroup, _gloo_worker_states
+from syncclient.group import PeerGroup, gloo_worker_states
 
 CALLS = 40
 
@@ -55,7 +55,7 @@ def main() -> None:
             call()
             held += sum(t._use_count() > 1 for t in lent)  # type: ignore[attr-defined]
     print(f"rank {group.rank}: {CALLS * 4} calls, still held after {held} of them", flush=True)
-    print(f"rank {group.rank}: gloo workers {len(_gloo_worker_states(Path('/proc/self/task')))}", flush=True)
+    print(f"rank {group.rank}: gloo workers {len(gloo_worker_states())}", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if held else 0)
 

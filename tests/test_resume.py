@@ -175,11 +175,7 @@ def joined(hub: Hub, run: str, peers: list[str]) -> torch.nn.Module:
     """A started run (version 0 from the first peer; all peers members, min_peers 1)."""
     model = tiny_gpt2(0)
     clients = [SyncClient(hub.url, run=run, peer=p, min_peers=1) for p in peers]
-    threads = [threading.Thread(target=c.join, args=(tiny_gpt2(0),)) for c in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_peers(len(clients), lambda i: clients[i].join(tiny_gpt2(0)), timeout=60)
     for c in clients:
         c.close()  # no heartbeats: these tests drive the peers by hand
     return model

@@ -1,20 +1,19 @@
 """Fine-tune GPT-2 on IMDB reviews with N peers that average their weights through a weightsync hub.
 
-The reference job: a ``transformers.Trainer`` plus one ``SyncCallback``. Its defaults reproduce the
-origin report's setup: pretrained ``gpt2``, IMDB text (20,000 train and 5,000 validation reviews from
-the train split, the 25,000 test reviews), concatenated and cut into blocks of 20 tokens, Adam at 5e-4
-(constant), 4 epochs, a global batch of 256 blocks split across the peers, perplexity = exp(eval loss).
+The reference job: a ``transformers.Trainer`` plus one ``SyncCallback``. Its defaults are the origin
+report's setup: pretrained ``gpt2``; IMDB (20,000 train and 5,000 validation reviews from the train
+split, the 25,000 test reviews) concatenated and cut into blocks of 20 tokens; Adam at 5e-4 (constant),
+4 epochs, a global batch of 256 blocks split across the peers; perplexity = exp(eval loss).
 
 One peer of a run (start the hub first, on a machine every peer can reach)::
 
     python -m syncserver serve --host 0.0.0.0 --port 8000 --data-dir hub-data --min-peers 2
     python train/finetune_gpt2.py --hub http://HUB:8000 --run imdb-gpt2 --sync-every 1000   # on each peer
 
-Everything on one machine: ``--local-peers K`` runs the rest of this command line as K peers under
-the launcher of ``weightsync-run --local-peers`` (:func:`syncserver.local.launch`: an embedded hub, a
-table row per round, then the check that every peer ended bit-identical to the hub's last version,
-``results.json`` and ``eval_ppl.png``, each peer's validation perplexity). This one trains a random-init
-4-layer GPT-2 for 69 steps per peer, 7 rounds: about 7.5 CPU-minutes, so roughly 4 minutes on an idle
+Everything on one machine: ``--local-peers K`` runs the rest of the command line as K peers under
+:func:`syncserver.local.launch` (an embedded hub, a row per round, the check that every peer ended
+bit-identical to the hub's last version, ``results.json``, ``eval_ppl.png``). This one trains a
+random-init 4-layer GPT-2 for 69 steps per peer, 7 rounds: about 7.5 CPU-minutes, 4 minutes on an idle
 2-core machine (``--serial-baseline`` adds the serial curve, at twice the time)::
 
     python train/finetune_gpt2.py --local-peers 2 --model-config small \\
@@ -22,17 +21,14 @@ table row per round, then the check that every peer ended bit-identical to the h
         --train-samples 300 --val-samples 16 --test-samples 50 --epochs 1 --batch-size 64 \\
         --lr 1e-3 --sync-every 10 --eval-every 5
 
-The serial baseline is ``--no-hub`` (or ``--sync-every 0``): one process, no hub. No network? Give
-local files: ``--dataset DIR`` (``train.parquet`` and ``test.parquet``), ``--tokenizer DIR``, and
-``--model DIR`` or ``--model-config`` (random init); then the script sets the HF offline variables.
+The serial baseline is ``--no-hub`` (or ``--sync-every 0``). Offline: ``--dataset DIR`` (``train.parquet``,
+``test.parquet``), ``--tokenizer DIR``, ``--model DIR`` or ``--model-config``; the HF offline variables are
+then set. Validation is not sharded: every peer evaluates the same reviews after every sync (where all
+hold bit-identical weights, so their curves touch) and every ``--eval-every`` steps.
 
-Validation is *not* sharded: every peer evaluates the same held-out reviews, right after every sync and
-every ``--eval-every`` steps. At a sync all peers hold bit-identical weights, so their curves touch
-exactly there; between syncs the gap is the peers' drift and nothing else.
-
-Outputs (``--output-dir``; under a launcher its ``WEIGHTSYNC_*`` variables are the defaults of
-``--hub``, ``--run``, ``--peer``, ``--token`` and ``--output-dir``): ``config.json``, ``rounds.jsonl``
-(a line per evaluation and sync, appended as training goes), ``results.json``, ``model/``.
+Outputs in ``--output-dir`` (a launcher's ``WEIGHTSYNC_*`` variables are the defaults of ``--hub``,
+``--run``, ``--peer``, ``--token``, ``--output-dir``): ``config.json``, ``rounds.jsonl`` (a line per
+evaluation and sync, as training goes), ``results.json``, ``model/``.
 """
 
 from __future__ import annotations
@@ -47,8 +43,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from syncclient.peerlr import DEFAULT_PEER_LR, LR_SCALINGS  # the standard library only
+from syncclient.hooks.settings import flag_name  # the standard library only, as these
+from syncclient.peerlr import DEFAULT_PEER_LR, LR_SCALINGS
 from syncclient.schedule import SyncSchedule
+from syncwire.runsettings import settle
 
 OFFLINE_HINT = "use local files instead, e.g. --dataset ../shared/data/imdb --tokenizer ../shared/data/gpt2-tokenizer "
 OFFLINE_HINT += "--model-config small"
@@ -70,12 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,  # --local-peers hands its own argv to the peers: every flag spelled out
     )
-    add = p.add_argument_group(
-        "run",
-        "which run to join and how often to sync: every --sync-every optimizer steps, on a --sync-schedule, or (the "
-        "samples and async policies) whenever the peers together trained --round-samples; then peers of unequal speed "
-        "each send what they have, and train until the run as a whole has seen --epochs of data",
-    ).add_argument
+    how = "every --sync-every optimizer steps, on a --sync-schedule, or (samples and async policies) whenever the "
+    how += "peers together trained --round-samples: peers of unequal speed then train until the run saw --epochs"
+    add = p.add_argument_group("run", f"which run to join and how often to sync: {how}").add_argument
     add("--hub", default=env("WEIGHTSYNC_HUB"), help="hub base URL, e.g. http://HUB:8000 [$WEIGHTSYNC_HUB]")
     add("--no-hub", action="store_true", help="train alone: the serial baseline")
     add("--sync-every", type=int, help="optimizer steps between syncs; 0 = serial baseline (default: 1000)")
@@ -146,16 +141,16 @@ def check_args(args: argparse.Namespace) -> None:
     if args.no_hub or args.sync_every == 0:  # the serial baseline: no hub, no rounds
         args.sync_every, args.sync_schedule, args.round_samples, args.policy = 0, None, None, None
     else:
-        args.policy = args.policy or ("samples" if args.round_samples else "barrier")
+        run = {"policy": args.policy or "barrier", "round_samples": args.round_samples or None}  # 0: none
+        try:  # the run settings' rules (a sample target alone means policy samples), in this script's flags
+            args.policy = settle(run, ["policy"] if args.policy else [], say=flag_name)["policy"]
+        except ValueError as exc:
+            raise Fail(str(exc)) from None
         if args.sync_every is None and args.policy != "samples":
             args.sync_every = 1000
-    args.sync_every, args.hub_mode, k = args.sync_every or 0, args.policy is not None, args.local_peers
     if (args.round_samples or 0) < 0 or (args.max_staleness or 0) < 0:
         raise Fail("--round-samples and --max-staleness must be >= 0")
-    if args.policy not in (None, "barrier") and not args.round_samples:
-        raise Fail(f"--policy {args.policy} needs --round-samples S (the samples of a round)")
-    if args.policy == "barrier" and args.round_samples:
-        raise Fail("--round-samples goes with --policy samples or async")
+    args.sync_every, args.hub_mode, k = args.sync_every or 0, args.policy is not None, args.local_peers
     if args.policy == "samples" and args.sync_every:
         raise Fail("a samples run syncs whenever its round is due: drop --sync-every")
     if min(k, args.sync_every, args.eval_every or 0, args.lr_scaling_warmup or 0) < 0:
@@ -172,7 +167,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise Fail("--hub needs --sync-every > 0 or --round-samples")
     for name in ("block_size", "batch_size", "train_samples", "val_samples", "test_samples"):
         if getattr(args, name) < 1:
-            raise Fail(f"--{name.replace('_', '-')} must be >= 1")
+            raise Fail(f"{flag_name(name)} must be >= 1")
     if args.eval_every is None:
         args.eval_every = max(1, args.sync_every // 4) if args.sync_every else (0 if args.hub_mode else 250)
 
@@ -217,9 +212,8 @@ def train(args: argparse.Namespace) -> int:
         raise Fail(f"train/finetune_gpt2.py runs {torchrun}; use SyncCallback in your own torchrun script")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # Offline switches are read when huggingface_hub is imported, so they go before the imports.
     local = [Path(name).is_dir() for name in (args.dataset, args.tokenizer, args.model)]
-    if local[0] and local[1] and (args.model_config or local[2]):
+    if local[0] and local[1] and (args.model_config or local[2]):  # read at huggingface_hub's import: before it
         for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
             os.environ.setdefault(var, "1")
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or 0)  # a launcher sets OMP_NUM_THREADS
@@ -229,10 +223,9 @@ def train(args: argparse.Namespace) -> int:
     # Huge pages for torch's big CPU buffers (the 50,257-wide logits): ~10% less CPU per step here.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-    # -- data: the same blocks on every peer, sharded after join ------------------------------------------
-    # Cheapest first, so that a wrong --dataset or --tokenizer fails in seconds: the reviews need only
-    # `datasets` (~0.8 CPU-s to import on a 2-core VM), the tokenizer `transformers` (which imports
-    # torch: ~2 more), the model and Trainer the rest (~4.5 in all).
+    # -- data: the same blocks on every peer, sharded after join. Cheapest first, so a wrong --dataset or
+    # --tokenizer fails in seconds: `datasets` costs ~0.8 CPU-s to import on a 2-core VM, `transformers`
+    # (with torch) ~2 more, the model and Trainer the rest (~4.5 in all).
     import datasets
 
     datasets.logging.set_verbosity_error()  # keep stderr for what matters
@@ -242,10 +235,7 @@ def train(args: argparse.Namespace) -> int:
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
-    except Exception as exc:
-        raise Fail(unreachable("tokenizer", args.tokenizer, exc)) from None
+    tokenizer = fetch("tokenizer", args.tokenizer, transformers.AutoTokenizer.from_pretrained)
     import torch
     from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCallback, TrainingArguments
 
@@ -267,10 +257,7 @@ def train(args: argparse.Namespace) -> int:
         config = transformers.GPT2Config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **shape)
         model: Any = transformers.GPT2LMHeadModel(config)
     else:
-        try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(args.model)
-        except Exception as exc:
-            raise Fail(unreachable("model", args.model, exc)) from None
+        model = fetch("model", args.model, transformers.AutoModelForCausalLM.from_pretrained)
 
     # -- join the run: rank, world size, and the global version 0 loaded into the model -------------------
     client: Any = None
@@ -279,10 +266,8 @@ def train(args: argparse.Namespace) -> int:
         from syncclient import SyncClient, SyncError  # the SDK is needed only with a hub
         from syncclient.callbacks import SyncCallback
 
-        settings = {
-            k: getattr(args, k) for k in ("codec", "outer", "min_peers", "policy", "round_samples", "max_staleness")
-        }
-        client = SyncClient(args.hub, run=args.run, peer=args.peer, token=args.token, **settings)
+        wanted = {k: vars(args)[k] for k in ("codec", "outer", "min_peers", "policy", "round_samples", "max_staleness")}
+        client = SyncClient(args.hub, run=args.run, peer=args.peer, token=args.token, **wanted)
         note(f"joining run {args.run!r} at {args.hub} ...")
         try:
             info = client.join(model)
@@ -298,25 +283,22 @@ def train(args: argparse.Namespace) -> int:
         note(f"{joined}, codec {info.codec}, outer {info.outer}")
 
     try:
-        # -- shard: the same permutation everywhere, equal slices, the remainder dropped (so every peer runs
-        # the same steps, hence the same rounds). The hub ranks peers by sorted name: shards do not depend on
-        # who joined first. With N peers a round covers as many samples as --sync-every serial steps.
+        # -- shard: one permutation everywhere, equal slices by the hub's rank, the remainder dropped (every
+        # peer runs the same steps, hence rounds). With N peers a round covers --sync-every serial steps' samples.
         per_peer, batch = len(train_blocks) // world_size, args.batch_size // world_size
         shard = train_blocks.shuffle(seed=args.seed).select(range(rank * per_peer, (rank + 1) * per_peer))
         if batch < 1:
             raise Fail(f"--batch-size {args.batch_size} is smaller than the {world_size} peers")
         if per_peer < batch:
             raise Fail(f"only {per_peer} training blocks per peer for a batch of {batch}: raise --train-samples")
-        # Peers of unequal speed (samples and async runs) do not split the data evenly in time: a fast peer
-        # cycles through its shard more often, and every peer stops once the run as a whole has trained
-        # --epochs of data (the hub counts it: SyncResult.run_samples; use a constant --lr-schedule there,
-        # the Trainer cannot know how many steps a peer will take).
+        # Samples and async runs (peers of unequal speed): a fast peer cycles through its shard more often, and
+        # every peer stops once the run as a whole trained --epochs of data (SyncResult.run_samples; use a
+        # constant --lr-schedule there: the Trainer cannot know how many steps a peer will take).
         policy = client.policy if client is not None else None
         budget = round(args.epochs * len(train_blocks)) if policy in ("samples", "async") else None
         epochs = args.epochs * world_size if budget else args.epochs
-        # A peer that (re)joins a barrier run at version v > 0 (restarted after a crash) finds the run v
-        # rounds of --sync-every steps (or of --sync-schedule's) in: it trains only the steps the others
-        # have left, so that it ends in the run's last round instead of training on alone after it.
+        # A peer (re)joining a barrier run at version v > 0 (restarted after a crash) trains only the steps the
+        # others have left after v rounds, so that it ends in the run's last round, not alone after it.
         max_steps, plan = args.max_steps, schedule(args)
         if policy == "barrier" and version:
             total = args.max_steps or math.ceil(epochs * math.ceil(per_peer / batch))
@@ -339,18 +321,15 @@ def train(args: argparse.Namespace) -> int:
         (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
         # -- train: the Trainer's loop, with SyncCallback between our two callbacks -----------------------
-        class Perplexity(TrainerCallback):
-            """Before SyncCallback, so that eval_ppl rides with the next update (the launcher's table)."""
-
+        class Perplexity(TrainerCallback):  # before SyncCallback: eval_ppl rides with the next update
             def on_evaluate(self, args, state, control, metrics=None, **kwargs):  # type: ignore[no-untyped-def]
                 if metrics and "eval_loss" in metrics:
                     metrics["eval_ppl"] = math.exp(metrics["eval_loss"])
 
         class RoundLog(TrainerCallback):
-            """After SyncCallback, which syncs inside the log event: asks for an evaluation right after
-            each sync (the Trainer evaluates after logging, so it sees the merged weights), appends each
-            evaluation and sync to rounds.jsonl and prints it, and stops training once the run trained
-            its sample budget (after the sync that reached it is logged)."""
+            """After SyncCallback (which syncs in on_log): an evaluation right after each sync (the Trainer
+            evaluates after logging: the merged weights), each evaluation and sync to rounds.jsonl and the
+            console, and the stop once the run trained its sample budget."""
 
             def __init__(self) -> None:
                 self.rows: list[dict[str, Any]] = []
@@ -386,7 +365,10 @@ def train(args: argparse.Namespace) -> int:
                 mb = {k: row[k] / 1e6 for k in ("bytes_up", "bytes_down") if k in row}
                 cells = [state.global_step, self.version, row["val_ppl"], row.get("participants")]
                 cells += [mb.get("bytes_up"), mb.get("bytes_down"), row.get("sync_seconds"), row["elapsed"]]
-                print(" ".join(cell(v, spec, w) for v, spec, w in zip(cells, SPECS, WIDTHS, strict=True)), flush=True)
+                row_cells = zip(cells, SPECS, WIDTHS, strict=True)
+                print(
+                    " ".join(f"{'-':>{w}}" if v is None else f"{v:>{w}{spec}}" for v, spec, w in row_cells), flush=True
+                )
 
             def write(self, row: dict[str, Any]) -> None:
                 self.rows.append(row)
@@ -470,10 +452,7 @@ def load_texts(args: argparse.Namespace, datasets: Any) -> tuple[Any, Any, Any]:
             datasets.Dataset(pq.read_table(source / f"{s}.parquet", columns=["text"])) for s in ("train", "test")
         )
     else:
-        try:
-            raw = datasets.load_dataset(args.dataset)
-        except Exception as exc:
-            raise Fail(unreachable("dataset", args.dataset, exc)) from None
+        raw = fetch("dataset", args.dataset, datasets.load_dataset)
         train, test = raw["train"].select_columns(["text"]), raw["test"].select_columns(["text"])
     if args.train_samples + args.val_samples > len(train):
         given = f"--train-samples {args.train_samples} + --val-samples {args.val_samples}"
@@ -484,18 +463,20 @@ def load_texts(args: argparse.Namespace, datasets: Any) -> tuple[Any, Any, Any]:
     return train, val, test
 
 
-def unreachable(what: str, name: str, exc: Exception) -> str:
-    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-    return f"cannot load {what} {name!r} ({type(exc).__name__}: {reason}); no Hub access? {OFFLINE_HINT}"
+def fetch(what: str, name: str, load: Any) -> Any:
+    """``load(name)``; a one-line Fail that says what to give instead when it cannot."""
+    try:
+        return load(name)
+    except Exception as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise Fail(
+            f"cannot load {what} {name!r} ({type(exc).__name__}: {reason}); no Hub access? {OFFLINE_HINT}"
+        ) from None
 
 
 # A peer's console: a row per evaluation (after a sync, the sync's figures too; "-" where none).
 HEADER = ("step", "version", "val ppl", "peers", "MB up", "MB down", "sync s", "elapsed")
 SPECS, WIDTHS = ("d", "d", ".2f", "d", ".2f", ".2f", ".2f", ".0f"), (7, 7, 10, 5, 9, 9, 7, 8)
-
-
-def cell(value: Any, spec: str, width: int) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
 
 def curve(folder: Path) -> list[tuple[int, float]]:
@@ -509,8 +490,7 @@ def note(msg: str) -> None:
 
 if __name__ == "__main__":
     code = main()
-    # Exiting, the interpreter's collector walks every object torch, transformers and datasets made: 1.2-1.4 s
-    # of CPU a process on a 2-core VM (a launcher and each local peer pay it). The OS takes the memory back
-    # anyway, the SDK's exit handlers (atexit) still run, and every file the job writes is closed: skip it.
+    # Exiting, the collector walks every object torch, transformers and datasets made: 1.2-1.4 s of CPU a
+    # process on a 2-core VM. The OS takes the memory back anyway, atexit handlers still run, files are closed.
     gc.freeze()
     sys.exit(code)

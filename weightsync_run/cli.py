@@ -12,27 +12,16 @@ On one machine, an embedded hub and K peers:
     weightsync-run --local-peers 2 -- python examples/plain_loop.py
     python -m weightsync_run --local-peers 2 --sync-every 20 -- python -m mypackage.train
 
-It runs COMMAND as it is, with hooks that find what it trains (:mod:`syncclient.hooks`): a
-Hugging Face ``Trainer`` gets ``SyncCallback``, a Lightning ``Trainer`` gets
-``syncclient.lightning``'s, a plain PyTorch loop syncs through torch's optimizer hooks. A program
-in which none of them is found runs unchanged, says so on stderr and exits with its own code.
-
-The run settings (``--min-peers``, ``--policy``, ``--outer``, ...) are generated from the table
-both sides read (:data:`syncwire.runsettings.RUN_SETTINGS`), so each keyword ``SyncClient``
-takes for a new run is a flag here, with the hub's bounds. Every option is also a variable
-(``--sync-every`` is ``WEIGHTSYNC_SYNC_EVERY``; a flag beats its variable), so a job scheduler
-can set them. With ``--hub`` the command *becomes* COMMAND (``exec``): same process, signals,
-exit code. With ``--local-peers K`` it runs an embedded hub and K copies of COMMAND on this
-machine through the one launcher, :func:`syncserver.local.launch` (it needs
-``weightsync[server]``): each peer runs in its own folder ``OUT/peer-k`` (so relative paths it
-writes to do not collide), with its console in ``OUT/peer-k.log``; the hub keeps its state in
-``OUT/hub`` (each launch starts a fresh run) and logs to ``OUT/hub.log``, and takes its
-settings from ``SYNC_*`` variables (docs: Reference, Hub settings). At the end it checks that
-every peer left with the hub's last version, bit for bit, and writes ``OUT/results.json`` and a
-plot of ``--metric``. Words of COMMAND that name a file or
-folder that exists where you launch (the script, a data folder) are made absolute so that they
-still name it from a peer's folder; other relative paths (outputs) land in the peer's folder.
-With ``python -m``, the folder you launch from goes on ``PYTHONPATH``, where ``-m`` looks.
+It runs COMMAND as it is, with hooks that find what it trains (:mod:`syncclient.hooks`; a program
+in which none is found runs unchanged and says so). The run settings are flags generated from the
+table both sides read (:data:`syncwire.runsettings.RUN_SETTINGS`); every option is also a
+``WEIGHTSYNC_*`` variable (a flag beats its variable). With ``--hub`` the command *becomes*
+COMMAND (``exec``: same process, signals, exit code). With ``--local-peers K`` it runs an embedded
+hub and K copies of COMMAND through :func:`syncserver.local.launch` (``weightsync[server]``), each
+in its own folder ``OUT/peer-k`` (its console in ``OUT/peer-k.log``), and checks at the end that
+every peer left with the hub's last version, bit for bit (docs/launcher.md). Words of COMMAND that
+name a file or folder where you launch are made absolute, so they still name it from a peer's
+folder; with ``python -m``, the folder you launch from goes on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -44,7 +33,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from syncclient.hooks import SITE
 from syncclient.hooks.session import MARKER
@@ -72,61 +61,38 @@ def build_parser() -> argparse.ArgumentParser:
         "failed (or ended with weights other than the hub's), 3 the hub failed, 130 interrupted.",
         allow_abbrev=False,  # every flag spelled out: COMMAND's own flags follow
     )
-    g = p.add_argument_group("the run")
-    g.add_argument("--hub", metavar="URL", help="the hub to join, e.g. https://hub:8000 [WEIGHTSYNC_HUB]")
-    g.add_argument("--run", metavar="NAME", help=f"the run to join [WEIGHTSYNC_RUN; with --local-peers: {LOCAL_RUN}]")
-    g.add_argument("--token", metavar="TOKEN", help="the run's bearer token [WEIGHTSYNC_TOKEN]")
-    g.add_argument(
-        "--peer",
-        metavar="NAME",
-        help="this peer's name, unique in the run; ranks follow sorted names [WEIGHTSYNC_PEER; host-pid]",
+    add = p.add_argument_group("the run").add_argument
+    add("--hub", metavar="URL", help="the hub to join, e.g. https://hub:8000 [WEIGHTSYNC_HUB]")
+    add("--run", metavar="NAME", help=f"the run to join [WEIGHTSYNC_RUN; with --local-peers: {LOCAL_RUN}]")
+    add("--token", metavar="TOKEN", help="the run's bearer token [WEIGHTSYNC_TOKEN]")
+    add(
+        "--peer", metavar="NAME", help="this peer's name, unique; ranks follow sorted names [WEIGHTSYNC_PEER; host-pid]"
     )
-    g.add_argument(
-        "--sync-every",
-        metavar="N",
-        help="sync every N optimizer steps, or on a schedule EVERY:UNTIL,...,EVERY (5:60,15: every 5 until step "
-        f"60, then every 15) [WEIGHTSYNC_SYNC_EVERY; default {DEFAULT_SYNC_EVERY}; not with --round-samples, but in "
-        "an async run]",
+    every = (
+        "sync every N optimizer steps, or on a schedule EVERY:UNTIL,...,EVERY (5:60,15: every 5 until step 60, then "
     )
-    g.add_argument(
-        "--lr-scaling",
-        metavar="|".join(LR_SCALINGS),
-        help="each peer's learning rate: the program's (serial's, at the global batch) x 1, x sqrt(N) or x N "
-        "with N peers "
-        f"[WEIGHTSYNC_LR_SCALING; default {DEFAULT_PEER_LR.scaling}]",
-    )
-    g.add_argument(
-        "--lr-scaling-warmup",
-        metavar="STEPS",
-        help="optimizer steps over which that factor ramps in from 1 "
-        "[WEIGHTSYNC_LR_SCALING_WARMUP; default: one round, --sync-every steps]",
-    )
-    g.add_argument(
-        "--no-shard",
-        action="store_const",
-        const="0",
-        dest="shard",
-        help="do not shard the training data by rank (the program shards it itself) [WEIGHTSYNC_SHARD=0]",
-    )
-    g = p.add_argument_group(
-        "run settings",
-        "a new run takes its first peer's; a peer joining a run that exists must agree with each one it "
-        "gives. Unset: the run's, or for a new run the hub's default (its SYNC_* settings)",
-    )
+    every += f"every 15) [WEIGHTSYNC_SYNC_EVERY; default {DEFAULT_SYNC_EVERY}; not with --round-samples, but async]"
+    add("--sync-every", metavar="N", help=every)
+    scaling = "each peer's learning rate: the program's (serial's, at the global batch) x 1, x sqrt(N) or x N with N "
+    scaling += f"peers [WEIGHTSYNC_LR_SCALING; default {DEFAULT_PEER_LR.scaling}]"
+    add("--lr-scaling", metavar="|".join(LR_SCALINGS), help=scaling)
+    warmup = "optimizer steps over which that factor ramps in from 1 [WEIGHTSYNC_LR_SCALING_WARMUP; default: one round]"
+    add("--lr-scaling-warmup", metavar="STEPS", help=warmup)
+    shard = "do not shard the training data by rank (the program shards it itself) [WEIGHTSYNC_SHARD=0]"
+    add("--no-shard", action="store_const", const="0", dest="shard", help=shard)
+    given = "a new run takes its first peer's; a peer joining a run that exists must agree with each one it gives. "
+    given += "Unset: the run's, or for a new run the hub's default (its SYNC_* settings)"
+    add = p.add_argument_group("run settings", given).add_argument
     for setting in RUN_SETTINGS:
         metavar = setting.metavar or "|".join(setting.choices)
-        g.add_argument(flag_name(setting.name), metavar=metavar, help=f"{setting.help} [{ENV[setting.name]}]")
-    g = p.add_argument_group("on this machine")
-    g.add_argument(
-        "--local-peers", metavar="K", help="run an embedded hub and K peers of COMMAND [WEIGHTSYNC_LOCAL_PEERS]"
-    )
-    g.add_argument(
-        "--out", metavar="DIR", help="the peers' folders, the hub's data and logs [WEIGHTSYNC_OUT; ./weightsync-local]"
-    )
-    g.add_argument(
+        add(flag_name(setting.name), metavar=metavar, help=f"{setting.help} [{ENV[setting.name]}]")
+    add = p.add_argument_group("on this machine").add_argument
+    add("--local-peers", metavar="K", help="run an embedded hub and K peers of COMMAND [WEIGHTSYNC_LOCAL_PEERS]")
+    add("--out", metavar="DIR", help="the peers' folders, the hub's data and logs [WEIGHTSYNC_OUT; ./weightsync-local]")
+    add(
         "--metric",
         metavar="NAME",
-        help="the metric of the peers' updates that the round table shows [WEIGHTSYNC_METRIC; loss]",
+        help="the metric of the peers' updates the round table shows [WEIGHTSYNC_METRIC; loss]",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the program to run")
     return p
@@ -171,9 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def hook_env(settings: HookSettings, base: Mapping[str, str], *, local: bool) -> dict[str, str]:
-    """``base`` with the hooks on: their folder first on ``PYTHONPATH`` (with this checkout's
-    root, for a ``syncclient`` that is not installed) and the settings as variables. Under
-    ``--local-peers`` the launcher sets the hub, run, token, name and rank itself."""
+    """``base`` with the hooks on: their folder first on ``PYTHONPATH`` (with this checkout's root,
+    for a ``syncclient`` not installed) and the settings as variables (under ``--local-peers`` the
+    launcher sets the hub, run, token, name and rank itself)."""
     env = {k: v for k, v in base.items() if k not in ENV.values() and k != MARKER}
     given = settings.to_env()
     if local:
@@ -212,25 +178,17 @@ def run_local(settings: HookSettings, command: list[str], *, peers: int, out: Pa
     env = hook_env(settings, os.environ, local=True)
     if "-m" in command[1:]:
         env["PYTHONPATH"] += os.pathsep + str(Path.cwd())  # where `python -m` looks at the prompt
+    where: dict[str, Any] = {"peers": peers, "out": out, "run": settings.run, "token": settings.token}
     try:
-        return launch(
-            command,
-            peers=peers,
-            out=out,
-            run=settings.run,
-            token=settings.token,
-            metric=metric,
-            env=env,
-            peer_folders=True,
-        )
+        return launch(command, metric=metric, env=env, peer_folders=True, **where)
     except LaunchError as exc:
         _fail(str(exc), exc.exit_code)
 
 
 def absolute_paths(command: Sequence[str], cwd: Path) -> tuple[list[str], list[str]]:
-    """COMMAND with each relative word (or ``--flag=value``'s value) that names an existing
-    file or folder under ``cwd`` made absolute; and those words. The program itself only when
-    it is a path (``./train.sh``): a bare name is looked up on ``PATH``, as at the prompt."""
+    """COMMAND with each relative word (or ``--flag=value``'s value) that names an existing file or
+    folder under ``cwd`` made absolute, and those words; the program itself only when it is a
+    path (``./train.sh``): a bare name is looked up on ``PATH``."""
     result, moved = [], []
     for i, word in enumerate(command):
         flag, eq, value = word.partition("=") if word.startswith("-") else ("", "", word)
@@ -265,9 +223,9 @@ def missing_script(command: Sequence[str]) -> str | None:
 
 
 def hub_problem(hub: str, *, wait: float = 5.0) -> str | None:
-    """Why ``hub`` does not answer ``GET /healthz`` within ``wait`` seconds (None: it does). The
-    SDK would retry a join for minutes, one warning a try; a hub that is not there is a typo far
-    more often than a slow start, so the launcher says so in one line first."""
+    """Why ``hub`` does not answer ``GET /healthz`` within ``wait`` seconds (None: it does). The SDK
+    would retry a join for minutes; a hub that is not there is far more often a typo than a slow
+    start, so the launcher says so in one line first."""
     import httpx
 
     deadline = time.monotonic() + wait

@@ -1,36 +1,22 @@
-"""The hooks ``weightsync-run`` puts into a training program that does not know about weightsync.
+"""The hooks ``weightsync-run`` puts into a training program that does not know about weightsync
+(docs/launcher.md, "How it hooks in").
 
-How they get in: ``weightsync-run`` puts the folder ``_site`` first on ``PYTHONPATH``, and Python
-imports the ``sitecustomize`` module in it at startup, before the program's first line, in every
-Python process of the command (``python train.py``, ``python -m package.train``, a console
-script such as ``accelerate``'s; a ``sitecustomize`` it hides is run after it). That calls
-:func:`install`, which reads the settings (:mod:`.settings`) and only *watches* imports
-(:mod:`.imports`): nothing heavy is imported, and a program that never imports torch runs
-exactly as without weightsync. Then, as the program imports them:
-
-==================================  ==========================================================
-the program imports                 the hooks
-==================================  ==========================================================
-``torch``                           every optimizer step is seen (:mod:`.plain`: the model
-                                    is found at the first step, joins, syncs every N steps and
-                                    when its state is read, the rest at exit); DataLoaders
-                                    are sharded by rank and their samples counted
-                                    (:mod:`.shard`)
-``transformers`` (its ``Trainer``)  ``Trainer.__init__`` adds ``SyncCallback`` (:mod:`.hf`)
-``lightning`` / ``pytorch_lightning``  ``Trainer.__init__`` adds ``syncclient.lightning``'s
-                                    callback (:mod:`.pl`)
-==================================  ==========================================================
-
-Only one of them syncs a process (:mod:`.session`): a Trainer claims it when built, and the
-optimizer hook then stands aside; a program that uses the SDK itself is left alone. At exit the
-process says on stderr either that it found nothing to sync (and exits with the program's own
-code) or which version it left the run at, with its weights' sha-256.
+``weightsync-run`` puts the folder ``_site`` first on ``PYTHONPATH``, so Python imports its
+``sitecustomize`` at startup in every Python process of the command (a ``sitecustomize`` it
+hides runs after it). That calls :func:`install`, which reads the settings (:mod:`.settings`) and
+only *watches* imports (:mod:`.imports`): a program that never imports torch runs exactly as
+without weightsync. Then ``torch`` brings the plain-loop hook (:mod:`.plain`) and the DataLoader
+sharding and counting (:mod:`.shard`); ``transformers.trainer`` the Hugging Face ``Trainer``'s
+``SyncCallback`` (:mod:`.hf`); a Lightning ``Trainer`` module its callback (:mod:`.pl`). One of
+them syncs a process (:mod:`.session`), and at exit the process says on stderr that it found
+nothing to sync or which version it left the run at, with its weights' sha-256.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 
 from syncclient.hooks import session
@@ -60,18 +46,11 @@ def install(env: Mapping[str, str] = os.environ) -> bool:
         shard.install(settings)
         plain.install(settings)
 
-    def transformers_trainer(module: ModuleType) -> None:
-        from syncclient.hooks import hf
-
-        hf.install(module, settings)
-
-    def lightning_trainer(module: ModuleType) -> None:
-        from syncclient.hooks import pl
-
-        pl.install(module, settings)
+    def trainer_imported(hooks: str) -> Callable[[ModuleType], None]:  # the hooks' module, imported only now
+        return lambda module: importlib.import_module(f"syncclient.hooks.{hooks}").install(module, settings)
 
     when_imported("torch", torch_imported)
-    when_imported("transformers.trainer", transformers_trainer)
-    when_imported("lightning.pytorch.trainer.trainer", lightning_trainer)
-    when_imported("pytorch_lightning.trainer.trainer", lightning_trainer)
+    when_imported("transformers.trainer", trainer_imported("hf"))
+    when_imported("lightning.pytorch.trainer.trainer", trainer_imported("pl"))
+    when_imported("pytorch_lightning.trainer.trainer", trainer_imported("pl"))
     return True

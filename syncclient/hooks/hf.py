@@ -1,11 +1,8 @@
 """A Hugging Face ``Trainer``, or any subclass of it: ``SyncCallback`` added when it is built.
 
 ``Trainer.__init__`` is wrapped (subclasses call it through ``super().__init__``); at its end, if
-this process is not synced another way already (:mod:`.session`): the ``train_dataset`` becomes
-this rank's share (:mod:`.shard`), and :class:`syncclient.SyncCallback` joins the Trainer's
-callbacks. From there on the callback does what it does for code that adds it by hand: join at
-train begin, sync every ``sync_every`` steps (or when a samples round is due), a last sync and
-leave at train end. A program that adds ``SyncCallback`` itself is left alone.
+this process is not synced another way already (:mod:`.session`), the ``train_dataset`` becomes
+this rank's share (:mod:`.shard`) and :class:`syncclient.SyncCallback` joins the callbacks.
 """
 
 from __future__ import annotations
@@ -28,18 +25,14 @@ def install(module: ModuleType, settings: HookSettings) -> None:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        _attach(self, settings)
+        name = type(self).__name__
+        if not session.claim("transformers", f"a Hugging Face {name}"):
+            return
+        from syncclient.callbacks import SyncCallback  # the SDK, only now: see session.uses_sdk
+
+        self.train_dataset = shard.shard_dataset(self.train_dataset, settings, f"{name}'s train_dataset")
+        callback = SyncCallback(settings.hub, **settings.callback_kwargs())
+        self.add_callback(callback)
+        session.synced_by(callback, settings, f"{name} will sync its model", lambda: self.model)
 
     trainer_class.__init__ = __init__
-
-
-def _attach(trainer: Any, settings: HookSettings) -> None:
-    name = type(trainer).__name__
-    if not session.claim("transformers", f"a Hugging Face {name}"):
-        return
-    from syncclient.callbacks import SyncCallback  # the SDK, only now: see session.uses_sdk
-
-    trainer.train_dataset = shard.shard_dataset(trainer.train_dataset, settings, f"{name}'s train_dataset")
-    callback = SyncCallback(settings.hub, **settings.callback_kwargs())
-    trainer.add_callback(callback)
-    session.synced_by(callback, settings, f"{name} will sync its model", lambda: trainer.model)

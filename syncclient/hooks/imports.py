@@ -1,11 +1,10 @@
 """Run a function right after a module is first imported, without importing it ourselves.
 
-The hooks must not import torch, transformers or Lightning: a program that never uses them
-must run exactly as without weightsync (and one that sets ``OMP_NUM_THREADS`` before it
-imports torch must still have its way). So they wait: :func:`when_imported` puts a finder first
-on ``sys.meta_path`` that, when the watched module is being imported, wraps its loader so that
-the function runs once the module's code has run. Every other import costs the finder one
-dict lookup; it leaves ``sys.meta_path`` once nothing is left to watch.
+The hooks must not import torch, transformers or Lightning: a program that never uses them must
+run exactly as without weightsync (and one that sets ``OMP_NUM_THREADS`` before importing torch
+must have its way). :func:`when_imported` puts a finder first on ``sys.meta_path`` that wraps the
+watched module's loader, so the function runs once the module's code has run. Every other import
+costs it one dict lookup; it leaves ``sys.meta_path`` once nothing is left to watch.
 """
 
 from __future__ import annotations
@@ -60,8 +59,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 class _Loader:
-    """The module's own loader, plus the hooks after ``exec_module``; it puts the real loader
-    back on the module before running its code, so nothing else ever sees this one."""
+    """The module's own loader, plus the hooks after ``exec_module`` (the real loader goes back on
+    the module before its code runs: nothing else ever sees this one)."""
 
     def __init__(self, loader: Any, hooks: list[Hook]) -> None:
         self._loader, self._hooks = loader, hooks
@@ -82,8 +81,7 @@ class _Loader:
 
 
 def _run(hook: Hook, module: ModuleType) -> None:
-    """A hook that fails must not fail the program's import: it says so, and the program runs
-    without that integration."""
+    """A hook that fails says so; the program's import succeeds, without that integration."""
     try:
         hook(module)
     except Exception as exc:  # the program's import must succeed whatever happens here

@@ -1,19 +1,12 @@
 """Which model a plain loop trains: the module that owns its optimizer's parameters.
 
-An optimizer holds tensors, not a model. The model is found among the live modules once, at
-the optimizer's first step: the *root* modules (those that are nobody's submodule; after a
-``gc.collect()``, so that a dropped wrapper is not mistaken for one) that hold the optimizer's
-parameters.
-
-- one root holds them all: that is the model, whole (a compiled or DDP wrapper is a root whose
-  submodule is the model: the SDK unwraps it). The whole root, not just the parameters, because
-  the parts the optimizer does not train (frozen layers, BatchNorm statistics) belong to the
-  model too and must agree across peers;
-- several roots each hold them all (one model inside two wrappers): the highest module inside
-  every one of them that still holds them all;
-- otherwise there is no one model to sync, and :class:`AmbiguousModel` says why: parameters
-  spread over models that share no root (a GAN's generator and discriminator in one optimizer,
-  or in two), or tensors that belong to no module at all.
+An optimizer holds tensors, not a model. At its first step the live *root* modules (nobody's
+submodule; after a ``gc.collect()``, so a dropped wrapper is not one) that hold its parameters are
+looked at. One root holds them all: that is the model, whole (frozen layers and BatchNorm
+statistics must agree across peers too; a compiled or DDP wrapper is unwrapped by the SDK).
+Several roots each hold them all (one model in two wrappers): the highest module inside every one
+that still holds them all. Otherwise :class:`AmbiguousModel` says why: parameters spread over
+models that share no root (a GAN's generator and discriminator), or tensors of no module.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """A PyTorch Lightning ``Trainer``: :class:`syncclient.lightning.SyncCallback` added when it is built.
 
-``Trainer.__init__`` (``lightning.pytorch`` and ``pytorch_lightning`` alike) is wrapped to add
-the callback to its ``callbacks`` argument, so that Lightning orders it as one of the program's
-own (checkpoints stay last). The DataLoaders the module or the program builds are plain ones:
-:mod:`.shard` shards them (training and validation alike).
+``Trainer.__init__`` (``lightning.pytorch`` and ``pytorch_lightning`` alike) is wrapped to add the
+callback to its ``callbacks`` argument, so that Lightning orders it as the program's own
+(checkpoints stay last). Its DataLoaders are plain ones: :mod:`.shard` shards them.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from types import ModuleType
 from typing import Any
 
@@ -27,21 +27,14 @@ def install(module: ModuleType, settings: HookSettings) -> None:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         if session.claim("lightning", f"a Lightning {type(self).__name__}"):
+            from syncclient.lightning import callback_class  # the SDK, only now: see session.uses_sdk
+
+            sync = callback_class(importlib.import_module(package).Callback)(settings.hub, **settings.callback_kwargs())
+            what = f"{type(self).__name__} will sync its LightningModule"
+            session.synced_by(sync, settings, what, lambda: self.lightning_module)
             given = kwargs.get("callbacks")
             given = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
-            kwargs["callbacks"] = [*given, *_callbacks(package, settings, self)]
+            kwargs["callbacks"] = [*given, sync]
         original(self, *args, **kwargs)
 
     trainer_class.__init__ = __init__
-
-
-def _callbacks(package: str, settings: HookSettings, trainer: Any) -> list[Any]:
-    import importlib
-
-    from syncclient.lightning import callback_class  # the SDK, only now: see session.uses_sdk
-
-    base = importlib.import_module(package).Callback
-    sync = callback_class(base)(settings.hub, **settings.callback_kwargs())
-    what = f"{type(trainer).__name__} will sync its LightningModule"
-    session.synced_by(sync, settings, what, lambda: trainer.lightning_module)
-    return [sync]

@@ -1,53 +1,29 @@
 """A plain PyTorch loop: sync every N optimizer steps, through torch's global optimizer hooks.
 
-``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook`` see every step of
-every optimizer in the process, whatever the loop looks like. At the first step (before it
-updates anything) the pre-hook finds the model the optimizer trains (:mod:`.model`), joins the
-run, which loads the run's version into it (so all peers start from the same weights), and
-removes itself. After every step the post-hook reports it to the client, whose clock says
-whether a sync is due (:class:`~syncclient.schedule.SyncClock`).
+``register_optimizer_step_pre_hook`` / ``..._post_hook`` see every step of every optimizer in the
+process. At the first step (before it updates anything) the pre-hook finds the model the
+optimizer trains (:mod:`.model`), joins the run (which loads the run's version into it) and
+removes itself; after every step the post-hook reports it to the client, whose clock says whether
+a sync is due (:class:`~syncclient.schedule.SyncClock`). When syncs are made (docs/launcher.md,
+"What a saved file holds, and when"):
 
-**When a sync is made.** Steps fall in windows of ``sync_every`` (steps 1-N, N+1-2N, ...; a
-schedule's intervals), and each window makes at most one round, so peers of any kind (a
-Trainer's callback syncs at every N-th step) agree on their rounds:
-
-- right after the window's last step (step kN), as the callbacks make theirs after the
-  optimizer step; with two optimizers over one model (Muon + AdamW) after the iteration's last
-  optimizer, so that the sync holds the whole iteration;
-- or earlier, when the program reads the model's state (``model.state_dict()``: what
-  ``torch.save(model.state_dict())``, safetensors' ``save_file`` / ``save_model`` and
-  ``save_pretrained`` all do) with steps not synced yet: they are synced then, marked final as
-  a Trainer's last sync is (:meth:`SyncClient.sync`: plain averaging; with a lossy codec the
-  residual flushed in one more round, which takes the next window's round). A read just after
-  an ordinary sync of such a codec flushes its residual (:meth:`SyncClient.flush`), in the
-  next window's round too. So a file saved after the last step holds the run's model, the
-  version the hub serves, identical on every peer whatever kind each is; a window whose round
-  was taken trains on into the next one, so a checkpoint saved mid-training costs no round
-  (a second read in a taken window syncs nothing: that file holds the steps since);
-- or at exit, what is still unsynced: the steps since the last sync, in a last final sync, or
-  the residual of an ordinary last sync, flushed.
+- right after a window's last step (step kN; with two optimizers over one model, after the
+  iteration's last one, so that the sync holds the whole iteration);
+- when the program reads the model's state (``model.state_dict()``: every way of saving it) with
+  steps not synced: synced then, marked final as a Trainer's last sync is, taking that window's
+  round; a read just after an ordinary sync of a lossy codec flushes its residual. So a file saved
+  after the last step holds the run's model, and a checkpoint mid-training costs no round;
+- at exit (the main thread's end, before the interpreter shuts the SDK's thread pool), unless
+  the program died of an exception: the last sync or flush, then leave.
 
 A ``round_samples`` run syncs at the first step after the hub says the round is due, and at
-exit: its rounds are no fixed number of steps, so a read does not sync.
+exit. Steps are those of the *lead* optimizer (the first to step): two optimizers over parts of
+one model step once per iteration. Another optimizer is looked at on its first step: over the same
+model it is fine (and leads once the lead is gone); over another model it is refused. Refusals
+end the program with one line on stderr and exit code 1 (``SystemExit``), not a traceback.
 
-Steps are those of one optimizer, the *lead* (the first to step): two optimizers over parts of
-one model step once each per iteration, which is one step, not two. Another optimizer is looked
-at once, on its first step: over the same model it is fine (and becomes the lead when the lead
-is gone, e.g. re-created per epoch); over another model it is refused (one run syncs one model).
-
-At exit (when the program's main thread ends, before the interpreter shuts its thread pools
-down: the SDK uploads from one), unless the program died of an exception: the last sync or
-flush above, then leave the run (the hub stops waiting for this peer: the others go on without
-it). Peers that took the same number of steps (sharded data makes sure of it) thus end
-bit-identical.
-
-Refusals (no single model, a second model, the hub rank disagreeing with ``WEIGHTSYNC_RANK``,
-a failed sync) end the program with one line on stderr and exit code 1 (``SystemExit``), not a
-traceback through the training loop.
-
-Cost per step between syncs: a weak reference call, and the clock's count and comparison
-(``progress``, ``due``): 2.6-3.2 µs with the DataLoader's count (bench/hooks.py, mlp, at load
-9); per ``state_dict()`` call of any module, an identity check.
+Cost per step between syncs: 2.6-3.2 µs with the DataLoader's count (bench/hooks.py, mlp, at
+load 9); per ``state_dict()`` call of any module, an identity check.
 """
 
 from __future__ import annotations
@@ -76,18 +52,14 @@ def install(settings: HookSettings) -> PlainLoop:
     return loop
 
 
-def _dead() -> None:
-    return None
-
-
 class PlainLoop:
     def __init__(self, settings: HookSettings) -> None:
         self.settings = settings
         self.model: torch.nn.Module | None = None
         self.client: Any = None  # a SyncClient, once joined: its clock counts the lead's steps
-        self._lead: Any = _dead  # a weakref to the lead optimizer (a dead one returns None)
-        self._latest: Any = _dead  # the optimizer that stepped last
-        self._tail: Any = _dead  # the last optimizer to step before the lead's latest step
+        self._lead: Any = lambda: None  # a weakref to the lead optimizer (a dead one returns None)
+        self._latest: Any = lambda: None  # the optimizer that stepped last
+        self._tail: Any = lambda: None  # the last optimizer to step before the lead's latest step
         self._others: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         self._due = False  # a sync waits for the iteration's last optimizer (or the lead's next step)
         self._syncing = False
@@ -163,8 +135,7 @@ class PlainLoop:
                 self._pre = register_optimizer_step_pre_hook(self._before_step)
 
     def _state_read(self, module: torch.nn.Module) -> None:
-        """The program reads ``module``'s state: if it is the model's, make what it reads the
-        run's model first (see the module docstring)."""
+        """The program reads ``module``'s state: if it is the model's, make it the run's model first."""
         if self.client is None or self._syncing or os.getpid() != self._pid:
             return
         if threading.get_ident() != self._thread:
@@ -237,8 +208,8 @@ class PlainLoop:
         _at_main_thread_exit(self._at_exit)
 
     def _sync(self, *, final: bool = False) -> None:
-        """Sync the steps since the last sync; ``final``: with a lossy codec, flush the residual
-        in one more round, which takes the next window's round."""
+        """Sync the steps since the last sync; ``final``: with a lossy codec, flush the residual in
+        one more round (the next window's)."""
         self._due, self._syncing = False, True
         clock = self.client.clock
         try:
@@ -285,10 +256,8 @@ class PlainLoop:
 
 
 def _watch_state_reads(loop: PlainLoop) -> None:
-    """``torch.nn.Module.state_dict``, wrapped to tell ``loop`` first: every way of saving a model
-    (``torch.save(model.state_dict())``, safetensors, ``save_pretrained``, a checkpoint) reads it.
-    On the class, not the model: a hook stored on the model would travel with ``torch.save(model)``
-    and ``copy.deepcopy``."""
+    """``torch.nn.Module.state_dict``, wrapped to tell ``loop`` first (every way of saving a model
+    reads it); on the class: a hook on the model would travel with ``torch.save(model)`` and ``deepcopy``."""
     original = torch.nn.Module.state_dict
 
     @functools.wraps(original)
@@ -316,10 +285,6 @@ def _at_main_thread_exit(fn: Any) -> None:
     """Run ``fn`` when the main thread ends, before the interpreter stops its thread pools: a
     sync in an ``atexit`` function would find the SDK's pool closed. ``threading._register_atexit``
     is how ``concurrent.futures`` itself gets that moment; without it (another Python), ``atexit``."""
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:
-        import atexit
+    import atexit
 
-        atexit.register(fn)
-    else:
-        register(fn)
+    getattr(threading, "_register_atexit", atexit.register)(fn)

@@ -1,22 +1,17 @@
 """Which integration syncs this process, and what the hooks say on the way out.
 
-One integration per process: the first to ask (:func:`claim`) gets it. A Hugging Face or
-Lightning ``Trainer`` claims it when built, before its optimizer ever steps, so the plain-loop
-hook on torch's optimizers then stands aside (the Trainer's callback syncs; the optimizer hook
-must not sync the same model again). A program that imported the SDK itself
-(``syncclient.client``: it calls ``SyncClient`` or adds ``SyncCallback`` on its own) wins over
-every hook: weightsync-run leaves it alone.
+One integration per process: the first to :func:`claim` it. A Hugging Face or Lightning
+``Trainer`` claims it when built, before its optimizer steps, so the plain-loop hook then stands
+aside (it must not sync the same model again). A program that imported the SDK itself
+(``syncclient.client``) wins over every hook.
 
-At exit, in the process the hooks were installed in (not in a fork, not in a DataLoader worker):
-either one line saying that nothing was found to sync (the program ran unchanged, with its own
-exit code), or one line with the run, the version this peer left at and the sha-256 of its
-weights, so that peers can be seen to end bit-identical. The first hooked process of a command
-marks itself in ``WEIGHTSYNC_HOOKED_PID``; Python processes it starts (a compile worker, or the
-trainer a launcher such as ``accelerate launch`` starts) are hooked too, but say nothing when
-they find nothing: only the program's own process does.
-
-These lines go to stderr with ``print``, not ``logging``: they are weightsync-run's own words in
-a program whose logging it does not configure.
+At exit, in the process the hooks were installed in (not a fork, not a DataLoader worker): one
+line saying nothing was found to sync, or one with the run, the version this peer left at and its
+weights' sha-256 (peers can be seen to end bit-identical). The first hooked process of a command
+marks itself in ``WEIGHTSYNC_HOOKED_PID``; the Python processes it starts (a compile worker, the
+trainer ``accelerate launch`` starts) are hooked too but say nothing when they find nothing.
+``print`` to stderr, not ``logging``: weightsync-run's own words, in a program whose logging it
+does not configure.
 """
 
 from __future__ import annotations
@@ -28,18 +23,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = [
-    "attached",
-    "check_rank",
-    "claim",
-    "crashed",
-    "note",
-    "on_claimed",
-    "owner",
-    "start",
-    "synced_by",
-    "uses_sdk",
-]
+__all__ = ["attached", "check_rank", "claim", "crashed", "note", "on_claimed", "owner", "start", "synced_by"]
+__all__ += ["uses_sdk"]
 
 _owner: str | None = None  # "torch", "transformers", "lightning", or "sdk"
 _pid: int | None = None  # the process the hooks were installed in
@@ -112,8 +97,8 @@ def attached(client: Callable[[], Any], model: Callable[[], Any]) -> None:
 
 
 def synced_by(callback: Any, settings: Any, what: str, model: Callable[[], Any]) -> None:
-    """A Trainer's ``SyncCallback`` syncs this process: once it joined, the hub's rank must be
-    the one the data was sharded by; at exit its client and ``model()`` are reported on."""
+    """A Trainer's ``SyncCallback`` syncs this process: once joined, the hub's rank must be the
+    one the data was sharded by; at exit its client and ``model()`` are reported on."""
 
     def joined(client: Any) -> None:
         if client.rank is not None:
@@ -143,8 +128,8 @@ def crashed() -> bool:
 
 
 def _program_started() -> bool:
-    """False when Python could not start the program (no such script, or ``-m`` with no such
-    module): its ``__main__`` then never got a ``__file__``. ``-c`` and the prompt have none either."""
+    """False when Python could not start the program (no such script or module: ``__main__`` got
+    no ``__file__``; ``-c`` and the prompt have none either)."""
     main = sys.modules.get("__main__")
     return getattr(main, "__file__", None) is not None or (sys.argv[:1] in (["-c"], [""]))
 

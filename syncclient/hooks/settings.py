@@ -1,27 +1,23 @@
 """What the hooks are told: ``WEIGHTSYNC_*`` variables, written by ``weightsync-run`` and read by
-the hooks in each program it starts.
-
-``weightsync-run`` resolves its flags (a flag beats its variable) into :class:`HookSettings`,
-checks them once, and hands them to the program as variables (:meth:`HookSettings.to_env`);
-the hooks read them back with :meth:`HookSettings.from_env`. One parser on both sides, so the
-launcher refuses a bad value in one line before anything starts. Imports nothing heavy: the
-hooks read these in every Python process of the command, training or not.
+the hooks in each program it starts. One parser on both sides (:meth:`HookSettings.resolve`: a
+flag beats its variable), so the launcher refuses a bad value in one line before anything starts.
+Imports nothing heavy: the hooks read these in every Python process of the command.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR
 from syncclient.schedule import SyncSchedule
 from syncwire.runsettings import RUN_SETTINGS, settle
 
-__all__ = ["DEFAULT_SYNC_EVERY", "ENV", "HookSettings", "SettingsError", "env_name", "flag_name", "name_problem"]
+__all__ = ["DEFAULT_SYNC_EVERY", "ENV", "HookSettings", "SettingsError", "flag_name", "name_problem"]
 
 DEFAULT_SYNC_EVERY = 100  # optimizer steps; docs/concepts/outer.md, "The interval", says how to pick it
 
@@ -36,20 +32,18 @@ def name_problem(value: str) -> str | None:
     return None if _NAME.fullmatch(value) else f"expected {NAME_RULE}, got {value!r}"
 
 
-#: field -> variable: the launcher's own settings, every run setting
-#: (:data:`syncwire.runsettings.RUN_SETTINGS`, ``min_peers`` -> ``WEIGHTSYNC_MIN_PEERS``), and
-#: the peer's name and rank (``--local-peers`` sets those three itself).
+#: field -> variable: the launcher's own settings, every run setting (``min_peers`` ->
+#: ``WEIGHTSYNC_MIN_PEERS``), and the peer's name and rank (``--local-peers`` sets those itself).
 _OWN = ("hub", "run", "token", "sync_every", "shard", "lr_scaling", "lr_scaling_warmup")
 _PEER = ("peer", "rank", "world_size")
 ENV = {name: "WEIGHTSYNC_" + name.upper() for name in (*_OWN, *(s.name for s in RUN_SETTINGS), *_PEER)}
 
 
+T = TypeVar("T")
+
+
 class SettingsError(ValueError):
     """A setting that does not hold: one line naming the flag or variable that gave it."""
-
-
-def env_name(field: str) -> str:
-    return ENV[field]
 
 
 def flag_name(field: str) -> str:
@@ -58,13 +52,11 @@ def flag_name(field: str) -> str:
 
 @dataclass(frozen=True)
 class HookSettings:
-    """How a hooked program syncs. ``config`` holds the run settings given (those of
-    :data:`~syncwire.runsettings.RUN_SETTINGS`, parsed and checked), which go to ``SyncClient``
-    as they are. ``sync_every`` (steps, or a :class:`~syncclient.schedule.SyncSchedule` such as
-    ``5:60,15``) and a samples run's ``round_samples`` exclude each other; with neither,
-    ``sync_every`` is :data:`DEFAULT_SYNC_EVERY` (an async run takes both). ``rank`` and
-    ``world_size`` (set by ``--local-peers``, or by you for peers on several machines) are what
-    the data is sharded by; without them nothing is sharded."""
+    """How a hooked program syncs. ``config``: the run settings given, checked, for ``SyncClient``.
+    ``sync_every`` (steps or a :class:`~syncclient.schedule.SyncSchedule`) and a samples run's
+    ``round_samples`` exclude each other; with neither, :data:`DEFAULT_SYNC_EVERY` (an async run
+    takes both). ``rank`` and ``world_size`` (set by ``--local-peers``, or by you) are what the
+    data is sharded by; without them nothing is."""
 
     hub: str  # "" until a launcher gives it
     run: str
@@ -82,15 +74,21 @@ class HookSettings:
     def resolve(
         cls, flags: Mapping[str, str | None], env: Mapping[str, str] = os.environ, *, launched: bool = False
     ) -> HookSettings:
-        """From ``flags`` (raw strings by field; None: not given), else the variables. Raises
-        :class:`SettingsError` naming where a bad value came from. ``launched``: a launcher
-        will give the hub (``--local-peers``'s own), so ``hub`` is left empty."""
+        """From ``flags`` (raw strings by field; None: not given), else the variables;
+        :class:`SettingsError` names where a bad value came from. ``launched``: a launcher will
+        give the hub (``--local-peers``'s own), so it is left empty."""
 
         def raw(field: str) -> tuple[str | None, str]:
             given = flags.get(field)
             if given is not None:
                 return given, flag_name(field)
-            return env.get(env_name(field)) or None, env_name(field)
+            return env.get(ENV[field]) or None, ENV[field]
+
+        def parsed(source: str, parse: Callable[..., T], *args: Any) -> T:
+            try:
+                return parse(*args)
+            except ValueError as exc:
+                raise SettingsError(f"{source}: {exc}") from None
 
         def number(field: str, low: int = 1) -> int | None:
             value, source = raw(field)
@@ -104,15 +102,6 @@ class HookSettings:
                 raise SettingsError(f"{source}: must be >= {low}, got {parsed}")
             return parsed
 
-        def every() -> int | SyncSchedule | None:
-            value, source = raw("sync_every")
-            if value is not None and (":" in value or "," in value):
-                try:
-                    return SyncSchedule.parse(value)
-                except ValueError as exc:
-                    raise SettingsError(f"{source}: {exc}") from None
-            return number("sync_every")
-
         def name(field: str) -> str | None:
             value, source = raw(field)
             problem = None if value is None else name_problem(value)
@@ -122,7 +111,7 @@ class HookSettings:
 
         hub, hub_source = raw("hub")
         if hub is None and not launched:
-            raise SettingsError(f"give the hub: --hub URL (or {env_name('hub')}), or run peers here: --local-peers K")
+            raise SettingsError(f"give the hub: --hub URL (or {ENV['hub']}), or run peers here: --local-peers K")
         hub = hub or ""
         parts = urlsplit(hub)
         if not launched and (parts.scheme not in ("http", "https") or not parts.netloc):
@@ -131,20 +120,19 @@ class HookSettings:
             )
         run = name("run")
         if run is None:
-            raise SettingsError(f"give the run to join: --run NAME or {env_name('run')}")
+            raise SettingsError(f"give the run to join: --run NAME or {ENV['run']}")
         config: dict[str, Any] = {}
         for setting in RUN_SETTINGS:
             value, source = raw(setting.name)
             if value is not None:
-                try:
-                    config[setting.name] = setting.parse(value)
-                except ValueError as exc:
-                    raise SettingsError(f"{source}: {exc}") from None
+                config[setting.name] = parsed(source, setting.parse, value)
         try:
             settle(config, config, say=lambda name: raw(name)[1])
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
-        sync_every = every()
+        every, source = raw("sync_every")
+        schedule = every is not None and (":" in every or "," in every)
+        sync_every = parsed(source, SyncSchedule.parse, every) if schedule else number("sync_every")
         by_samples = "round_samples" in config and config.get("policy") != "async"
         if sync_every is not None and by_samples:
             raise SettingsError(
@@ -154,17 +142,15 @@ class HookSettings:
         if sync_every is None and not by_samples:
             sync_every = DEFAULT_SYNC_EVERY
         (lr_scaling, lr_source), warmup = raw("lr_scaling"), number("lr_scaling_warmup", low=0)
-        try:  # (a warm-up not given, None, is one round)
-            peer_lr = PeerLR(lr_scaling or DEFAULT_PEER_LR.scaling, warmup)
-        except ValueError as exc:  # only the scaling can be wrong here: the warm-up is a number >= 0
-            raise SettingsError(f"{lr_source}: {exc}") from None
+        # (a warm-up not given, None, is one round; only the scaling can be wrong: the warm-up is a number >= 0)
+        peer_lr = parsed(lr_source, PeerLR, lr_scaling or DEFAULT_PEER_LR.scaling, warmup)
         shard, shard_source = raw("shard")
         if shard not in (None, "0", "1"):
             raise SettingsError(f"{shard_source}: expected 0 (off) or 1 (on), got {shard!r}")
         rank, world_size = number("rank", low=0), number("world_size")
         if (rank is None) != (world_size is None) or (rank or 0) >= (world_size or 1):
             raise SettingsError(
-                f"{env_name('rank')} and {env_name('world_size')} go together, with 0 <= rank < world size; "
+                f"{ENV['rank']} and {ENV['world_size']} go together, with 0 <= rank < world size; "
                 f"got {rank} and {world_size}"
             )
         return cls(
@@ -189,7 +175,7 @@ class HookSettings:
         """The variables that give a child these settings (tokens stay off command lines)."""
         values = {name: getattr(self, name) for name in (*_OWN, *_PEER)}
         values |= {"shard": "1" if self.shard else "0", **self.config}
-        return {env_name(k): str(v) for k, v in values.items() if v not in (None, "")}
+        return {ENV[k]: str(v) for k, v in values.items() if v not in (None, "")}
 
     @property
     def peer_lr(self) -> PeerLR:

@@ -1,24 +1,17 @@
-"""Each peer trains on its own share of the data, and counts the samples it trained.
+"""Each peer trains on its own share of the data, and counts the samples it trained
+(docs/launcher.md, "Sharding").
 
-With a rank among several peers (``WEIGHTSYNC_RANK`` / ``WEIGHTSYNC_WORLD_SIZE``, set by
-``weightsync-run --local-peers``) and sharding on (the default; ``--no-shard`` or
-``WEIGHTSYNC_SHARD=0`` turns it off, for programs that shard by those variables themselves):
+With a rank among several peers (``WEIGHTSYNC_RANK`` / ``WEIGHTSYNC_WORLD_SIZE``) and sharding on
+(``--no-shard`` turns it off): a Hugging Face ``Trainer``'s ``train_dataset`` becomes its rank's
+share (:func:`shard_dataset`; evaluation data stays whole), and every ``DataLoader`` over a
+map-style dataset with the default sampler gets :class:`ShardSampler` around it (evaluation
+loaders too: a DataLoader does not say what it is for). A share is every ``world``-th sample from
+``rank`` on, of the first ``n // world * world``: disjoint, equal (peers take the same steps and
+meet at every sync), independent of the seeds (a shuffled loader shuffles within its share). A
+DataLoader with a sampler of its own, or over an ``IterableDataset``, stays whole, and says so.
 
-- a Hugging Face ``Trainer``'s ``train_dataset`` becomes its rank's share (:func:`shard_dataset`;
-  its evaluation data stays whole, so every peer evaluates the same thing);
-- every ``torch.utils.data.DataLoader`` over a map-style dataset, built with the default sampler
-  (``shuffle=True`` or not), gets :class:`ShardSampler` around that sampler instead. Evaluation
-  loaders are sharded too: a DataLoader does not say what it is for.
-
-A share is every ``world``-th sample from ``rank`` on, of the first ``n // world * world``: the
-shares are disjoint, equal (so peers take the same number of steps and meet at every sync), and
-do not depend on the peers' random seeds (a shuffled loader shuffles within its share). Up to
-``world - 1`` samples are left out. A DataLoader with a sampler of its own, or over an
-``IterableDataset``, is left whole, and the program is told so.
-
-Counting: each batch a ``DataLoader`` yields while autograd is on (training, not a ``no_grad``
-evaluation) adds its batch size to the samples a plain loop's next optimizer step reports
-(:func:`take_samples`), which ``--round-samples`` runs and the weights of the average need.
+Counting: each batch a ``DataLoader`` yields with autograd on (training, not a ``no_grad``
+evaluation) adds its batch size to what a plain loop's next step reports (:func:`take_samples`).
 """
 
 from __future__ import annotations
@@ -43,8 +36,7 @@ _samples = 0  # trained since the last take_samples()
 
 
 class ShardSampler(Sampler[int]):
-    """The indices of ``inner`` that are ``rank`` modulo ``world`` and below ``size // world *
-    world``, in ``inner``'s order: ``size // world`` of them."""
+    """The indices of ``inner`` that are ``rank`` modulo ``world`` and below ``size // world * world``."""
 
     def __init__(self, inner: Sampler[int], size: int, rank: int, world: int) -> None:
         self.inner, self.rank, self.world = inner, rank, world
@@ -73,8 +65,8 @@ def take_samples() -> int:
 
 
 def shard_dataset(dataset: Any, settings: HookSettings, what: str) -> Any:
-    """``dataset``'s share for this rank: ``datasets.Dataset.select`` (it keeps its columns, which
-    the Trainer reads), else a ``torch.utils.data.Subset``. Unsized datasets stay whole."""
+    """``dataset``'s share for this rank: ``datasets.Dataset.select`` (it keeps the columns the
+    Trainer reads), else a ``torch.utils.data.Subset``. Unsized datasets stay whole."""
     if dataset is None or not settings.shards:
         return dataset
     assert settings.rank is not None and settings.world_size is not None

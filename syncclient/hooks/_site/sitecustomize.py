@@ -1,9 +1,7 @@
 """Imported by Python at startup in every process ``weightsync-run`` starts (this folder is first
 on their ``PYTHONPATH``): installs the hooks (:mod:`syncclient.hooks`), then runs the
-``sitecustomize`` this file hides, if the interpreter has one.
-
-It must never stop a program: if this interpreter cannot import ``syncclient`` (another Python
-than weightsync's), it says so and the program runs without sync.
+``sitecustomize`` this file hides. It never stops a program: an interpreter that cannot import
+``syncclient`` says so and runs the program without sync.
 """
 
 from __future__ import annotations
