@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import syncserver.core.leases
-from syncserver.core.leases import Board, build_leased, merge_leased
+from syncserver.core.leases import Board, build_leased, merge_into_bucket
 from syncserver.errors import LeaseLost
 from syncserver.reduce.engine import Accumulator, MergeEngine, Outer, RoundMerge
 from syncserver.reduce.lease import MEANS, Done, MergeJob, SliceJob, UpdateSource, _At, _updates, work
@@ -104,7 +104,7 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
             if bound is not None:
                 objects.delete(here)  # under the bound, the merge must not need it
             size, records, after = loop.run_until_complete(
-                merge_leased(
+                merge_into_bucket(
                     board,
                     2,
                     engines[1],
@@ -120,13 +120,14 @@ def test_leases_written_as_parts_give_the_bits_of_the_hub_alone(
                         unfolded=remote,
                         bound=bound,
                     ),
+                    objects,
                 )
             )
             objects.put(here, held)
             assert size == len(_bytes(alone, ResultKey("r", v)))
             assert [r.key for r in records] == [ResultKey("r", v)] and records[0].size == size
             assert bytes(objects.read(object_name(ResultKey("r", v)))) == _bytes(alone, ResultKey("r", v))
-            record, bound = loop.run_until_complete(build_leased(board, 2, "r", v, schema, codec))
+            record, bound = loop.run_until_complete(build_leased(board, 2, "r", v, schema, codec, objects))
             version = _bytes(alone, VersionKey("r", v + 1))
             assert record.key == VersionKey("r", v + 1) and record.size == len(version)
             assert bytes(objects.read(object_name(VersionKey("r", v + 1)))) == version
@@ -182,7 +183,7 @@ def test_a_build_lease_whose_reducer_died_is_built_again_and_a_late_report_refus
     board = Board(0.3, lambda: objects)
 
     async def scene() -> tuple[ObjectRecord, str]:
-        built = asyncio.ensure_future(build_leased(board, 1, "r", 0, SCHEMA, codec))
+        built = asyncio.ensure_future(build_leased(board, 1, "r", 0, SCHEMA, codec, objects))
         job = await board.take("dead", 5.0)  # taken, then never renewed nor reported
         assert job is not None and job.lease
         record, _ = await built

@@ -27,7 +27,7 @@ from anyio import to_thread
 from syncserver.core.changes import Changes, until
 from syncserver.errors import LeaseLost, NotFound
 from syncserver.reduce.checklease import CheckJob, CheckReport
-from syncserver.reduce.engine import Accumulator, MergeEngine, NonFinite, Resident, RoundMerge, version_layout
+from syncserver.reduce.engine import Accumulator, Into, MergeEngine, NonFinite, Resident, RoundMerge, version_layout
 from syncserver.reduce.lease import (
     Done,
     FoldJob,
@@ -54,6 +54,7 @@ __all__ = [
     "LeaseFailed",
     "ReducerStats",
     "build_leased",
+    "merge_into_bucket",
     "merge_leased",
 ]
 
@@ -353,39 +354,46 @@ def _settle(work: _Work, stats: ReducerStats, report: Done, who: str) -> None:
 
 
 async def merge_leased(
-    board: Board, reducers: int, engine: MergeEngine, m: RoundMerge
-) -> tuple[int, list[ObjectRecord], dict[str, float]]:
+    board: Board, reducers: int, engine: MergeEngine, m: RoundMerge, into: Into | None = None
+) -> tuple[int, dict[str, float]]:
     """:meth:`MergeEngine.merge`'s work, shared by the reducers (the same folds in the same order): the
-    result's size, the objects they wrote (uploads completed here; none on disk), their bound on |v+1|."""
+    result's size and their bound on |v+1|. The outputs go where ``into`` puts them (None: staged files)."""
     if m.acc.mean is not None:
         raise ValueError("a leased merge reads the reducers' mean: the hub's accumulator must be empty")
     files = contextlib.ExitStack()
-    outputs: list[tuple[Stored, ObjectOutput]] = []
-    objects = board.objects
     try:
-        into = _into_bucket(objects(), outputs) if objects is not None else None
         merge = await to_thread.run_sync(engine.open_merge, files, m, into)
         leases = await to_thread.run_sync(jobs, merge, m.acc.schema, reducers)
         reports = await board.run(m.run, m.round, leases, _holders(leases, m.acc.partial))
-        records = [await to_thread.run_sync(_complete, objects(), key, out) for key, out in outputs] if objects else []
     except BaseException as exc:
         await to_thread.run_sync(files.__exit__, type(exc), exc, exc.__traceback__)
-        if outputs and objects is not None:
-            await to_thread.run_sync(_abort, objects(), [out for _, out in outputs])
         raise
     await to_thread.run_sync(files.close)
-    return merge.result_size, records, _peaks(reports)
+    return merge.result_size, _peaks(reports)
+
+
+async def merge_into_bucket(
+    board: Board, reducers: int, engine: MergeEngine, m: RoundMerge, objects: ObjectStore
+) -> tuple[int, list[ObjectRecord], dict[str, float]]:
+    """:func:`merge_leased` with the outputs written as parts of multipart uploads, completed here (the
+    objects' records) or aborted if the merge fails."""
+    outputs: list[tuple[Stored, ObjectOutput]] = []
+    try:
+        size, peaks = await merge_leased(board, reducers, engine, m, _into_bucket(objects, outputs))
+        records = [await to_thread.run_sync(_complete, objects, key, out) for key, out in outputs]
+    except BaseException:
+        if outputs:
+            await to_thread.run_sync(_abort, objects, [out for _, out in outputs])
+        raise
+    return size, records, peaks
 
 
 async def build_leased(
-    board: Board, reducers: int, run: str, v: int, schema: Schema, codec: Codec
+    board: Board, reducers: int, run: str, v: int, schema: Schema, codec: Codec, store: ObjectStore
 ) -> tuple[ObjectRecord, dict[str, float]]:
     """Have at most ``reducers`` leases build version ``v``+1 in the bucket (the hub moves no byte of
     it): its record (the version counts once the caller records it) and each tensor's peak."""
-    objects = board.objects
-    if objects is None:
-        raise ValueError("versions are built by leases only in an object store")
-    store, key = objects(), VersionKey(run, v + 1)
+    key = VersionKey(run, v + 1)
     head, at, size = version_layout(schema, v + 1)
     out = await to_thread.run_sync(_upload, store, key, size)
     try:
@@ -403,9 +411,7 @@ def _peaks(reports: Sequence[Done]) -> dict[str, float]:
     return highest(pair for report in reports for pair in report.peaks.items())
 
 
-def _into_bucket(
-    objects: ObjectStore, outputs: list[tuple[Stored, ObjectOutput]]
-) -> Callable[[Key, int], contextlib.AbstractContextManager[ObjectOutput]]:
+def _into_bucket(objects: ObjectStore, outputs: list[tuple[Stored, ObjectOutput]]) -> Into:
     """:meth:`MergeEngine.open_merge`'s ``into`` with a store: each output (the result; DiLoCo's
     momentum and the hub's residual) a multipart upload at its name, collected in ``outputs``."""
 

@@ -21,7 +21,15 @@ from anyio import to_thread
 
 from syncserver.core.changes import Tasks
 from syncserver.core.finite import Merged
-from syncserver.core.leases import LEASE_POLL_MAX, Board, FoldAhead, ReducerStats, build_leased, merge_leased
+from syncserver.core.leases import (
+    LEASE_POLL_MAX,
+    Board,
+    FoldAhead,
+    ReducerStats,
+    build_leased,
+    merge_into_bucket,
+    merge_leased,
+)
 from syncserver.core.planes import BucketPlane, LocalPlane
 from syncserver.core.state import Run
 from syncserver.errors import HubError, StoreDown, Unavailable, UploadUnknown
@@ -173,7 +181,8 @@ class Reducers(Workers):
             await asyncio.wait({task}, timeout=0.05)
 
     async def merge(self, m: RoundMerge) -> Merged:
-        return await merge_leased(self.board, self.count, self.engine, m)
+        size, peaks = await merge_leased(self.board, self.count, self.engine, m)
+        return size, [], peaks
 
     async def check(self, job: CheckJob, own: Callable[[], Awaitable[Checked]]) -> Checked:
         """A reducer's check if one is alive, else the hub's own. Only a pass agreeing with what the hub can
@@ -233,6 +242,9 @@ class BucketReducers(Reducers):
 
     plane: BucketPlane
 
+    async def merge(self, m: RoundMerge) -> Merged:
+        return await merge_into_bucket(self.board, self.count, self.engine, m, self.plane.objects)
+
     async def base(self, run: Run, v: int) -> None:
         """Version ``v`` has a copy in the bucket for the reducers: built after the last commit (waited
         for), or uploaded now (version 0); :class:`Unavailable` if the store fails (the close retries)."""
@@ -252,7 +264,9 @@ class BucketReducers(Reducers):
         while first > 0 and self.store.stored_object(VersionKey(run.name, first)) is None:
             first -= 1
         for v in range(first, target):
-            record, peaks = await build_leased(self.board, self.count, run.name, v, run.schema, run.codec)
+            record, peaks = await build_leased(
+                self.board, self.count, run.name, v, run.schema, run.codec, self.plane.objects
+            )
             self.store.record_object(record)
             run.peaks = (v + 1, peaks)  # exact: the next merge's bound
             log.info("version_built run=%s version=%d mb=%.1f by=reducers", run.name, v + 1, record.size / 1e6)

@@ -43,6 +43,7 @@ from syncwire.format import encode_header
 
 __all__ = [
     "Accumulator",
+    "Into",
     "Merge",
     "MergeEngine",
     "NonFinite",
