@@ -148,7 +148,8 @@ def reduce(
     ] = None,
     threads: Annotated[int, typer.Option(min=1, max=256, help="Threads that work a lease's slices.")] = 1,
 ) -> None:
-    """Work a hub's merge leases until killed (on the hub's machine: it reads and writes the hub's files)."""
+    """Work a hub's work leases (checks, folds, merges, builds) until killed: on the hub's machine, or on
+    any machine when the hub has a store (SYNC_STORE): then it reads and writes only the bucket."""
     import logging
 
     from syncserver.reduce.worker import ReducerError, main

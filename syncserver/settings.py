@@ -182,7 +182,7 @@ class HubSettings(BaseSettings):
     )
     reduce_lease_seconds: Seconds = Field(
         30.0,
-        description="A reducer that has not renewed its merge lease for this long has lost it: it is offered "
+        description="A reducer that has not renewed its work lease for this long has lost it: it is offered "
         "to another reducer, and its late report is refused.",
     )
     codec: CodecSpec = run_default("codec")

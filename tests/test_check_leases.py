@@ -239,10 +239,12 @@ def test_a_reducer_killed_holding_a_check_lease_loses_it_and_the_peer_is_acknowl
         upload = threading.Thread(target=lambda: answers.append(uploaded(hub, "the-true-update1", good, etags)))
         upload.start()
         wait_for(lambda: any(r.fault == "cut" for r in proxy.matching("/checked")), "the check's report to be cut")
+        # started before the kill: with no reducer heard from lately, the hub would check the body itself
+        rescuer = _reducer(hub.url, seaweedfs, "checks-kill", tmp_path / "rescuer.log")
         doomed.kill()
         doomed.wait()
-        rescuer = _reducer(hub.url, seaweedfs, "checks-kill", tmp_path / "rescuer.log")
         try:
+            wait_for(lambda: f"{_host()}-{rescuer.pid}" in _reducers(hub), "the rescuer to ask for a lease")
             upload.join(120)
             assert len(answers) == 1 and answers[0].status_code == 200, answers[0].text
             assert not answers[0].json()["repeat"]
