@@ -284,7 +284,9 @@ def test_failures_benchmark_measures_a_sigkill_from_the_hubs_records(tmp_path: P
     stdout, result = run_bench("failures", tmp_path / "results", "--quick", "--kills", "sigkill", "--no-netns")
     (row,) = result["rows"]
     assert (row["peers"], row["kill"], row["lease"]) == (3, "sigkill", 3.0)
-    assert not row["victim_in_failure_round"] and row["gone_reason"] == "disconnected", "its connection dropped"
+    # its connection drops at the kill, unless the kill fell between two of its watches (a loaded
+    # machine widens that gap): then its lease; test_peer_failures pins the disconnect itself
+    assert not row["victim_in_failure_round"] and row["gone_reason"] in ("disconnected", "lease_expired")
     assert 0 < row["to_first_round_s"] <= row["idle_s"], "the survivors were all in before the kill"
     assert row["healthy_idle_s"] >= 0 and row["survivor_sync_s"] > 0 and row["healthy_sync_s"] > 0
     assert row["first_round"] >= row["join_version"] and row["restart_to_first_round_s"] > row["restart_join_s"] > 0
