@@ -443,3 +443,12 @@ def test_a_plain_loop_follows_a_sync_schedule(hub: Hub, monkeypatch: pytest.Monk
     finally:
         loop.stop()
     assert events == ["sync 1", "sync 2", "sync 3", "final sync 4", "final sync 6", "leave"]
+
+
+def test_a_relative_venv_python_stays_the_venv_s(tmp_path: Path) -> None:
+    """`.venv/bin/python` is a symlink to the base interpreter: made absolute, not resolved, so the
+    peers keep the venv's packages."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(sys.executable)
+    rewritten, moved = absolute_paths(["bin/python", "train.py"], tmp_path)
+    assert rewritten == [str(tmp_path / "bin" / "python"), "train.py"] and moved == ["bin/python"]

@@ -195,7 +195,7 @@ def absolute_paths(command: Sequence[str], cwd: Path) -> tuple[list[str], list[s
         if i == 0 and os.sep not in word:
             result.append(word)
         elif (eq or not flag) and value and not os.path.isabs(value) and (cwd / value).exists():
-            result.append(f"{flag}{eq}{(cwd / value).resolve()}")
+            result.append(f"{flag}{eq}{os.path.abspath(cwd / value)}")  # not resolve(): a venv's python is a symlink
             moved.append(value)
         else:
             result.append(word)
