@@ -39,6 +39,7 @@ from pydantic import SecretStr
 import syncserver
 from syncserver.process import ServerProcess, ServerStartError
 from syncserver.settings import HubSettings, SettingsInputError, hub_settings
+from syncserver.workdirs import Folders, Here
 from syncwire.digest import LEFT, weights_sha256
 
 __all__ = [
@@ -169,14 +170,14 @@ class LocalRun:
         run: str,
         metric: str = "loss",
         env: Mapping[str, str] | None = None,
-        peer_folders: bool = False,
+        folders: Folders | None = None,
     ) -> None:
         if not command:
             raise ValueError("give the command each peer runs, e.g. ['python', 'train.py']")
         if peers < 1:
             raise ValueError(f"peers must be >= 1, got {peers}")
         self.command, self.k, self.out, self.settings, self.run = list(command), peers, Path(out), settings, run
-        self.env, self.peer_folders = dict(os.environ if env is None else env), peer_folders
+        self.env, self.folders = dict(os.environ if env is None else env), folders or Here()
         digits = len(str(peers - 1))  # peer-07 sorts before peer-10: the hub's ranks follow the names
         self.peers = [f"peer-{i:0{digits}d}" for i in range(peers)]
         # the narrowest token that lets a peer into the run: its run token, else the hub's
@@ -230,7 +231,7 @@ class LocalRun:
         for rank, name in enumerate(self.peers):
             env = base | {"WEIGHTSYNC_PEER": name, "WEIGHTSYNC_RANK": str(rank)}
             threads = max(1, _cores() // self.k)
-            self.procs[name], self.logs[name] = _start(name, self.command, self.out, env, self.peer_folders, threads)
+            self.procs[name], self.logs[name] = _start(name, self.command, self.out, env, self.folders, threads)
         self.table.header()
 
     def wait(self, poll_seconds: float = 0.5) -> list[dict[str, Any]]:
@@ -293,13 +294,14 @@ def launch(
     token: str | None = None,
     metric: str = "loss",
     env: Mapping[str, str] | None = None,
-    peer_folders: bool = False,
+    folders: Folders | None = None,
     serial: Sequence[str] | None = None,
     curve: Callable[[Path], list[tuple[int, float]]] | None = None,
 ) -> int:
-    """A fresh run (``out/hub`` removed first) of ``peers`` peers of ``command`` (in their folders
-    ``out/<peer>`` if ``peer_folders``), then the check of their final weights, ``serial`` alone if
-    given (the serial baseline: no hub, every core), ``out/results.json`` and the plot of ``metric``:
+    """A fresh run (``out/hub`` removed first) of ``peers`` peers of ``command`` (each started as
+    ``folders`` says, :mod:`syncserver.workdirs`; by default where the launcher runs), then the check
+    of their final weights, ``serial`` alone if given (the serial baseline: no hub, every core),
+    ``out/results.json`` and the plot of ``metric``:
     ``curve(folder)`` of each process if given, else what each peer sent with its updates. 0, or
     :data:`PEER_EXIT` when a peer's final weights differ from the hub's; :class:`LaunchError` when a
     child fails, on a bad hub setting and when interrupted."""
@@ -308,14 +310,14 @@ def launch(
     shutil.rmtree(out / "hub", ignore_errors=True)
     try:
         with LocalRun(
-            command, peers=peers, out=out, settings=settings, run=run, metric=metric, env=env, peer_folders=peer_folders
+            command, peers=peers, out=out, settings=settings, run=run, metric=metric, env=env, folders=folders
         ) as launched:
             rows = launched.wait()
             hub = launched.final_weights()
         wall = {"peers": round(time.time() - t0, 2)}
         logs = {p: launched.logs[p] for p in launched.peers}
         if serial is not None:
-            logs["serial"] = _run_serial(serial, out, env, peer_folders)
+            logs["serial"] = _run_serial(serial, out, env, folders or Here())
             wall["serial"] = round(time.time() - t0 - wall["peers"], 2)
     except KeyboardInterrupt:
         raise LaunchError("interrupted: stopped the hub and the peers", INTERRUPTED_EXIT) from None
@@ -362,11 +364,11 @@ def check_final(final: dict[str, dict[str, Any] | None], hub: tuple[int, str]) -
     return check
 
 
-def _run_serial(command: Sequence[str], out: Path, env: Mapping[str, str] | None, own_folder: bool) -> Path:
+def _run_serial(command: Sequence[str], out: Path, env: Mapping[str, str] | None, folders: Folders) -> Path:
     """The serial baseline: ``command`` alone, no hub, with every core; its log."""
     _note(f"serial baseline: one process, in {(out / 'serial').absolute()} (log: {out / 'serial.log'}) ...")
     base = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("WEIGHTSYNC_")}
-    proc, log = _start("serial", command, out, base, own_folder, _cores())
+    proc, log = _start("serial", command, out, base, folders, _cores())
     try:
         code = proc.wait()
     finally:
@@ -415,18 +417,22 @@ def _plot(curves: dict[str, list[tuple[int, float]]], syncs: list[int], path: Pa
 
 
 def _start(
-    name: str, cmd: Sequence[str], out: Path, env: dict[str, str], own_folder: bool, threads: int
+    name: str, cmd: Sequence[str], out: Path, env: dict[str, str], folders: Folders, threads: int
 ) -> tuple[subprocess.Popen[bytes], Path]:
-    """``cmd`` as ``name``, and its log ``out/<name>.log``: its folder ``out/<name>`` in
-    ``WEIGHTSYNC_PEER_DIR`` (and its working directory if ``own_folder``), ``OMP_NUM_THREADS``
-    ``threads`` unless set, and a session of its own (Ctrl-C reaches only the launcher)."""
+    """``cmd`` as ``name``, and its log ``out/<name>.log``: its folder ``out/<name>``, where and how
+    ``folders`` says, named in ``WEIGHTSYNC_PEER_DIR``; ``OMP_NUM_THREADS`` ``threads`` unless set,
+    and a session of its own (Ctrl-C reaches only the launcher)."""
     folder, log = (out / name).absolute(), out / f"{name}.log"  # absolute: the child may run in it
     folder.mkdir(parents=True, exist_ok=True)
-    env = _child_env({"OMP_NUM_THREADS": str(threads), **env, "WEIGHTSYNC_PEER_DIR": str(folder)})
-    cwd = folder if own_folder else None
+    cwd, mine, enter = folders.start(folder)
+    env = _child_env({"OMP_NUM_THREADS": str(threads), **env, "WEIGHTSYNC_PEER_DIR": str(mine)})
     with log.open("wb") as f:  # the child keeps its own handle
         try:
-            popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+            popen = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True, preexec_fn=enter
+            )
+        except subprocess.SubprocessError:  # the overlay, refused after the probe allowed it
+            raise LaunchError(f"cannot start {name}: its folder could not be mounted", PEER_EXIT) from None
         except OSError as exc:
             raise LaunchError(f"cannot start {name}: {' '.join(cmd)}: {exc.strerror}", PEER_EXIT) from None
     return popen, log

@@ -79,6 +79,7 @@ BUDGETS: dict[str, float] = {
     # side by side (4 torch peers, 2 hubs); two VMs, one of them Lightning (~4 CPU-s to import)
     "tests/test_zero_code.py::test_a_plain_loop_saves_the_runs_model_whichever_way_it_saves": 9,
     "tests/test_zero_code.py::test_two_machines_a_plain_loop_and_a_lightning_run_save_the_hubs_last_version": 12,
+    "tests/test_hooks.py::test_a_loop_that_steps_by_hand_syncs_as_one_with_an_optimizer": 14,  # 3 programs side by side
     # torchrun groups: three peer shapes in one run (9 processes that import torch, 6 of them
     # transformers); a killed rank (two peers, 6 processes); a hub gone for good (3 processes and
     # 0.5 s of the SDK's retries). Alone, on a shared 2-core VM (load 5), 2026-11-27: 25, 15, 10 s

@@ -28,7 +28,7 @@ from syncclient.schedule import SyncSchedule
 from syncwire.runsettings import RUN_SETTINGS
 from tests.conftest import Hub
 from weightsync_run import cli as launcher
-from weightsync_run.cli import absolute_paths, build_parser, main
+from weightsync_run.cli import build_parser, main
 
 # -- which model ------------------------------------------------------------------------------------
 
@@ -271,16 +271,6 @@ def test_bad_input_is_one_line(
     assert err.startswith(f"weightsync-run: error: {line}"), err
 
 
-def test_existing_paths_are_made_absolute_for_the_peer_folders(tmp_path: Path) -> None:
-    (tmp_path / "train.py").write_text("")
-    (tmp_path / "data").mkdir()
-    command = ["python", "train.py", "--data", "data", "--out=results", "--config=data", "-m", "pkg"]
-    rewritten, moved = absolute_paths(command, tmp_path)
-    assert rewritten == ["python", str(tmp_path / "train.py"), "--data", str(tmp_path / "data"), "--out=results",
-                         f"--config={tmp_path / 'data'}", "-m", "pkg"]  # fmt: skip
-    assert moved == ["train.py", "data", "data"]
-
-
 # -- in a fresh interpreter ----------------------------------------------------------------------------
 
 
@@ -445,10 +435,92 @@ def test_a_plain_loop_follows_a_sync_schedule(hub: Hub, monkeypatch: pytest.Monk
     assert events == ["sync 1", "sync 2", "sync 3", "final sync 4", "final sync 6", "leave"]
 
 
-def test_a_relative_venv_python_stays_the_venv_s(tmp_path: Path) -> None:
-    """`.venv/bin/python` is a symlink to the base interpreter: made absolute, not resolved, so the
-    peers keep the venv's packages."""
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "python").symlink_to(sys.executable)
-    rewritten, moved = absolute_paths(["bin/python", "train.py"], tmp_path)
-    assert rewritten == [str(tmp_path / "bin" / "python"), "train.py"] and moved == ["bin/python"]
+# -- seeds, loops that step by hand, torch.save(model) ---------------------------------------------------
+
+SEEDS = """
+import random, numpy, torch
+torch.manual_seed(5); numpy.random.seed(5); random.seed(5)
+own = torch.Generator().manual_seed(5)
+print(torch.rand(1).item(), numpy.random.rand(), random.random(), torch.rand(1, generator=own).item())
+"""
+
+
+@pytest.mark.parametrize("seed", ["1", "0"])
+def test_a_constant_seed_gets_the_rank_unless_told_not_to(seed: str) -> None:
+    """Rank 1 of 2: the process-wide streams start from seed + 1; a generator of the program's own
+    keeps its seed (a train/validation split that must agree); WEIGHTSYNC_SEED=0 keeps them all."""
+    env = {"PYTHONPATH": os.pathsep.join([SITE, os.environ.get("PYTHONPATH", "")])}
+    done = python(SEEDS, WEIGHTSYNC_HUB="http://127.0.0.1:9", WEIGHTSYNC_RUN="r", WEIGHTSYNC_RANK="1",
+                  WEIGHTSYNC_WORLD_SIZE="2", WEIGHTSYNC_SEED=seed, **env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    import random
+
+    import numpy
+
+    mine = 5 + int(seed)
+    torch.manual_seed(mine)
+    numpy.random.seed(mine)
+    random.seed(mine)
+    own = torch.rand(1, generator=torch.Generator().manual_seed(5)).item()
+    assert done.stdout.split() == [str(v) for v in (torch.rand(1).item(), numpy.random.rand(), random.random(), own)]
+    said = "the seeds the program sets get + 1 (its rank): each peer draws its own batches (--same-seed keeps them)"
+    assert (said in done.stderr) == (seed == "1"), done.stderr
+
+
+LOOP = """
+import sys, torch
+mode = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05) if mode != "hand" else None
+x = torch.randn(32, 4)
+y = x.sum(1, keepdim=True)
+for step in range(1, 9):
+    for micro in range(2 if mode == "accumulate" else 1):
+        model(x[:2]).detach()  # a forward that is not training: no step
+        ((model(x) - y) ** 2).mean().backward()
+    if optimizer is None:
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.05)
+            p.grad = None
+    else:
+        optimizer.step()
+        optimizer.zero_grad()
+torch.save(model, sys.argv[2])
+"""
+
+
+def test_a_loop_that_steps_by_hand_syncs_as_one_with_an_optimizer(tmp_path: Path, hub: Hub) -> None:
+    """Sync every 3 steps, 8 steps, then ``torch.save(model)``: rounds after steps 3 and 6, and the
+    save syncs steps 7-8 first (pickling the module reads no state), so the file holds the run's
+    last version. A loop that steps by hand does so through its backward passes; two backward
+    passes per optimizer step (gradient accumulation) are still the optimizer's one step. The
+    three run side by side, each a run of its own."""
+    (tmp_path / "loop.py").write_text(LOOP)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
+    env = clean | {"PYTHONPATH": os.pathsep.join([SITE, os.environ.get("PYTHONPATH", "")]),
+                   "WEIGHTSYNC_HUB": hub.url, "WEIGHTSYNC_SYNC_EVERY": "3"}  # fmt: skip
+    modes = ("hand", "optimizer", "accumulate")
+    procs = {
+        mode: subprocess.Popen(
+            [sys.executable, "loop.py", mode, f"{mode}.pt"],
+            cwd=tmp_path,
+            text=True,
+            stderr=subprocess.PIPE,
+            env=env | {"WEIGHTSYNC_RUN": mode},
+        )
+        for mode in modes
+    }
+    from syncclient.weights import ModelView
+    from syncwire.digest import weights_sha256
+
+    for mode, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        steps = "backward passes" if mode == "hand" else "optimizer steps"
+        assert f"in run '{mode}', every 3 {steps}" in err, err
+        left = err.strip().splitlines()[-1]
+        assert f"left run '{mode}' at version 3;" in left, left
+        model = torch.load(tmp_path / f"{mode}.pt", weights_only=False)
+        assert not model._forward_pre_hooks  # nothing of weightsync travels with the file
+        assert left.endswith(weights_sha256(ModelView(model).export()))

@@ -152,7 +152,8 @@ NOTHING = "weightsync: found nothing to sync"
 NO_MODEL = """
 import sys, torch
 print("sum", int(torch.arange(4).sum()))
-sys.exit(int(sys.argv[1]))
+if int(sys.argv[1]):  # 0: it runs to its end (where Python drops __main__.__file__)
+    sys.exit(int(sys.argv[1]))
 """
 
 

@@ -18,10 +18,9 @@ table both sides read (:data:`syncwire.runsettings.RUN_SETTINGS`); every option 
 ``WEIGHTSYNC_*`` variable (a flag beats its variable). With ``--hub`` the command *becomes*
 COMMAND (``exec``: same process, signals, exit code). With ``--local-peers K`` it runs an embedded
 hub and K copies of COMMAND through :func:`syncserver.local.launch` (``weightsync[server]``), each
-in its own folder ``OUT/peer-k`` (its console in ``OUT/peer-k.log``), and checks at the end that
-every peer left with the hub's last version, bit for bit (docs/launcher.md). Words of COMMAND that
-name a file or folder where you launch are made absolute, so they still name it from a peer's
-folder; with ``python -m``, the folder you launch from goes on ``PYTHONPATH``.
+in the folder you launch from, as on a VM of its own: what it writes lands in ``OUT/peer-k``
+(:mod:`syncserver.workdirs`; its console in ``OUT/peer-k.log``), and checks at the end that every
+peer left with the hub's last version, bit for bit (docs/launcher.md).
 """
 
 from __future__ import annotations
@@ -80,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lr-scaling-warmup", metavar="STEPS", help=warmup)
     shard = "do not shard the training data by rank (the program shards it itself) [WEIGHTSYNC_SHARD=0]"
     add("--no-shard", action="store_const", const="0", dest="shard", help=shard)
+    seed = "keep the program's seeds as they are (by default a constant seed becomes seed + rank, so peers draw "
+    seed += "different batches and dropout masks) [WEIGHTSYNC_SEED=0]"
+    add("--same-seed", action="store_const", const="0", dest="seed", help=seed)
     given = "a new run takes its first peer's; a peer joining a run that exists must agree with each one it gives. "
     given += "Unset: the run's, or for a new run the hub's default (its SYNC_* settings)"
     add = p.add_argument_group("run settings", given).add_argument
@@ -112,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             peers = _count(env.get("WEIGHTSYNC_LOCAL_PEERS"), "WEIGHTSYNC_LOCAL_PEERS")
         if peers and args.hub:
             raise SettingsError("--local-peers runs its own hub: drop --hub")
-        fields = ("hub", "run", "token", "peer", "sync_every", "shard", "lr_scaling", "lr_scaling_warmup")
+        fields = ("hub", "run", "token", "peer", "sync_every", "shard", "seed", "lr_scaling", "lr_scaling_warmup")
         flags = {field: getattr(args, field) for field in fields}
         flags |= {setting.name: getattr(args, setting.name) for setting in RUN_SETTINGS}
         if peers:  # the launcher gives each peer its hub, run, name and rank, and waits for all K
@@ -166,40 +168,23 @@ def exec_peer(settings: HookSettings, command: list[str]) -> NoReturn:
 
 
 def run_local(settings: HookSettings, command: list[str], *, peers: int, out: Path, metric: str) -> int:
-    """An embedded hub and ``peers`` hooked copies of COMMAND, each in ``out/peer-k``; then the
+    """An embedded hub and ``peers`` hooked copies of COMMAND, each in this folder as its own; then the
     launcher's check (each peer's final weights against the hub's), results.json and plot."""
     try:
         from syncserver.local import LaunchError, launch
     except ModuleNotFoundError as exc:
         _fail(f"--local-peers runs a hub, which needs {exc.name}: pip install 'weightsync[server]'", 2)
-    command, moved = absolute_paths(command, Path.cwd())
-    if moved:
-        _note(f"each peer runs in its own folder {out}/peer-k; made absolute: {' '.join(moved)}")
+    from syncserver.workdirs import choose
+
     env = hook_env(settings, os.environ, local=True)
-    if "-m" in command[1:]:
-        env["PYTHONPATH"] += os.pathsep + str(Path.cwd())  # where `python -m` looks at the prompt
+    folders, refused = choose(Path.cwd(), out)
+    if refused:
+        _note(refused)
     where: dict[str, Any] = {"peers": peers, "out": out, "run": settings.run, "token": settings.token}
     try:
-        return launch(command, metric=metric, env=env, peer_folders=True, **where)
+        return launch(command, metric=metric, env=env, folders=folders, **where)
     except LaunchError as exc:
         _fail(str(exc), exc.exit_code)
-
-
-def absolute_paths(command: Sequence[str], cwd: Path) -> tuple[list[str], list[str]]:
-    """COMMAND with each relative word (or ``--flag=value``'s value) that names an existing file or
-    folder under ``cwd`` made absolute, and those words; the program itself only when it is a
-    path (``./train.sh``): a bare name is looked up on ``PATH``."""
-    result, moved = [], []
-    for i, word in enumerate(command):
-        flag, eq, value = word.partition("=") if word.startswith("-") else ("", "", word)
-        if i == 0 and os.sep not in word:
-            result.append(word)
-        elif (eq or not flag) and value and not os.path.isabs(value) and (cwd / value).exists():
-            result.append(f"{flag}{eq}{os.path.abspath(cwd / value)}")  # not resolve(): a venv's python is a symlink
-            moved.append(value)
-        else:
-            result.append(word)
-    return result, moved
 
 
 # Python's options that take a value (``-W error``, ``-X dev``): the word after them is no script

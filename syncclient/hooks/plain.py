@@ -71,8 +71,11 @@ class PlainLoop:
         self._unscale: Any = lambda: None  # removes the learning-rate scaling of the lead's steps
 
     def start(self) -> None:
+        from syncclient.hooks.byhand import ByHand
+
         self._pre = register_optimizer_step_pre_hook(self._first_step)
         self._post = register_optimizer_step_post_hook(self._after_step)
+        self._byhand = ByHand(self)
         session.on_claimed(self.stop)
 
     def stop(self) -> None:
@@ -82,6 +85,8 @@ class PlainLoop:
             if handle is not None:
                 handle.remove()
         self._pre = self._post = None
+        if not self._byhand.stepping:
+            self._byhand.stop()
 
     # -- hooks ------------------------------------------------------------------------------------
 
@@ -90,6 +95,7 @@ class PlainLoop:
         if self._begun:
             return  # left in place only when standing aside for the SDK: a call that returns
         self._begun = True
+        self._byhand.stop()  # an optimizer steps this loop
         if not session.claim("torch", f"a torch optimizer ({type(optimizer).__name__})"):
             if self._post is not None:
                 self._post.remove()
@@ -181,7 +187,7 @@ class PlainLoop:
 
     # -- the run ----------------------------------------------------------------------------------
 
-    def _join(self, model: torch.nn.Module) -> None:
+    def _join(self, model: torch.nn.Module, steps: str = "optimizer steps") -> None:
         from syncclient.client import SyncClient  # only now: the program does not use the SDK itself
 
         settings = self.settings
@@ -202,9 +208,10 @@ class PlainLoop:
         session.note(
             f"syncing {describe([_inner(self.model)])} as {info.peer} (rank {info.rank} of {info.world_size}) "
             f"in run {settings.run!r}, "
-            + ("when rounds are due" if client.policy == "samples" else f"every {settings.sync_every} optimizer steps")
+            + ("when rounds are due" if client.policy == "samples" else f"every {settings.sync_every} {steps}")
         )
         _watch_state_reads(self)
+        _watch_saves(self)
         _at_main_thread_exit(self._at_exit)
 
     def _sync(self, *, final: bool = False) -> None:
@@ -266,6 +273,21 @@ def _watch_state_reads(loop: PlainLoop) -> None:
         return original(self, *args, **kwargs)
 
     torch.nn.Module.state_dict = state_dict  # type: ignore[method-assign]
+
+
+def _watch_saves(loop: PlainLoop) -> None:
+    """``torch.save``, wrapped to tell ``loop`` of each module it is given (``torch.save(model)``
+    pickles the module: its state is never read, so :func:`_watch_state_reads` would not see it)."""
+    original = torch.save
+
+    @functools.wraps(original)
+    def save(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        for thing in (obj, *(obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list | tuple) else ())):
+            if isinstance(thing, torch.nn.Module):
+                loop._state_read(thing)
+        return original(obj, *args, **kwargs)
+
+    torch.save = save
 
 
 def _model_of(optimizer: torch.optim.Optimizer) -> torch.nn.Module:

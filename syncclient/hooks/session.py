@@ -128,10 +128,11 @@ def crashed() -> bool:
 
 
 def _program_started() -> bool:
-    """False when Python could not start the program (no such script or module: ``__main__`` got
-    no ``__file__``; ``-c`` and the prompt have none either)."""
-    main = sys.modules.get("__main__")
-    return getattr(main, "__file__", None) is not None or (sys.argv[:1] in (["-c"], [""]))
+    """False when Python could not start the program: no such script (``sys.argv[0]`` names no file)
+    or module (``python -m`` leaves ``-m`` there). Not ``__main__.__file__``: Python removes it once a
+    script has run to its end."""
+    program = sys.argv[0] if sys.argv else ""
+    return program in ("-c", "") or (program != "-m" and os.path.exists(program))
 
 
 def _at_exit() -> None:

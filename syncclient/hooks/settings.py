@@ -34,7 +34,7 @@ def name_problem(value: str) -> str | None:
 
 #: field -> variable: the launcher's own settings, every run setting (``min_peers`` ->
 #: ``WEIGHTSYNC_MIN_PEERS``), and the peer's name and rank (``--local-peers`` sets those itself).
-_OWN = ("hub", "run", "token", "sync_every", "shard", "lr_scaling", "lr_scaling_warmup")
+_OWN = ("hub", "run", "token", "sync_every", "shard", "seed", "lr_scaling", "lr_scaling_warmup")
 _PEER = ("peer", "rank", "world_size")
 ENV = {name: "WEIGHTSYNC_" + name.upper() for name in (*_OWN, *(s.name for s in RUN_SETTINGS), *_PEER)}
 
@@ -63,6 +63,7 @@ class HookSettings:
     token: str | None = None
     sync_every: int | SyncSchedule | None = DEFAULT_SYNC_EVERY
     shard: bool = True
+    seed: bool = True  # a constant seed the program sets becomes seed + rank (syncclient.hooks.seeds)
     peer: str | None = None
     rank: int | None = None
     world_size: int | None = None
@@ -101,6 +102,12 @@ class HookSettings:
             if parsed < low:
                 raise SettingsError(f"{source}: must be >= {low}, got {parsed}")
             return parsed
+
+        def switch(field: str) -> bool:
+            value, source = raw(field)
+            if value not in (None, "0", "1"):
+                raise SettingsError(f"{source}: expected 0 (off) or 1 (on), got {value!r}")
+            return value != "0"
 
         def name(field: str) -> str | None:
             value, source = raw(field)
@@ -144,9 +151,7 @@ class HookSettings:
         (lr_scaling, lr_source), warmup = raw("lr_scaling"), number("lr_scaling_warmup", low=0)
         # (a warm-up not given, None, is one round; only the scaling can be wrong: the warm-up is a number >= 0)
         peer_lr = parsed(lr_source, PeerLR, lr_scaling or DEFAULT_PEER_LR.scaling, warmup)
-        shard, shard_source = raw("shard")
-        if shard not in (None, "0", "1"):
-            raise SettingsError(f"{shard_source}: expected 0 (off) or 1 (on), got {shard!r}")
+        shard, seed = switch("shard"), switch("seed")
         rank, world_size = number("rank", low=0), number("world_size")
         if (rank is None) != (world_size is None) or (rank or 0) >= (world_size or 1):
             raise SettingsError(
@@ -158,7 +163,8 @@ class HookSettings:
             run=run,
             token=raw("token")[0],
             sync_every=sync_every,
-            shard=shard != "0",
+            shard=shard,
+            seed=seed,
             peer=name("peer"),
             rank=rank,
             world_size=world_size,
@@ -174,7 +180,7 @@ class HookSettings:
     def to_env(self) -> dict[str, str]:
         """The variables that give a child these settings (tokens stay off command lines)."""
         values = {name: getattr(self, name) for name in (*_OWN, *_PEER)}
-        values |= {"shard": "1" if self.shard else "0", **self.config}
+        values |= {"shard": str(int(self.shard)), "seed": str(int(self.seed)), **self.config}
         return {ENV[k]: str(v) for k, v in values.items() if v not in (None, "")}
 
     @property
@@ -189,6 +195,11 @@ class HookSettings:
     def client_kwargs(self) -> dict[str, Any]:
         """Keywords for ``SyncClient`` (and the callbacks, which pass them on)."""
         return {"run": self.run, "peer": self.peer, "token": self.token, "sync_every": self.sync_every, **self.config}
+
+    @property
+    def seed_offset(self) -> int:
+        """What each constant seed the program sets gets added: the rank among several peers, if on."""
+        return self.rank if self.seed and self.rank is not None and (self.world_size or 1) > 1 else 0
 
     @property
     def shards(self) -> bool:
