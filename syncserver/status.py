@@ -215,6 +215,8 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
         for way in ("up", "down")
     )
     out: list[RenderableType] = [_fit(title, PEER_COLUMNS, peer_rows, width, empty="no peers yet")]
+    if s.get("same_data"):  # said once per run by the hub (core/samedata.py)
+        out.append(Text(f"same data: {s['same_data']['message']}", style="bold yellow"))
     out.append(Text(f"bytes since the hub started: {traffic}"))
 
     lanes = {t["round"]: t["lanes"] for t in s["trace"]}

@@ -21,6 +21,7 @@ from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.settings import HubSettings
 from tests.conftest import REPO, Hub
 from tests.harness import Peers
+from tests.test_samedata import delta, round_, start_run
 
 TOKEN, VIEW = "hub-secret", "view-only"
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"  # as .ci/install-chromium.sh
@@ -288,6 +289,24 @@ def test_page_shows_two_peers_training_live(hub_factory: Callable[..., Hub], bro
         peers.wait()
     page.wait_for_function("document.querySelector('#summary .v').textContent === '4'", timeout=30_000)
     assert errors == []
+    page.close()
+
+
+def test_page_says_when_two_peers_trained_on_the_same_data(hub_factory: Callable[..., Hub], browser: Any) -> None:
+    """The hub's same-data notice (tests/test_samedata.py) is the first thing on the run's page."""
+    hub = hub_factory()
+    http = httpx.Client(base_url=hub.url, timeout=30)
+    start_run(http, "twins")
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    page.goto(f"{hub.url}/#run=twins")
+    page.locator("#summary .stat").first.wait_for(timeout=15_000)
+    assert page.locator("#notice").is_hidden()  # nothing to say yet
+    round_(http, "twins", 0, delta(2), delta(2))  # one seed on both peers
+    notice = page.locator("#notice")
+    notice.wait_for(state="visible", timeout=30_000)  # the page follows by itself
+    text = notice.inner_text()
+    assert "peers peer-0 and peer-1 sent identical updates in round 0" in text, text
+    assert "give each peer its own seed or data shard" in text, text
     page.close()
 
 

@@ -77,6 +77,7 @@ def test_run_table_lists_peers_and_rounds(run_table: subprocess.CompletedProcess
     assert "open round 3" in text
     # no object store: every byte went through the hub's link
     assert re.search(r"up [\d.,]+ MB via the hub, 0\.0 MB via the store; down [\d.,]+ MB via the hub, 0\.0 MB", text)
+    assert "same data" not in text  # each peer drew its own batches
 
 
 def test_json_says_where_the_bytes_went(hub_with_rounds: Hub) -> None:
@@ -303,3 +304,19 @@ def test_a_round_waiting_on_its_merge_floor_says_so() -> None:
     Console(width=200, file=out, color_system=None).print(render({"runs": [], "run": run}, "http://hub:8000"))
     assert "waiting for min_merge_peers: 1 of 2 updates" in out.getvalue()
     assert "stragglers dropped" not in out.getvalue()
+
+
+def test_two_peers_on_the_same_data_get_a_line() -> None:
+    """The hub's same-data notice (tests/test_samedata.py), under the peers; none without one."""
+    run = big_run()
+    message = "peers gpu-europe-west-1 and gpu-us-east-1 sent identical updates in round 12345: they trained ..."
+    run["same_data"] = {
+        "round": 12345,
+        "peers": ["gpu-europe-west-1", "gpu-us-east-1"],
+        "by": "digest",
+        "message": message,
+    }
+    out = io.StringIO()
+    Console(width=300, file=out, color_system=None).print(render({"runs": [], "run": run}, "http://hub:8000"))
+    assert f"same data: {message}" in out.getvalue()
+    assert "same data" not in draw(300)

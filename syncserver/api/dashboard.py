@@ -26,6 +26,7 @@ from syncserver.api import answers
 from syncserver.api.deps import Hub, RunQuery, Viewer, Wait
 from syncserver.api.schemas import DashboardData, DashboardRun
 from syncserver.core.changes import until
+from syncserver.core.samedata import LOSS_KEYS
 from syncserver.records import RoundRecord, UpdateRecord
 
 __all__ = ["add_dashboard", "curves", "round_trace"]
@@ -34,8 +35,7 @@ STATIC = Path(__file__).parent / "static"
 TRACE_ROUNDS = 20  # rounds with phase spans (the timeline draws the last 8, the table 20)
 CURVE_UPDATES = 2000  # latest updates whose metrics make the curves
 
-# metric names peers use, in order of preference (the first one found wins)
-LOSS_KEYS = ("loss", "train_loss")
+# metric names peers use, in order of preference (the first one found wins; LOSS_KEYS: samedata's)
 PPL_KEYS = ("eval_ppl", "val_ppl", "eval_perplexity", "perplexity", "ppl")
 EVAL_LOSS_KEYS = ("eval_loss", "val_loss")  # perplexity = exp(loss) when no perplexity is sent
 STEP_KEYS = ("step", "global_step")

@@ -36,6 +36,7 @@ __all__ = [
     "RunConfig",
     "RunStatus",
     "RunSummary",
+    "SameData",
     "StartInitialise",
     "StartReady",
     "StartState",
@@ -265,6 +266,18 @@ class Traffic(Answer):
     down: Bytes = Field(description="Results and versions: served by the hub, or a 307 to the store.")
 
 
+class SameData(Answer):
+    """Two peers' updates of one round were equal: they trained on the same data (``core/samedata.py``).
+    Said once per run, from the first such pair; a restart forgets it."""
+
+    round: int
+    peers: list[str] = Field(description="The two peers: the one acknowledged first, then the other.")
+    by: Literal["digest", "norm", "metrics"] = Field(
+        description="What was equal: the body's sha-256, the L2 norm (to 1e-6), or the training loss and samples."
+    )
+    message: str = Field(description="What happened and what to do, as the log, status and the dashboard say it.")
+
+
 class _RunState(Answer):
     """What run status and the dashboard both say of a run."""
 
@@ -282,6 +295,9 @@ class _RunState(Answer):
         None, description="The object store peers download results and versions from (SYNC_STORE); null: the hub."
     )
     traffic: Traffic
+    same_data: SameData | None = Field(
+        None, description="Two peers trained on the same data (the first pair the hub saw); null: none seen."
+    )
 
 
 class RunStatus(_RunState):

@@ -21,6 +21,7 @@ from syncserver.core.changes import Tasks
 from syncserver.core.finite import merge_finite
 from syncserver.core.planes import LocalPlane
 from syncserver.core.policy import Close, Place
+from syncserver.core.samedata import same_data
 from syncserver.core.shape import RunShape
 from syncserver.core.state import Run, Via, now
 from syncserver.core.view import HubView
@@ -296,6 +297,16 @@ class Rounds:
             run.norms[ticket.peer] = norm
         if run.opened is None:
             run.opened = update.received
+        if run.same_data is None and (found := same_data(update, run.acked.values(), run.norms)) is not None:
+            run.same_data = found  # once per run: the dashboard and status keep showing it
+            log.warning(
+                "same_data run=%s round=%d peers=%s,%s equal=%s: %s",
+                run.name,
+                found.round,
+                *found.peers,
+                found.by,
+                found.message,
+            )
         peer = run.peers[ticket.peer]
         last = peer.last_update_at  # the rate between two updates, unless the peer reports progress
         if peer.last_progress is None and last is not None and update.received > last:

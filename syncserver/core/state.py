@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from syncserver.core.changes import Changes
 from syncserver.core.policy import RoundPolicy, make_policy
+from syncserver.core.samedata import SameData
 from syncserver.core.shape import RunShape
 from syncserver.records import UpdateRecord
 from syncserver.reduce.engine import Accumulator, Outer
@@ -110,6 +111,9 @@ class Run:
     norms: dict[str, float] = field(default_factory=dict)
     previous_norms: list[float] = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)  # in memory: a restart counts afresh
+    # two peers found training on the same data, said once per run; in memory: a restart forgets
+    # (and says it again if they still do)
+    same_data: SameData | None = None
     # round -> peer -> (wall time its result download began, ended); in memory, bounded
     downloads: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
     # a close that failed (say the disk is full) is tried again from this monotonic time on

@@ -18,13 +18,14 @@ from typing import Any, TypedDict
 from syncserver.core.changes import Changes
 from syncserver.core.planes import LocalPlane
 from syncserver.core.policy import PeerState
+from syncserver.core.samedata import SameData
 from syncserver.core.state import Run, Via
 from syncserver.core.workers import Workers
 from syncserver.errors import NotFound
 from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.storage.store import Store
 
-__all__ = ["HubView", "Listeners", "OpenRoundState", "PeerLine", "RunFacts", "RunLine", "RunState"]
+__all__ = ["HubView", "Listeners", "OpenRoundState", "PeerLine", "RunFacts", "RunLine", "RunState", "SameDataState"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,13 @@ class PeerLine(TypedDict):
     bytes_down: int
 
 
+class SameDataState(TypedDict):
+    round: int
+    peers: list[str]
+    by: str
+    message: str
+
+
 class RunState(TypedDict):
     """What run status and the dashboard both show of a run."""
 
@@ -89,6 +97,7 @@ class RunState(TypedDict):
     rounds: list[RoundRecord]  # oldest first
     store: str | None  # the object store results and versions go out through (SYNC_STORE), no credential
     traffic: dict[str, dict[Via, int]]  # up/down -> via -> bytes since the hub started (state.Traffic)
+    same_data: SameDataState | None  # two peers trained on the same data (samedata.py); a restart forgets
 
 
 @dataclass
@@ -227,6 +236,7 @@ class HubView:
             "rounds": self.rounds(run.name),
             "store": self.store_url,
             "traffic": {"up": dict(run.traffic.up), "down": dict(run.traffic.down)},
+            "same_data": _same_data(run.same_data),
         }
 
     def fingerprint(self, run: Run | None) -> str:
@@ -238,4 +248,11 @@ class HubView:
             downloads = sorted((r, sorted(names)) for r, names in run.downloads.items())
             open_round = [run.version, sorted(run.acked), sorted(run.uploading), run.closing, policy.due]
             parts += [*open_round, policy.floor_wait(time.monotonic()), sorted(policy.live), peers, downloads]
+            parts.append(run.same_data is not None)
         return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def _same_data(found: SameData | None) -> SameDataState | None:
+    if found is None:
+        return None
+    return {"round": found.round, "peers": list(found.peers), "by": found.by, "message": found.message}

@@ -232,12 +232,23 @@
 
   function renderRun(run) {
     const colors = peerColors(run);
+    renderNotice(run);
     renderSummary(run);
     renderPeers(run, colors);
     renderOpen(run);
     renderTimeline(run, colors);
     renderCurves(run, colors);
     renderRounds(run);
+  }
+
+  // two peers trained on the same data: the hub says so once per run (core/samedata.py)
+  function renderNotice(run) {
+    const el = $("notice");
+    const same = run.same_data;
+    el.hidden = !same;
+    if (!same) return el.replaceChildren();
+    el.dataset.round = same.round;
+    fill(el, h("b", {}, "Same data. "), same.message);
   }
 
   function stat(label, value, small) {
