@@ -44,6 +44,7 @@ PROCESS_MODULES = frozenset(
         "test_load_smoke",
         "test_local",  # --local-peers
         "test_policies",  # a module hub
+        "test_public_scripts",  # weightsync-run on public training scripts (tests/public)
         "test_schemathesis",
         "test_status_cli",
         "test_store_wire",  # hubs with --store, `syncserver serve` refusing a store, bench/storebytes.py
