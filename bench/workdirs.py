@@ -56,7 +56,8 @@ def main() -> None:
                     times[kind].append(started(folders, folder, command))
             here, over = (statistics.median(times[k]) * 1e3 for k in ("here", "overlay"))
             fast = {k: min(v) * 1e3 for k, v in times.items()}
-            print(f"{name:<16} {here:14.1f} {over:11.1f} {over / here:6.2f}   ({fast['here']:.1f}; {fast['overlay']:.1f})")
+            fastest = f"({fast['here']:.1f}; {fast['overlay']:.1f})"
+            print(f"{name:<16} {here:14.1f} {over:11.1f} {over / here:6.2f}   {fastest}")
 
 
 if __name__ == "__main__":

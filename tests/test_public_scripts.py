@@ -193,9 +193,18 @@ def test_transformers_run_clm(tmp_path: Path, small_vocab_data: Path) -> None:
 # -- pytorch/examples: word_language_model --------------------------------------------------------
 
 
-def model_of_pickle(path: Path) -> dict[str, torch.Tensor]:
-    """The state of a module saved whole (``torch.save(model, f)``)."""
-    return torch.load(path, map_location="cpu", weights_only=False).state_dict()
+def model_of_pickle(folder: Path) -> Callable[[Path], dict[str, torch.Tensor]]:
+    """The state of a module saved whole (``torch.save(model, f)``), its class found in ``folder``."""
+
+    def load(path: Path) -> dict[str, torch.Tensor]:
+        sys.path.insert(0, str(folder))
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False).state_dict()
+        finally:
+            sys.path.remove(str(folder))
+            sys.modules.pop("model", None)  # nanoGPT's model.py has the same name
+
+    return load
 
 
 @needs_data
@@ -213,7 +222,7 @@ def test_pytorch_examples_word_language_model(tmp_path: Path) -> None:
     out, last, _ = run_public(folder, tmp_path / "ws", "main.py", "--data", str(corpus), "--emsize", "16",
                                  "--nhid", "16", "--nlayers", "1", "--epochs", "1", "--bptt", "8", "--batch_size",
                                  "4", "--dropout", "0.0", "--log-interval", "1")  # fmt: skip
-    assert_identical_and_hub(out, "model.pt", model_of_pickle, last)
+    assert_identical_and_hub(out, "model.pt", model_of_pickle(folder), last)
     # --log-interval 1 prints from batch 1 on (batch 0 is never printed): the first line's loss
     # is the first two steps' sum; its ppl (exp of it, 2 decimals) tells peers apart
     assert_first_losses_differ(out, r"\|\s+loss\s+(\S+)\s+\|\s+ppl\s+(\S+)")

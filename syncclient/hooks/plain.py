@@ -69,6 +69,7 @@ class PlainLoop:
         self._pre: Any = None  # torch's hook handles
         self._post: Any = None
         self._unscale: Any = lambda: None  # removes the learning-rate scaling of the lead's steps
+        self._byhand: Any = None  # watches backward passes until an optimizer steps (syncclient.hooks.byhand)
 
     def start(self) -> None:
         from syncclient.hooks.byhand import ByHand
@@ -85,7 +86,7 @@ class PlainLoop:
             if handle is not None:
                 handle.remove()
         self._pre = self._post = None
-        if not self._byhand.stepping:
+        if self._byhand is not None and not self._byhand.stepping:
             self._byhand.stop()
 
     # -- hooks ------------------------------------------------------------------------------------
@@ -95,7 +96,8 @@ class PlainLoop:
         if self._begun:
             return  # left in place only when standing aside for the SDK: a call that returns
         self._begun = True
-        self._byhand.stop()  # an optimizer steps this loop
+        if self._byhand is not None:
+            self._byhand.stop()  # an optimizer steps this loop
         if not session.claim("torch", f"a torch optimizer ({type(optimizer).__name__})"):
             if self._post is not None:
                 self._post.remove()
