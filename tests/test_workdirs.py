@@ -9,10 +9,13 @@ folders with links to what is there, and the launcher says what changed.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+from syncserver import workdirs
 from syncserver.workdirs import Links, Overlay, choose
 from tests.test_zero_code import finish, launch
 
@@ -96,3 +99,41 @@ def test_the_overlay_is_chosen_where_the_kernel_allows_it(tmp_path: Path) -> Non
     folders, line = choose(repo, tmp_path / "o")
     assert isinstance(folders, Overlay) and line is None
     assert not any((tmp_path / "o" / ".overlay").iterdir())  # the probe cleaned up after itself
+
+
+AS_A_USER = """
+import subprocess, sys
+from pathlib import Path
+from workdirs import Overlay, choose
+launch = Path.cwd()
+folders, line = choose(launch, launch / "weightsync-local")
+assert isinstance(folders, Overlay), line
+mine = launch / "weightsync-local" / "peer-0"
+mine.mkdir()
+cwd, _, enter = folders.start(mine)
+subprocess.run(["sh", "-c", "cat data/words.txt > out/result.txt"], cwd=cwd, preexec_fn=enter, check=True)
+"""
+
+
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.base_prefix + "/bin/python3"
+
+
+def test_a_user_who_is_not_root_gets_the_overlay_through_a_user_namespace() -> None:
+    """As ``nobody`` (no CAP_SYS_ADMIN): a user namespace of the peer's own, in which overlayfs
+    mounts (Linux >= 5.11). The module needs only the standard library: a copy of it is run by the
+    system's Python, which ``nobody`` may read."""
+    root = Path(tempfile.mkdtemp(prefix="workdirs-"))
+    try:
+        root.chmod(0o755)
+        repo = make_launch_folder(root)
+        (root / "workdirs.py").write_text(Path(workdirs.__file__).read_text())
+        subprocess.run(["chown", "-R", "65534:65534", str(root)], check=True)
+        done = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", SYSTEM_PYTHON, "-c",
+             AS_A_USER], cwd=repo, env={"PYTHONPATH": str(root), "HOME": str(root)}, capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert (repo / "weightsync-local" / "peer-0" / "out" / "result.txt").read_text() == "hello"
+        assert (repo / "out" / "result.txt").read_text() == "the launch folder's own"
+    finally:
+        shutil.rmtree(root)
