@@ -47,7 +47,8 @@ class SameData:
         return (
             f"peers {first} and {second} sent {_WHAT[self.by]} in round {self.round}: they trained on the same "
             "data (a script that seeds every process with one constant draws the same batches); give each peer "
-            "its own seed or data shard (weightsync-run does both unless --same-seed / --no-shard)"
+            "its own seed or data shard (weightsync-run does both for peers that have a rank: under --local-peers, "
+            "or given WEIGHTSYNC_RANK and WEIGHTSYNC_WORLD_SIZE on each machine)"
         )
 
 
