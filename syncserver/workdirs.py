@@ -22,6 +22,7 @@ Each gives a peer ``(cwd, WEIGHTSYNC_PEER_DIR, preexec)`` for :class:`subprocess
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shutil
 from collections.abc import Callable
@@ -117,13 +118,15 @@ def _try(launch: Path, work: Path) -> str | None:
     _empty(upper)
     _empty(scratch)
     pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        code = 0
+    if pid == 0:  # pragma: no cover (the child, which must never return into the launcher)
+        code = errno.EOPNOTSUPP  # not Linux (no unshare in its libc), or another failure
         try:
             _mount_over(str(launch), str(upper), str(scratch))
+            code = 0
         except OSError as exc:
-            code = exc.errno or 1
-        os._exit(code)
+            code = exc.errno or code
+        finally:
+            os._exit(code)
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     shutil.rmtree(upper, ignore_errors=True)
     shutil.rmtree(scratch, ignore_errors=True)
