@@ -40,7 +40,6 @@ BUDGETS: dict[str, float] = {
     # 3 processes of the reference job (transformers, datasets), one SIGKILLed and restarted (60 s at load 14)
     "tests/test_bench_smoke.py::test_chaos_benchmark_kills_and_restarts_a_reference_job_peer": 25,
     "tests/test_finetune.py::test_a_samples_run_trains_until_the_run_has_seen_its_epochs": 33,
-    "tests/test_finetune.py::test_serial_baseline": 11,
     # issue 44: the serial baseline after the peers (+1 process, ~7 s), one plot instead of three (-1 s);
     # estimated from those parts, not timed on a quiet VM
     "tests/test_finetune.py::test_two_local_peers_end_identical_and_learn": 22,
