@@ -3,6 +3,7 @@
     sudo python bench/ttq.py                              # 2 peers, 1 Gbit/s and 100 Mbit/s, seeds 1 and 2
     sudo python bench/ttq.py --peers 4 --links 1gbit      # on a machine with a core per peer
     sudo python bench/ttq.py --quick                      # the smoke test: a few steps, seconds
+                                                          # (random tiny GPT-2, tokenizer cut to 1,025 tokens)
 
 Users rent N machines to get the model one machine would give, sooner. This runs the reference job
 (``train/finetune_gpt2.py``) both ways and measures the **wall time from start until the run's model
@@ -61,6 +62,8 @@ import quality  # noqa: E402 (bench/quality.py: the warm start, the data)
 import record  # noqa: E402 (bench/record.py: the result file)
 import wire  # noqa: E402 (bench/wire.py: namespaces, links, pinning)
 
+from tests.smallvocab import small_vocab_data  # noqa: E402
+
 TRAIN = REPO / "train" / "finetune_gpt2.py"
 
 
@@ -108,11 +111,12 @@ parser.add_argument("--ns-prefix", default=None, help="namespace name prefix (de
 parser.add_argument("--out", type=Path, default=BENCH / "results", help="folder for the JSON")
 
 
-def job(common: dict[str, Any], model: Path | None, out: Path, *extra: str) -> list[str]:
-    """The reference job's command line, on local data and the warm start (None: a random tiny GPT-2)."""
+def job(common: dict[str, Any], model: Path | None, data: Path, out: Path, *extra: str) -> list[str]:
+    """The reference job's command line, on the offline ``data`` folder and the warm start (None: a
+    random tiny GPT-2)."""
     start = ["--model", str(model)] if model else ["--model-config", "tiny"]
     argv = [sys.executable, str(TRAIN), "--output-dir", str(out), *start, "--threads", "1"]
-    argv += ["--dataset", str(quality.DATA / "imdb"), "--tokenizer", str(quality.DATA / "gpt2-tokenizer")]
+    argv += ["--dataset", str(data / "imdb"), "--tokenizer", str(data / "gpt2-tokenizer")]
     for flag, value in common.items():
         argv += [f"--{flag}", str(value)]
     return [*argv, *extra]
@@ -133,11 +137,13 @@ def evaluations(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def run_serial(common: dict[str, Any], model: Path | None, work: Path, seed: int, every: int) -> dict[str, Any]:
+def run_serial(
+    common: dict[str, Any], model: Path | None, data: Path, work: Path, seed: int, every: int
+) -> dict[str, Any]:
     """Serial, one epoch, on one core: its final perplexity (the target) and when it first got there."""
     out = work / f"serial-{seed}"
     cpu = str(sorted(os.sched_getaffinity(0))[0])
-    argv = ["taskset", "-c", cpu, *job(common | {"seed": seed}, model, out, "--no-hub", "--epochs", "1",
+    argv = ["taskset", "-c", cpu, *job(common | {"seed": seed}, model, data, out, "--no-hub", "--epochs", "1",
                                        "--eval-every", str(every))]  # fmt: skip
     with (work / f"serial-{seed}.log").open("wb") as log:
         code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
@@ -152,8 +158,9 @@ def run_serial(common: dict[str, Any], model: Path | None, work: Path, seed: int
             "curve": [(r["step"], r["elapsed"], r["val_ppl"]) for r in rows]}  # fmt: skip
 
 
-def run_peers(args: argparse.Namespace, common: dict[str, Any], model: Path | None, work: Path, net: wire.Net, url: str,
-              serial: dict[str, Any], variant: Variant, link: str) -> dict[str, Any]:  # fmt: skip
+def run_peers(args: argparse.Namespace, common: dict[str, Any], model: Path | None, data: Path, work: Path,
+              net: wire.Net, url: str, serial: dict[str, Any], variant: Variant,
+              link: str) -> dict[str, Any]:  # fmt: skip
     """N peers of the job over ``link`` until rank 0 logs a sync at or below serial's final perplexity."""
     name = f"{variant.name}-{link}-seed{serial['seed']}"
     every = max(1, round(args.sync_every * variant.interval))
@@ -167,7 +174,7 @@ def run_peers(args: argparse.Namespace, common: dict[str, Any], model: Path | No
             out = work / name / f"p{k}"
             folders.append(out)
             flags = common | {"seed": serial["seed"]} | variant.flags
-            argv = job(flags, model, out, "--hub", url, "--run", name, "--peer", f"p{k}", "--min-peers",
+            argv = job(flags, model, data, out, "--hub", url, "--run", name, "--peer", f"p{k}", "--min-peers",
                        str(args.peers), *interval, "--codec", variant.codec, "--eval-every", "0",
                        "--epochs", str(args.max_epochs))  # fmt: skip
             out.mkdir(parents=True)
@@ -320,11 +327,14 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with wire.terminated_as_exit():
         try:
+            # --quick: GPT-2's tokenizer cut to 1,025 tokens, as the tests cut it (tests/smallvocab.py):
+            # with all 50,257 the output layer is ~98% of a random tiny GPT-2's compute
+            data = small_vocab_data(quality.DATA, work / "data") if args.quick else quality.DATA
             net.up()
             hub = wire.serve_in_ns(net, work / "hub", work / "hub.log")
             url = hub.url
             for seed in args.seeds:
-                serial = run_serial(common, model, work, seed, args.serial_eval_every)
+                serial = run_serial(common, model, data, work, seed, args.serial_eval_every)
                 serials.append(serial)
                 print(f"seed {seed}: serial {serial['target']:.2f} at {serial['time_s']:.1f} s "
                       f"({serial['steps']} steps), load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
@@ -332,7 +342,7 @@ def main() -> None:
                     for name in args.variants:
                         if name != "fp32" and link not in args.variant_links:
                             continue
-                        r = run_peers(args, common, model, work, net, url, serial, VARIANTS[name], link)
+                        r = run_peers(args, common, model, data, work, net, url, serial, VARIANTS[name], link)
                         rows.append(r)
                         equal = _x(r["equal_samples_vs_serial"], "{:+.2%}")
                         print(f"seed {seed} {name} {link}: {_x(r['time_s'], '{:.1f} s')}, x serial {_x(r['x_serial'])} "

@@ -19,6 +19,13 @@ from tests.conftest import Hub
 from tests.harness import hub_model, run_peers
 from tests.models import Blocks
 
+
+@pytest.fixture(scope="module")
+def hub(module_hub: Hub) -> Hub:
+    """One hub for the tests here that take ``hub``, each on runs of its own names (tests/conftest.py)."""
+    return module_hub
+
+
 BATCH = 4
 
 

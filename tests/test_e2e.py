@@ -18,6 +18,12 @@ from tests.harness import Peers, hub_model, run_peers, train_a_little, wait_for
 from tests.models import perturb, tiny_bigram, tiny_gpt2
 
 
+@pytest.fixture(scope="module")
+def hub(module_hub: Hub) -> Hub:
+    """One hub for the tests here that take ``hub``, each on runs of its own names (tests/conftest.py)."""
+    return module_hub
+
+
 @pytest.mark.parametrize("codec", ["fp32", "bf16"])
 def test_three_peers_hold_the_exact_weighted_mean(hub: Hub, codec: str) -> None:
     rounds, n = 3, 3
@@ -255,8 +261,9 @@ def test_files_written_over_pruned_ones_change_no_bit(hub_factory: Callable[...,
     assert all(np.array_equal(ends[0][name], ends[1][name]) for name in ends[0])
 
 
-def test_concurrent_joiners_elect_one_initialiser(hub: Hub) -> None:
+def test_concurrent_joiners_elect_one_initialiser(hub_factory: Callable[..., Hub]) -> None:
     """Eight peers join at the same instant: exactly one uploads version 0, all end identical."""
+    hub = hub_factory()  # of its own: it reads the hub's whole log
     n = 8
     barrier = threading.Barrier(n)
 

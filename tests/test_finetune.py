@@ -92,8 +92,29 @@ def test_two_local_peers_end_identical_and_learn(tmp_path: Path, small_vocab_dat
     for peer in ("peer-0", "peer-1", "serial"):
         assert (out / peer / "model" / "model.safetensors").exists()
         assert (out / peer / "model" / "config.json").exists() and (out / peer / "config.json").exists()
+    assert results["wall_seconds"]["serial"] > 0
+
+    # The serial baseline (the same command line, --no-hub): alone, it learns, and saves what a run
+    # saves. (It was a test of its own, one more reference-job process: docs/TESTING.md, merged scenarios.)
     serial = json.loads((out / "serial" / "results.json").read_text())
-    assert serial["world_size"] == 1 and serial["steps"] == 12 and results["wall_seconds"]["serial"] > 0
+    assert serial["world_size"] == 1 and serial["syncs"] == 0 and serial["steps"] == 12
+    evals = serial["evals"]
+    assert [e["step"] for e in evals] == [0, 2, 4, 6, 8, 10, 12]
+    assert evals[-1]["val_ppl"] < evals[0]["val_ppl"]
+    assert serial["final_test_ppl"] > 1
+    config = json.loads((out / "serial" / "config.json").read_text())
+    assert config["per_peer_batch"] == 16 and config["model_config"] == "tiny" and config["threads"] == 1
+    rows = map(json.loads, (out / "serial" / "rounds.jsonl").read_text().splitlines())
+    assert [r["step"] for r in rows if "val_ppl" in r] == [e["step"] for e in evals]  # written as it trains
+
+
+def test_sync_every_0_is_the_serial_baseline_as_no_hub_is() -> None:
+    """The serial baseline's two spellings (the run of it: the launcher's, in the test above)."""
+    script = load_script()
+    for flags in (["--sync-every", "0"], ["--no-hub", "--sync-every", "4"], ["--no-hub"]):
+        args = script.build_parser().parse_args(flags)
+        script.check_args(args)
+        assert (args.sync_every, args.hub_mode, args.policy, args.round_samples) == (0, False, None, None), flags
 
 
 @needs_data
@@ -117,26 +138,6 @@ def test_a_samples_run_trains_until_the_run_has_seen_its_epochs(tmp_path: Path, 
     assert all(r["samples"] >= 64 for r in results["rounds"])  # each round closed on its target
     assert {p["final_version"] for p in peers} == {results["hub_version"]} == {len(results["rounds"])}
     assert {f["version"] for f in results["final"].values()} == {results["hub_version"]}
-
-
-@needs_data
-def test_serial_baseline(tmp_path: Path, small_vocab_data: Path) -> None:
-    out = tmp_path / "serial"
-    # One torch thread: on a busy 2-core machine a second one mostly waits at barriers (~2x the CPU).
-    proc = run_script("--sync-every", "0", "--threads", "1", "--output-dir", str(out), *small(small_vocab_data))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = json.loads((out / "results.json").read_text())
-    assert results["world_size"] == 1 and results["syncs"] == 0 and results["steps"] == 12
-    evals = results["evals"]
-    assert [e["step"] for e in evals] == [0, 2, 4, 6, 8, 10, 12]
-    assert evals[-1]["val_ppl"] < evals[0]["val_ppl"]
-    assert results["final_test_ppl"] > 1
-    config = json.loads((out / "config.json").read_text())
-    assert config["per_peer_batch"] == 16 and config["model_config"] == "tiny" and config["threads"] == 1
-    assert (out / "model" / "model.safetensors").exists()
-    assert [r["step"] for r in map(json.loads, (out / "rounds.jsonl").read_text().splitlines()) if "val_ppl" in r] == [
-        e["step"] for e in evals
-    ]  # the evaluations, written as training goes (the launcher's plot draws them)
 
 
 @pytest.mark.parametrize(

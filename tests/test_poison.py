@@ -28,6 +28,13 @@ from tests.conftest import Hub
 from tests.harness import run_peers
 from tests.models import tiny_gpt2
 
+
+@pytest.fixture(scope="module")
+def hub(module_hub: Hub) -> Hub:
+    """One hub for the tests here that take ``hub``, each on runs of its own names (tests/conftest.py)."""
+    return module_hub
+
+
 SCHEMA = {"w": (16, 8), "b": (8,)}
 
 

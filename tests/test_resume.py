@@ -34,9 +34,15 @@ from tests.models import tiny_gpt2
 MiB = 1 << 20
 
 
+@pytest.fixture(scope="module")
+def hub(module_hub: Hub) -> Hub:
+    """One hub for the tests here that neither kill it nor set its lease, each on runs of its own
+    names (tests/conftest.py); the proxy in front of it is each test's own."""
+    return module_hub
+
+
 @pytest.fixture
-def proxied_hub(hub_factory: Callable[..., Hub]) -> Iterator[tuple[Hub, FaultProxy]]:
-    hub = hub_factory()
+def proxied_hub(hub: Hub) -> Iterator[tuple[Hub, FaultProxy]]:
     with FaultProxy(hub.port) as proxy:
         yield hub, proxy
 

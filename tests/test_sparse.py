@@ -31,6 +31,13 @@ from tests.conftest import Hub
 from tests.harness import hub_model, perturb, run_peers, wait_for
 from tests.models import tiny_gpt2
 
+
+@pytest.fixture(scope="module")
+def hub(module_hub: Hub) -> Hub:
+    """One hub for the tests here that take ``hub``, each on runs of its own names (tests/conftest.py)."""
+    return module_hub
+
+
 SPECS = [
     "topk",
     "topk:chunk=16,k=2,bits=2",

@@ -41,6 +41,13 @@ from syncwire.format import TensorFile
 from tests.conftest import REPO, Hub
 from tests.harness import run_peers, version_file
 
+
+@pytest.fixture(scope="module")
+def hub(module_hub: Hub) -> Hub:
+    """One hub for the tests here that take ``hub``, each on runs of its own names (tests/conftest.py)."""
+    return module_hub
+
+
 CODECS = ["fp32", "bf16", "int8", "int4", "int8:block=100", "int4:block=6"]
 
 
