@@ -11,9 +11,10 @@ a sync is due (:class:`~syncclient.schedule.SyncClock`). When syncs are made (do
 - right after a window's last step (step kN; with two optimizers over one model, after the
   iteration's last one, so that the sync holds the whole iteration);
 - when the program reads the model's state (``model.state_dict()``: every way of saving it but
-  ``torch.save(model)``, which is watched too) with steps not synced: synced then, marked final as a Trainer's last sync is, taking that window's
-  round; a read just after an ordinary sync of a lossy codec flushes its residual. So a file saved
-  after the last step holds the run's model, and a checkpoint mid-training costs no round;
+  ``torch.save(model)``, which is watched too) with steps not synced: synced then, marked final
+  as a Trainer's last sync is, taking that window's round; a read just after an ordinary sync of
+  a lossy codec flushes its residual. So a file saved after the last step holds the run's model,
+  and a checkpoint mid-training costs no round;
 - at exit (the main thread's end, before the interpreter shuts the SDK's thread pool), unless
   the program died of an exception: the last sync or flush, then leave.
 
