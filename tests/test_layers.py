@@ -27,7 +27,7 @@ LAYERS = {
 SHARED = {"settings", "errors", "limits", "names", "records"}
 #: top-level process machinery: imports no layer either (the launcher and the CLI start a hub
 #: through ``syncserver.app`` or a subprocess)
-PROCESS = {"arenas", "process", "status"}
+PROCESS = {"arenas", "process", "status", "workdirs"}
 #: process entry points, which wire the layers together
 ENTRY = {"__init__", "__main__", "app", "cli", "local"}
 #: HTTP frameworks: the api layer's alone (``app`` names FastAPI for ``app``'s type only)
