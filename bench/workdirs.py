@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from syncserver.workdirs import Folders, Here, choose
+from syncserver.workdirs import HERE, Folders, choose
 
 CHILDREN = {"python -c pass": [sys.executable, "-c", "pass"], "import torch": [sys.executable, "-c", "import torch"]}
 
@@ -50,7 +50,7 @@ def main() -> None:
         for name, command in CHILDREN.items():
             times: dict[str, list[float]] = {"here": [], "overlay": []}
             for i in range(args.repeats):
-                for kind, folders in (("here", Here()), ("overlay", overlay)):
+                for kind, folders in (("here", HERE), ("overlay", overlay)):
                     folder = out / f"{kind}-{name[:6]}-{i}"
                     folder.mkdir(parents=True)
                     times[kind].append(started(folders, folder, command))

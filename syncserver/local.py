@@ -39,7 +39,7 @@ from pydantic import SecretStr
 import syncserver
 from syncserver.process import ServerProcess, ServerStartError
 from syncserver.settings import HubSettings, SettingsInputError, hub_settings
-from syncserver.workdirs import Folders, Here
+from syncserver.workdirs import HERE, Folders
 from syncwire.digest import LEFT, weights_sha256
 
 __all__ = [
@@ -170,14 +170,14 @@ class LocalRun:
         run: str,
         metric: str = "loss",
         env: Mapping[str, str] | None = None,
-        folders: Folders | None = None,
+        folders: Folders = HERE,
     ) -> None:
         if not command:
             raise ValueError("give the command each peer runs, e.g. ['python', 'train.py']")
         if peers < 1:
             raise ValueError(f"peers must be >= 1, got {peers}")
         self.command, self.k, self.out, self.settings, self.run = list(command), peers, Path(out), settings, run
-        self.env, self.folders = dict(os.environ if env is None else env), folders or Here()
+        self.env, self.folders = dict(os.environ if env is None else env), folders
         digits = len(str(peers - 1))  # peer-07 sorts before peer-10: the hub's ranks follow the names
         self.peers = [f"peer-{i:0{digits}d}" for i in range(peers)]
         # the narrowest token that lets a peer into the run: its run token, else the hub's
@@ -294,7 +294,7 @@ def launch(
     token: str | None = None,
     metric: str = "loss",
     env: Mapping[str, str] | None = None,
-    folders: Folders | None = None,
+    folders: Folders = HERE,
     serial: Sequence[str] | None = None,
     curve: Callable[[Path], list[tuple[int, float]]] | None = None,
 ) -> int:
@@ -317,7 +317,7 @@ def launch(
         wall = {"peers": round(time.time() - t0, 2)}
         logs = {p: launched.logs[p] for p in launched.peers}
         if serial is not None:
-            logs["serial"] = _run_serial(serial, out, env, folders or Here())
+            logs["serial"] = _run_serial(serial, out, env, folders)
             wall["serial"] = round(time.time() - t0 - wall["peers"], 2)
     except KeyboardInterrupt:
         raise LaunchError("interrupted: stopped the hub and the peers", INTERRUPTED_EXIT) from None

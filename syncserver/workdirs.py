@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["Folders", "Here", "Links", "Overlay", "choose"]
+__all__ = ["HERE", "Folders", "Here", "Links", "Overlay", "choose"]
 
 Start = tuple[Path | None, Path, Callable[[], None] | None]  # cwd, WEIGHTSYNC_PEER_DIR, preexec_fn
 
@@ -43,6 +43,9 @@ class Folders(Protocol):
 class Here:
     def start(self, folder: Path) -> Start:
         return None, folder, None
+
+
+HERE = Here()  # holds nothing: one is enough
 
 
 class Links:

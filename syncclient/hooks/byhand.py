@@ -71,7 +71,6 @@ class ByHand:
 
     def _name_the_model(self, tensors: Any) -> None:
         leaves = _leaves(tensors)
-        leaves = [leaf for leaf in leaves if leaf.numel()]
         if leaves:
             try:
                 self.model = find_model(leaves)
@@ -106,7 +105,8 @@ class ByHand:
 
 
 def _leaves(tensors: Any) -> list[torch.Tensor]:
-    """The tensors a backward pass from ``tensors`` accumulates gradients into (the graph's leaves)."""
+    """The tensors a backward pass from ``tensors`` accumulates gradients into (the graph's leaves;
+    not empty ones, which have no first value to watch)."""
     roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     stack: list[Any] = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen, leaves = set(), []
@@ -116,7 +116,7 @@ def _leaves(tensors: Any) -> list[torch.Tensor]:
             continue
         seen.add(id(node))
         variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        if variable is not None:
+        if variable is not None and variable.numel():
             leaves.append(variable)
         stack.extend(child for child, _ in node.next_functions)
     return leaves

@@ -286,7 +286,8 @@ def _watch_saves(loop: PlainLoop) -> None:
 
     @functools.wraps(original)
     def save(obj: Any, *args: Any, **kwargs: Any) -> Any:
-        for thing in (obj, *(obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list | tuple) else ())):
+        held = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list | tuple) else ()
+        for thing in (obj, *held):
             if isinstance(thing, torch.nn.Module):
                 loop._state_read(thing)
         return original(obj, *args, **kwargs)
