@@ -26,6 +26,7 @@ BUDGETS: dict[str, float] = {
     # the programs users run, each a process (or several) that imports torch and often transformers
     "tests/test_bench_smoke.py::test_group_benchmark_times_every_peer_shape": 18,  # torchrun, 3 times
     "tests/test_bench_smoke.py::test_hooks_benchmark_times_hooked_and_plain_steps": 9,
+    "tests/test_bench_smoke.py::test_workdirs_benchmark_times_a_start_with_and_without_the_overlay": 10,  # torch, twice
     "tests/test_bench_smoke.py::test_round_benchmark_runs_and_writes_every_row": 9,
     "tests/test_bench_smoke.py::test_unequal_benchmark_runs_every_policy": 17,  # 3 hubs, 6 peers (forked)
     # root only: namespaces, 2 peers, today's hub and a --store hub, SeaweedFS in its namespace (~4 s)

@@ -170,6 +170,17 @@ def test_hooks_benchmark_times_hooked_and_plain_steps(tmp_path: Path) -> None:
     assert "| null |" in proc.stdout
 
 
+def test_workdirs_benchmark_times_a_start_with_and_without_the_overlay() -> None:
+    """bench/workdirs.py once each way: the probe, both children, a ratio for each."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "workdirs.py"), "--repeats", "1"],
+                          capture_output=True, text=True, timeout=180, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("probe (once per launch): ") and lines[0].endswith(" ms")
+    for child, line in zip(("python -c pass", "import torch"), lines[2:], strict=True):
+        assert line.startswith(child) and len(line[len(child) :].split()) == 5, line
+
+
 def _namespaces(prefix: str) -> list[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     return [name for name in listed if name.startswith(prefix + "-")]
