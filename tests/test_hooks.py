@@ -457,12 +457,13 @@ def test_a_constant_seed_gets_the_rank_unless_told_not_to(seed: str) -> None:
 
     import numpy
 
+    # what those seeds give, from generators of the test's own: the process-wide streams here are
+    # shared with other threads of this worker (a retry's jitter draws from random)
     mine = 5 + int(seed)
-    torch.manual_seed(mine)
-    numpy.random.seed(mine)
-    random.seed(mine)
-    own = torch.rand(1, generator=torch.Generator().manual_seed(5)).item()
-    assert done.stdout.split() == [str(v) for v in (torch.rand(1).item(), numpy.random.rand(), random.random(), own)]
+    streams = [torch.rand(1, generator=torch.Generator().manual_seed(mine)).item(),
+               numpy.random.RandomState(mine).rand(), random.Random(mine).random(),
+               torch.rand(1, generator=torch.Generator().manual_seed(5)).item()]  # fmt: skip
+    assert done.stdout.split() == [str(v) for v in streams]
     said = "the seeds the program sets get + 1 (its rank): each peer draws its own batches (--same-seed keeps them)"
     assert (said in done.stderr) == (seed == "1"), done.stderr
 
