@@ -15,7 +15,7 @@ import torch
 
 from syncclient.client import JoinInfo, SyncClient, SyncResult
 from syncclient.peerlr import PeerLR
-from syncclient.schedule import SyncClock, SyncSchedule
+from syncclient.schedule import SyncClock, SyncEvery
 
 __all__ = ["Adapter", "sync_metrics"]
 
@@ -51,7 +51,7 @@ class Adapter:
     def __init__(
         self,
         hub: str | None,
-        sync_every: int | SyncSchedule | None,
+        sync_every: SyncEvery | None,
         client: SyncClient | None,
         lr_scaling: str,
         lr_scaling_warmup: int | None,
@@ -65,7 +65,9 @@ class Adapter:
             if client_kwargs:
                 names = ", ".join(sorted(client_kwargs))
                 raise ValueError(f"client settings ({names}) go to SyncClient(...) when you pass client=")
-            if sync_every is not None:
+            if sync_every == "auto" and client.clock.every != "auto":
+                raise ValueError("sync_every='auto' is a run setting: give it to SyncClient(..., sync_every='auto')")
+            if sync_every is not None and sync_every != "auto":  # (an auto clock holds what the hub said)
                 client.clock = SyncClock(sync_every)
         else:
             assert hub is not None

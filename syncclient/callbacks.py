@@ -37,7 +37,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from syncclient.adapters import Adapter, sync_metrics
 from syncclient.client import PendingSync, SyncClient, SyncResult
 from syncclient.peerlr import DEFAULT_PEER_LR, LRScaler
-from syncclient.schedule import SyncSchedule
+from syncclient.schedule import SyncEvery
 
 __all__ = ["SyncCallback"]
 
@@ -50,8 +50,9 @@ class SyncCallback(Adapter, TrainerCallback):
 
     Args:
         hub: the hub's base URL (``http://`` or ``https://``). Give ``hub`` or ``client``.
-        sync_every: optimizer steps between syncs (an int >= 1), or a
-            :class:`~syncclient.schedule.SyncSchedule`: barrier and async runs.
+        sync_every: optimizer steps between syncs (an int >= 1), a
+            :class:`~syncclient.schedule.SyncSchedule` (barrier and async runs), or ``"auto"``:
+            the hub picks each interval (``utilization``, ``sync_min``, ``sync_max``).
         client: a :class:`SyncClient` you built yourself, joined already or not; left at the
             end but not closed.
         on_sync: called with each :class:`SyncResult` (with ``overlap``: when applied);
@@ -77,7 +78,7 @@ class SyncCallback(Adapter, TrainerCallback):
         self,
         hub: str | None = None,
         *,
-        sync_every: int | SyncSchedule | None = None,
+        sync_every: SyncEvery | None = None,
         client: SyncClient | None = None,
         on_sync: Callable[[SyncResult], None] | None = None,
         overlap: bool = False,

@@ -34,12 +34,12 @@ from syncclient.background import Heartbeat, ProgressReporter
 from syncclient.exceptions import SchemaMismatch, SyncError
 from syncclient.flows import Outcome, RunFlows
 from syncclient.group import PeerGroup
-from syncclient.schedule import SyncClock, SyncSchedule
+from syncclient.schedule import SyncClock, SyncEvery
 from syncclient.transport import Download, Transport
 from syncclient.update import EncodedUpdate, UpdateState
 from syncclient.weights import ArrayView, ModelView
 from syncwire import Codec, get_codec, layout_bytes, wire_layout
-from syncwire.runsettings import RUN_SETTINGS, check_run_settings
+from syncwire.runsettings import AUTO, DEFAULT_UTILIZATION, PACE_KEYS, RUN_SETTINGS, check_run_settings
 
 __all__ = ["JoinInfo", "PendingSync", "SyncClient", "SyncResult"]
 
@@ -150,7 +150,9 @@ class SyncClient:
     ``round_samples`` makes a samples run, or with ``policy="async"`` an asynchronous one
     (docs/concepts/rounds.md): report each step with :meth:`progress`, send when :attr:`due` (or
     let :meth:`step` do both). ``sync_every``: optimizer steps between syncs (an int or a
-    :class:`~syncclient.schedule.SyncSchedule`). ``group``: a torch.distributed process group
+    :class:`~syncclient.schedule.SyncSchedule`), or ``"auto"``: the hub picks each interval,
+    keeping ``utilization`` (default 0.95) of the peers' time computing, within
+    ``[sync_min, sync_max]`` (docs/concepts/outer.md). ``group``: a torch.distributed process group
     training this peer (:mod:`syncclient.group`): every rank makes the same calls, ``samples``
     its own. ``verify``: True, a CA bundle (PEM file or folder) or an ``ssl.SSLContext``.
     ``retry_seconds``: how long hub trouble is retried before :class:`~syncclient.HubUnreachable`.
@@ -175,13 +177,22 @@ class SyncClient:
         policy: str | None = None,
         round_samples: int | None = None,
         max_staleness: int | None = None,
-        sync_every: int | SyncSchedule | None = None,
+        utilization: float | None = None,
+        sync_min: int | None = None,
+        sync_max: int | None = None,
+        sync_every: SyncEvery | None = None,
         verify: bool | str | ssl.SSLContext = True,
         timeout: float = 60.0,
         retry_seconds: float = 600.0,
         group: Any = None,
     ) -> None:
         given = locals()  # the run settings' keywords are the table's names
+        if sync_every == AUTO and utilization is None:
+            given["utilization"] = DEFAULT_UTILIZATION
+        elif utilization is not None and sync_every is not None and sync_every != AUTO:
+            raise ValueError(
+                f"utilization picks the interval (sync_every='auto'): it goes without sync_every={sync_every!r}"
+            )
         self._config = check_run_settings({setting.name: given[setting.name] for setting in RUN_SETTINGS})
         if not hub.startswith(("http://", "https://")):
             raise ValueError(f"hub must be an http:// or https:// URL, got {hub!r}")
@@ -200,6 +211,7 @@ class SyncClient:
         self._group = PeerGroup(group) if group is not None else None
         self._flows = RunFlows(self._transport, run=run, peer=self.peer, poll=self._poll)
         self.version = -1
+        self.run_samples = -1  # samples the run had trained by the last version loaded whole (join, catch-up)
         self.rank: int | None = None
         self.world_size: int | None = None
         self.codec: Codec | None = None
@@ -210,6 +222,9 @@ class SyncClient:
         self.policy: str | None = None  # the run's round policy, from join on
         self._progress: ProgressReporter | None = None  # samples runs: tells the hub how far this peer is
         self._unflushed: int | None = None  # the last sync's weight, if an ordinary one: its residual waits
+        # the interval under way, for the hub's pick of the next (PACE_KEYS): its start (monotonic)
+        # and the training thread's seconds in our work and blocked on the hub
+        self._lap_started, self._host, self._waited = time.monotonic(), 0.0, 0.0
 
     # ---- the public surface --------------------------------------------------------------
     def join(self, model: torch.nn.Module) -> JoinInfo:
@@ -249,6 +264,7 @@ class SyncClient:
         log.info("run %s: joined as %s (rank %d of %d) at version %d", *who)
         config = state["config"]
         self.policy = config.get("policy", "barrier")
+        self._check_interval(config)
         if self.policy == "samples" and self._progress is None:
             self._progress = ProgressReporter(
                 self._transport,
@@ -377,6 +393,7 @@ class SyncClient:
         :class:`SyncError` when nothing says when this run syncs."""
         self._check_clock()
         self.clock.start(step)
+        self._lap_started, self._host, self._waited = time.monotonic(), 0.0, 0.0
 
     def step(
         self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None
@@ -466,6 +483,17 @@ class SyncClient:
                 "give sync_every=N (optimizer steps between syncs)"
             )
 
+    def _check_interval(self, config: Mapping[str, Any]) -> None:
+        """A run that picks its interval and a peer that keeps its own (or the other way) would sync
+        at different steps: refused at join, in one line."""
+        picks, auto = config.get("utilization") is not None, self.clock.every == AUTO
+        if self.policy == "barrier" and picks != auto:
+            self.leave(retry=False)
+            if picks:
+                raise SyncError(f"run {self.run!r} picks its interval (utilization {config['utilization']}): "
+                                "give sync_every='auto'")  # fmt: skip
+            raise SyncError(f"run {self.run!r} has its peers pick their interval: give sync_every=N, not 'auto'")
+
     def _check_idle(self) -> None:
         if self._inflight is not None:
             raise SyncError(
@@ -492,6 +520,7 @@ class SyncClient:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
         if self._progress is not None:
             self._progress.pause()  # (before the count starts afresh: the reporter never sends the 0)
+        pace = self._lap(started, samples, keep_local)
         self.clock.sent()
         self._unflushed = None if final else samples
         if self._state.torn:  # the last result stopped arriving midway: no delta from this base
@@ -503,12 +532,22 @@ class SyncClient:
         local = view.export()  # on CPU float32 these share memory with the model: copy to keep
         snapshot = {name: x.copy() for name, x in local.items()} if keep_local else None
         update = self._state.encode(snapshot or local)  # encodes while it uploads, on other threads
-        sent_metrics = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(float(v))}
+        sent_metrics = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(float(v))} | pace
         future = self._worker.submit(
             self._flows.exchange, self.version, update, samples, sent_metrics, self._state, final
         )
-        self._inflight = PendingSync(self, future, self.version, snapshot, started, time.monotonic() - started, update)
+        stall = time.monotonic() - started
+        self._host += stall  # the next interval's: it starts with this snapshot
+        self._inflight = PendingSync(self, future, self.version, snapshot, started, stall, update)
         return self._inflight
+
+    def _lap(self, started: float, samples: int, overlap: bool) -> dict[str, float]:
+        """The interval a sync starting now ends (PACE_KEYS: the hub picks the next from it); the
+        next one starts."""
+        steps, seconds = self.clock.step - self.clock.last, started - self._lap_started
+        figures = (steps, samples, seconds, self._host, self._waited, overlap)
+        self._lap_started, self._host, self._waited = started, 0.0, 0.0
+        return {key: round(float(value), 4) for key, value in zip(PACE_KEYS, figures, strict=True)}
 
     def _apply(self, pending: PendingSync, view: ModelView | ArrayView) -> SyncResult:
         """Wait for the worker, then load ``base'`` (blocking) or ``base' + (model - x_t)`` (overlap),
@@ -523,6 +562,8 @@ class SyncClient:
                 self._inflight = None
             raise
         self._inflight = None
+        got = time.monotonic()
+        self._waited += got - waiting
         snapshot, pending._snapshot = pending._snapshot, None
         if outcome.latest is not None:
             self._adopt(view, outcome.latest)
@@ -534,6 +575,8 @@ class SyncClient:
                 self._state.base = _tensors(view, outcome.fresh_base, self.run)  # the residual stays: it was not sent
             view.load(self._state.base if snapshot is None else self._state.rebase(snapshot, view.export()))
             self.version = outcome.version
+            self.clock.told(outcome.next_every)
+        self._host += time.monotonic() - got
         return pending._result(outcome, self.version, waiting)
 
     def _adopt(self, view: ModelView | ArrayView, download: Download) -> None:
@@ -542,7 +585,8 @@ class SyncClient:
         # a new state: the residual belonged to work that was just dropped
         self._state, self._unflushed = UpdateState(self.codec, _tensors(view, download, self.run)), None
         view.load(self._state.base)
-        self.version = download.version
+        self.version, self.run_samples = download.version, download.run_samples
+        self.clock.told(download.next_every)
 
 
 def _tensors(view: ModelView | ArrayView, download: Download, run: str) -> dict[str, np.ndarray]:

@@ -48,6 +48,7 @@ class Outcome:
     wait_seconds: float
     version: int = -1
     run_samples: int = -1
+    next_every: int | None = None  # the run picks its interval: steps from this sync to the next
     latest: Download | None = None
     fresh_base: Download | None = None
 
@@ -147,8 +148,12 @@ class RunFlows:
                 raise
             latest = self.latest()  # a result was pruned: the latest version, which holds ours, is the new base
             down, up = latest.reader.received, uploaded - started
-            return Outcome(size, down, up, 0.0, latest.version, latest.run_samples, fresh_base=latest)
-        return Outcome(size, received, uploaded - started, waited - uploaded, landed + 1, own.run_samples)
+            return Outcome(
+                size, down, up, 0.0, latest.version, latest.run_samples, latest.next_every, fresh_base=latest
+            )
+        return Outcome(
+            size, received, uploaded - started, waited - uploaded, landed + 1, own.run_samples, own.next_every
+        )
 
     def _to_store(
         self,

@@ -42,7 +42,7 @@ import torch
 from syncclient.adapters import Adapter, sync_metrics
 from syncclient.client import SyncClient
 from syncclient.peerlr import DEFAULT_PEER_LR, scale_each_step
-from syncclient.schedule import SyncSchedule
+from syncclient.schedule import SyncEvery
 
 __all__ = ["SyncCallback", "callback_class"]
 
@@ -56,7 +56,7 @@ class _Sync(Adapter):
         self,
         hub: str | None = None,
         *,
-        sync_every: int | SyncSchedule | None = None,
+        sync_every: SyncEvery | None = None,
         client: SyncClient | None = None,
         lr_scaling: str = DEFAULT_PEER_LR.scaling,
         lr_scaling_warmup: int | None = DEFAULT_PEER_LR.warmup,

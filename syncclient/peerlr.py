@@ -21,7 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from syncclient.schedule import SyncSchedule
+from syncclient.schedule import SyncEvery, SyncSchedule
+from syncwire.runsettings import PROBE_STEPS
 
 __all__ = ["DEFAULT_PEER_LR", "LR_SCALINGS", "LRScaler", "PeerLR", "scale_each_step"]
 
@@ -45,12 +46,14 @@ class PeerLR:
         if self.warmup is not None and bad:
             raise ValueError(f"lr_scaling_warmup must be an int >= 0 (optimizer steps) or None, got {self.warmup!r}")
 
-    def for_rounds(self, sync_every: int | SyncSchedule | None) -> PeerLR:
+    def for_rounds(self, sync_every: SyncEvery | None) -> PeerLR:
         """This scaling with its warm-up in steps: None becomes one round (a schedule's first
-        interval; 0 in a samples run, whose rounds are no fixed number of steps)."""
+        interval; an auto run's probe; 0 in a samples run, whose rounds are no fixed number of steps)."""
         if self.warmup is not None:
             return self
-        return PeerLR(self.scaling, sync_every.first if isinstance(sync_every, SyncSchedule) else sync_every or 0)
+        if isinstance(sync_every, SyncSchedule):
+            return PeerLR(self.scaling, sync_every.first)
+        return PeerLR(self.scaling, PROBE_STEPS if isinstance(sync_every, str) else sync_every or 0)
 
     def factor(self, peers: int, step: int) -> float:
         """The multiplier of the given learning rate at optimizer step ``step`` (0: the first)."""

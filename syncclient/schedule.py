@@ -10,8 +10,11 @@ the same schedule sync at the same steps and the rounds agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["SyncClock", "SyncSchedule", "interval_after"]
+from syncwire.runsettings import AUTO
+
+__all__ = ["AUTO", "SyncClock", "SyncEvery", "SyncSchedule", "interval_after"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ class SyncSchedule:
         return ",".join([*(f"{e}:{u}" for e, u in self.phases), str(self.last)])
 
 
+#: ``sync_every``'s forms: steps, a schedule of them, or ``"auto"`` (the hub picks each interval).
+SyncEvery = int | SyncSchedule | Literal["auto"]
+
+
 def interval_after(sync_every: int | SyncSchedule, step: int) -> int:
     """The steps from a sync at global ``step`` to the next one, for either form of ``sync_every``."""
     return sync_every.interval_at(step) if isinstance(sync_every, SyncSchedule) else sync_every
@@ -78,20 +85,29 @@ class SyncClock:
     each window makes at most one round, so peers of any kind agree on their rounds: a sync at a
     window's end is on time; one inside a window (a final one, at a read of the model's state)
     takes that window's round; a flush round takes the next window's. ``next`` is where a later
-    rule would set the step (one the hub picks, a preemption).
+    rule would set the step (a preemption).
+
+    ``every="auto"``: the hub picks each interval (syncserver/core/interval.py) and each result
+    says it (:meth:`told`); the next sync is due that many steps after the sync that made the
+    result. Until a sync's result is in, none is due: an overlapped peer whose result comes
+    after that step syncs at once when it does.
 
     Attributes:
-        every: the interval (None: the hub says when, in runs whose rounds close on samples).
+        every: the interval (None: the hub says when, in runs whose rounds close on samples;
+            ``"auto"``: the hub says how far).
         step: the global optimizer step reached; ``last``: the step of the last sync (or start).
         samples: trained since the last sync began.
         next: the step the next sync is due at (None without ``every``).
     """
 
-    def __init__(self, every: int | SyncSchedule | None = None) -> None:
+    def __init__(self, every: SyncEvery | None = None) -> None:
         bad_int = isinstance(every, bool) or not isinstance(every, int) or every < 1
-        if every is not None and not isinstance(every, SyncSchedule) and bad_int:
-            raise ValueError(f"sync_every must be an int >= 1 (optimizer steps) or a SyncSchedule, got {every!r}")
+        if every is not None and every != AUTO and not isinstance(every, SyncSchedule) and bad_int:
+            raise ValueError(
+                f"sync_every must be an int >= 1 (optimizer steps), a SyncSchedule or 'auto', got {every!r}"
+            )
         self.every = every
+        self._told: int | None = None  # auto: the hub's interval after the last sync
         self.start(0)
 
     def start(self, step: int) -> None:
@@ -109,9 +125,18 @@ class SyncClock:
         """A sync (or a flush) began at the current step: it takes this window's round (at its end,
         the next one's); what is counted from here goes into the next."""
         self.last, self.samples = self.step, 0
-        if self.next is not None:
+        if self.every == AUTO:  # due again once the hub says how far (told)
+            self._opened, self.next = self.step, None
+        elif self.next is not None:
             self._opened = self.step if self.step >= self.next else self.next
             self.next = self._after(self._opened)
+
+    def told(self, every: int | None) -> None:
+        """A result of a run that picks its interval came in: the next sync is ``every`` steps after
+        the one that made it (ignored in other runs, whose results say None)."""
+        if self.every == AUTO and every is not None:
+            self._told = every
+            self.next = self._opened + every
 
     @property
     def on_time(self) -> bool:
@@ -129,4 +154,6 @@ class SyncClock:
         return self.next is not None and self.unsynced and self.step > self._opened
 
     def _after(self, step: int) -> int | None:
-        return None if self.every is None else step + interval_after(self.every, step)
+        if self.every is None or isinstance(self.every, str):  # auto: as far as the hub said
+            return None if self._told is None else step + self._told
+        return step + interval_after(self.every, step)

@@ -79,6 +79,7 @@ class Download:
     version: int = -1  # X-Sync-Version: the model version the body is (or leads to)
     run_samples: int = -1  # X-Sync-Run-Samples: samples the run had trained by that version
     store_seconds: float | None = None  # from the hub's 307 to the last byte, when it came from the object store
+    next_every: int | None = None  # X-Sync-Next-Every: steps to the next sync, in a run that picks them
 
 
 @dataclass
@@ -90,6 +91,7 @@ class _Fetch:
     on_tensor: OnTensor | None
     version: int = -1
     run_samples: int = -1
+    next_every: int | None = None
     hub_etag: str | None = None
     url: str | None = None
     store_etag: str | None = None
@@ -279,7 +281,7 @@ class Transport:
                     if not got.reader.done:
                         raise httpx.RemoteProtocolError("body ended early")
         seconds = time.monotonic() - got.since if got.since is not None else None
-        return Download(got.reader, got.version, got.run_samples, seconds)
+        return Download(got.reader, got.version, got.run_samples, seconds, got.next_every)
 
     def _fetch(self, path: str, params: dict[str, Any] | None, got: _Fetch) -> bool:
         """One attempt: requests until a body came (True) or the long poll ended without one
@@ -311,6 +313,8 @@ class Transport:
                 return "none"
             got.version = int(r.headers.get("x-sync-version", -1))
             got.run_samples = int(r.headers.get("x-sync-run-samples", -1))
+            every = r.headers.get("x-sync-next-every")
+            got.next_every = int(every) if every is not None else None
             got.hub_etag = r.headers.get("etag")
             if r.status_code == 307 and r.headers.get("location"):
                 got.url, got.fresh = r.headers["location"], True

@@ -6,6 +6,7 @@ once so that a field added reaches every reader. They import nothing of the hub.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["RoundRecord", "UpdateRecord"]
 
@@ -37,3 +38,5 @@ class RoundRecord:
     bytes_in: int
     result_bytes: int
     timings: dict[str, float]
+    # sync_every auto: the interval picked at this close, which its result carries (Interval.as_dict)
+    interval: dict[str, Any] | None = None

@@ -194,6 +194,9 @@ class HubSettings(BaseSettings):
     policy: Policy = run_default("policy")
     round_samples: int | None = run_default("round_samples")
     max_staleness: int = run_default("max_staleness")
+    utilization: float | None = run_default("utilization")
+    sync_min: int = run_default("sync_min")
+    sync_max: int | None = run_default("sync_max")
 
     @field_validator("run_tokens")
     @classmethod

@@ -181,6 +181,8 @@ ROUND_COLUMNS = [
     Col("aggregate", 8),
     Col("download", 5),
     Col("total", 9),
+    Col("computing", 6),
+    Col("next", 5),
 ]
 
 
@@ -215,6 +217,8 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
         for way in ("up", "down")
     )
     out: list[RenderableType] = [_fit(title, PEER_COLUMNS, peer_rows, width, empty="no peers yet")]
+    if s.get("interval"):  # sync_every auto (core/interval.py)
+        out.append(Text(f"interval: {s['interval']['why']}"))
     if s.get("same_data"):  # said once per run by the hub (core/samedata.py)
         out.append(Text(f"same data: {s['same_data']['message']}", style="bold yellow"))
     out.append(Text(f"bytes since the hub started: {traffic}"))
@@ -232,10 +236,12 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
             _s(r["timings"].get("fold", 0.0) + r["timings"].get("merge", 0.0)),
             _slowest(lanes.get(r["round"], []), "download"),
             _s(r["closed"] - r["opened"]),
+            *_picked(r.get("interval")),
         ]
         for r in s["rounds"][-ROUNDS_SHOWN:]
     ]
-    title = "recent rounds (seconds: slowest peer's upload, its wait, aggregation, slowest download)"
+    title = "recent rounds (seconds: slowest peer's upload, its wait, aggregation, slowest download"
+    title += "; sync_every auto: the slowest peer's share of its interval computing, the interval picked)"
     out.append(_fit(title, ROUND_COLUMNS, round_rows, width, empty="no round has closed yet"))
 
     o = s["open_round"]
@@ -254,6 +260,14 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
         line = f"waiting for peers: {len(s['peers'])} of {cfg['min_peers']} have joined"
     out.append(Text(line))
     return out
+
+
+def _picked(interval: dict[str, Any] | None) -> list[str]:
+    """A round's utilization and the interval picked at its close (sync_every auto), or dashes."""
+    if interval is None:
+        return ["-", "-"]
+    used = interval.get("utilization")
+    return ["-" if used is None else f"{used:.1%}", str(interval["every"])]
 
 
 @dataclass(frozen=True)

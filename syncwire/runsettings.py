@@ -18,7 +18,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-__all__ = ["MAX_PEERS", "MAX_SAMPLES", "MAX_SECONDS", "RUN_SETTINGS", "Outer", "Policy", "RunSetting"]
+__all__ = ["AUTO", "DEFAULT_UTILIZATION", "PACE_KEYS", "PROBE_STEPS"]
+__all__ += ["MAX_PEERS", "MAX_SAMPLES", "MAX_SECONDS", "RUN_SETTINGS", "Outer", "Policy", "RunSetting"]
 __all__ += ["check_run_settings", "normal_codec", "settle"]
 
 Outer = Literal["avg", "diloco"]
@@ -29,6 +30,16 @@ MAX_PEERS = 2**13
 MAX_SAMPLES = 2**40
 #: A deadline longer than a week is a typo, and an infinite one never fires.
 MAX_SECONDS = 7 * 24 * 3600.0
+#: ``sync_every="auto"``: the hub picks each interval (syncserver/core/interval.py), keeping this
+#: share of the peers' wall time computing unless ``utilization`` says otherwise.
+AUTO, DEFAULT_UTILIZATION = "auto", 0.95
+#: The first interval of an auto run, in steps: long enough for a step time, short enough to
+#: measure the links soon.
+PROBE_STEPS = 10
+#: What every update's metrics say of its peer's last interval, for the hub to pick the next: steps
+#: and samples trained, wall seconds since the sync before, training-thread seconds in the SDK's own
+#: work and blocked on the hub, and 1 when the peer overlaps its syncs with training.
+PACE_KEYS = ("sync_steps", "sync_samples", "sync_seconds", "sync_host_s", "sync_wait_s", "sync_overlap")
 
 
 @dataclass(frozen=True)
@@ -151,6 +162,18 @@ RUN_SETTINGS: tuple[RunSetting, ...] = (
     RunSetting("max_staleness", int, 32, "VERSIONS", "async: refuse an update whose base is more than this many "
                "versions old", "Default of new async runs: refuse an update whose base is older (versions).",
                ge=0, le=100_000),
+    RunSetting("utilization", float, None, "U",
+               "sync_every auto: the share of wall time the peers compute; the hub picks the smallest interval "
+               "that keeps it (0.95 when auto is asked without it)",
+               "Default of new runs: the hub picks each round's interval (steps; samples in a samples run) as the "
+               "smallest that keeps this share of the peers' wall time computing (sync_every auto). Unset: the "
+               "peers' own interval.", gt=0, lt=1, nullable=True),
+    RunSetting("sync_min", int, 1, "N", "sync_every auto: the fewest steps (samples runs: samples) between syncs",
+               "Default of new auto runs: the shortest interval the hub picks (steps; samples in a samples run).",
+               ge=1, le=MAX_SAMPLES),
+    RunSetting("sync_max", int, None, "N", "sync_every auto: the most steps (samples runs: samples) between syncs",
+               "Default of new auto runs: the longest interval the hub picks. Unset: no bound.",
+               ge=1, le=MAX_SAMPLES, nullable=True),
 )
 # fmt: on
 
@@ -163,7 +186,8 @@ def settle(values: Mapping[str, Any], chosen: Collection[str] = (), say: Callabl
     hub's default decides it); ``chosen``: those set on purpose; ``say(name)``: how the reason
     names a setting (a flag, a variable). A sample target alone means policy samples; a barrier
     round is N steps, not samples; samples and async runs need their target; ``min_merge_peers``
-    over ``min_peers`` could never merge a round it could start with."""
+    over ``min_peers`` could never merge a round it could start with; an interval's bounds go with
+    the utilization that picks it (not in async runs), the lower under the upper."""
     values = dict(values)
     policy, target = values.get("policy"), values.get("round_samples")
     if policy == "barrier" and target is not None and "policy" not in chosen:
@@ -175,6 +199,19 @@ def settle(values: Mapping[str, Any], chosen: Collection[str] = (), say: Callabl
         )
     if policy in ("samples", "async") and "round_samples" in values and target is None:
         raise ValueError(f"{say('policy')} {policy} needs {say('round_samples')} (samples per round)")
+    bounds = [name for name in ("sync_min", "sync_max") if values.get(name) not in (None, 1)]
+    if values.get("utilization") is None and bounds:
+        raise ValueError(
+            f"{say(bounds[0])} bounds an interval the hub picks: it goes with {say('utilization')} (sync_every auto)"
+        )
+    if values.get("utilization") is not None and policy == "async":
+        raise ValueError(
+            f"{say('utilization')} (sync_every auto) picks the interval of barrier and samples runs; "
+            "an async run's peers sync on their own: give sync_every N"
+        )
+    low, high = values.get("sync_min"), values.get("sync_max")
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"{say('sync_min')} {low} is over {say('sync_max')} {high}")
     floor, start = values.get("min_merge_peers"), values.get("min_peers")
     if floor is not None and start is not None and floor > start:
         raise ValueError(

@@ -144,10 +144,18 @@ EVERY_RUN_SETTING = {
     "norm_guard": ("10", 10.0),
     "max_staleness": ("4", 4),
 }
+#: the interval's settings, which go with a barrier or samples run (not the async run above)
+INTERVAL_SETTINGS = {"utilization": ("0.9", 0.9), "sync_min": ("20", 20), "sync_max": ("400", 400)}
 
 
 def test_every_run_setting_reaches_the_client_through_a_flag_or_its_variable() -> None:
-    assert set(EVERY_RUN_SETTING) == {s.name for s in RUN_SETTINGS}
+    assert set(EVERY_RUN_SETTING) | set(INTERVAL_SETTINGS) == {s.name for s in RUN_SETTINGS}
+    flags = {name: raw for name, (raw, _) in INTERVAL_SETTINGS.items()}
+    auto = HookSettings.resolve({"hub": "http://h:1", "run": "r", "sync_every": "auto", **flags}, {})
+    assert auto.client_kwargs() == {"run": "r", "peer": None, "token": None, "sync_every": "auto",
+                                    **{name: value for name, (_, value) in INTERVAL_SETTINGS.items()}}  # fmt: skip
+    assert HookSettings.from_env(auto.to_env()) == auto
+    SyncClient("http://h:1", **auto.client_kwargs()).close()
     flags = {name: raw for name, (raw, _) in EVERY_RUN_SETTING.items()}
     settings = HookSettings.resolve({"hub": "http://h:1", "run": "r", "peer": "gpu-1", "sync_every": "5", **flags}, {})
     wanted = {name: value for name, (_, value) in EVERY_RUN_SETTING.items()}
@@ -212,6 +220,9 @@ BAD_VALUES = {
     "--round-timeout": ("inf", "--round-timeout: expected a finite number, got inf"),
     "--norm-guard": ("1", "--norm-guard: must be > 1 and <= 1000000, got 1.0"),
     "--max-staleness": ("soon", "--max-staleness: expected an integer, got 'soon'"),
+    "--utilization": ("1", "--utilization: must be > 0 and < 1, got 1.0"),
+    "--sync-min": ("0", "--sync-min: must be >= 1 and <= 1099511627776, got 0"),
+    "--sync-max": ("x", "--sync-max: expected an integer, got 'x'"),
     "--lr-scaling": ("cube", "--lr-scaling: lr_scaling must be one of none, sqrt, linear, got 'cube'"),
     "--lr-scaling-warmup": ("-1", "--lr-scaling-warmup: must be >= 0, got -1"),
 }

@@ -73,7 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     add = p.add_argument_group("run", f"which run to join and how often to sync: {how}").add_argument
     add("--hub", default=env("WEIGHTSYNC_HUB"), help="hub base URL, e.g. http://HUB:8000 [$WEIGHTSYNC_HUB]")
     add("--no-hub", action="store_true", help="train alone: the serial baseline")
-    add("--sync-every", type=int, help="optimizer steps between syncs; 0 = serial baseline (default: 1000)")
+    add(
+        "--sync-every",
+        type=every_arg,
+        metavar="N|auto",
+        help="optimizer steps between syncs; auto: the hub picks each interval; 0 = serial baseline (default: 1000)",
+    )
+    add("--utilization", type=float, help="with --sync-every auto: the share of time computing the hub keeps (0.95)")
     add("--sync-schedule", metavar="SPEC", help="5:60,15 = every 5 steps until step 60, then every 15 (sparse late)")
     add("--round-samples", type=int, help="a round closes once all peers together trained this many blocks")
     add("--policy", choices=["barrier", "samples", "async"], help="default: samples with --round-samples, else barrier")
@@ -113,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def every_arg(text: str) -> int | str:
+    """``--sync-every``: a number of steps, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of steps or auto, got {text!r}") from None
+
+
 def codec_spec(spec: str) -> str:
     """A ``--codec`` value as the hub spells it; argparse's usage error for one that does not exist."""
     from syncwire import get_codec  # numpy only; keeps --help free of the SDK's imports
@@ -134,12 +150,13 @@ def schedule(args: argparse.Namespace) -> SyncSchedule | None:
 def check_args(args: argparse.Namespace) -> None:
     """What argparse cannot check, and the defaults that follow from other flags."""
     args.token = args.token or os.environ.get("WEIGHTSYNC_TOKEN") or os.environ.get("SYNC_TOKEN")  # not in --help
-    if args.sync_schedule is not None and args.sync_every is not None:
-        raise Fail("--sync-schedule and --sync-every exclude each other: give one")
+    if args.sync_schedule is not None and (args.sync_every is not None or args.utilization is not None):
+        raise Fail("--sync-schedule and --sync-every (or --utilization) exclude each other: give one")
     if args.sync_schedule is not None:  # a schedule stands for --sync-every: its first interval
         args.sync_every = schedule(args).first  # type: ignore[union-attr]
     if args.no_hub or args.sync_every == 0:  # the serial baseline: no hub, no rounds
         args.sync_every, args.sync_schedule, args.round_samples, args.policy = 0, None, None, None
+        args.utilization = None
     else:
         run = {"policy": args.policy or "barrier", "round_samples": args.round_samples or None}  # 0: none
         try:  # the run settings' rules (a sample target alone means policy samples), in this script's flags
@@ -147,13 +164,21 @@ def check_args(args: argparse.Namespace) -> None:
         except ValueError as exc:
             raise Fail(str(exc)) from None
         if args.sync_every is None and args.policy != "samples":
-            args.sync_every = 1000
+            args.sync_every = "auto" if args.utilization is not None else 1000
     if (args.round_samples or 0) < 0 or (args.max_staleness or 0) < 0:
         raise Fail("--round-samples and --max-staleness must be >= 0")
     args.sync_every, args.hub_mode, k = args.sync_every or 0, args.policy is not None, args.local_peers
     if args.policy == "samples" and args.sync_every:
-        raise Fail("a samples run syncs whenever its round is due: drop --sync-every")
-    if min(k, args.sync_every, args.eval_every or 0, args.lr_scaling_warmup or 0) < 0:
+        raise Fail("a samples run syncs whenever its round is due: drop --sync-every (--utilization sizes its rounds)")
+    args.auto = args.sync_every == "auto" or (args.utilization is not None and args.policy == "barrier")
+    if args.utilization is not None and not (0 < args.utilization < 1):
+        raise Fail(f"--utilization must be > 0 and < 1, got {args.utilization}")
+    if args.auto and args.sync_every not in ("auto", 0):
+        raise Fail(f"--utilization picks the interval: give --sync-every auto, not {args.sync_every}")
+    if args.auto:
+        args.sync_every, args.utilization = "auto", args.utilization or 0.95
+    steps = 1 if args.auto else args.sync_every
+    if min(k, steps, args.eval_every or 0, args.lr_scaling_warmup or 0) < 0:
         raise Fail("--local-peers, --sync-every, --eval-every and --lr-scaling-warmup must be >= 0")
     if k and args.hub:
         raise Fail("--local-peers runs its own hub: drop --hub")
@@ -169,7 +194,8 @@ def check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) < 1:
             raise Fail(f"{flag_name(name)} must be >= 1")
     if args.eval_every is None:
-        args.eval_every = max(1, args.sync_every // 4) if args.sync_every else (0 if args.hub_mode else 250)
+        every = 0 if args.auto else args.sync_every  # auto: an evaluation after each sync, none between
+        args.eval_every = max(1, every // 4) if every else (0 if args.hub_mode else 250)
 
 
 def peer_argv(argv: list[str]) -> list[str]:
@@ -266,7 +292,8 @@ def train(args: argparse.Namespace) -> int:
         from syncclient import SyncClient, SyncError  # the SDK is needed only with a hub
         from syncclient.callbacks import SyncCallback
 
-        wanted = {k: vars(args)[k] for k in ("codec", "outer", "min_peers", "policy", "round_samples", "max_staleness")}
+        names = ("codec", "outer", "min_peers", "policy", "round_samples", "max_staleness", "utilization")
+        wanted = {k: vars(args)[k] for k in names} | ({"sync_every": "auto"} if args.auto else {})
         client = SyncClient(args.hub, run=args.run, peer=args.peer, token=args.token, **wanted)
         note(f"joining run {args.run!r} at {args.hub} ...")
         try:
@@ -302,7 +329,10 @@ def train(args: argparse.Namespace) -> int:
         max_steps, plan = args.max_steps, schedule(args)
         if policy == "barrier" and version:
             total = args.max_steps or math.ceil(epochs * math.ceil(per_peer / batch))
-            done = plan.step_of_sync(version) if plan else version * args.sync_every
+            if args.auto:  # the intervals were the hub's: the run's samples say the steps each peer made
+                done = client.run_samples // args.batch_size
+            else:
+                done = plan.step_of_sync(version) if plan else version * args.sync_every
             plan = plan.from_step(done) if plan else None  # this Trainer counts its steps from 0 there
             max_steps = total - done
             if max_steps < 1:

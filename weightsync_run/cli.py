@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     every = (
         "sync every N optimizer steps, or on a schedule EVERY:UNTIL,...,EVERY (5:60,15: every 5 until step 60, then "
     )
-    every += f"every 15) [WEIGHTSYNC_SYNC_EVERY; default {DEFAULT_SYNC_EVERY}; not with --round-samples, but async]"
-    add("--sync-every", metavar="N", help=every)
+    every += "every 15), or auto: the hub picks each interval, keeping --utilization of the time computing "
+    every += f"[WEIGHTSYNC_SYNC_EVERY; default {DEFAULT_SYNC_EVERY}; not with --round-samples, but async]"
+    add("--sync-every", metavar="N|auto", help=every)
     scaling = "each peer's learning rate: the program's (serial's, at the global batch) x 1, x sqrt(N) or x N with N "
     scaling += f"peers [WEIGHTSYNC_LR_SCALING; default {DEFAULT_PEER_LR.scaling}]"
     add("--lr-scaling", metavar="|".join(LR_SCALINGS), help=scaling)

@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR
-from syncclient.schedule import SyncSchedule
-from syncwire.runsettings import RUN_SETTINGS, settle
+from syncclient.schedule import SyncEvery, SyncSchedule
+from syncwire.runsettings import AUTO, DEFAULT_UTILIZATION, RUN_SETTINGS, settle
 
 __all__ = ["DEFAULT_SYNC_EVERY", "ENV", "HookSettings", "SettingsError", "flag_name", "name_problem"]
 
@@ -53,7 +53,8 @@ def flag_name(field: str) -> str:
 @dataclass(frozen=True)
 class HookSettings:
     """How a hooked program syncs. ``config``: the run settings given, checked, for ``SyncClient``.
-    ``sync_every`` (steps or a :class:`~syncclient.schedule.SyncSchedule`) and a samples run's
+    ``sync_every`` (steps, a :class:`~syncclient.schedule.SyncSchedule` or ``"auto"``, which
+    ``utilization`` alone implies) and a samples run's
     ``round_samples`` exclude each other; with neither, :data:`DEFAULT_SYNC_EVERY` (an async run
     takes both). ``rank`` and ``world_size`` (set by ``--local-peers``, or by you) are what the
     data is sharded by; without them nothing is."""
@@ -61,7 +62,7 @@ class HookSettings:
     hub: str  # "" until a launcher gives it
     run: str
     token: str | None = None
-    sync_every: int | SyncSchedule | None = DEFAULT_SYNC_EVERY
+    sync_every: SyncEvery | None = DEFAULT_SYNC_EVERY
     shard: bool = True
     seed: bool = True  # a constant seed the program sets becomes seed + rank (syncclient.hooks.seeds)
     peer: str | None = None
@@ -133,14 +134,24 @@ class HookSettings:
             value, source = raw(setting.name)
             if value is not None:
                 config[setting.name] = parsed(source, setting.parse, value)
+        every, source = raw("sync_every")
+        schedule = every is not None and (":" in every or "," in every)
+        sync_every: SyncEvery | None = None
+        if every == AUTO:
+            sync_every = "auto"
+        else:
+            sync_every = parsed(source, SyncSchedule.parse, every) if schedule else number("sync_every")
+        by_samples = "round_samples" in config and config.get("policy") != "async"
+        if "utilization" in config and not by_samples:
+            if sync_every not in (None, AUTO):
+                raise SettingsError(f"{raw('utilization')[1]} picks the interval: give {source} auto, not {every}")
+            sync_every = "auto"
+        if sync_every == AUTO:
+            config.setdefault("utilization", DEFAULT_UTILIZATION)
         try:
             settle(config, config, say=lambda name: raw(name)[1])
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
-        every, source = raw("sync_every")
-        schedule = every is not None and (":" in every or "," in every)
-        sync_every = parsed(source, SyncSchedule.parse, every) if schedule else number("sync_every")
-        by_samples = "round_samples" in config and config.get("policy") != "async"
         if sync_every is not None and by_samples:
             raise SettingsError(
                 f"{raw('sync_every')[1]} and {raw('round_samples')[1]} exclude each other: "

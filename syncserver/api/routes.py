@@ -486,6 +486,7 @@ async def get_result(
         "ETag": f'"{run}-r{round}"',
         "X-Sync-Version": str(round + 1),
         "X-Sync-Run-Samples": str(hub.view.samples_through(run, round)),
+        **_next_every(hub.run(run).pacer.after(round)),
     }
     # runs once the whole body is sent: the end of the peer's download phase (from the store,
     # the peer reports it: POST .../downloaded)
@@ -507,8 +508,15 @@ async def get_model(
         "ETag": f'"{run}-v{version}"',
         "X-Sync-Version": str(version),
         "X-Sync-Run-Samples": str(hub.view.samples_through(run, version - 1)),
+        **_next_every(hub.run(run).pacer.after(version - 1)),
     }
     return _answer(request, hub, run, peer, found, headers)
+
+
+def _next_every(every: int | None) -> dict[str, str]:
+    """``X-Sync-Next-Every``: in a run that picks its interval, the steps from the sync that made
+    this version to the next (syncserver/core/interval.py); none in a run whose peers pick it."""
+    return {} if every is None else {"X-Sync-Next-Every": str(every)}
 
 
 class DownloadReport(BaseModel):

@@ -24,6 +24,8 @@ __all__ = [
     "ErrorBody",
     "Health",
     "Heartbeat",
+    "Interval",
+    "IntervalNow",
     "Lane",
     "Left",
     "OpenRound",
@@ -224,6 +226,25 @@ class PeerStatus(Answer):
     bytes_down: int
 
 
+class Interval(Answer):
+    """An interval the hub picked (``sync_every="auto"``, ``core/interval.py``) and why."""
+
+    every: int = Field(description="Steps from the sync that made the result to the next (samples runs: samples).")
+    bound: str = Field(
+        description="What set it: probe, round (the round's time must fit), stall (a peer's work per sync), "
+        "sync_min, sync_max."
+    )
+    peer: str | None = Field(description="The peer whose need set it.")
+    link: str | None = Field(description="The peer whose transfer was the round's slowest.")
+    utilization: float | None = Field(description="The slowest peer's share of its last interval computing.")
+    round_seconds: float | None = Field(description="The round's measured time: slowest upload + merge + download.")
+
+
+class IntervalNow(Interval):
+    unit: Literal["steps", "samples"]
+    why: str = Field(description="One line, as syncserver status says it.")
+
+
 class RoundSummary(Answer):
     """A closed round (``records.RoundRecord``)."""
 
@@ -236,6 +257,7 @@ class RoundSummary(Answer):
     bytes_in: int
     result_bytes: int
     timings: dict[str, float] = Field(description="Seconds spent in each of the hub's phases (fold, merge, ...).")
+    interval: Interval | None = Field(None, description="sync_every auto: the interval picked at this close.")
 
 
 class UpdateSummary(Answer):
@@ -297,6 +319,9 @@ class _RunState(Answer):
     traffic: Traffic
     same_data: SameData | None = Field(
         None, description="Two peers trained on the same data (the first pair the hub saw); null: none seen."
+    )
+    interval: IntervalNow | None = Field(
+        None, description="sync_every auto: the interval picked last and why; null: the peers pick theirs."
     )
 
 

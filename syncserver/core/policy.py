@@ -118,6 +118,12 @@ class RoundPolicy:
         self.opened: float | None = None  # when the open round got its first update
         self.closing = False  # a Close was answered and is being carried out
 
+    #: what an interval counts in this policy's runs (sync_every auto's, syncserver/core/interval.py)
+    unit = "steps"
+
+    def resize(self, every: int) -> None:
+        """The hub picked the next interval (sync_every auto): the peers count steps, nothing here."""
+
     # ---- membership ------------------------------------------------------------------------
     def restore(self, name: str, *, active_from: int, counted: bool, left: bool, now: float) -> None:
         """A member as stored (the hub restarted): it gets a fresh lease, to ride through."""
@@ -336,6 +342,12 @@ class SamplesPolicy(RoundPolicy):
             raise ValueError("round_samples must be >= 1")
         self.round_samples = round_samples
         self.due_since: float | None = None
+
+    unit = "samples"
+
+    def resize(self, every: int) -> None:
+        """The hub picked the next round's size (sync_every auto)."""
+        self.round_samples = every
 
     @property
     def due(self) -> bool:

@@ -19,6 +19,7 @@ from anyio import to_thread
 
 from syncserver.core.changes import Tasks
 from syncserver.core.finite import merge_finite
+from syncserver.core.interval import KEPT, Pace
 from syncserver.core.planes import LocalPlane
 from syncserver.core.policy import Close, Place
 from syncserver.core.samedata import same_data
@@ -112,9 +113,13 @@ class Rounds:
         self.tasks = Tasks()  # the closes under way
 
     def recover(self, run: Run) -> None:
-        """Reload the open round's acknowledged updates (a restart) and rebuild missing versions."""
+        """Reload the open round's acknowledged updates (a restart), the interval picked last, and
+        rebuild missing versions."""
         if run.version < 0:
             return
+        run.pacer.restore(self.store.rounds(run.name, KEPT))
+        if run.pacer.current is not None:  # a samples run's next round: the size picked last
+            run.policy.resize(run.pacer.current.every)
         for update in self.store.updates(run.name, run.version):
             run.acked[update.peer] = update
             run.policy.restore_update(update.peer, now(), update.samples)  # its deadline starts afresh
@@ -394,6 +399,7 @@ class Rounds:
             participants = [name for name in close.participants if name not in left_out]
             updates = [run.acked[name] for name in participants]
             assert run.opened is not None
+            interval = run.pacer.decide(close.round, _paces(run, updates), time.monotonic() - started)
             record = RoundRecord(
                 round=close.round,
                 opened=run.opened,
@@ -404,6 +410,7 @@ class Rounds:
                 bytes_in=sum(u.nbytes for u in updates),
                 result_bytes=result_bytes,
                 timings={"fold": folded - started, "merge": merged - folded, **publish},
+                interval=None if interval is None else interval.as_dict(),
             )
             self.store.commit_round(run.name, record, copies)
         except Exception as exc:
@@ -411,6 +418,8 @@ class Rounds:
             return
         run.close_failures, run.close_retry_at = 0, 0.0
         run.policy.committed(close)
+        if interval is not None:
+            run.policy.resize(interval.every)
         run.version = close.round + 1
         run.peaks = (run.version, peaks) if peaks else None
         run.acked, run.acc, run.opened = {}, None, None
@@ -421,6 +430,8 @@ class Rounds:
         run.norms = {}
         for name in close.dropped:
             log.warning("straggler_dropped run=%s round=%d peer=%s", run.name, close.round, name)
+        if interval is not None:
+            log.info("interval run=%s round=%d %s", run.name, close.round, interval.why(run.policy.unit))
         log.info(
             "round_closed run=%s round=%d version=%d peers=%d dropped=%d samples=%d mb_in=%.3f mb_out=%.3f "
             "fold_s=%.3f merge_s=%.3f wall_s=%.3f",
@@ -458,3 +469,15 @@ class Rounds:
             )
         run.policy.abandoned()
         self.view.changed(run)
+
+
+def _paces(run: Run, updates: list[UpdateRecord]) -> list[Pace]:
+    """What a close's interval decision reads: each update's pace, with its upload and the download
+    of the result before (the hub measured both)."""
+    paces = []
+    for u in updates:
+        previous = run.downloads.get(u.round - 1, {}).get(u.peer)
+        pace = Pace.of(u.peer, u.metrics, u.seconds, None if previous is None else previous[1] - previous[0])
+        if pace is not None:
+            paces.append(pace)
+    return paces

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
 from syncserver.core.changes import Changes
+from syncserver.core.interval import Auto, Fixed, make_pacer
 from syncserver.core.policy import RoundPolicy, make_policy
 from syncserver.core.samedata import SameData
 from syncserver.core.shape import RunShape
@@ -22,7 +23,7 @@ __all__ = ["Peer", "Run", "RunConfig", "Traffic", "Via"]
 
 #: What a run created before a setting existed had instead (its record lacks the setting).
 BEFORE = {"norm_guard": None, "policy": "barrier", "round_samples": None, "max_staleness": 32, "outer_warmup": 0}
-BEFORE["min_merge_peers"] = 1
+BEFORE |= {"min_merge_peers": 1, "utilization": None, "sync_min": 1, "sync_max": None}
 _RunFields = make_dataclass("_RunFields", [(s.name, Any) for s in RUN_SETTINGS], kw_only=True)
 
 
@@ -124,6 +125,10 @@ class Run:
     # (n, the reducers' bound on |version n| per tensor): a leased merge checks against it, not reading n
     peaks: tuple[int, dict[str, float]] | None = None
     changed: Changes = field(default_factory=Changes)  # wakes every waiter of this run (they look again)
+    pacer: Fixed | Auto = field(init=False)  # who picks the interval: the peers (Fixed), or the hub (Auto)
+
+    def __post_init__(self) -> None:
+        self.pacer = make_pacer(self.config)
 
     @property
     def closing(self) -> bool:

@@ -98,6 +98,7 @@ class RunState(TypedDict):
     store: str | None  # the object store results and versions go out through (SYNC_STORE), no credential
     traffic: dict[str, dict[Via, int]]  # up/down -> via -> bytes since the hub started (state.Traffic)
     same_data: SameDataState | None  # two peers trained on the same data (samedata.py); a restart forgets
+    interval: dict[str, Any] | None  # sync_every auto: the interval picked last and why (interval.py)
 
 
 @dataclass
@@ -237,6 +238,7 @@ class HubView:
             "store": self.store_url,
             "traffic": {"up": dict(run.traffic.up), "down": dict(run.traffic.down)},
             "same_data": _same_data(run.same_data),
+            "interval": _interval(run),
         }
 
     def fingerprint(self, run: Run | None) -> str:
@@ -250,6 +252,13 @@ class HubView:
             parts += [*open_round, policy.floor_wait(time.monotonic()), sorted(policy.live), peers, downloads]
             parts.append(run.same_data is not None)
         return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def _interval(run: Run) -> dict[str, Any] | None:
+    picked = run.pacer.current
+    if picked is None:
+        return None
+    return {**picked.as_dict(), "unit": run.policy.unit, "why": picked.why(run.policy.unit)}
 
 
 def _same_data(found: SameData | None) -> SameDataState | None:

@@ -98,6 +98,7 @@ _ADDED = [  # columns added since the first hub, and what an older data dir with
     ("updates", "final", "INTEGER NOT NULL DEFAULT 0"),  # from before final rounds: none was a last
     ("updates", "object", "TEXT"),  # from before updates in the object store: all on disk
     ("peers", "group_size", "INTEGER NOT NULL DEFAULT 1"),
+    ("rounds", "interval", "TEXT"),  # from before sync_every auto: no round picked an interval
 ]
 
 
@@ -633,7 +634,7 @@ class Store:
         with self._tx() as db:
             for copy in objects:
                 self._insert_object(db, run, copy)
-            db.execute("INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?)", _row(run, record))
+            db.execute("INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?,?)", _row(run, record))
             db.execute("UPDATE runs SET version = ? WHERE name = ?", (record.round + 1, run))
 
     # ---- copies in the object store ------------------------------------------------------
@@ -684,8 +685,8 @@ class Store:
     def rounds(self, run: str, limit: int = 50) -> list[RoundRecord]:
         rows = self._rows("SELECT * FROM rounds WHERE run = ? ORDER BY round DESC LIMIT ?", run, limit)
         return [
-            RoundRecord(r, o, c, json.loads(p), json.loads(d), s, b, rb, json.loads(t))
-            for _, r, o, c, p, d, s, b, rb, t in reversed(rows)
+            RoundRecord(r, o, c, json.loads(p), json.loads(d), s, b, rb, json.loads(t), i and json.loads(i))
+            for _, r, o, c, p, d, s, b, rb, t, i in reversed(rows)
         ]
 
     def samples_through(self, run: str, round_: int) -> int:

@@ -274,6 +274,8 @@
       stat("rounds", cfg.policy, { barrier: "every peer's N steps", samples: `close at ${fmtNum(cfg.round_samples)} samples`, async: `no barrier, staleness ≤ ${cfg.max_staleness}` }[cfg.policy] || ""),
       stat("model", run.parameters ? fmtNum(run.parameters) : "–", run.parameters ? `params, ${run.tensors} tensors` : ""),
       stat("downloads", run.store ? "object store" : "hub", run.store || "results and versions from the hub's disk"),
+      stat("interval", run.interval ? `${fmtNum(run.interval.every)} ${run.interval.unit}` : "peers'",
+        run.interval ? run.interval.why : "sync_every set by each peer"),
     );
   }
 
@@ -585,7 +587,7 @@
       return emptyNote(el, run.sealed ? "No round has closed yet. The first closes when every live peer has sent its update." : "Rounds start once the run has its peers.");
     }
     const trace = new Map(run.trace.map((t) => [t.round, t]));
-    const head = ["round", "peers", "dropped", "samples", "share of samples", "in", "out", "upload", "wait", "aggregate", "download", "total", "where the time went"];
+    const head = ["round", "peers", "dropped", "samples", "share of samples", "in", "out", "upload", "wait", "aggregate", "download", "total", "computing", "next", "where the time went"];
     const left = new Set(["dropped", "share of samples"]);
     const rows = run.rounds.slice(-TABLE_ROUNDS).reverse().map((r) => {
       const p = phaseTotals(trace.get(r.round));
@@ -607,6 +609,9 @@
         h("td", { title: `fold ${fmtSecs(r.timings.fold)} + merge ${fmtSecs(r.timings.merge)}` }, fmtSecs(agg)),
         h("td", {}, fmtSecs(p.download)),
         h("td", { title: "first update to publication" }, fmtSecs(r.closed - r.opened)),
+        h("td", { title: "sync_every auto: the slowest peer's share of its last interval spent computing" },
+          r.interval && r.interval.utilization !== null ? `${(100 * r.interval.utilization).toFixed(1)}%` : "–"),
+        h("td", { title: r.interval ? `picked: ${r.interval.bound}` : "the peers' own interval" }, r.interval ? fmtNum(r.interval.every) : "–"),
         h("td", {}, bar),
       );
     });
