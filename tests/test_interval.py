@@ -204,3 +204,14 @@ def test_a_peer_that_keeps_its_own_interval_is_refused_at_join(hub: Hub) -> None
     with pytest.raises(Exception, match="utilization"):  # the run exists without it: a 4xx naming it
         SyncClient(hub.url, run="fixed-run", peer="b", sync_every="auto").join(tiny_bigram())
     plain.leave()
+
+
+def test_a_samples_run_sizes_its_rounds(hub: Hub) -> None:
+    _peers(hub, "auto-samples", steps=60, step_s=0.01, round_samples=64, utilization=0.5, sync_max=160)
+    s = status(hub, "auto-samples")
+    rounds = sorted(s["rounds"], key=lambda r: r["round"])
+    assert rounds[0]["samples"] >= 64  # the first round: round_samples
+    assert s["interval"]["unit"] == "samples" and len(rounds) >= 4, rounds
+    for before, after in zip(rounds, rounds[1:-1], strict=False):  # (the last: the peers' final updates)
+        picked = before["interval"]["every"]
+        assert 1 <= picked <= 160 and after["samples"] >= picked, (before, after)
