@@ -28,9 +28,10 @@ def targets_table(targets: list[dict[str, Any]], fmt: str = "{}") -> list[str]:
     """The lines of the "target | measured | threshold | met" table every benchmark ends with.
 
     Each target is ``{"target", "value", "threshold", "met"}``; ``met`` None is "not measured".
-    ``fmt`` formats ``value`` and ``threshold`` (e.g. ``"{:.1%}"``)."""
+    ``fmt`` formats ``value`` and ``threshold`` (e.g. ``"{:.1%}"``), unless the target has its own."""
     lines = ["| target | measured | threshold | met |", "|---|---|---|---|"]
     for t in targets:
         met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
-        lines.append(f"| {t['target']} | {fmt.format(t['value'])} | {fmt.format(t['threshold'])} | {met} |")
+        f = t.get("fmt", fmt)
+        lines.append(f"| {t['target']} | {f.format(t['value'])} | {f.format(t['threshold'])} | {met} |")
     return lines

@@ -29,9 +29,13 @@ start of ``bench/pretrain.py``, fine-tuned on ``--train-samples`` IMDB reviews a
 serial's rate) on the same seed and link: ``lr2x`` (the peers' rate doubled), ``int8-short`` (int8
 every third of the interval), ``linear`` (the rate decays linearly to 0 over ``--max-epochs``),
 ``schedule`` (``--sync-schedule``: every third of the interval for two intervals, then every 5/3
-of it: 5:30,25 at 15, no more syncs than the baseline over 2 epochs). One is **kept** only if it
-reaches the target sooner than the baseline on every seed; the targets are judged on the fastest
-kept one (the baseline if none).
+of it: 5:30,25 at 15, no more syncs than the baseline over 2 epochs), ``short`` and ``long`` (a
+third of the interval, and three times it) and ``auto`` (``--sync-every auto``: the hub picks each
+interval). One is **kept** only if it reaches the target sooner than the baseline on every seed;
+the targets are judged on the fastest kept one (the baseline if none). With ``auto`` and fixed
+intervals in one run, the **interval grid** table sets ``auto`` beside the best fixed interval:
+its time to the target and every run's validation perplexity at one wall time (the earliest any
+of them reached the target), the issue-46 check that picking the interval costs no quality.
 
 Namespaces ``<prefix>-...`` are removed in ``finally`` and on SIGTERM. Needs root (``ip netns``).
 Results: markdown tables and ``bench/results/ttq-<date>.json`` (``--out``).
@@ -74,7 +78,7 @@ class Variant:
     and extra flags of the reference job."""
 
     name: str
-    interval: float = 1.0
+    interval: float = 1.0  # 0: sync_every auto (the hub picks each interval)
     schedule: tuple[tuple[float, float], ...] = ()
     codec: str = "fp32"
     flags: dict[str, str] = field(default_factory=dict)
@@ -88,6 +92,9 @@ VARIANTS = {
         Variant("int8-short", interval=1 / 3, codec="int8"),
         Variant("linear", flags={"lr-schedule": "linear"}),
         Variant("schedule", interval=5 / 3, schedule=((1 / 3, 2.0),)),
+        Variant("short", interval=1 / 3),
+        Variant("long", interval=3.0),
+        Variant("auto", interval=0.0),
     )
 }
 #: the grid's regime (bench/quality.py FULL_COMMON) on fewer reviews: one serial epoch is 90 steps
@@ -101,7 +108,7 @@ parser = argparse.ArgumentParser(description="Time to serial's final perplexity,
 parser.add_argument("--peers", type=int, default=2)
 parser.add_argument("--links", nargs="+", default=["1gbit", "100mbit"], help="each peer's link rate (tc spelling)")
 parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
-parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
+parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), help="default: all (--quick: fp32)")
 parser.add_argument("--variant-links", nargs="+", default=["1gbit"], help="links the variants run on (fp32: all)")
 parser.add_argument("--sync-every", type=int, default=15, help="the baseline's interval (a sixth of an epoch)")
 parser.add_argument("--serial-eval-every", type=int, default=15, help="serial's checks, in its steps")
@@ -163,7 +170,7 @@ def run_peers(args: argparse.Namespace, common: dict[str, Any], model: Path | No
               link: str) -> dict[str, Any]:  # fmt: skip
     """N peers of the job over ``link`` until rank 0 logs a sync at or below serial's final perplexity."""
     name = f"{variant.name}-{link}-seed{serial['seed']}"
-    every = max(1, round(args.sync_every * variant.interval))
+    every: int | str = max(1, round(args.sync_every * variant.interval)) if variant.interval else "auto"
     phases = [f"{max(1, round(args.sync_every * e))}:{round(args.sync_every * u)}" for e, u in variant.schedule]
     interval = ["--sync-schedule", ",".join([*phases, str(every)])] if phases else ["--sync-every", str(every)]
     cores = sorted(os.sched_getaffinity(0))
@@ -210,6 +217,7 @@ def run_peers(args: argparse.Namespace, common: dict[str, Any], model: Path | No
     return {
         "variant": variant.name, "link": link, "seed": serial["seed"], "peers": args.peers,
         "sync_every": interval[1] if phases else every,
+        "steps_per_sync": round((rows[-1]["step"] - rows[0]["step"]) / (len(rows) - 1), 1) if len(rows) > 1 else None,
         "codec": variant.codec, "flags": variant.flags, "reached": reached is not None,
         "time_s": reached["elapsed"] if reached else None,
         "x_serial": reached["elapsed"] / serial["time_s"] if reached else None,
@@ -266,6 +274,41 @@ def check_targets(rows: list[dict[str, Any]], keep: dict[str, list[str]], peers:
     return out
 
 
+FIXED = ("fp32", "short", "long")  # the fixed intervals auto is set beside (a third, one, three times the baseline's)
+
+
+def interval_grid(rows: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
+    """Per link and seed: auto against the best fixed interval of :data:`FIXED` (the soonest to the
+    target), and each one's validation perplexity at the earliest time any reached the target; the
+    table's lines and the targets (auto no later than the best fixed interval, on every seed)."""
+    lines = ["| link | seed | interval | time to target s | val ppl at the common time |", "|---|---:|---|---:|---:|"]
+    targets = []
+    for link in dict.fromkeys(r["link"] for r in rows):
+        for seed in dict.fromkeys(r["seed"] for r in rows):
+            mine = {r["variant"]: r for r in rows if (r["link"], r["seed"]) == (link, seed)}
+            if "auto" not in mine or not any(v in mine for v in FIXED):
+                continue
+            fixed = [mine[v] for v in FIXED if v in mine]
+            when = min((r["time_s"] for r in [*fixed, mine["auto"]] if r["reached"]), default=None)
+            for r in [*fixed, mine["auto"]]:
+                at = [ppl for _, t, ppl in r["curve"] if when is not None and t <= when]
+                every = f"mean {r['steps_per_sync']}" if r["sync_every"] == "auto" else r["sync_every"]
+                lines.append(f"| {link} | {seed} | {r['variant']} ({every}) | {_x(r['time_s'], '{:.1f}')} "
+                             f"| {_x(at[-1] if at else None, '{:.2f}')} |")  # fmt: skip
+            best = min(fixed, key=lambda r: r["time_s"] if r["reached"] else math.inf)
+            auto = mine["auto"]
+            targets.append(
+                {
+                    "target": f"auto, {link}, seed {seed}: time to target <= the best fixed interval's "
+                    f"({best['variant']}, every {best['sync_every']})",
+                    "value": auto["time_s"],
+                    "threshold": best["time_s"],
+                    "met": auto["reached"] and (not best["reached"] or auto["time_s"] <= best["time_s"]),
+                }
+            )
+    return lines, targets
+
+
 def _x(v: float | None, fmt: str = "{:.3f}") -> str:
     return "not reached" if v is None else fmt.format(v)
 
@@ -288,6 +331,9 @@ def markdown(serials: list[dict[str, Any]], rows: list[dict[str, Any]], keep: di
             f"| {_x(r['x_serial'])} | {r['step'] or '-'} | {_x(r['best_ppl'], '{:.2f}')} | {equal} "
             f"| {r['mb_up']:.1f} | {keeps} |"
         )
+    grid, picked = interval_grid(rows)
+    if picked:
+        lines += ["", *grid]
     lines += ["", "| target | configuration | measured | threshold | met |", "|---|---|---|---|---|"]
     for t in targets:
         met = "yes" if t["met"] else "**no**"
@@ -301,13 +347,15 @@ def main() -> None:
     common = dict(COMMON)
     if args.quick:  # the pipeline, not the figures: a random-init tiny GPT-2, no pretraining
         common = dict(QUICK)
-        args.seeds, args.links, args.variants, args.sync_every, args.serial_eval_every = [1], ["1gbit"], ["fp32"], 2, 2
+        args.seeds, args.links, args.sync_every, args.serial_eval_every = [1], ["1gbit"], 2, 2
+        args.variants = args.variants or ["fp32"]
         args.max_epochs = 1.5
     try:
         for rate in args.links:
             wire.rate_bits(rate)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
+    args.variants = args.variants or list(VARIANTS)
     if args.peers < 2 or args.sync_every < 1 or args.max_epochs < 1:
         parser.error("want --peers >= 2, --sync-every >= 1 and --max-epochs >= 1")
     cores = len(os.sched_getaffinity(0))
@@ -355,6 +403,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     keep = kept(rows, args.seeds)
     targets = check_targets(rows, keep, args.peers)
+    targets += [{**t, "configuration": "auto"} for t in interval_grid(rows)[1]]
     table = markdown(serials, rows, keep, targets)
     print(table)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
