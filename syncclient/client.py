@@ -377,10 +377,14 @@ class SyncClient:
     def due(self) -> bool:
         """Whether to sync now: in a samples run, the hub asked for this round's update and a step
         was trained since the last sync; else the :attr:`clock` reached ``sync_every``'s next
-        step. In a process group every rank asks at the same points (the leader's answer goes to all)."""
-        if self.policy != "samples":
+        step. In a process group every rank asks at the same points, and in samples and auto runs
+        the leader's answer goes to all (its client alone hears the hub)."""
+        if self.policy == "samples":
+            due = self.clock.unsynced and self._progress is not None and self._progress.due(self.version)
+        elif self.clock.every == AUTO:  # the leader's clock hears the hub's intervals
+            due = self.clock.on_time
+        else:
             return self.clock.on_time
-        due = self.clock.unsynced and self._progress is not None and self._progress.due(self.version)
         return self._group.flag(due) if self._group is not None else due
 
     @property

@@ -89,6 +89,7 @@ BUDGETS: dict[str, float] = {
     # torchrun groups: three peer shapes in one run (9 processes that import torch, 6 of them
     # transformers); a killed rank (two peers, 6 processes); a hub gone for good (3 processes and
     # 0.5 s of the SDK's retries). Alone, on a shared 2-core VM (load 5), 2026-11-27: 25, 15, 10 s
+    "tests/test_group.py::test_a_group_follows_the_intervals_the_hub_picks": 12,  # torchrun, one peer of two ranks
     "tests/test_group.py::test_a_hub_gone_for_good_stops_every_rank_of_the_group": 10,
     "tests/test_group.py::test_a_killed_rank_takes_its_group_out_and_the_other_peer_carries_on": 15,
     "tests/test_group.py::test_every_rank_of_every_peer_holds_the_hubs_version": 25,

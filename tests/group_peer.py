@@ -58,6 +58,7 @@ def main() -> None:
     p.add_argument("--min-peers", type=int, default=2)
     p.add_argument("--retry-seconds", type=float, default=60)
     p.add_argument("--model", choices=["gpt2", "bigram"], default="gpt2", help="bigram: no transformers (ddp)")
+    p.add_argument("--auto", action="store_true", help="ddp: sync_every auto, --rounds x STEPS steps, synced when due")
     args = p.parse_args()
     if args.model == "bigram" and args.mode != "ddp":
         p.error("--model bigram goes with --mode ddp")
@@ -76,6 +77,7 @@ def main() -> None:
         min_peers=args.min_peers,
         retry_seconds=args.retry_seconds,
         group=dist.group.WORLD,
+        **({"sync_every": "auto", "utilization": 0.5, "sync_max": 4} if args.auto else {}),
     )
     client.join(model)
     if args.mode == "fsdp":
@@ -89,14 +91,20 @@ def main() -> None:
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(1000 * rank + len(args.peer))
+    if args.auto:  # every rank asks the one clock after each step; the leader's answer goes to all
+        client.count_from(0)
     for _ in range(args.rounds):
         for _ in range(STEPS):
             ids = torch.randint(0, 256, (4, 16), generator=gen)
             wrapped(input_ids=ids, labels=ids)["loss"].backward()
             opt.step()
             opt.zero_grad()
-        result = client.sync(wrapped, samples=4 * STEPS)
-        (out / f"{args.peer}-r{rank}-v{result.version}").write_text(digest(weights(model)))
+            result = client.step(wrapped, samples=4) if args.auto else None
+            if result is not None:
+                (out / f"{args.peer}-r{rank}-v{result.version}").write_text(digest(weights(model)))
+        if not args.auto:
+            result = client.sync(wrapped, samples=4 * STEPS)
+            (out / f"{args.peer}-r{rank}-v{result.version}").write_text(digest(weights(model)))
     client.leave()
     dist.destroy_process_group()
 

@@ -205,3 +205,17 @@ def test_a_group_client_rejects_what_a_group_cannot_do(hub: Hub, tmp_path: Path)
         client.leave()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_group_follows_the_intervals_the_hub_picks(hub_factory: Any, tmp_path: Path) -> None:
+    """``sync_every="auto"`` in a group: only the leader's client hears each interval, and every
+    rank learns from it when a sync is due (else the ranks would part at the first sync)."""
+    hub = hub_factory("--keep-versions", "100")
+    procs = {"a": torchrun(hub, "auto", "a", "ddp", 6, tmp_path, "--min-peers", "1", "--model", "bigram", "--auto")}
+    finish(procs, tmp_path)
+    state = status(hub, "auto")
+    assert state["version"] >= 3 and state["interval"]["every"] <= 4, state["interval"]
+    for version in range(1, state["version"] + 1):
+        held = {f.name: f.read_text() for f in tmp_path.glob(f"a-r*-v{version}")}
+        assert sorted(held) == [f"a-r0-v{version}", f"a-r1-v{version}"], held
+        assert set(held.values()) == {hub_digest(hub, "auto", version)}, f"version {version}: {held}"
