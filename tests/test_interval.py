@@ -6,6 +6,7 @@ result says, the decision in status and on the round records, kept over a restar
 
 from __future__ import annotations
 
+import itertools
 import math
 import subprocess
 import sys
@@ -212,6 +213,6 @@ def test_a_samples_run_sizes_its_rounds(hub: Hub) -> None:
     rounds = sorted(s["rounds"], key=lambda r: r["round"])
     assert rounds[0]["samples"] >= 64  # the first round: round_samples
     assert s["interval"]["unit"] == "samples" and len(rounds) >= 4, rounds
-    for before, after in zip(rounds, rounds[1:-1], strict=False):  # (the last: the peers' final updates)
+    for before, after in itertools.pairwise(rounds[:-1]):  # (the last: the peers' final updates)
         picked = before["interval"]["every"]
         assert 1 <= picked <= 160 and after["samples"] >= picked, (before, after)
