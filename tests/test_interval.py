@@ -96,6 +96,9 @@ def test_a_close_tried_again_decides_once_and_no_pace_keeps_the_interval() -> No
     assert auto.decide(1, [], 0.0) == first  # an older SDK's updates carry no pace
     assert Pace.of("a", {"loss": 1.0}, 1.0, None) is None
     assert Pace.of("a", dict.fromkeys(PACE_KEYS, 0.0), 1.0, None) is None  # no step trained (a flush round)
+    first = dict(zip(PACE_KEYS, (10.0, 80.0, 1.0, 0.0, 0.0, 1.0), strict=True))
+    assert Pace.of("a", first, 1.0, None) is None  # the first interval held no sync: its cost is unknown
+    assert Pace.of("a", first | {"sync_host_s": 0.1}, 1.0, None) is not None
 
 
 def test_the_clock_waits_for_the_hub_to_say_how_far() -> None:
@@ -184,7 +187,9 @@ def test_two_peers_sync_at_the_steps_the_hub_picks(hub_factory: Any) -> None:
     for k in range(1, len(steps)):  # each sync came as many steps after the one before as its result said
         assert steps[k] - steps[k - 1] == rounds[k - 1]["interval"]["every"], (steps, rounds[k - 1])
     picked = [rounds[r]["interval"] for r in sorted(rounds)]
-    assert all(1 <= p["every"] <= 20 and p["utilization"] is not None for p in picked)
+    # round 0's updates end the first interval, which held no sync: the probe again, then measured picks
+    assert picked[0]["bound"] == "probe" and picked[0]["every"] == 10
+    assert all(1 <= p["every"] <= 20 and p["utilization"] is not None for p in picked[1:])
     assert s["interval"]["unit"] == "steps" and s["interval"]["why"].startswith(f"every {picked[-1]['every']} steps")
     # kept over a restart: the next result and a joining peer's version carry the same interval
     hub.stop()

@@ -329,8 +329,9 @@ def train(args: argparse.Namespace) -> int:
         max_steps, plan = args.max_steps, schedule(args)
         if policy == "barrier" and version:
             total = args.max_steps or math.ceil(epochs * math.ceil(per_peer / batch))
-            if args.auto:  # the intervals were the hub's: the run's samples say the steps each peer made
-                done = client.run_samples // args.batch_size
+            if args.auto:  # the intervals were the hub's: the steps the last round's updates were made at
+                made = [u["metrics"].get("step", 0) for u in client.status()["updates"] if u["round"] == version - 1]
+                done = int(max(made, default=client.run_samples // args.batch_size))
             else:
                 done = plan.step_of_sync(version) if plan else version * args.sync_every
             plan = plan.from_step(done) if plan else None  # this Trainer counts its steps from 0 there

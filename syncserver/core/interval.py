@@ -61,11 +61,14 @@ class Pace:
 
     @classmethod
     def of(cls, peer: str, metrics: Mapping[str, float], upload: float, download: float | None) -> Pace | None:
-        """From an update's metrics; None when it lacks them (an older SDK, a first sync)."""
+        """From an update's metrics; None when it lacks them (an older SDK), trained nothing (a flush
+        round) or held no sync (the first interval: what a sync costs is not known yet)."""
         if any(key not in metrics for key in PACE_KEYS) or metrics["sync_steps"] < 1:
             return None
         steps, samples, seconds, host, wait, overlap = (metrics[key] for key in PACE_KEYS)
         host, wait = max(0.0, host), max(0.0, wait)
+        if host == wait == 0.0:
+            return None
         return cls(peer, int(steps), int(samples), seconds, host, wait, overlap > 0, upload, download)
 
     @property
