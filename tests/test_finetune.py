@@ -172,6 +172,9 @@ def test_unreachable_hub_id_fails_in_one_line(flags: list[str], tmp_path: Path) 
         (["--local-peers", "2", "--policy", "barrier", "--round-samples", "8"], "goes with --policy samples"),
         (["--local-peers", "2", "--round-samples", "-1"], "must be >= 0"),
         (["--no-hub", "--lr-scaling-warmup", "-1"], "--lr-scaling-warmup must be >= 0"),
+        (["--local-peers", "2", "--sync-every", "auto", "--sync-schedule", "5:60,15"], "exclude each other"),
+        (["--local-peers", "2", "--sync-every", "auto", "--utilization", "1.5"], "--utilization must be > 0 and < 1"),
+        (["--local-peers", "2", "--sync-every", "10", "--utilization", "0.9"], "give --sync-every auto, not 10"),
     ],
 )
 def test_bad_flag_combinations_fail_in_one_line(

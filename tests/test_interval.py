@@ -14,11 +14,13 @@ import time
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from syncclient import SyncClient, SyncError
 from syncclient.hooks.settings import HookSettings, SettingsError
 from syncclient.schedule import SyncClock
 from syncserver.core.interval import HISTORY, MARGIN, Auto, Pace
+from syncserver.status import fetch, render
 from syncwire.runsettings import PACE_KEYS, check_run_settings
 from tests.conftest import Hub
 from tests.harness import run_peers, status
@@ -187,6 +189,10 @@ def test_two_peers_sync_at_the_steps_the_hub_picks(hub_factory: Any) -> None:
     for k in range(1, len(steps)):  # each sync came as many steps after the one before as its result said
         assert steps[k] - steps[k - 1] == rounds[k - 1]["interval"]["every"], (steps, rounds[k - 1])
     picked = [rounds[r]["interval"] for r in sorted(rounds)]
+    console = Console(width=200, record=True)  # what syncserver status prints
+    console.print(render(fetch(hub.url, "auto", None), hub.url))
+    printed = console.export_text()
+    assert f"interval: every {picked[-1]['every']} steps" in printed and "computing" in printed
     # round 0's updates end the first interval, which held no sync: the probe again, then measured picks
     assert picked[0]["bound"] == "probe" and picked[0]["every"] == 10
     assert all(1 <= p["every"] <= 20 and p["utilization"] is not None for p in picked[1:])
