@@ -273,10 +273,18 @@ def test_wire_benchmark_removes_its_namespaces_when_terminated(tmp_path: Path, n
 
 def test_utilization_benchmark_measures_every_interval_and_a_killed_peer(tmp_path: Path, netns_prefix: str) -> None:
     """bench/utilization.py --quick: peers in namespaces over shaped links, a row per H with its
-    utilization from the timed intervals, the killed peer's survivor too, namespaces gone."""
+    utilization from the timed intervals, the killed peer's survivor too; sync_every auto on a
+    link, and on one slowed in place mid-run, with their targets; namespaces gone."""
     args = ["--quick", "--ns-prefix", netns_prefix]
     stdout, result = run_bench("utilization", tmp_path / "results", *args, timeout=180)
-    rows = {(r["kill"], r["h"]): r for r in result["rows"]}
+    auto = [r for r in result["rows"] if r["h"] == "auto"]
+    rows = {(r["kill"], r["h"]): r for r in result["rows"] if r["h"] != "auto"}
+    # the auto case on 1 Gbit/s, then the drop case before (1 Gbit/s) and after (100 Mbit/s) its drop
+    assert [(r["link"], r["dropped_from"]) for r in auto] == [("1gbit", None), ("1gbit", None), ("100mbit", "1gbit")]
+    for row in auto:
+        assert row["syncs"] >= 1 and row["mean_h"] >= 1 and 0 < row["utilization"] <= 1
+        assert all(h >= 1 for steps in row["steps"] for h in steps), "each interval ran the steps its result said"
+    assert sum("utilization within 1 point of 95%" in t["target"] for t in result["targets"]) == 3
     assert set(rows) == {(False, 4), (False, 8), (True, 4)}
     for (kill, h), row in rows.items():
         assert row["codec"] == "int8" and row["link"] == "1gbit"
