@@ -31,8 +31,9 @@ BUDGETS: dict[str, float] = {
     "tests/test_bench_smoke.py::test_unequal_benchmark_runs_every_policy": 17,  # 3 hubs, 6 peers (forked)
     # root only: namespaces, 2 peers, today's hub and a --store hub, SeaweedFS in its namespace (~4 s)
     "tests/test_bench_smoke.py::test_wire_benchmark_shapes_links_and_leaves_no_namespace": 11,
-    # root only: namespaces; a hub and 2 peers twice (one killed), 3 s lease (issue 40; timed at load 5)
-    "tests/test_bench_smoke.py::test_utilization_benchmark_measures_every_interval_and_a_killed_peer": 16,
+    # root only: namespaces; a hub and 2 peers four times (fixed, auto, a drop, one killed), 3 s lease
+    # (issues 40 and 46; 19 s at load 3-5)
+    "tests/test_bench_smoke.py::test_utilization_benchmark_measures_every_interval_and_a_killed_peer": 22,
     # root only: the reference job serial, then as 2 peers in namespaces through a hub (issue 40; load 5)
     "tests/test_bench_smoke.py::test_ttq_benchmark_times_serial_and_peers_to_serials_perplexity": 33,
     # issue 36: 3 peer processes (torch), a SIGKILL, its 1.5 s grace, a restart (18 s at load 14)
