@@ -14,12 +14,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401  (imported once here: lazy imports race in threads)
 
 from syncserver.process import ServerProcess
 from tests.budget import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (the time budget)
 from tests.s3server import s3, seaweedfs  # noqa: F401  (a real S3 server, started on first use; a proxy to it)
 from tests.smallvocab import small_vocab_data as small_vocab
+
+torch.set_num_threads(1)  # OMP_NUM_THREADS (tests/__init__.py) comes too late if a plugin imported torch first
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
