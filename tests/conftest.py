@@ -7,6 +7,7 @@ and start it again on the same data dir and URL. ``hub`` is one such hub.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -134,16 +135,29 @@ def hub(hub_factory: Callable[..., Hub]) -> Hub:
     return hub_factory()
 
 
+@contextlib.contextmanager
+def shared_hub(
+    tmp_path_factory: pytest.TempPathFactory, name: str, *args: str, env: dict[str, str] | None = None
+) -> Iterator[Hub]:
+    """A started hub for a module-scoped fixture (``args``: its flags; ``env``: SYNC_* settings
+    over a clean environment), stopped after the ``with``."""
+    tmp = tmp_path_factory.mktemp(name)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+    full_env.update(env or {})
+    hub = Hub(tmp / "hub", list(args), full_env, tmp / "hub.log").start()
+    try:
+        yield hub
+    finally:
+        hub.stop()
+
+
 @pytest.fixture(scope="module")
 def module_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     """One hub of the default settings for a module's tests that neither kill, restart nor
     reconfigure it, nor read its whole log, each on runs of its own names: a module makes it its
     ``hub`` (``def hub(module_hub)``). A hub start and stop is ~1.5 CPU-s, 2-4 s on a busy 2-core VM."""
-    tmp = tmp_path_factory.mktemp("module-hub")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
-    shared = Hub(tmp / "hub", [], env, tmp / "hub.log").start()
-    yield shared
-    shared.stop()
+    with shared_hub(tmp_path_factory, "module-hub") as hub:
+        yield hub
 
 
 SMALL_SAMPLE_EVERY = 5  # every 5th review of each split: 400 train, 100 test, both labels in each

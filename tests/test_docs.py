@@ -10,7 +10,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Iterator
 from html import unescape
 from pathlib import Path
 from typing import Any
@@ -24,16 +24,18 @@ from syncserver.api.docs import SWAGGER_UI_VERSION
 from syncserver.cli import app as syncserver_cli
 from syncserver.cli import env_name, flag_name
 from syncserver.settings import HubSettings
-from tests.conftest import REPO, Hub
+from tests.conftest import REPO, Hub, shared_hub
 from tests.test_dashboard import browser  # noqa: F401 (the fixture: one Chromium, skipped without one)
 from weightsync_run.cli import build_parser
 
 TOKEN = "hub-secret"
 
 
-@pytest.fixture
-def guarded_hub(hub_factory: Callable[..., Hub]) -> Hub:
-    return hub_factory(env={"SYNC_TOKEN": TOKEN})
+@pytest.fixture(scope="module")
+def guarded_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    """One hub for the module's tests: each only reads its pages and schema."""
+    with shared_hub(tmp_path_factory, "guarded-hub", env={"SYNC_TOKEN": TOKEN}) as hub:
+        yield hub
 
 
 def test_docs_page_loads_only_its_own_assets(guarded_hub: Hub) -> None:
