@@ -29,7 +29,7 @@ from syncserver.storage.store import ObjectRecord, ResultKey, Store, UpdateKey, 
 from syncwire import get_codec
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
-from tests.harness import wait_for
+from tests.harness import HTTP, wait_for
 from tests.s3server import SeaweedFS
 from tests.test_metrics import scrape
 from tests.test_reducers import ADMIN, SCHEMA, TOKEN, _bytes, _reducers, _train
@@ -321,7 +321,7 @@ def test_a_dead_reducer_s_part_is_sent_again_a_dead_hub_s_aborted(
             doomed.kill()
             doomed.wait()
             auth = {"Authorization": f"Bearer {TOKEN}"}
-            wait_for(lambda: httpx.get(f"{hub.url}/v1/runs/int8", headers=auth).json()["version"] >= 1, "round 0")
+            wait_for(lambda: HTTP.get(f"{hub.url}/v1/runs/int8", headers=auth).json()["version"] >= 1, "round 0")
             second.cut(after=0, match="/done")  # round 1's report: its part is up, the upload open
             wait_for(lambda: any(r.fault == "cut" for r in second.matching("/done")), "round 1's report to be cut")
             open_before = {u.upload_id for u in objects.uploads("runs/int8/")}

@@ -37,7 +37,7 @@ from syncserver.storage.store import MomentumKey, ResidualKey, ResultKey, Store,
 from syncwire import get_codec
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
-from tests.harness import Peers, wait_for
+from tests.harness import HTTP, Peers, wait_for
 from tests.models import perturb
 from tests.s3server import SeaweedFS
 from tests.test_metrics import scrape
@@ -475,7 +475,7 @@ def _train_in_order(
 
             def acked(name: str = name, r: int = r) -> bool:
                 try:
-                    state = httpx.get(f"{url}/v1/runs/{run}", headers=auth).json()
+                    state = HTTP.get(f"{url}/v1/runs/{run}", headers=auth).json()
                 except httpx.HTTPError:  # a hub that a test killed, restarting
                     return False
                 return state["version"] > r or name in state["open_round"]["submitted"]
@@ -512,7 +512,7 @@ def _reducer(url: str, token: str | None, log: Path) -> subprocess.Popen[bytes]:
 
 
 def _reducers(hub: Hub) -> dict[str, dict[str, object]]:
-    r = httpx.get(f"{hub.url}/v1/reduce/reducers", headers={"Authorization": f"Bearer {TOKEN}"})
+    r = HTTP.get(f"{hub.url}/v1/reduce/reducers", headers={"Authorization": f"Bearer {TOKEN}"})
     r.raise_for_status()
     return {x["name"]: x for x in r.json()}
 
@@ -751,7 +751,7 @@ def test_a_hub_killed_mid_fold_loses_no_acknowledged_update_and_gives_the_same_b
     peers.start()
 
     def two_acked() -> bool:
-        state = httpx.get(f"{hub.url}/v1/runs/barrier", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        state = HTTP.get(f"{hub.url}/v1/runs/barrier", headers={"Authorization": f"Bearer {TOKEN}"}).json()
         return len((state.get("open_round") or {}).get("submitted", [])) >= 2  # null before the start
 
     wait_for(two_acked, "two updates acknowledged, their fold waiting on the board")

@@ -24,7 +24,7 @@ from syncserver.storage.s3 import ObjectStore
 from syncwire import iter_chunks
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
-from tests.harness import Peers, wait_for
+from tests.harness import HTTP, Peers, wait_for
 from tests.s3server import SeaweedFS
 from tests.test_metrics import scrape
 from tests.test_store_wire import AUTH, TOKEN, digest, metric, model_of, store_hub
@@ -158,7 +158,7 @@ def test_each_lie_is_refused_with_its_reason_and_nothing_recorded(
         rejected = {k[1]: v for k, v in samples.items() if k[0] == "weightsync_updates_rejected_total"}
         assert sum(rejected.values()) >= len(lies) + len(refusals) + 2
         peers.clients["q"].leave()  # round 0 closes with p's update alone
-        wait_for(lambda: httpx.get(f"{hub.url}/v1/runs/r", headers=AUTH).json()["version"] == 1, "round 0 closed")
+        wait_for(lambda: HTTP.get(f"{hub.url}/v1/runs/r", headers=AUTH).json()["version"] == 1, "round 0 closed")
     # the round merged the object (the hub's own file of it does not exist): v1 = v0 + the update
     start = {k: v.detach().numpy() for k, v in linear().state_dict().items()}
     merged = model_of(hub, "r")

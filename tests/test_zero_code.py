@@ -29,7 +29,7 @@ import torch
 
 from syncwire.digest import weights_sha256
 from tests.conftest import REPO, Hub, needs_data
-from tests.harness import status, wait_for
+from tests.harness import HTTP, status, wait_for
 
 LEFT = re.compile(r"^weightsync: (\S+) left run '(\S+)' at version (\d+); weights sha256 ([0-9a-f]{64})$", re.M)
 PEERS = ("peer-0", "peer-1")
@@ -410,7 +410,7 @@ def two_vms(
 
 
 def joined(hub: Hub, run: str, peer: str) -> bool:
-    response = httpx.get(f"{hub.url}/v1/runs/{run}", timeout=10)
+    response = HTTP.get(f"{hub.url}/v1/runs/{run}", timeout=10)
     return response.status_code == 200 and peer in {p["peer"] for p in response.json()["peers"]}
 
 
