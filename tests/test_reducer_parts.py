@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -284,7 +283,7 @@ def test_three_peers_and_two_far_reducers_give_the_bits_of_a_hub_alone(
             proc.wait()
     samples = scrape(hub, TOKEN)
     for run in AVG:
-        model = httpx.get(f"{alone.url}/v1/runs/{run}/model", headers={"Authorization": f"Bearer {TOKEN}"})
+        model = HTTP.get(f"{alone.url}/v1/runs/{run}/model", headers={"Authorization": f"Bearer {TOKEN}"})
         # version 0 went up once (the reducers read it there); no result, no later version
         uploaded = samples["weightsync_store_upload_bytes_total", (("run", run),)]
         assert 0 < uploaded < 1.01 * len(model.content), (run, uploaded)

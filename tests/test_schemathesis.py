@@ -24,6 +24,7 @@ import pytest
 
 from syncwire import iter_chunks
 from tests.conftest import Hub, shared_hub
+from tests.harness import HTTP
 
 TOKEN = "schemathesis-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -89,14 +90,14 @@ def test_api_fuzz_no_server_error_and_schema_conformance(seeded_hub: Hub, tmp_pa
     assert proc.returncode == 0, out[-8000:]
     assert " passed" in out and "failures" not in out.lower().split("summary")[-1], out[-4000:]
     # the hub is alive and its run untouched by the fuzzer's refused uploads
-    status = httpx.get(f"{seeded_hub.url}/v1/runs/0", headers=AUTH).json()
+    status = HTTP.get(f"{seeded_hub.url}/v1/runs/0", headers=AUTH).json()
     assert status["version"] >= 0
     assert "Traceback" not in seeded_hub.log(), seeded_hub.log()
 
 
 def test_openapi_declares_the_error_shape(seeded_hub: Hub) -> None:
     """Each operation documents its errors as ``{"error", "detail"}``, not FastAPI's default."""
-    schema = httpx.get(f"{seeded_hub.url}/openapi.json").json()
+    schema = HTTP.get(f"{seeded_hub.url}/openapi.json").json()
     assert "ErrorBody" in schema["components"]["schemas"]
     for path, operations in schema["paths"].items():
         for method, operation in operations.items():

@@ -21,7 +21,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import safetensors.numpy
 import safetensors.torch
@@ -423,7 +422,7 @@ def left_at(done: subprocess.CompletedProcess[str], run: str) -> tuple[str, int,
 
 
 def hub_last(hub: Hub, run: str) -> tuple[int, str]:
-    response = httpx.get(f"{hub.url}/v1/runs/{run}/model", timeout=60)
+    response = HTTP.get(f"{hub.url}/v1/runs/{run}/model", timeout=60)
     response.raise_for_status()
     return int(response.headers["X-Sync-Version"]), weights_sha256(safetensors.numpy.load(response.content))
 
