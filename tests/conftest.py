@@ -7,6 +7,7 @@ and start it again on the same data dir and URL. ``hub`` is one such hub.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -14,12 +15,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401  (imported once here: lazy imports race in threads)
 
 from syncserver.process import ServerProcess
 from tests.budget import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (the time budget)
 from tests.s3server import s3, seaweedfs  # noqa: F401  (a real S3 server, started on first use; a proxy to it)
 from tests.smallvocab import small_vocab_data as small_vocab
+
+torch.set_num_threads(1)  # OMP_NUM_THREADS (tests/__init__.py) comes too late if a plugin imported torch first
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -131,16 +135,29 @@ def hub(hub_factory: Callable[..., Hub]) -> Hub:
     return hub_factory()
 
 
+@contextlib.contextmanager
+def shared_hub(
+    tmp_path_factory: pytest.TempPathFactory, name: str, *args: str, env: dict[str, str] | None = None
+) -> Iterator[Hub]:
+    """A started hub for a module-scoped fixture (``args``: its flags; ``env``: SYNC_* settings
+    over a clean environment), stopped after the ``with``."""
+    tmp = tmp_path_factory.mktemp(name)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
+    full_env.update(env or {})
+    hub = Hub(tmp / "hub", list(args), full_env, tmp / "hub.log").start()
+    try:
+        yield hub
+    finally:
+        hub.stop()
+
+
 @pytest.fixture(scope="module")
 def module_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     """One hub of the default settings for a module's tests that neither kill, restart nor
     reconfigure it, nor read its whole log, each on runs of its own names: a module makes it its
     ``hub`` (``def hub(module_hub)``). A hub start and stop is ~1.5 CPU-s, 2-4 s on a busy 2-core VM."""
-    tmp = tmp_path_factory.mktemp("module-hub")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
-    shared = Hub(tmp / "hub", [], env, tmp / "hub.log").start()
-    yield shared
-    shared.stop()
+    with shared_hub(tmp_path_factory, "module-hub") as hub:
+        yield hub
 
 
 SMALL_SAMPLE_EVERY = 5  # every 5th review of each split: 400 train, 100 test, both labels in each

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
@@ -23,7 +22,7 @@ from syncclient import SyncClient
 from syncclient.exceptions import AuthError
 from syncserver.api.factory import redact
 from tests.conftest import Hub
-from tests.harness import run_peers
+from tests.harness import HTTP, run_peers
 from tests.models import tiny_gpt2
 
 # distinctive values, so that a grep of the log finds any of them
@@ -68,7 +67,7 @@ def sync_two_peers(hub: Hub, run: str, token: str, rounds: int = 2) -> list[int]
 
 def test_run_token_syncs_its_own_run(hub: Hub) -> None:
     assert sync_two_peers(hub, "run-a", TOKEN_A) == [2, 2]
-    status = httpx.get(f"{hub.url}/v1/runs/run-a", headers=bearer(TOKEN_A)).json()
+    status = HTTP.get(f"{hub.url}/v1/runs/run-a", headers=bearer(TOKEN_A)).json()
     assert status["version"] == 2 and {p["peer"] for p in status["peers"]} == {"p0", "p1"}
 
 
@@ -90,12 +89,12 @@ def test_run_token_opens_nothing_else(hub: Hub) -> None:
         ("GET", "/metrics", {}),
     ]:
         headers = {**a, **kwargs.pop("headers", {})}
-        r = httpx.request(method, f"{hub.url}{path}", headers=headers, **kwargs)
+        r = HTTP.request(method, f"{hub.url}{path}", headers=headers, **kwargs)
         assert r.status_code == 401, (method, path, r.text)
         assert r.json() == {"error": "unauthorized", "detail": "missing or wrong bearer token"}
-    status = httpx.get(f"{hub.url}/v1/runs/run-b", headers=bearer(TOKEN_B)).json()
+    status = HTTP.get(f"{hub.url}/v1/runs/run-b", headers=bearer(TOKEN_B)).json()
     assert status["version"] == 1 and "intruder" not in {p["peer"] for p in status["peers"]}
-    assert httpx.get(f"{hub.url}/v1/runs/run-c", headers=bearer(ADMIN)).status_code == 404  # never created
+    assert HTTP.get(f"{hub.url}/v1/runs/run-c", headers=bearer(ADMIN)).status_code == 404  # never created
 
 
 def test_admin_creates_runs_and_reads_all(hub: Hub) -> None:
@@ -103,42 +102,42 @@ def test_admin_creates_runs_and_reads_all(hub: Hub) -> None:
     admin = bearer(ADMIN)
     # a run with no run token: only the admin (or a hub-wide token) may create and use it
     assert sync_two_peers(hub, "run-c", ADMIN, rounds=1) == [1, 1]
-    runs = {r["run"] for r in httpx.get(f"{hub.url}/v1/runs", headers=admin).json()}
+    runs = {r["run"] for r in HTTP.get(f"{hub.url}/v1/runs", headers=admin).json()}
     assert runs == {"run-a", "run-c"}
-    assert httpx.get(f"{hub.url}/v1/runs/run-a", headers=admin).json()["version"] == 1
-    assert httpx.get(f"{hub.url}/v1/runs/run-a/model", headers=admin).status_code == 200
-    assert httpx.get(f"{hub.url}/metrics", headers=admin).status_code == 200
+    assert HTTP.get(f"{hub.url}/v1/runs/run-a", headers=admin).json()["version"] == 1
+    assert HTTP.get(f"{hub.url}/v1/runs/run-a/model", headers=admin).status_code == 200
+    assert HTTP.get(f"{hub.url}/metrics", headers=admin).status_code == 200
 
 
 def test_view_token_reads_and_changes_nothing(hub: Hub) -> None:
     sync_two_peers(hub, "run-a", TOKEN_A, rounds=1)
     view = bearer(VIEW)
-    assert httpx.get(f"{hub.url}/v1/runs", headers=view).status_code == 200
-    assert httpx.get(f"{hub.url}/v1/runs/run-a", headers=view).json()["version"] == 1
+    assert HTTP.get(f"{hub.url}/v1/runs", headers=view).status_code == 200
+    assert HTTP.get(f"{hub.url}/v1/runs/run-a", headers=view).json()["version"] == 1
     for method, path in [
         ("GET", "/v1/runs/run-a/model"),
         ("POST", "/v1/runs/run-a/peers/p0/leave"),
         ("GET", "/v1/runs/run-a/rounds/0/result"),
     ]:
-        assert httpx.request(method, f"{hub.url}{path}", headers=view).status_code == 401, path
-    r = httpx.post(f"{hub.url}/v1/runs/run-a/peers", headers=view, json={"peer": "viewer"})
+        assert HTTP.request(method, f"{hub.url}{path}", headers=view).status_code == 401, path
+    r = HTTP.post(f"{hub.url}/v1/runs/run-a/peers", headers=view, json={"peer": "viewer"})
     assert r.status_code == 401
-    peers = httpx.get(f"{hub.url}/v1/runs/run-a", headers=view).json()["peers"]
+    peers = HTTP.get(f"{hub.url}/v1/runs/run-a", headers=view).json()["peers"]
     assert {p["peer"]: p["state"] for p in peers} == {"p0": "left", "p1": "left"}
 
 
 def test_no_or_wrong_token_is_401_everywhere_but_healthz(hub: Hub) -> None:
-    assert httpx.get(f"{hub.url}/healthz").status_code == 200
+    assert HTTP.get(f"{hub.url}/healthz").status_code == 200
     for token in [None, "wrong", TOKEN_A + "x", TOKEN_A[:-1], ADMIN.upper(), f"{TOKEN_A} {TOKEN_A}"]:
         headers = bearer(token) if token is not None else {}
         for path in ["/v1/runs", "/v1/runs/run-a", "/v1/runs/run-a/model", "/metrics"]:
-            assert httpx.get(f"{hub.url}{path}", headers=headers).status_code == 401, (token, path)
-        r = httpx.post(f"{hub.url}/v1/runs/run-a/peers", headers=headers, json={"peer": "p0"})
+            assert HTTP.get(f"{hub.url}{path}", headers=headers).status_code == 401, (token, path)
+        r = HTTP.post(f"{hub.url}/v1/runs/run-a/peers", headers=headers, json={"peer": "p0"})
         assert r.status_code == 401, token
     for scheme in ("Basic", "Token", ""):
-        r = httpx.get(f"{hub.url}/v1/runs", headers={"Authorization": f"{scheme} {ADMIN}".strip()})
+        r = HTTP.get(f"{hub.url}/v1/runs", headers={"Authorization": f"{scheme} {ADMIN}".strip()})
         assert r.status_code == 401, scheme
-    assert httpx.get(f"{hub.url}/v1/runs", headers=bearer(ADMIN)).json() == []  # nothing was created
+    assert HTTP.get(f"{hub.url}/v1/runs", headers=bearer(ADMIN)).json() == []  # nothing was created
 
 
 def test_sdk_with_a_wrong_token_fails_at_once(hub: Hub) -> None:
@@ -155,14 +154,14 @@ def test_sdk_with_a_wrong_token_fails_at_once(hub: Hub) -> None:
 def test_no_token_in_the_log(hub: Hub) -> None:
     """After syncs, refusals and a dashboard link with ``?token=``, the log holds no token."""
     sync_two_peers(hub, "run-a", TOKEN_A, rounds=1)
-    httpx.get(f"{hub.url}/v1/runs/run-b", headers=bearer(TOKEN_A))  # refused
-    httpx.get(f"{hub.url}/v1/runs", headers=bearer(TOKEN_B + "-guess"))  # refused
+    HTTP.get(f"{hub.url}/v1/runs/run-b", headers=bearer(TOKEN_A))  # refused
+    HTTP.get(f"{hub.url}/v1/runs", headers=bearer(TOKEN_B + "-guess"))  # refused
     for token in (VIEW, ADMIN):
-        httpx.get(f"{hub.url}/", params={"token": token})  # the dashboard link
-        httpx.get(f"{hub.url}/v1/runs", params={"token": token, "x": "1"}, headers=bearer(token))
+        HTTP.get(f"{hub.url}/", params={"token": token})  # the dashboard link
+        HTTP.get(f"{hub.url}/v1/runs", params={"token": token, "x": "1"}, headers=bearer(token))
         for key in ENCODED_KEYS:  # the key spelled so that only a decoder sees "token" (*was* logged)
-            httpx.get(f"{hub.url}/?{key}={token}")
-            httpx.get(f"{hub.url}/v1/runs?x=1&{key}={token}", headers=bearer(token))
+            HTTP.get(f"{hub.url}/?{key}={token}")
+            HTTP.get(f"{hub.url}/v1/runs?x=1&{key}={token}", headers=bearer(token))
     hub.stop()
     log = hub.log()
     assert '"GET /v1/runs/run-a' in log and "token=***" in log  # the access log was on, and redacted
@@ -191,7 +190,7 @@ def test_redaction_decodes_the_key(line: str, redacted: str) -> None:
 
 def test_open_hub_needs_no_token(hub_factory: Callable[..., Hub]) -> None:
     hub = hub_factory()
-    assert httpx.get(f"{hub.url}/v1/runs").json() == []
+    assert HTTP.get(f"{hub.url}/v1/runs").json() == []
     assert sync_two_peers(hub, "anything", "", rounds=1) == [1, 1]
 
 
@@ -199,7 +198,7 @@ def test_hub_wide_token_opens_every_run(hub_factory: Callable[..., Hub]) -> None
     hub = hub_factory(env={"SYNC_TOKEN": "hub-wide-token", **ENV})
     assert sync_two_peers(hub, "run-a", "hub-wide-token", rounds=1) == [1, 1]
     assert sync_two_peers(hub, "run-z", "hub-wide-token", rounds=1) == [1, 1]
-    assert httpx.get(f"{hub.url}/v1/runs/run-a", headers=bearer(TOKEN_A)).status_code == 200
+    assert HTTP.get(f"{hub.url}/v1/runs/run-a", headers=bearer(TOKEN_A)).status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from syncserver.reduce.lease import Done
 from syncwire import get_codec, wire_layout
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
-from tests.harness import Peers, wait_for
+from tests.harness import HTTP, Peers, wait_for
 from tests.s3server import SeaweedFS
 from tests.test_metrics import scrape
 from tests.test_reducers import ADMIN, _host, _reducers, _train
@@ -176,7 +176,7 @@ def test_lies_get_the_same_answers_from_reducers_and_the_hub_reads_no_body(
             assert ack.status_code == 200 and not ack.json()["repeat"], ack.text
             if hub is shared:
                 assert metric(scrape(hub, TOKEN), READ) == read  # the reducer's pass is taken
-            state = httpx.get(f"{hub.url}/v1/runs/r", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+            state = HTTP.get(f"{hub.url}/v1/runs/r", headers={"Authorization": f"Bearer {TOKEN}"}).json()
             assert len(state["updates"]) == 1, state
     assert answers[0] == answers[1]
     assert [status for status, _ in answers[0]] == [400, 400, 422, 422, 422]

@@ -30,7 +30,7 @@ import torch
 from syncclient.weights import ModelView
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
-from tests.harness import Peers, assert_exact_mean, result_file, round_record, version_file, wait_for
+from tests.harness import HTTP, Peers, assert_exact_mean, result_file, round_record, version_file, wait_for
 
 SAMPLES = {"a": 10, "b": 30, "c": 20}
 SEEDS = {"a": 1, "b": 2, "c": 3}
@@ -39,7 +39,7 @@ SEEDS = {"a": 1, "b": 2, "c": 3}
 def open_round(hub: Hub, run: str) -> dict[str, Any] | None:
     """The hub's view of the open round, or None while it is down."""
     try:
-        r = httpx.get(f"{hub.url}/v1/runs/{run}", timeout=2)
+        r = HTTP.get(f"{hub.url}/v1/runs/{run}", timeout=2)
     except httpx.TransportError:
         return None
     body = r.json()

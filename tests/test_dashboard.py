@@ -20,7 +20,7 @@ from syncserver.api.dashboard import STATIC, curves, round_trace
 from syncserver.records import RoundRecord, UpdateRecord
 from syncserver.settings import HubSettings
 from tests.conftest import REPO, Hub
-from tests.harness import Peers
+from tests.harness import HTTP, Peers
 from tests.test_samedata import delta, round_, start_run
 
 TOKEN, VIEW = "hub-secret", "view-only"
@@ -141,29 +141,29 @@ def test_view_token_watches_but_cannot_act(hub_factory: Callable[..., Hub]) -> N
     hub = hub_factory("--min-peers", "1", env={"SYNC_TOKEN": TOKEN, "SYNC_VIEW_TOKEN": VIEW})
     view = {"Authorization": f"Bearer {VIEW}"}
     full = {"Authorization": f"Bearer {TOKEN}"}
-    page = httpx.get(f"{hub.url}/")  # the page itself is static: no token
+    page = HTTP.get(f"{hub.url}/")  # the page itself is static: no token
     assert page.status_code == 200 and 'src="static/app.js?v=' in page.text
-    assert httpx.get(f"{hub.url}/static/app.js").status_code == 200
-    assert httpx.get(f"{hub.url}/v1/dashboard").status_code == 401
-    assert httpx.get(f"{hub.url}/v1/dashboard", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert HTTP.get(f"{hub.url}/static/app.js").status_code == 200
+    assert HTTP.get(f"{hub.url}/v1/dashboard").status_code == 401
+    assert HTTP.get(f"{hub.url}/v1/dashboard", headers={"Authorization": "Bearer nope"}).status_code == 401
 
     Peers(hub.url, "v", ["solo"], token=TOKEN, retry_seconds=30).train_all(1).wait()
     for path in ("/v1/dashboard?run=v", "/v1/runs", "/v1/runs/v", "/metrics"):
-        assert httpx.get(f"{hub.url}{path}", headers=view).status_code == 200, path
-        assert httpx.get(f"{hub.url}{path}", headers=full).status_code == 200, path
+        assert HTTP.get(f"{hub.url}{path}", headers=view).status_code == 200, path
+        assert HTTP.get(f"{hub.url}{path}", headers=full).status_code == 200, path
     # nothing that changes state, renews a lease or serves weights takes the view token
     refused = [
-        httpx.post(f"{hub.url}/v1/runs/v/peers", json={"peer": "spy"}, headers=view),
-        httpx.get(f"{hub.url}/v1/runs/v/model", headers=view),
-        httpx.get(f"{hub.url}/v1/runs/v/rounds/0/result", headers=view),
-        httpx.get(f"{hub.url}/v1/runs/v/peers/solo/start", headers=view),
-        httpx.post(f"{hub.url}/v1/runs/v/peers/solo/heartbeat", headers=view),
-        httpx.put(f"{hub.url}/v1/runs/v/rounds/1/updates/solo", content=b"x", headers=view),
+        HTTP.post(f"{hub.url}/v1/runs/v/peers", json={"peer": "spy"}, headers=view),
+        HTTP.get(f"{hub.url}/v1/runs/v/model", headers=view),
+        HTTP.get(f"{hub.url}/v1/runs/v/rounds/0/result", headers=view),
+        HTTP.get(f"{hub.url}/v1/runs/v/peers/solo/start", headers=view),
+        HTTP.post(f"{hub.url}/v1/runs/v/peers/solo/heartbeat", headers=view),
+        HTTP.put(f"{hub.url}/v1/runs/v/rounds/1/updates/solo", content=b"x", headers=view),
     ]
     assert [r.status_code for r in refused] == [401] * len(refused)
-    assert httpx.get(f"{hub.url}/v1/runs/v/model", headers=full).status_code == 200
+    assert HTTP.get(f"{hub.url}/v1/runs/v/model", headers=full).status_code == 200
 
-    data = httpx.get(f"{hub.url}/v1/dashboard", params={"run": "v"}, headers=view).json()
+    data = HTTP.get(f"{hub.url}/v1/dashboard", params={"run": "v"}, headers=view).json()
     assert [r["run"] for r in data["runs"]] == ["v"]
     run = data["run"]
     assert run["version"] == 1 and [p["peer"] for p in run["peers"]] == ["solo"]
@@ -172,19 +172,19 @@ def test_view_token_watches_but_cannot_act(hub_factory: Callable[..., Hub]) -> N
     phases = [s[0] for s in trace["lanes"][0]["spans"]]
     assert phases[0] == "upload" and "aggregate" in phases  # "wait": the hub folding its update
     assert run["curves"]["x"] == "step" and len(run["curves"]["peers"]["solo"]["loss"]) == 1
-    assert httpx.get(f"{hub.url}/v1/dashboard", params={"run": "nope"}, headers=view).json()["run"] is None
+    assert HTTP.get(f"{hub.url}/v1/dashboard", params={"run": "nope"}, headers=view).json()["run"] is None
 
 
 def test_run_token_sees_its_run_only(hub_factory: Callable[..., Hub]) -> None:
     hub = hub_factory(env={"SYNC_RUN_TOKENS": '{"r1": "tok1", "r2": "tok2"}'})
     for run, token in (("r1", "tok1"), ("r2", "tok2")):
-        r = httpx.post(
+        r = HTTP.post(
             f"{hub.url}/v1/runs/{run}/peers", json={"peer": "p"}, headers={"Authorization": f"Bearer {token}"}
         )
         r.raise_for_status()
 
     def dashboard(token: str, **params: str) -> httpx.Response:
-        return httpx.get(f"{hub.url}/v1/dashboard", params=params, headers={"Authorization": f"Bearer {token}"})
+        return HTTP.get(f"{hub.url}/v1/dashboard", params=params, headers={"Authorization": f"Bearer {token}"})
 
     mine = dashboard("tok1", run="r1")
     assert mine.status_code == 200
@@ -196,23 +196,21 @@ def test_run_token_sees_its_run_only(hub_factory: Callable[..., Hub]) -> None:
 
 def test_dashboard_long_poll_answers_on_change(hub_factory: Callable[..., Hub]) -> None:
     hub = hub_factory()
-    first = httpx.get(f"{hub.url}/v1/dashboard").json()
+    first = HTTP.get(f"{hub.url}/v1/dashboard").json()
     assert first["runs"] == [] and first["run"] is None
 
     started = time.monotonic()
-    same = httpx.get(f"{hub.url}/v1/dashboard", params={"since": first["fingerprint"], "wait": 1.5}).json()
+    same = HTTP.get(f"{hub.url}/v1/dashboard", params={"since": first["fingerprint"], "wait": 1.5}).json()
     assert 1.4 <= time.monotonic() - started < 5  # nothing changed: held for `wait`
     assert same["fingerprint"] == first["fingerprint"]
 
     def join_soon() -> None:
         time.sleep(0.5)
-        httpx.post(f"{hub.url}/v1/runs/lp/peers", json={"peer": "p"}).raise_for_status()
+        HTTP.post(f"{hub.url}/v1/runs/lp/peers", json={"peer": "p"}).raise_for_status()
 
     threading.Thread(target=join_soon).start()
     started = time.monotonic()
-    changed = httpx.get(
-        f"{hub.url}/v1/dashboard", params={"since": first["fingerprint"], "wait": 15}, timeout=30
-    ).json()
+    changed = HTTP.get(f"{hub.url}/v1/dashboard", params={"since": first["fingerprint"], "wait": 15}, timeout=30).json()
     assert time.monotonic() - started < 5  # answered when the run appeared, not after 15 s
     assert [r["run"] for r in changed["runs"]] == ["lp"]
 

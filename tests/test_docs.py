@@ -10,13 +10,12 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Iterator
 from html import unescape
 from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin
 
-import httpx
 import pytest
 import typer.main
 
@@ -24,27 +23,30 @@ from syncserver.api.docs import SWAGGER_UI_VERSION
 from syncserver.cli import app as syncserver_cli
 from syncserver.cli import env_name, flag_name
 from syncserver.settings import HubSettings
-from tests.conftest import REPO, Hub
+from tests.conftest import REPO, Hub, shared_hub
+from tests.harness import HTTP
 from tests.test_dashboard import browser  # noqa: F401 (the fixture: one Chromium, skipped without one)
 from weightsync_run.cli import build_parser
 
 TOKEN = "hub-secret"
 
 
-@pytest.fixture
-def guarded_hub(hub_factory: Callable[..., Hub]) -> Hub:
-    return hub_factory(env={"SYNC_TOKEN": TOKEN})
+@pytest.fixture(scope="module")
+def guarded_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    """One hub for the module's tests: each only reads its pages and schema."""
+    with shared_hub(tmp_path_factory, "guarded-hub", env={"SYNC_TOKEN": TOKEN}) as hub:
+        yield hub
 
 
 def test_docs_page_loads_only_its_own_assets(guarded_hub: Hub) -> None:
-    page = httpx.get(f"{guarded_hub.url}/docs")
+    page = HTTP.get(f"{guarded_hub.url}/docs")
     assert page.status_code == 200
     assert not re.search(r"(?i)\b(?:https?:)?//", page.text), "the page points outside the hub"
     assets = re.findall(r'(?:src|href)="([^"]+)"', page.text)
     assert len(assets) == 3, assets  # the bundle, its CSS, the favicon
     types = {}
     for asset in assets:
-        response = httpx.get(urljoin(f"{guarded_hub.url}/docs", asset))
+        response = HTTP.get(urljoin(f"{guarded_hub.url}/docs", asset))
         assert response.status_code == 200, asset
         types[asset.split("?")[0].rsplit(".", 1)[-1]] = response.headers["content-type"].split(";")[0]
         if asset.endswith(f"swagger-ui-bundle.js?v={SWAGGER_UI_VERSION}"):
@@ -70,7 +72,7 @@ def test_docs_page_draws_the_api_with_no_internet(guarded_hub: Hub, browser: Any
     page.route("**/*", only_the_hub)
     page.goto(f"{guarded_hub.url}/docs")
     page.wait_for_selector(".opblock")  # Playwright waits for it (30 s at most)
-    schema = httpx.get(f"{guarded_hub.url}/openapi.json").json()
+    schema = HTTP.get(f"{guarded_hub.url}/openapi.json").json()
     operations = sum(len(methods) for methods in schema["paths"].values())
     assert page.locator(".opblock").count() == operations
     assert outside == [] and errors == []
@@ -79,20 +81,20 @@ def test_docs_page_draws_the_api_with_no_internet(guarded_hub: Hub, browser: Any
 
 def test_redoc_is_off(guarded_hub: Hub) -> None:
     # its page would load its bundle from a CDN; Swagger UI at /docs shows the same schema
-    assert httpx.get(f"{guarded_hub.url}/redoc").status_code == 404
+    assert HTTP.get(f"{guarded_hub.url}/redoc").status_code == 404
 
 
 def test_docs_and_schema_need_no_token_but_the_api_does(guarded_hub: Hub) -> None:
     """The decision, pinned: the schema is the open-source API and holds no secret, and the page
     must load before anyone can type a token into it. Everything else still asks for one."""
-    schema = httpx.get(f"{guarded_hub.url}/openapi.json")
+    schema = HTTP.get(f"{guarded_hub.url}/openapi.json")
     assert schema.status_code == 200
     assert schema.json()["info"]["title"] == "weightsync hub"
     assert TOKEN not in schema.text
-    assert httpx.get(f"{guarded_hub.url}/docs").status_code == 200
-    assert httpx.get(f"{guarded_hub.url}/v1/runs").status_code == 401
+    assert HTTP.get(f"{guarded_hub.url}/docs").status_code == 200
+    assert HTTP.get(f"{guarded_hub.url}/v1/runs").status_code == 401
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    assert httpx.get(f"{guarded_hub.url}/v1/runs", headers=headers).status_code == 200
+    assert HTTP.get(f"{guarded_hub.url}/v1/runs", headers=headers).status_code == 200
 
 
 # --- the docs site ----------------------------------------------------------------------------

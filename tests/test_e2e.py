@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-import httpx
 import numpy as np
 import pytest
 
@@ -14,7 +13,7 @@ from syncclient.weights import ModelView
 from syncserver.reduce.aggregate import diloco_step, warmup
 from syncwire import get_codec
 from tests.conftest import Hub
-from tests.harness import Peers, hub_model, run_peers, train_a_little, wait_for
+from tests.harness import HTTP, Peers, hub_model, run_peers, train_a_little, wait_for
 from tests.models import perturb, tiny_bigram, tiny_gpt2
 
 
@@ -280,7 +279,7 @@ def test_concurrent_joiners_elect_one_initialiser(hub_factory: Callable[..., Hub
     for w in weights[1:]:
         assert all(np.array_equal(w[k], weights[0][k]) for k in w)
     assert hub.log().count("version 0 from") <= 1  # logged once (warnings only at this log level)
-    status = httpx.get(f"{hub.url}/v1/runs/race").json()
+    status = HTTP.get(f"{hub.url}/v1/runs/race").json()
     assert status["version"] == 0 and status["world_size"] == n
 
 

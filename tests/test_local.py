@@ -20,7 +20,7 @@ import pytest
 
 from syncserver.local import SETTINGS_EXIT, LaunchError, RoundTable, check_final, hub_settings_for
 from tests.conftest import REPO
-from tests.harness import wait_for
+from tests.harness import HTTP, wait_for
 
 SDK_PEER = """
 import os, sys, torch
@@ -85,7 +85,7 @@ def assert_all_stopped(out: Path) -> None:
     for pid_file in out.glob("peer-*/pid"):
         assert gone(int(pid_file.read_text())), pid_file
     with pytest.raises(httpx.ConnectError):  # the hub no longer listens
-        httpx.get((out / "hub.url").read_text().strip() + "/healthz", timeout=5)
+        HTTP.get((out / "hub.url").read_text().strip() + "/healthz", timeout=5)
 
 
 def test_sdk_peers_print_a_row_per_round(tmp_path: Path) -> None:

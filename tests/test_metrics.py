@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from syncserver import HubSettings, create_app
 from tests.conftest import Hub
-from tests.harness import Peers
+from tests.harness import HTTP, Peers
 
 TOKEN, VIEW = "hub-secret", "view-only"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -22,7 +22,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 def scrape(hub: Hub, token: str = VIEW) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of ``/metrics`` as {(name, sorted labels): value}."""
-    r = httpx.get(f"{hub.url}/metrics", headers={"Authorization": f"Bearer {token}"})
+    r = HTTP.get(f"{hub.url}/metrics", headers={"Authorization": f"Bearer {token}"})
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain")
     return {
@@ -38,7 +38,7 @@ def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: s
 
 def put_update(hub: Hub, run: str, round_: int, peer: str, body: bytes, **headers: str) -> httpx.Response:
     digest = "sha-256=:" + base64.b64encode(hashlib.sha256(body).digest()).decode() + ":"
-    return httpx.put(
+    return HTTP.put(
         f"{hub.url}/v1/runs/{run}/rounds/{round_}/updates/{peer}",
         content=body,
         headers={"Content-Digest": digest, "X-Sync-Samples": "4", **headers},
@@ -47,7 +47,7 @@ def put_update(hub: Hub, run: str, round_: int, peer: str, body: bytes, **header
 
 def test_metrics_after_two_rounds(hub_factory: Callable[..., Hub]) -> None:
     hub = hub_factory("--min-peers", "2", env={"SYNC_TOKEN": TOKEN, "SYNC_VIEW_TOKEN": VIEW})
-    assert httpx.get(f"{hub.url}/metrics").status_code == 401
+    assert HTTP.get(f"{hub.url}/metrics").status_code == 401
     before = scrape(hub)
     assert not any(name.startswith("weightsync_version") for name, _ in before)  # no run yet
 
@@ -74,13 +74,13 @@ def test_metrics_after_two_rounds(hub_factory: Callable[..., Hub]) -> None:
 
     # refused uploads count by reason (the error code of the answer), with the run as label
     # only when the run exists
-    assert httpx.get(f"{hub.url}/v1/runs/m", headers=AUTH).json()["version"] == 2
-    httpx.post(f"{hub.url}/v1/runs/m/peers", json={"peer": "peer-c"}, headers=AUTH).raise_for_status()
+    assert HTTP.get(f"{hub.url}/v1/runs/m", headers=AUTH).json()["version"] == 2
+    HTTP.post(f"{hub.url}/v1/runs/m/peers", json={"peer": "peer-c"}, headers=AUTH).raise_for_status()
     refused = [
         put_update(hub, "m", 2, "peer-c", b"not safetensors", **AUTH),  # a body that is no update
         put_update(hub, "m", 0, "peer-c", b"late", **AUTH),  # round 0 is long closed
         put_update(hub, "m", 2, "peer-c", b"x"),  # no token
-        httpx.put(f"{hub.url}/v1/runs/m/rounds/2/updates/peer-c", content=b"x", headers=AUTH),  # no headers
+        HTTP.put(f"{hub.url}/v1/runs/m/rounds/2/updates/peer-c", content=b"x", headers=AUTH),  # no headers
     ]
     reasons = [r.json()["error"] for r in refused]
     assert [r.status_code for r in refused] == [422, 409, 401, 422], reasons
@@ -93,7 +93,7 @@ def test_metrics_after_two_rounds(hub_factory: Callable[..., Hub]) -> None:
     assert value(s, "weightsync_updates_rejected_total", run="", reason="not_found") == 1
     assert value(s, "weightsync_updates_accepted_total", run="m") == 4  # none of those got in
     # other failures are not updates: a status call for an unknown run counts nothing
-    assert httpx.get(f"{hub.url}/v1/runs/nope", headers=AUTH).status_code == 404
+    assert HTTP.get(f"{hub.url}/v1/runs/nope", headers=AUTH).status_code == 404
     assert sum(v for (name, _), v in scrape(hub).items() if name == "weightsync_updates_rejected_total") == 5
 
     # one structured line per round transition, with its timings

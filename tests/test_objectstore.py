@@ -36,7 +36,7 @@ from syncserver.storage.sigv4 import Credentials, presign
 from syncwire import FormatError, iter_chunks
 from syncwire.format import TensorFile
 from tests.faultproxy import FaultProxy
-from tests.harness import wait_for
+from tests.harness import HTTP, wait_for
 from tests.s3server import SeaweedFS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -184,13 +184,13 @@ def test_key_outside_prefix_refused_before_any_request(name: str) -> None:
 # ---- against SeaweedFS ------------------------------------------------------------------------
 def test_presigned_put_then_get(store: ObjectStore) -> None:
     data = body(3 * MiB + 5)
-    put = httpx.put(store.presign_put("one/update.safetensors"), content=data)
+    put = HTTP.put(store.presign_put("one/update.safetensors"), content=data)
     assert put.status_code == 200, put.text
     info = store.head("one/update.safetensors")
     assert info is not None and info.size == len(data) and info.etag == put.headers["etag"].strip('"')
-    got = httpx.get(store.presign_get("one/update.safetensors"))
+    got = HTTP.get(store.presign_get("one/update.safetensors"))
     assert got.status_code == 200 and got.content == data
-    ranged = httpx.get(store.presign_get("one/update.safetensors"), headers={"Range": "bytes=100-199"})
+    ranged = HTTP.get(store.presign_get("one/update.safetensors"), headers={"Range": "bytes=100-199"})
     assert ranged.status_code == 206 and ranged.content == data[100:200]
     assert store.head("one/other") is None
     assert [o.name for o in store.list("one/")] == ["one/update.safetensors"]
@@ -409,7 +409,7 @@ def test_the_hubs_own_upload_from_a_file_in_one_request_or_in_parts(store: Objec
 def test_complete_with_a_part_never_uploaded_changes_nothing(store: ObjectStore) -> None:
     """A peer that lies about its parts: the store refuses to complete, no object appears."""
     upload_id = store.create_multipart("lie")
-    put = httpx.put(store.presign_part("lie", upload_id, 1), content=b"real part")
+    put = HTTP.put(store.presign_part("lie", upload_id, 1), content=b"real part")
     assert put.status_code == 200
     with pytest.raises(StoreRefused):
         store.complete_multipart("lie", upload_id, {1: put.headers["etag"], 2: "0" * 32})
@@ -424,12 +424,12 @@ def test_complete_with_a_part_never_uploaded_changes_nothing(store: ObjectStore)
 def test_url_for_one_key_cannot_write_another(store: ObjectStore) -> None:
     url = store.presign_put("peers/a")
     elsewhere = url.replace("/peers/a?", "/peers/b?")
-    assert httpx.put(elsewhere, content=b"forged").status_code == 403
-    assert httpx.get(url.replace("/peers/a?", "/peers/b?")).status_code == 403  # nor read it
+    assert HTTP.put(elsewhere, content=b"forged").status_code == 403
+    assert HTTP.get(url.replace("/peers/a?", "/peers/b?")).status_code == 403  # nor read it
     upload_id = store.create_multipart("peers/c")
     part1 = store.presign_part("peers/c", upload_id, 1)
-    assert httpx.put(part1.replace("partNumber=1", "partNumber=2"), content=b"x").status_code == 403
-    assert httpx.get(store.presign_put("peers/b")).status_code == 403  # a PUT URL is no GET URL
+    assert HTTP.put(part1.replace("partNumber=1", "partNumber=2"), content=b"x").status_code == 403
+    assert HTTP.get(store.presign_put("peers/b")).status_code == 403  # a PUT URL is no GET URL
     assert store.head("peers/b") is None
     store.abort_multipart("peers/c", upload_id)
 
@@ -438,20 +438,20 @@ def test_expired_url_refused(store: ObjectStore) -> None:
     store.put("soon-gone", b"abc")
     url = store.presign_get("soon-gone", expires=1)
     put = store.presign_put("soon-written", expires=1)
-    refused = refused_within(lambda: httpx.get(url))
+    refused = refused_within(lambda: HTTP.get(url))
     assert refused.status_code == 403 and b"expired" in refused.content.lower()
-    assert refused_within(lambda: httpx.put(put, content=b"late")).status_code == 403
+    assert refused_within(lambda: HTTP.put(put, content=b"late")).status_code == 403
     assert store.head("soon-written") is None
 
 
 def test_wrong_secret_wrong_key_and_anonymous_refused(seaweedfs: SeaweedFS, store: ObjectStore) -> None:
     store.put("secret", b"data")
     anonymous = f"{seaweedfs.endpoint}/{seaweedfs.bucket}/{store.key('secret')}"
-    assert httpx.get(anonymous).status_code == 403
-    assert httpx.put(anonymous, content=b"overwrite").status_code == 403
+    assert HTTP.get(anonymous).status_code == 403
+    assert HTTP.put(anonymous, content=b"overwrite").status_code == 403
     env = seaweedfs.env()
     with ObjectStore.from_url(store.url, {**env, "AWS_SECRET_ACCESS_KEY": "Not-The-Secret"}) as bad:
-        assert httpx.get(bad.presign_get("secret")).status_code == 403
+        assert HTTP.get(bad.presign_get("secret")).status_code == 403
         with pytest.raises(StoreUnavailable, match=r"refused the signature: check AWS_SECRET_ACCESS_KEY") as why:
             bad.check()
         assert "Not-The" not in str(why.value)  # no secret in the message
@@ -637,7 +637,7 @@ def test_sdk_upload_refused_by_an_expired_part_url(store: ObjectStore) -> None:
     """403 is no transport trouble: no retries, the store's reason, and the ETags kept so far."""
     upload_id = store.create_multipart("late")
     upload = PartedUpload(6, 5 * MiB, {1: store.presign_part("late", upload_id, 1, expires=1)})
-    refused_within(lambda: httpx.put(upload.urls[1], content=b"probe!"))
+    refused_within(lambda: HTTP.put(upload.urls[1], content=b"probe!"))
     with transport(retry_seconds=30.0) as t:
         began = time.monotonic()
         with pytest.raises(HubError) as why:

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -22,7 +21,7 @@ from syncclient import PendingSync, SyncClient, SyncError, SyncResult
 from syncclient.callbacks import SyncCallback
 from syncclient.weights import ModelView
 from tests.conftest import Hub
-from tests.harness import hub_model, run_peers
+from tests.harness import HTTP, hub_model, run_peers
 from tests.models import Blocks, tiny_gpt2
 
 BATCH = 4
@@ -135,7 +134,7 @@ def test_a_late_peer_catches_up_when_its_overlapped_sync_is_applied(hub_factory:
     others = run_peers(2, lambda i: clients[i].sync(models[i], samples=1))
     result = pending.apply(models[2])
     assert not result.caught_up and result.version == 2 and {r.version for r in others} == {2}
-    rounds = httpx.get(f"{hub.url}/v1/runs/late").json()["rounds"]
+    rounds = HTTP.get(f"{hub.url}/v1/runs/late").json()["rounds"]
     assert rounds[0]["dropped"] == ["c"] and set(rounds[-1]["participants"]) == set(names)
     v2 = hub_model(hub, "late")
     for model in models:  # no local steps since the snapshot: everyone holds version 2
@@ -255,7 +254,7 @@ def test_callback_overlaps_and_ends_identical(
         assert callbacks[i].syncs == len(sent) and not any(r.caught_up for r in results[i])
 
     # The hub saw the step in every update's metrics (the dashboard plots against it).
-    updates = httpx.get(f"{hub.url}/v1/runs/{run}").json()["updates"]
+    updates = HTTP.get(f"{hub.url}/v1/runs/{run}").json()["updates"]
     assert sorted({int(u["metrics"]["step"]) for u in updates}) == steps
     # Bit-identical weights on both peers after the final blocking sync, equal to the hub's last version.
     final = hub_model(hub, run)

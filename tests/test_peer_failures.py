@@ -17,13 +17,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import numpy as np
 import safetensors.numpy
 
 from syncserver.settings import HubSettings
 from tests.conftest import Hub
-from tests.harness import Peers, assert_exact_mean, round_record, status, wait_for
+from tests.harness import HTTP, Peers, assert_exact_mean, round_record, status, wait_for
 from tests.models import tiny_bigram
 from tests.test_faults import last_event, launch, sigkill
 
@@ -125,9 +124,9 @@ def test_a_hung_peer_is_gone_at_its_lease_and_the_merge_floor_waits_for_it(
         assert status(hub, run)["config"]["min_merge_peers"] == 3
         # the watch: held (at most a third of the lease), answered with watch: true
         asked = time.monotonic()
-        beat = httpx.post(f"{hub.url}/v1/runs/{run}/peers/a/heartbeat", params={"wait": 0.5}, timeout=10)
+        beat = HTTP.post(f"{hub.url}/v1/runs/{run}/peers/a/heartbeat", params={"wait": 0.5}, timeout=10)
         assert beat.json()["watch"] is True and time.monotonic() - asked >= 0.45
-        assert httpx.post(f"{hub.url}/v1/runs/{run}/peers/a/heartbeat", timeout=10).json()["watch"] is False
+        assert HTTP.post(f"{hub.url}/v1/runs/{run}/peers/a/heartbeat", timeout=10).json()["watch"] is False
 
         c.send_signal(signal.SIGSTOP)
         stack.callback(lambda: c.poll() is None and c.send_signal(signal.SIGCONT))

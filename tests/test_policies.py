@@ -23,7 +23,7 @@ import torch
 from syncclient import SyncClient, SyncError
 from syncclient.weights import ModelView
 from tests.conftest import Hub
-from tests.harness import perturb, run_peers, status, version_file, wait_for, weighted_mean64
+from tests.harness import HTTP, perturb, run_peers, status, version_file, wait_for, weighted_mean64
 from tests.models import tiny_gpt2
 
 Arrays = dict[str, np.ndarray]
@@ -292,7 +292,7 @@ def test_a_progress_report_for_a_closed_round_says_round_closed(hub: Hub) -> Non
     client = SyncClient(hub.url, run="closed", peer="a", round_samples=8)
     client.join(model)
     client.sync(model, samples=8)
-    r = httpx.post(f"{hub.url}/v1/runs/closed/peers/a/progress", json={"round": 0, "samples": 3})
+    r = HTTP.post(f"{hub.url}/v1/runs/closed/peers/a/progress", json={"round": 0, "samples": 3})
     assert r.status_code == 409 and r.json()["error"] == "round_closed" and r.json()["current_version"] == 1
     client.close()
 
@@ -312,17 +312,17 @@ def test_a_progress_report_for_a_closed_round_says_round_closed(hub: Hub) -> Non
 def test_a_bad_policy_config_is_refused(
     hub: Hub, run: str, config: dict[str, Any], status_code: int, reason: str
 ) -> None:
-    r = httpx.post(f"{hub.url}/v1/runs/{run}/peers", json={"peer": "a", **config})
+    r = HTTP.post(f"{hub.url}/v1/runs/{run}/peers", json={"peer": "a", **config})
     assert r.status_code == status_code and reason in r.text, r.text
-    assert run not in {r["run"] for r in httpx.get(f"{hub.url}/v1/runs").json()}  # no run was created
-    assert httpx.get(f"{hub.url}/v1/runs/{run}").status_code == 404
+    assert run not in {r["run"] for r in HTTP.get(f"{hub.url}/v1/runs").json()}  # no run was created
+    assert HTTP.get(f"{hub.url}/v1/runs/{run}").status_code == 404
 
 
 def test_a_peer_asking_for_another_policy_is_refused(hub: Hub) -> None:
     started_run(hub, "policy-clash", round_samples=100)
-    r = httpx.post(f"{hub.url}/v1/runs/policy-clash/peers", json={"peer": "b", "policy": "async"})
+    r = HTTP.post(f"{hub.url}/v1/runs/policy-clash/peers", json={"peer": "b", "policy": "async"})
     assert r.status_code == 409 and "policy" in r.json()["detail"]
-    r = httpx.post(f"{hub.url}/v1/runs/policy-clash/peers", json={"peer": "b", "round_samples": 99})
+    r = HTTP.post(f"{hub.url}/v1/runs/policy-clash/peers", json={"peer": "b", "round_samples": 99})
     assert r.status_code == 409 and "round_samples" in r.json()["detail"]
 
 

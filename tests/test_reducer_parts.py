@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -29,7 +28,7 @@ from syncserver.storage.store import ObjectRecord, ResultKey, Store, UpdateKey, 
 from syncwire import get_codec
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
-from tests.harness import wait_for
+from tests.harness import HTTP, wait_for
 from tests.s3server import SeaweedFS
 from tests.test_metrics import scrape
 from tests.test_reducers import ADMIN, SCHEMA, TOKEN, _bytes, _reducers, _train
@@ -284,7 +283,7 @@ def test_three_peers_and_two_far_reducers_give_the_bits_of_a_hub_alone(
             proc.wait()
     samples = scrape(hub, TOKEN)
     for run in AVG:
-        model = httpx.get(f"{alone.url}/v1/runs/{run}/model", headers={"Authorization": f"Bearer {TOKEN}"})
+        model = HTTP.get(f"{alone.url}/v1/runs/{run}/model", headers={"Authorization": f"Bearer {TOKEN}"})
         # version 0 went up once (the reducers read it there); no result, no later version
         uploaded = samples["weightsync_store_upload_bytes_total", (("run", run),)]
         assert 0 < uploaded < 1.01 * len(model.content), (run, uploaded)
@@ -321,7 +320,7 @@ def test_a_dead_reducer_s_part_is_sent_again_a_dead_hub_s_aborted(
             doomed.kill()
             doomed.wait()
             auth = {"Authorization": f"Bearer {TOKEN}"}
-            wait_for(lambda: httpx.get(f"{hub.url}/v1/runs/int8", headers=auth).json()["version"] >= 1, "round 0")
+            wait_for(lambda: HTTP.get(f"{hub.url}/v1/runs/int8", headers=auth).json()["version"] >= 1, "round 0")
             second.cut(after=0, match="/done")  # round 1's report: its part is up, the upload open
             wait_for(lambda: any(r.fault == "cut" for r in second.matching("/done")), "round 1's report to be cut")
             open_before = {u.upload_id for u in objects.uploads("runs/int8/")}

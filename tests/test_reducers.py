@@ -37,7 +37,7 @@ from syncserver.storage.store import MomentumKey, ResidualKey, ResultKey, Store,
 from syncwire import get_codec
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
-from tests.harness import Peers, wait_for
+from tests.harness import HTTP, Peers, wait_for
 from tests.models import perturb
 from tests.s3server import SeaweedFS
 from tests.test_metrics import scrape
@@ -475,7 +475,7 @@ def _train_in_order(
 
             def acked(name: str = name, r: int = r) -> bool:
                 try:
-                    state = httpx.get(f"{url}/v1/runs/{run}", headers=auth).json()
+                    state = HTTP.get(f"{url}/v1/runs/{run}", headers=auth).json()
                 except httpx.HTTPError:  # a hub that a test killed, restarting
                     return False
                 return state["version"] > r or name in state["open_round"]["submitted"]
@@ -491,12 +491,12 @@ def _digests(url: str, run: str) -> dict[str, str]:
     """The sha-256 of every round's result file and of the latest model, as the hub serves them."""
     auth = {"Authorization": f"Bearer {TOKEN}"}
     # follow_redirects: a hub with a store sends downloads there (httpx drops the token on the way)
-    model = httpx.get(f"{url}/v1/runs/{run}/model", headers=auth, timeout=60, follow_redirects=True)
+    model = HTTP.get(f"{url}/v1/runs/{run}/model", headers=auth, timeout=60, follow_redirects=True)
     model.raise_for_status()
-    version = httpx.get(f"{url}/v1/runs/{run}", headers=auth).json()["version"]
+    version = HTTP.get(f"{url}/v1/runs/{run}", headers=auth).json()["version"]
     results = {}
     for v in range(version):
-        r = httpx.get(f"{url}/v1/runs/{run}/rounds/{v}/result", headers=auth, timeout=60, follow_redirects=True)
+        r = HTTP.get(f"{url}/v1/runs/{run}/rounds/{v}/result", headers=auth, timeout=60, follow_redirects=True)
         results[f"result {v}"] = hashlib.sha256(r.content).hexdigest() if r.status_code == 200 else str(r.status_code)
     return {"model": hashlib.sha256(model.content).hexdigest(), "version": str(version), **results}
 
@@ -512,7 +512,7 @@ def _reducer(url: str, token: str | None, log: Path) -> subprocess.Popen[bytes]:
 
 
 def _reducers(hub: Hub) -> dict[str, dict[str, object]]:
-    r = httpx.get(f"{hub.url}/v1/reduce/reducers", headers={"Authorization": f"Bearer {TOKEN}"})
+    r = HTTP.get(f"{hub.url}/v1/reduce/reducers", headers={"Authorization": f"Bearer {TOKEN}"})
     r.raise_for_status()
     return {x["name"]: x for x in r.json()}
 
@@ -533,7 +533,7 @@ def test_reducer_processes_give_the_bits_of_the_hub_alone(hub_factory: Callable[
     assert "work_lease_taken kind=merge" in shared.log() and "work_lease_taken" not in alone.log()
     known = _reducers(shared)
     assert len(known) == 3 and sum(int(r["leases"]) for r in known.values()) >= 9  # type: ignore[call-overload]
-    page = httpx.get(f"{shared.url}/v1/dashboard", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    page = HTTP.get(f"{shared.url}/v1/dashboard", headers={"Authorization": f"Bearer {TOKEN}"}).json()
     assert {r["name"] for r in page["reducers"]} == set(known)
     samples = scrape(shared, TOKEN)
     assert samples["weightsync_reducers", ()] == 3
@@ -614,7 +614,7 @@ def test_a_reducer_killed_mid_lease_loses_it_and_another_redoes_it(
     assert redone or "work_lease_worked_by_hub" in hub.log(), hub.log()[-3000:]
     assert "work_lease_expired" in hub.log()
     report = {"reducer": f"{_host()}-{doomed.pid}", "seconds": 0.1, "bytes": 1}
-    r = httpx.post(f"{hub.url}{late.target}", json=report, headers={"Authorization": f"Bearer {ADMIN}"})
+    r = HTTP.post(f"{hub.url}{late.target}", json=report, headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 409 and r.json()["error"] == "lease_lost", r.text
     assert _train_digest(hub) == expected["model"]  # nothing changed
 
@@ -657,7 +657,7 @@ def _host() -> str:
 
 
 def _train_digest(hub: Hub) -> str:
-    r = httpx.get(f"{hub.url}/v1/runs/barrier/model", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    r = HTTP.get(f"{hub.url}/v1/runs/barrier/model", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
     return hashlib.sha256(r.content).hexdigest()
 
 
@@ -705,10 +705,10 @@ def test_bad_reducer_requests_get_a_json_reason_and_bad_hubs_a_one_line_error(
         (done, {**ok, "extra": 1}, admin, 422, None),
         (f"{alone.url}/v1/reduce/lease", {"reducer": "r"}, {"Authorization": f"Bearer {TOKEN}"}, 409, "conflict"),
     ]:
-        r = httpx.post(url, json=body, headers=headers)
+        r = HTTP.post(url, json=body, headers=headers)
         assert r.status_code == status, (url, body, r.text)
         assert r.json()["error"] == (code or "invalid_request") and r.json()["detail"], r.text
-    r = httpx.post(lease, json={"reducer": "r", "wait": 0}, headers=admin)
+    r = HTTP.post(lease, json={"reducer": "r", "wait": 0}, headers=admin)
     assert r.status_code == 204  # nothing to merge yet
     env_ = {k: v for k, v in os.environ.items() if not k.startswith("SYNC_")}
     clis = [
@@ -751,7 +751,7 @@ def test_a_hub_killed_mid_fold_loses_no_acknowledged_update_and_gives_the_same_b
     peers.start()
 
     def two_acked() -> bool:
-        state = httpx.get(f"{hub.url}/v1/runs/barrier", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        state = HTTP.get(f"{hub.url}/v1/runs/barrier", headers={"Authorization": f"Bearer {TOKEN}"}).json()
         return len((state.get("open_round") or {}).get("submitted", [])) >= 2  # null before the start
 
     wait_for(two_acked, "two updates acknowledged, their fold waiting on the board")

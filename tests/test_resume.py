@@ -28,7 +28,7 @@ from syncclient.weights import ModelView
 from syncwire import iter_chunks
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
-from tests.harness import hub_model, round_record, run_peers, wait_for
+from tests.harness import HTTP, hub_model, round_record, run_peers, wait_for
 from tests.models import tiny_gpt2
 
 MiB = 1 << 20
@@ -119,7 +119,7 @@ def test_download_cut_resumes_with_range(proxied_hub: tuple[Hub, FaultProxy]) ->
     initialiser = SyncClient(hub.url, run="dl", peer="a", min_peers=1, timeout=30)
     initialiser.join(first)
     initialiser.leave()
-    size = len(httpx.get(f"{hub.url}/v1/runs/dl/model", timeout=30).content)
+    size = len(HTTP.get(f"{hub.url}/v1/runs/dl/model", timeout=30).content)
 
     # a model download cut at 60%: the rest comes with Range, not the whole file again
     proxy.cut_response(after=int(0.6 * size), match="GET /v1/runs/dl/model")

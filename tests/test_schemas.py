@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
-
 from tests.conftest import Hub
+from tests.harness import HTTP
 
 #: The one success answer that is neither JSON nor safetensors: Prometheus' text format.
 TEXT_ANSWERS = {"/metrics"}
@@ -47,7 +46,7 @@ def closed(schema: dict[str, Any], components: dict[str, Any], where: str) -> No
 
 
 def test_openapi_describes_every_answer(hub: Hub) -> None:
-    schema = httpx.get(f"{hub.url}/openapi.json").json()
+    schema = HTTP.get(f"{hub.url}/openapi.json").json()
     components = schema["components"]["schemas"]
     described = 0
     for path, operations in schema["paths"].items():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from syncwire import iter_chunks
-from tests.conftest import Hub
+from tests.conftest import Hub, shared_hub
+from tests.harness import HTTP
 
 TOKEN = "schemathesis-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -40,16 +41,20 @@ def schemathesis_cli() -> list[str]:
     return [found]
 
 
-@pytest.fixture
-def seeded_hub(hub_factory: Callable[..., Hub]) -> Hub:
+@pytest.fixture(scope="module")
+def seeded_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    """One hub for both tests (the schema test only reads it), seeded before the fuzzer's first request."""
     # short long polls: a generated ?wait=600 must not stall the run
-    hub = hub_factory(env={"SYNC_TOKEN": TOKEN, "SYNC_LONG_POLL_SECONDS": "0.2", "SYNC_LEASE_SECONDS": "3600"})
-    http = httpx.Client(base_url=hub.url, headers=AUTH, timeout=10)
-    assert http.post("/v1/runs/0/peers", json={"peer": "0", "min_peers": 2}).json()["state"] == "initialise"
-    weights = b"".join(iter_chunks([("w", np.ones((4, 4), np.float32), "F32"), ("b", np.zeros(4, np.float32), "F32")]))
-    assert http.put("/v1/runs/0/versions/0", params={"peer": "0"}, content=weights).status_code == 200
-    assert http.post("/v1/runs/0/peers", json={"peer": "A"}).json()["state"] == "ready"
-    return hub
+    env = {"SYNC_TOKEN": TOKEN, "SYNC_LONG_POLL_SECONDS": "0.2", "SYNC_LEASE_SECONDS": "3600"}
+    with shared_hub(tmp_path_factory, "seeded-hub", env=env) as hub:
+        http = httpx.Client(base_url=hub.url, headers=AUTH, timeout=10)
+        assert http.post("/v1/runs/0/peers", json={"peer": "0", "min_peers": 2}).json()["state"] == "initialise"
+        weights = b"".join(
+            iter_chunks([("w", np.ones((4, 4), np.float32), "F32"), ("b", np.zeros(4, np.float32), "F32")])
+        )
+        assert http.put("/v1/runs/0/versions/0", params={"peer": "0"}, content=weights).status_code == 200
+        assert http.post("/v1/runs/0/peers", json={"peer": "A"}).json()["state"] == "ready"
+        yield hub
 
 
 def test_api_fuzz_no_server_error_and_schema_conformance(seeded_hub: Hub, tmp_path: Path) -> None:
@@ -85,14 +90,14 @@ def test_api_fuzz_no_server_error_and_schema_conformance(seeded_hub: Hub, tmp_pa
     assert proc.returncode == 0, out[-8000:]
     assert " passed" in out and "failures" not in out.lower().split("summary")[-1], out[-4000:]
     # the hub is alive and its run untouched by the fuzzer's refused uploads
-    status = httpx.get(f"{seeded_hub.url}/v1/runs/0", headers=AUTH).json()
+    status = HTTP.get(f"{seeded_hub.url}/v1/runs/0", headers=AUTH).json()
     assert status["version"] >= 0
     assert "Traceback" not in seeded_hub.log(), seeded_hub.log()
 
 
 def test_openapi_declares_the_error_shape(seeded_hub: Hub) -> None:
     """Each operation documents its errors as ``{"error", "detail"}``, not FastAPI's default."""
-    schema = httpx.get(f"{seeded_hub.url}/openapi.json").json()
+    schema = HTTP.get(f"{seeded_hub.url}/openapi.json").json()
     assert "ErrorBody" in schema["components"]["schemas"]
     for path, operations in schema["paths"].items():
         for method, operation in operations.items():

@@ -28,7 +28,7 @@ from syncwire import Codec, FormatError, encode_model, get_codec, iter_chunks, l
 from syncwire.codecs import slices
 from syncwire.sparse import TopK
 from tests.conftest import Hub
-from tests.harness import hub_model, perturb, run_peers, wait_for
+from tests.harness import HTTP, hub_model, perturb, run_peers, wait_for
 from tests.models import tiny_gpt2
 
 
@@ -378,7 +378,7 @@ def test_two_peers_end_bit_identical_through_a_hub_restart(hub_factory: Callable
     # the hub kept its error feedback through the restart: there is a residual for the last version
     residual = hub.data_dir / "runs" / run / "residual" / f"{rounds:08d}.safetensors"
     assert set(safetensors.numpy.load_file(str(residual))) == set(final)
-    assert httpx.get(f"{hub.url}/v1/runs/{run}", timeout=10).json()["config"]["codec"] == codec
+    assert HTTP.get(f"{hub.url}/v1/runs/{run}", timeout=10).json()["config"]["codec"] == codec
 
 
 def test_a_last_sync_of_topk_makes_no_flush_round(hub: Hub) -> None:

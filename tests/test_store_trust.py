@@ -33,7 +33,7 @@ from syncserver.storage.sigv4 import Credentials
 from syncserver.storage.store import Store
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
-from tests.harness import Peers, wait_for
+from tests.harness import HTTP, Peers, wait_for
 from tests.s3server import SeaweedFS
 from tests.test_check_leases import _store_hub
 from tests.test_metrics import scrape
@@ -52,7 +52,7 @@ def lease(hub: Hub, wait: float = 20.0) -> dict[str, Any] | None:
     and the round's merge folds what no step did."""
     until = time.monotonic() + wait
     while True:
-        r = httpx.post(
+        r = HTTP.post(
             f"{hub.url}/v1/reduce/lease",
             json={"reducer": REDUCER, "wait": max(0.0, until - time.monotonic())},
             headers={"Authorization": f"Bearer {ADMIN}"},
@@ -62,7 +62,7 @@ def lease(hub: Hub, wait: float = 20.0) -> dict[str, Any] | None:
         if r.status_code == 204 or r.json().get("kind") != "fold":
             return r.json() if r.status_code == 200 else None
         failed = {"reducer": REDUCER, "seconds": 0.0, "bytes": 0, "error": "failed", "detail": "checks only"}
-        done = httpx.post(
+        done = HTTP.post(
             f"{hub.url}/v1/reduce/leases/{r.json()['lease']}/done",
             json=failed,
             headers={"Authorization": f"Bearer {ADMIN}"},
@@ -73,7 +73,7 @@ def lease(hub: Hub, wait: float = 20.0) -> dict[str, Any] | None:
 
 def report(hub: Hub, job: dict[str, Any], **outcome: Any) -> None:
     """Report a check lease as REDUCER says: passed (digest, nbytes), refused, or failed."""
-    r = httpx.post(
+    r = HTTP.post(
         f"{hub.url}/v1/reduce/leases/{job['lease']}/checked",
         json={"reducer": REDUCER, "seconds": 0.01, **outcome},
         headers={"Authorization": f"Bearer {ADMIN}"},
@@ -140,7 +140,7 @@ def test_a_presign_racing_the_acknowledgement_never_reopens_the_object(
         plan, acknowledged = checked_by_the_test(hub, "p", "the-true-update1", good)
         url = f"{proxy.url}/v1/runs/r/rounds/0/updates/p/presign"
         again = in_background(
-            lambda: httpx.post(url, json={"key": "the-true-update1", "size": len(good)}, headers=AUTH, timeout=60)
+            lambda: HTTP.post(url, json={"key": "the-true-update1", "size": len(good)}, headers=AUTH, timeout=60)
         )
         wait_for(lambda: any(r.done for r in proxy.matching("/presign")), "the second presign to reach the hub")
         time.sleep(0.5)  # widens the window: the presign reaches the peer's lock before the report
@@ -174,10 +174,10 @@ def test_a_reducer_report_the_hub_cannot_confirm_never_refuses_a_valid_update(
         report(hub, plan["job"], refused=lie)
         ack = acknowledged()
         assert ack.status_code == 200, ack.text
-        state = httpx.get(f"{hub.url}/v1/runs/r", headers=AUTH, timeout=30).json()
+        state = HTTP.get(f"{hub.url}/v1/runs/r", headers=AUTH, timeout=30).json()
         assert sorted(u["peer"] for u in state["updates"]) == ["q", "s"], state
 
-        reducers = httpx.get(f"{hub.url}/v1/reduce/reducers", headers=AUTH, timeout=30).json()
+        reducers = HTTP.get(f"{hub.url}/v1/reduce/reducers", headers=AUTH, timeout=30).json()
         (listed,) = [r for r in reducers if r["name"] == REDUCER]
         assert (listed["checks"], listed["check_failures"]) == (2, 2), listed
         samples = scrape(hub, TOKEN)

@@ -24,7 +24,7 @@ from syncserver.storage.s3 import ObjectStore
 from syncwire import iter_chunks
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
-from tests.harness import Peers, wait_for
+from tests.harness import HTTP, Peers, wait_for
 from tests.s3server import SeaweedFS
 from tests.test_metrics import scrape
 from tests.test_store_wire import AUTH, TOKEN, digest, metric, model_of, store_hub
@@ -56,7 +56,7 @@ def body(scale: float = 0.01, **change: np.ndarray) -> bytes:
 
 def presign(hub: Hub, key: str, size: int, round_: int = 0, peer: str = "p") -> httpx.Response:
     url = f"{hub.url}/v1/runs/r/rounds/{round_}/updates/{peer}/presign"
-    return httpx.post(url, json={"key": key, "size": size}, headers=AUTH, timeout=30)
+    return HTTP.post(url, json={"key": key, "size": size}, headers=AUTH, timeout=30)
 
 
 def put_parts(plan: dict[str, Any], data: bytes) -> dict[int, str]:
@@ -64,7 +64,7 @@ def put_parts(plan: dict[str, Any], data: bytes) -> dict[int, str]:
     etags = {}
     for number, url in plan["urls"].items():
         start = (int(number) - 1) * plan["part_size"]
-        r = httpx.put(url, content=data[start : start + plan["part_size"]], timeout=30)
+        r = HTTP.put(url, content=data[start : start + plan["part_size"]], timeout=30)
         assert r.status_code == 200, r.text
         etags[int(number)] = r.headers["etag"].strip('"')
     return etags
@@ -79,12 +79,12 @@ def uploaded(hub: Hub, key: str, data: bytes, parts: dict[int, str], *, peer: st
         "samples": 4,
         "metrics": {"loss": 1.5},
     } | lie
-    return httpx.post(f"{hub.url}/v1/runs/r/rounds/0/updates/{peer}/uploaded", json=report, headers=AUTH, timeout=60)
+    return HTTP.post(f"{hub.url}/v1/runs/r/rounds/0/updates/{peer}/uploaded", json=report, headers=AUTH, timeout=60)
 
 
 def nothing_recorded(hub: Hub, bucket: ObjectStore) -> None:
     """No update counted, no object or open upload left in the bucket."""
-    state = httpx.get(f"{hub.url}/v1/runs/r", headers=AUTH, timeout=30).json()
+    state = HTTP.get(f"{hub.url}/v1/runs/r", headers=AUTH, timeout=30).json()
     assert state["updates"] == [] and state["version"] == 0, state
     assert list(bucket.list("runs/r/updates/")) == []
     assert bucket.uploads("runs/r/updates/") == []
@@ -158,7 +158,7 @@ def test_each_lie_is_refused_with_its_reason_and_nothing_recorded(
         rejected = {k[1]: v for k, v in samples.items() if k[0] == "weightsync_updates_rejected_total"}
         assert sum(rejected.values()) >= len(lies) + len(refusals) + 2
         peers.clients["q"].leave()  # round 0 closes with p's update alone
-        wait_for(lambda: httpx.get(f"{hub.url}/v1/runs/r", headers=AUTH).json()["version"] == 1, "round 0 closed")
+        wait_for(lambda: HTTP.get(f"{hub.url}/v1/runs/r", headers=AUTH).json()["version"] == 1, "round 0 closed")
     # the round merged the object (the hub's own file of it does not exist): v1 = v0 + the update
     start = {k: v.detach().numpy() for k, v in linear().state_dict().items()}
     merged = model_of(hub, "r")
@@ -185,12 +185,12 @@ def test_a_url_for_another_key_or_expired_is_refused(
             url.replace("partNumber=1", "partNumber=2"),
         ):
             assert forged != url
-            r = httpx.put(forged, content=data, timeout=30)
+            r = HTTP.put(forged, content=data, timeout=30)
             assert r.status_code == 403, r.text
         # SigV4 dates are whole seconds: a 2 s URL has expired 3 s after it was handed out
         while time.time() < plan["expires"] + 1.5:
             time.sleep(0.1)
-        r = httpx.put(url, content=data, timeout=30)
+        r = HTTP.put(url, content=data, timeout=30)
         assert r.status_code == 403, r.text
         fresh = presign(hub, "k" * 16, len(data)).json()
         assert fresh["upload_id"] == plan["upload_id"] and fresh["urls"]["1"] != url
@@ -295,7 +295,7 @@ def test_int8_with_the_norm_guard_through_the_store_is_bit_identical(
     # the hub read each update once to check it, and again to merge it (ranged GETs)
     assert metric(samples, "weightsync_store_read_bytes_total") >= 2 * uploaded_bytes
     # the run view (dashboard, status) says where the bytes went, as /metrics does
-    run_view = httpx.get(f"{stored.url}/v1/dashboard", params={"run": "q"}, headers=AUTH, timeout=30).json()["run"]
+    run_view = HTTP.get(f"{stored.url}/v1/dashboard", params={"run": "q"}, headers=AUTH, timeout=30).json()["run"]
     assert run_view["traffic"] == {
         direction: {
             via: metric(samples, f"weightsync_{direction}load_bytes_total", run="q", via=via)

@@ -18,7 +18,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import numpy as np
 import safetensors.numpy
 import torch
@@ -29,7 +28,7 @@ from syncserver.storage.bucket import object_name
 from syncserver.storage.store import ResultKey, VersionKey
 from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
-from tests.harness import Peers, wait_for
+from tests.harness import HTTP, Peers, wait_for
 from tests.models import tiny_gpt2
 from tests.s3server import SeaweedFS
 from tests.test_metrics import scrape
@@ -54,7 +53,7 @@ def store_hub(
 def model_of(hub: Hub, run: str) -> dict[str, np.ndarray]:
     """The run's latest version as a plain client gets it (following a 307 without the token:
     httpx drops Authorization when a redirect leaves the hub's origin)."""
-    r = httpx.get(f"{hub.url}/v1/runs/{run}/model", headers=AUTH, follow_redirects=True, timeout=60)
+    r = HTTP.get(f"{hub.url}/v1/runs/{run}/model", headers=AUTH, follow_redirects=True, timeout=60)
     r.raise_for_status()
     return safetensors.numpy.load(r.content)
 
@@ -134,9 +133,9 @@ def test_two_peers_three_rounds_through_the_store(
     late.close()
     assert len(s3.matching(f"GET /{seaweedfs.bucket}/two-peers/{object_name(VersionKey('r', 3))}")) == 2
     # the dashboard's download phases are there: each peer reported its downloads
-    state = httpx.get(f"{stored.url}/v1/runs/r", headers=AUTH).json()
+    state = HTTP.get(f"{stored.url}/v1/runs/r", headers=AUTH).json()
     assert state["store"] == f"s3://{seaweedfs.bucket}/two-peers/"
-    page = httpx.get(f"{stored.url}/v1/dashboard", params={"run": "r"}, headers=AUTH).json()["run"]
+    page = HTTP.get(f"{stored.url}/v1/dashboard", params={"run": "r"}, headers=AUTH).json()["run"]
     assert page["store"] == state["store"]
     lanes = {(rnd["round"], lane["peer"]): lane["spans"] for rnd in page["trace"] for lane in rnd["lanes"]}
     assert all(any(span[0] == "download" for span in lanes[r, p]) for r in range(3) for p in ("a", "b"))
@@ -148,12 +147,12 @@ def test_two_peers_three_rounds_through_the_store(
         ({"round": 0, "seconds": 1e9}, 422),
         ({"round": 0}, 422),
     ]:
-        r = httpx.post(report, json=body, headers=AUTH)
+        r = HTTP.post(report, json=body, headers=AUTH)
         assert r.status_code == status and r.json()["error"], (body, r.text)
-    r = httpx.post(f"{stored.url}/v1/runs/r/peers/nobody/downloaded", json={"round": 0, "seconds": 1}, headers=AUTH)
+    r = HTTP.post(f"{stored.url}/v1/runs/r/peers/nobody/downloaded", json={"round": 0, "seconds": 1}, headers=AUTH)
     assert r.status_code == 404 and r.json()["error"] == "not_found"
-    assert httpx.post(report, json={"round": 0, "seconds": 1}).status_code == 401
-    r = httpx.get(f"{stored.url}/v1/runs/r/model", params={"direct": "maybe"}, headers=AUTH)
+    assert HTTP.post(report, json={"round": 0, "seconds": 1}).status_code == 401
+    r = HTTP.get(f"{stored.url}/v1/runs/r/model", params={"direct": "maybe"}, headers=AUTH)
     assert r.status_code == 422 and "direct" in r.json()["detail"]
     shown = subprocess.run(
         [sys.executable, "-m", "syncserver", "status", stored.url, "--run", "r", "--token", TOKEN],
@@ -356,7 +355,7 @@ def test_hub_killed_between_a_results_upload_and_its_commit(
     for name in ("a", "b"):
         peers.start(name, lambda n=name: peers.sync(n, samples=4 + (n == "b"), seed=n == "b"))
     wait_for(lambda: bucket.head(result) is not None, "round 0's result in the bucket")
-    assert httpx.get(f"{hub.url}/v1/runs/r", headers=AUTH).json()["version"] == 0  # not committed
+    assert HTTP.get(f"{hub.url}/v1/runs/r", headers=AUTH).json()["version"] == 0  # not committed
     hub.kill()
     s3.clear()
     hub.start()

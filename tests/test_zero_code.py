@@ -21,7 +21,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import safetensors.numpy
 import safetensors.torch
@@ -29,7 +28,7 @@ import torch
 
 from syncwire.digest import weights_sha256
 from tests.conftest import REPO, Hub, needs_data
-from tests.harness import status, wait_for
+from tests.harness import HTTP, status, wait_for
 
 LEFT = re.compile(r"^weightsync: (\S+) left run '(\S+)' at version (\d+); weights sha256 ([0-9a-f]{64})$", re.M)
 PEERS = ("peer-0", "peer-1")
@@ -410,7 +409,7 @@ def two_vms(
 
 
 def joined(hub: Hub, run: str, peer: str) -> bool:
-    response = httpx.get(f"{hub.url}/v1/runs/{run}", timeout=10)
+    response = HTTP.get(f"{hub.url}/v1/runs/{run}", timeout=10)
     return response.status_code == 200 and peer in {p["peer"] for p in response.json()["peers"]}
 
 
@@ -423,7 +422,7 @@ def left_at(done: subprocess.CompletedProcess[str], run: str) -> tuple[str, int,
 
 
 def hub_last(hub: Hub, run: str) -> tuple[int, str]:
-    response = httpx.get(f"{hub.url}/v1/runs/{run}/model", timeout=60)
+    response = HTTP.get(f"{hub.url}/v1/runs/{run}/model", timeout=60)
     response.raise_for_status()
     return int(response.headers["X-Sync-Version"]), weights_sha256(safetensors.numpy.load(response.content))
 
