@@ -39,7 +39,7 @@ from syncclient.transport import Download, Transport
 from syncclient.update import EncodedUpdate, UpdateState
 from syncclient.weights import ArrayView, ModelView
 from syncwire import Codec, get_codec, layout_bytes, wire_layout
-from syncwire.runsettings import AUTO, DEFAULT_UTILIZATION, PACE_KEYS, RUN_SETTINGS, check_run_settings
+from syncwire.runsettings import AUTO, PACE_KEYS, RUN_SETTINGS, check_run_settings, paired_interval
 
 __all__ = ["JoinInfo", "PendingSync", "SyncClient", "SyncResult"]
 
@@ -187,12 +187,8 @@ class SyncClient:
         group: Any = None,
     ) -> None:
         given = locals()  # the run settings' keywords are the table's names
-        if sync_every == AUTO and utilization is None:
-            given["utilization"] = DEFAULT_UTILIZATION
-        elif utilization is not None and sync_every is not None and sync_every != AUTO:
-            raise ValueError(
-                f"utilization picks the interval (sync_every='auto'): it goes without sync_every={sync_every!r}"
-            )
+        samples = round_samples is not None and policy != "async"
+        sync_every, given["utilization"] = paired_interval(sync_every, utilization, samples=samples)
         self._config = check_run_settings({setting.name: given[setting.name] for setting in RUN_SETTINGS})
         if not hub.startswith(("http://", "https://")):
             raise ValueError(f"hub must be an http:// or https:// URL, got {hub!r}")

@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args
 
 __all__ = ["AUTO", "DEFAULT_UTILIZATION", "PACE_KEYS", "PROBE_STEPS"]
 __all__ += ["MAX_PEERS", "MAX_SAMPLES", "MAX_SECONDS", "RUN_SETTINGS", "Outer", "Policy", "RunSetting"]
-__all__ += ["check_run_settings", "normal_codec", "settle"]
+__all__ += ["check_run_settings", "normal_codec", "paired_interval", "settle"]
 
 Outer = Literal["avg", "diloco"]
 Policy = Literal["barrier", "samples", "async"]  # the round policies of syncserver.core.policy
@@ -219,6 +219,24 @@ def settle(values: Mapping[str, Any], chosen: Collection[str] = (), say: Callabl
             "peers than any of its rounds needs"
         )
     return values
+
+
+def paired_interval(
+    sync_every: Any, utilization: float | None, *, samples: bool, say: Callable[[str], str] = str
+) -> tuple[Any, float | None]:
+    """``sync_every`` and ``utilization`` as they go together, the one rule the SDK, the launcher and
+    the reference job apply: ``"auto"`` targets :data:`DEFAULT_UTILIZATION` unless told; a
+    utilization alone means ``"auto"`` (in a samples run, ``samples``, it sizes the rounds instead);
+    beside a number of steps or a schedule it is a ValueError naming both (``say``, as in :func:`settle`)."""
+    if utilization is not None and not samples:
+        if sync_every is not None and sync_every != AUTO:
+            raise ValueError(
+                f"{say('utilization')} picks the interval: give {say('sync_every')} auto, not {sync_every}"
+            )
+        sync_every = AUTO
+    if sync_every == AUTO and utilization is None:
+        utilization = DEFAULT_UTILIZATION
+    return sync_every, utilization
 
 
 def check_run_settings(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from typing import Any
 from syncclient.hooks.settings import flag_name  # the standard library only, as these
 from syncclient.peerlr import DEFAULT_PEER_LR, LR_SCALINGS
 from syncclient.schedule import SyncSchedule
-from syncwire.runsettings import settle
+from syncwire.runsettings import paired_interval, settle
 
 OFFLINE_HINT = "use local files instead, e.g. --dataset ../shared/data/imdb --tokenizer ../shared/data/gpt2-tokenizer "
 OFFLINE_HINT += "--model-config small"
@@ -163,20 +163,22 @@ def check_args(args: argparse.Namespace) -> None:
             args.policy = settle(run, ["policy"] if args.policy else [], say=flag_name)["policy"]
         except ValueError as exc:
             raise Fail(str(exc)) from None
+        try:  # --utilization alone means auto; auto targets 0.95 unless told
+            samples = args.policy == "samples"
+            args.sync_every, args.utilization = paired_interval(args.sync_every, args.utilization, samples=samples,
+                                                                say=flag_name)  # fmt: skip
+        except ValueError as exc:
+            raise Fail(str(exc)) from None
         if args.sync_every is None and args.policy != "samples":
-            args.sync_every = "auto" if args.utilization is not None else 1000
+            args.sync_every = 1000
     if (args.round_samples or 0) < 0 or (args.max_staleness or 0) < 0:
         raise Fail("--round-samples and --max-staleness must be >= 0")
     args.sync_every, args.hub_mode, k = args.sync_every or 0, args.policy is not None, args.local_peers
     if args.policy == "samples" and args.sync_every:
         raise Fail("a samples run syncs whenever its round is due: drop --sync-every (--utilization sizes its rounds)")
-    args.auto = args.sync_every == "auto" or (args.utilization is not None and args.policy == "barrier")
+    args.auto = args.sync_every == "auto"
     if args.utilization is not None and not (0 < args.utilization < 1):
         raise Fail(f"--utilization must be > 0 and < 1, got {args.utilization}")
-    if args.auto and args.sync_every not in ("auto", 0):
-        raise Fail(f"--utilization picks the interval: give --sync-every auto, not {args.sync_every}")
-    if args.auto:
-        args.sync_every, args.utilization = "auto", args.utilization or 0.95
     steps = 1 if args.auto else args.sync_every
     if min(k, steps, args.eval_every or 0, args.lr_scaling_warmup or 0) < 0:
         raise Fail("--local-peers, --sync-every, --eval-every and --lr-scaling-warmup must be >= 0")

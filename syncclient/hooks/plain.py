@@ -212,11 +212,7 @@ class PlainLoop:
         session.note(
             f"syncing {describe([_inner(self.model)])} as {info.peer} (rank {info.rank} of {info.world_size}) "
             f"in run {settings.run!r}, "
-            + (
-                "when rounds are due"
-                if client.policy == "samples"
-                else f"every {settings.sync_every} {steps}".replace("every auto", "at intervals the hub picks")
-            )
+            + ("when rounds are due" if client.policy == "samples" else settings.said_interval(steps))
         )
         _watch_state_reads(self)
         _watch_saves(self)

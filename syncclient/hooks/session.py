@@ -106,9 +106,7 @@ def synced_by(callback: Any, settings: Any, what: str, model: Callable[[], Any])
 
     callback.after_join = joined
     attached(lambda: callback.client, model)
-    every = f"every {settings.sync_every} steps" if settings.sync_every else "when rounds are due"
-    every = every.replace("every auto steps", "at intervals the hub picks")
-    note(f"{what} in run {settings.run!r} {every}")
+    note(f"{what} in run {settings.run!r} {settings.said_interval()}")
 
 
 def check_rank(settings: Any, client: Any) -> None:

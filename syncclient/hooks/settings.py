@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR
 from syncclient.schedule import SyncEvery, SyncSchedule
-from syncwire.runsettings import AUTO, DEFAULT_UTILIZATION, RUN_SETTINGS, settle
+from syncwire.runsettings import AUTO, RUN_SETTINGS, paired_interval, settle
 
 __all__ = ["DEFAULT_SYNC_EVERY", "ENV", "HookSettings", "SettingsError", "flag_name", "name_problem"]
 
@@ -142,13 +142,12 @@ class HookSettings:
         else:
             sync_every = parsed(source, SyncSchedule.parse, every) if schedule else number("sync_every")
         by_samples = "round_samples" in config and config.get("policy") != "async"
-        if "utilization" in config and not by_samples:
-            if sync_every not in (None, AUTO):
-                raise SettingsError(f"{raw('utilization')[1]} picks the interval: give {source} auto, not {every}")
-            sync_every = "auto"
-        if sync_every == AUTO:
-            config.setdefault("utilization", DEFAULT_UTILIZATION)
         try:
+            sync_every, utilization = paired_interval(
+                sync_every, config.get("utilization"), samples=by_samples, say=lambda name: raw(name)[1]
+            )
+            if utilization is not None:
+                config["utilization"] = utilization
             settle(config, config, say=lambda name: raw(name)[1])
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
@@ -193,6 +192,12 @@ class HookSettings:
         values = {name: getattr(self, name) for name in (*_OWN, *_PEER)}
         values |= {"shard": str(int(self.shard)), "seed": str(int(self.seed)), **self.config}
         return {ENV[k]: str(v) for k, v in values.items() if v not in (None, "")}
+
+    def said_interval(self, steps: str = "steps") -> str:
+        """When this program syncs, as the line the hooks say at start puts it."""
+        if self.sync_every is None:
+            return "when rounds are due"
+        return "at intervals the hub picks" if self.sync_every == AUTO else f"every {self.sync_every} {steps}"
 
     @property
     def peer_lr(self) -> PeerLR:

@@ -26,6 +26,7 @@ The first interval is a probe of :data:`PROBE_STEPS` steps (a samples run: its `
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -98,20 +99,12 @@ class Interval:
     round_seconds: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "every": self.every,
-            "bound": self.bound,
-            "peer": self.peer,
-            "link": self.link,
-            "utilization": self.utilization,
-            "round_seconds": self.round_seconds,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def load(cls, recorded: Mapping[str, Any]) -> Interval:
-        get = recorded.get
-        return cls(int(recorded["every"]), str(recorded["bound"]), get("peer"), get("link"), get("utilization"),
-                   get("round_seconds"))  # fmt: skip
+        values: dict[str, Any] = {f.name: recorded.get(f.name) for f in dataclasses.fields(cls)}
+        return cls(**values)
 
     def why(self, unit: str) -> str:
         """One line: the interval and what bounds it (``syncserver status``, the log)."""
