@@ -34,16 +34,18 @@ from syncclient.exceptions import (  # the standard library only: cheap to impor
 if TYPE_CHECKING:
     from syncclient.callbacks import SyncCallback
     from syncclient.client import JoinInfo, PendingSync, SyncClient, SyncResult
+    from syncclient.preemption import Preempted
     from syncclient.schedule import SyncSchedule
 
 __all__ = ["AuthError", "ConflictError", "HubError", "HubUnreachable", "JoinInfo", "NotFound", "PendingSync"]
 __all__ += ["RoundClosed", "SchemaMismatch", "StaleUpdate", "SyncCallback", "SyncClient", "SyncResult"]
-__all__ += ["SyncSchedule", "SyncError"]
+__all__ += ["Preempted", "SyncSchedule", "SyncError"]
 
 _HOMES = {
     **dict.fromkeys(["JoinInfo", "PendingSync", "SyncClient", "SyncResult"], "syncclient.client"),
     "SyncCallback": "syncclient.callbacks",
     "SyncSchedule": "syncclient.schedule",
+    "Preempted": "syncclient.preemption",
 }
 
 

@@ -14,6 +14,7 @@ overlap) waited for at once, with no local steps to keep.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import os
@@ -23,7 +24,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -34,6 +35,7 @@ from syncclient.background import Heartbeat, ProgressReporter
 from syncclient.exceptions import SchemaMismatch, SyncError
 from syncclient.flows import Outcome, RunFlows
 from syncclient.group import PeerGroup
+from syncclient.preemption import LEAVE_MARGIN, Notice, Preempted, Watch, preemption_mode
 from syncclient.schedule import SyncClock, SyncEvery
 from syncclient.transport import Download, Transport
 from syncclient.update import EncodedUpdate, UpdateState
@@ -156,6 +158,10 @@ class SyncClient:
     training this peer (:mod:`syncclient.group`): every rank makes the same calls, ``samples``
     its own. ``verify``: True, a CA bundle (PEM file or folder) or an ``ssl.SSLContext``.
     ``retry_seconds``: how long hub trouble is retried before :class:`~syncclient.HubUnreachable`.
+    ``preemption``: which notices of the machine's end to act on (``auto``, ``aws``, ``gcp``,
+    ``azure``, ``sigterm``, ``off``; default ``WEIGHTSYNC_PREEMPTION`` or ``auto``), at
+    ``metadata_url``: on one, the next :meth:`progress` hands in the steps since the last sync,
+    leaves and raises :class:`~syncclient.preemption.Preempted` (:mod:`syncclient.preemption`).
     """
 
     def __init__(
@@ -185,6 +191,8 @@ class SyncClient:
         timeout: float = 60.0,
         retry_seconds: float = 600.0,
         group: Any = None,
+        preemption: str | None = None,
+        metadata_url: str | None = None,
     ) -> None:
         given = locals()  # the run settings' keywords are the table's names
         samples = round_samples is not None and policy != "async"
@@ -196,6 +204,7 @@ class SyncClient:
         self.run = run
         self.peer = peer or f"{socket.gethostname()}-{os.getpid()}"
         self.retry_seconds = retry_seconds
+        self.preemption, self._metadata_url = preemption_mode(preemption), metadata_url
         self.clock = SyncClock(sync_every)
         self._transport = Transport(
             self.hub, run=run, token=token, verify=verify, timeout=timeout, retry_seconds=retry_seconds
@@ -221,6 +230,9 @@ class SyncClient:
         # the interval under way, for the hub's pick of the next (PACE_KEYS): its start (monotonic)
         # and the training thread's seconds in our work and blocked on the hub
         self._lap_started, self._host, self._waited = time.monotonic(), 0.0, 0.0
+        self._model: torch.nn.Module | None = None  # from join on: what a preempted peer hands in
+        self._watch: Watch | None = None  # from join on, one process per peer: the machine's end
+        self.closed = False  # close() (or leave()) ran: nothing more goes to the hub
 
     # ---- the public surface --------------------------------------------------------------
     def join(self, model: torch.nn.Module) -> JoinInfo:
@@ -231,6 +243,8 @@ class SyncClient:
         self.policy = info.config.get("policy", "barrier")
         if self._group is not None and self._group.leader:
             self._leave_at_exit()
+        elif self._group is None and self._watch is None:
+            self._model, self._watch = model, Watch(self.preemption, self._abandon, self._metadata_url)
         return info
 
     def _join(self, view: ModelView | ArrayView) -> JoinInfo:
@@ -368,6 +382,8 @@ class SyncClient:
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
         self.clock.tick(samples, step)
+        if self._watch is not None and (self._watch.abandoned or self._watch.notice is not None):
+            self._hand_in(self._watch)
 
     @property
     def due(self) -> bool:
@@ -449,10 +465,11 @@ class SyncClient:
         if self._worker is not None:
             self._worker.shutdown(wait=False, cancel_futures=True)
             self._worker = None
-        for daemon in (self._heartbeat, self._progress):
+        for daemon in (self._heartbeat, self._progress, self._watch):
             if daemon is not None:
                 daemon.stop()
-        self._heartbeat = self._progress = None
+        self._heartbeat = self._progress = self._watch = None
+        self.closed = True
         atexit.unregister(self.leave)
         self._transport.close()
 
@@ -475,6 +492,53 @@ class SyncClient:
         atexit.register(self.leave, retry=False)  # (left or closed already: nothing to tell)
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+    def _hand_in(self, watch: Watch) -> None:
+        """The machine is being taken (:mod:`syncclient.preemption`): send the steps since the last
+        sync as this peer's update of the open round, wait for its acknowledgement while the notice
+        lasts, leave (the round closes without us), and end the program with :class:`Preempted`."""
+        notice, handed, round_ = watch.claim(), 0, self.version
+        if notice is None:  # the watch left for us: the notice ran out before this step
+            assert watch.notice is not None
+            self.close()
+            raise Preempted(watch.notice, 0, round_)
+        assert self._model is not None  # (a watch is made at join, with the model)
+        view = ModelView(self._model)
+        try:
+            inflight = self._inflight  # an overlapped sync: the steps since its snapshot need its result
+            if inflight is not None and wait([inflight._future], timeout=_time_left(notice)).done:
+                self._apply(inflight, view)
+            handed, round_ = self._send_last(view, notice)
+        except (SyncError, TimeoutError) as exc:
+            log.warning("run %s: the hand-in failed (%s): the steps since the last sync are lost", self.run, exc)
+        finally:
+            self.leave(retry=False)
+            self._transport.abort()  # an upload the notice cut short ends now
+        log.warning("run %s: %s", self.run, Preempted(notice, handed, round_))
+        raise Preempted(notice, handed, round_)
+
+    def _send_last(self, view: ModelView, notice: Notice) -> tuple[int, int]:
+        """Upload the steps since the last sync as a final update, acknowledged before ``notice``
+        runs out: (samples acknowledged, round); (0, version) when nothing can go."""
+        state = self._state
+        if self._inflight is not None or state is None or state.torn or not self.clock.unsynced:
+            return 0, self.version  # still in flight, no base to compute a delta from, or nothing new
+        samples, round_ = max(1, self.clock.samples), self.version
+        metrics = {"step": float(self.clock.step)} | self._lap(time.monotonic(), samples, False)
+        update = state.encode(view.export())
+        self.clock.sent()
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
+        future = self._worker.submit(self._flows.hand_in, round_, update, samples, metrics, state, True)
+        landed = future.result(timeout=_time_left(notice))
+        return (samples, landed) if landed is not None else (0, round_)
+
+    def _abandon(self) -> None:
+        """The notice runs out and the training thread never stepped: tell the hub we leave (the
+        watch's thread; the training thread closes the client at its next step)."""
+        if self._heartbeat is not None:
+            with contextlib.suppress(SyncError):
+                self._transport.call("POST", f"{self._runs}/peers/{self.peer}/leave", retry=False, timeout=5)
 
     def _check_clock(self) -> None:
         if self.policy != "samples" and self.clock.every is None:
@@ -595,6 +659,10 @@ def _tensors(view: ModelView | ArrayView, download: Download, run: str) -> dict[
     if set(reader.tensors) != set(view.schema):
         raise SchemaMismatch(_schema_diff({k: v.shape for k, v in reader.tensors.items()}, view.schema, run))
     return {name: reader.tensors[name] for name in view.schema}
+
+
+def _time_left(notice: Notice) -> float:
+    return max(0.0, notice.left() - LEAVE_MARGIN)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

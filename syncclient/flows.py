@@ -96,6 +96,64 @@ class RunFlows:
         ``metrics`` go with it, the codec's ratio and error added once encoded. ``final``: this
         peer's last update (``X-Sync-Final``)."""
         started = time.monotonic()
+        try:
+            size, ack = self._send(round_, update, samples, metrics, state, final)
+        except (RoundClosed, StaleUpdate):
+            size = body_size(update.parts)  # sent, though refused
+            return Outcome(size, 0, time.monotonic() - started, 0.0, latest=self.latest())
+        uploaded = time.monotonic()
+        landed = int(ack["round"])
+        try:
+            # the usual case (the round it was computed from): fold our result while it downloads
+            stream = state.stream_fold() if landed == round_ else None
+            own = self.result(landed, wait=True, on_tensor=stream.take if stream else None)  # ours first
+            waited, received = time.monotonic(), own.reader.received
+            if stream is not None:
+                stream.finish()
+            else:  # results of earlier rounds come first: fold in order, as the hub built them
+                for earlier in range(round_, landed):
+                    result = self.result(earlier, wait=False)
+                    state.fold(result.reader.tensors, result.reader.metadata.get("codec"))
+                    received += result.reader.received
+                state.fold(own.reader.tensors, own.reader.metadata.get("codec"))
+        except HubError as exc:
+            if exc.status != 410:
+                raise
+            latest = self.latest()  # a result was pruned: the latest version, which holds ours, is the new base
+            down, up = latest.reader.received, uploaded - started
+            return Outcome(
+                size, down, up, 0.0, latest.version, latest.run_samples, latest.next_every, fresh_base=latest
+            )
+        return Outcome(
+            size, received, uploaded - started, waited - uploaded, landed + 1, own.run_samples, own.next_every
+        )
+
+    def hand_in(
+        self,
+        round_: int,
+        update: EncodedUpdate,
+        samples: int,
+        metrics: dict[str, float],
+        state: UpdateState,
+        final: bool,
+    ) -> int | None:
+        """A preempted peer's last update (syncclient.preemption): uploaded and acknowledged, no
+        result waited for. The round it landed in; None if that closed without it (the work is lost)."""
+        try:
+            return int(self._send(round_, update, samples, metrics, state, final)[1]["round"])
+        except (RoundClosed, StaleUpdate):
+            return None
+
+    def _send(
+        self,
+        round_: int,
+        update: EncodedUpdate,
+        samples: int,
+        metrics: dict[str, float],
+        state: UpdateState,
+        final: bool,
+    ) -> tuple[int, dict[str, Any]]:
+        """Upload an update as it encodes (to the store if the run says so): its size and acknowledgement."""
         headers = {"X-Sync-Samples": str(samples)}
         if final:
             headers["X-Sync-Final"] = "?1"
@@ -123,37 +181,9 @@ class RunFlows:
                 size, ack = self.transport.upload(
                     path, update.parts, what="upload", headers=headers, ready=update.ready, completing=completing
                 )
-        except (RoundClosed, StaleUpdate):
-            size = body_size(update.parts)  # sent, though refused
-            return Outcome(size, 0, time.monotonic() - started, 0.0, latest=self.latest())
         finally:
             update.settle()
-        uploaded = time.monotonic()
-        landed = int(ack["round"])
-        try:
-            # the usual case (the round it was computed from): fold our result while it downloads
-            stream = state.stream_fold() if landed == round_ else None
-            own = self.result(landed, wait=True, on_tensor=stream.take if stream else None)  # ours first
-            waited, received = time.monotonic(), own.reader.received
-            if stream is not None:
-                stream.finish()
-            else:  # results of earlier rounds come first: fold in order, as the hub built them
-                for earlier in range(round_, landed):
-                    result = self.result(earlier, wait=False)
-                    state.fold(result.reader.tensors, result.reader.metadata.get("codec"))
-                    received += result.reader.received
-                state.fold(own.reader.tensors, own.reader.metadata.get("codec"))
-        except HubError as exc:
-            if exc.status != 410:
-                raise
-            latest = self.latest()  # a result was pruned: the latest version, which holds ours, is the new base
-            down, up = latest.reader.received, uploaded - started
-            return Outcome(
-                size, down, up, 0.0, latest.version, latest.run_samples, latest.next_every, fresh_base=latest
-            )
-        return Outcome(
-            size, received, uploaded - started, waited - uploaded, landed + 1, own.run_samples, own.next_every
-        )
+        return size, ack
 
     def _to_store(
         self,

@@ -12,3 +12,6 @@ time; four two-program tests of test_zero_code 89 -> 82 s.
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No peer here asks a cloud's metadata server (169.254.169.254) or takes SIGTERM over: traffic stays on
+# 127.0.0.1, and xdist's workers end as they should; tests/test_preemption.py sets its own.
+os.environ["WEIGHTSYNC_PREEMPTION"] = "off"

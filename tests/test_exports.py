@@ -27,6 +27,7 @@ def test_syncclient_exports() -> None:
             "StaleUpdate",
             "SyncCallback",
             "SyncClient",
+            "Preempted",
             "SyncSchedule",
             "SyncError",
             "SyncResult",

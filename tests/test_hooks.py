@@ -127,6 +127,11 @@ def test_settings_round_trip_through_variables() -> None:
     assert scaled.peer_lr == PeerLR(DEFAULT_PEER_LR.scaling, 7)  # the flag beats its variable
     assert HookSettings.from_env(scaled.to_env()) == scaled
     assert scaled.callback_kwargs()["lr_scaling_warmup"] == 7
+    machine = {"WEIGHTSYNC_PREEMPTION": "gcp", "WEIGHTSYNC_METADATA_URL": "http://127.0.0.1:9"}
+    notices = HookSettings.resolve({"hub": "http://h:1", "run": "r", "preemption": "aws"}, machine)
+    assert (notices.preemption, notices.metadata_url) == ("aws", "http://127.0.0.1:9")  # the flag beats its variable
+    assert HookSettings.from_env(notices.to_env()) == notices
+    assert notices.client_kwargs()["preemption"] == "aws"
 
 
 #: every run setting, given as a flag, and what SyncClient is given
@@ -153,6 +158,7 @@ def test_every_run_setting_reaches_the_client_through_a_flag_or_its_variable() -
     flags = {name: raw for name, (raw, _) in INTERVAL_SETTINGS.items()}
     auto = HookSettings.resolve({"hub": "http://h:1", "run": "r", "sync_every": "auto", **flags}, {})
     assert auto.client_kwargs() == {"run": "r", "peer": None, "token": None, "sync_every": "auto",
+                                    "preemption": None, "metadata_url": None,
                                     **{name: value for name, (_, value) in INTERVAL_SETTINGS.items()}}  # fmt: skip
     assert HookSettings.from_env(auto.to_env()) == auto
     SyncClient("http://h:1", **auto.client_kwargs()).close()

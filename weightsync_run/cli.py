@@ -38,6 +38,7 @@ from syncclient.hooks import SITE
 from syncclient.hooks.session import MARKER
 from syncclient.hooks.settings import DEFAULT_SYNC_EVERY, ENV, HookSettings, SettingsError, flag_name
 from syncclient.peerlr import DEFAULT_PEER_LR, LR_SCALINGS
+from syncclient.preemption import METADATA_URL, MODES
 from syncwire.runsettings import RUN_SETTINGS
 
 __all__ = ["build_parser", "main"]
@@ -90,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar = setting.metavar or "|".join(setting.choices)
         add(flag_name(setting.name), metavar=metavar, help=f"{setting.help} [{ENV[setting.name]}]")
     add = p.add_argument_group("on this machine").add_argument
+    notice = "act on the machine's end: the cloud's preemption notice (auto finds it) and SIGTERM: hand in the steps "
+    notice += "since the last sync, leave, exit 143 [WEIGHTSYNC_PREEMPTION; default auto]"
+    add("--preemption", metavar="|".join(MODES), help=notice)
+    where = f"the cloud's metadata server [WEIGHTSYNC_METADATA_URL; default {METADATA_URL}]"
+    add("--metadata-url", metavar="URL", help=where)
     add("--local-peers", metavar="K", help="run an embedded hub and K peers of COMMAND [WEIGHTSYNC_LOCAL_PEERS]")
     add("--out", metavar="DIR", help="the peers' folders, the hub's data and logs [WEIGHTSYNC_OUT; ./weightsync-local]")
     add(
@@ -115,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             peers = _count(env.get("WEIGHTSYNC_LOCAL_PEERS"), "WEIGHTSYNC_LOCAL_PEERS")
         if peers and args.hub:
             raise SettingsError("--local-peers runs its own hub: drop --hub")
-        fields = ("hub", "run", "token", "peer", "sync_every", "shard", "seed", "lr_scaling", "lr_scaling_warmup")
+        fields = ["hub", "run", "token", "peer", "sync_every", "shard", "seed", "lr_scaling", "lr_scaling_warmup"]
+        fields += ["preemption", "metadata_url"]
         flags = {field: getattr(args, field) for field in fields}
         flags |= {setting.name: getattr(args, setting.name) for setting in RUN_SETTINGS}
         if peers:  # the launcher gives each peer its hub, run, name and rank, and waits for all K

@@ -251,8 +251,8 @@ class PlainLoop:
         raise SystemExit(f"weightsync: {why}")
 
     def _at_exit(self) -> None:
-        if os.getpid() != self._pid or self.client is None:
-            return
+        if os.getpid() != self._pid or self.client is None or self.client.closed:
+            return  # (closed: the peer was preempted, and handed in and left already)
         try:
             if session.crashed():
                 session.note("the program failed: leaving the run without a last sync")

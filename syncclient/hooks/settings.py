@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR
+from syncclient.preemption import preemption_mode
 from syncclient.schedule import SyncEvery, SyncSchedule
 from syncwire.runsettings import AUTO, RUN_SETTINGS, paired_interval, settle
 
@@ -34,7 +35,8 @@ def name_problem(value: str) -> str | None:
 
 #: field -> variable: the launcher's own settings, every run setting (``min_peers`` ->
 #: ``WEIGHTSYNC_MIN_PEERS``), and the peer's name and rank (``--local-peers`` sets those itself).
-_OWN = ("hub", "run", "token", "sync_every", "shard", "seed", "lr_scaling", "lr_scaling_warmup")
+_OWN: tuple[str, ...] = ("hub", "run", "token", "sync_every", "shard", "seed", "lr_scaling", "lr_scaling_warmup")
+_OWN += ("preemption", "metadata_url")  # the machine's: syncclient.preemption
 _PEER = ("peer", "rank", "world_size")
 ENV = {name: "WEIGHTSYNC_" + name.upper() for name in (*_OWN, *(s.name for s in RUN_SETTINGS), *_PEER)}
 
@@ -71,6 +73,8 @@ class HookSettings:
     config: Mapping[str, Any] = field(default_factory=dict)
     lr_scaling: str = DEFAULT_PEER_LR.scaling  # each peer's learning rate from the peers (syncclient.peerlr)
     lr_scaling_warmup: int | None = DEFAULT_PEER_LR.warmup  # None: one round (sync_every steps)
+    preemption: str | None = None  # which notices of the machine's end to act on (None: auto)
+    metadata_url: str | None = None  # the cloud's metadata server (None: 169.254.169.254)
 
     @classmethod
     def resolve(
@@ -162,6 +166,12 @@ class HookSettings:
         # (a warm-up not given, None, is one round; only the scaling can be wrong: the warm-up is a number >= 0)
         peer_lr = parsed(lr_source, PeerLR, lr_scaling or DEFAULT_PEER_LR.scaling, warmup)
         shard, seed = switch("shard"), switch("seed")
+        preemption, preemption_source = raw("preemption")
+        if preemption is not None:
+            parsed(preemption_source, preemption_mode, preemption)
+        metadata_url, url_source = raw("metadata_url")
+        if metadata_url is not None and not metadata_url.startswith(("http://", "https://")):
+            raise SettingsError(f"{url_source}: expected an http:// URL, got {metadata_url!r}")
         rank, world_size = number("rank", low=0), number("world_size")
         if (rank is None) != (world_size is None) or (rank or 0) >= (world_size or 1):
             raise SettingsError(
@@ -181,6 +191,8 @@ class HookSettings:
             config=config,
             lr_scaling=peer_lr.scaling,
             lr_scaling_warmup=peer_lr.warmup,
+            preemption=preemption,
+            metadata_url=metadata_url,
         )
 
     @classmethod
@@ -210,7 +222,8 @@ class HookSettings:
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keywords for ``SyncClient`` (and the callbacks, which pass them on)."""
-        return {"run": self.run, "peer": self.peer, "token": self.token, "sync_every": self.sync_every, **self.config}
+        own = {"run": self.run, "peer": self.peer, "token": self.token, "sync_every": self.sync_every}
+        return own | {"preemption": self.preemption, "metadata_url": self.metadata_url, **self.config}
 
     @property
     def seed_offset(self) -> int:
