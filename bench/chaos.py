@@ -1,6 +1,8 @@
-"""The reference job with a random peer SIGKILLed every few rounds: what the run ends at, what it lost.
+"""The reference job with a random peer SIGKILLed, or preempted, every few rounds: what the run ends
+at, what it lost.
 
     python bench/chaos.py                      # 4 peers, tiny GPT-2, 80 rounds, a kill every 8, against a calm run
+    python bench/chaos.py --variants preempt   # the same, each kill a preemption with notice
     python bench/chaos.py --quick              # the smoke test: 2 peers, one kill, no calm run
 
 ``train/finetune_gpt2.py`` as users run it on separate machines: a ``syncserver serve`` hub with
@@ -18,6 +20,9 @@ every ``--sync-every`` steps, one torch thread each). Two runs of the same seed,
   long here as a dozen rounds: several may be down at once; one at least stays), and only while
   the run has rounds enough left for a restart (as many as the peers' own start took, and two more; ``--quick``
   kills after round 0 whatever is left: a peer back after the run's end says so, ``ended_first``).
+- **preempt** (``--variants preempt``): the same, but each kill is a spot VM's end with notice:
+  SIGTERM (the peer hands in its steps since its last sync and leaves: syncclient.preemption),
+  then SIGKILL if it still runs ``--notice`` seconds later; then the restart.
 
 Each run ends with every peer's validation perplexity (identical: the peers end on the hub's
 last version), compared between the runs (target: within 1%). The hub's records give, per kill:
@@ -33,6 +38,7 @@ Results: a markdown table on stdout and ``bench/results/chaos-<date>.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -59,6 +65,7 @@ import round as rb  # noqa: E402 (bench/round.py: the hub process, the result fi
 from failures import Records, cell, hub_default  # noqa: E402 (the hub's records, read as it writes them)
 from wire import terminated_as_exit  # noqa: E402
 
+from syncclient.preemption import EXIT_CODE  # noqa: E402
 from tests.smallvocab import small_vocab_data  # noqa: E402
 
 RUN = "chaos"
@@ -70,6 +77,10 @@ parser.add_argument("--peers", type=int, default=4, help="peer processes (N)")
 parser.add_argument("--kill-every", type=int, default=8, help="rounds between kills")
 parser.add_argument("--chaos-seed", type=int, default=0, help="which peer dies, and when")
 parser.add_argument("--max-kills", type=int, default=None, help="at most this many kills (default: no limit)")
+parser.add_argument(
+    "--variants", nargs="+", choices=("sigkill", "preempt"), default=["sigkill"], help="runs with kills"
+)
+parser.add_argument("--notice", type=float, default=30.0, help="preempt: seconds from SIGTERM to SIGKILL")
 parser.add_argument("--lease", type=float, default=None, help="the hub's --lease-seconds (default: the hub's)")
 parser.add_argument("--hub-flag", action="append", default=[], help="another flag for `syncserver serve`, e.g. =--x=1")
 parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="the calm run too")
@@ -114,8 +125,9 @@ class Job:
                    "--sync-every", str(a.sync_every), "--eval-every", "0", "--batch-size", str(a.batch_size),
                    "--lr", str(a.lr), "--seed", str(a.seed), "--threads", "1"]  # fmt: skip
         folder.mkdir()
+        env = os.environ | {"WEIGHTSYNC_PREEMPTION": "sigterm"}  # no cloud here: SIGTERM is the notice
         with open(folder / "peer.log", "wb") as log:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         self.incarnations.append((peer, folder, proc, time.time()))
         return folder
 
@@ -164,7 +176,8 @@ def joined_version(log: Path) -> int | None:
 
 
 def run_job(args: argparse.Namespace, name: str, data: Path, work: Path, kills: bool) -> dict[str, Any]:
-    """One run; with ``kills``, the chaos (module docstring). Its figures, from the hub's records."""
+    """One run; with ``kills``, the chaos (module docstring; ``name`` says how a peer dies). Its
+    figures, from the hub's records."""
     job = Job(args, name, data, work)
     peers = [f"peer-{k}" for k in range(args.peers)]
     rng = random.Random(args.chaos_seed)
@@ -186,14 +199,14 @@ def run_job(args: argparse.Namespace, name: str, data: Path, work: Path, kills: 
             settled = [p for p in peers if job.settled(p, rounds)]  # a restarted one once it is back
             more = args.max_kills is None or len(failures) < args.max_kills
             if kills and more and latest >= next_kill and latest + 3 + margin <= last_round and len(settled) >= 2:
-                failures.append(kill(job, rng, settled, rounds))
+                failures.append(kill(job, rng, settled, rounds, notice=args.notice if name == "preempt" else None))
                 next_kill = latest + args.kill_every
                 continue
             time.sleep(0.05)
         bad = [
             folder
             for _, folder, proc, _ in job.incarnations
-            if proc.returncode not in (0, -signal.SIGKILL) and not ended_first(folder)
+            if proc.returncode not in (0, -signal.SIGKILL, EXIT_CODE) and not ended_first(folder)
         ]
         if bad:
             tail = (bad[0] / "peer.log").read_text(errors="replace")[-3000:]
@@ -228,21 +241,30 @@ class Failure:
     last: int  # the round of its last update acknowledged before it died (-1: none)
     restarted: float
     folder: Path  # its new incarnation's
+    exit_code: int | None  # how it ended: 143 a preempted peer that handed in and left, -9 SIGKILL
 
 
-def kill(job: Job, rng: random.Random, settled: list[str], rounds: dict[int, tuple[float, list[str]]]) -> Failure:
-    """SIGKILL one of the ``settled`` peers, at random, at a random point of the open round, and
-    start it again at once, as a supervisor would."""
+def kill(
+    job: Job, rng: random.Random, settled: list[str], rounds: dict[int, tuple[float, list[str]]], notice: float | None
+) -> Failure:
+    """SIGKILL one of the ``settled`` peers, at random, at a random point of the open round (with a
+    ``notice``: SIGTERM, then SIGKILL if it still runs that many seconds later), and start it again
+    at once, as a supervisor would."""
     durations = [rounds[r][0] - rounds[r - 1][0] for r in rounds if r - 1 in rounds]
     time.sleep(rng.uniform(0.0, 0.9) * (statistics.median(durations) if durations else 1.0))
     victim = rng.choice(settled)
-    killed = time.time()
-    job.live(victim).send_signal(signal.SIGKILL)
-    job.live(victim).wait()
+    killed, proc = time.time(), job.live(victim)
+    if notice is not None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(notice)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
     restarted = time.time()
     folder = job.start(victim)
     last = max((r for r, p in job.records.updates() if p == victim), default=-1)
-    return Failure(victim, killed, last, restarted, folder)
+    return Failure(victim, killed, last, restarted, folder, proc.returncode)
 
 
 def measure(job: Job, f: Failure) -> dict[str, Any]:
@@ -253,13 +275,18 @@ def measure(job: Job, f: Failure) -> dict[str, Any]:
     first = next((r for r in sorted(got) if r > f.last and got[r][0] > f.killed), None)
     join = joined_version(f.folder / "peer.log")
     again = next((r for r in sorted(got) if join is not None and r >= join and f.victim in got[r][1]), None)
+    hit = max((r for r in got if got[r][0] <= f.killed), default=-1) + 1  # the round open at the kill
+    # the survivors' idle: the worst of the rounds from the one the kill hit to the first without the
+    # victim's last update (a preempted peer's hand-in goes into the first)
+    idle = [job.records.idle(r, f.victim) for r in range(hit, first + 1) if r in got] if first is not None else []
     return {
         "victim": f.victim,
-        "killed_in_round": max((r for r in got if got[r][0] <= f.killed), default=-1) + 1,
-        "acknowledged_before": f.last == max((r for r in got if got[r][0] <= f.killed), default=-1) + 1,
+        "exit_code": f.exit_code,
+        "killed_in_round": hit,
+        "acknowledged_before": f.last == hit,
         "first_round_after": first,
         "restarted_in_it": first is not None and f.victim in got[first][1],
-        "idle_s": job.records.idle(first, f.victim) if first is not None else None,
+        "idle_s": max(idle) if idle else None,
         "to_first_round_s": got[first][0] - f.killed if first is not None else None,
         "join_version": join,
         "back_round": again,
@@ -270,23 +297,22 @@ def measure(job: Job, f: Failure) -> dict[str, Any]:
 
 
 def markdown(runs: list[dict[str, Any]], targets: list[dict[str, Any]]) -> str:
-    lines = ["| run | rounds | val ppl | test ppl | wall s | idle s (healthy median) | lost / acked |",
+    lines = ["| run | rounds | val ppl | test ppl | wall s | idle s per kill (healthy median) | lost / acked |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in runs:
         idle = ", ".join(cell(f["idle_s"]) for f in r["failures"]) or "-"
         healthy = "-" if r["healthy_idle_s"] is None else f"{r['healthy_idle_s']:.2f}"
         lines.append(f"| {r['run']} | {r['rounds']} | {r['final_val_ppl']:.3f} | {r['final_test_ppl']:.3f} | "
                      f"{r['wall_s']:.0f} | {idle} ({healthy}) | {r['lost']} / {r['acked']} |")  # fmt: skip
-    chaos = runs[-1]
-    if chaos["failures"]:
-        lines += ["", "| kill | victim | in round (its update in) | first round after its last update "
-                  "(restarted peer in it) | idle s | kill → that round s | restart → its first round s "
-                  "| its first round - join version |",
+    for chaos in (r for r in runs if r["failures"]):
+        lines += ["", f"{chaos['run']}:", "", "| kill | victim (exit) | in round (its update in) | first round "
+                  "after its last update (restarted peer in it) | idle s | kill → that round s "
+                  "| restart → its first round s | its first round - join version |",
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for i, f in enumerate(chaos["failures"]):
             restart = cell(f["restart_to_first_round_s"])
             after = "the run ended first" if f["ended_first"] else f["rounds_after_join"]
-            lines.append(f"| {i} | {f['victim']} | {f['killed_in_round']} "
+            lines.append(f"| {i} | {f['victim']} ({f['exit_code']}) | {f['killed_in_round']} "
                          f"({'yes' if f['acknowledged_before'] else 'no'}) | {f['first_round_after']} "
                          f"({'yes' if f['restarted_in_it'] else 'no'}) | "
                          f"{cell(f['idle_s'])} | {cell(f['to_first_round_s'])} | {restart} "
@@ -296,19 +322,25 @@ def markdown(runs: list[dict[str, Any]], targets: list[dict[str, Any]]) -> str:
 
 
 def check_targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    chaos = runs[-1]
-    targets = [{"target": "acknowledged updates lost", "value": f"{chaos['lost']} of {chaos['acked']}",
-                "threshold": "0", "met": chaos["lost"] == 0 and chaos["val_ppl_identical"]}]  # fmt: skip
-    idle = [f["idle_s"] for f in chaos["failures"] if f["idle_s"] is not None]
-    if idle:
-        targets.append({"target": "survivors' idle per SIGKILL", "value": f"max {max(idle):.2f} s",
-                        "threshold": "<= 2 s", "met": max(idle) <= 2.0})  # fmt: skip
-    if len(runs) == 2:
-        calm = runs[0]
-        gap = chaos["final_val_ppl"] / calm["final_val_ppl"] - 1
-        targets.append({"target": "val perplexity against the calm run", "threshold": "within 1%",
-                        "value": f"{gap:+.2%} ({chaos['final_val_ppl']:.3f} against {calm['final_val_ppl']:.3f})",
-                        "met": abs(gap) <= 0.01})  # fmt: skip
+    calm = next((r for r in runs if r["run"] == "calm"), None)
+    targets = []
+    for chaos in (r for r in runs if r["run"] != "calm"):
+        how = chaos["run"]
+        targets.append({"target": f"{how}: acknowledged updates lost", "value": f"{chaos['lost']} of {chaos['acked']}",
+                        "threshold": "0", "met": chaos["lost"] == 0 and chaos["val_ppl_identical"]})  # fmt: skip
+        idle = [f["idle_s"] for f in chaos["failures"] if f["idle_s"] is not None]
+        if idle and how == "preempt":  # a healthy round's idle and 0.2 s more
+            bound = (calm or chaos)["healthy_idle_s"] + 0.2
+            targets.append({"target": "preempt: survivors' idle per preemption", "value": f"max {max(idle):.2f} s",
+                            "threshold": f"<= {bound:.2f} s (healthy + 0.2 s)", "met": max(idle) <= bound})  # fmt: skip
+        elif idle:
+            targets.append({"target": "sigkill: survivors' idle per SIGKILL", "value": f"max {max(idle):.2f} s",
+                            "threshold": "<= 2 s", "met": max(idle) <= 2.0})  # fmt: skip
+        if calm is not None:
+            gap = chaos["final_val_ppl"] / calm["final_val_ppl"] - 1
+            targets.append({"target": f"{how}: val perplexity against the calm run", "threshold": "within 1%",
+                            "value": f"{gap:+.2%} ({chaos['final_val_ppl']:.3f} against {calm['final_val_ppl']:.3f})",
+                            "met": abs(gap) <= 0.01})  # fmt: skip
     return targets
 
 
@@ -331,8 +363,8 @@ def main() -> None:
     with terminated_as_exit():
         try:
             data = small_vocab_data(args.data, work / "data")
-            for name, kills in ([("calm", False)] if args.baseline else []) + [("chaos", True)]:
-                runs.append(run_job(args, name, data, work, kills))
+            for name in (["calm"] if args.baseline else []) + args.variants:
+                runs.append(run_job(args, name, data, work, kills=name != "calm"))
                 print(json.dumps(runs[-1]), flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -349,17 +349,22 @@ def test_ttq_benchmark_times_serial_and_peers_to_serials_perplexity(tmp_path: Pa
 
 
 @needs_data
-def test_chaos_benchmark_kills_and_restarts_a_reference_job_peer(tmp_path: Path) -> None:
-    """bench/chaos.py --quick: two peers of train/finetune_gpt2.py, one SIGKILLed and started again;
-    the run ends on one version with the restarted peer in it, and loses nothing acknowledged."""
-    _, result = run_bench("chaos", tmp_path / "results", "--quick", "--data-root", str(tmp_path), timeout=300)
+def test_chaos_benchmark_preempts_and_restarts_a_reference_job_peer(tmp_path: Path) -> None:
+    """bench/chaos.py --quick --variants preempt: two peers of train/finetune_gpt2.py, one preempted
+    (SIGTERM: it hands in its steps and leaves, exit 143) and started again; the run ends on one
+    version with the restarted peer in it, and loses nothing acknowledged. (The SIGKILL variant is
+    the same loop with another signal; tests/test_peer_failures.py kills for real.)"""
+    args = ("--quick", "--variants", "preempt", "--data-root", str(tmp_path))
+    _, result = run_bench("chaos", tmp_path / "results", *args, timeout=300)
     (run,) = result["runs"]
-    assert run["run"] == "chaos" and run["final_version"] == 6 and run["val_ppl_identical"]
+    assert run["run"] == "preempt" and run["final_version"] == 6 and run["val_ppl_identical"]
     assert run["lost"] == 0 and run["acked"] >= 6 + 1, "every round merged an update, round 0 both"
     (failure,) = run["failures"]
+    assert failure["exit_code"] == 143 and failure["acknowledged_before"], "it handed in to the round it was in"
     assert failure["killed_in_round"] >= 1 and failure["first_round_after"] >= 1
     assert failure["idle_s"] >= 0 and failure["to_first_round_s"] > 0
     # back in a round of the run, at most one after its join; or restarted after the run's end (a loaded box)
     assert failure["ended_first"] or 0 <= failure["rounds_after_join"] <= 1
-    assert [t["target"] for t in result["targets"]] == ["acknowledged updates lost", "survivors' idle per SIGKILL"]
+    targets = [t["target"] for t in result["targets"]]
+    assert targets == ["preempt: acknowledged updates lost", "preempt: survivors' idle per preemption"]
     assert list(tmp_path.glob("bench-chaos-*")) == [], "its folders are removed"
