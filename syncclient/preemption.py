@@ -185,6 +185,7 @@ class _Sigterm:
     def __init__(self) -> None:
         self.watches: weakref.WeakSet[Watch] = weakref.WeakSet()
         self.installed = False
+        self.pid = 0  # the process that installed it (a forked DataLoader worker inherits the handler)
 
     def add(self, watch: Watch) -> None:
         if not self.installed:
@@ -193,7 +194,7 @@ class _Sigterm:
             if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
                 return  # the program's own handler stays
             signal.signal(signal.SIGTERM, self._heard)
-            self.installed = True
+            self.installed, self.pid = True, os.getpid()
         self.watches.add(watch)
 
     def discard(self, watch: Watch) -> None:
@@ -202,7 +203,7 @@ class _Sigterm:
     def _heard(self, signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
         self.installed = False
-        watches = [w for w in self.watches if not w.stopped]
+        watches = [w for w in self.watches if not w.stopped] if os.getpid() == self.pid else []
         if not watches:
             os.kill(os.getpid(), signal.SIGTERM)  # nobody to hand in: end as without weightsync
             return
@@ -226,7 +227,8 @@ class Watch:
         self.stopped = False
         self.watching: str | None = None  # the provider found (None: SIGTERM alone, or not yet)
         self.abandoned = False  # the notice ran out unclaimed: the watch left the run for the peer
-        self._leave, self._claimed, self._lock = leave, False, threading.Lock()
+        self._leave, self._claimed = leave, False
+        self._lock = threading.RLock()  # RLock: SIGTERM's handler runs on the main thread, maybe inside claim()
         self._stop = threading.Event()
         if self.mode == "off":
             return
