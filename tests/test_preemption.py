@@ -214,7 +214,7 @@ def _steps(out: Path, name: str) -> int:
 
 
 @pytest.mark.parametrize("how", ["sigterm", "aws"])
-def test_a_preempted_peer_hands_in_and_leaves_and_the_round_closes_without_waiting(
+def test_a_preempted_peer_hands_in_and_the_round_closes_without_it(
     hub_factory: Callable[..., Hub], metadata: Callable[[str], FakeMetadata], tmp_path: Path, how: str
 ) -> None:
     """Peer b (a process) trains round 0 and is preempted mid-interval, by SIGTERM or an AWS notice:
@@ -277,3 +277,41 @@ def test_a_peer_that_never_steps_again_is_left_for_and_ends_at_its_next_step(
     assert ended.value.handed_in == 0 and ended.value.code == EXIT_CODE
     assert client.closed
     assert HubSettings().lease_seconds > LEAVE_MARGIN  # (the watch's leave beats the lease)
+
+
+def test_an_overlapped_sync_in_flight_is_applied_before_the_hand_in(
+    hub_factory: Callable[..., Hub],
+) -> None:
+    """a's overlapped sync of round 0 is in flight when the notice comes: a's next step waits for
+    round 0's result (b's sync closes it), applies it, and hands in the steps since the snapshot
+    as its update of round 1, which b's next sync closes with both."""
+    hub = hub_factory("--min-peers", "2")
+    run = "preempt-overlap"
+    a = SyncClient(hub.url, run=run, peer="a", sync_every=1000, preemption="sigterm", timeout=10)
+    b = SyncClient(hub.url, run=run, peer="b", sync_every=1000, preemption="off", timeout=10)
+    ma, mb = tiny_bigram(0), tiny_bigram(0)
+    try:
+        joining = threading.Thread(target=b.join, args=(mb,))
+        joining.start()
+        a.join(ma)
+        joining.join(30)
+        a.count_from(0)
+        perturb(ma, seed=1, round_=0)
+        a.progress(4)
+        pending = a.sync_async(ma, samples=4)
+        perturb(ma, seed=1, round_=1)  # trained while round 0 is in flight
+        assert a._watch is not None
+        a._watch.heard(Notice("sigterm", time.monotonic() + 30, "SIGTERM"))
+        closing = threading.Thread(target=lambda: (perturb(mb, seed=2, round_=0), b.sync(mb, samples=6)))
+        closing.start()
+        with pytest.raises(Preempted) as ended:
+            a.progress(4)
+        closing.join(30)
+        assert pending.done() and ended.value.round == 1 and ended.value.handed_in == 4
+        perturb(mb, seed=2, round_=1)
+        assert b.sync(mb, samples=6).version == 2
+        record = round_record(hub, run, 1)
+        assert sorted(record["participants"]) == ["a", "b"] and record["samples"] == 10
+    finally:
+        a.close()
+        b.close()
