@@ -233,6 +233,7 @@ class SyncClient:
         self._model: torch.nn.Module | None = None  # from join on: what a preempted peer hands in
         self._watch: Watch | None = None  # from join on, one process per peer: the machine's end
         self.closed = False  # close() (or leave()) ran: nothing more goes to the hub
+        self.preempted = False  # it handed in and left on a notice of the machine's end (Preempted)
 
     # ---- the public surface --------------------------------------------------------------
     def join(self, model: torch.nn.Module) -> JoinInfo:
@@ -498,6 +499,7 @@ class SyncClient:
         sync as this peer's update of the open round, wait for its acknowledgement while the notice
         lasts, leave (the round closes without us), and end the program with :class:`Preempted`."""
         notice, handed, round_ = watch.claim(), 0, self.version
+        self.preempted = True
         if notice is None:  # the watch left for us: the notice ran out before this step
             assert watch.notice is not None
             self.close()

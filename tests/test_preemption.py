@@ -13,6 +13,7 @@ import datetime
 import email.utils
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -315,3 +316,42 @@ def test_an_overlapped_sync_in_flight_is_applied_before_the_hand_in(
     finally:
         a.close()
         b.close()
+
+
+FOREVER = """
+import sys, time, torch
+
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+steps = 0
+while True:
+    optimizer.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    steps += 1
+    with open(sys.argv[1], "w") as f:
+        f.write(str(steps))
+    time.sleep(0.01)
+"""
+
+
+def test_a_zero_code_peer_hands_in_on_sigterm(hub_factory: Callable[..., Hub], tmp_path: Path) -> None:
+    """``weightsync-run --preemption sigterm -- python loop.py`` (a loop that never ends), SIGTERM
+    mid-interval: the program ends with 143 and one line; round 0 holds every step it took."""
+    hub = hub_factory()
+    (tmp_path / "loop.py").write_text(FOREVER)
+    steps = tmp_path / "steps"
+    cmd = [sys.executable, "-m", "weightsync_run", "--hub", hub.url, "--run", "zc", "--sync-every", "100000"]
+    cmd += ["--preemption", "sigterm", "--", sys.executable, "loop.py", str(steps)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SYNC_", "WEIGHTSYNC_"))}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: steps.exists() and int(steps.read_text() or 0) >= 5, "the loop steps", 60)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_CODE, err
+    assert "preempted (sigterm: SIGTERM): handed in" in err and "Traceback" not in err, err
+    wait_for(lambda: any(r["round"] == 0 for r in status(hub, "zc")["rounds"]), "round 0 closes", 30)
+    assert round_record(hub, "zc", 0)["samples"] >= int(steps.read_text())  # one sample a step: no DataLoader

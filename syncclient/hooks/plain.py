@@ -134,7 +134,11 @@ class PlainLoop:
             self._latest = self._lead
         elif self._tail is not self._lead:  # the lead stepped last: its step ends the iteration
             self._tail = self._lead
-        self.client.progress(shard.take_samples() or 1)  # a loop without a DataLoader counts steps
+        self._syncing = True  # a preempted peer's hand-in (in progress) reads the model's state: not a save
+        try:
+            self.client.progress(shard.take_samples() or 1)  # a loop without a DataLoader counts steps
+        finally:
+            self._syncing = False
         if not self.client.due:
             return
         if self._tail() in (None, optimizer):  # one optimizer: its step ends the iteration

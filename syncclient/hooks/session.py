@@ -148,8 +148,8 @@ def _at_exit() -> None:
     if _owner is None or _report is None or crashed():
         return
     client, model = _report[0](), _report[1]()
-    if client is None or model is None or client.version < 0:
-        return
+    if client is None or model is None or client.version < 0 or client.preempted:
+        return  # (preempted: its weights are its own, it said so)
     from syncclient.weights import ModelView
     from syncwire.digest import left_line, weights_sha256
 
