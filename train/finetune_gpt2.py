@@ -48,6 +48,9 @@ from syncclient.peerlr import DEFAULT_PEER_LR, LR_SCALINGS
 from syncclient.schedule import SyncSchedule
 from syncwire.runsettings import paired_interval, settle
 
+STARTED = time.monotonic()  # the start-up line's zero (bench/restart.py times from the process's start)
+MARKS: list[tuple[str, float]] = []  # each phase of the start-up and its end
+
 OFFLINE_HINT = "use local files instead, e.g. --dataset ../shared/data/imdb --tokenizer ../shared/data/gpt2-tokenizer "
 OFFLINE_HINT += "--model-config small"
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {  # random-init shapes for --model-config (vocab: the tokenizer's)
@@ -258,14 +261,19 @@ def train(args: argparse.Namespace) -> int:
 
     datasets.logging.set_verbosity_error()  # keep stderr for what matters
     datasets.disable_progress_bars()
+    mark("datasets")
     texts = load_texts(args, datasets)
+    mark("texts")
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     tokenizer = fetch("tokenizer", args.tokenizer, transformers.AutoTokenizer.from_pretrained)
+    mark("tokenizer")
     import torch
     from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCallback, TrainingArguments
+
+    mark("torch")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -278,6 +286,7 @@ def train(args: argparse.Namespace) -> int:
         return {"input_ids": cut, "labels": [list(b) for b in cut]}
 
     train_blocks, val_blocks, test_blocks = (t.map(blocks, batched=True, remove_columns=["text"]) for t in texts)
+    mark("tokenized")
 
     # -- model -----------------------------------------------------------------------------------------------
     if args.model_config:
@@ -286,6 +295,7 @@ def train(args: argparse.Namespace) -> int:
         model: Any = transformers.GPT2LMHeadModel(config)
     else:
         model = fetch("model", args.model, transformers.AutoModelForCausalLM.from_pretrained)
+    mark("model")
 
     # -- join the run: rank, world size, and the global version 0 loaded into the model -------------------
     client: Any = None
@@ -308,6 +318,8 @@ def train(args: argparse.Namespace) -> int:
             client.leave()  # the launcher's rank is what its other peers shard by: another one overlaps shards
             said = f"WEIGHTSYNC_RANK={announced[0]} of WEIGHTSYNC_WORLD_SIZE={announced[1]}"
             raise Fail(f"the hub made this peer rank {rank} of {world_size}, the launcher said {said}")
+        mark("joined")
+        note("start-up " + ", ".join(f"{k} {t:.2f}" for k, t in MARKS) + f", cpu {time.process_time():.2f} s")
         joined = f"joined as {info.peer!r}: rank {rank} of {world_size}, version {version}"
         note(f"{joined}, codec {info.codec}, outer {info.outer}")
 
@@ -515,6 +527,10 @@ SPECS, WIDTHS = ("d", "d", ".2f", "d", ".2f", ".2f", ".2f", ".0f"), (7, 7, 10, 5
 def curve(folder: Path) -> list[tuple[int, float]]:
     """A process's validation perplexity per step (from its results.json): its curve in the launcher's plot."""
     return [(e["step"], e["val_ppl"]) for e in json.loads((folder / "results.json").read_text())["evals"]]
+
+
+def mark(phase: str) -> None:
+    MARKS.append((phase, time.monotonic() - STARTED))
 
 
 def note(msg: str) -> None:
