@@ -100,8 +100,8 @@ def main() -> None:
              "| cold (first) | " + " | ".join(f"{cold.get(k, 0):.2f}" for k in phases) + " | - | - |"]  # fmt: skip
     for i, r in enumerate(rows):
         cells = " | ".join(f"{r['startup'].get(k, 0):.2f}" for k in phases)
-        back = f"{r['join_version']} → {r['first_round']}"
-        lines.append(f"| restart {i} | {cells} | {r['start_to_ack_s']:.2f} | {back} |")
+        went = f"{r['join_version']} → {r['first_round']}"
+        lines.append(f"| restart {i} | {cells} | {r['start_to_ack_s']:.2f} | {went} |")
     table = "\n".join(lines)
     print(table)
     job_args.model, job_args.out = "tiny-gpt2", args.out
