@@ -183,6 +183,15 @@ def small_sample_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return data
 
 
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference job's tokenized-data cache (``$WEIGHTSYNC_CACHE_DIR``) for the scripts the tests
+    start: one per session worker, in pytest's temporary folders, never the user's ``~/.cache``."""
+    folder = tmp_path_factory.mktemp("data-cache")
+    os.environ["WEIGHTSYNC_CACHE_DIR"] = str(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def small_vocab_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The offline data folder (``imdb/``, ``gpt2-tokenizer/``) with GPT-2's tokenizer cut to its

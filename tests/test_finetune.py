@@ -221,3 +221,82 @@ def test_under_torchrun_the_reference_job_says_what_to_use_instead(tmp_path: Pat
         "error: train/finetune_gpt2.py runs one process per peer, not under torchrun (WORLD_SIZE=2); "
         "use SyncCallback in your own torchrun script"
     ]
+
+
+@needs_data
+def test_cached_blocks_are_the_fresh_ones_and_any_change_misses(
+    tmp_path: Path, small_vocab_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tokenized-data cache (what lets a restarted peer skip the parquet and the tokenizer): a hit
+    gives the very blocks a fresh tokenization gives, without pickle; whatever changes the tokens misses."""
+    import datasets
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    script = load_script()
+    flags = ["--no-hub", "--cache-dir", str(tmp_path / "cache"), *small(small_vocab_data)]
+    args = script.build_parser().parse_args(flags)
+    path = script.cache_file(args)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    texts = script.load_texts(args, datasets)
+    fresh = tuple(script.to_blocks(tokenizer, t["text"], args.block_size) for t in texts)
+    ids = [t for seq in tokenizer(list(texts[0]["text"]))["input_ids"] for t in seq]  # the recipe, by hand
+    assert fresh[0].tolist() == [ids[i : i + 20] for i in range(0, len(ids) - 19, 20)]
+
+    assert script.read_blocks(path) is None  # none yet: a miss, nothing said
+    script.write_blocks(path, fresh)
+    hit = script.read_blocks(path)
+    assert hit is not None and [(a.dtype, a.tolist()) for a in hit] == [(np.int32, a.tolist()) for a in fresh]
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary file left
+    with np.load(path, allow_pickle=False) as f:  # plain arrays: nothing to unpickle
+        assert sorted(f.files) == ["test", "train", "val"]
+    assert capsys.readouterr().err == ""
+
+    def key(*change: str, tokenizer: Path | None = None) -> Path | None:
+        changed = [*flags, *change] + (["--tokenizer", str(tokenizer)] if tokenizer else [])
+        return script.cache_file(script.build_parser().parse_args(changed))
+
+    assert key() == path and key("--output-dir", "elsewhere", "--lr", "1") == path  # the tokens do not change
+    for change in (["--block-size", "21"], ["--seed", "7"], ["--train-samples", "61"], ["--test-samples", "7"]):
+        assert key(*change) not in (path, None), change
+    other = tmp_path / "tokenizer"  # the same files but one merge fewer
+    other.mkdir()
+    for f in (small_vocab_data / "gpt2-tokenizer").iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    assert key(tokenizer=other) == path  # the tokenizer's contents count, not its folder
+    merges = (other / "merges.txt").read_text().splitlines()
+    (other / "merges.txt").write_text("\n".join(merges[:-1]) + "\n")
+    assert key(tokenizer=other) not in (path, None)
+    assert key("--cache-dir", "") is None and key("--dataset", "imdb") is None  # no cache; a Hub id's data can change
+
+
+@needs_data
+def test_a_damaged_cache_is_rebuilt_and_an_unwritable_one_costs_a_line(
+    tmp_path: Path, small_vocab_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cache file cut short (a disk full, a copy broken off) is said in one line and written anew
+    by a real run; a cache folder that cannot be written is said in one line and the run goes on."""
+    import numpy as np
+
+    script = load_script()
+    flags = ["--no-hub", "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "out")]
+    flags += [*small(small_vocab_data), "--max-steps", "1", "--eval-every", "0"]
+    path = script.cache_file(script.build_parser().parse_args(flags))
+    path.parent.mkdir()
+    blocks = (np.arange(40, dtype=np.int32).reshape(2, 20),) * 3
+    script.write_blocks(path, blocks)
+    path.write_bytes(path.read_bytes()[:-100])
+    proc = run_script(*flags)
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "data cache" in line]
+    assert said == [f"data cache {path} is unreadable (BadZipFile: File is not a zip file): tokenizing again"]
+    rebuilt = script.read_blocks(path)
+    assert rebuilt is not None and json.loads((tmp_path / "out" / "config.json").read_text())["train_blocks"] == len(
+        rebuilt[0]
+    )
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    script.write_blocks(blocked / "blocks.npz", blocks)  # its folder would be a file
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"cannot write the data cache in {blocked} (FileExistsError: File exists): not cached"]

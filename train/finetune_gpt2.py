@@ -23,8 +23,9 @@ random-init 4-layer GPT-2 for 69 steps per peer, 7 rounds: about 7.5 CPU-minutes
 
 The serial baseline is ``--no-hub`` (or ``--sync-every 0``). Offline: ``--dataset DIR`` (``train.parquet``,
 ``test.parquet``), ``--tokenizer DIR``, ``--model DIR`` or ``--model-config``; the HF offline variables are
-then set. Validation is not sharded: every peer evaluates the same reviews after every sync (where all
-hold bit-identical weights, so their curves touch) and every ``--eval-every`` steps.
+then set, and the tokenized reviews are cached in ``--cache-dir`` (a restarted peer skips them). Validation
+is not sharded: every peer evaluates the same reviews after every sync (where all hold bit-identical
+weights, so their curves touch) and every ``--eval-every`` steps.
 
 Outputs in ``--output-dir`` (a launcher's ``WEIGHTSYNC_*`` variables are the defaults of ``--hub``,
 ``--run``, ``--peer``, ``--token``, ``--output-dir``): ``config.json``, ``rounds.jsonl`` (a line per
@@ -34,7 +35,9 @@ evaluation and sync, as training goes), ``results.json``, ``model/``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import hashlib
 import json
 import math
 import os
@@ -47,6 +50,9 @@ from syncclient.hooks.settings import flag_name  # the standard library only, as
 from syncclient.peerlr import DEFAULT_PEER_LR, LR_SCALINGS
 from syncclient.schedule import SyncSchedule
 from syncwire.runsettings import paired_interval, settle
+
+STARTED = time.monotonic()  # the start-up line's zero (bench/restart.py times from the process's start)
+MARKS: list[tuple[str, float]] = []  # each phase of the start-up and its end
 
 OFFLINE_HINT = "use local files instead, e.g. --dataset ../shared/data/imdb --tokenizer ../shared/data/gpt2-tokenizer "
 OFFLINE_HINT += "--model-config small"
@@ -101,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--train-samples", type=int, default=20_000, help="training reviews (train split)")
     add("--val-samples", type=int, default=5_000, help="validation reviews (train split, held out)")
     add("--test-samples", type=int, default=25_000, help="test reviews (test split)")
+    cache = env("WEIGHTSYNC_CACHE_DIR") or str(Path(env("XDG_CACHE_HOME") or Path.home() / ".cache") / "weightsync")
+    add("--cache-dir", default=cache, help="tokenized data of local files; '' = none [$WEIGHTSYNC_CACHE_DIR]")
     add = p.add_argument_group("model").add_argument
     add("--model", default="gpt2", help="pretrained Hub id or folder (unless --model-config)")
     add("--model-config", choices=sorted(MODEL_CONFIGS), help="random init of this shape instead")
@@ -254,30 +262,37 @@ def train(args: argparse.Namespace) -> int:
     # -- data: the same blocks on every peer, sharded after join. Cheapest first, so a wrong --dataset or
     # --tokenizer fails in seconds: `datasets` costs ~0.8 CPU-s to import on a 2-core VM, `transformers`
     # (with torch) ~2 more, the model and Trainer the rest (~4.5 in all).
+    gc.disable()  # until set up: the collector walking the imports' objects was 0.47 of 2.85 CPU-s importing
     import datasets
 
     datasets.logging.set_verbosity_error()  # keep stderr for what matters
     datasets.disable_progress_bars()
-    texts = load_texts(args, datasets)
+    mark("datasets")
+    cache = cache_file(args)  # a restarted peer reads its blocks back: no parquet, no tokenizing
+    cached = read_blocks(cache) if cache else None
+    texts = None if cached else load_texts(args, datasets)
+    mark("texts")
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     tokenizer = fetch("tokenizer", args.tokenizer, transformers.AutoTokenizer.from_pretrained)
+    mark("tokenizer")
     import torch
     from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCallback, TrainingArguments
+
+    mark("torch")
 
     if args.threads:
         torch.set_num_threads(args.threads)
     transformers.set_seed(args.seed)
 
-    def blocks(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        # The HF causal-LM recipe: concatenate 1,000 reviews at a time, cut into blocks, drop the tail.
-        ids = [t for seq in tokenizer(batch["text"], return_attention_mask=False)["input_ids"] for t in seq]
-        cut = [ids[i : i + args.block_size] for i in range(0, len(ids) - args.block_size + 1, args.block_size)]
-        return {"input_ids": cut, "labels": [list(b) for b in cut]}
-
-    train_blocks, val_blocks, test_blocks = (t.map(blocks, batched=True, remove_columns=["text"]) for t in texts)
+    if cached is None:
+        cached = tuple(to_blocks(tokenizer, t["text"], args.block_size) for t in texts)  # type: ignore[union-attr]
+        if cache:
+            write_blocks(cache, cached)
+    train_blocks, val_blocks, test_blocks = (as_dataset(b, datasets) for b in cached)
+    mark("tokenized")
 
     # -- model -----------------------------------------------------------------------------------------------
     if args.model_config:
@@ -286,6 +301,7 @@ def train(args: argparse.Namespace) -> int:
         model: Any = transformers.GPT2LMHeadModel(config)
     else:
         model = fetch("model", args.model, transformers.AutoModelForCausalLM.from_pretrained)
+    mark("model")
 
     # -- join the run: rank, world size, and the global version 0 loaded into the model -------------------
     client: Any = None
@@ -308,8 +324,12 @@ def train(args: argparse.Namespace) -> int:
             client.leave()  # the launcher's rank is what its other peers shard by: another one overlaps shards
             said = f"WEIGHTSYNC_RANK={announced[0]} of WEIGHTSYNC_WORLD_SIZE={announced[1]}"
             raise Fail(f"the hub made this peer rank {rank} of {world_size}, the launcher said {said}")
+        mark("joined")
+        note("start-up " + ", ".join(f"{k} {t:.2f}" for k, t in MARKS) + f", cpu {time.process_time():.2f} s")
         joined = f"joined as {info.peer!r}: rank {rank} of {world_size}, version {version}"
         note(f"{joined}, codec {info.codec}, outer {info.outer}")
+    gc.freeze()  # what setting up made stays out of every later collection
+    gc.enable()
 
     try:
         # -- shard: one permutation everywhere, equal slices by the hub's rank, the remainder dropped (every
@@ -496,6 +516,85 @@ def load_texts(args: argparse.Namespace, datasets: Any) -> tuple[Any, Any, Any]:
     return train, val, test
 
 
+def cache_file(args: argparse.Namespace) -> Path | None:
+    """Where this command line's tokenized blocks are cached: a file named by a hash of all that makes
+    the tokens (the parquet files' path, size and mtime, the tokenizer files' contents and library,
+    the settings that pick and cut the reviews). None without ``--cache-dir`` or local files (a Hub
+    id's data can change under its name). The default, ``~/.cache/weightsync``, is per user and
+    machine, survives the process (what a restart needs: a supervisor gives it a new output folder)
+    and keeps clear of a data folder that is shared or read-only."""
+    data, tok = Path(args.dataset), Path(args.tokenizer)
+    files = [(data / f).resolve() for f in ("train.parquet", "test.parquet")]
+    if not (args.cache_dir and tok.is_dir() and all(f.is_file() for f in files)):
+        return None
+    from importlib.metadata import version
+
+    key = hashlib.sha256(f"blocks-v1 tokenizers {version('tokenizers')}".encode())
+    for f in files:
+        key.update(f"{f} {f.stat().st_size} {f.stat().st_mtime_ns}".encode())
+    for f in sorted(p for p in tok.iterdir() if p.is_file()):
+        key.update(f.name.encode() + hashlib.sha256(f.read_bytes()).digest())
+    settings = ("block_size", "train_samples", "val_samples", "test_samples", "seed")
+    key.update(json.dumps([getattr(args, k) for k in settings]).encode())
+    return Path(args.cache_dir) / f"blocks-{key.hexdigest()[:32]}.npz"
+
+
+def read_blocks(path: Path) -> tuple[Any, ...] | None:
+    """The cached (train, validation, test) blocks, or None: not there, or unreadable (a line says so,
+    and the caller writes it anew). Read without pickle; the zip's CRCs catch a damaged file."""
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            blocks = tuple(f[k] for k in ("train", "val", "test"))
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        why = (str(exc).splitlines() or [""])[0][:160]
+        note(f"data cache {path} is unreadable ({type(exc).__name__}: {why}): tokenizing again")
+        return None
+    return blocks
+
+
+def write_blocks(path: Path, blocks: tuple[Any, ...]) -> None:
+    """``blocks`` to ``path`` whole or not at all: a file of this process's, renamed over it (two peers
+    writing the same key write the same bytes; a kill mid-write leaves only the temporary file). A
+    cache that cannot be written costs a line and the next start's tokenizing, not the run."""
+    import numpy as np
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tmp.open("wb") as f:
+            np.savez(f, **dict(zip(("train", "val", "test"), blocks, strict=True)))
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        note(f"cannot write the data cache in {path.parent} ({type(exc).__name__}: {exc.strerror}): not cached")
+
+
+def to_blocks(tokenizer: Any, texts: list[str], size: int) -> Any:
+    """The HF causal-LM recipe: concatenate 1,000 reviews at a time, cut into ``size``-token blocks,
+    drop each thousand's tail. An int32 array, a block a row."""
+    import numpy as np
+
+    rows = [np.zeros((0, size), np.int32)]
+    for i in range(0, len(texts), 1000):
+        ids = tokenizer(texts[i : i + 1000], return_attention_mask=False)["input_ids"]
+        flat = np.fromiter((t for seq in ids for t in seq), np.int32)
+        rows.append(flat[: len(flat) // size * size].reshape(-1, size))
+    return np.concatenate(rows)
+
+
+def as_dataset(blocks: Any, datasets: Any) -> Any:
+    """A block array as the Trainer's dataset: ``input_ids`` and ``labels``, one Arrow column twice."""
+    import pyarrow as pa
+
+    ids = pa.FixedSizeListArray.from_arrays(pa.array(blocks.reshape(-1)), blocks.shape[1])
+    return datasets.Dataset(pa.table({"input_ids": ids, "labels": ids}))
+
+
 def fetch(what: str, name: str, load: Any) -> Any:
     """``load(name)``; a one-line Fail that says what to give instead when it cannot."""
     try:
@@ -515,6 +614,10 @@ SPECS, WIDTHS = ("d", "d", ".2f", "d", ".2f", ".2f", ".2f", ".0f"), (7, 7, 10, 5
 def curve(folder: Path) -> list[tuple[int, float]]:
     """A process's validation perplexity per step (from its results.json): its curve in the launcher's plot."""
     return [(e["step"], e["val_ppl"]) for e in json.loads((folder / "results.json").read_text())["evals"]]
+
+
+def mark(phase: str) -> None:
+    MARKS.append((phase, time.monotonic() - STARTED))
 
 
 def note(msg: str) -> None:
