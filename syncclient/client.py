@@ -35,7 +35,7 @@ from syncclient.background import Heartbeat, ProgressReporter
 from syncclient.exceptions import SchemaMismatch, SyncError
 from syncclient.flows import Outcome, RunFlows
 from syncclient.group import PeerGroup
-from syncclient.preemption import LEAVE_MARGIN, Notice, Preempted, Watch, preemption_mode
+from syncclient.preemption import LEAVE_MARGIN, Notice, Preempted, Watch, metadata_base, preemption_mode
 from syncclient.schedule import SyncClock, SyncEvery
 from syncclient.transport import Download, Transport
 from syncclient.update import EncodedUpdate, UpdateState
@@ -204,7 +204,7 @@ class SyncClient:
         self.run = run
         self.peer = peer or f"{socket.gethostname()}-{os.getpid()}"
         self.retry_seconds = retry_seconds
-        self.preemption, self._metadata_url = preemption_mode(preemption), metadata_url
+        self.preemption, self._metadata_url = preemption_mode(preemption), metadata_base(metadata_url)
         self.clock = SyncClock(sync_every)
         self._transport = Transport(
             self.hub, run=run, token=token, verify=verify, timeout=timeout, retry_seconds=retry_seconds

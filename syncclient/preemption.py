@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 if TYPE_CHECKING:
     import httpx  # imported when a watch starts polling: the hooks' settings read MODES from here
 
-__all__ = ["MODES", "Notice", "Preempted", "Watch", "preemption_mode"]
+__all__ = ["MODES", "Notice", "Preempted", "Watch", "metadata_base", "preemption_mode"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,15 @@ def preemption_mode(mode: str | None) -> str:
     if mode not in MODES:
         raise ValueError(f"preemption must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
+
+
+def metadata_base(url: str | None) -> str:
+    """``url``, or the machine's ``WEIGHTSYNC_METADATA_URL``, or :data:`METADATA_URL`, without a
+    trailing slash; ValueError if it is not an http:// URL."""
+    url = url or os.environ.get("WEIGHTSYNC_METADATA_URL") or METADATA_URL
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"the metadata server must be an http:// URL, got {url!r}")
+    return url.rstrip("/")
 
 
 # ---- the providers ------------------------------------------------------------------------------
@@ -222,7 +231,7 @@ class Watch:
 
     def __init__(self, mode: str, leave: Callable[[], None], metadata_url: str | None = None) -> None:
         self.mode = preemption_mode(mode)
-        self.base = (metadata_url or os.environ.get("WEIGHTSYNC_METADATA_URL") or METADATA_URL).rstrip("/")
+        self.base = metadata_base(metadata_url)
         self.notice: Notice | None = None
         self.stopped = False
         self.watching: str | None = None  # the provider found (None: SIGTERM alone, or not yet)

@@ -190,9 +190,11 @@ def test_a_notice_nobody_claims_leaves_for_the_peer() -> None:
 def test_bad_preemption_settings_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="preemption must be one of auto, aws, gcp, azure, sigterm, off"):
         SyncClient("http://127.0.0.1:9", run="r", sync_every=5, preemption="spot")
+    with pytest.raises(ValueError, match="the metadata server must be an http:// URL"):
+        SyncClient("http://127.0.0.1:9", run="r", sync_every=5, metadata_url="169.254.169.254")
     for flags, said in [
         (["--preemption", "spot"], "--preemption: preemption must be one of"),
-        (["--metadata-url", "169.254.169.254"], "--metadata-url: expected an http:// URL"),
+        (["--metadata-url", "169.254.169.254"], "--metadata-url: the metadata server must be an http:// URL"),
     ]:
         cmd = [sys.executable, "-m", "weightsync_run", "--hub", "http://127.0.0.1:9", "--run", "r", *flags, "--", "x"]
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=60)

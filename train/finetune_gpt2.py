@@ -48,6 +48,7 @@ from typing import Any
 
 from syncclient.hooks.settings import flag_name  # the standard library only, as these
 from syncclient.peerlr import DEFAULT_PEER_LR, LR_SCALINGS
+from syncclient.preemption import METADATA_URL, MODES
 from syncclient.schedule import SyncSchedule
 from syncwire.runsettings import paired_interval, settle
 
@@ -96,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--codec", type=codec_spec, metavar="SPEC", help="a new run's codec: fp32, bf16, int8, int4, topk[:k=2,...]")
     add("--outer", choices=["avg", "diloco"], help="outer optimizer (default: the run's)")
     add("--min-peers", type=int, help="rendezvous size when creating the run (peers it waits for to start)")
+    notice = "a spot VM's notice (auto: the cloud's) or SIGTERM: hand in the steps since the last sync, leave, exit 143"
+    add("--preemption", choices=MODES, help=f"{notice} [$WEIGHTSYNC_PREEMPTION; default auto]")
+    add("--metadata-url", help=f"the cloud's metadata server [$WEIGHTSYNC_METADATA_URL; default {METADATA_URL}]")
     add = p.add_argument_group("local", "run the hub and K peers on this machine").add_argument
     add("--local-peers", type=int, default=0, metavar="K", help="embedded hub + K peer processes")
     add("--serial-baseline", action="store_true", help="with --local-peers: also train serially, for the plot")
@@ -312,7 +316,8 @@ def train(args: argparse.Namespace) -> int:
 
         names = ("codec", "outer", "min_peers", "policy", "round_samples", "max_staleness", "utilization")
         wanted = {k: vars(args)[k] for k in names} | ({"sync_every": "auto"} if args.auto else {})
-        client = SyncClient(args.hub, run=args.run, peer=args.peer, token=args.token, **wanted)
+        machine = {"preemption": args.preemption, "metadata_url": args.metadata_url}
+        client = SyncClient(args.hub, run=args.run, peer=args.peer, token=args.token, **wanted, **machine)
         note(f"joining run {args.run!r} at {args.hub} ...")
         try:
             info = client.join(model)

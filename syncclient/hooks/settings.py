@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from syncclient.peerlr import DEFAULT_PEER_LR, PeerLR
-from syncclient.preemption import preemption_mode
+from syncclient.preemption import metadata_base, preemption_mode
 from syncclient.schedule import SyncEvery, SyncSchedule
 from syncwire.runsettings import AUTO, RUN_SETTINGS, paired_interval, settle
 
@@ -170,8 +170,8 @@ class HookSettings:
         if preemption is not None:
             parsed(preemption_source, preemption_mode, preemption)
         metadata_url, url_source = raw("metadata_url")
-        if metadata_url is not None and not metadata_url.startswith(("http://", "https://")):
-            raise SettingsError(f"{url_source}: expected an http:// URL, got {metadata_url!r}")
+        if metadata_url is not None:
+            parsed(url_source, metadata_base, metadata_url)
         rank, world_size = number("rank", low=0), number("world_size")
         if (rank is None) != (world_size is None) or (rank or 0) >= (world_size or 1):
             raise SettingsError(
