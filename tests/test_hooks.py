@@ -166,7 +166,8 @@ def test_every_run_setting_reaches_the_client_through_a_flag_or_its_variable() -
     settings = HookSettings.resolve({"hub": "http://h:1", "run": "r", "peer": "gpu-1", "sync_every": "5", **flags}, {})
     wanted = {name: value for name, (_, value) in EVERY_RUN_SETTING.items()}
     machine = {"preemption": None, "metadata_url": None}  # the machine's own (syncclient.preemption)
-    assert settings.client_kwargs() == {"run": "r", "peer": "gpu-1", "token": None, "sync_every": 5, **machine, **wanted}
+    own = {"run": "r", "peer": "gpu-1", "token": None, "sync_every": 5}
+    assert settings.client_kwargs() == {**own, **machine, **wanted}
     assert settings.sync_every == 5  # an async run takes both: when to send, and the size of an outer step
     env = settings.to_env()
     assert env["WEIGHTSYNC_MIN_PEERS"] == "2" and env["WEIGHTSYNC_OUTER_LR"] == "0.5"
