@@ -356,6 +356,7 @@ def test_chaos_benchmark_kills_and_restarts_a_reference_job_peer(tmp_path: Path)
     (run,) = result["runs"]
     assert run["run"] == "chaos" and run["final_version"] == 6 and run["val_ppl_identical"]
     assert run["lost"] == 0 and run["acked"] >= 6 + 1, "every round merged an update, round 0 both"
+    assert run["samples_acknowledged"] > 0 and set(run["ledger"]) == {"peer-0", "peer-1"}, "the hub's ledger"
     (failure,) = run["failures"]
     assert failure["killed_in_round"] >= 1 and failure["first_round_after"] >= 1
     assert failure["idle_s"] >= 0 and failure["to_first_round_s"] > 0
