@@ -31,7 +31,9 @@ it died), and in it the **survivors' idle** (its close minus the last survivor's
 waited for the victim, or for its restart if it came back in time; the calm run's median of the
 same is beside it), the time from the kill to that round's close, the restarted peer's time to its
 first round and how many rounds after its join that was; and per run **acknowledged updates
-lost** (an update record whose round closed without it: must be 0).
+lost** (an update record whose round closed without it: must be 0) and the hub's **samples
+ledger** (samples acknowledged, and samples the peers reported training that no acknowledged
+update carried: what each SIGKILL cost, per peer under ``ledger``).
 Results: a markdown table on stdout and ``bench/results/chaos-<date>.json``.
 """
 
@@ -215,6 +217,7 @@ def run_job(args: argparse.Namespace, name: str, data: Path, work: Path, kills: 
         finals = job.finals()
         ppl = {p: r["final_val_ppl"] for p, r in finals.items()}
         lost = job.records.lost()
+        ledger = job.records.ledger()
         healthy = [job.records.idle(r) for r in rounds if r > 0 and len(rounds[r][1]) == args.peers]
         return {
             "run": name,
@@ -228,6 +231,9 @@ def run_job(args: argparse.Namespace, name: str, data: Path, work: Path, kills: 
             "acked": len(job.records.updates()),
             "lost": len(lost),
             "lost_updates": [f"{p}@{r}" for r, p in lost],
+            "samples_acknowledged": sum(p["acknowledged"] for p in ledger.values()),
+            "samples_lost": sum(p["lost"] for p in ledger.values()),
+            "ledger": ledger,
             "failures": [measure(job, f) for f in failures],
         }
     finally:
@@ -297,13 +303,15 @@ def measure(job: Job, f: Failure) -> dict[str, Any]:
 
 
 def markdown(runs: list[dict[str, Any]], targets: list[dict[str, Any]]) -> str:
-    lines = ["| run | rounds | val ppl | test ppl | wall s | idle s per kill (healthy median) | lost / acked |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| run | rounds | val ppl | test ppl | wall s | idle s per kill (healthy median) | lost / acked "
+             "| samples lost / acknowledged |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in runs:
         idle = ", ".join(cell(f["idle_s"]) for f in r["failures"]) or "-"
         healthy = "-" if r["healthy_idle_s"] is None else f"{r['healthy_idle_s']:.2f}"
         lines.append(f"| {r['run']} | {r['rounds']} | {r['final_val_ppl']:.3f} | {r['final_test_ppl']:.3f} | "
-                     f"{r['wall_s']:.0f} | {idle} ({healthy}) | {r['lost']} / {r['acked']} |")  # fmt: skip
+                     f"{r['wall_s']:.0f} | {idle} ({healthy}) | {r['lost']} / {r['acked']} "
+                     f"| {r['samples_lost']:,} / {r['samples_acknowledged']:,} |")  # fmt: skip
     for chaos in (r for r in runs if r["failures"]):
         lines += ["", f"{chaos['run']}:", "", "| kill | victim (exit) | in round (its update in) | first round "
                   "after its last update (restarted peer in it) | idle s | kill → that round s "
@@ -328,6 +336,10 @@ def check_targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         how = chaos["run"]
         targets.append({"target": f"{how}: acknowledged updates lost", "value": f"{chaos['lost']} of {chaos['acked']}",
                         "threshold": "0", "met": chaos["lost"] == 0 and chaos["val_ppl_identical"]})  # fmt: skip
+        if how == "preempt":  # each victim handed in what it trained: the ledger has lost nothing
+            lost, trained = chaos["samples_lost"], chaos["samples_lost"] + chaos["samples_acknowledged"]
+            targets.append({"target": "preempt: samples lost (the ledger)", "value": f"{lost:,} of {trained:,}",
+                            "threshold": "0", "met": lost == 0})  # fmt: skip
         idle = [f["idle_s"] for f in chaos["failures"] if f["idle_s"] is not None]
         if idle and how == "preempt":  # a healthy round's idle and 0.2 s more
             bound = (calm or chaos)["healthy_idle_s"] + 0.2

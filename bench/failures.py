@@ -136,6 +136,15 @@ class Records:
         rounds = self.rounds()
         return sorted((r, p) for r, p in set(self.updates()) | set(acked) if r not in rounds or p not in rounds[r][1])
 
+    def ledger(self) -> dict[str, dict[str, int]]:
+        """The hub's samples ledger (syncserver/core/ledger.py), per peer: ``acknowledged`` (its
+        update records) and ``lost`` (reported trained, in no acknowledged update)."""
+        peers: dict[str, dict[str, int]] = {}
+        for kind, table in (("acknowledged", "updates"), ("lost", "lost")):
+            for peer, n in self._query(f"SELECT peer, SUM(samples) FROM {table} WHERE run = ? GROUP BY peer", self.run):
+                peers.setdefault(peer, {"acknowledged": 0, "lost": 0})[kind] = int(n)
+        return peers
+
     def close(self) -> None:
         if self._db is not None:
             self._db.close()

@@ -1,6 +1,7 @@
 """The two daemon threads that keep a peer's standing with the hub while it trains, so that the
-training thread never waits on the network for them: the lease (:class:`Heartbeat`) and, in runs
-whose rounds close on a sample count, the peer's progress (:class:`ProgressReporter`)."""
+training thread never waits on the network for them: the lease (:class:`Heartbeat`) and the
+peer's progress (:class:`ProgressReporter`: the round's sample count in samples runs, the hub's
+samples ledger in all)."""
 
 from __future__ import annotations
 
@@ -91,13 +92,16 @@ class Heartbeat(_Daemon):
 
 
 class ProgressReporter(_Daemon):
-    """Samples runs: reports the peer's sample count (``count()``) of its open round
-    (``version()``) and hears when the round is due. A new count goes out at once (at most every
-    ``REPORT_SECONDS``, one request at a time), so the hub's sum lags by about a round trip; with
-    nothing new it long-polls for ``poll`` seconds, to hear the round is due in the middle of a
-    long step. While ``syncing()``, the round is no longer the peer's to report."""
+    """Reports the peer's sample count (``count()``) since its last sync, for its open round
+    (``version()``): the hub's ledger books it lost if no update of this peer carries it
+    (syncserver/core/ledger.py). ``listen`` (samples runs): a new count goes out at once (at most
+    every ``REPORT_SECONDS``, one request at a time), so the hub's sum lags by about a round trip;
+    with nothing new it long-polls for ``poll`` seconds, to hear the round is due in the middle of
+    a long step. Else a count that changed goes out every ``LEDGER_SECONDS``, and nothing when it
+    did not. While ``syncing()``, the round is no longer the peer's to report."""
 
     REPORT_SECONDS = 0.05
+    LEDGER_SECONDS = 2.0  # what a killed peer's ledger may miss: its last seconds of training
 
     def __init__(
         self,
@@ -110,8 +114,10 @@ class ProgressReporter(_Daemon):
         syncing: Callable[[], bool],
         run: str,
         peer: str,
+        listen: bool = True,
     ) -> None:
         self._transport, self._path, self._poll, self._run = transport, path, poll, run
+        self._listen, self._every = listen, self.REPORT_SECONDS if listen else self.LEDGER_SECONDS
         self._count, self._version, self._syncing = count, version, syncing
         self._lock = threading.Lock()
         self._paused = False  # a sync is under way
@@ -134,10 +140,10 @@ class ProgressReporter(_Daemon):
                 if self._paused and not self._syncing():
                     self._paused = False
                 paused = self._paused
-            if paused or self._due_round == round_:
-                self._stop.wait(0.02)  # nothing to say until the sync is done
-                continue
             news = (round_, count) != said
+            if paused or self._due_round == round_ or not (self._listen or (news and count)):
+                self._stop.wait(0.02 if self._listen else self._every)  # nothing to say yet
+                continue
             try:
                 answer = self._transport.call(
                     "POST",
@@ -159,4 +165,4 @@ class ProgressReporter(_Daemon):
             if answer["due"]:
                 self._due_round = round_
             elif news:
-                self._stop.wait(self.REPORT_SECONDS)
+                self._stop.wait(self._every)

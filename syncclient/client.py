@@ -276,7 +276,7 @@ class SyncClient:
         config = state["config"]
         self.policy = config.get("policy", "barrier")
         self._check_interval(config)
-        if self.policy == "samples" and self._progress is None:
+        if self._progress is None:  # every run: the hub's ledger; samples runs: when the round is due
             self._progress = ProgressReporter(
                 self._transport,
                 f"{self._runs}/peers/{self.peer}/progress",
@@ -287,6 +287,7 @@ class SyncClient:
                 syncing=lambda: self._inflight is not None,
                 run=self.run,
                 peer=self.peer,
+                listen=self.policy == "samples",
             )
         return JoinInfo(
             self.run, self.peer, self.rank, self.world_size, self.version, config["codec"], config["outer"], config
@@ -377,9 +378,10 @@ class SyncClient:
         return self._start(ModelView(model), samples, metrics, keep_local=True)
 
     def progress(self, samples: int, *, step: int | None = None) -> None:
-        """After each optimizer step: count it and the ``samples`` it trained (no I/O; a samples
-        run's background thread reports the count). ``step``: the global step reached (a
-        Trainer's); None: one more than the last. Then :attr:`due` says whether to sync."""
+        """After each optimizer step: count it and the ``samples`` it trained (no I/O; a background
+        thread reports the count, for the hub's samples ledger and a samples run's round). ``step``:
+        the global step reached (a Trainer's); None: one more than the last. Then :attr:`due` says
+        whether to sync."""
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
         self.clock.tick(samples, step)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RoundRecord", "UpdateRecord"]
+__all__ = ["Loss", "RoundRecord", "UpdateRecord"]
 
 
 @dataclass
@@ -40,3 +40,13 @@ class RoundRecord:
     timings: dict[str, float]
     # sync_every auto: the interval picked at this close, which its result carries (Interval.as_dict)
     interval: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Loss:
+    """Samples ``peer`` reported training from version ``round`` that no acknowledged update carried
+    (the ledger's rule: :mod:`syncserver.core.ledger`)."""
+
+    round: int
+    peer: str
+    samples: int

@@ -222,6 +222,8 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
     if s.get("same_data"):  # said once per run by the hub (core/samedata.py)
         out.append(Text(f"same data: {s['same_data']['message']}", style="bold yellow"))
     out.append(Text(f"bytes since the hub started: {traffic}"))
+    if s.get("ledger"):  # every sample reported, counted once (core/ledger.py)
+        out.append(_samples(s["ledger"]))
 
     lanes = {t["round"]: t["lanes"] for t in s["trace"]}
     round_rows: list[list[Cell]] = [
@@ -260,6 +262,14 @@ def _run_tables(s: dict[str, Any], width: int) -> list[RenderableType]:
         line = f"waiting for peers: {len(s['peers'])} of {cfg['min_peers']} have joined"
     out.append(Text(line))
     return out
+
+
+def _samples(ledger: dict[str, Any]) -> Text:
+    """``samples: acknowledged N, lost M (peer n, ...), pending P``: the lost ones per peer."""
+    line = f"samples: acknowledged {ledger['acknowledged']:,}, lost {ledger['lost']:,}"
+    if ledger["lost"]:
+        line += " (" + ", ".join(f"{p['peer']} {p['lost']:,}" for p in ledger["peers"] if p["lost"]) + ")"
+    return Text(line + f", pending {ledger['pending']:,}", style="yellow" if ledger["lost"] else "")
 
 
 def _picked(interval: dict[str, Any] | None) -> list[str]:

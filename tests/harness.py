@@ -15,12 +15,16 @@ instead of a copy of its own:
 :func:`perturb`, :class:`Blocks` and :func:`tiny_gpt2` live in :mod:`tests.models`, with the models of
 peer processes (which import that module alone).
 
-``tests/peer_proc.py`` is the same peer as a process of its own, for the tests that SIGKILL one.
+``tests/peer_proc.py`` is the same peer as a process of its own, for the tests that SIGKILL one
+(:func:`launch`, :func:`sigkill`).
 """
 
 from __future__ import annotations
 
 import math
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,8 +38,44 @@ import torch
 
 from syncclient import SyncClient
 from syncclient.weights import ModelView
-from tests.conftest import Hub
+from tests.conftest import REPO, Hub
 from tests.models import perturb, tiny_gpt2
+
+# ---- peer processes ----------------------------------------------------------------------------
+
+
+def launch(
+    hub_url: str, run: str, peer: str, seed: int, samples: int, out: Path, **opts: Any
+) -> subprocess.Popen[bytes]:
+    """``tests/peer_proc.py`` as a process, paced by go files; ``opts``: its other flags
+    (``until_version=2`` is ``--until-version 2``); its output in ``out/<peer>.log``."""
+    args = [
+        sys.executable,
+        str(REPO / "tests" / "peer_proc.py"),
+        "--hub",
+        hub_url,
+        "--run",
+        run,
+        "--peer",
+        peer,
+        "--seed",
+        str(seed),
+        "--samples",
+        str(samples),
+        "--out",
+        str(out),
+        "--go-files",
+    ]
+    for key, value in opts.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    log = open(out / f"{peer}.log", "ab")  # noqa: SIM115 (owned by the process)
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def sigkill(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+
 
 # ---- waiting ------------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ than a GPT-2's process; every peer the same init; the first to join uploads vers
 joins (once FILE exists, with ``--join-after``: a test starts the process early, so that its
 imports overlap what the test waits for, and says when it joins), and for each round: waits
 for ``DIR/go_<round>`` if ``--go-files`` (so the test sets the pace), "trains" (a
-deterministic perturbation from ``seed`` and the round, then sleeps ``--train-seconds``), dumps
+deterministic perturbation from ``seed`` and the round, counted as ``--samples`` trained, then
+sleeps ``--train-seconds``), dumps
 its delta as ``DIR/delta_<peer>_<round>.safetensors`` (exactly the float32 ``local - base`` the
 SDK sends with the fp32 codec), and syncs. Progress goes to ``DIR/<peer>.jsonl`` (one event a
 line), the final weights to ``DIR/final_<peer>.safetensors``.
@@ -74,6 +75,7 @@ def main() -> None:
         log("training", round=round_)
         base = {k: v.copy() for k, v in view.export().items()}
         perturb(model, args.seed, round_)
+        client.progress(args.samples)  # "trained": the hub's ledger hears of it within seconds
         time.sleep(args.train_seconds)
         delta = {k: v - base[k] for k, v in view.export().items()}
         safetensors.numpy.save_file(delta, str(args.out / f"delta_{args.peer}_{round_}.safetensors"))

@@ -359,6 +359,7 @@ def test_chaos_benchmark_preempts_and_restarts_a_reference_job_peer(tmp_path: Pa
     (run,) = result["runs"]
     assert run["run"] == "preempt" and run["final_version"] == 6 and run["val_ppl_identical"]
     assert run["lost"] == 0 and run["acked"] >= 6 + 1, "every round merged an update, round 0 both"
+    assert run["samples_acknowledged"] > 0 and set(run["ledger"]) == {"peer-0", "peer-1"}, "the hub's ledger"
     (failure,) = run["failures"]
     assert failure["exit_code"] == 143 and failure["acknowledged_before"], "it handed in to the round it was in"
     assert failure["killed_in_round"] >= 1 and failure["first_round_after"] >= 1
@@ -366,5 +367,10 @@ def test_chaos_benchmark_preempts_and_restarts_a_reference_job_peer(tmp_path: Pa
     # back in a round of the run, at most one after its join; or restarted after the run's end (a loaded box)
     assert failure["ended_first"] or 0 <= failure["rounds_after_join"] <= 1
     targets = [t["target"] for t in result["targets"]]
-    assert targets == ["preempt: acknowledged updates lost", "preempt: survivors' idle per preemption"]
+    assert targets == [
+        "preempt: acknowledged updates lost",
+        "preempt: samples lost (the ledger)",
+        "preempt: survivors' idle per preemption",
+    ]
+    assert run["samples_lost"] == 0, "the preempted peer handed in all it trained"
     assert list(tmp_path.glob("bench-chaos-*")) == [], "its folders are removed"

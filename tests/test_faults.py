@@ -13,9 +13,7 @@ import datetime
 import hashlib
 import os
 import re
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,44 +27,13 @@ import torch
 
 from syncclient.weights import ModelView
 from syncwire import iter_chunks
-from tests.conftest import REPO, Hub
+from tests.conftest import Hub
 from tests.faultproxy import FaultProxy
-from tests.harness import Peers, assert_exact_mean, round_record, status, version_file, wait_for
+from tests.harness import Peers, assert_exact_mean, launch, round_record, sigkill, status, version_file, wait_for
 from tests.models import tiny_bigram
 from tests.peer_proc import events
 
 # ---- peers killed --------------------------------------------------------------------------
-
-
-def launch(
-    hub_url: str, run: str, peer: str, seed: int, samples: int, out: Path, **opts: Any
-) -> subprocess.Popen[bytes]:
-    args = [
-        sys.executable,
-        str(REPO / "tests" / "peer_proc.py"),
-        "--hub",
-        hub_url,
-        "--run",
-        run,
-        "--peer",
-        peer,
-        "--seed",
-        str(seed),
-        "--samples",
-        str(samples),
-        "--out",
-        str(out),
-        "--go-files",
-    ]
-    for key, value in opts.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    log = open(out / f"{peer}.log", "ab")  # noqa: SIM115 (owned by the process)
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-
-
-def sigkill(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
 
 
 def last_event(out: Path, peer: str) -> dict[str, Any]:

@@ -78,6 +78,7 @@ def test_run_table_lists_peers_and_rounds(run_table: subprocess.CompletedProcess
     # no object store: every byte went through the hub's link
     assert re.search(r"up [\d.,]+ MB via the hub, 0\.0 MB via the store; down [\d.,]+ MB via the hub, 0\.0 MB", text)
     assert "same data" not in text  # each peer drew its own batches
+    assert "samples: acknowledged 48, lost 0, pending 0" in text  # 2 peers x 3 rounds x 8
 
 
 def test_json_says_where_the_bytes_went(hub_with_rounds: Hub) -> None:
@@ -320,3 +321,16 @@ def test_two_peers_on_the_same_data_get_a_line() -> None:
     Console(width=300, file=out, color_system=None).print(render({"runs": [], "run": run}, "http://hub:8000"))
     assert f"same data: {message}" in out.getvalue()
     assert "same data" not in draw(300)
+
+
+def test_samples_lost_are_said_per_peer() -> None:
+    """The ledger's line (syncserver/core/ledger.py): the peers that lost samples, by name."""
+    run = big_run()
+    peers = [
+        {"peer": "a", "acknowledged": 900, "lost": 0, "pending": 5},
+        {"peer": "b", "acknowledged": 1, "lost": 1234},
+    ]
+    run["ledger"] = {"acknowledged": 901, "lost": 1234, "pending": 5, "peers": peers, "losses": []}
+    out = io.StringIO()
+    Console(width=200, file=out, color_system=None).print(render({"runs": [], "run": run}, "http://hub:8000"))
+    assert "samples: acknowledged 901, lost 1,234 (b 1,234), pending 5" in out.getvalue()

@@ -214,6 +214,11 @@ class HubMetrics(Collector):
         bytes_out = CounterMetricFamily(
             "weightsync_bytes_sent", "Result and model bytes served to peers.", labels=["run"]
         )
+        lost = CounterMetricFamily(
+            "weightsync_samples_lost",
+            "Samples peers reported training that no acknowledged update carried (the ledger; kept across restarts).",
+            labels=["run"],
+        )
         facts = view.facts() if view is not None else []
         sums: defaultdict[str, Tally[str]] = defaultdict(Tally)  # label -> what is summed under it
         for run in facts:
@@ -221,7 +226,7 @@ class HubMetrics(Collector):
             if label != OTHER:  # a version of many runs means nothing: only named runs have one
                 version.add_metric([label], run.version)
             sums[label].update({state.value: count for state, count in run.peers.items()})
-            sums[label].update(pending=run.open_updates, up=run.bytes_up, down=run.bytes_down)
+            sums[label].update(pending=run.open_updates, up=run.bytes_up, down=run.bytes_down, lost=run.samples_lost)
         for label, total in sums.items():
             live.add_metric([label], total["live"])  # PeerState.LIVE's (a late peer is not counted)
             for state in PeerState:
@@ -229,8 +234,9 @@ class HubMetrics(Collector):
             pending.add_metric([label], total["pending"])
             bytes_in.add_metric([label], total["up"])
             bytes_out.add_metric([label], total["down"])
+            lost.add_metric([label], total["lost"])
         runs.add_metric([], len(facts))
-        yield from (runs, version, live, peers, pending, bytes_in, bytes_out)
+        yield from (runs, version, live, peers, pending, bytes_in, bytes_out, lost)
         if view is not None and view.store_reads is not None:
             read = CounterMetricFamily(
                 "weightsync_store_read_bytes",

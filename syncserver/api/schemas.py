@@ -27,9 +27,12 @@ __all__ = [
     "Interval",
     "IntervalNow",
     "Lane",
+    "Ledger",
     "Left",
+    "Loss",
     "OpenRound",
     "PeerCurves",
+    "PeerSamples",
     "PeerStatus",
     "Progress",
     "Reducer",
@@ -300,6 +303,32 @@ class SameData(Answer):
     message: str = Field(description="What happened and what to do, as the log, status and the dashboard say it.")
 
 
+class PeerSamples(Answer):
+    peer: str
+    acknowledged: int = Field(description="Samples its acknowledged updates carried.")
+    lost: int = Field(description="Samples it reported training that no acknowledged update carried.")
+    pending: int = Field(description="Samples it reported since its last acknowledged update: neither yet.")
+
+
+class Loss(Answer):
+    round: int = Field(description="The version the peer trained the samples from.")
+    peer: str
+    samples: int
+
+
+class Ledger(Answer):
+    """Every sample a peer reported training, counted once: acknowledged (an acknowledged update
+    carried it) or lost (its round closed without the peer's update, or the peer came back or left
+    first); ``core/ledger.py``. Kept with the hub's records: a restart keeps it, but forgets the open
+    round's reports (pending)."""
+
+    acknowledged: int
+    lost: int
+    pending: int
+    peers: list[PeerSamples]
+    losses: list[Loss] = Field(description="The latest 20 losses, latest round first.")
+
+
 class _RunState(Answer):
     """What run status and the dashboard both say of a run."""
 
@@ -323,6 +352,7 @@ class _RunState(Answer):
     interval: IntervalNow | None = Field(
         None, description="sync_every auto: the interval picked last and why; null: the peers pick theirs."
     )
+    ledger: Ledger = Field(description="The samples ledger: acknowledged and lost, per peer.")
 
 
 class RunStatus(_RunState):

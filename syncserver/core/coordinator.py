@@ -25,6 +25,7 @@ from typing import Any, Literal
 from anyio import to_thread
 
 from syncserver.core.changes import until
+from syncserver.core.ledger import Account
 from syncserver.core.planes import LocalPlane, Redirect
 from syncserver.core.presigned import PresignedUploads
 from syncserver.core.quotas import check_new_peer, check_new_run
@@ -109,6 +110,8 @@ class Coordinator:
                 run.policy.restore(
                     p.name, active_from=p.active_from, counted=p.rank is not None, left=p.left, now=now()
                 )
+            booked = self.store.ledger(run.name)
+            run.ledger.load({p: Account(acked, lost, base) for p, (acked, lost, base) in booked.items()})
             self.runs[run.name] = run
             self.rounds.recover(run)
             log.info("run_recovered run=%s version=%d pending=%d", run.name, run.version, len(run.acked))
@@ -200,10 +203,20 @@ class Coordinator:
         peer.group_size = group_size
         joined = "peer_rejoined" if admit.returning else "peer_joined"
         log.info("%s run=%s peer=%s rank=%s", joined, run_name, peer_name, peer.rank)
-        self.store.save_peer(run_name, run.record(peer))
+        self._save_forfeiting(run, peer)
         self._maybe_seal(run)
         self.view.changed(run)
         return self._start_state(run, peer)
+
+    def _save_forfeiting(self, run: Run, peer: Peer) -> None:
+        """Save a peer that joins (again) or leaves, with the samples it reported and did not deliver:
+        a new process (or none) takes over, and they are lost (the ledger's rule)."""
+        loss = run.ledger.forfeit(peer.name)
+        self.store.save_peer(run.name, run.record(peer), lost=loss)
+        run.ledger.forfeited(peer.name, loss)
+        if loss is not None:
+            said = "samples_lost run=%s round=%d peer=%s samples=%d (it joined again or left)"
+            log.warning(said, run.name, loss.round, loss.peer, loss.samples)
 
     def _create(self, name: str, requested: dict[str, Any], creator: str) -> Run:
         chosen = {k: v for k, v in requested.items() if v is not None}
@@ -290,6 +303,7 @@ class Coordinator:
         peer = self.peer(run, peer_name)
         await self.rounds.check_open(run, round_)
         peer.observe(round_, samples, time.monotonic())
+        run.ledger.report(peer_name, round_, samples)
         was_due = run.policy.due
         self.rounds.carry_out(run, run.policy.progress(peer_name, samples, now()))
         if run.policy.due != was_due:
@@ -329,7 +343,7 @@ class Coordinator:
         run = self.run(run_name)
         peer = self.peer(run, peer_name)
         close = run.policy.leave(peer_name, now())
-        self.store.save_peer(run.name, run.record(peer))
+        self._save_forfeiting(run, peer)
         log.info("peer_left run=%s peer=%s", run.name, peer_name)
         self.view.changed(run)
         self.rounds.carry_out(run, close)

@@ -206,11 +206,13 @@ class RoundPolicy:
         """Round ``round_`` is open (version 0 exists, or the hub restarted at this version)."""
         self.round = round_
 
-    def place(self, round_: int) -> Place:
-        """Where an update computed from version ``round_`` goes: only the open round takes it."""
-        if round_ < self.round:
+    def place(self, round_: int, open_: int | None = None) -> Place:
+        """Where an update computed from version ``round_`` goes while round ``open_`` (None: the
+        open one) is open: only the open round takes it."""
+        open_ = self.round if open_ is None else open_
+        if round_ < open_:
             return Place.CLOSED
-        return Place.AHEAD if round_ > self.round or self.round < 0 else Place.OPEN
+        return Place.AHEAD if round_ > open_ or open_ < 0 else Place.OPEN
 
     def progress(self, name: str, samples: int, now: float) -> Close | None:
         """``name`` trained ``samples`` in the open round (the samples policy acts on it, others show it)."""
@@ -391,11 +393,12 @@ class AsyncPolicy(RoundPolicy):
         self.round_samples = round_samples
         self.max_staleness = max_staleness
 
-    def place(self, round_: int) -> Place:
+    def place(self, round_: int, open_: int | None = None) -> Place:
         """Into the open version, unless over ``max_staleness`` versions old."""
-        if round_ > self.round or self.round < 0:
+        open_ = self.round if open_ is None else open_
+        if round_ > open_ or open_ < 0:
             return Place.AHEAD
-        return Place.STALE if self.round - round_ > self.max_staleness else Place.OPEN
+        return Place.STALE if open_ - round_ > self.max_staleness else Place.OPEN
 
     def decide(self, now: float) -> Close | None:
         """Apply what is in, now: no one is waited for."""

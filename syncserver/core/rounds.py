@@ -318,6 +318,7 @@ class Rounds:
             peer.rate = ticket.samples / (update.received - last)
         peer.last_update_at = update.received
         peer.samples += ticket.samples
+        run.ledger.acknowledged(ticket.peer, update.base, ticket.samples)
         peer.bytes_up += update.nbytes
         via: Via = "hub" if update.object is None else "store"
         run.traffic.up[via] += update.nbytes
@@ -412,11 +413,14 @@ class Rounds:
                 timings={"fold": folded - started, "merge": merged - folded, **publish},
                 interval=None if interval is None else interval.as_dict(),
             )
-            self.store.commit_round(run.name, record, copies)
+            next_round = close.round + 1  # an update from a base it does not take never comes: lost
+            lost = run.ledger.lost(lambda base: run.policy.place(base, next_round) is Place.OPEN)
+            self.store.commit_round(run.name, record, copies, lost)
         except Exception as exc:
             self._close_failed(run, close, exc)
             return
         run.close_failures, run.close_retry_at = 0, 0.0
+        run.ledger.book(lost)
         run.policy.committed(close)
         if interval is not None:
             run.policy.resize(interval.every)
@@ -430,6 +434,9 @@ class Rounds:
         run.norms = {}
         for name in close.dropped:
             log.warning("straggler_dropped run=%s round=%d peer=%s", run.name, close.round, name)
+        for loss in lost:
+            said = "samples_lost run=%s round=%d peer=%s samples=%d"
+            log.warning(said, run.name, loss.round, loss.peer, loss.samples)
         if interval is not None:
             log.info("interval run=%s round=%d %s", run.name, close.round, interval.why(run.policy.unit))
         log.info(

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from syncserver.core.changes import Changes
 from syncserver.core.interval import Auto, Fixed, make_pacer
+from syncserver.core.ledger import Ledger
 from syncserver.core.policy import RoundPolicy, make_policy
 from syncserver.core.samedata import SameData
 from syncserver.core.shape import RunShape
@@ -124,6 +125,7 @@ class Run:
     writing: asyncio.Task[None] | None = None
     # (n, the reducers' bound on |version n| per tensor): a leased merge checks against it, not reading n
     peaks: tuple[int, dict[str, float]] | None = None
+    ledger: Ledger = field(default_factory=Ledger)  # every sample acknowledged or lost (core/ledger.py)
     changed: Changes = field(default_factory=Changes)  # wakes every waiter of this run (they look again)
     pacer: Fixed | Auto = field(init=False)  # who picks the interval: the peers (Fixed), or the hub (Auto)
 

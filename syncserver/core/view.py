@@ -22,10 +22,20 @@ from syncserver.core.samedata import SameData
 from syncserver.core.state import Run, Via
 from syncserver.core.workers import Workers
 from syncserver.errors import NotFound
-from syncserver.records import RoundRecord, UpdateRecord
+from syncserver.records import Loss, RoundRecord, UpdateRecord
 from syncserver.storage.store import Store
 
-__all__ = ["HubView", "Listeners", "OpenRoundState", "PeerLine", "RunFacts", "RunLine", "RunState", "SameDataState"]
+__all__ = [
+    "HubView",
+    "LedgerState",
+    "Listeners",
+    "OpenRoundState",
+    "PeerLine",
+    "RunFacts",
+    "RunLine",
+    "RunState",
+    "SameDataState",
+]
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,7 @@ class RunFacts:
     open_updates: int  # acknowledged in the open round
     bytes_up: int  # update bytes received
     bytes_down: int  # result and model bytes served
+    samples_lost: int  # reported trained, in no acknowledged update (the ledger)
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,23 @@ class PeerLine(TypedDict):
     bytes_down: int
 
 
+class PeerSamples(TypedDict):
+    peer: str
+    acknowledged: int
+    lost: int
+    pending: int
+
+
+class LedgerState(TypedDict):
+    """The samples ledger (core/ledger.py): totals, per peer, and the latest losses by round."""
+
+    acknowledged: int
+    lost: int
+    pending: int
+    peers: list[PeerSamples]
+    losses: list[Loss]  # latest round first
+
+
 class SameDataState(TypedDict):
     round: int
     peers: list[str]
@@ -99,6 +127,7 @@ class RunState(TypedDict):
     traffic: dict[str, dict[Via, int]]  # up/down -> via -> bytes since the hub started (state.Traffic)
     same_data: SameDataState | None  # two peers trained on the same data (samedata.py); a restart forgets
     interval: dict[str, Any] | None  # sync_every auto: the interval picked last and why (interval.py)
+    ledger: LedgerState
 
 
 @dataclass
@@ -190,6 +219,7 @@ class HubView:
                 len(run.acked),
                 sum(p.bytes_up for p in run.peers.values()),
                 sum(p.bytes_down for p in run.peers.values()),
+                sum(a.lost for a in run.ledger.accounts.values()),
             )
             for run in self._runs.values()
         ]
@@ -239,6 +269,21 @@ class HubView:
             "traffic": {"up": dict(run.traffic.up), "down": dict(run.traffic.down)},
             "same_data": _same_data(run.same_data),
             "interval": _interval(run),
+            "ledger": self.ledger(run),
+        }
+
+    def ledger(self, run: Run) -> LedgerState:
+        """Every sample each peer reported or sent: acknowledged, lost, or pending (in neither yet)."""
+        peers: list[PeerSamples] = [
+            {"peer": name, "acknowledged": a.acknowledged, "lost": a.lost, "pending": run.ledger.pending(name)}
+            for name, a in sorted(run.ledger.accounts.items())
+        ]
+        return {
+            "acknowledged": sum(p["acknowledged"] for p in peers),
+            "lost": sum(p["lost"] for p in peers),
+            "pending": sum(p["pending"] for p in peers),
+            "peers": peers,
+            "losses": self._store.losses(run.name),
         }
 
     def fingerprint(self, run: Run | None) -> str:
@@ -251,6 +296,7 @@ class HubView:
             open_round = [run.version, sorted(run.acked), sorted(run.uploading), run.closing, policy.due]
             parts += [*open_round, policy.floor_wait(time.monotonic()), sorted(policy.live), peers, downloads]
             parts.append(run.same_data is not None)
+            parts.append(sorted((name, a.acknowledged, a.lost) for name, a in run.ledger.accounts.items()))
         return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 

@@ -9,6 +9,9 @@ Invariants: what acknowledges something is durable first (tmp + fsync + rename +
 sqlite in WAL with ``synchronous=FULL``), and the record is written last. A round commits in the
 transaction that moves its run's version; files past it are a crash's leftovers, removed on start.
 
+The samples ledger (core/ledger.py) is the ``updates`` table (acknowledged) and the ``lost`` table,
+written in the transaction of the round commit or peer record that found the loss.
+
 Layout under ``data_dir``::
 
     hub.sqlite3
@@ -44,7 +47,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from syncserver.errors import Unavailable
-from syncserver.records import RoundRecord, UpdateRecord
+from syncserver.records import Loss, RoundRecord, UpdateRecord
 from syncserver.storage.spares import SPARES, Spares
 from syncserver.storage.writeback import start_writeback
 from syncwire.format import TensorFile
@@ -91,6 +94,9 @@ CREATE TABLE IF NOT EXISTS rounds (
 CREATE TABLE IF NOT EXISTS objects (
     run TEXT NOT NULL, kind TEXT NOT NULL, number INTEGER NOT NULL, size INTEGER NOT NULL, etag TEXT NOT NULL,
     PRIMARY KEY (run, kind, number));
+CREATE TABLE IF NOT EXISTS lost (
+    run TEXT NOT NULL, round INTEGER NOT NULL, peer TEXT NOT NULL, samples INTEGER NOT NULL,
+    PRIMARY KEY (run, round, peer));
 """
 _ADDED = [  # columns added since the first hub, and what an older data dir without them meant
     ("runs", "creator", "TEXT"),  # who created a run counts against its quota (quotas.py); unknown
@@ -600,9 +606,11 @@ class Store:
         rows = self._rows("SELECT * FROM peers WHERE run = ? ORDER BY joined", run)
         return [PeerRecord(n, r, a, j, bool(left), g) for _, n, r, a, j, left, g in rows]
 
-    def save_peer(self, run: str, peer: PeerRecord) -> None:
+    def save_peer(self, run: str, peer: PeerRecord, lost: Loss | None = None) -> None:
+        """A peer's record; ``lost``: what it forfeits by joining again or leaving (the ledger's)."""
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO peers VALUES (?,?,?,?,?,?,?)", _row(run, peer))
+            self._insert_losses(db, run, [lost] if lost is not None else [])
 
     # ---- updates and rounds --------------------------------------------------------------
     _UPDATE_COLUMNS = "peer, round, seq, digest, samples, metrics, nbytes, received, seconds, base, final, object"
@@ -628,14 +636,38 @@ class Store:
         ((seq,),) = self._rows("SELECT COALESCE(MAX(seq), 0) + 1 FROM updates WHERE run = ?", run)
         return int(seq)
 
-    def commit_round(self, run: str, record: RoundRecord, objects: Sequence[ObjectRecord] = ()) -> None:
+    def commit_round(
+        self, run: str, record: RoundRecord, objects: Sequence[ObjectRecord] = (), lost: Sequence[Loss] = ()
+    ) -> None:
         """The commit point of a round: version ``round + 1`` exists from here on, with the
-        records of ``objects`` (the round's copies in the object store)."""
+        records of ``objects`` (the round's copies in the object store) and the samples its close
+        found ``lost`` (the ledger's)."""
         with self._tx() as db:
             for copy in objects:
                 self._insert_object(db, run, copy)
+            self._insert_losses(db, run, lost)
             db.execute("INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?,?)", _row(run, record))
             db.execute("UPDATE runs SET version = ? WHERE name = ?", (record.round + 1, run))
+
+    # ---- the samples ledger ---------------------------------------------------------------
+    @staticmethod
+    def _insert_losses(db: sqlite3.Connection, run: str, losses: Sequence[Loss]) -> None:
+        sql = "INSERT INTO lost VALUES (?,?,?,?) ON CONFLICT (run, round, peer) "
+        sql += "DO UPDATE SET samples = samples + excluded.samples"
+        db.executemany(sql, [(run, loss.round, loss.peer, loss.samples) for loss in losses])
+
+    def ledger(self, run: str) -> dict[str, tuple[int, int, int]]:
+        """Per peer: the samples of its acknowledged updates, its samples lost, and the newest base
+        version it has an acknowledged update from (-1: none)."""
+        sql = "SELECT peer, SUM(samples), MAX(COALESCE(base, round)) FROM updates WHERE run = ? GROUP BY peer"
+        acked = {peer: (int(n), int(base)) for peer, n, base in self._rows(sql, run)}
+        lost = dict(self._rows("SELECT peer, SUM(samples) FROM lost WHERE run = ? GROUP BY peer", run))
+        return {p: (acked.get(p, (0, -1))[0], int(lost.get(p, 0)), acked.get(p, (0, -1))[1]) for p in acked | lost}
+
+    def losses(self, run: str, limit: int = 20) -> list[Loss]:
+        """The latest samples ``run`` lost, by the round they were trained for, latest first."""
+        sql = "SELECT round, peer, samples FROM lost WHERE run = ? ORDER BY round DESC, peer LIMIT ?"
+        return [Loss(r, p, n) for r, p, n in self._rows(sql, run, limit)]
 
     # ---- copies in the object store ------------------------------------------------------
     @staticmethod

@@ -276,6 +276,9 @@
       stat("downloads", run.store ? "object store" : "hub", run.store || "results and versions from the hub's disk"),
       stat("interval", run.interval ? `${fmtNum(run.interval.every)} ${run.interval.unit}` : "peers'",
         run.interval ? run.interval.why : "sync_every set by each peer"),
+      // the ledger (core/ledger.py): every sample a peer reported, acknowledged or lost
+      stat("samples lost", fmtNum(run.ledger.lost), `${fmtNum(run.ledger.acknowledged)} acknowledged` +
+        run.ledger.peers.filter((p) => p.lost).map((p) => ` · ${p.peer} ${fmtNum(p.lost)}`).join("")),
     );
   }
 
