@@ -41,13 +41,14 @@ from syncclient.transport import Download, Transport
 from syncclient.update import EncodedUpdate, UpdateState
 from syncclient.weights import ArrayView, ModelView
 from syncwire import Codec, get_codec, layout_bytes, wire_layout
-from syncwire.runsettings import AUTO, PACE_KEYS, RUN_SETTINGS, check_run_settings, paired_interval
+from syncwire.runsettings import AUTO, FLUSH_KEY, PACE_KEYS, RUN_SETTINGS, check_run_settings, paired_interval
 
 __all__ = ["JoinInfo", "PendingSync", "SyncClient", "SyncResult"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+FLUSHED = {FLUSH_KEY: 1.0}  # a flush update's metrics: its samples are the final update's, counted once
 
 
 @dataclass(frozen=True)
@@ -329,7 +330,7 @@ class SyncClient:
         if final and self.flushes and not result.caught_up:
             # the model is the merged version now, so this update is the residual alone; it weighs
             # what the update it was cut from weighed
-            result = self._apply(self._start(view, samples, None, keep_local=False, final=True), view)
+            result = self._apply(self._start(view, samples, FLUSHED, keep_local=False, final=True), view)
         return result
 
     @property
@@ -358,7 +359,7 @@ class SyncClient:
             return None
         view = ModelView(model)
         weight = self._unflushed if samples is None else samples
-        return self._apply(self._start(view, weight, None, keep_local=False, final=True), view)
+        return self._apply(self._start(view, weight, FLUSHED, keep_local=False, final=True), view)
 
     def sync_async(
         self, model: torch.nn.Module, *, samples: int, metrics: Mapping[str, float] | None = None

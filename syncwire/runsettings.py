@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-__all__ = ["AUTO", "DEFAULT_UTILIZATION", "PACE_KEYS", "PROBE_STEPS"]
+__all__ = ["AUTO", "DEFAULT_UTILIZATION", "FLUSH_KEY", "PACE_KEYS", "PROBE_STEPS"]
 __all__ += ["MAX_PEERS", "MAX_SAMPLES", "MAX_SECONDS", "RUN_SETTINGS", "Outer", "Policy", "RunSetting"]
 __all__ += ["check_run_settings", "normal_codec", "paired_interval", "settle"]
 
@@ -40,6 +40,9 @@ PROBE_STEPS = 10
 #: and samples trained, wall seconds since the sync before, training-thread seconds in the SDK's own
 #: work and blocked on the hub, and 1 when the peer overlaps its syncs with training.
 PACE_KEYS = ("sync_steps", "sync_samples", "sync_seconds", "sync_host_s", "sync_wait_s", "sync_overlap")
+#: the metric that marks a lossy codec's flush update (its residual alone, weighing the final update it
+#: was cut from): the hub's samples ledger counts those samples once, with that final update
+FLUSH_KEY = "sync_flush"
 
 
 @dataclass(frozen=True)

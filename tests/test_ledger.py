@@ -8,11 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from syncclient import SyncClient
 from syncserver.core.ledger import Ledger
 from syncserver.core.policy import AsyncPolicy, BarrierPolicy, Place, RoundPolicy
 from syncserver.records import Loss
 from tests.conftest import Hub
 from tests.harness import HTTP, launch, sigkill, status, wait_for
+from tests.models import perturb, tiny_bigram
 from tests.peer_proc import events
 
 LIVENESS = {"round_timeout": 60.0, "lease_seconds": 10.0, "disconnect_grace": 1.5}
@@ -136,3 +138,24 @@ def test_a_killed_peer_loses_what_it_reported_and_a_killed_hub_keeps_the_ledger(
     hub.kill()
     hub.start()
     assert ledger(hub, "ledger") == before
+
+
+def test_a_lossy_final_sync_and_its_flush_count_their_samples_once(hub_factory: Callable[..., Hub]) -> None:
+    """int8: a final sync takes two rounds (the update, then its residual weighing as much): the
+    ledger counts its samples once, after a hub restart too."""
+    hub = hub_factory()
+    client = SyncClient(hub.url, run="flush", peer="p", codec="int8", sync_every=5, preemption="off", timeout=10)
+    model = tiny_bigram(0)
+    try:
+        client.join(model)
+        perturb(model, seed=1, round_=0)
+        client.sync(model, samples=10)
+        perturb(model, seed=1, round_=1)
+        client.sync(model, samples=7, final=True)
+        assert client.version == 3, "the final sync and its flush round"
+    finally:
+        client.close()
+    assert peer_samples(hub, "flush") == {"p": (17, 0, 0)}
+    hub.kill()
+    hub.start()
+    assert peer_samples(hub, "flush") == {"p": (17, 0, 0)}

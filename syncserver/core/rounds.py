@@ -36,6 +36,7 @@ from syncserver.settings import HubSettings
 from syncserver.storage.store import ResultKey, Store, Upload, VersionKey
 from syncserver.storage.uploads import Received
 from syncwire import FormatError, TensorInfo, check_layout
+from syncwire.runsettings import FLUSH_KEY
 
 __all__ = ["Acknowledgement", "InitialVersion", "Rounds", "Ticket"]
 
@@ -318,7 +319,7 @@ class Rounds:
             peer.rate = ticket.samples / (update.received - last)
         peer.last_update_at = update.received
         peer.samples += ticket.samples
-        run.ledger.acknowledged(ticket.peer, update.base, ticket.samples)
+        run.ledger.acknowledged(ticket.peer, update.base, 0 if FLUSH_KEY in update.metrics else ticket.samples)
         peer.bytes_up += update.nbytes
         via: Via = "hub" if update.object is None else "store"
         run.traffic.up[via] += update.nbytes

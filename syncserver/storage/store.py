@@ -51,6 +51,7 @@ from syncserver.records import Loss, RoundRecord, UpdateRecord
 from syncserver.storage.spares import SPARES, Spares
 from syncserver.storage.writeback import start_writeback
 from syncwire.format import TensorFile
+from syncwire.runsettings import FLUSH_KEY
 
 __all__ = [
     "Blob",
@@ -659,7 +660,8 @@ class Store:
     def ledger(self, run: str) -> dict[str, tuple[int, int, int]]:
         """Per peer: the samples of its acknowledged updates, its samples lost, and the newest base
         version it has an acknowledged update from (-1: none)."""
-        sql = "SELECT peer, SUM(samples), MAX(COALESCE(base, round)) FROM updates WHERE run = ? GROUP BY peer"
+        counted = f"CASE WHEN json_extract(metrics, '$.{FLUSH_KEY}') IS NULL THEN samples ELSE 0 END"  # once
+        sql = f"SELECT peer, SUM({counted}), MAX(COALESCE(base, round)) FROM updates WHERE run = ? GROUP BY peer"
         acked = {peer: (int(n), int(base)) for peer, n, base in self._rows(sql, run)}
         lost = dict(self._rows("SELECT peer, SUM(samples) FROM lost WHERE run = ? GROUP BY peer", run))
         return {p: (acked.get(p, (0, -1))[0], int(lost.get(p, 0)), acked.get(p, (0, -1))[1]) for p in acked | lost}
