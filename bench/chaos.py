@@ -80,7 +80,7 @@ parser.add_argument("--kill-every", type=int, default=8, help="rounds between ki
 parser.add_argument("--chaos-seed", type=int, default=0, help="which peer dies, and when")
 parser.add_argument("--max-kills", type=int, default=None, help="at most this many kills (default: no limit)")
 parser.add_argument(
-    "--variants", nargs="+", choices=("sigkill", "preempt"), default=["sigkill"], help="runs with kills"
+    "--variants", nargs="+", choices=("sigkill", "preempt"), default=["sigkill", "preempt"], help="runs with kills"
 )
 parser.add_argument("--notice", type=float, default=30.0, help="preempt: seconds from SIGTERM to SIGKILL")
 parser.add_argument("--lease", type=float, default=None, help="the hub's --lease-seconds (default: the hub's)")
