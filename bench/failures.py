@@ -119,6 +119,11 @@ class Records:
         """Every acknowledged update: (round, peer)."""
         return [(r, p) for r, p in self._query("SELECT round, peer FROM updates WHERE run = ?", self.run)]
 
+    def metrics(self) -> list[tuple[int, str, dict[str, Any]]]:
+        """Every acknowledged update's metrics (its interval's PACE_KEYS among them): (round, peer, metrics)."""
+        rows = self._query("SELECT round, peer, metrics FROM updates WHERE run = ?", self.run)
+        return [(r, p, json.loads(m)) for r, p, m in rows]
+
     def rounds(self) -> dict[int, tuple[float, list[str]]]:
         """Round -> (closed, participants), of the rounds closed so far."""
         rows = self._query("SELECT round, closed, participants FROM rounds WHERE run = ?", self.run)

@@ -328,22 +328,30 @@ def test_failures_benchmark_cuts_a_link_and_leaves_no_namespace(tmp_path: Path, 
 
 @needs_data
 def test_ttq_benchmark_times_serial_and_peers_to_serials_perplexity(tmp_path: Path, netns_prefix: str) -> None:
-    """bench/ttq.py --quick: serial on one core, 2 peers of the reference job in namespaces
-    through a real hub; serial's target and time, the peers' time (or not reached), namespaces gone."""
-    stdout, result = run_bench("ttq", tmp_path / "results", "--quick", "--ns-prefix", netns_prefix, timeout=300)
+    """bench/ttq.py --quick: serial (before and after the peers) on one core, 2 peers of the reference
+    job in namespaces through a real hub, per-device and equal global batch; nothing evaluated while
+    timed: serial's checkpoints and the hub's versions scored afterwards; the target, each time and
+    where the peers' time went; namespaces gone."""
+    args = ("--quick", "--ignore-load", "--ns-prefix", netns_prefix)
+    stdout, result = run_bench("ttq", tmp_path / "results", *args, timeout=300)
     (serial,) = result["serial"]
-    assert serial["target"] > 1 and 0 < serial["time_s"] <= serial["wall_s"]
-    assert serial["curve"][-1][2] == pytest.approx(serial["target"]), "the target is serial's last evaluation"
-    (row,) = result["rows"]
-    assert (row["variant"], row["link"], row["peers"]) == ("fp32", "1gbit", 2)
-    assert row["curve"] and row["mb_up"] > 0 and all(s > 0 for s in row["sync_s"])
-    if row["reached"]:
-        assert row["x_serial"] == pytest.approx(row["time_s"] / serial["time_s"])
-        assert min(p for _, _, p in row["curve"]) <= serial["target"]
-    else:
-        assert row["best_ppl"] > serial["target"]
-    (target,) = result["targets"]
-    assert target["configuration"] == "fp32" and target["threshold"] == 0.55
+    assert serial["target"] > 1 and 0 < serial["startup_s"] < serial["time_a_s"] and serial["time_b_s"] > 0
+    steps = [s for s, _, _ in serial["curve"]]
+    assert steps[:2] == [2, 4] and steps[-1] == serial["steps"] and serial["curve"][-1][2] == serial["final_ppl"]
+    assert serial["target"] == pytest.approx(serial["final_ppl"]), "two checks: the line through them, at the last"
+    rows = {r["regime"]: r for r in result["rows"]}
+    assert set(rows) == {"per-device", "equal-batch"} and {r["link"] for r in rows.values()} == {"1gbit"}
+    assert (rows["per-device"]["batch_per_peer"], rows["equal-batch"]["batch_per_peer"]) == (8, 4)
+    for row in rows.values():
+        assert row["curve"] and row["syncs"] >= 1 and row["start_s"] > 0 and row["join_s"] >= 0
+        assert row["stall_s"] >= 0 and row["wait_s"] >= 0 and row["load"] >= 0
+        if row["reached"]:
+            assert row["x_serial"] == pytest.approx(row["time_s"] / serial["time_s"])
+            assert min(p for _, _, p in row["curve"]) <= serial["target"]
+        else:
+            assert row["best_ppl"] > serial["target"] and row["cause"].startswith("not reached")
+    (target,) = [t for t in result["targets"] if "1gbit" in t["target"]]
+    assert target["threshold"] == 0.6 and result["lr_scaling"] == "none"
     assert result["table"] in stdout
     assert _namespaces(netns_prefix) == []
 

@@ -53,9 +53,10 @@ def load_script() -> ModuleType:
 
 @needs_data
 def test_two_local_peers_end_identical_and_learn(tmp_path: Path, small_vocab_data: Path) -> None:
-    """Under the launcher, with the serial baseline after the peers: its check, results and plot."""
+    """Under the launcher, with the serial baseline after the peers: its check, results and plot;
+    the serial run's checkpoints scored afterwards (``--save-every``, ``--score``: bench/ttq.py's)."""
     out = tmp_path / "run"
-    flags = ["--local-peers", "2", "--serial-baseline", "--sync-every", "4", "--threads", "1"]
+    flags = ["--local-peers", "2", "--serial-baseline", "--sync-every", "4", "--threads", "1", "--save-every", "4"]
     proc = run_script(*flags, "--output-dir", str(out), *small(small_vocab_data))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads((out / "results.json").read_text())
@@ -76,13 +77,15 @@ def test_two_local_peers_end_identical_and_learn(tmp_path: Path, small_vocab_dat
     assert all(r["participants"] == 2 and r["samples"] == 64 and r["bytes_up"] > 0 for r in rows)
     assert all(r["metrics"][p]["eval_ppl"] > 1 for r in rows for p in ("peer-0", "peer-1"))
 
-    # At a sync both peers evaluate the same weights on the same set; between syncs they drift
-    # apart (different shards).
-    evals = {p: r["evals"] for p, r in peers.items()}
-    pairs = [(a["step"], a["val_ppl"], b["val_ppl"]) for a, b in zip(evals["peer-0"], evals["peer-1"], strict=True)]
-    assert [step for step, a, b in pairs if a == b] == [0, 4, 8, 12]
-    assert any(step % 4 for step, _, _ in pairs)
-    assert evals["peer-0"][-1]["val_ppl"] < evals["peer-0"][0]["val_ppl"]  # it learned
+    # After a sync both peers hold the same weights: rank 0 alone evaluates them (rank 1 only its
+    # final ones, to the same figure); between syncs (--eval-every 2) both do, and they drift apart.
+    evals = {r["rank"]: {e["step"]: e["val_ppl"] for e in r["evals"]} for r in peers.values()}
+    assert list(evals[0]) == [0, 2, 4, 6, 8, 10, 12] and list(evals[1]) == [2, 6, 10, 12]
+    assert evals[0][12] == evals[1][12] and evals[0][2] != evals[1][2]
+    assert evals[0][12] < evals[0][0]  # it learned
+    rank1 = next(p for p, r in peers.items() if r["rank"] == 1)
+    rounds = [json.loads(line) for line in (out / rank1 / "rounds.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rounds if r["event"] == "round" and "val_ppl" not in r] == [4, 8, 12]
 
     # The table goes to stdout as rounds complete; the check and each process's last line follow.
     assert "identical across peers: yes" in proc.stdout and "equal to the hub's version 3: yes" in proc.stdout
@@ -106,6 +109,14 @@ def test_two_local_peers_end_identical_and_learn(tmp_path: Path, small_vocab_dat
     assert config["per_peer_batch"] == 16 and config["model_config"] == "tiny" and config["threads"] == 1
     rows = map(json.loads, (out / "serial" / "rounds.jsonl").read_text().splitlines())
     assert [r["step"] for r in rows if "val_ppl" in r] == [e["step"] for e in evals]  # written as it trains
+
+    # The evaluator, after the run: the same validation reviews, each checkpoint with its step and time.
+    proc = run_script("--score", str(out / "serial" / "checkpoints"), "--output-dir", str(tmp_path / "score"),
+                      *small(small_vocab_data))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    scores = [json.loads(line) for line in (tmp_path / "score" / "scores.jsonl").read_text().splitlines()]
+    assert [int(s["step"]) for s in scores] == [4, 8, 12] and all(float(s["time"]) > 0 for s in scores)
+    assert scores[-1]["val_ppl"] == pytest.approx(serial["final_val_ppl"], rel=1e-5)
 
 
 def test_sync_every_0_is_the_serial_baseline_as_no_hub_is() -> None:

@@ -24,8 +24,10 @@ random-init 4-layer GPT-2 for 69 steps per peer, 7 rounds: about 7.5 CPU-minutes
 The serial baseline is ``--no-hub`` (or ``--sync-every 0``). Offline: ``--dataset DIR`` (``train.parquet``,
 ``test.parquet``), ``--tokenizer DIR``, ``--model DIR`` or ``--model-config``; the HF offline variables are
 then set, and the tokenized reviews are cached in ``--cache-dir`` (a restarted peer skips them). Validation
-is not sharded: every peer evaluates the same reviews after every sync (where all hold bit-identical
-weights, so their curves touch) and every ``--eval-every`` steps.
+is not sharded: after each sync all peers hold bit-identical weights, so rank 0 alone evaluates them (the
+others at the end, for their ``final_val_ppl``); every peer also evaluates every ``--eval-every`` steps.
+``--no-eval`` evaluates nothing while training; ``--save-every N`` keeps the weights with their time and
+``--score DIR`` evaluates such checkpoints, or a hub's kept versions, afterwards (``bench/ttq.py``).
 
 Outputs in ``--output-dir`` (a launcher's ``WEIGHTSYNC_*`` variables are the defaults of ``--hub``,
 ``--run``, ``--peer``, ``--token``, ``--output-dir``): ``config.json``, ``rounds.jsonl`` (a line per
@@ -128,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     add = p.add_argument_group("output").add_argument
     add("--output-dir", default=env("WEIGHTSYNC_PEER_DIR", "out/finetune_gpt2"), help="[$WEIGHTSYNC_PEER_DIR]")
     add("--eval-every", type=int, help="also evaluate every N steps (default: sync-every // 4; 0 = only at syncs)")
+    add("--eval", action=argparse.BooleanOptionalAction, default=True, help="--no-eval: none while training")
+    add("--save-every", type=int, default=0, help="N > 0: the weights every N steps, to OUTPUT/checkpoints")
+    add("--score", metavar="DIR", help="evaluate every DIR/*.safetensors (checkpoints, hub versions), then exit")
     return p
 
 
@@ -166,7 +171,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise Fail("--sync-schedule and --sync-every (or --utilization) exclude each other: give one")
     if args.sync_schedule is not None:  # a schedule stands for --sync-every: its first interval
         args.sync_every = schedule(args).first  # type: ignore[union-attr]
-    if args.no_hub or args.sync_every == 0:  # the serial baseline: no hub, no rounds
+    if args.score or args.no_hub or args.sync_every == 0:  # the serial baseline: no hub, no rounds
         args.sync_every, args.sync_schedule, args.round_samples, args.policy = 0, None, None, None
         args.utilization = None
     else:
@@ -192,8 +197,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.utilization is not None and not (0 < args.utilization < 1):
         raise Fail(f"--utilization must be > 0 and < 1, got {args.utilization}")
     steps = 1 if args.auto else args.sync_every
-    if min(k, steps, args.eval_every or 0, args.lr_scaling_warmup or 0) < 0:
-        raise Fail("--local-peers, --sync-every, --eval-every and --lr-scaling-warmup must be >= 0")
+    if min(k, steps, args.eval_every or 0, args.lr_scaling_warmup or 0, args.save_every) < 0:
+        raise Fail("--local-peers, --sync-every, --eval-every, --save-every and --lr-scaling-warmup must be >= 0")
     if k and args.hub:
         raise Fail("--local-peers runs its own hub: drop --hub")
     if k and not args.hub_mode:
@@ -210,6 +215,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.eval_every is None:
         every = 0 if args.auto else args.sync_every  # auto: an evaluation after each sync, none between
         args.eval_every = max(1, every // 4) if every else (0 if args.hub_mode else 250)
+    args.eval_every = args.eval_every if args.eval else 0
 
 
 def peer_argv(argv: list[str]) -> list[str]:
@@ -306,6 +312,8 @@ def train(args: argparse.Namespace) -> int:
     else:
         model = fetch("model", args.model, transformers.AutoModelForCausalLM.from_pretrained)
     mark("model")
+    if args.score:
+        return score(Path(args.score), model, val_blocks, out)
 
     # -- join the run: rank, world size, and the global version 0 loaded into the model -------------------
     client: Any = None
@@ -330,9 +338,9 @@ def train(args: argparse.Namespace) -> int:
             said = f"WEIGHTSYNC_RANK={announced[0]} of WEIGHTSYNC_WORLD_SIZE={announced[1]}"
             raise Fail(f"the hub made this peer rank {rank} of {world_size}, the launcher said {said}")
         mark("joined")
-        note("start-up " + ", ".join(f"{k} {t:.2f}" for k, t in MARKS) + f", cpu {time.process_time():.2f} s")
         joined = f"joined as {info.peer!r}: rank {rank} of {world_size}, version {version}"
         note(f"{joined}, codec {info.codec}, outer {info.outer}")
+    note("start-up " + ", ".join(f"{k} {t:.2f}" for k, t in MARKS) + f", cpu {time.process_time():.2f} s")
     gc.freeze()  # what setting up made stays out of every later collection
     gc.enable()
 
@@ -384,10 +392,13 @@ def train(args: argparse.Namespace) -> int:
                 if metrics and "eval_loss" in metrics:
                     metrics["eval_ppl"] = math.exp(metrics["eval_loss"])
 
+        judge = args.eval and rank == 0  # after a sync every peer holds the same bits: one evaluates them
+
         class RoundLog(TrainerCallback):
-            """After SyncCallback (which syncs in on_log): an evaluation right after each sync (the Trainer
-            evaluates after logging: the merged weights), each evaluation and sync to rounds.jsonl and the
-            console, and the stop once the run trained its sample budget."""
+            """After SyncCallback (which syncs in on_log): rank 0's evaluation right after each sync (the
+            Trainer evaluates after logging: the merged weights), each evaluation and sync to rounds.jsonl
+            and the console (the other ranks' rounds without perplexity), and the stop once the run trained
+            its sample budget."""
 
             def __init__(self) -> None:
                 self.rows: list[dict[str, Any]] = []
@@ -405,23 +416,30 @@ def train(args: argparse.Namespace) -> int:
             def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
                 if logs and "loss" in logs:
                     self.write({"event": "train", "step": state.global_step, "loss": logs["loss"]})
-                control.should_evaluate |= self.synced is not None
+                if self.synced is not None:
+                    control.should_evaluate = judge  # also where --eval-every falls on a sync step
+                    if not judge:
+                        self.report(state.global_step, None)
                 control.should_training_stop |= self.stop
                 return control
 
             def on_evaluate(self, args, state, control, metrics=None, **kwargs):  # type: ignore[no-untyped-def]
-                if not metrics or "eval_loss" not in metrics:
-                    return  # the test set's, at the end
-                row: dict[str, Any] = {"event": "eval", "step": state.global_step, "version": self.version}
+                if metrics and "eval_loss" in metrics:  # not the test set's, at the end
+                    self.report(state.global_step, metrics["eval_loss"])
+
+            def report(self, step: int, loss: float | None) -> None:
+                """An evaluation (``loss``) or a sync or both, as a row of rounds.jsonl and the console."""
+                row: dict[str, Any] = {"event": "eval", "step": step, "version": self.version}
                 if self.synced is not None:
                     (r, peers), self.synced = self.synced, None
                     row |= {"event": "round", "participants": peers, "bytes_up": r.bytes_up, "bytes_down": r.bytes_down}
                     row |= {"sync_seconds": round(r.seconds, 3), "caught_up": r.caught_up}
-                loss = metrics["eval_loss"]
-                row |= {"val_loss": loss, "val_ppl": math.exp(loss), "elapsed": round(time.time() - t0, 2)}
+                if loss is not None:
+                    row |= {"val_loss": loss, "val_ppl": math.exp(loss)}
+                row["elapsed"] = round(time.time() - t0, 2)
                 self.write(row)
                 mb = {k: row[k] / 1e6 for k in ("bytes_up", "bytes_down") if k in row}
-                cells = [state.global_step, self.version, row["val_ppl"], row.get("participants")]
+                cells = [step, self.version, row.get("val_ppl"), row.get("participants")]
                 cells += [mb.get("bytes_up"), mb.get("bytes_down"), row.get("sync_seconds"), row["elapsed"]]
                 row_cells = zip(cells, SPECS, WIDTHS, strict=True)
                 print(
@@ -433,8 +451,22 @@ def train(args: argparse.Namespace) -> int:
                 with (out / "rounds.jsonl").open("a") as f:
                     f.write(json.dumps(row) + "\n")
 
-        log = RoundLog()
-        callbacks: list[Any] = [Perplexity(), log]
+        class Checkpoints(TrainerCallback):
+            """--save-every: the weights as the hub keeps its versions (safetensors, the synced names) with
+            their step and time, for ``--score`` to evaluate after the run, off its clock (bench/ttq.py)."""
+
+            def on_step_end(self, args, state, control, model=None, **kwargs):  # type: ignore[no-untyped-def]
+                if state.global_step % save_every == 0 or state.global_step == state.max_steps:
+                    meta = {"step": str(state.global_step), "time": f"{time.time():.3f}"}
+                    (out / "checkpoints").mkdir(exist_ok=True)
+                    save_file(ModelView(model).export(), out / f"checkpoints/{state.global_step:08d}.safetensors", meta)
+
+        from safetensors.numpy import save_file
+
+        from syncclient.weights import ModelView
+
+        log, save_every = RoundLog(), args.save_every
+        callbacks: list[Any] = [Perplexity(), log, *([Checkpoints()] if save_every else [])]
         if client is not None:  # joined already: it syncs every N steps (or when the round is due), then leaves
             lr = {"lr_scaling": args.lr_scaling, "lr_scaling_warmup": args.lr_scaling_warmup}
             sync = SyncCallback(client=client, sync_every=plan or args.sync_every or None, on_sync=log.on_sync, **lr)
@@ -464,15 +496,17 @@ def train(args: argparse.Namespace) -> int:
         for noisy in (PrinterCallback, ProgressCallback):  # they print every log dict; we print a table
             trainer.remove_callback(noisy)
         print(" ".join(f"{h:>{w}}" for h, w in zip(HEADER, WIDTHS, strict=True)), flush=True)
-        trainer.evaluate()  # step 0: the version everybody starts from
+        if judge:
+            trainer.evaluate()  # step 0: the version everybody starts from
         trainer.train()
+        if args.eval and rank:
+            trainer.evaluate()  # the final version, which rank 0 evaluated after the last sync: every peer's figure
     except BaseException:
         if client is not None:  # tell the hub now, so that the other peers stop waiting for us
             client.leave()
         raise
 
     # -- final: test perplexity, the model, the results, the weights' digest ------------------------------
-    from syncclient.weights import ModelView
     from syncwire.digest import left_line, weights_sha256
 
     test_loss = trainer.evaluate(eval_dataset=test_blocks, metric_key_prefix="test")["test_loss"]
@@ -488,11 +522,41 @@ def train(args: argparse.Namespace) -> int:
     results |= dict(evals=[{k: r[k] for k in ("step", "version", "val_ppl")} for r in evals])
     results |= dict(rounds=[r for r in log.rows if r["event"] == "round"])
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    ppl = f"validation perplexity {results['final_val_ppl']:.2f}, test perplexity {results['final_test_ppl']:.2f}"
+    val = "-" if results["final_val_ppl"] is None else f"{results['final_val_ppl']:.2f}"
+    ppl = f"validation perplexity {val}, test perplexity {results['final_test_ppl']:.2f}"
     at = f", at version {version}" if client is not None else ""
     print(f"final: {ppl}, {results['steps']} steps, {results['wall_seconds']:.0f} s{at}", flush=True)
     if client is not None:  # what the launcher checks against the hub's last version
         print(left_line(client.peer, client.run, client.version, digest), file=sys.stderr, flush=True)
+    return 0
+
+
+def score(folder: Path, model: Any, val: Any, out: Path) -> int:
+    """The evaluator: each checkpoint in ``folder`` (``--save-every``'s, or a hub's kept versions: the
+    same names) on this command line's validation reviews, to ``out/scores.jsonl`` with its metadata.
+    Apart from training, so that scoring costs neither serial nor the peers time (bench/ttq.py). The
+    Trainer's evaluation, as training's: its eval_loss divides by every label of a block, not the 19 of
+    20 a causal LM predicts (transformers 5.24), so a plain mean of ``model(...).loss`` reads 5% higher."""
+    import torch
+    import transformers
+    from safetensors import safe_open
+
+    from syncclient.weights import ModelView
+
+    settings = transformers.TrainingArguments(str(out / "trainer"), use_cpu=not torch.cuda.is_available(),
+                                              per_device_eval_batch_size=64, prediction_loss_only=True,
+                                              report_to=[], disable_tqdm=True)  # fmt: skip
+    collate = transformers.default_data_collator
+    trainer = transformers.Trainer(model=model, args=settings, eval_dataset=val, data_collator=collate)
+    trainer.remove_callback(transformers.PrinterCallback)  # it prints each metrics dict
+    view = ModelView(model)
+    with (out / "scores.jsonl").open("w") as f:
+        for path in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(path), "np") as st:
+                view.load({k: st.get_tensor(k) for k in st.keys()})  # noqa: SIM118 (not a dict)
+                meta = st.metadata() or {}
+            loss = trainer.evaluate()["eval_loss"]
+            f.write(json.dumps({"file": path.name, **meta, "val_loss": loss, "val_ppl": math.exp(loss)}) + "\n")
     return 0
 
 
