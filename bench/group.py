@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
-from round import Server, lean_model, git_state, model_schema, version_digest  # noqa: E402
+from round import Server, git_state, lean_model, model_schema, version_digest  # noqa: E402
 
 CASES = [("plain", 1), ("ddp", 2), ("fsdp", 2)]
 

@@ -8,7 +8,9 @@ one peer in this process (``min_peers=1``, a run per codec), holding a module of
 parameter shapes (bench/round.py's schema, random values; no training). Per sync, on this
 thread: ``sync_async`` (the snapshot; the encode runs beside the upload), a stand-in for the
 steps trained meanwhile (an untimed add to every weight), a wait until the merged update is in
-(``done()``: so that ``apply``'s figure is host work, not waiting for the hub), then ``apply``.
+(``done()``: so that ``apply``'s figure is host work, not waiting for the hub) and ``--settle``
+seconds more (the hub, on the same cores here, goes on writing the version after it answered:
+0.3-0.5 s more for an int8 apply at load 2 without it), then ``apply``.
 Then ``--syncs`` blocking ``sync`` calls, timed whole (hub and loopback included): the path
 that must not get slower.
 
@@ -32,15 +34,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-
 import record  # bench/record.py: this script's folder is first on sys.path
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(REPO)]
 
 import round as rb  # noqa: E402 (bench/round.py: the model's schema, a module holding it)
+
 from syncclient import SyncClient  # noqa: E402 (after the path above)
 from syncserver.process import ServerProcess  # noqa: E402
 
@@ -50,7 +52,8 @@ parser = argparse.ArgumentParser(description="Training-thread seconds per overla
 parser.add_argument("--model", choices=sorted(rb.MODELS), default="gpt2", help="tensor shapes (bench/round.py)")
 parser.add_argument("--codecs", nargs="+", default=["fp32", "int8"], help="one run each")
 parser.add_argument("--syncs", type=int, default=5, help="timed syncs per codec and mode (the median is reported)")
-parser.add_argument("--quick", action="store_true", help="--model tiny --syncs 2: the smoke test")
+parser.add_argument("--settle", type=float, default=1.0, help="seconds between a result's arrival and apply")
+parser.add_argument("--quick", action="store_true", help="--model tiny --syncs 2 --settle 0: the smoke test")
 parser.add_argument("--out", type=Path, default=BENCH / "results", help="folder for the JSON")
 
 
@@ -76,7 +79,7 @@ def baselines(schema: dict[str, tuple[int, ...]], times: int) -> dict[str, float
     }
 
 
-def measure(url: str, codec: str, schema: dict[str, tuple[int, ...]], syncs: int) -> dict[str, float]:
+def measure(url: str, codec: str, schema: dict[str, tuple[int, ...]], syncs: int, settle: float) -> dict[str, float]:
     """Median seconds of ``sync_async``, ``apply`` and a blocking ``sync`` of one peer."""
     model = rb.lean_model(schema, seed=0)
     client = SyncClient(url, run=f"hostwork-{codec}", peer="p0", min_peers=1, codec=codec, retry_seconds=60)
@@ -92,6 +95,7 @@ def measure(url: str, codec: str, schema: dict[str, tuple[int, ...]], syncs: int
                     p.add_(1e-4)
             while not pending.done():
                 time.sleep(0.005)
+            time.sleep(settle)  # the hub's work after answering: on its own machine in a real run
             t = time.perf_counter()
             pending.apply(model)
             if i:
@@ -118,7 +122,7 @@ def measure(url: str, codec: str, schema: dict[str, tuple[int, ...]], syncs: int
 def main() -> None:
     args = parser.parse_args()
     if args.quick:
-        args.model, args.syncs = "tiny", 2
+        args.model, args.syncs, args.settle = "tiny", 2, 0.0
     started = datetime.datetime.now(datetime.UTC)
     schema = rb.model_schema(args.model)
     mb = 4 * sum(int(np.prod(s)) for s in schema.values()) / 1e6
@@ -131,7 +135,7 @@ def main() -> None:
         try:
             url = hub.start()
             for codec in args.codecs:
-                figures = measure(url, codec, schema, args.syncs)
+                figures = measure(url, codec, schema, args.syncs, args.settle)
                 rows.append({"codec": codec, **figures, "ratio": figures["host"] / base["copy"]})
         finally:
             hub.stop(timeout=30)
