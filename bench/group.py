@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
-from round import Server, _lean_model, git_state, model_schema, version_digest  # noqa: E402
+from round import Server, git_state, lean_model, model_schema, version_digest  # noqa: E402
 
 CASES = [("plain", 1), ("ddp", 2), ("fsdp", 2)]
 
@@ -70,7 +70,7 @@ def rank_main(args: argparse.Namespace) -> None:
     if args.backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(args.backend)
-    model = _lean_model(model_schema(args.model), seed=7)  # the same on every rank, as under DDP
+    model = lean_model(model_schema(args.model), seed=7)  # the same on every rank, as under DDP
     group = dist.group.WORLD if args.mode != "plain" else None
     client = SyncClient(args.hub, run=args.job, peer="p", min_peers=1, timeout=600, group=group, codec="fp32")
     client.join(model)

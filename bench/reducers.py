@@ -73,7 +73,7 @@ def one_hub(codec: str, k: int, args: argparse.Namespace, schema: dict[str, tupl
     url = server.start()
     names = [f"p{i}" for i in range(args.peers)]
     clients = {n: SyncClient(url, run="bench", peer=n, timeout=600.0) for n in names}
-    models = {n: rb._lean_model(schema, seed=0) for n in names}
+    models = {n: rb.lean_model(schema, seed=0) for n in names}
     errors: list[BaseException] = []
 
     def each(fn: Any, one_by_one: bool = False) -> None:

@@ -160,7 +160,7 @@ def model_schema(kind: str) -> dict[str, tuple[int, ...]]:
 
 # -----------------------------------------------------------------------------
 # the peer process: a lean model, a SyncClient, and the baselines' client sides
-def _lean_model(schema: dict[str, tuple[int, ...]], seed: int) -> Any:
+def lean_model(schema: dict[str, tuple[int, ...]], seed: int) -> Any:
     """An nn.Module holding only parameters with the model's names and shapes."""
     import torch
 
@@ -195,7 +195,7 @@ class Peer:
         from syncclient.weights import ModelView
 
         self.rank, self.schema = rank, schema
-        self.model = _lean_model(schema, seed=1000 + rank)
+        self.model = lean_model(schema, seed=1000 + rank)
         self.view = ModelView(self.model)
         self.client: Any = None
         self.marks: dict[str, float] = {}

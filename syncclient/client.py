@@ -225,6 +225,8 @@ class SyncClient:
         self._heartbeat: Heartbeat | None = None  # from join on: the hub knows this peer
         self._worker: ThreadPoolExecutor | None = None  # the one thread a sync's network work runs on
         self._inflight: PendingSync | None = None  # started, not yet applied: the state is the worker's
+        # x_t's memory, written by every overlapped sync (ModelView.snapshot) and read until its apply
+        self._kept: dict[str, np.ndarray] = {}
         self.policy: str | None = None  # the run's round policy, from join on
         self._progress: ProgressReporter | None = None  # samples runs: tells the hub how far this peer is
         self._unflushed: int | None = None  # the last sync's weight, if an ordinary one: its residual waits
@@ -598,9 +600,12 @@ class SyncClient:
             nothing = EncodedUpdate([], [], 0, lambda: None)
             self._inflight = PendingSync(self, future, self.version, {} if keep_local else None, started, 0.0, nothing)
             return self._inflight
-        local = view.export()  # on CPU float32 these share memory with the model: copy to keep
-        snapshot = {name: x.copy() for name, x in local.items()} if keep_local else None
-        update = self._state.encode(snapshot or local)  # encodes while it uploads, on other threads
+        snapshot = None
+        if keep_local:  # x_t: training goes on, so the encode reads a copy (sync_async: a ModelView)
+            assert isinstance(view, ModelView)
+            snapshot = view.snapshot(self._kept)
+        # encodes while it uploads, on other threads; a blocking sync's export shares the model's memory on CPU
+        update = self._state.encode(view.export() if snapshot is None else snapshot)
         sent_metrics = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(float(v))} | pace
         future = self._worker.submit(
             self._flows.exchange, self.version, update, samples, sent_metrics, self._state, final
@@ -642,7 +647,11 @@ class SyncClient:
             assert self._state is not None
             if outcome.fresh_base is not None:
                 self._state.base = _tensors(view, outcome.fresh_base, self.run)  # the residual stays: it was not sent
-            view.load(self._state.base if snapshot is None else self._state.rebase(snapshot, view.export()))
+            if snapshot is None:
+                view.load(self._state.base)
+            else:  # (overlap: sync_async, or the hand-in's apply, both with a ModelView)
+                assert isinstance(view, ModelView)
+                view.rebase(self._state.base, snapshot)
             self.version = outcome.version
             self.clock.told(outcome.next_every)
         self._host += time.monotonic() - got

@@ -6,8 +6,9 @@ lossy codecs the error-feedback ``residual`` (one more). A sync sends
 ``encode(local - base + residual)`` and keeps ``residual = sent - decode(sent)``, so what the
 codec rounds away is sent in the next round, not lost. The merged update ``U`` is folded in as
 ``base' = base + decode(U)``: the very sum the hub computes for version ``v + 1``, so every peer
-and the hub hold bit-identical bases. Overlap: :meth:`UpdateState.rebase` gives
-``base' + (model - x_t)``, the steps taken since the snapshot ``x_t`` on top of the merged version.
+and the hub hold bit-identical bases. Overlap: :meth:`syncclient.weights.ModelView.rebase` sets
+the model to ``base' + (model - x_t)``, the steps taken since the snapshot ``x_t`` on top of the
+merged version (on the model's tensors, in place: torch's work, on their device).
 """
 
 from __future__ import annotations
@@ -181,13 +182,6 @@ class UpdateState:
                 for suffix, (first, count) in where.items()
             }
             flat[start:stop] += decoder.decode(piece, (stop - start,))
-
-    def rebase(self, snapshot: dict[str, np.ndarray], local: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``base + (local - snapshot)``, computed in ``snapshot``'s arrays (no third model copy)."""
-        for name, x_t in snapshot.items():
-            np.subtract(local[name], x_t, out=x_t)  # the steps taken since the snapshot
-            x_t += self.base[name]  # on top of base' (IEEE + commutes: base' + (x - x_t))
-        return snapshot
 
 
 @functools.cache

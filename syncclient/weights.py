@@ -8,6 +8,8 @@ buffers (GPT-2's causal mask, rotary tables, step counters) are constants and st
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 
@@ -50,6 +52,34 @@ class ModelView:
         """Copy ``arrays`` into the model (cast to each tensor's dtype and device)."""
         for name, t in self.tensors.items():
             t.copy_(torch.from_numpy(np.asarray(arrays[name])).reshape(t.shape))
+
+    @torch.no_grad()
+    def snapshot(self, kept: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """float32 copies of the current values, written into ``kept``'s arrays (allocated there on
+        first use): the caller keeps them from sync to sync, since a fresh copy of GPT-2's 498 MB
+        costs twice a copy into memory already touched, in page faults."""
+        out = {}
+        for name, t in self.tensors.items():
+            array = kept.get(name)
+            if array is None or array.shape != tuple(t.shape):
+                array = kept[name] = np.empty(tuple(t.shape), np.float32)
+            torch.from_numpy(array).copy_(t)  # from the GPU too, cast from bf16 too
+            out[name] = array
+        return out
+
+    @torch.no_grad()
+    def rebase(self, base: Mapping[str, np.ndarray], snapshot: Mapping[str, np.ndarray]) -> None:
+        """Set the model to ``base + (model - snapshot)`` (overlap: the merged version plus the
+        steps taken since the snapshot), in place on each tensor's device, in float32: bit for bit
+        numpy's ``base + (x - x_t)`` (one rounding per operation, and + commutes). Two in-place
+        passes and no model-sized temporary: exporting, computing in numpy and loading back took
+        three passes and an allocation (GPT-2 on 2 cores: 0.18 s against 0.08 s, bench/hostwork.py)."""
+        for name, t in self.tensors.items():
+            x_t, b = (torch.from_numpy(np.asarray(a[name])).to(t.device).reshape(t.shape) for a in (snapshot, base))
+            x = t if t.dtype == torch.float32 else t.float()  # another dtype: in float32, rounded once
+            x.sub_(x_t).add_(b)
+            if x is not t:
+                t.copy_(x)
 
 
 class ArrayView:

@@ -61,6 +61,15 @@ def test_peer_benchmark_times_every_phase_both_ways(tmp_path: Path) -> None:
     assert all(r["wall_best"] > 0 and r["cpu_best"] >= 0 for r in result["rows"])
 
 
+def test_hostwork_benchmark_times_snapshot_apply_and_the_copy(tmp_path: Path) -> None:
+    _, result = run_bench("hostwork", tmp_path / "results", "--quick")
+    assert [r["codec"] for r in result["rows"]] == ["fp32", "int8"]
+    assert result["baselines"]["copy"] > 0 and result["baselines"]["add"] > 0
+    for row in result["rows"]:
+        assert all(row[k] > 0 for k in ("snapshot", "apply", "host", "blocking", "ratio"))
+    assert [t["target"] for t in result["targets"]] == [f"{c}: snapshot + apply / plain copy" for c in ("fp32", "int8")]
+
+
 def test_hub_benchmark_times_receive_fold_merge_and_version(tmp_path: Path) -> None:
     _, result = run_bench("hub", tmp_path / "results", "--model", "tiny", "--codecs", "fp32", "int8", "--reps", "2")
     assert [r["codec"] for r in result["rows"]] == ["fp32", "int8"]

@@ -108,6 +108,30 @@ def test_apply_is_the_merged_version_plus_the_steps_taken_meanwhile(hub: Hub, co
         client.leave()
 
 
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_overlapped_syncs_snapshot_into_the_same_memory_each_time(hub: Hub, codec: str) -> None:
+    """The snapshot's float32 copy is kept from sync to sync (allocating it each time cost GPT-2
+    more than copying into it): the same arrays every sync, and the formula each time."""
+    model, run = tiny_gpt2(seed=3), f"kept-{codec}"
+    client = SyncClient(hub.url, run=run, peer="p", min_peers=1, codec=codec, retry_seconds=20)
+    client.join(model)
+    kept: dict[str, int] = {}
+    for sync in range(3):
+        local_step(model, seed=sync)
+        x_t = weights(model)
+        pending = client.sync_async(model, samples=1)
+        local_step(model, seed=10 + sync)  # meanwhile
+        x_now = weights(model)
+        assert {name: np.array_equal(a, x_t[name]) for name, a in client._kept.items()} == dict.fromkeys(x_t, True)
+        kept = kept or {name: id(a) for name, a in client._kept.items()}
+        assert {name: id(a) for name, a in client._kept.items()} == kept
+        pending.apply(model)
+        version = hub_model(hub, run)
+        for name, value in weights(model).items():
+            assert np.array_equal(value, version[name] + (x_now[name] - x_t[name])), (sync, name)
+    client.leave()
+
+
 def test_a_late_peer_catches_up_when_its_overlapped_sync_is_applied(hub_factory: Callable[..., Hub]) -> None:
     hub = hub_factory("--round-timeout", "1", "--lease-seconds", "30")
     names = ["a", "b", "c"]

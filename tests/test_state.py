@@ -94,16 +94,6 @@ def test_fold_is_bit_identical_to_version_plus_decoded_result(spec: str, monkeyp
         np.testing.assert_array_equal(state.base[name], x + decode_tensor(codec, result, name, x.shape))
 
 
-def test_rebase_keeps_the_steps_taken_since_the_snapshot() -> None:
-    state = UpdateState(get_codec("fp32"), {"w": f32(1.5, 1.0)})  # base' = base + decode(U)
-    snapshot = {"w": f32(1.25, 2.0)}  # x_t, what was sent
-    local = {"w": f32(1.5, 1.75)}  # the model now: two more steps taken meanwhile
-    out = state.rebase(snapshot, local)
-    np.testing.assert_array_equal(out["w"], f32(1.75, 0.75))  # base' + (x - x_t)
-    assert out is snapshot  # computed in the snapshot's arrays
-    np.testing.assert_array_equal(state.base["w"], f32(1.5, 1.0))
-
-
 @pytest.mark.parametrize("spec", ["fp32", "bf16", "int8", "int4", "topk", "int8:block=100"])
 def test_the_sliced_threaded_encode_sends_the_bytes_of_a_whole_tensor_encode(spec: str) -> None:
     """``encode`` cuts tensors into slices (syncwire.codecs.slices) on a thread pool; the update
