@@ -64,6 +64,7 @@ def test_the_same_settings_on_both_sides() -> None:
     assert {n: HubSettings.model_fields[n].default for n in NAMES} == {s.name: s.default for s in RUN_SETTINGS}
     keywords = set(inspect.signature(SyncClient).parameters)
     fixed = {"hub", "run", "peer", "token", "sync_every", "verify", "timeout", "retry_seconds", "group"}
+    fixed |= {"preemption", "metadata_url"}  # the machine's own (syncclient.preemption)
     assert keywords - fixed == set(NAMES)
 
 
