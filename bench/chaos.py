@@ -349,9 +349,11 @@ def check_targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             targets.append({"target": "sigkill: survivors' idle per SIGKILL", "value": f"max {max(idle):.2f} s",
                             "threshold": "<= 2 s", "met": max(idle) <= 2.0})  # fmt: skip
         if calm is not None:
-            gap = chaos["final_val_ppl"] / calm["final_val_ppl"] - 1
+            # a peer away while it restarts trains nothing: the rounds its absence cost, beside the gap
+            gap, trained = chaos["final_val_ppl"] / calm["final_val_ppl"] - 1, f"{chaos['acked']} of {calm['acked']}"
             targets.append({"target": f"{how}: val perplexity against the calm run", "threshold": "within 1%",
-                            "value": f"{gap:+.2%} ({chaos['final_val_ppl']:.3f} against {calm['final_val_ppl']:.3f})",
+                            "value": f"{gap:+.2%} ({chaos['final_val_ppl']:.3f} against {calm['final_val_ppl']:.3f}; "
+                                     f"peer-rounds trained: {trained})",
                             "met": abs(gap) <= 0.01})  # fmt: skip
     return targets
 
