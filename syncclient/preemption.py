@@ -277,6 +277,9 @@ class Watch:
             self._claimed = self.abandoned = True
         log.warning("the training thread did not step before the notice ran out: leaving the run without a hand-in")
         self._leave()
+        held = self.notice is not None and self.notice.source == "sigterm"
+        if held and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGTERM)  # the SIGTERM we held: it ends the process, as without weightsync
 
     def _poll(self, names: list[str]) -> None:
         """Find the provider (once), then ask it every :data:`POLL_SECONDS` until a notice or :meth:`stop`."""

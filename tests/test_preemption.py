@@ -357,3 +357,26 @@ def test_a_zero_code_peer_hands_in_on_sigterm(hub_factory: Callable[..., Hub], t
     assert "preempted (sigterm: SIGTERM): handed in" in err and "Traceback" not in err, err
     wait_for(lambda: any(r["round"] == 0 for r in status(hub, "zc")["rounds"]), "round 0 closes", 30)
     assert round_record(hub, "zc", 0)["samples"] >= int(steps.read_text())  # one sample a step: no DataLoader
+
+
+HELD = """
+import os, signal, sys, time
+from syncclient.preemption import Watch
+
+left = []
+watch = Watch("sigterm", lambda: left.append(1))
+os.kill(os.getpid(), signal.SIGTERM)  # the notice: held, the process goes on
+while watch.notice is None:
+    time.sleep(0.01)
+print("held", flush=True)
+watch._too_late()  # what the watch's timer does just before the 30 s run out, nobody having stepped
+print("still here", flush=True)
+"""
+
+
+def test_a_held_sigterm_ends_the_process_once_the_watch_left_for_it(tmp_path: Path) -> None:
+    """A program that never steps (nothing calls progress): the SIGTERM the watch held ends it after
+    all, once the watch left the run for it, as SIGTERM would without weightsync."""
+    (tmp_path / "held.py").write_text(HELD)
+    done = subprocess.run([sys.executable, "held.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM and done.stdout == "held\n", (done.stdout, done.stderr)
