@@ -42,8 +42,6 @@ BUDGETS: dict[str, float] = {
     "tests/test_bench_smoke.py::test_failures_benchmark_cuts_a_link_and_leaves_no_namespace": 9,  # root; a 3 s lease
     # 3 processes of the reference job (transformers, datasets), one SIGKILLed and restarted (60 s at load 14)
     "tests/test_bench_smoke.py::test_chaos_benchmark_preempts_and_restarts_a_reference_job_peer": 30,
-    "tests/test_preemption.py::test_a_preempted_peer_hands_in_and_the_round_closes_without_it[aws]": 15,
-    "tests/test_preemption.py::test_a_preempted_peer_hands_in_and_the_round_closes_without_it[sigterm]": 15,
     "tests/test_finetune.py::test_a_samples_run_trains_until_the_run_has_seen_its_epochs": 33,
     # issue 44: the serial baseline after the peers (+1 process, ~7 s), one plot instead of three (-1 s);
     # estimated from those parts, not timed on a quiet VM
