@@ -534,11 +534,15 @@ class SyncClient:
         metrics = {"step": float(self.clock.step)} | self._lap(time.monotonic(), samples, False)
         update = state.encode(view.export())
         self.clock.sent()
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
-        future = self._worker.submit(self._flows.hand_in, round_, update, samples, metrics, state, True)
+        future = self._submit(self._flows.hand_in, round_, update, samples, metrics, state, True)
         landed = future.result(timeout=_time_left(notice))
         return (samples, landed) if landed is not None else (0, round_)
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """``fn(*args)`` on the one thread a sync's network work runs on (made on first use)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
+        return self._worker.submit(fn, *args)
 
     def _abandon(self) -> None:
         """The notice runs out and the training thread never stepped: tell the hub we leave (the
@@ -587,8 +591,6 @@ class SyncClient:
         if not isinstance(samples, int) or samples < 1:
             raise ValueError(f"samples must be a positive int, got {samples!r}")
         started = time.monotonic()
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"weightsync-sync-{self.peer}")
         if self._progress is not None:
             self._progress.pause()  # (before the count starts afresh: the reporter never sends the 0)
         pace = self._lap(started, samples, keep_local)
@@ -596,7 +598,7 @@ class SyncClient:
         self._unflushed = None if final else samples
         if self._state.torn:  # the last result stopped arriving midway: no delta from this base
             log.warning("run %s: the last result did not arrive whole; catching up to the latest version", self.run)
-            future = self._worker.submit(self._flows.catch_up)
+            future = self._submit(self._flows.catch_up)
             nothing = EncodedUpdate([], [], 0, lambda: None)
             self._inflight = PendingSync(self, future, self.version, {} if keep_local else None, started, 0.0, nothing)
             return self._inflight
@@ -607,9 +609,7 @@ class SyncClient:
         # encodes while it uploads, on other threads; a blocking sync's export shares the model's memory on CPU
         update = self._state.encode(view.export() if snapshot is None else snapshot)
         sent_metrics = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(float(v))} | pace
-        future = self._worker.submit(
-            self._flows.exchange, self.version, update, samples, sent_metrics, self._state, final
-        )
+        future = self._submit(self._flows.exchange, self.version, update, samples, sent_metrics, self._state, final)
         stall = time.monotonic() - started
         self._host += stall  # the next interval's: it starts with this snapshot
         self._inflight = PendingSync(self, future, self.version, snapshot, started, stall, update)
